@@ -1,0 +1,252 @@
+"""The data serving code hands to a backend: runner (pools + shape), layer, batches.
+
+Shapes use the notation of ``semantics.md``: ``B`` requests, ``K = topk`` lanes per request,
+``S = num_steps``; lane ``z = b * K + j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import InvalidInputError
+from .keys import BackendRequest
+
+__all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch"]
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer as a backend sees it: pool index, softmax scale, soft cap.
+
+    ``logit_cap > 0`` applies ``cap * tanh(score / cap)`` to ``scaling * q . k``."""
+
+    layer_id: int
+    scaling: float
+    logit_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_id, int) or self.layer_id < 0:
+            raise InvalidInputError("layer.layer_id", "an int >= 0", repr(self.layer_id))
+        if not self.scaling > 0:
+            raise InvalidInputError("layer.scaling", "a float > 0", repr(self.scaling))
+        if not self.logit_cap >= 0:
+            raise InvalidInputError("layer.logit_cap", "a float >= 0 (0 = off)",
+                                    repr(self.logit_cap))
+
+
+@dataclass
+class DraftBatch:
+    """One draft-decode round.
+
+    req_pool_indices: ``[B]`` int, rows of ``req_to_token``.
+    seq_lens: ``[B]`` int, committed KV length ``L_b`` of each request.
+    out_cache_loc: ``[B, K, S]`` int, the KV slot lane ``(b, j)`` writes at step ``i``.
+    parents: ``[S, B, K]`` int or ``None``; ``path`` tree mode only. ``parents[i, b, j]`` is
+        the lane at step ``i - 1`` whose token is the parent of lane ``j``'s token at step
+        ``i`` (row 0 is unused). The caller fills row ``i`` in place before step ``i`` runs,
+        so one tensor serves a whole round and a captured CUDA graph.
+    """
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    parents: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def topk(self) -> int:
+        return int(self.out_cache_loc.shape[1])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.out_cache_loc.shape[2])
+
+
+@dataclass
+class DraftExtendBatch:
+    """One draft-extend batch (after verification).
+
+    req_pool_indices: ``[B]`` int.
+    seq_lens: ``[B]`` int, ``L'_b``: committed length *including* the new tokens.
+    extend_lens: ``[B]`` int, ``E_b >= 1`` new tokens per request.
+    out_cache_loc: ``[sum(E)]`` int, slots of the new tokens, request-major.
+    """
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+
+class DraftRunner:
+    """The draft model's attention shape and the KV pools it owns or wraps.
+
+    MHA/GQA pools: ``k_buffer[layer] [num_slots, num_kv_heads, head_dim]`` and
+    ``v_buffer[layer] [num_slots, num_kv_heads, v_head_dim]``. MLA pool:
+    ``kv_buffer[layer] [num_slots, kv_lora_rank + qk_rope_head_dim]`` (compressed KV ``c``
+    first, then the rotary key). ``req_to_token [max_reqs, max_context_len]`` int32 maps a
+    request's token positions to slots. Slot ``s`` lies in page ``s // page_size``.
+
+    Build one with ``DraftRunner.mha(...)`` / ``DraftRunner.mla(...)`` (allocates zeroed
+    pools) or ``DraftRunner.wrap_mha(...)`` / ``wrap_mla(...)`` (uses an engine's tensors,
+    no copy).
+    """
+
+    def __init__(self, *, use_mla_backend: bool, dtype: torch.dtype,
+                 device: torch.device | str, page_size: int, num_layers: int,
+                 req_to_token: torch.Tensor,
+                 num_q_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
+                 k_buffer: Optional[Sequence[torch.Tensor]] = None,
+                 v_buffer: Optional[Sequence[torch.Tensor]] = None,
+                 num_heads: Optional[int] = None, kv_lora_rank: Optional[int] = None,
+                 qk_rope_head_dim: Optional[int] = None,
+                 kv_buffer: Optional[Sequence[torch.Tensor]] = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        self.use_mla_backend = bool(use_mla_backend)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.req_to_token = req_to_token
+        self.kv_cache_dtype = kv_cache_dtype
+        if self.use_mla_backend:
+            self.num_heads = num_heads
+            self.kv_lora_rank = kv_lora_rank
+            self.qk_rope_head_dim = qk_rope_head_dim
+            self.kv_buffer = list(kv_buffer) if kv_buffer is not None else None
+            self.num_q_heads, self.num_kv_heads = num_heads, 1
+            self.head_dim = None if kv_lora_rank is None else kv_lora_rank + (
+                qk_rope_head_dim or 0)
+            self.v_head_dim = kv_lora_rank
+            self.k_buffer = self.v_buffer = None
+        else:
+            self.num_q_heads = num_q_heads
+            self.num_kv_heads = num_kv_heads
+            self.head_dim = head_dim
+            self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+            self.k_buffer = list(k_buffer) if k_buffer is not None else None
+            self.v_buffer = list(v_buffer) if v_buffer is not None else None
+            self.num_heads = self.kv_lora_rank = self.qk_rope_head_dim = None
+            self.kv_buffer = None
+        from .validation import check_runner
+
+        check_runner(self)
+
+    # --- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def mha(cls, num_q_heads: int, num_kv_heads: int, head_dim: int,
+            v_head_dim: Optional[int] = None, *, num_layers: int, num_slots: int,
+            max_reqs: int, max_context_len: int, page_size: int = 1,
+            dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+            ) -> "DraftRunner":
+        """Allocate zeroed MHA/GQA pools and an all-zero ``req_to_token``."""
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+             for _ in range(num_layers)]
+        v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device)
+             for _ in range(num_layers)]
+        r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        return cls(use_mla_backend=False, dtype=dtype, device=device, page_size=page_size,
+                   num_layers=num_layers, req_to_token=r2t, num_q_heads=num_q_heads,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                   k_buffer=k, v_buffer=v)
+
+    @classmethod
+    def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
+            num_layers: int, num_slots: int, max_reqs: int, max_context_len: int,
+            page_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+            device: torch.device | str = "cpu") -> "DraftRunner":
+        """Allocate zeroed MLA latent pools and an all-zero ``req_to_token``."""
+        kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim, dtype=dtype,
+                          device=device) for _ in range(num_layers)]
+        r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        return cls(use_mla_backend=True, dtype=dtype, device=device, page_size=page_size,
+                   num_layers=num_layers, req_to_token=r2t, num_heads=num_heads,
+                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                   kv_buffer=kv)
+
+    @classmethod
+    def wrap_mha(cls, req_to_token: torch.Tensor, k_buffer: Sequence[torch.Tensor],
+                 v_buffer: Sequence[torch.Tensor], num_q_heads: int, *, page_size: int = 1,
+                 kv_cache_dtype: str = "auto") -> "DraftRunner":
+        """Wrap an engine's MHA pools (no copy); shapes are read from the tensors."""
+        k0 = k_buffer[0]
+        return cls(use_mla_backend=False, dtype=k0.dtype, device=k0.device,
+                   page_size=page_size, num_layers=len(k_buffer), req_to_token=req_to_token,
+                   num_q_heads=num_q_heads, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
+                   v_head_dim=v_buffer[0].shape[2], k_buffer=k_buffer, v_buffer=v_buffer,
+                   kv_cache_dtype=kv_cache_dtype)
+
+    @classmethod
+    def wrap_mla(cls, req_to_token: torch.Tensor, kv_buffer: Sequence[torch.Tensor],
+                 num_heads: int, kv_lora_rank: int, *, page_size: int = 1,
+                 kv_cache_dtype: str = "auto") -> "DraftRunner":
+        """Wrap an engine's MLA latent pools (no copy)."""
+        kv0 = kv_buffer[0]
+        return cls(use_mla_backend=True, dtype=kv0.dtype, device=kv0.device,
+                   page_size=page_size, num_layers=len(kv_buffer), req_to_token=req_to_token,
+                   num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                   qk_rope_head_dim=kv0.shape[1] - kv_lora_rank, kv_buffer=kv_buffer,
+                   kv_cache_dtype=kv_cache_dtype)
+
+    # --- views -----------------------------------------------------------------------------
+
+    @property
+    def max_reqs(self) -> int:
+        return int(self.req_to_token.shape[0])
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.req_to_token.shape[1])
+
+    @property
+    def num_slots(self) -> int:
+        pool = self.kv_buffer if self.use_mla_backend else self.k_buffer
+        return int(pool[0].shape[0]) if pool else 0
+
+    @property
+    def model(self) -> str:
+        return "mla" if self.use_mla_backend else "mha"
+
+    def backend_request(self, kind: str, *, topk: int = 1, num_steps: int = 2,
+                        tree_mode: str = "lane") -> BackendRequest:
+        """The full ``BackendRequest`` for this runner (dtype and head dim included)."""
+        return BackendRequest(kind=kind, mla=self.use_mla_backend, topk=topk,
+                              num_steps=num_steps, page_size=self.page_size,
+                              kv_cache_dtype=self.kv_cache_dtype, tree_mode=tree_mode,
+                              dtype=self.dtype, head_dim=self.head_dim)
+
+    def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                 v: Optional[torch.Tensor]) -> None:
+        """Store new KV at slots ``loc [N]``: MHA ``k [N, H_kv, D]``, ``v [N, H_kv, D_v]``;
+        MLA ``k [N, kv_lora_rank + rope]`` and ``v = None``."""
+        loc = loc.reshape(-1).long()
+        if self.use_mla_backend:
+            self.kv_buffer[layer_id][loc] = k.reshape(loc.shape[0], -1).to(
+                self.kv_buffer[layer_id].dtype)
+        else:
+            self.k_buffer[layer_id][loc] = k.to(self.k_buffer[layer_id].dtype)
+            self.v_buffer[layer_id][loc] = v.to(self.v_buffer[layer_id].dtype)
+
+    def __repr__(self) -> str:
+        if self.use_mla_backend:
+            shape = (f"MLA heads={self.num_heads} kv_lora_rank={self.kv_lora_rank} "
+                     f"rope={self.qk_rope_head_dim}")
+        else:
+            shape = (f"MHA q_heads={self.num_q_heads} kv_heads={self.num_kv_heads} "
+                     f"head_dim={self.head_dim} v_head_dim={self.v_head_dim}")
+        return (f"DraftRunner({shape}, layers={self.num_layers}, slots={self.num_slots}, "
+                f"page_size={self.page_size}, dtype={str(self.dtype).replace('torch.', '')}, "
+                f"device={self.device})")

@@ -1,0 +1,77 @@
+"""Exceptions raised by specattn.
+
+Every class subclasses the builtin a caller would already catch (``ValueError``,
+``LookupError``, ``RuntimeError``, ``TypeError``), so code written against the original
+factory (which raised plain ``ValueError``) keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "SpecAttnError",
+    "UnknownBackendError",
+    "ModelMismatchError",
+    "BackendUnavailableError",
+    "RegistrationError",
+    "DuplicateBackendError",
+    "InvalidInputError",
+]
+
+
+class SpecAttnError(Exception):
+    """Base class of every error specattn raises on purpose."""
+
+
+class UnknownBackendError(SpecAttnError, ValueError):
+    """A backend name that no registered class, alias or dispatcher answers to.
+
+    The message begins exactly like the original factory's
+    (``EAGLE is not supported in decode attention backend {name}``), then lists the valid
+    names and the closest match.
+    """
+
+    def __init__(self, message: str, name: object, valid_names: Sequence[str],
+                 closest: str | None):
+        super().__init__(message)
+        self.name = name
+        self.valid_names = tuple(valid_names)
+        self.closest = closest
+
+
+class ModelMismatchError(SpecAttnError, ValueError):
+    """An MLA-only backend asked for by an MHA model (original factory rule 8)."""
+
+
+class BackendUnavailableError(SpecAttnError, RuntimeError):
+    """A known backend that cannot run here.
+
+    ``reasons`` maps each candidate class (``module.qualname``) to the list of reasons it
+    was rejected, so callers can print or inspect them.
+    """
+
+    def __init__(self, message: str, name: str = "",
+                 reasons: Mapping[str, Sequence[str]] | None = None):
+        super().__init__(message)
+        self.name = name
+        self.reasons = {k: list(v) for k, v in (reasons or {}).items()}
+
+
+class RegistrationError(SpecAttnError, TypeError):
+    """A backend class whose declaration (``name=``, ``aliases=``, ...) is malformed."""
+
+
+class DuplicateBackendError(RegistrationError):
+    """Two classes of one kind claim the same name or alias under overlapping predicates."""
+
+
+class InvalidInputError(SpecAttnError, ValueError):
+    """Bad tensors or metadata passed to a backend: names the argument, the expectation
+    and the value that was given."""
+
+    def __init__(self, argument: str, expected: str, got: object):
+        super().__init__(f"{argument}: expected {expected}, got {got}")
+        self.argument = argument
+        self.expected = expected
+        self.got = got

@@ -1,0 +1,101 @@
+"""``DraftBackendFactory``: the original factory's interface over the generic lookup."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ._logging import get_logger
+from .base import DraftDecodeBackend, DraftExtendBackend
+from .config import SpecConfig
+from .errors import InvalidInputError
+from .keys import BackendRequest
+from .platforms import Platform
+from .plugins import load_plugins
+from .registry import Registry
+from .selection import Selection, select
+
+log = get_logger("factory")
+
+__all__ = ["DraftBackendFactory"]
+
+
+class DraftBackendFactory:
+    """Builds the draft model's multi-step decode backend and its draft-extend backend.
+
+    ``resolve_*`` return the selected class (or ``None``) without instantiating it and without
+    importing any vendor library; they read only ``runner.use_mla_backend``, so any object
+    with that attribute works as a runner there. ``create_*`` instantiate it with the runner.
+    ``explain_*`` return the ``Selection`` with every step of the decision.
+    """
+
+    def __init__(self, config: SpecConfig, runner: Any, topk: int, num_steps: int, *,
+                 tree_mode: str = "lane", platform: Optional[Platform] = None,
+                 registry: Optional[Registry] = None) -> None:
+        if not isinstance(config, SpecConfig):
+            raise InvalidInputError("config", "a specattn.SpecConfig", type(config).__name__)
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise InvalidInputError("topk", "an int >= 1", repr(topk))
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+            raise InvalidInputError("num_steps", "an int >= 0", repr(num_steps))
+        if not hasattr(runner, "use_mla_backend"):
+            raise InvalidInputError("runner", "an object with a use_mla_backend attribute",
+                                    type(runner).__name__)
+        self.config = config
+        self.runner = runner
+        self.topk = topk
+        self.num_steps = num_steps
+        self.tree_mode = tree_mode
+        self.platform = platform
+        self.registry = registry
+
+    def request(self, kind: str) -> BackendRequest:
+        """What selection knows for ``kind``: model type, topk, steps, page size, KV dtype."""
+        return BackendRequest(kind=kind, mla=bool(self.runner.use_mla_backend),
+                              topk=self.topk, num_steps=self.num_steps,
+                              page_size=self.config.page_size,
+                              kv_cache_dtype=self.config.kv_cache_dtype,
+                              tree_mode=self.tree_mode)
+
+    def _explain(self, kind: str) -> Selection:
+        if self.registry is None:
+            load_plugins()
+        name = self.config.backend_name(kind)
+        sel = select(kind, name, self.request(kind), self.platform, self.registry)
+        sel.steps[:0] = [f"name precedence (rule 2): {s}" for s in self.config.name_trail(kind)]
+        return sel
+
+    def explain_decode_backend(self) -> Selection:
+        return self._explain("decode")
+
+    def explain_draft_extend_backend(self) -> Selection:
+        return self._explain("extend")
+
+    def resolve_decode_backend(self) -> Optional[type[DraftDecodeBackend]]:
+        """The decode class (``None`` when ``num_steps <= 1``), not instantiated."""
+        return self.explain_decode_backend().backend
+
+    def resolve_draft_extend_backend(self) -> Optional[type[DraftExtendBackend]]:
+        """The extend class (``None`` for ``flashmla``), not instantiated."""
+        return self.explain_draft_extend_backend().backend
+
+    def _check_runner_page_size(self) -> None:
+        page = getattr(self.runner, "page_size", self.config.page_size)
+        if page != self.config.page_size:
+            raise InvalidInputError("runner.page_size",
+                                    f"config.page_size={self.config.page_size}", page)
+
+    def create_decode_backend(self) -> Optional[DraftDecodeBackend]:
+        cls = self.resolve_decode_backend()
+        if cls is None:
+            return None
+        self._check_runner_page_size()
+        log.info("draft decode backend: %s (%s)", cls.name, cls.qualified_name())
+        return cls(self.runner, self.topk, self.num_steps, tree_mode=self.tree_mode)
+
+    def create_draft_extend_backend(self) -> Optional[DraftExtendBackend]:
+        cls = self.resolve_draft_extend_backend()
+        if cls is None:
+            return None
+        self._check_runner_page_size()
+        log.info("draft extend backend: %s (%s)", cls.name, cls.qualified_name())
+        return cls(self.runner, topk=self.topk, num_steps=self.num_steps)

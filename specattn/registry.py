@@ -1,0 +1,220 @@
+"""The backend registry: names, aliases and dispatchers per kind.
+
+``Registry`` is a plain class; the module's default instance holds the built-in backends.
+``__init_subclass__`` writes into the *active* registry (a ``ContextVar``), which is the
+default unless a test has entered ``scoped_registry()``, so classes created inside tests never
+leak into the global registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+from ._logging import get_logger
+from .errors import DuplicateBackendError, RegistrationError
+from .keys import KINDS
+from .platforms import Predicate
+
+log = get_logger("registry")
+
+__all__ = ["Registry", "Route", "Dispatcher", "default_registry", "active_registry",
+           "scoped_registry"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One branch of a dispatcher: when ``when`` holds, use ``target`` (``None``: no backend)."""
+
+    when: Predicate
+    target: Optional[str]
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """A name that is not a backend but resolves to one by platform (data, not ``if``s).
+
+    ``routes`` are tried in order; the first whose predicate holds decides. A route to
+    ``None`` makes the factory return ``None`` after logging ``warning``.
+    """
+
+    name: str
+    kind: str
+    routes: tuple[Route, ...]
+    note: str = ""
+    warning: str = ""
+
+
+class Registry:
+    """Backend classes by kind and name, with aliases and dispatchers.
+
+    Several classes may share one name when they declare different ``flavour=`` (e.g.
+    ``flashinfer`` for MHA and for MLA); selection picks among them by their predicates.
+    """
+
+    def __init__(self) -> None:
+        self._classes: dict[str, dict[str, dict[str, type]]] = {k: {} for k in KINDS}
+        self._aliases: dict[str, dict[str, tuple[str, bool]]] = {k: {} for k in KINDS}
+        self._dispatchers: dict[str, dict[str, Dispatcher]] = {k: {} for k in KINDS}
+        self.version = 0
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def register(self, cls: type, *, replace: bool = False) -> None:
+        """Add a declared backend class (called by ``__init_subclass__``)."""
+        kind, name, flavour = cls.kind, cls.name, cls.flavour
+        if kind not in KINDS:
+            raise RegistrationError(f"{cls.qualified_name()}: subclass DraftDecodeBackend or "
+                                    "DraftExtendBackend, not DraftBackend directly")
+        self._check_name_free(kind, name, cls, is_alias=False)
+        flavours = self._classes[kind].setdefault(name, {})
+        if flavour in flavours and flavours[flavour] is not cls:
+            old = flavours[flavour]
+            if not replace:
+                raise DuplicateBackendError(
+                    f"{kind} backend name {name!r} (flavour {flavour!r}) is declared twice: "
+                    f"{old.qualified_name()} and {cls.qualified_name()}; pass replace=True "
+                    "to override on purpose")
+            log.warning("%s backend %r (flavour %r): %s replaces %s", kind, name, flavour,
+                        cls.qualified_name(), old.qualified_name())
+        for alias in cls.aliases + cls.deprecated_aliases:
+            self._check_name_free(kind, alias, cls, is_alias=True)
+        flavours[flavour] = cls
+        for alias in cls.aliases:
+            self._aliases[kind][alias] = (name, False)
+        for alias in cls.deprecated_aliases:
+            self._aliases[kind][alias] = (name, True)
+        self.version += 1
+
+    def _check_name_free(self, kind: str, name: str, cls: type, *, is_alias: bool) -> None:
+        if name in self._dispatchers[kind]:
+            raise DuplicateBackendError(f"{cls.qualified_name()}: {name!r} is already a "
+                                        f"{kind} dispatcher")
+        if is_alias:
+            owner = self._aliases[kind].get(name, (cls.name, False))[0]
+            clash = name in self._classes[kind] or owner != cls.name
+        else:
+            clash = name in self._aliases[kind] and self._aliases[kind][name][0] != name
+        if clash:
+            other = self._owner_of(kind, name)
+            raise DuplicateBackendError(
+                f"{kind} name {name!r} of {cls.qualified_name()} is already taken by "
+                f"{other}")
+
+    def _owner_of(self, kind: str, name: str) -> str:
+        canonical = self._aliases[kind].get(name, (name, False))[0]
+        classes = self._classes[kind].get(canonical, {})
+        return ", ".join(c.qualified_name() for c in classes.values()) or repr(canonical)
+
+    def add_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Register a dispatcher name (``hybrid_linear_attn``, ``flashmla`` extend)."""
+        kind = dispatcher.kind
+        if kind not in KINDS:
+            raise RegistrationError(f"dispatcher {dispatcher.name!r}: unknown kind {kind!r}")
+        if (dispatcher.name in self._classes[kind] or dispatcher.name in self._aliases[kind]
+                or dispatcher.name in self._dispatchers[kind]):
+            raise DuplicateBackendError(f"{kind} name {dispatcher.name!r} is already taken")
+        self._dispatchers[kind][dispatcher.name] = dispatcher
+        self.version += 1
+
+    def unregister(self, cls: type) -> None:
+        """Remove ``cls`` (and its aliases when no flavour of its name is left)."""
+        flavours = self._classes[cls.kind].get(cls.name, {})
+        if flavours.get(cls.flavour) is not cls:
+            raise LookupError(f"{cls.qualified_name()} is not registered here")
+        del flavours[cls.flavour]
+        for alias in cls.aliases + cls.deprecated_aliases:
+            self._aliases[cls.kind].pop(alias, None)
+        if not flavours:
+            del self._classes[cls.kind][cls.name]
+        self.version += 1
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def names(self, kind: str) -> list[str]:
+        """Canonical backend and dispatcher names of ``kind``, sorted."""
+        return sorted(set(self._classes[kind]) | set(self._dispatchers[kind]))
+
+    def all_names(self, kind: str) -> list[str]:
+        """Canonical names, aliases and dispatchers of ``kind``, sorted."""
+        return sorted(set(self.names(kind)) | set(self._aliases[kind]))
+
+    def canonical(self, kind: str, name: str) -> tuple[Optional[str], bool]:
+        """``(canonical name or None, is a deprecated alias)``."""
+        if name in self._classes[kind] or name in self._dispatchers[kind]:
+            return name, False
+        if name in self._aliases[kind]:
+            return self._aliases[kind][name]
+        return None, False
+
+    def dispatcher(self, kind: str, name: str) -> Optional[Dispatcher]:
+        return self._dispatchers[kind].get(name)
+
+    def classes(self, kind: str, name: Optional[str] = None) -> list[type]:
+        """Classes of ``kind`` (all, or those registered under ``name``), by qualified name."""
+        if name is None:
+            found = [c for flavours in self._classes[kind].values() for c in flavours.values()]
+        else:
+            found = list(self._classes[kind].get(name, {}).values())
+        return sorted(found, key=lambda c: c.qualified_name())
+
+    def dispatchers(self, kind: str) -> list[Dispatcher]:
+        return [self._dispatchers[kind][n] for n in sorted(self._dispatchers[kind])]
+
+    def aliases_of(self, kind: str, name: str) -> list[str]:
+        return sorted(a for a, (c, _) in self._aliases[kind].items() if c == name)
+
+    # --- copies ----------------------------------------------------------------------------
+
+    def copy(self) -> "Registry":
+        new = Registry()
+        for kind in KINDS:
+            new._classes[kind] = {n: dict(f) for n, f in self._classes[kind].items()}
+            new._aliases[kind] = dict(self._aliases[kind])
+            new._dispatchers[kind] = dict(self._dispatchers[kind])
+        new.version = self.version
+        return new
+
+
+default_registry = Registry()
+_active: contextvars.ContextVar[Registry] = contextvars.ContextVar(
+    "specattn_active_registry", default=default_registry)
+
+
+def active_registry() -> Registry:
+    """The registry that new backend classes register into and selection reads."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def scoped_registry(base: Optional[Registry] = None, *,
+                    empty: bool = False) -> Iterator[Registry]:
+    """Make a private registry active for the ``with`` block.
+
+    By default it starts as a copy of ``base`` (the default registry), so built-ins stay
+    selectable; ``empty=True`` starts with nothing. Classes created inside land only there.
+    """
+    registry = Registry() if empty else (base or default_registry).copy()
+    token = _active.set(registry)
+    try:
+        yield registry
+    finally:
+        _active.reset(token)
+
+
+def use_registry(registry: Registry) -> contextlib.AbstractContextManager[Registry]:
+    """Make an existing ``registry`` active for a ``with`` block."""
+
+    @contextlib.contextmanager
+    def _cm() -> Iterator[Registry]:
+        token = _active.set(registry)
+        try:
+            yield registry
+        finally:
+            _active.reset(token)
+
+    return _cm()
+

@@ -1,0 +1,170 @@
+"""Selection: from a requested name, a request and a platform to a backend class.
+
+One generic lookup over the registry; rules 4-10 of ``selection.md`` live in the backends'
+declarations (flavours, aliases, dispatchers), not here. Every decision is recorded in a
+``Selection`` so ``specattn select`` can explain it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ._logging import deprecation_once, get_logger, warn_once
+from .errors import BackendUnavailableError, ModelMismatchError, UnknownBackendError
+from .keys import BackendRequest
+from .platforms import Platform, current_platform
+from .registry import Registry, active_registry
+
+log = get_logger("selection")
+
+__all__ = ["Selection", "select", "UNKNOWN_NAME_MESSAGES", "AUTO"]
+
+AUTO = "auto"
+# The original factory's messages (selection.md rule 3), kept verbatim as prefixes.
+UNKNOWN_NAME_MESSAGES = {
+    "decode": "EAGLE is not supported in decode attention backend {name}",
+    "extend": "EAGLE is not supported in attention backend {name}",
+}
+_MAX_REDIRECTS = 8
+
+
+@dataclass
+class Selection:
+    """The outcome of one lookup and the steps that led to it."""
+
+    kind: str
+    requested: Optional[str]
+    request: BackendRequest
+    platform: Platform
+    backend: Optional[type] = None
+    steps: list[str] = field(default_factory=list)
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        lines = [f"{self.kind}: requested {self.requested!r} for {self.request} "
+                 f"on {self.platform}"]
+        lines += [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
+        return "\n".join(lines)
+
+
+def select(kind: str, name: Optional[str], request: BackendRequest,
+           platform: Optional[Platform] = None, registry: Optional[Registry] = None,
+           ) -> Selection:
+    """Resolve ``name`` for ``request`` (``kind`` decode or extend) without instantiating.
+
+    Returns a ``Selection`` whose ``backend`` is the class, or ``None`` when the rules say
+    no backend (``num_steps <= 1`` for decode; ``flashmla`` extend). Raises
+    ``UnknownBackendError``, ``ModelMismatchError`` or ``BackendUnavailableError``.
+    """
+    platform = current_platform() if platform is None else platform
+    registry = active_registry() if registry is None else registry
+    sel = Selection(kind, name, request, platform)
+    if kind == "decode" and request.num_steps <= 1:
+        sel.steps.append(f"num_steps={request.num_steps} <= 1: no multi-step draft decode "
+                         "backend is needed (rule 1)")
+        return sel
+    if name is None or name == AUTO:
+        return _select_auto(sel, registry)
+    for _ in range(_MAX_REDIRECTS):
+        canonical, deprecated = registry.canonical(kind, name)
+        if canonical is None:
+            raise _unknown(kind, name, registry)
+        if deprecated:
+            message = f"attention backend name {name!r} is deprecated; use {canonical!r}"
+            deprecation_once(message, stacklevel=4)
+            sel.steps.append(f"{name!r} is a deprecated alias of {canonical!r}")
+        elif canonical != name:
+            sel.steps.append(f"{name!r} is an alias of {canonical!r}")
+        dispatcher = registry.dispatcher(kind, canonical)
+        if dispatcher is None:
+            return _select_named(sel, registry, canonical)
+        route = next((r for r in dispatcher.routes if r.when(platform)), None)
+        target = None if route is None else route.target
+        why = "no route matched" if route is None else f"{route.when.description} holds"
+        target_text = repr(target) if target else "no backend"
+        note = f" ({dispatcher.note})" if dispatcher.note else ""
+        sel.steps.append(f"{canonical!r} dispatches: {why} -> {target_text}{note}")
+        if target is None:
+            if dispatcher.warning:
+                warn_once(log, dispatcher.warning)
+            return sel
+        name = target
+    raise RuntimeError(f"dispatcher loop resolving {sel.requested!r}")  # registry bug
+
+
+def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
+    kind, request, platform = sel.kind, sel.request, sel.platform
+    classes = registry.classes(kind, name)
+    if not request.mla:
+        guard = next((c.mla_required_name for c in classes if c.mla_required_name), None)
+        if guard and all(c.models == frozenset({"mla"}) for c in classes):
+            sel.steps.append(f"{name!r} requires an MLA model and use_mla_backend is False "
+                             "(rule 8)")
+            raise ModelMismatchError(f"{guard} backend requires MLA model "
+                                     "(use_mla_backend=True).")
+    usable = []
+    for cls in classes:
+        reasons = cls.validate(request, platform)
+        label = f"{cls.qualified_name()} [{cls.flavour}]"
+        if reasons:
+            sel.rejected[cls.qualified_name()] = reasons
+            sel.steps.append(f"{label}: rejected: " + "; ".join(reasons))
+        else:
+            usable.append(cls)
+            sel.steps.append(f"{label}: accepted")
+    if not usable:
+        detail = "; ".join(f"{q}: {', '.join(r)}" for q, r in sel.rejected.items())
+        raise BackendUnavailableError(
+            f"{name}: no {kind} backend registered as {name!r} can serve {request} on "
+            f"{platform}. Candidates: {detail}. Run `specattn list` to see what runs here.",
+            name, sel.rejected)
+    best = max(usable, key=lambda c: (c.priority_on(platform), c.qualified_name()))
+    if len(usable) > 1:
+        sel.steps.append(f"several flavours fit; highest priority wins: {best.flavour}")
+    sel.backend = best
+    sel.steps.append(f"selected {best.qualified_name()} (kernel library: "
+                     f"{best.kernel_library})")
+    return sel
+
+
+def _select_auto(sel: Selection, registry: Registry) -> Selection:
+    kind, request, platform = sel.kind, sel.request, sel.platform
+    sel.steps.append("no explicit name: choose the highest-priority backend that can run "
+                     "here (rule 16)")
+    usable = []
+    for cls in registry.classes(kind):
+        if not cls.auto_eligible:
+            sel.rejected[cls.qualified_name()] = ["model-specific attention: only chosen by "
+                                                  "name, never by auto"]
+            continue
+        reasons = cls.validate(request, platform)
+        if reasons:
+            sel.rejected[cls.qualified_name()] = reasons
+        else:
+            usable.append(cls)
+    if not usable:
+        detail = "; ".join(f"{q}: {', '.join(r)}" for q, r in sel.rejected.items())
+        raise BackendUnavailableError(
+            f"auto: no {kind} backend can serve {request} on {platform}. "
+            f"Candidates: {detail}", AUTO, sel.rejected)
+    ranked = sorted(usable, key=lambda c: (-c.priority_on(platform), c.name,
+                                           c.qualified_name()))
+    sel.steps.append("usable, best first: " + ", ".join(
+        f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))
+    sel.backend = ranked[0]
+    sel.steps.append(f"selected {ranked[0].name} ({ranked[0].qualified_name()})")
+    log.info("auto selected %s backend %s for %s on %s", kind, ranked[0].name, request,
+             platform)
+    return sel
+
+
+def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError:
+    valid = [n for n in registry.all_names(kind)] + [AUTO]
+    closest = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.0)
+    hint = closest[0] if closest else None
+    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name)
+               + f". Valid {kind} backend names: {', '.join(sorted(valid))}."
+               + (f" Did you mean {hint!r}?" if hint else ""))
+    return UnknownBackendError(message, name, sorted(valid), hint)

@@ -1,0 +1,268 @@
+"""The one input-validation layer every backend goes through.
+
+Checks are cheap by default: shapes, dtypes, devices, strides and Python ints. Checks that
+need the *values* of tensors (lengths against ``max_context_len``, slots inside the pool,
+``parents`` in range) run when those tensors are on the CPU (no device sync) or when
+``SPECATTN_DEBUG_CHECKS=1`` / ``debug=True`` asks for them on a device. Every failure raises
+``InvalidInputError`` naming the argument, the expectation and the value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .errors import InvalidInputError
+from .keys import TREE_MODES
+
+if TYPE_CHECKING:
+    from .data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+
+__all__ = [
+    "check_draft_params", "check_runner", "check_decode_batch", "check_decode_forward",
+    "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
+]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def debug_checks_enabled() -> bool:
+    return os.environ.get("SPECATTN_DEBUG_CHECKS", "0") not in ("", "0")
+
+
+def _scan_values(t: torch.Tensor, debug: Optional[bool]) -> bool:
+    if debug is None:
+        debug = debug_checks_enabled()
+    return debug or t.device.type == "cpu"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_draft_params(topk: int, num_steps: int, tree_mode: str = "lane") -> None:
+    if not _is_int(topk) or topk < 1:
+        raise InvalidInputError("topk", "an int >= 1", repr(topk))
+    if not _is_int(num_steps) or num_steps < 1:
+        raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
+    if tree_mode not in TREE_MODES:
+        raise InvalidInputError("tree_mode", f"one of {TREE_MODES}", repr(tree_mode))
+
+
+def _tensor(name: str, t: object, *, dtypes: tuple, ndim: int,
+            device: Optional[torch.device] = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidInputError(name, f"dtype {names}", str(t.dtype).replace("torch.", ""))
+    if t.dim() != ndim:
+        raise InvalidInputError(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
+    if device is not None and not _same_device(t.device, device):
+        raise InvalidInputError(name, f"a tensor on {device}", f"a tensor on {t.device}")
+    return t
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise InvalidInputError(name, f"shape {tuple(expected)}", f"shape {tuple(t.shape)}")
+
+
+def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise InvalidInputError(name, "unit stride in the last dimension",
+                                f"strides {tuple(t.stride())}")
+
+
+def check_runner(runner: "DraftRunner") -> None:
+    """The runner's shape fields, pools and ``req_to_token`` agree with each other."""
+    if not _is_int(runner.page_size) or runner.page_size < 1:
+        raise InvalidInputError("runner.page_size", "an int >= 1", repr(runner.page_size))
+    if runner.dtype not in ACT_DTYPES:
+        raise InvalidInputError("runner.dtype", "bfloat16, float16 or float32",
+                                repr(runner.dtype))
+    if not _is_int(runner.num_layers) or runner.num_layers < 1:
+        raise InvalidInputError("runner.num_layers", "an int >= 1", repr(runner.num_layers))
+    _tensor("runner.req_to_token", runner.req_to_token, dtypes=INDEX_DTYPES, ndim=2,
+            device=runner.device)
+    if runner.use_mla_backend:
+        for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(runner, field)
+            if not _is_int(value) or value < (0 if field == "qk_rope_head_dim" else 1):
+                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
+        pools = {"runner.kv_buffer": runner.kv_buffer}
+        width = runner.kv_lora_rank + runner.qk_rope_head_dim
+        expected = {"runner.kv_buffer": (width,)}
+    else:
+        for field in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+            value = getattr(runner, field)
+            if not _is_int(value) or value < 1:
+                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
+        if runner.num_q_heads % runner.num_kv_heads:
+            raise InvalidInputError("runner.num_q_heads",
+                                    f"a multiple of num_kv_heads={runner.num_kv_heads}",
+                                    runner.num_q_heads)
+        pools = {"runner.k_buffer": runner.k_buffer, "runner.v_buffer": runner.v_buffer}
+        expected = {"runner.k_buffer": (runner.num_kv_heads, runner.head_dim),
+                    "runner.v_buffer": (runner.num_kv_heads, runner.v_head_dim)}
+    num_slots = None
+    for name, pool in pools.items():
+        if pool is None or len(pool) != runner.num_layers:
+            got = None if pool is None else f"{len(pool)} tensors"
+            raise InvalidInputError(name, f"a list of {runner.num_layers} tensors (one per "
+                                    "layer)", got)
+        for i, t in enumerate(pool):
+            _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
+                expected[name]), device=runner.device)
+            if tuple(t.shape[1:]) != expected[name]:
+                raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
+                                        f"{', '.join(map(str, expected[name]))}]",
+                                        f"shape {tuple(t.shape)}")
+            _last_dim_contiguous(f"{name}[{i}]", t)
+            if num_slots is not None and t.shape[0] != num_slots:
+                raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
+                                        t.shape[0])
+            num_slots = t.shape[0]
+
+
+def _fp8_dtypes() -> tuple:
+    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
+                        debug: Optional[bool]) -> None:
+    """All values of ``t`` in ``[lo, hi)``."""
+    if t.numel() == 0 or not _scan_values(t, debug):
+        return
+    mn, mx = int(t.min()), int(t.max())
+    if mn < lo or mx >= hi:
+        bad = mn if mn < lo else mx
+        raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
+
+
+def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
+                       batch: "DraftBatch", *, debug: Optional[bool] = None,
+                       max_bs: Optional[int] = None) -> None:
+    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
+    dev = runner.device
+    rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
+                  ndim=1, device=dev)
+    bs = rpi.shape[0]
+    if bs < 1:
+        raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
+    if max_bs is not None and bs > max_bs:
+        raise InvalidInputError("batch.req_pool_indices",
+                                f"at most max_bs={max_bs} requests (init_cuda_graph_state)", bs)
+    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+    _shape("batch.seq_lens", seq, (bs,))
+    loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=3,
+                  device=dev)
+    _shape("batch.out_cache_loc", loc, (bs, topk, num_steps))
+    if tree_mode == "path":
+        if batch.parents is None:
+            raise InvalidInputError("batch.parents", "a [num_steps, B, topk] tensor in "
+                                    "tree_mode='path'", None)
+        par = _tensor("batch.parents", batch.parents, dtypes=INDEX_DTYPES, ndim=3, device=dev)
+        _shape("batch.parents", par, (num_steps, bs, topk))
+    _check_index_values("batch.req_pool_indices", rpi, 0, runner.max_reqs, debug)
+    _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
+    # Lane histories need up to num_steps extra positions past the prefix.
+    _check_index_values("batch.seq_lens", seq, 0, runner.max_context_len + 1, debug)
+
+
+def check_parents_step(batch: "DraftBatch", step: int, topk: int,
+                       debug: Optional[bool] = None) -> None:
+    """``parents[1 : step + 1]`` are lane indices in ``[0, topk)``."""
+    if batch.parents is None or step == 0:
+        return
+    _check_index_values(f"batch.parents[1:{step + 1}]", batch.parents[1:step + 1], 0, topk,
+                        debug)
+
+
+def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, step: int,
+                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         v: Optional[torch.Tensor]) -> None:
+    """One ``forward(step, layer, q, k, v)`` call's arguments."""
+    if not _is_int(step) or not 0 <= step < num_steps:
+        raise InvalidInputError("step", f"an int in [0, {num_steps})", repr(step))
+    _check_layer(runner, layer)
+    _check_qkv(runner, num_lanes, q, k, v)
+
+
+def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
+                       debug: Optional[bool] = None) -> None:
+    dev = runner.device
+    rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
+                  ndim=1, device=dev)
+    bs = rpi.shape[0]
+    if bs < 1:
+        raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
+    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+    _shape("batch.seq_lens", seq, (bs,))
+    ext = _tensor("batch.extend_lens", batch.extend_lens, dtypes=INDEX_DTYPES, ndim=1,
+                  device=dev)
+    _shape("batch.extend_lens", ext, (bs,))
+    loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=1,
+                  device=dev)
+    _check_index_values("batch.req_pool_indices", rpi, 0, runner.max_reqs, debug)
+    _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
+    _check_index_values("batch.seq_lens", seq, 1, runner.max_context_len + 1, debug)
+    _check_index_values("batch.extend_lens", ext, 1, runner.max_context_len + 1, debug)
+    if _scan_values(ext, debug):
+        total = int(ext.sum())
+        _shape("batch.out_cache_loc", loc, (total,))
+        short = (seq < ext).nonzero()
+        if short.numel():
+            b = int(short[0, 0])
+            raise InvalidInputError("batch.seq_lens", "seq_lens >= extend_lens (seq_lens "
+                                    "includes the new tokens)",
+                                    f"seq_lens[{b}]={int(seq[b])} < extend_lens[{b}]="
+                                    f"{int(ext[b])}")
+
+
+def check_extend_forward(runner: "DraftRunner", num_tokens: Optional[int],
+                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         v: Optional[torch.Tensor]) -> None:
+    _check_layer(runner, layer)
+    _check_qkv(runner, num_tokens, q, k, v)
+
+
+def _check_layer(runner: "DraftRunner", layer: "AttentionLayer") -> None:
+    from .data import AttentionLayer
+
+    if not isinstance(layer, AttentionLayer):
+        raise InvalidInputError("layer", "a specattn.AttentionLayer", type(layer).__name__)
+    if layer.layer_id >= runner.num_layers:
+        raise InvalidInputError("layer.layer_id", f"< num_layers={runner.num_layers}",
+                                layer.layer_id)
+
+
+def _check_qkv(runner: "DraftRunner", rows: Optional[int], q: torch.Tensor, k: torch.Tensor,
+               v: Optional[torch.Tensor]) -> None:
+    dev, dt = runner.device, (runner.dtype,)
+    q = _tensor("q", q, dtypes=dt, ndim=3, device=dev)
+    n = q.shape[0] if rows is None else rows
+    if runner.use_mla_backend:
+        width = runner.kv_lora_rank + runner.qk_rope_head_dim
+        _shape("q", q, (n, runner.num_heads, width))
+        k = _tensor("k", k, dtypes=dt, ndim=2, device=dev)
+        _shape("k", k, (n, width))
+        if v is not None:
+            raise InvalidInputError("v", "None for MLA (the latent k carries both)",
+                                    f"a tensor of shape {tuple(v.shape)}")
+    else:
+        _shape("q", q, (n, runner.num_q_heads, runner.head_dim))
+        k = _tensor("k", k, dtypes=dt, ndim=3, device=dev)
+        _shape("k", k, (n, runner.num_kv_heads, runner.head_dim))
+        v = _tensor("v", v, dtypes=dt, ndim=3, device=dev)
+        _shape("v", v, (n, runner.num_kv_heads, runner.v_head_dim))
+        _last_dim_contiguous("v", v)
+    _last_dim_contiguous("q", q)
+    _last_dim_contiguous("k", k)
