@@ -1,16 +1,162 @@
-"""``torch_ref``: the reference backend (placeholder until issue #3 lands it)."""
+"""``torch_ref``: the reference backend, the executable form of ``semantics.md``.
+
+Plain torch, float32 accumulation, a Python loop over lanes (decode) and requests (extend):
+obviously correct rather than fast. Every other backend is tested against it. Works for
+MHA/GQA and MLA, ``lane`` and ``path`` trees, any topk, any page size (slots are read through
+``req_to_token``, so pages need no special casing), with an optional logit soft-cap.
+
+``reference_decode`` and ``reference_extend`` are the pure functions (no KV write) that tests
+of other backends compare against.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .. import metadata, validation
+from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..platforms import any_platform
-from ._pending import PendingDecode, PendingExtend, pending_reason
+
+if TYPE_CHECKING:
+    from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+
+__all__ = ["TorchRefDecode", "TorchRefExtend", "reference_decode", "reference_extend",
+           "attend"]
 
 
-class TorchRefDecode(PendingDecode, name="torch_ref", platforms=any_platform,
+def _gather_kv(runner: "DraftRunner", layer_id: int,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``slots [n]`` in float32, heads expanded to the query heads.
+
+    MHA: ``k [n, H_q, D]``, ``v [n, H_q, D_v]``. MLA: ``k [n, 1, R + rope]`` (the whole
+    latent row), ``v [n, 1, R]`` (its first ``kv_lora_rank`` columns).
+    """
+    slots = slots.long()
+    if runner.use_mla_backend:
+        kv = runner.kv_buffer[layer_id][slots].float()
+        return kv[:, None, :], kv[:, None, :runner.kv_lora_rank]
+    k = runner.k_buffer[layer_id][slots].float()
+    v = runner.v_buffer[layer_id][slots].float()
+    group = runner.num_q_heads // runner.num_kv_heads
+    # q head h reads kv head h // group.
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           logit_cap: float = 0.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Softmax attention in float32.
+
+    q: ``[m, H, D]``; k: ``[n, H or 1, D]``; v: ``[n, H or 1, D_v]``; mask: ``[m, n]`` bool
+    (True = visible) or None. Returns ``[m, H, D_v]`` float32.
+    """
+    s = torch.einsum("mhd,nhd->hmn", q.float(), k.expand(-1, q.shape[1], -1)) * scaling
+    if logit_cap > 0:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    if mask is not None:
+        s = s.masked_fill(~mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hmn,nhd->mhd", p, v.expand(-1, q.shape[1], -1))
+
+
+def _out_shape(runner: "DraftRunner", rows: int) -> tuple[int, int, int]:
+    if runner.use_mla_backend:
+        return rows, runner.num_heads, runner.kv_lora_rank
+    return rows, runner.num_q_heads, runner.v_head_dim
+
+
+def reference_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
+                     batch: "DraftBatch", step: int, tree_mode: str = "lane") -> torch.Tensor:
+    """Draft-decode attention of step ``step`` over the KV already in the pool (no write).
+
+    q: ``[B*K, H_q, D]`` (MLA ``[B*K, H, R + rope]``). Lane ``(b, j)`` attends to
+    ``R_b[0 : L_b]`` then its ``step + 1`` history slots (``metadata.history_slots``).
+    Returns ``[B*K, H_q, D_v]`` (MLA ``[B*K, H, R]``) in ``q.dtype``.
+    """
+    bs, topk = batch.out_cache_loc.shape[:2]
+    hist = metadata.history_slots(batch.out_cache_loc, batch.parents, step, tree_mode)
+    out = torch.empty(_out_shape(runner, bs * topk), dtype=q.dtype, device=q.device)
+    for b in range(bs):
+        req, seq_len = int(batch.req_pool_indices[b]), int(batch.seq_lens[b])
+        prefix = runner.req_to_token[req, :seq_len]
+        for j in range(topk):
+            z = b * topk + j
+            slots = torch.cat([prefix.long(), hist[b, j].long()])
+            k, v = _gather_kv(runner, layer.layer_id, slots)
+            o = attend(q[z:z + 1], k, v, layer.scaling, layer.logit_cap)
+            out[z] = o[0].to(q.dtype)
+    return out
+
+
+def reference_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
+                     batch: "DraftExtendBatch") -> torch.Tensor:
+    """Draft-extend attention over the KV already in the pool (no write).
+
+    q: ``[T, H_q, D]`` (``T = sum(E)``, request-major). Query ``t`` of request ``b`` attends to
+    ``R_b[0 : L'_b - E_b + t + 1]``. Returns ``[T, H_q, D_v]`` (MLA ``[T, H, R]``).
+    """
+    out = torch.empty(_out_shape(runner, q.shape[0]), dtype=q.dtype, device=q.device)
+    start = 0
+    for b in range(batch.batch_size):
+        req = int(batch.req_pool_indices[b])
+        seq_len, ext = int(batch.seq_lens[b]), int(batch.extend_lens[b])
+        k, v = _gather_kv(runner, layer.layer_id, runner.req_to_token[req, :seq_len])
+        visible = seq_len - ext + torch.arange(ext, device=q.device)[:, None] + 1
+        mask = torch.arange(seq_len, device=q.device)[None, :] < visible
+        o = attend(q[start:start + ext], k, v, layer.scaling, layer.logit_cap, mask)
+        out[start:start + ext] = o.to(q.dtype)
+        start += ext
+    return out
+
+
+def _require_metadata(backend):
+    if backend.batch is None:
+        raise RuntimeError(f"{type(backend).name}: forward() called before "
+                           "init_forward_metadata(batch)")
+    return backend.batch
+
+
+class TorchRefDecode(DraftDecodeBackend, name="torch_ref", platforms=any_platform,
                      kernel_library="torch", priority=0):
-    pending = pending_reason(3, "the reference")
+    """Reference multi-step draft decode (see the module doc)."""
+
+    tested_on = "CPU"
+    supports_cuda_graph = False
+    batch: Optional["DraftBatch"] = None
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch)
+        self.batch = batch
+
+    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        batch = _require_metadata(self)
+        validation.check_decode_forward(self.runner, batch.batch_size * self.topk,
+                                        self.num_steps, step, layer, q, k, v)
+        if self.tree_mode == "path":
+            validation.check_parents_step(batch, step, self.topk)
+        self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step].reshape(-1), k, v)
+        return reference_decode(self.runner, layer, q, batch, step, self.tree_mode)
 
 
-class TorchRefExtend(PendingExtend, name="torch_ref", platforms=any_platform,
+class TorchRefExtend(DraftExtendBackend, name="torch_ref", platforms=any_platform,
                      kernel_library="torch", priority=0):
-    pending = pending_reason(3, "the reference")
+    """Reference draft extend (see the module doc)."""
+
+    tested_on = "CPU"
+    supports_cuda_graph = False
+    batch: Optional["DraftExtendBatch"] = None
+
+    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+        validation.check_extend_batch(self.runner, batch)
+        self.batch = batch
+        self.num_tokens = int(batch.extend_lens.sum())
+
+    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        _require_metadata(self)
+        validation.check_extend_forward(self.runner, self.num_tokens, layer, q, k, v)
+        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+        return reference_extend(self.runner, layer, q, self.batch)
