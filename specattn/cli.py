@@ -1,0 +1,401 @@
+"""The ``specattn`` command: which draft backends run here, and why.
+
+    specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
+    specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
+        --with-library flashinfer
+    specattn demo ...         (the main job: ``specattn.demo.cli_main``)
+    specattn bench ...        (issue #8)
+
+``list`` and ``select`` accept ``--platform`` (``cuda:9.0``, ``cpu``, ``cpu+amx``, ``hip``,
+``npu``, ``musa``, ``xpu``; ``+interpret`` adds ``TRITON_INTERPRET=1``) and
+``--with-library NAME ...`` to answer for another machine; without ``--with-library`` the
+vendor libraries are probed on this one (never imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import textwrap
+import warnings
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, Optional
+
+__all__ = ["main", "parse_platform"]
+
+_DEFAULT_WIDTH = 120
+_PLATFORM_HELP = ("cuda:MAJOR.MINOR (e.g. cuda:9.0), cpu, cpu+amx, hip, npu, musa or xpu; "
+                  "append +interpret for TRITON_INTERPRET=1 (on the CPU it follows the "
+                  "environment by default)")
+
+
+# --- platform override -----------------------------------------------------------------------
+
+def parse_platform(text: Optional[str], libraries: Optional[Sequence[str]] = None):
+    """``--platform`` / ``--with-library`` as a ``Platform`` (``None``: detect this machine).
+
+    ``libraries=None`` keeps probing this machine's libraries; ``["none"]`` is the empty set.
+    Raises ``InvalidInputError`` for a malformed platform string.
+    """
+    from .errors import InvalidInputError
+    from .platforms import DEVICE_TYPES, Platform, detect
+
+    libs = None if libraries is None else frozenset(
+        lib for lib in libraries if lib.lower() != "none")
+    if text is None:
+        here = detect()
+        return here if libs is None else dataclasses.replace(here, libraries=libs)
+    device, *flags = text.strip().lower().split("+")
+    device, _, cap_text = device.partition(":")
+    if device not in DEVICE_TYPES:
+        raise InvalidInputError("--platform", _PLATFORM_HELP, repr(text))
+    unknown = set(flags) - {"amx", "interpret"}
+    if unknown:
+        raise InvalidInputError("--platform", "flags +amx or +interpret", repr(text))
+    capability = None
+    if cap_text:
+        major, _, minor = cap_text.partition(".")
+        if not (major.isdigit() and (minor or "0").isdigit()):
+            raise InvalidInputError("--platform", "a capability like cuda:9.0", repr(text))
+        capability = (int(major), int(minor or 0))
+    elif device == "cuda":
+        raise InvalidInputError("--platform", "a compute capability for cuda, e.g. cuda:9.0",
+                                repr(text))
+    interpret = "interpret" in flags or (
+        device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    return Platform(device, capability, cpu_has_amx="amx" in flags, libraries=libs,
+                    triton_interpret=interpret)
+
+
+def _libraries_line(platform, registry_libs: Sequence[str]) -> str:
+    """Which vendor libraries the decision assumes (given, or probed here)."""
+    if platform.libraries is not None:
+        given = ", ".join(sorted(platform.libraries)) or "none"
+        return f"libraries: {given} (given with --with-library)"
+    found = [m for m in registry_libs if platform.has_library(m)]
+    missing = [m for m in registry_libs if not platform.has_library(m)]
+    return (f"libraries found here: {', '.join(found) or 'none'}; "
+            f"not found: {', '.join(missing) or 'none'}")
+
+
+def _known_libraries() -> list[str]:
+    from .registry import active_registry
+
+    mods = {"flash_attn_interface", "flash_attn.cute"}
+    registry = active_registry()
+    for kind in ("decode", "extend"):
+        for cls in registry.classes(kind):
+            mods.update(m for m, _ in cls.requires)
+    return sorted(mods)
+
+
+# --- list --------------------------------------------------------------------------------------
+
+def _merge_rows(rows: list) -> list[dict[str, Any]]:
+    """One entry per (name, flavour) when its decode and extend rows agree, else one per kind."""
+    merged: list[dict[str, Any]] = []
+    index: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r.name, r.flavour, r.models, r.platforms, r.kernel_library, r.tested_on,
+               r.runs_here, r.reason)
+        entry = index.get(key)
+        if entry is None:
+            entry = {"row": r, "kinds": [], "aliases": {}, "capabilities": []}
+            index[key] = entry
+            merged.append(entry)
+        entry["kinds"].append(r.kind)
+        for alias in r.aliases:
+            entry["aliases"].setdefault(alias, []).append(r.kind)
+        for cap in r.capabilities:
+            if cap not in entry["capabilities"]:
+                entry["capabilities"].append(cap)
+    return merged
+
+
+def _alias_text(entry: dict[str, Any]) -> str:
+    kinds = entry["kinds"]
+    parts = []
+    for alias, alias_kinds in entry["aliases"].items():
+        parts.append(alias if alias_kinds == kinds else f"{alias} ({'+'.join(alias_kinds)})")
+    return ", ".join(parts) or "-"
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+def _render_list(rows: list, platform, width: int) -> str:
+    cols = (("NAME", 18), ("KIND", 13), ("FLAVOUR", 10), ("MODELS", 7),
+            ("KERNEL LIBRARY", 27), ("RUNS HERE?", 10))
+    indent = " " * 4
+    lines = [f"platform: {platform}"]
+    lines += textwrap.wrap(_libraries_line(platform, _known_libraries()), width,
+                           subsequent_indent="  ", break_on_hyphens=False)
+    lines.append("")
+    lines.append(_fit("  ".join(h.ljust(w) for h, w in cols).rstrip(), width))
+    for entry in _merge_rows(rows):
+        r = entry["row"]
+        if r.flavour == "dispatcher":
+            runs = "dispatches"
+        else:
+            runs = "yes" if r.runs_here else "no"
+        cells = (r.name, "+".join(entry["kinds"]), r.flavour, "/".join(r.models),
+                 r.kernel_library, runs)
+        lines.append(_fit("  ".join(_fit(c, w).ljust(w) for c, (_, w) in zip(cells, cols))
+                          .rstrip(), width))
+        details = [f"aliases: {_alias_text(entry)}"] if entry["aliases"] else []
+        details.append(f"platforms: {r.platforms}")
+        if r.flavour != "dispatcher":
+            details += [f"capabilities: {', '.join(entry['capabilities']) or '-'}",
+                        f"tested on: {r.tested_on}"]
+        lines += textwrap.wrap("; ".join(details), width, initial_indent=indent,
+                               subsequent_indent=indent + "  ", break_on_hyphens=False)
+        if r.reason:
+            label = ("here" if r.flavour == "dispatcher"
+                     else "note" if r.runs_here else "why not")
+            text = r.reason[len("here "):] if r.reason.startswith("here -> ") else r.reason
+            lines += textwrap.wrap(f"{label}: {text}", width, initial_indent=indent,
+                                   subsequent_indent=indent + "  ", break_on_hyphens=False)
+    total = len(rows)
+    usable = sum(1 for r in rows if r.runs_here and r.flavour != "dispatcher")
+    lines += ["", f"{total} rows ({usable} backend classes run here); "
+                  "`specattn list --json` gives every field"]
+    return "\n".join(lines)
+
+
+def _platform_json(platform) -> dict[str, Any]:
+    return {"device": platform.device,
+            "capability": list(platform.capability) if platform.capability else None,
+            "cpu_has_amx": platform.cpu_has_amx,
+            "triton_interpret": platform.triton_interpret,
+            "libraries": sorted(platform.libraries) if platform.libraries is not None else None,
+            "libraries_found": [m for m in _known_libraries() if platform.has_library(m)],
+            "description": str(platform)}
+
+
+def _row_json(r) -> dict[str, Any]:
+    data = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "backend"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from . import list_backends
+
+    platform = parse_platform(args.platform, args.with_library)
+    rows = list_backends(kind=args.kind, pattern=args.pattern,
+                         available_only=args.available, platform=platform)
+    if args.json:
+        print(json.dumps({"platform": _platform_json(platform),
+                          "backends": [_row_json(r) for r in rows]}, indent=2))
+        return 0
+    width = shutil.get_terminal_size((_DEFAULT_WIDTH, 24)).columns
+    print(_render_list(rows, platform, max(width, 80)))
+    return 0
+
+
+# --- select ------------------------------------------------------------------------------------
+
+class _Collect(logging.Handler):
+    """Collects the warnings selection logs, to print them next to the decision."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+_ERROR_STEPS = {
+    "UnknownBackendError": ["not a known name, alias or dispatcher (rule 3)"],
+    "ModelMismatchError": ["an MLA-only backend and use_mla_backend is False; checked before "
+                           "any platform check (rule 8)"],
+}
+
+
+def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
+    """(resolved?, answer text, printed lines) for one kind."""
+    explain = (factory.explain_decode_backend if kind == "decode"
+               else factory.explain_draft_extend_backend)
+    handler = _Collect()
+    log = logging.getLogger("specattn")
+    log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                sel = explain()
+            except Exception as exc:  # every selection error is reported, not raised
+                from .errors import SpecAttnError
+
+                if not isinstance(exc, (SpecAttnError, ValueError)):
+                    raise
+                lines = [f"{kind}: requested {config.backend_name(kind)!r}"]
+                steps = [f"name precedence (rule 2): {s}" for s in config.name_trail(kind)]
+                for qualname, reasons in getattr(exc, "reasons", {}).items():
+                    steps.append(f"{qualname}: rejected: " + "; ".join(reasons))
+                steps += _ERROR_STEPS.get(type(exc).__name__, [])
+                lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
+                lines.append(f"  => {type(exc).__name__} (message below)")
+                return False, f"error: {type(exc).__name__}: {exc}", _with_notes(
+                    lines, handler.messages, caught)
+    finally:
+        log.removeHandler(handler)
+    lines = sel.explain().splitlines()
+    if sel.backend is None:
+        answer = "None"
+        lines.append("  => None: no backend for this kind (see the last step)")
+    else:
+        cls = sel.backend
+        answer = f"{cls.qualified_name()} (name {cls.name!r}, flavour {cls.flavour!r})"
+        lines.append(f"  => {answer}")
+    return True, answer, _with_notes(lines, handler.messages, caught)
+
+
+def _with_notes(lines: list[str], logged: list[str], caught: list) -> list[str]:
+    return (lines + [f"  warning: {m}" for m in logged]
+            + [f"  {w.category.__name__}: {w.message}" for w in caught])
+
+
+def _cmd_select(args: argparse.Namespace) -> int:
+    from . import DraftBackendFactory, SpecConfig
+    from .errors import InvalidInputError
+
+    try:
+        platform = parse_platform(args.platform, args.with_library)
+        config = SpecConfig(
+            attention_backend=args.attention_backend,
+            decode_attention_backend=args.decode_attention_backend,
+            prefill_attention_backend=args.prefill_attention_backend,
+            speculative_draft_attention_backend=args.speculative_draft_attention_backend,
+            speculative_attention_mode=args.speculative_attention_mode,
+            page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype)
+        runner = SimpleNamespace(use_mla_backend=args.mla, page_size=args.page_size)
+        factory = DraftBackendFactory(config, runner, args.topk, args.num_steps,
+                                      tree_mode=args.tree_mode, platform=platform)
+    except InvalidInputError as exc:
+        print(f"specattn select: error: {exc}", file=sys.stderr)
+        return 2
+    set_fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                  if getattr(config, f.name) != f.default}
+    print(f"platform: {platform}")
+    print(_libraries_line(platform, _known_libraries()))
+    print(f"model: {'MLA' if args.mla else 'MHA'}; topk={args.topk} num_steps={args.num_steps} "
+          f"tree_mode={args.tree_mode}")
+    print("config: SpecConfig(" + ", ".join(f"{k}={v!r}" for k, v in set_fields.items()) + ")")
+    answers, ok = {}, True
+    for kind in ("decode", "extend"):
+        resolved, answers[kind], lines = _explain_kind(factory, config, kind)
+        ok = ok and resolved
+        print()
+        print("\n".join(lines))
+    print()
+    print("answer:")
+    for kind in ("decode", "extend"):
+        print(f"  {kind}: {answers[kind]}")
+    return 0 if ok else 1
+
+
+# --- demo / bench --------------------------------------------------------------------------------
+
+def _cmd_demo(argv: list[str]) -> int:
+    try:
+        from .demo import cli_main
+    except ImportError as exc:  # the package, or its cli_main, is missing; not a bug inside it
+        if exc.name != "specattn.demo":
+            raise
+        print(f"specattn demo: the demo (specattn.demo.cli_main) is not available in this "
+              f"installation ({exc})", file=sys.stderr)
+        return 2
+    return int(cli_main(argv) or 0)
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    print("specattn bench: not available yet (issue #8)", file=sys.stderr)
+    return 2
+
+
+# --- argument parsing --------------------------------------------------------------------------
+
+def _add_platform_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", metavar="P", help=_PLATFORM_HELP)
+    p.add_argument("--with-library", metavar="NAME", nargs="+", action="extend",
+                   help="vendor modules to assume installed (e.g. flashinfer "
+                        "flash_attn.cute); 'none' for none; default: probe this machine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="specattn", description="Attention backends for the draft phase of "
+        "speculative decoding: list them, explain a selection, run the demo.")
+    parser.add_argument("--version", action="version", version=f"specattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("list", help="every backend, its declaration and whether it runs here")
+    p.add_argument("--kind", choices=("decode", "extend"))
+    p.add_argument("--pattern", metavar="GLOB", help="fnmatch pattern on names and aliases")
+    p.add_argument("--available", action="store_true", help="only what runs here")
+    p.add_argument("--json", action="store_true", help="every field, as JSON")
+    _add_platform_args(p)
+
+    p = sub.add_parser("select", help="explain which backends a configuration gets")
+    for field in ("attention-backend", "decode-attention-backend",
+                  "prefill-attention-backend", "speculative-draft-attention-backend"):
+        p.add_argument(f"--{field}", metavar="NAME")
+    p.add_argument("--speculative-attention-mode", choices=("prefill", "decode"),
+                   default="prefill")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--mla", action="store_true", help="the draft model uses MLA "
+                   "(use_mla_backend=True)")
+    p.add_argument("--tree-mode", choices=("lane", "path"), default="lane")
+    _add_platform_args(p)
+
+    sub.add_parser("demo", help="run the draft-model demo (specattn demo --help)",
+                   add_help=False)
+    sub.add_parser("bench", help="benchmarks (issue #8)", add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``specattn`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        return _cmd_demo(argv[1:])
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "list":
+            return _cmd_list(args)
+        return _cmd_select(args)
+    except BrokenPipeError:  # `specattn list | head`
+        return 0
+    except Exception as exc:
+        from .errors import InvalidInputError
+
+        if isinstance(exc, InvalidInputError):
+            print(f"specattn {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
