@@ -1,0 +1,196 @@
+"""``specattn demo``: EAGLE draft rounds on a tiny random model, end to end, on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Optional, TextIO
+
+import torch
+
+from ..config import SpecConfig
+from ..data import DraftRunner
+from ..errors import SpecAttnError
+from ..factory import DraftBackendFactory
+from ..platforms import current_platform
+from .eagle import EagleDrafter, ErrorMeter
+from .model import DraftModel, ModelConfig
+from .render import LEGEND, render_meter, render_tree
+
+__all__ = ["build_parser", "cli_main", "run_demo"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p = argparse.ArgumentParser(
+        prog="specattn demo",
+        description="Run EAGLE draft rounds (draft extend, then multi-step top-k draft "
+                    "decode) of a tiny random-weight draft model through the backend "
+                    "specattn selects, and check its outputs against torch_ref.")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend name, or 'auto' (default) to let specattn choose")
+    p.add_argument("--batch", type=_positive, default=4, help="requests (default 4)")
+    p.add_argument("--min-len", type=_positive, default=16, help="shortest prompt (16)")
+    p.add_argument("--max-len", type=_positive, default=64, help="longest prompt (64)")
+    p.add_argument("--topk", type=_positive, default=4, help="branches per request (4)")
+    p.add_argument("--steps", type=_positive, default=4, help="draft depth S (4)")
+    p.add_argument("--page-size", type=_positive, default=16, help="KV page size (16)")
+    p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
+                   help="lane: upstream lane histories (default); path: exact EAGLE ancestry")
+    p.add_argument("--mla", action="store_true", help="MLA draft model (absorbed queries)")
+    p.add_argument("--rounds", type=_positive, default=3, help="draft rounds (3)")
+    p.add_argument("--layers", type=_positive, default=2, help="transformer layers (2)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                   help="activation and KV dtype (bf16)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=default_device,
+                   help=f"device (default here: {default_device})")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts, acceptance")
+    p.add_argument("--trees", type=_non_negative, default=2,
+                   help="requests whose draft tree is printed each round (2)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip recomputing every attention call with torch_ref")
+    return p
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    if args.mla:
+        return ModelConfig(num_layers=args.layers, mla=True, hidden=256, num_heads=4,
+                           kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                           v_head_dim=64)
+    return ModelConfig(num_layers=args.layers, hidden=256, num_q_heads=4, num_kv_heads=2,
+                       head_dim=64)
+
+
+def _make_runner(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> DraftRunner:
+    """Pools sized for every prompt, all rounds' accepted tokens and one round of drafts
+    (with ``P > 1`` and ``K > 1`` each branch gets its own pages: upstream layout)."""
+    p, k, s = args.page_size, args.topk, args.steps
+    draft_room = k * (math.ceil((p - 1 + s) / p) + 1) * p
+    max_ctx = args.max_len + args.rounds * (s + 1) + draft_room
+    pages_per_req = math.ceil(max_ctx / p) + 1
+    num_slots = (args.batch * pages_per_req + 2) * p
+    common = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_reqs=args.batch + 1,
+                  max_context_len=max_ctx, page_size=p, dtype=dtype, device=args.device)
+    if cfg.mla:
+        return DraftRunner.mla(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, **common)
+    return DraftRunner.mha(cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, **common)
+
+
+def _prompt_lens(batch: int, lo: int, hi: int) -> list[int]:
+    """Evenly spread from ``lo`` to ``hi``: ragged unless ``lo == hi``."""
+    if batch == 1:
+        return [hi]
+    return [lo + round(b * (hi - lo) / (batch - 1)) for b in range(batch)]
+
+
+def run_demo(args: argparse.Namespace, out: TextIO) -> int:
+    """The demo proper; returns 0 when every output matched torch_ref, else 1."""
+    from ..allocator import PagedKVAllocator
+
+    def say(line: str = "") -> None:
+        print(line, file=out)
+
+    t0 = time.perf_counter()
+    dtype = DTYPES[args.dtype]
+    cfg = _model_config(args)
+    model = DraftModel(cfg, seed=args.seed, dtype=dtype, device=args.device)
+    runner = _make_runner(cfg, args, dtype)
+    say(f"platform: {current_platform()}")
+    say(f"model: {'MLA' if cfg.mla else 'GQA'} draft model, {cfg.num_layers} layers, hidden "
+        f"{cfg.hidden}, vocab {cfg.vocab_size}, random weights (seed {args.seed})")
+    say(f"runner: {runner}")
+    lens = _prompt_lens(args.batch, args.min_len, args.max_len)
+    say(f"requests: {args.batch}, prompt lengths {lens}; topk {args.topk}, steps "
+        f"{args.steps}, tree mode {args.tree_mode}")
+    say()
+
+    config = SpecConfig(attention_backend=args.backend, page_size=args.page_size)
+    factory = DraftBackendFactory(config, runner, args.topk, args.steps,
+                                  tree_mode=args.tree_mode)
+    say(f"selection (attention_backend={args.backend!r}):")
+    say(factory.explain_draft_extend_backend().explain())
+    say(factory.explain_decode_backend().explain())
+    extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
+    if extend is None:
+        raise SpecAttnError(f"{args.backend!r} has no draft-extend backend; the demo needs "
+                            "one (pass another --backend)")
+    names = {"extend": type(extend).name,
+             "decode": None if decode is None else type(decode).name}
+    say(f"-> extend: {names['extend']} ({type(extend).qualified_name()}); decode: "
+        + ("none (num_steps == 1: the extend's top-k is the whole draft)" if decode is None
+           else f"{names['decode']} ({type(decode).qualified_name()})"))
+    say()
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
+    meter = None if args.no_check else ErrorMeter(dtype)
+    drafter = EagleDrafter(model, runner, PagedKVAllocator(runner), extend, decode,
+                           topk=args.topk, num_steps=args.steps, tree_mode=args.tree_mode,
+                           meter=meter)
+    say(LEGEND)
+    new_tokens = None
+    for r in range(args.rounds):
+        if new_tokens is None:
+            drafter.add_requests(prompts)
+            what = f"prompts, {sum(lens)} tokens"
+        else:
+            drafter.extend(new_tokens)
+            what = f"accepted + bonus, {sum(int(t.numel()) for t in new_tokens)} tokens"
+        tree = drafter.draft()
+        counts, new_tokens = drafter.simulate_acceptance(tree, gen)
+        say(f"round {r}: draft extend ({what}), then {args.steps} draft steps x "
+            f"{args.topk} lanes; simulated accepts {counts} (+1 bonus each)")
+        for b in range(min(args.trees, args.batch)):
+            for line in render_tree(tree, b, tree_mode=args.tree_mode, accepted=counts[b]):
+                say("  " + line)
+    say()
+    if meter is None:
+        say("check against torch_ref skipped (--no-check)")
+    else:
+        say("outputs vs torch_ref (every attention call recomputed on the same pools):")
+        for line in render_meter(meter, names):
+            say(line)
+    say(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if meter is None or meter.ok else 1
+
+
+def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
+    """Entry point of ``specattn demo``; returns the exit status (never raises SystemExit)."""
+    out = sys.stdout if out is None else out
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error: argparse already printed
+        return int(exc.code or 0)
+    if args.min_len > args.max_len:
+        parser.print_usage(sys.stderr)
+        print(f"specattn demo: error: --min-len {args.min_len} > --max-len {args.max_len}",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("specattn demo: error: --device cuda but torch sees no CUDA device",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_demo(args, out)
+    except SpecAttnError as exc:
+        print(f"specattn demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
