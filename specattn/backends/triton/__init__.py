@@ -1,24 +1,12 @@
 """Triton backend (``triton``): shared-prefix draft decode and draft extend, MHA and MLA.
 
-Kernels land with issue #4.
+Modules: ``backend`` (the registered classes; imports no Triton), ``launchers`` (plans,
+grids, buffers), ``_attn_kernels`` (split-KV attention + LSE merge), ``_metadata_kernels``
+(device-side metadata). Triton itself is imported only when a backend builds its metadata.
 """
 
 from __future__ import annotations
 
-from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
-from .._pending import PendingDecode, PendingExtend, pending_reason
+from .backend import TritonDecode, TritonExtend
 
-_PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
-_PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
-
-
-class TritonDecode(PendingDecode, name="triton", platforms=_PLATFORMS,
-                   requires=(("triton", "triton"),), kernel_library="triton (specattn)",
-                   priority=_PRIORITY):
-    pending = pending_reason(4, "the Triton kernels")
-
-
-class TritonExtend(PendingExtend, name="triton", platforms=_PLATFORMS,
-                   requires=(("triton", "triton"),), kernel_library="triton (specattn)",
-                   priority=_PRIORITY):
-    pending = pending_reason(4, "the Triton kernels")
+__all__ = ["TritonDecode", "TritonExtend"]

@@ -1,0 +1,65 @@
+"""Triton kernels that build the attention kernels' metadata on the device (no host sync).
+
+One launch per draft round (decode, all steps) or per extend batch, writing into buffers
+that the caller may keep fixed for CUDA graphs:
+
+- ``Meta [B, 5]`` int32 per request: ``req_pool_index, prefix_len, split_len, q_start, n_q``
+  (``split_len`` = the prefix slice of one split, a multiple of ``BLOCK_N``).
+- decode: ``Hist [B*K, S]`` int32, the lane-mode history table (``Hist[z, t]`` = the slot lane
+  ``z`` wrote at step ``t``); path mode reads it at the ancestor lanes it finds through
+  ``parents`` at run time, so one table serves every step of both modes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attn_kernels import META_W
+
+
+@triton.jit
+def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
+                            stride_loc_b, stride_loc_k, stride_loc_s,
+                            TOPK: tl.constexpr, NUM_STEPS: tl.constexpr,
+                            BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Grid ``(B * K,)``: lane ``z`` copies its slots; lane ``j == 0`` writes its request."""
+    z = tl.program_id(0)
+    b = z // TOPK
+    j = z % TOPK
+    offs_s = tl.arange(0, BLOCK_S)
+    loc = tl.load(OutLoc + b * stride_loc_b + j * stride_loc_k + offs_s * stride_loc_s,
+                  mask=offs_s < NUM_STEPS, other=0)
+    tl.store(Hist + z * NUM_STEPS + offs_s, loc.to(tl.int32), mask=offs_s < NUM_STEPS)
+    if j == 0:
+        seq = tl.load(SeqLens + b).to(tl.int32)
+        per = (seq + NUM_SPLITS - 1) // NUM_SPLITS
+        split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        tl.store(Meta + b * META_W, tl.load(ReqPoolIdx + b).to(tl.int32))
+        tl.store(Meta + b * META_W + 1, seq)
+        tl.store(Meta + b * META_W + 2, split_len)
+        tl.store(Meta + b * META_W + 3, b * TOPK)
+        tl.store(Meta + b * META_W + 4, TOPK)
+
+
+@triton.jit
+def _extend_metadata_kernel(ReqPoolIdx, SeqLens, ExtLens, Meta, bs,
+                            BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Grid ``(1,)``: per request the prefix ``L' - E``, its split length and ``cumsum(E)``."""
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < bs
+    ext = tl.load(ExtLens + offs, mask=ok, other=0).to(tl.int32)
+    seq = tl.load(SeqLens + offs, mask=ok, other=0).to(tl.int32)
+    rpi = tl.load(ReqPoolIdx + offs, mask=ok, other=0).to(tl.int32)
+    prefix = seq - ext
+    per = (prefix + NUM_SPLITS - 1) // NUM_SPLITS
+    split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    q_start = tl.cumsum(ext, 0) - ext
+    row = Meta + offs * META_W
+    tl.store(row, rpi, mask=ok)
+    tl.store(row + 1, prefix, mask=ok)
+    tl.store(row + 2, split_len, mask=ok)
+    tl.store(row + 3, q_start, mask=ok)
+    tl.store(row + 4, ext, mask=ok)

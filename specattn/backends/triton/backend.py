@@ -1,0 +1,291 @@
+"""``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA.
+
+Importing this module does not import Triton: the kernels load on the first metadata call.
+
+Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel (request
+table + lane history table, all steps); per step and layer ``forward`` writes the new KV
+(indexed copy at the history table's step column) then runs the split-KV attention kernel
+and the LSE merge. ``mode="shared"`` (default) reads each request's prefix once per KV head
+for all ``K`` lanes; ``mode="per-branch"`` treats every lane as its own sequence (the
+upstream design: prefix read ``K`` times), kept for benchmarks and as a fallback.
+
+CUDA graphs: ``init_cuda_graph_state`` allocates every buffer for ``max_bs * K`` lanes; the
+capture/replay metadata calls refill them with one kernel launch and no host sync. The split
+count depends only on the (padded) batch size, so capture and replay agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ... import validation
+from ...base import DraftDecodeBackend, DraftExtendBackend
+from ...errors import InvalidInputError
+from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
+
+if TYPE_CHECKING:
+    from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
+
+log = logging.getLogger("specattn.triton")
+
+_PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
+_PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
+_DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton"),),
+             kernel_library="triton (specattn)", priority=_PRIORITY)
+_TESTED_ON = "CPU interpreter only"
+DECODE_MODES = ("shared", "per-branch")
+
+
+def _launchers():
+    from . import launchers
+
+    return launchers
+
+
+class _GraphBuffers:
+    """Fixed buffers for CUDA graphs (or the eager cache): meta, history, partials."""
+
+    def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
+                 d_v: int, device: torch.device, max_splits: int) -> None:
+        parts = max_splits + 1
+        self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
+        self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
+        self.mid_o = torch.empty(max_rows * num_q_heads * parts * d_v, dtype=torch.float32,
+                                 device=device)
+        self.mid_lse = torch.empty(max_rows * num_q_heads * parts, dtype=torch.float32,
+                                   device=device)
+
+
+class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
+    """Multi-step draft decode on Triton kernels (see the module doc).
+
+    ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
+    (default: from the SM count and the grid size); ``config``: a ``launchers.KernelConfig``
+    overriding the block sizes (benchmarks)."""
+
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    supports_cuda_graph = True
+    tested_on = _TESTED_ON
+
+    def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
+                 mode: str = "shared", num_splits: Optional[int] = None,
+                 config=None, split_waves: float = 4.0) -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        if mode not in DECODE_MODES:
+            raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
+        if num_splits is not None and not 1 <= num_splits <= 16:
+            raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
+        self.mode = mode
+        self._num_splits_override = num_splits
+        self._config_override = config
+        self._split_waves = split_waves
+        self._bufs: Optional[_GraphBuffers] = None
+        self._graph_bufs: Optional[_GraphBuffers] = None
+        self._batch: Optional["DraftBatch"] = None
+        self._plan = None
+
+    # --- planning (host ints only) -------------------------------------------------------
+
+    def _make_plan(self, bs: int):
+        L = _launchers()
+        shape = L.AttnShape.of(self.runner)
+        lanes = self.topk if self.mode == "shared" else 1
+        rows_per_group = lanes * shape.group
+        cfg = self._config_override or L.choose_config(shape, rows_per_group)
+        num_groups = bs * self.topk // lanes
+        programs = triton_cdiv(rows_per_group, cfg.block_m) * num_groups * shape.num_kv_heads
+        splits = self._num_splits_override or L.choose_num_splits(
+            programs, self.runner.device, self._split_waves)
+        return dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
+                    num_groups=num_groups, num_splits=splits, bs=bs)
+
+    def _buffers_for(self, bs: int) -> _GraphBuffers:
+        if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:
+            return self._graph_bufs
+        rows = bs * self.topk
+        b = self._bufs
+        if b is None or b.meta.shape[0] < bs or b.hist.shape[0] < rows:
+            shape = _launchers().AttnShape.of(self.runner)
+            b = self._bufs = _GraphBuffers(bs, rows, self.num_steps, shape.num_q_heads,
+                                           shape.d_v, self.runner.device, 16)
+        return b
+
+    # --- metadata ------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        """One metadata launch for all steps of the round (no host sync on a GPU)."""
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch)
+        self._fill(batch, batch.batch_size)
+
+    def _fill(self, batch: "DraftBatch", bs: int) -> None:
+        plan = self._make_plan(bs)
+        bufs = self._buffers_for(bs)
+        _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
+                                     batch.out_cache_loc, bufs.meta, bufs.hist,
+                                     plan["num_splits"], plan["cfg"].block_n)
+        self._batch, self._plan, self._active = batch, plan, bufs
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
+        self.cuda_graph_max_bs = max_bs
+        shape = _launchers().AttnShape.of(self.runner)
+        self._graph_bufs = _GraphBuffers(max_bs, max_bs * self.topk, self.num_steps,
+                                         shape.num_q_heads, shape.d_v, self.runner.device, 16)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
+        self._check_graph_batch(batch)
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._captured_parents = batch.parents
+        self._fill(batch, batch.batch_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
+        """Refill the fixed buffers for ``bs`` (padded) requests; ``batch`` holds ``bs``."""
+        self._check_graph_batch(batch)
+        if batch.batch_size != bs:
+            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
+                                    f"{batch.batch_size} requests")
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        captured = getattr(self, "_captured_parents", None)
+        if self.tree_mode == "path" and captured is not None and (
+                batch.parents.data_ptr() != captured.data_ptr()):
+            # The graph reads parents live; the caller must fill the captured tensor in place.
+            if batch.parents.shape[1] > captured.shape[1]:
+                raise InvalidInputError("batch.parents", "the tensor used at capture",
+                                        "a different, larger tensor")
+            captured[:, :bs].copy_(batch.parents)
+        self._fill(batch, bs)
+
+    def _check_graph_batch(self, batch: "DraftBatch") -> None:
+        if self._graph_bufs is None:
+            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
+                                    "no call")
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("triton: forward() called before init_forward_metadata(batch)")
+        plan, bufs = self._plan, self._active
+        lanes = plan["bs"] * self.topk
+        validation.check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
+        parents = None
+        if self.tree_mode == "path":
+            validation.check_parents_step(self._batch, step, self.topk)
+            parents = getattr(self, "_captured_parents", None) if bufs is self._graph_bufs \
+                else None
+            parents = parents if parents is not None else self._batch.parents
+        # The history table's column `step` is out_cache_loc[:, :, step] (fixed buffer).
+        self.runner.write_kv(layer.layer_id, bufs.hist[:lanes, step], k, v)
+        L = _launchers()
+        shape = plan["shape"]
+        mid_o, mid_lse = L.scratch(lanes, shape, plan["num_splits"], q.device, bufs.mid_o,
+                                   bufs.mid_lse)
+        mode = 1 if self.tree_mode == "path" else 0
+        return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
+                           mode=mode, num_groups=plan["num_groups"],
+                           rows_per_group=plan["rows_per_group"],
+                           lanes_per_group=plan["lanes"], topk=self.topk,
+                           num_steps=self.num_steps, step=step,
+                           num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
+                           mid_lse=mid_lse, hist=bufs.hist, parents=parents)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
+    """Draft extend on the same split-KV kernel: per request and KV head, the ``E_b * G``
+    query rows read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally."""
+
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    supports_cuda_graph = True
+    tested_on = _TESTED_ON
+
+    def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
+                 num_splits: Optional[int] = None, config=None,
+                 split_waves: float = 4.0) -> None:
+        super().__init__(runner, topk=topk, num_steps=num_steps)
+        self._num_splits_override = num_splits
+        self._config_override = config
+        self._split_waves = split_waves
+        self._graph_bufs: Optional[_GraphBuffers] = None
+        self._bufs: Optional[_GraphBuffers] = None
+        self._batch = None
+
+    def _plan_for(self, bs: int, num_tokens: int, max_extend: int):
+        L = _launchers()
+        shape = L.AttnShape.of(self.runner)
+        rows_per_group = max_extend * shape.group
+        cfg = self._config_override or L.choose_config(shape, rows_per_group)
+        programs = triton_cdiv(rows_per_group, cfg.block_m) * bs * shape.num_kv_heads
+        splits = self._num_splits_override or L.choose_num_splits(
+            programs, self.runner.device, self._split_waves)
+        return dict(shape=shape, cfg=cfg, rows_per_group=rows_per_group, num_splits=splits,
+                    bs=bs, num_tokens=num_tokens)
+
+    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+        """Eager: reads ``max(extend_lens)`` to size the grid (one host sync, as upstream)."""
+        validation.check_extend_batch(self.runner, batch)
+        max_extend = int(batch.extend_lens.max())
+        self._fill(batch, max_extend)
+
+    def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
+        bs = batch.batch_size
+        num_tokens = int(batch.out_cache_loc.shape[0])
+        plan = self._plan_for(bs, num_tokens, max_extend)
+        bufs = self._graph_bufs
+        if bufs is None or bufs.meta.shape[0] < bs or bufs.hist.shape[0] < num_tokens:
+            bufs = self._bufs
+            if bufs is None or bufs.meta.shape[0] < bs or bufs.hist.shape[0] < num_tokens:
+                shape = plan["shape"]
+                bufs = self._bufs = _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads,
+                                                  shape.d_v, self.runner.device, 16)
+        _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
+                                     batch.extend_lens, bufs.meta, plan["num_splits"],
+                                     plan["cfg"].block_n)
+        # Slots of the new tokens in a fixed buffer, so a replayed graph writes the new ones.
+        bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
+        self._batch, self._plan, self._active = batch, plan, bufs
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.cuda_graph_max_bs = max_bs
+        shape = _launchers().AttnShape.of(self.runner)
+        self._graph_bufs = _GraphBuffers(max_bs, max_num_tokens, 1, shape.num_q_heads,
+                                         shape.d_v, self.runner.device, 16)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
+        """Graph mode: the grid covers any split of ``T`` tokens (``max E <= T - B + 1``)."""
+        validation.check_extend_batch(self.runner, batch, debug=False)
+        n = int(batch.out_cache_loc.shape[0])
+        self._fill(batch, n - batch.batch_size + 1)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
+                                                bs: int) -> None:
+        validation.check_extend_batch(self.runner, batch, debug=False)
+        n = int(batch.out_cache_loc.shape[0])
+        self._fill(batch, n - batch.batch_size + 1)
+
+    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("triton: forward() called before init_forward_metadata(batch)")
+        plan, bufs = self._plan, self._active
+        validation.check_extend_forward(self.runner, plan["num_tokens"], layer, q, k, v)
+        self.runner.write_kv(layer.layer_id, bufs.hist[:plan["num_tokens"], 0], k, v)
+        L = _launchers()
+        shape = plan["shape"]
+        mid_o, mid_lse = L.scratch(plan["num_tokens"], shape, plan["num_splits"], q.device,
+                                   bufs.mid_o, bufs.mid_lse)
+        return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
+                           mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
+                           lanes_per_group=1, topk=1, num_steps=1, step=0,
+                           num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
+                           mid_lse=mid_lse)

@@ -1,0 +1,178 @@
+"""Launchers: block sizes, split counts, scratch buffers and grids for the Triton kernels.
+
+Plan step (host, outside graph capture): ``choose_config`` / ``choose_num_splits`` from
+Python ints only (shapes, batch size, SM count), never from tensor values, so the same plan is
+valid for every replay of a captured graph. Run step (``decode_metadata``, ``extend_metadata``,
+``attention``): kernel launches on tensors only, graph-safe, no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from . import _attn_kernels as K
+from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
+
+MAX_SPLITS = 16
+META_W = K.META_W
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What the kernels need to know about the model (MHA/GQA or MLA latent)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    d_main: int  # MHA: head_dim; MLA: kv_lora_rank
+    d_pe: int  # MLA rope width, 0 for MHA
+    d_v: int
+    v_is_k: bool  # MLA: V = the first d_v columns of the latent row
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @classmethod
+    def of(cls, runner) -> "AttnShape":
+        if runner.use_mla_backend:
+            return cls(runner.num_heads, 1, runner.kv_lora_rank, runner.qk_rope_head_dim,
+                       runner.kv_lora_rank, True)
+        return cls(runner.num_q_heads, runner.num_kv_heads, runner.head_dim, 0,
+                   runner.v_head_dim, False)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, so tests see several splits
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(1, x)))
+
+
+def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
+    """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
+    if shape.d_pe > 0 or shape.d_main > 256:  # MLA latent: wide rows, keep registers in check
+        bm = min(_pow2(rows_per_group), 32)
+        return KernelConfig(bm, 32, 8 if bm > 16 else 4, 2)
+    bm = min(_pow2(rows_per_group), 64)
+    bn = 64 if shape.d_main <= 128 else 32
+    return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 2)
+
+
+def choose_num_splits(programs: int, device: torch.device, waves: float = 4.0) -> int:
+    """Prefix splits so that ``programs * splits`` fills about ``waves`` programs per SM."""
+    target = int(waves * _sm_count(device))
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, programs))))
+
+
+def layer_pools(runner, layer_id: int):
+    """``(Kb, Vb, stride_ks, stride_kh, stride_vs, stride_vh)`` of one layer's pool."""
+    if runner.use_mla_backend:
+        kv = runner.kv_buffer[layer_id]
+        return kv, kv, kv.stride(0), 0, kv.stride(0), 0
+    k, v = runner.k_buffer[layer_id], runner.v_buffer[layer_id]
+    return k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+
+
+def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
+                    num_splits: int, block_n: int) -> None:
+    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch.
+
+    out_cache_loc: ``[B, K, S]``."""
+    bs, topk, steps = out_cache_loc.shape
+    _decode_metadata_kernel[(bs * topk,)](
+        req_pool_indices, seq_lens, out_cache_loc, meta, hist,
+        out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2),
+        TOPK=topk, NUM_STEPS=steps, BLOCK_S=triton.next_power_of_2(steps),
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
+
+
+def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    extend_lens: torch.Tensor, meta: torch.Tensor, num_splits: int,
+                    block_n: int) -> None:
+    """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``)."""
+    bs = req_pool_indices.shape[0]
+    _extend_metadata_kernel[(1,)](
+        req_pool_indices, seq_lens, extend_lens, meta, bs,
+        BLOCK_B=triton.next_power_of_2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        num_warps=4)
+
+
+def scratch(rows: int, shape: AttnShape, num_splits: int, device: torch.device,
+            flat_o: Optional[torch.Tensor] = None, flat_lse: Optional[torch.Tensor] = None):
+    """Partial-output buffers ``[rows, H_q, splits + 1, D_v]`` / ``[rows, H_q, splits + 1]``
+    (fp32), views of ``flat_o``/``flat_lse`` when given (fixed CUDA-graph buffers)."""
+    parts = num_splits + 1
+    n_o = rows * shape.num_q_heads * parts * shape.d_v
+    n_l = rows * shape.num_q_heads * parts
+    if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
+        flat_o = torch.empty(n_o, dtype=torch.float32, device=device)
+        flat_lse = torch.empty(n_l, dtype=torch.float32, device=device)
+    mid_o = flat_o[:n_o].view(rows, shape.num_q_heads, parts, shape.d_v)
+    mid_lse = flat_lse[:n_l].view(rows, shape.num_q_heads, parts)
+    return mid_o, mid_lse
+
+
+def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tensor,
+              req_to_token: torch.Tensor, *, mode: int, num_groups: int,
+              rows_per_group: int, lanes_per_group: int, topk: int, num_steps: int,
+              step: int, num_splits: int, cfg: KernelConfig, mid_o: torch.Tensor,
+              mid_lse: torch.Tensor, hist: Optional[torch.Tensor] = None,
+              parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Stage 1 + merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]`` in ``q.dtype``."""
+    kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
+    interp = q.device.type == "cpu"  # the Triton CPU interpreter
+    rows = q.shape[0]
+    hist_t = hist if hist is not None else meta
+    par = parents if parents is not None else meta
+    par_s = parents.stride(0) if parents is not None else 0
+    par_b = parents.stride(1) if parents is not None else 0
+    if parents is not None and parents.stride(2) != 1:
+        raise ValueError("parents must have unit stride in its last dimension")
+    grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
+            num_splits + 1)
+    K._partial_attn_kernel[grid](
+        q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist_t, par,
+        step, float(layer.scaling), float(layer.logit_cap),
+        q.stride(0), q.stride(1), sks, skh, svs, svh,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
+        NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, TOPK=topk, NUM_STEPS=num_steps,
+        LANES_PER_GROUP=lanes_per_group, MODE=mode, NUM_SPLITS=num_splits,
+        D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
+        BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe), BLOCK_DV=_pow2(shape.d_v),
+        V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        USE_CAP=layer.logit_cap > 0,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or interp else "tf32", DOT_F32=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
+    parts = num_splits + 1
+    K._merge_kernel[(rows, shape.num_q_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=shape.d_v,
+        BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
+    return out

@@ -1,0 +1,237 @@
+"""Triton backend on the CPU interpreter (TRITON_INTERPRET=1, set by conftest) vs torch_ref.
+
+Tiny shapes (the interpreter is slow): B = 2, L <= 40, head dim 16/32, MLA rank 32 + rope 16.
+Scratch buffers are NaN-poisoned before every call, so an unwritten partial shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specattn import metadata
+from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.errors import InvalidInputError
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+
+from specattn.backends.triton import TritonDecode, TritonExtend  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten partial?)"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def make_runner(model: str, dtype, *, page: int, num_slots: int, max_reqs: int,
+                max_ctx: int) -> DraftRunner:
+    if model == "mha":
+        runner = DraftRunner.mha(4, 2, 32, num_layers=2, num_slots=num_slots,
+                                 max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
+                                 dtype=dtype, device=DEV)
+        pools = runner.k_buffer + runner.v_buffer
+    else:
+        runner = DraftRunner.mla(4, 32, 16, num_layers=2, num_slots=num_slots,
+                                 max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
+                                 dtype=dtype, device=DEV)
+        pools = runner.kv_buffer
+    for p in pools:
+        p.copy_(torch.randn(p.shape, device=DEV).to(dtype))
+    return runner
+
+
+def make_decode(model, dtype, *, topk, steps, page, seq_lens, tree_mode="lane"):
+    bs = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
+    extra = metadata.max_draft_extend_len(topk, steps, page)
+    max_ctx = max(seq_lens) + extra + page
+    num_slots = sum(seq_lens) + bs * extra + 8
+    runner = make_runner(model, dtype, page=page, num_slots=num_slots, max_reqs=bs + 3,
+                         max_ctx=max_ctx)
+    rpi = torch.randperm(bs + 3, device=DEV)[:bs]
+    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
+    used = 0
+    for b, L in enumerate(seq_lens):
+        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
+        used += L
+    n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
+    loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq,
+                                           perm[used:used + n_new].long(), topk, steps, page)
+    parents = None
+    if tree_mode == "path":
+        parents = torch.zeros(steps, bs, topk, dtype=torch.int64, device=DEV)
+    return runner, DraftBatch(rpi, seq, loc, parents)
+
+
+def new_qkv(runner: DraftRunner, rows: int, dtype):
+    if runner.use_mla_backend:
+        w = runner.kv_lora_rank + runner.qk_rope_head_dim
+        return (torch.randn(rows, runner.num_heads, w, device=DEV).to(dtype),
+                torch.randn(rows, w, device=DEV).to(dtype), None)
+    return (torch.randn(rows, runner.num_q_heads, runner.head_dim, device=DEV).to(dtype),
+            torch.randn(rows, runner.num_kv_heads, runner.head_dim, device=DEV).to(dtype),
+            torch.randn(rows, runner.num_kv_heads, runner.v_head_dim, device=DEV).to(dtype))
+
+
+def _poison(backend) -> None:
+    backend._active.mid_o.fill_(float("nan"))
+    backend._active.mid_lse.fill_(float("nan"))
+
+
+def run_decode_round(runner, batch, backend, dtype, layer, tree_mode):
+    bs, topk, steps = batch.out_cache_loc.shape
+    backend.init_forward_metadata(batch)
+    for step in range(steps):
+        if tree_mode == "path" and step > 0:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, v = new_qkv(runner, bs * topk, dtype)
+        _poison(backend)
+        out = backend.forward(step, layer, q, k, v)
+        ref = reference_decode(runner, layer, q, batch, step, tree_mode)
+        assert out.shape == ref.shape
+        _close(out, ref, dtype)
+
+
+DECODE_CASES = [
+    # model, dtype, topk, page, tree_mode, seq_lens, mode
+    ("mha", torch.bfloat16, 4, 1, "lane", [13, 40], "shared"),
+    ("mha", torch.float16, 4, 16, "path", [37, 21], "shared"),
+    ("mha", torch.float32, 1, 1, "lane", [24, 24], "shared"),
+    ("mha", torch.bfloat16, 1, 16, "path", [5, 33], "shared"),
+    ("mha", torch.float32, 4, 16, "path", [30, 30], "shared"),
+    ("mha", torch.bfloat16, 4, 16, "lane", [24, 24], "per-branch"),
+    ("mha", torch.float16, 4, 1, "path", [9, 40], "per-branch"),
+    ("mla", torch.bfloat16, 4, 1, "path", [17, 40], "shared"),
+    ("mla", torch.float16, 1, 16, "lane", [32, 32], "shared"),
+    ("mla", torch.bfloat16, 4, 16, "lane", [29, 11], "per-branch"),
+]
+
+
+@pytest.mark.parametrize("model,dtype,topk,page,tree_mode,seq_lens,mode", DECODE_CASES)
+def test_decode_matches_reference(model, dtype, topk, page, tree_mode, seq_lens, mode):
+    runner, batch = make_decode(model, dtype, topk=topk, steps=3, page=page,
+                                seq_lens=seq_lens, tree_mode=tree_mode)
+    backend = TritonDecode(runner, topk, 3, tree_mode=tree_mode, mode=mode)
+    layer = AttentionLayer(layer_id=1, scaling=runner.head_dim ** -0.5)
+    run_decode_round(runner, batch, backend, dtype, layer, tree_mode)
+
+
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_logit_cap_and_fixed_splits(num_splits):
+    runner, batch = make_decode("mha", torch.float32, topk=2, steps=2, page=1,
+                                seq_lens=[40, 3], tree_mode="path")
+    backend = TritonDecode(runner, 2, 2, tree_mode="path", num_splits=num_splits)
+    layer = AttentionLayer(layer_id=0, scaling=0.5, logit_cap=3.0)
+    run_decode_round(runner, batch, backend, torch.float32, layer, "path")
+
+
+def test_decode_zero_length_prefix():
+    """seq_lens = 0: only the history contributes (every split of the prefix is empty)."""
+    runner, batch = make_decode("mha", torch.float32, topk=2, steps=2, page=1,
+                                seq_lens=[0, 19])
+    backend = TritonDecode(runner, 2, 2)
+    run_decode_round(runner, batch, backend, torch.float32,
+                     AttentionLayer(layer_id=0, scaling=0.25), "lane")
+
+
+def test_graph_protocol_padded_replay():
+    """Fixed buffers: capture with one batch, replay with new lengths / rows / slots /
+    parents padded to the captured size; real lanes match the reference."""
+    dtype, topk, steps = torch.float32, 2, 2
+    runner, batch = make_decode("mha", dtype, topk=topk, steps=steps, page=1,
+                                seq_lens=[20, 31, 7], tree_mode="path")
+    backend = TritonDecode(runner, topk, steps, tree_mode="path")
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * topk)
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    layer = AttentionLayer(layer_id=0, scaling=0.3)
+    q, k, v = new_qkv(runner, 3 * topk, dtype)
+    backend.forward(0, layer, q, k, v)
+    # New round: other lengths, rows and slots; same parents tensor, filled in place.
+    runner2, batch2 = make_decode("mha", dtype, topk=topk, steps=steps, page=1,
+                                  seq_lens=[11, 35, 2], tree_mode="path")
+    runner.req_to_token.copy_(runner2.req_to_token[:runner.max_reqs, :runner.max_context_len])
+    batch.req_pool_indices.copy_(batch2.req_pool_indices)
+    batch.seq_lens.copy_(batch2.seq_lens)
+    batch.out_cache_loc.copy_(batch2.out_cache_loc)
+    backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    for step in range(steps):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (3, topk), device=DEV)
+        q, k, v = new_qkv(runner, 3 * topk, dtype)
+        _poison(backend)
+        out = backend.forward(step, layer, q, k, v)
+        _close(out, reference_decode(runner, layer, q, batch, step, "path"), dtype)
+
+
+def make_extend(model, dtype, *, page, seq_lens, ext_lens):
+    bs = len(seq_lens)
+    num_slots = sum(seq_lens) + 8
+    runner = make_runner(model, dtype, page=page, num_slots=num_slots, max_reqs=bs + 2,
+                         max_ctx=max(seq_lens) + page)
+    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
+    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
+    used, new = 0, []
+    for b, (L, E) in enumerate(zip(seq_lens, ext_lens)):
+        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
+        new.append(perm[used + L - E:used + L].long())
+        used += L
+    batch = DraftExtendBatch(rpi, torch.tensor(seq_lens, device=DEV),
+                             torch.tensor(ext_lens, device=DEV), torch.cat(new))
+    return runner, batch
+
+
+EXTEND_CASES = [
+    ("mha", torch.bfloat16, 1, [30, 12], [4, 1]),
+    ("mha", torch.float16, 16, [40, 40], [4, 4]),
+    ("mha", torch.float32, 1, [6, 33], [6, 2]),
+    ("mla", torch.bfloat16, 16, [25, 38], [3, 5]),
+    ("mla", torch.float32, 1, [17, 17], [4, 4]),
+]
+
+
+@pytest.mark.parametrize("model,dtype,page,seq_lens,ext_lens", EXTEND_CASES)
+def test_extend_matches_reference(model, dtype, page, seq_lens, ext_lens):
+    runner, batch = make_extend(model, dtype, page=page, seq_lens=seq_lens, ext_lens=ext_lens)
+    backend = TritonExtend(runner)
+    layer = AttentionLayer(layer_id=1, scaling=0.2, logit_cap=2.0 if dtype == torch.float32
+                           else 0.0)
+    backend.init_forward_metadata(batch)
+    q, k, v = new_qkv(runner, sum(ext_lens), dtype)
+    _poison(backend)
+    out = backend.forward(layer, q, k, v)
+    _close(out, reference_extend(runner, layer, q, batch), dtype)
+
+
+def test_extend_graph_bound_grid():
+    """Graph-mode grid (max E bounded by T - B + 1) gives the same result."""
+    runner, batch = make_extend("mha", torch.float32, page=1, seq_lens=[20, 9], ext_lens=[2, 5])
+    backend = TritonExtend(runner)
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    q, k, v = new_qkv(runner, 7, torch.float32)
+    _poison(backend)
+    out = backend.forward(layer, q, k, v)
+    _close(out, reference_extend(runner, layer, q, batch), torch.float32)
+
+
+def test_bad_mode_and_order():
+    runner, batch = make_decode("mha", torch.float32, topk=1, steps=1, page=1, seq_lens=[4])
+    with pytest.raises(InvalidInputError, match="mode"):
+        TritonDecode(runner, 1, 1, mode="cascade")
+    backend = TritonDecode(runner, 1, 1)
+    q, k, v = new_qkv(runner, 1, torch.float32)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(0, AttentionLayer(layer_id=0, scaling=1.0), q, k, v)
+    with pytest.raises(InvalidInputError):
+        backend.init_forward_metadata_replay_cuda_graph(batch, 1)
