@@ -1,0 +1,144 @@
+"""FlashInfer backends (``flashinfer``, MHA and MLA flavours), FlashInfer 0.7.x.
+
+Draft decode reads each request's prefix once for all ``K`` lanes: a prefix pass (paged
+prefill wrapper, ``K`` non-causal query rows per request) plus a per-lane history pass (batch
+decode wrapper on tensor cores), merged by ``flashinfer.merge_state`` (base-2 LSE on both
+sides). ``topk == 1`` is one plain decode over prefix + history. MLA does the same with
+``BatchMLAPagedAttentionWrapper`` for both passes, so ``topk > 1`` works for MLA too.
+Draft extend is one causal paged prefill (MHA) or MLA pass over ragged requests.
+
+The token pool ``[num_slots, H_kv, D]`` (MLA ``[num_slots, R + rope]``) is viewed as pages
+of one token, so FlashInfer indices are token slots and any engine page size works (also
+page size > 1 with ``topk > 1``). Layout of this package:
+
+- ``_slots.py``: pure-torch CSR slot lists (device-built, no host sync);
+- ``_passes.py``: one planned FlashInfer call (the only vendor imports);
+- ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;
+- this module: the four registered classes.
+
+Limits: FlashInfer plans the softmax scale and the soft cap, so a layer with other values
+than the last plan triggers a re-plan (eager; refused under graph capture). MLA has no soft
+cap. CUDA graph replay re-plans on the host (FlashInfer's scheduler is host code).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import InvalidInputError
+from ...platforms import is_cuda
+from ._decode import MODES, FlashInferDecodeGlue
+from ._extend import FlashInferExtendGlue
+from ._passes import DecodePass, MLAPass, Params, PrefillPass, default_params
+
+__all__ = ["FlashInferDecode", "FlashInferMLADecode", "FlashInferExtend",
+           "FlashInferMLAExtend", "MODES"]
+
+_REQUIRES = (("flashinfer", "flashinfer-python"),)
+_PRIORITY = {"cuda": 70}
+_TESTED = "H200 (sm90)"
+
+
+class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
+                       platforms=is_cuda, models=("mha",), requires=_REQUIRES,
+                       kernel_library="flashinfer", priority=_PRIORITY):
+    """Shared-prefix draft decode for MHA/GQA (``mode="per-branch"``: upstream design).
+
+    q: ``[B*K, H_q, D]``, k: ``[B*K, H_kv, D]``, v: ``[B*K, H_kv, D_v]`` → ``[B*K, H_q, D_v]``.
+    ``prefix_backend`` (instance attribute, before the first round) picks the prefill
+    wrapper's kernel for the prefix pass (``auto``: fa3 on sm90).
+    """
+
+    dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = False  # set after the GPU tests
+    tested_on = "not run on hardware"
+    prefix_backend = "auto"
+
+    def _default_params(self) -> Params:
+        return default_params(self.runner.head_dim)
+
+    def _new_pass(self, role, graph_rows, capacity):
+        kw = dict(graph_rows=graph_rows, capacity=capacity)
+        if role == "prefix":
+            return PrefillPass(self.runner, with_lse=True, backend=self.prefix_backend, **kw)
+        lse = role == "history"
+        if self.runner.v_head_dim != self.runner.head_dim:  # decode wrapper: one head dim
+            return PrefillPass(self.runner, with_lse=lse, **kw)
+        return DecodePass(self.runner, with_lse=lse, **kw)
+
+
+class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
+                       platforms=is_cuda, models=("mha",), requires=_REQUIRES,
+                       kernel_library="flashinfer", priority=_PRIORITY):
+    """Draft extend for MHA/GQA: causal paged prefill over ragged requests.
+
+    q: ``[T, H_q, D]``, k: ``[T, H_kv, D]``, v: ``[T, H_kv, D_v]`` → ``[T, H_q, D_v]``.
+    """
+
+    dtypes = (torch.bfloat16, torch.float16)
+    tested_on = "not run on hardware"
+
+    def _default_params(self) -> Params:
+        return default_params(self.runner.head_dim)
+
+    def _new_pass(self):
+        return PrefillPass(self.runner, with_lse=False)
+
+
+def _mla_params(runner) -> Params:
+    return Params(1.0 / math.sqrt(runner.kv_lora_rank + runner.qk_rope_head_dim), 0.0)
+
+
+def _mla_layer_params(layer) -> Params:
+    if layer.logit_cap > 0:
+        raise InvalidInputError("layer.logit_cap", "0 (FlashInfer MLA has no soft cap)",
+                                layer.logit_cap)
+    return Params(float(layer.scaling), 0.0)
+
+
+class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla",
+                          platforms=is_cuda, models=("mla",), requires=_REQUIRES,
+                          kernel_library="flashinfer", priority=_PRIORITY):
+    """MLA draft decode through ``BatchMLAPagedAttentionWrapper``, ``topk > 1`` included.
+
+    q: ``[B*K, H, R + rope]`` (absorbed), k: ``[B*K, R + rope]``, v: ``None`` →
+    ``[B*K, H, R]``. The plan reads the index range back from the device (FlashInfer's MLA
+    planner validates it), one sync per planned pass.
+    """
+
+    dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = False  # set after the GPU tests
+    tested_on = "not run on hardware"
+
+    def _default_params(self) -> Params:
+        return _mla_params(self.runner)
+
+    def _check_layer_params(self, layer) -> Params:
+        return _mla_layer_params(layer)
+
+    def _new_pass(self, role, graph_rows, capacity):
+        return MLAPass(self.runner, with_lse=role != "full", graph_rows=graph_rows,
+                       capacity=capacity)
+
+
+class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla",
+                          platforms=is_cuda, models=("mla",), requires=_REQUIRES,
+                          kernel_library="flashinfer", priority=_PRIORITY):
+    """MLA draft extend: one causal ``BatchMLAPagedAttentionWrapper`` pass.
+
+    q: ``[T, H, R + rope]``, k: ``[T, R + rope]``, v: ``None`` → ``[T, H, R]``.
+    """
+
+    dtypes = (torch.bfloat16, torch.float16)
+    tested_on = "not run on hardware"
+
+    def _default_params(self) -> Params:
+        return _mla_params(self.runner)
+
+    def _check_layer_params(self, layer) -> Params:
+        return _mla_layer_params(layer)
+
+    def _new_pass(self):
+        return MLAPass(self.runner, with_lse=False)

@@ -1,0 +1,274 @@
+"""The draft-decode glue shared by the MHA and MLA flavours.
+
+Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane):
+
+- ``shared`` mode, ``K > 1``: a *prefix* pass attends the ``K`` query rows of each request
+  to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K`` times), a
+  *history* pass attends each lane to its ``n`` history slots, and ``flashinfer.merge_state``
+  merges the two by their base-2 LSE. The prefix pass is planned once per round and serves
+  every step (its KV set does not change within a round).
+- ``K == 1``, or the ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
+  step, each lane a sequence over ``R_b[0 : L_b]`` plus its history.
+
+Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, for the CSR
+indptrs FlashInfer's host scheduler needs); slot lists are built on the device; the prefix
+pass and the passes of steps ``0 .. max(S - 2, 0)`` are planned (the serving loop never runs
+step ``S - 1``; eager calls plan it on first use). Run step (``forward``): write K/V, refresh
+the ``path`` histories on the device (graph-safe), run the passes, merge.
+
+CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
+``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
+wrapper's int workspace, so ``init_forward_metadata_replay_cuda_graph`` re-plans (outside the
+graph) before every replay, as upstream does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ...base import DraftDecodeBackend
+from ...errors import InvalidInputError
+from ...metadata import path_history_slots
+from ...validation import check_decode_batch, check_decode_forward, check_parents_step
+from ._passes import Params, Pass, flashinfer_module
+from ._slots import fill_ragged_slots, history_positions, host_indptr
+
+log = logging.getLogger("specattn.backends.flashinfer")
+
+MODES = ("shared", "per-branch")
+
+
+class _Round:
+    """The passes of one draft round (eager) or one captured batch size (graph)."""
+
+    def __init__(self, prefix: Optional[Pass], steps: list[Pass]) -> None:
+        self.prefix = prefix
+        self.steps = steps
+        self.planned = [False] * len(steps)
+        self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
+        self.rows = self.plen = self.seq_host = None
+        self.bs = 0
+
+
+class FlashInferDecodeGlue(DraftDecodeBackend):
+    """Common body of ``FlashInferDecode`` and ``FlashInferMLADecode`` (not registered).
+
+    Extra keyword ``mode``: ``"shared"`` (default; shared-prefix passes when ``topk > 1``) or
+    ``"per-branch"`` (each lane its own sequence, the upstream baseline).
+    """
+
+    def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
+                 mode: str = "shared") -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        if mode not in MODES:
+            raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
+        self.mode = mode
+        self.shared = topk > 1 and mode == "shared"
+        self.params = self._default_params()
+        self._eager: Optional[_Round] = None
+        self._graphs: dict[int, _Round] = {}
+        self._active: Optional[_Round] = None
+        self._batch = None
+        self._loc: Optional[torch.Tensor] = None
+        self._parents: Optional[torch.Tensor] = None
+        self._graph_loc: Optional[torch.Tensor] = None
+        self._graph_caps: Optional[tuple[int, int, int]] = None
+
+    # --- flavour hooks -----------------------------------------------------------------------
+
+    def _default_params(self) -> Params:
+        raise NotImplementedError
+
+    def _check_layer_params(self, layer) -> Params:
+        return Params(float(layer.scaling), float(layer.logit_cap))
+
+    def _new_pass(self, role: str, graph_rows: Optional[int], capacity: int) -> Pass:
+        """role: ``prefix`` (K rows per request, LSE), ``history`` (1 row, LSE) or ``full``."""
+        raise NotImplementedError
+
+    # --- metadata ----------------------------------------------------------------------------
+
+    @property
+    def _planned_steps(self) -> int:
+        return max(self.num_steps - 1, 1)
+
+    def _new_round(self, graph_bs: Optional[int] = None) -> _Round:
+        k, s = self.topk, self.num_steps
+        if graph_bs is None:
+            rows = {"prefix": None, "history": None, "full": None}
+            caps = (0, 0, 0)
+        else:
+            n = graph_bs * k
+            rows = {"prefix": graph_bs, "history": n, "full": n}
+            caps = self._graph_caps
+        role, cap = ("history", caps[1]) if self.shared else ("full", caps[2])
+        prefix = self._new_pass("prefix", rows["prefix"], caps[0]) if self.shared else None
+        # Graph wrappers for the steps the serving loop runs; a later step (eager only)
+        # gets an ordinary pass planned on first use.
+        steps = [self._new_pass(role, rows[role], cap) if i < self._planned_steps
+                 else self._new_pass(role, None, 0) for i in range(s)]
+        return _Round(prefix, steps)
+
+    def init_forward_metadata(self, batch) -> None:
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+        if self._eager is None:
+            self._eager = self._new_round()
+        self._batch, self._loc, self._parents = batch, batch.out_cache_loc, batch.parents
+        self._prepare(self._eager, batch.req_pool_indices, batch.seq_lens)
+
+    def _prepare(self, rnd: _Round, rpi: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Build slot lists on the device and plan the round's passes (host)."""
+        k = self.topk
+        rnd.bs = rpi.shape[0]
+        rnd.seq_host = seq_lens.to("cpu", torch.int64)  # the one host copy of the round
+        rnd.rows = rpi.to(torch.int64)
+        rnd.plen = seq_lens.to(torch.int64)
+        rnd.planned = [False] * len(rnd.steps)
+        if self.shared:
+            total = int(rnd.seq_host.sum())
+            fill_ragged_slots(rnd.prefix.reserve(total), total, self.runner.req_to_token,
+                              rnd.rows, rnd.plen)
+            qo = torch.arange(rnd.bs + 1, dtype=torch.int32) * k
+            rnd.prefix.plan(qo, host_indptr(rnd.seq_host), total, False, self.params)
+        else:
+            rnd.rows = rnd.rows.repeat_interleave(k)
+            rnd.plen = rnd.plen.repeat_interleave(k)
+            rnd.seq_host = rnd.seq_host.repeat_interleave(k)
+        for i in range(self._planned_steps):
+            self._plan_step(rnd, i)
+        self._active = rnd
+
+    def _plan_step(self, rnd: _Round, step: int) -> None:
+        n = step + 1
+        lanes = rnd.bs * self.topk
+        # Lane histories; in path mode a placeholder until forward() reads `parents`.
+        hist = self._loc[:, :, :n].reshape(lanes, n)
+        p = rnd.steps[step]
+        if self.shared:
+            total = lanes * n
+            p.reserve(total)[:total] = hist.reshape(-1).to(torch.int32)
+            qo = torch.arange(lanes + 1, dtype=torch.int32)
+            p.plan(qo, qo * n, total, False, self.params)
+        else:
+            total = int(rnd.seq_host.sum()) + lanes * n
+            fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
+                              rnd.plen, hist)
+            if self._needs_path_refresh:
+                rnd.hist_pos[step] = history_positions(rnd.plen, n)
+            qo = torch.arange(lanes + 1, dtype=torch.int32)
+            p.plan(qo, host_indptr(rnd.seq_host + n), total, False, self.params)
+        rnd.planned[step] = True
+
+    @property
+    def _needs_path_refresh(self) -> bool:
+        # With one lane the ancestor chain is the lane itself.
+        return self.tree_mode == "path" and self.topk > 1
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        rnd = self._active
+        if rnd is None:
+            raise RuntimeError(f"{type(self).name}: forward() called before "
+                               "init_forward_metadata()")
+        lanes = rnd.bs * self.topk
+        check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
+        if self.tree_mode == "path":
+            check_parents_step(self._batch, step, self.topk)
+        self._sync_params(rnd, layer)
+        if not rnd.planned[step]:
+            if torch.cuda.is_current_stream_capturing():
+                raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
+                                        "graph capture (the serving loop runs steps "
+                                        "0 .. num_steps-2)", step)
+            self._plan_step(rnd, step)
+        self.runner.write_kv(layer.layer_id, self._loc[:, :, step].reshape(-1), k, v)
+        if self._needs_path_refresh:
+            self._refresh_path(rnd, step)
+        q = q if q.is_contiguous() else q.contiguous()
+        if not self.shared:
+            o, _ = rnd.steps[step].run(q, layer.layer_id)
+            return o
+        o_p, lse_p = rnd.prefix.run(q, layer.layer_id)
+        o_h, lse_h = rnd.steps[step].run(q, layer.layer_id)
+        o, _ = flashinfer_module().merge_state(o_p, lse_p, o_h, lse_h)
+        return o
+
+    def _refresh_path(self, rnd: _Round, step: int) -> None:
+        """Rewrite step ``step``'s history slots from ``parents`` (device ops, graph-safe)."""
+        hist = path_history_slots(self._loc, self._parents, step).reshape(-1).to(torch.int32)
+        p = rnd.steps[step]
+        if self.shared:
+            p.indices[:hist.numel()].copy_(hist)
+        else:
+            p.indices.index_copy_(0, rnd.hist_pos[step], hist)
+
+    def _sync_params(self, rnd: _Round, layer) -> None:
+        want = self._check_layer_params(layer)
+        if want == self.params:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise InvalidInputError(
+                "layer", f"scaling={self.params.scale} and logit_cap={self.params.cap} "
+                "under CUDA graph capture (FlashInfer plans them; run one eager round or the "
+                "warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
+        log.debug("re-planning for scaling=%s logit_cap=%s", want.scale, want.cap)
+        self.params = want
+        for p, done in zip(rnd.steps, rnd.planned):
+            if done:
+                p.replan(want)
+        if rnd.prefix is not None:
+            rnd.prefix.replan(want)
+
+    # --- CUDA graphs -------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
+        if max_bs < 1:
+            raise InvalidInputError("max_bs", "an int >= 1", max_bs)
+        self.cuda_graph_max_bs = max_bs
+        k, s, ctx = self.topk, self.num_steps, self.runner.max_context_len
+        lanes = max_bs * k
+        self._graph_caps = (max_bs * ctx, lanes * s, lanes * (ctx + s))
+        self._graph_loc = torch.zeros(max_bs, k, s, dtype=torch.int64,
+                                      device=self.runner.device)
+        self._graphs.clear()
+
+    def _graph_batch(self, batch, bs: int):
+        """Pad ``batch`` to ``bs`` requests into the fixed ``out_cache_loc`` buffer."""
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
+                           max_bs=self.cuda_graph_max_bs)
+        raw = batch.batch_size
+        if raw > bs:
+            raise InvalidInputError("bs", f">= batch size {raw}", bs)
+        rpi, seq = batch.req_pool_indices, batch.seq_lens
+        if raw < bs:
+            pad = bs - raw
+            rpi = torch.cat([rpi, rpi.new_zeros(pad)])
+            seq = torch.cat([seq, seq.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
+        loc = self._graph_loc[:bs]
+        loc.zero_()
+        loc[:raw].copy_(batch.out_cache_loc)
+        self._batch, self._loc, self._parents = batch, loc, batch.parents
+        return rpi, seq
+
+    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
+        if self._graph_caps is None:
+            raise RuntimeError(f"{type(self).name}: init_cuda_graph_state() first")
+        bs = batch.batch_size
+        rpi, seq = self._graph_batch(batch, bs)
+        rnd = self._graphs.get(bs)
+        if rnd is None:
+            rnd = self._graphs[bs] = self._new_round(graph_bs=bs)
+        self._prepare(rnd, rpi, seq)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
+        rnd = self._graphs.get(bs)
+        if rnd is None:
+            raise InvalidInputError("bs", f"a captured batch size {sorted(self._graphs)}", bs)
+        rpi, seq = self._graph_batch(batch, bs)
+        self._prepare(rnd, rpi, seq)

@@ -1,0 +1,228 @@
+"""One FlashInfer attention call over page-size-1 sequences: a *pass*.
+
+A pass owns a FlashInfer wrapper and the int32 ``indices`` buffer its KV slot list lives in.
+Plan step (host, outside graph capture): ``plan(qo_indptr, kv_indptr, total, causal, params)``
+with CPU indptrs, after the caller wrote ``indices[:total]`` on the device. Run step (tensors
+only, graph-safe): ``run(q, layer_id) -> (o, lse or None)``; ``lse`` is base 2 (FlashInfer's),
+the base ``flashinfer.merge_state`` expects.
+
+The wrapper keeps a reference to ``indices`` (eager) or was built on it (CUDA graph: it is the
+fixed ``paged_kv_indices`` buffer), so slot lists rewritten in place after ``plan`` (``path``
+histories) are what the kernel reads. The softmax scale and soft cap are plan arguments in
+FlashInfer; ``replan(params)`` re-plans with the last host arguments when a layer asks for
+other values (eager only).
+
+Vendor imports happen only inside these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from ...data import DraftRunner
+
+__all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
+           "flashinfer_module"]
+
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def flashinfer_module():
+    """``import flashinfer`` (the only place the vendor library is imported)."""
+    import flashinfer
+
+    return flashinfer
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """The float workspace shared by every pass on ``device`` (128 MiB, zeroed once).
+
+    Passes run one after another on one stream, and split-KV partials live in it only during
+    one ``run``, so sharing is safe (SGLang shares one the same way)."""
+    buf = _WORKSPACES.get(device)
+    if buf is None:
+        buf = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        _WORKSPACES[device] = buf
+    return buf
+
+
+class Params(NamedTuple):
+    """Plan-time attention parameters: softmax scale and logit soft cap (0 = off)."""
+
+    scale: float
+    cap: float
+
+
+def default_params(head_dim: int) -> Params:
+    return Params(1.0 / math.sqrt(head_dim), 0.0)
+
+
+class Pass:
+    """Base: indices buffer, plan bookkeeping. ``rows`` fixed = CUDA-graph mode."""
+
+    def __init__(self, runner: "DraftRunner", *, with_lse: bool, graph_rows: Optional[int] = None,
+                 capacity: int = 0) -> None:
+        self.runner = runner
+        self.with_lse = with_lse
+        self.graph_rows = graph_rows  # number of sequences, frozen in graph mode
+        self.indices = torch.zeros(max(capacity, 1), dtype=torch.int32, device=runner.device)
+        self.wrapper = None
+        self._last: Optional[tuple] = None
+
+    @property
+    def graph(self) -> bool:
+        return self.graph_rows is not None
+
+    def reserve(self, total: int) -> torch.Tensor:
+        """The indices buffer, grown (eager) to hold ``total`` entries."""
+        if total > self.indices.numel():
+            if self.graph:
+                from ...errors import InvalidInputError
+
+                raise InvalidInputError("batch", f"at most {self.indices.numel()} KV slots in "
+                                        "this pass (init_cuda_graph_state sizes)", total)
+            self.indices = torch.zeros(int(total * 1.25) + 1, dtype=torch.int32,
+                                       device=self.indices.device)
+            self.wrapper = None  # its reference is to the old buffer
+        return self.indices
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, total: int, causal: bool,
+             params: Params) -> None:
+        """Plan over ``indices[:total]``. qo_indptr, kv_indptr: ``[M + 1]`` int32 on the CPU."""
+        if self.wrapper is None:
+            self.wrapper = self._make_wrapper(kv_indptr.numel() - 1)
+        self._last = (qo_indptr, kv_indptr, total, causal)
+        self._plan(qo_indptr, kv_indptr, total, causal, params)
+
+    def replan(self, params: Params) -> None:
+        if self._last is not None:
+            self._plan(*self._last, params)
+
+    def _make_wrapper(self, num_seqs: int):
+        raise NotImplementedError
+
+    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+        raise NotImplementedError
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        raise NotImplementedError
+
+    def _graph_csr_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev, m = self.runner.device, self.graph_rows
+        return (torch.zeros(m + 1, dtype=torch.int32, device=dev),
+                torch.zeros(m + 1, dtype=torch.int32, device=dev),
+                torch.ones(m, dtype=torch.int32, device=dev))
+
+
+def _mha_kv(runner: "DraftRunner", layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token pools as NHD pages of one token: ``[num_slots, 1, H_kv, D]``."""
+    return runner.k_buffer[layer_id].unsqueeze(1), runner.v_buffer[layer_id].unsqueeze(1)
+
+
+class PrefillPass(Pass):
+    """``BatchPrefillWithPagedKVCacheWrapper``: any number of query rows per sequence
+    (prefix pass with ``K`` rows per request; causal draft extend)."""
+
+    def __init__(self, runner: "DraftRunner", *, backend: str = "auto", **kw) -> None:
+        super().__init__(runner, **kw)
+        self.backend = backend
+
+    def _make_wrapper(self, num_seqs: int):
+        fi = flashinfer_module()
+        ws = workspace(self.runner.device)
+        if not self.graph:
+            return fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.backend)
+        qo, kv, last = self._graph_csr_buffers()
+        return fi.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=kv,
+            paged_kv_indices_buf=self.indices, paged_kv_last_page_len_buf=last,
+            backend=self.backend)
+
+    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+        r = self.runner
+        last = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
+        self.wrapper.plan(qo_indptr, kv_indptr, self.indices[:total], last, r.num_q_heads,
+                          r.num_kv_heads, r.head_dim, 1, head_dim_vo=r.v_head_dim,
+                          causal=causal, sm_scale=params.scale,
+                          logits_soft_cap=params.cap if params.cap > 0 else None,
+                          q_data_type=r.dtype, kv_data_type=r.dtype)
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        kv = _mha_kv(self.runner, layer_id)
+        if self.with_lse:
+            return self.wrapper.run(q, kv, return_lse=True)
+        return self.wrapper.run(q, kv), None
+
+
+class DecodePass(Pass):
+    """``BatchDecodeWithPagedKVCacheWrapper`` on tensor cores: one query row per sequence
+    (history pass, ``topk == 1`` and ``per-branch`` full sequences)."""
+
+    def _make_wrapper(self, num_seqs: int):
+        fi = flashinfer_module()
+        ws = workspace(self.runner.device)
+        if not self.graph:
+            return fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True,
+                                                         backend="fa2")
+        _, kv, last = self._graph_csr_buffers()
+        return fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=last,
+            backend="fa2")
+
+    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+        r = self.runner
+        last = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
+        self.wrapper.plan(kv_indptr, self.indices[:total], last, r.num_q_heads, r.num_kv_heads,
+                          r.head_dim, 1, sm_scale=params.scale,
+                          logits_soft_cap=params.cap if params.cap > 0 else None,
+                          q_data_type=r.dtype, kv_data_type=r.dtype)
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        kv = _mha_kv(self.runner, layer_id)
+        if self.with_lse:
+            return self.wrapper.run(q, kv, return_lse=True)
+        return self.wrapper.run(q, kv), None
+
+
+class MLAPass(Pass):
+    """``BatchMLAPagedAttentionWrapper`` over the latent pool ``[num_slots, R + rope]`` seen
+    as split ``ckv [num_slots, 1, R]`` / ``kpe [num_slots, 1, rope]`` (strided views, no
+    copy). Query ``[rows, H, R + rope]`` is split the same way."""
+
+    def _make_wrapper(self, num_seqs: int):
+        fi = flashinfer_module()
+        ws = workspace(self.runner.device)
+        if not self.graph:
+            return fi.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
+        qo, kv, _ = self._graph_csr_buffers()
+        kv_len = torch.zeros(self.graph_rows, dtype=torch.int32, device=self.runner.device)
+        return fi.mla.BatchMLAPagedAttentionWrapper(
+            ws, use_cuda_graph=True, qo_indptr=qo, kv_indptr=kv, kv_indices=self.indices,
+            kv_len_arr=kv_len, backend="auto")
+
+    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+        fi = flashinfer_module()
+        r = self.runner
+        kv_len = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+        meta = fi.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, self.indices[:total], kv_len)
+        self.wrapper.plan(metadata=meta, num_heads=r.num_heads, head_dim_ckv=r.kv_lora_rank,
+                          head_dim_kpe=r.qk_rope_head_dim, page_size=1, causal=causal,
+                          sm_scale=params.scale, q_data_type=r.dtype, kv_data_type=r.dtype,
+                          query_layout="split", kv_cache_layout="split",
+                          lse_mode="base2" if self.with_lse else "none")
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        r = self.runner
+        rank = r.kv_lora_rank
+        kv = r.kv_buffer[layer_id]
+        query = (q[..., :rank], q[..., rank:])
+        cache = (kv[:, :rank].unsqueeze(1), kv[:, rank:].unsqueeze(1))
+        if self.with_lse:
+            return self.wrapper.run(query=query, kv_cache=cache, return_lse=True)
+        return self.wrapper.run(query=query, kv_cache=cache), None
