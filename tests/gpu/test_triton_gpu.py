@@ -1,0 +1,227 @@
+"""Triton backend on a CUDA GPU at real shapes (performance.md) vs torch_ref; CUDA graphs;
+a random-shape stress loop. Marked ``gpu`` (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specattn import metadata
+from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _close(out, ref, dtype):
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def make_runner(model, dtype, page, num_slots, max_reqs, max_ctx, gqa=(32, 8, 128)):
+    if model == "mha":
+        r = DraftRunner.mha(*gqa, num_layers=1, num_slots=num_slots, max_reqs=max_reqs,
+                            max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV)
+        pools = r.k_buffer + r.v_buffer
+    else:
+        r = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=num_slots, max_reqs=max_reqs,
+                            max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV)
+        pools = r.kv_buffer
+    for p in pools:
+        p.normal_()
+    return r
+
+
+def make_decode(model, dtype, topk, steps, page, seq_lens, tree_mode, gqa=(32, 8, 128)):
+    bs = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
+    extra = metadata.max_draft_extend_len(topk, steps, page)
+    num_slots = sum(seq_lens) + bs * extra + 16
+    r = make_runner(model, dtype, page, num_slots, bs + 4, max(seq_lens) + extra + page, gqa)
+    rpi = torch.randperm(bs + 4, device=DEV)[:bs]
+    perm, used = fill_rows(r, rpi, seq_lens, num_slots)
+    n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
+    loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq,
+                                           perm[used:used + n_new].long(), topk, steps, page)
+    parents = torch.zeros(steps, bs, topk, dtype=torch.int64, device=DEV) \
+        if tree_mode == "path" else None
+    return r, DraftBatch(rpi, seq, loc, parents)
+
+
+def fill_rows(r, rpi, seq_lens, num_slots):
+    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
+    used = 0
+    for b, L in enumerate(seq_lens):
+        r.req_to_token[rpi[b], :L] = perm[used:used + L]
+        used += L
+    return perm, used
+
+
+def qkv(r, rows, dtype):
+    if r.use_mla_backend:
+        return (torch.randn(rows, 16, 576, device=DEV, dtype=dtype),
+                torch.randn(rows, 576, device=DEV, dtype=dtype), None)
+    return (torch.randn(rows, r.num_q_heads, r.head_dim, device=DEV, dtype=dtype),
+            torch.randn(rows, r.num_kv_heads, r.head_dim, device=DEV, dtype=dtype),
+            torch.randn(rows, r.num_kv_heads, r.v_head_dim, device=DEV, dtype=dtype))
+
+
+def run_round(r, batch, backend, dtype, layer, tree_mode, steps_to_check=None):
+    bs, topk, steps = batch.out_cache_loc.shape
+    backend.init_forward_metadata(batch)
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, v = qkv(r, bs * topk, dtype)
+        backend._active.mid_o.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, v)
+        if steps_to_check is None or step in steps_to_check:
+            _close(out, reference_decode(r, layer, q, batch, step, tree_mode), dtype)
+
+
+CASES = [
+    # model, dtype, B, L, K, S, P, tree_mode, ragged, mode
+    ("mha", torch.bfloat16, 4, 4096, 8, 5, 1, "lane", False, "shared"),
+    ("mha", torch.bfloat16, 6, 4096, 8, 5, 1, "path", True, "shared"),
+    ("mha", torch.float16, 8, 2048, 1, 4, 1, "lane", True, "shared"),
+    ("mha", torch.bfloat16, 4, 4096, 4, 5, 16, "path", True, "shared"),
+    ("mha", torch.float16, 4, 1024, 4, 5, 1, "lane", False, "per-branch"),
+    ("mla", torch.bfloat16, 4, 4096, 4, 5, 1, "path", True, "shared"),
+    ("mla", torch.bfloat16, 4, 4096, 4, 5, 64, "lane", False, "shared"),
+    ("mla", torch.float16, 3, 2048, 1, 3, 1, "lane", True, "per-branch"),
+]
+
+
+@pytest.mark.parametrize("model,dtype,B,L,K,S,P,tree_mode,ragged,mode", CASES)
+def test_decode_real_shapes(model, dtype, B, L, K, S, P, tree_mode, ragged, mode):
+    from specattn.backends.triton import TritonDecode
+
+    lens = [random.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
+    r, batch = make_decode(model, dtype, K, S, P, lens, tree_mode)
+    backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode)
+    scale = (576 if model == "mla" else 128) ** -0.5
+    run_round(r, batch, backend, dtype, AttentionLayer(0, scale, 30.0 if ragged else 0.0),
+              tree_mode, steps_to_check={0, S - 1})
+
+
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_extend_real_shapes(model):
+    from specattn.backends.triton import TritonExtend
+
+    dtype, B = torch.bfloat16, 8
+    lens = [random.randint(2048, 6144) for _ in range(B)]
+    ext = [random.randint(1, 6) for _ in range(B)]
+    r = make_runner(model, dtype, 1, sum(lens) + 16, B + 2, max(lens) + 1)
+    rpi = torch.randperm(B + 2, device=DEV)[:B]
+    fill_rows(r, rpi, lens, sum(lens) + 16)
+    loc = torch.cat([r.req_to_token[rpi[b], L - E:L].long() for b, (L, E) in
+                     enumerate(zip(lens, ext))])
+    batch = DraftExtendBatch(rpi, torch.tensor(lens, device=DEV), torch.tensor(ext, device=DEV),
+                             loc)
+    backend = TritonExtend(r)
+    layer = AttentionLayer(0, 0.08)
+    backend.init_forward_metadata(batch)
+    q, k, v = qkv(r, sum(ext), dtype)
+    out = backend.forward(layer, q, k, v)
+    _close(out, reference_extend(r, layer, q, batch), dtype)
+
+
+@pytest.mark.parametrize("tree_mode", ["lane", "path"])
+def test_cuda_graph_capture_replay_padded(tree_mode):
+    """Capture all steps at bs=8; replay with new seq_lens / rows / slots / parents and a
+    real batch of 5 padded to 8; real lanes match torch_ref."""
+    from specattn.backends.triton import TritonDecode
+
+    dtype, K, S, max_bs = torch.bfloat16, 4, 4, 8
+    r, batch = make_decode("mha", dtype, K, S, 1, [1600] * max_bs, tree_mode)
+    backend = TritonDecode(r, K, S, tree_mode=tree_mode)
+    backend.init_cuda_graph_state(max_bs, max_bs * K)
+    layer = AttentionLayer(0, 0.088)
+    qs = [qkv(r, max_bs * K, dtype) for _ in range(S)]
+    outs = [None] * S
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in range(S):  # warm-up (compiles)
+            backend.forward(step, layer, *qs[step])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for step in range(S):
+            outs[step] = backend.forward(step, layer, *qs[step])
+    # New round: 5 real requests, padded to 8 (seq_len fill value, slot 0, row 0).
+    real = 5
+    lens = [random.randint(100, 1300) for _ in range(real)]
+    r2, b2 = make_decode("mha", dtype, K, S, 1, lens, tree_mode)
+    r.req_to_token.zero_()
+    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    batch.seq_lens.fill_(fill)
+    batch.seq_lens[:real] = b2.seq_lens
+    batch.req_pool_indices.zero_()
+    batch.req_pool_indices[:real] = b2.req_pool_indices
+    # Padded lanes write a slot no real request uses (r2's pool is smaller than r's).
+    batch.out_cache_loc.fill_(r.num_slots - 1)
+    batch.out_cache_loc[:real] = b2.out_cache_loc
+    backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+    for step in range(S):
+        qs[step][0].normal_()
+        for t in qs[step][1:]:
+            t.normal_()
+    if tree_mode == "path":
+        batch.parents.copy_(torch.randint(0, K, batch.parents.shape, device=DEV))
+    # Real lanes' KV slots must be unique for the reference: the padded lanes write slot 0.
+    graph.replay()
+    torch.cuda.synchronize()
+    sub = DraftBatch(batch.req_pool_indices[:real], batch.seq_lens[:real],
+                     batch.out_cache_loc[:real],
+                     None if batch.parents is None else batch.parents[:, :real])
+    # The reference reads the pool after the last step's writes: check the last step only,
+    # and earlier steps only see slots written before them, which replay wrote identically.
+    for step in range(S):
+        ref = reference_decode(r, layer, qs[step][0][:real * K], sub, step, tree_mode)
+        _close(outs[step][:real * K], ref, dtype)
+
+
+def test_metadata_capturable():
+    """The metadata launch has no host sync: it can be captured in a CUDA graph."""
+    from specattn.backends.triton import launchers
+
+    r, batch = make_decode("mha", torch.bfloat16, 4, 5, 16, [300, 700], "lane")
+    meta = torch.zeros(2, 5, dtype=torch.int32, device=DEV)
+    hist = torch.zeros(8, 5, dtype=torch.int32, device=DEV)
+    launchers.decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                              meta, hist, 4, 64)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launchers.decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                                  meta, hist, 4, 64)
+    batch.seq_lens.copy_(torch.tensor([512, 9], device=DEV))
+    g.replay()
+    torch.cuda.synchronize()
+    assert meta[:, 1].tolist() == [512, 9]
+    assert torch.equal(hist.view(2, 4, 5).long(), batch.out_cache_loc.long())
+
+
+def test_random_stress_100_batches():
+    from specattn.backends.triton import TritonDecode
+
+    rng = random.Random(1234)
+    for it in range(100):
+        model = "mla" if it % 5 == 4 else "mha"
+        dtype = torch.bfloat16 if it % 2 else torch.float16
+        K, S, P = rng.choice([1, 2, 4, 8]), rng.choice([2, 3, 5]), rng.choice([1, 16, 64])
+        tree_mode = rng.choice(["lane", "path"])
+        B = rng.randint(1, 12)
+        lens = [rng.randint(0, 2500) for _ in range(B)]
+        r, batch = make_decode(model, dtype, K, S, P, lens, tree_mode, gqa=(16, 4, 128))
+        backend = TritonDecode(r, K, S, tree_mode=tree_mode,
+                               mode="per-branch" if it % 7 == 0 else "shared")
+        scale = (576 if model == "mla" else 128) ** -0.5
+        run_round(r, batch, backend, dtype, AttentionLayer(0, scale), tree_mode,
+                  steps_to_check={rng.randrange(S)})
