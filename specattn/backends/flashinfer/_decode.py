@@ -41,6 +41,10 @@ log = logging.getLogger("specattn.backends.flashinfer")
 MODES = ("shared", "per-branch")
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _Round:
     """The passes of one draft round (eager) or one captured batch size (graph)."""
 
@@ -50,6 +54,7 @@ class _Round:
         self.planned = [False] * len(steps)
         self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
         self.rows = self.plen = self.seq_host = None
+        self.parents: Optional[torch.Tensor] = None  # graph: the captured parents tensor
         self.bs = 0
 
 
@@ -181,7 +186,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
             check_parents_step(self._batch, step, self.topk)
         self._sync_params(rnd, layer)
         if not rnd.planned[step]:
-            if torch.cuda.is_current_stream_capturing():
+            if _capturing():
                 raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
                                         "graph capture (the serving loop runs steps "
                                         "0 .. num_steps-2)", step)
@@ -211,7 +216,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         want = self._check_layer_params(layer)
         if want == self.params:
             return
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise InvalidInputError(
                 "layer", f"scaling={self.params.scale} and logit_cap={self.params.cap} "
                 "under CUDA graph capture (FlashInfer plans them; run one eager round or the "
@@ -253,8 +258,19 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         loc = self._graph_loc[:bs]
         loc.zero_()
         loc[:raw].copy_(batch.out_cache_loc)
-        self._batch, self._loc, self._parents = batch, loc, batch.parents
+        self._batch, self._loc = batch, loc
         return rpi, seq
+
+    def _graph_parents(self, rnd: _Round, batch) -> None:
+        """``path`` mode reads the ``parents`` tensor given at capture (the draft loop inside
+        the graph fills it); a replay batch's own tensor is copied into it."""
+        if batch.parents is None or self.tree_mode != "path":
+            return
+        if rnd.parents is None:
+            rnd.parents = batch.parents
+        elif batch.parents.data_ptr() != rnd.parents.data_ptr():
+            rnd.parents[:, :batch.batch_size].copy_(batch.parents)
+        self._parents = rnd.parents
 
     def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
         if self._graph_caps is None:
@@ -264,6 +280,8 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         rnd = self._graphs.get(bs)
         if rnd is None:
             rnd = self._graphs[bs] = self._new_round(graph_bs=bs)
+        rnd.parents = None
+        self._graph_parents(rnd, batch)
         self._prepare(rnd, rpi, seq)
 
     def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
@@ -271,4 +289,5 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if rnd is None:
             raise InvalidInputError("bs", f"a captured batch size {sorted(self._graphs)}", bs)
         rpi, seq = self._graph_batch(batch, bs)
+        self._graph_parents(rnd, batch)
         self._prepare(rnd, rpi, seq)

@@ -1,0 +1,501 @@
+"""CPU tests of the FlashInfer backends.
+
+- The package imports without FlashInfer; selection picks the MHA/MLA flavour; construction
+  on the CPU platform fails with the reason.
+- The pure-torch slot-list helpers against Python loops.
+- The glue (slot lists, path refresh, LSE merge, extend, CUDA-graph bookkeeping) against
+  ``torch_ref``, with FlashInfer replaced by a small pure-torch stand-in that follows its
+  documented semantics (page-size-1 CSR, bottom-right causal, base-2 LSE, indices read at
+  run time). The real kernels are tested on the GPU (``tests/gpu/test_flashinfer_gpu.py``),
+  which reuses the case builders below.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
+                                          FlashInferMLADecode, FlashInferMLAExtend)
+from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
+                                                 host_indptr)
+from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.errors import BackendUnavailableError, InvalidInputError
+from specattn.keys import BackendRequest
+from specattn.platforms import Platform, use_platform
+from specattn.selection import select
+
+FI_CUDA = Platform("cuda", (9, 0), libraries=frozenset({"flashinfer"}))
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+# --- case builders (also used by the GPU tests) ----------------------------------------------
+
+
+@dataclass
+class DecodeCase:
+    runner: DraftRunner
+    batch: DraftBatch
+    layer: AttentionLayer
+
+
+def _poisoned_runner(mla: bool, num_slots: int, max_reqs: int, max_ctx: int, page_size: int,
+                     dtype: torch.dtype, device, gen: torch.Generator, heads) -> DraftRunner:
+    """Pools of NaN except slot 0 (the dummy slot padded lanes use); cases fill real slots."""
+    if mla:
+        h, rank, rope = heads
+        runner = DraftRunner.mla(h, rank, rope, num_layers=2, num_slots=num_slots,
+                                 max_reqs=max_reqs, max_context_len=max_ctx,
+                                 page_size=page_size, dtype=dtype, device=device)
+        pools = runner.kv_buffer
+    else:
+        hq, hkv, d = heads
+        runner = DraftRunner.mha(hq, hkv, d, num_layers=2, num_slots=num_slots,
+                                 max_reqs=max_reqs, max_context_len=max_ctx,
+                                 page_size=page_size, dtype=dtype, device=device)
+        pools = runner.k_buffer + runner.v_buffer
+    for p in pools:
+        p.fill_(float("nan"))
+        p[0] = torch.randn(p[0].shape, generator=gen).to(dtype)
+    return runner
+
+
+def _fill_slots(runner: DraftRunner, slots: torch.Tensor, gen: torch.Generator) -> None:
+    pools = runner.kv_buffer if runner.use_mla_backend else runner.k_buffer + runner.v_buffer
+    for p in pools:
+        vals = torch.randn((slots.numel(),) + tuple(p.shape[1:]), generator=gen)
+        p[slots.to(p.device).long()] = vals.to(p.dtype).to(p.device)
+
+
+def make_decode_case(*, mla: bool = False, bs: int = 3, topk: int = 2, steps: int = 3,
+                     page_size: int = 1, dtype=torch.float32, device="cpu", seed: int = 0,
+                     ragged: bool = True, max_len: int = 40, heads=None, scaling=None,
+                     logit_cap: float = 0.0, min_len: int = 1) -> DecodeCase:
+    """A random draft round: random slots everywhere, NaN in every slot no lane may read."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = heads or ((4, 64, 16) if mla else (4, 2, 16))
+    if ragged:
+        seq = torch.randint(min_len, max_len + 1, (bs,), generator=gen)
+    else:
+        seq = torch.full((bs,), max_len)
+    max_reqs = bs + 2
+    max_ctx = max_len + topk * steps + 2 * page_size
+    n_draft = bs * topk * steps
+    num_slots = int(seq.sum()) + n_draft + 17
+    runner = _poisoned_runner(mla, num_slots, max_reqs, max_ctx, page_size, dtype, device, gen,
+                              heads)
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    rpi = torch.randperm(max_reqs, generator=gen)[:bs]
+    r2t = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    start = 0
+    for b in range(bs):
+        r2t[rpi[b], :seq[b]] = perm[start:start + seq[b]].to(torch.int32)
+        start += int(seq[b])
+    _fill_slots(runner, perm[:start], gen)
+    loc = perm[start:start + n_draft].reshape(bs, topk, steps)
+    parents = torch.randint(0, topk, (steps, bs, topk), generator=gen)
+    parents[0] = 0
+    runner.req_to_token.copy_(r2t.to(device))
+    batch = DraftBatch(rpi.to(device), seq.to(device), loc.to(device), parents.to(device))
+    if scaling is None:
+        width = (heads[1] + heads[2]) if mla else heads[2]
+        scaling = 1.0 / math.sqrt(width)
+    return DecodeCase(runner, batch, AttentionLayer(1, scaling, logit_cap))
+
+
+def decode_inputs(case: DecodeCase, gen: torch.Generator):
+    """Random ``q, k, v`` for one step (MLA: ``v = None``)."""
+    r, n = case.runner, case.batch.batch_size * case.batch.topk
+    dev, dt = r.device, r.dtype
+    if r.use_mla_backend:
+        width = r.kv_lora_rank + r.qk_rope_head_dim
+        q = torch.randn(n, r.num_heads, width, generator=gen)
+        k = torch.randn(n, width, generator=gen)
+        return q.to(dt).to(dev), k.to(dt).to(dev), None
+    q = torch.randn(n, r.num_q_heads, r.head_dim, generator=gen)
+    k = torch.randn(n, r.num_kv_heads, r.head_dim, generator=gen)
+    v = torch.randn(n, r.num_kv_heads, r.v_head_dim, generator=gen)
+    return q.to(dt).to(dev), k.to(dt).to(dev), v.to(dt).to(dev)
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "non-finite output (a read of a poisoned slot?)"
+    err = (out.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item() + 1e-6
+    assert err <= TOL[dtype] * max(scale, 1.0), f"max abs err {err} (ref scale {scale})"
+
+
+def run_decode_round(backend, case: DecodeCase, seed: int, steps=None, check=True):
+    """Init metadata, run each step, compare with torch_ref; returns the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    backend.init_forward_metadata(case.batch)
+    outs = []
+    for step in range(case.batch.num_steps if steps is None else steps):
+        q, k, v = decode_inputs(case, gen)
+        out = backend.forward(step, case.layer, q, k, v)
+        if check:
+            ref = reference_decode(case.runner, case.layer, q, case.batch, step,
+                                   backend.tree_mode)
+            assert_close_rel(out, ref, case.runner.dtype)
+        outs.append(out)
+    return outs
+
+
+def next_round(case: DecodeCase) -> DecodeCase:
+    """Another round over the same pools: requests reordered, prefixes shortened, draft
+    slots shuffled across lanes and steps."""
+    b = case.batch
+    order = torch.arange(b.batch_size - 1, -1, -1, device=b.seq_lens.device)
+    seq = (b.seq_lens[order] - 1).clamp(min=0)
+    flat = b.out_cache_loc.reshape(-1)
+    perm = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(5))
+    loc = flat[perm.to(flat.device)].reshape(b.out_cache_loc.shape)
+    parents = b.parents.flip(1).contiguous() if b.parents is not None else None
+    batch = DraftBatch(b.req_pool_indices[order], seq, loc, parents)
+    return DecodeCase(case.runner, batch, case.layer)
+
+
+def make_extend_case(*, mla: bool = False, bs: int = 3, dtype=torch.float32, device="cpu",
+                     seed: int = 0, max_len: int = 40, max_ext: int = 5, heads=None,
+                     ragged: bool = True, page_size: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    heads = heads or ((4, 64, 16) if mla else (4, 2, 16))
+    if ragged:
+        ext = torch.randint(1, max_ext + 1, (bs,), generator=gen)
+        seq = ext + torch.randint(0, max_len, (bs,), generator=gen)
+    else:
+        ext = torch.full((bs,), max_ext)
+        seq = torch.full((bs,), max_len + max_ext)
+    max_reqs, max_ctx = bs + 1, int(seq.max()) + page_size
+    num_slots = int(seq.sum()) + 9
+    runner = _poisoned_runner(mla, num_slots, max_reqs, max_ctx, page_size, dtype, device, gen,
+                              heads)
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    rpi = torch.randperm(max_reqs, generator=gen)[:bs]
+    r2t = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    start, new = 0, []
+    for b in range(bs):
+        r2t[rpi[b], :seq[b]] = perm[start:start + seq[b]].to(torch.int32)
+        prefix = int(seq[b] - ext[b])
+        _fill_slots(runner, perm[start:start + prefix], gen)
+        new.append(perm[start + prefix:start + seq[b]])
+        start += int(seq[b])
+    runner.req_to_token.copy_(r2t.to(device))
+    batch = DraftExtendBatch(rpi.to(device), seq.to(device), ext.to(device),
+                             torch.cat(new).to(device))
+    width = (heads[1] + heads[2]) if mla else heads[2]
+    return DecodeCase(runner, batch, AttentionLayer(0, 1.0 / math.sqrt(width)))
+
+
+def extend_inputs(case: DecodeCase, gen: torch.Generator):
+    r, t = case.runner, int(case.batch.extend_lens.sum())
+    if r.use_mla_backend:
+        width = r.kv_lora_rank + r.qk_rope_head_dim
+        q = torch.randn(t, r.num_heads, width, generator=gen)
+        k = torch.randn(t, width, generator=gen)
+        return q.to(r.dtype).to(r.device), k.to(r.dtype).to(r.device), None
+    q = torch.randn(t, r.num_q_heads, r.head_dim, generator=gen)
+    k = torch.randn(t, r.num_kv_heads, r.head_dim, generator=gen)
+    v = torch.randn(t, r.num_kv_heads, r.v_head_dim, generator=gen)
+    return (q.to(r.dtype).to(r.device), k.to(r.dtype).to(r.device),
+            v.to(r.dtype).to(r.device))
+
+
+# --- a pure-torch stand-in for the FlashInfer API the glue uses ------------------------------
+
+
+def _attend_csr(q, k, v, qo, kv, indices, causal, scale, cap):
+    """Per sequence: rows ``q[qo[m]:qo[m+1]]`` over slots ``indices[kv[m]:kv[m+1]]``.
+    q: [rows, H, D]; k: [slots, H_kv, D]; v: [slots, H_kv, Dv]. Returns (o, lse base 2)."""
+    rows, heads = q.shape[0], q.shape[1]
+    out = torch.zeros(rows, heads, v.shape[-1], dtype=q.dtype)
+    lse = torch.full((rows, heads), float("-inf"))
+    group = heads // k.shape[1]
+    for m in range(len(kv) - 1):
+        a, b = qo[m], qo[m + 1]
+        slots = indices[kv[m]:kv[m + 1]].long()
+        if b == a or slots.numel() == 0:
+            continue
+        kk = k[slots].float().repeat_interleave(group, 1)
+        vv = v[slots].float().repeat_interleave(group, 1)
+        s = torch.einsum("mhd,nhd->hmn", q[a:b].float(), kk) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if causal:
+            n_kv, n_q = slots.numel(), b - a
+            vis = (torch.arange(n_kv)[None, :] <= torch.arange(n_q)[:, None] + n_kv - n_q)
+            s = s.masked_fill(~vis[None], float("-inf"))
+        out[a:b] = torch.einsum("hmn,nhd->mhd", torch.softmax(s, -1), vv).to(q.dtype)
+        lse[a:b] = (torch.logsumexp(s, -1) / math.log(2)).T
+    return out, lse
+
+
+class _FakeWrapper:
+    def __init__(self, graph_indices: Optional[torch.Tensor], use_cuda_graph: bool):
+        self.use_cuda_graph = use_cuda_graph
+        self._graph_indices = graph_indices
+        self.plans = 0
+
+    def _stage(self, qo, kv, indices):
+        assert qo.device.type == "cpu" and kv.device.type == "cpu", "indptrs go in on the host"
+        self.qo, self.kv = qo.tolist(), kv.tolist()
+        if self.use_cuda_graph:
+            self._graph_indices[:indices.numel()].copy_(indices)
+            self.indices = self._graph_indices
+        else:
+            self.indices = indices  # kept by reference, read at run time
+        self.plans += 1
+
+
+class FakePrefill(_FakeWrapper):
+    def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, backend="auto"):
+        assert kv_layout == "NHD"
+        super().__init__(paged_kv_indices_buf, use_cuda_graph)
+
+    def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, *,
+             head_dim_vo=None, causal=False, sm_scale=None, logits_soft_cap=None,
+             q_data_type=None, kv_data_type=None):
+        assert page_size == 1 and bool((last_page_len == 1).all())
+        self._stage(qo_indptr, kv_indptr, indices)
+        self.causal, self.scale, self.cap = causal, sm_scale, logits_soft_cap
+
+    def run(self, q, kv, return_lse=False):
+        k, v = kv[0][:, 0], kv[1][:, 0]
+        o, lse = _attend_csr(q, k, v, self.qo, self.kv, self.indices, self.causal, self.scale,
+                             self.cap)
+        return (o, lse) if return_lse else o
+
+
+class FakeDecode(FakePrefill):
+    def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, backend="auto"):
+        _FakeWrapper.__init__(self, paged_kv_indices_buffer, use_cuda_graph)
+
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, *, sm_scale=None,
+             logits_soft_cap=None, q_data_type=None, kv_data_type=None):
+        qo = torch.arange(indptr.numel(), dtype=torch.int32)
+        FakePrefill.plan(self, qo, indptr, indices, last_page_len, hq, hkv, d, page_size,
+                         sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+
+
+class FakeMLA(_FakeWrapper):
+    def __init__(self, ws, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        super().__init__(kv_indices, use_cuda_graph)
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, query_layout, kv_cache_layout, lse_mode):
+        assert page_size == 1 and query_layout == kv_cache_layout == "split"
+        m = metadata
+        assert m.kv_len_arr.tolist() == (m.kv_indptr[1:] - m.kv_indptr[:-1]).tolist()
+        self._stage(m.qo_indptr, m.kv_indptr, m.kv_indices)
+        self.causal, self.scale, self.lse_mode = causal, sm_scale, lse_mode
+
+    def run(self, *, query, kv_cache, return_lse=False):
+        assert return_lse == (self.lse_mode == "base2")
+        q = torch.cat([query[0], query[1]], -1)
+        kv = torch.cat([kv_cache[0][:, 0], kv_cache[1][:, 0]], -1)[:, None]
+        o, lse = _attend_csr(q, kv, kv[..., :query[0].shape[-1]], self.qo, self.kv,
+                             self.indices, self.causal, self.scale, 0.0)
+        return (o, lse) if return_lse else o
+
+
+def _merge_state(va, sa, vb, sb):
+    s = torch.logaddexp(sa * math.log(2), sb * math.log(2))
+    wa = torch.exp(sa * math.log(2) - s)[..., None]
+    wb = torch.exp(sb * math.log(2) - s)[..., None]
+    return (wa * va.float() + wb * vb.float()).to(va.dtype), s / math.log(2)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """FlashInfer replaced by the stand-in, on a fake sm90 platform with the library."""
+    fi = types.ModuleType("flashinfer")
+    fi.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
+    fi.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
+    fi.merge_state = _merge_state
+    fi.mla = types.SimpleNamespace(
+        BatchMLAPagedAttentionWrapper=FakeMLA,
+        MLAPlanMetadata=types.SimpleNamespace(csr=lambda qo, kv, idx, lens: types.SimpleNamespace(
+            qo_indptr=qo, kv_indptr=kv, kv_indices=idx, kv_len_arr=lens)))
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    from specattn.backends.flashinfer import _passes
+
+    # The stand-in computes in float32, so the glue is checked at fp32 tolerance too.
+    for cls in (FlashInferDecode, FlashInferExtend, FlashInferMLADecode, FlashInferMLAExtend):
+        monkeypatch.setattr(cls, "dtypes", cls.dtypes + (torch.float32,))
+    monkeypatch.setattr(_passes, "_WORKSPACE_BYTES", 16)
+    monkeypatch.setattr(_passes, "_WORKSPACES", {})
+    with use_platform(FI_CUDA):
+        yield fi
+
+
+# --- import, selection, availability ----------------------------------------------------------
+
+
+def test_imports_without_flashinfer():
+    code = ("import sys, specattn.backends, specattn.backends.flashinfer as m; "
+            "assert 'flashinfer' not in sys.modules; print(m.FlashInferDecode.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "flashinfer"
+
+
+@pytest.mark.parametrize("kind, mla, cls", [
+    ("decode", False, FlashInferDecode), ("decode", True, FlashInferMLADecode),
+    ("extend", False, FlashInferExtend), ("extend", True, FlashInferMLAExtend)])
+def test_selection_picks_flavour(kind, mla, cls):
+    request = BackendRequest(kind=kind, mla=mla, topk=4, num_steps=3)
+    assert select(kind, "flashinfer", request, FI_CUDA).backend is cls
+
+
+def test_selection_without_library_names_package():
+    request = BackendRequest(kind="decode", topk=4, num_steps=3)
+    with pytest.raises(BackendUnavailableError, match="flashinfer-python"):
+        select("decode", "flashinfer", request, Platform("cuda", (9, 0), libraries=frozenset()))
+
+
+@pytest.mark.parametrize("cls", [FlashInferDecode, FlashInferMLADecode])
+def test_construct_on_cpu_raises(cls):
+    case = make_decode_case(mla=cls is FlashInferMLADecode)
+    with use_platform(Platform("cpu", libraries=frozenset({"flashinfer"}))):
+        with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+            cls(case.runner, 2, 3)
+
+
+def test_unknown_mode_rejected(fake_flashinfer):
+    case = make_decode_case()
+    with pytest.raises(InvalidInputError, match="mode"):
+        FlashInferDecode(case.runner, 2, 3, mode="cascade")
+
+
+# --- slot-list helpers ------------------------------------------------------------------------
+
+
+def test_host_indptr():
+    assert host_indptr(torch.tensor([3, 0, 2])).tolist() == [0, 3, 3, 5]
+    assert host_indptr(torch.tensor([3])).dtype == torch.int32
+
+
+@pytest.mark.parametrize("with_history", [False, True])
+def test_fill_ragged_slots_matches_loop(with_history):
+    gen = torch.Generator().manual_seed(1)
+    r2t = torch.randint(0, 1000, (6, 20), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([4, 1, 1, 0, 5])
+    plen = torch.tensor([3, 0, 20, 7, 1])
+    hist = torch.randint(0, 1000, (5, 2), generator=gen) if with_history else None
+    expect = []
+    for m in range(5):
+        expect += r2t[rows[m], :plen[m]].tolist()
+        expect += hist[m].tolist() if with_history else []
+    out = torch.full((len(expect) + 4,), -1, dtype=torch.int32)
+    got = fill_ragged_slots(out, len(expect), r2t, rows, plen, hist)
+    assert got.tolist() == expect
+    assert out[len(expect):].tolist() == [-1] * 4  # nothing past total
+    if with_history:
+        pos = history_positions(plen, 2)
+        assert out[pos].tolist() == hist.reshape(-1).tolist()
+
+
+# --- glue against torch_ref (stand-in kernels) -----------------------------------------------
+
+
+@pytest.mark.parametrize("topk, mode, tree_mode, page_size", [
+    (1, "shared", "lane", 1), (3, "shared", "lane", 1), (3, "shared", "path", 16),
+    (3, "per-branch", "lane", 16), (3, "per-branch", "path", 1), (1, "shared", "path", 16)])
+def test_decode_mha_matches_reference(fake_flashinfer, topk, mode, tree_mode, page_size):
+    case = make_decode_case(topk=topk, page_size=page_size, seed=topk + page_size)
+    backend = FlashInferDecode(case.runner, topk, 3, tree_mode=tree_mode, mode=mode)
+    run_decode_round(backend, case, seed=7)
+    # A second round on the same object re-plans from fresh metadata.
+    run_decode_round(backend, next_round(case), seed=8, steps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_mha_low_precision_and_soft_cap(fake_flashinfer, dtype):
+    case = make_decode_case(topk=2, dtype=dtype, logit_cap=5.0, scaling=0.3)
+    backend = FlashInferDecode(case.runner, 2, 3)
+    run_decode_round(backend, case, seed=3)
+    assert backend.params == (0.3, 5.0)  # learned from the layer and re-planned
+
+
+@pytest.mark.parametrize("topk, tree_mode", [(1, "lane"), (3, "path"), (2, "lane")])
+def test_decode_mla_matches_reference(fake_flashinfer, topk, tree_mode):
+    case = make_decode_case(mla=True, topk=topk, seed=topk)
+    backend = FlashInferMLADecode(case.runner, topk, 3, tree_mode=tree_mode)
+    run_decode_round(backend, case, seed=5)
+
+
+def test_decode_mla_rejects_soft_cap(fake_flashinfer):
+    case = make_decode_case(mla=True, logit_cap=3.0)
+    backend = FlashInferMLADecode(case.runner, 2, 3)
+    backend.init_forward_metadata(case.batch)
+    q, k, _ = decode_inputs(case, torch.Generator().manual_seed(0))
+    with pytest.raises(InvalidInputError, match="logit_cap"):
+        backend.forward(0, case.layer, q, k, None)
+
+
+def test_decode_forward_before_metadata(fake_flashinfer):
+    case = make_decode_case()
+    backend = FlashInferDecode(case.runner, 2, 3)
+    q, k, v = decode_inputs(case, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(0, case.layer, q, k, v)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_extend_matches_reference(fake_flashinfer, mla):
+    for seed, ragged in ((0, True), (1, False)):
+        case = make_extend_case(mla=mla, seed=seed, ragged=ragged)
+        cls = FlashInferMLAExtend if mla else FlashInferExtend
+        backend = cls(case.runner)
+        backend.init_forward_metadata(case.batch)
+        q, k, v = extend_inputs(case, torch.Generator().manual_seed(seed))
+        out = backend.forward(case.layer, q, k, v)
+        assert_close_rel(out, reference_extend(case.runner, case.layer, q, case.batch),
+                         case.runner.dtype)
+
+
+@pytest.mark.parametrize("mla, topk, tree_mode", [(False, 3, "path"), (False, 1, "lane"),
+                                                  (True, 2, "lane")])
+def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode):
+    """Capture at bs=4, replay with 3 real requests padded to 4: real lanes match."""
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    case = make_decode_case(mla=mla, bs=4, topk=topk, seed=11)
+    backend = cls(case.runner, topk, 3, tree_mode=tree_mode)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * topk)
+    backend.init_forward_metadata_capture_cuda_graph(case.batch)
+    rnd = backend._graphs[4]
+    wrappers = [p.wrapper for p in ([rnd.prefix] if rnd.prefix else []) + rnd.steps[:2]]
+    assert all(w.use_cuda_graph for w in wrappers)
+    # Replay: a fresh 3-request batch over the same pools; path mode reads the parents
+    # tensor given at capture, into which the replay batch's parents are copied.
+    b = case.batch
+    parents = torch.randint(0, topk, (3, 3, topk), generator=torch.Generator().manual_seed(4))
+    small = DraftBatch(b.req_pool_indices[[2, 0, 3]], b.seq_lens[[2, 0, 3]],
+                       b.out_cache_loc[[2, 0, 3]], parents)
+    backend.init_forward_metadata_replay_cuda_graph(small, 4)
+    assert backend._graphs[4] is rnd and all(w is p.wrapper for w, p in zip(
+        wrappers, ([rnd.prefix] if rnd.prefix else []) + rnd.steps[:2]))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(2):
+        q, k, v = decode_inputs(case, gen)
+        out = backend.forward(step, case.layer, q, k, v)
+        real = DraftBatch(small.req_pool_indices, small.seq_lens, small.out_cache_loc,
+                          parents)
+        ref = reference_decode(case.runner, case.layer, q[:3 * topk], real, step, tree_mode)
+        assert_close_rel(out[:3 * topk], ref, case.runner.dtype)
+    with pytest.raises(InvalidInputError, match="captured batch size"):
+        backend.init_forward_metadata_replay_cuda_graph(small, 3)
