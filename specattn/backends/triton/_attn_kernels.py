@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
-META_W = 5
+META_W = tl.constexpr(5)
 
-MODE_LANE = 0
-MODE_PATH = 1
-MODE_EXTEND = 2
+MODE_LANE = tl.constexpr(0)
+MODE_PATH = tl.constexpr(1)
+MODE_EXTEND = tl.constexpr(2)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from . import _attn_kernels as K
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 
 MAX_SPLITS = 16
-META_W = K.META_W
+
 
 
 @dataclass(frozen=True)
