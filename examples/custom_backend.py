@@ -24,7 +24,8 @@ class MyDecode(DraftDecodeBackend, name="my_ref", aliases=("mine",), platforms=a
         self.batch = batch
 
     def forward(self, step, layer, q, k, v):      # q [B*K, H_q, D] -> o [B*K, H_q, D_v]
-        check_decode_forward(self.runner, q.shape[0], self.num_steps, step, layer, q, k, v)
+        check_decode_forward(self.runner, self.batch.batch_size * self.topk, self.num_steps,
+                             step, layer, q, k, v)
         check_parents_step(self.batch, step, self.topk)
         self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc[:, :, step], k, v)
         return reference_decode(self.runner, layer, q, self.batch, step, self.tree_mode)
