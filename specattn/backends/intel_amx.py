@@ -1,16 +1,343 @@
-"""``intel_amx``: the CPU backend (placeholder until issue #3 lands it)."""
+"""``intel_amx``: the fast CPU backend, through torch ops (oneDNN picks AMX tiles when the
+CPU has them, else AVX-512/AVX2 kernels).
+
+Algorithm (draft decode, ``semantics.md``). All ``K`` lanes of a request share its prefix,
+so the request's ``K * G`` queries of one KV head (``G = H_q / H_kv``; MLA: ``G = H`` and one
+latent KV head) attend together, like one bigger GQA group. The keys of request ``b`` are::
+
+    [ prefix R_b[0 : Lmax] (padded) | lane 0's S history slots | ... | lane K-1's S slots ]
+
+and one ``scaled_dot_product_attention`` call per layer and step attends every lane with a
+boolean mask: query row ``(j, g)`` sees the valid prefix and the first ``step + 1`` slots of
+its own history block only. The prefix is therefore read once per step for all ``K`` lanes;
+there is no Python loop over requests or lanes (ragged prefixes are padded and masked).
+
+Plan step (``init_forward_metadata``, once per round): padded prefix slot table and mask
+(``specattn.metadata``). Run step (``forward``): write the new KV, gather the lanes' history
+(lane or path tree mode), attend. The gathered prefix is kept per layer for the round
+(``cache_prefix=True``): it is committed KV that a round never writes, and each later step
+then only gathers ``K * (step + 1)`` history rows per request.
+
+Precision: bf16 and fp32 run SDPA in their own dtype (its CPU kernel accumulates in fp32);
+fp16 runs in fp32 because CPUs without AVX512-FP16 have no fast fp16 math (measured about
+3x slower than converting once). A logit soft-cap (``logit_cap > 0``) uses an explicit fp32
+matmul/softmax path, since SDPA has no soft-cap. MLA passes the whole latent row as value
+(SDPA's fast kernel wants equal key and value widths) and keeps the first ``kv_lora_rank``
+output columns.
+
+Draft extend: one masked call per layer over the batch padded to the longest extend and the
+longest total length; query ``t`` of request ``b`` sees ``R_b[0 : L'_b - E_b + t + 1]``.
+
+Limits: CPU tensors only; no CUDA graphs (the graph methods run eagerly).
+"""
 
 from __future__ import annotations
 
-from ..platforms import is_cpu
-from ._pending import PendingDecode, PendingExtend, pending_reason
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._logging import get_logger
+from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..errors import InvalidInputError
+from ..metadata import extend_token_slots, history_slots, prefix_token_slots
+from ..platforms import Platform, is_cpu
+from ..validation import (
+    check_decode_batch,
+    check_decode_forward,
+    check_extend_batch,
+    check_extend_forward,
+    check_parents_step,
+)
+
+if TYPE_CHECKING:
+    from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+
+__all__ = ["IntelAMXDecode", "IntelAMXExtend", "amx_available"]
+
+log = get_logger("backends.intel_amx")
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class IntelAMXDecode(PendingDecode, name="intel_amx", platforms=is_cpu,
+def amx_available(platform: Optional[Platform] = None) -> bool:
+    """Whether oneDNN can use AMX tiles here (the platform's probe, or torch's)."""
+    if platform is not None:
+        return bool(platform.cpu_has_amx)
+    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def _runtime_note(platform: Platform) -> str:
+    if platform.cpu_has_amx:
+        return "AMX tiles used by oneDNN (bf16)"
+    isa = torch.backends.cpu.get_cpu_capability() if platform.device == "cpu" else "?"
+    return f"no AMX on this CPU: oneDNN {isa} kernels"
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp16 has no fast CPU math without AVX512-FP16: compute in fp32 (see module doc).
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+# --- attention ------------------------------------------------------------------------------
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float, logit_cap: float) -> torch.Tensor:
+    """Masked attention, one call for the whole batch.
+
+    q: ``[B, H_kv, M, E]``; keys: ``[B, H_kv, Lk, E]``; values: ``[B, H_kv, Lk, Ev]``;
+    mask: ``[B, 1, M, Lk]`` bool (True = attend; every row has at least one True).
+    Returns ``[B, H_kv, M, Ev]`` in ``q``'s dtype.
+    """
+    if logit_cap <= 0:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # SDPA has no soft-cap: explicit fp32 scores.
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(logit_cap)).mul_(logit_cap)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.float()).to(q.dtype)
+
+
+def _group_queries(q: torch.Tensor, bs: int, rows: int, num_kv_heads: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """q: ``[bs * rows, H_q, E]`` → ``[bs, H_kv, rows * G, E]`` (row ``r * G + g``)."""
+    heads, width = q.shape[1], q.shape[2]
+    group = heads // num_kv_heads
+    q = q.view(bs, rows, num_kv_heads, group, width).permute(0, 2, 1, 3, 4)
+    return q.to(dtype).reshape(bs, num_kv_heads, rows * group, width)
+
+
+def _ungroup(o: torch.Tensor, rows: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """o: ``[bs, H_kv, rows * G, Ev]`` → ``[bs * rows, H_kv * G, Ev]``."""
+    bs, kv_heads, _, width = o.shape
+    o = o.view(bs, kv_heads, rows, -1, width).permute(0, 2, 1, 3, 4)
+    return o.reshape(bs * rows, -1, width).to(out_dtype)
+
+
+def _zero_rows(buf: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Zero ``buf [B, H_kv, L, E]`` at the ``(b, x)`` pairs of ``rows`` (padded keys)."""
+    if rows[0].numel():
+        buf[rows[0], :, rows[1]] = 0
+
+
+class _Pools:
+    """Read access to one runner's pools in the grouped layout ``[.., H_kv, L, E]``."""
+
+    def __init__(self, runner: "DraftRunner") -> None:
+        self.runner = runner
+        self.mla = runner.use_mla_backend
+        self.num_kv_heads = 1 if self.mla else runner.num_kv_heads
+        # Query heads per KV head: MLA's latent row is one KV head for all heads.
+        self.group = runner.num_heads if self.mla else runner.num_q_heads // runner.num_kv_heads
+        self.v_width = runner.kv_lora_rank if self.mla else runner.v_head_dim
+        self.dtype = _compute_dtype(runner.dtype)
+
+    def key_pool(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, H_kv, E]`` (MLA: a view with one head)."""
+        if self.mla:
+            return self.runner.kv_buffer[layer_id].unsqueeze(1)
+        return self.runner.k_buffer[layer_id]
+
+    def gather(self, layer_id: int, slots: torch.Tensor, out_k: torch.Tensor,
+               out_v: Optional[torch.Tensor]) -> None:
+        """Copy the KV of ``slots [B, ...]`` into ``out_k [B, H_kv, ..., E]`` (and ``out_v``),
+        converting to the compute dtype."""
+        flat = slots.reshape(-1)
+        shape = tuple(slots.shape)
+        nd = len(shape)
+        perm = (0, nd) + tuple(range(1, nd)) + (nd + 1,)
+        k = self.key_pool(layer_id).index_select(0, flat)
+        out_k.copy_(k.view(shape + k.shape[1:]).permute(perm))
+        if out_v is not None:
+            v = self.runner.v_buffer[layer_id].index_select(0, flat)
+            out_v.copy_(v.view(shape + v.shape[1:]).permute(perm))
+
+
+# --- draft decode -----------------------------------------------------------------------------
+
+class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
                      kernel_library="torch (oneDNN)", priority={"cpu": 50}):
-    pending = pending_reason(3, "the CPU backend")
+    """Multi-step draft decode on CPU with a shared-prefix batched SDPA (see module doc)."""
+
+    dtypes = _DTYPES
+    tested_on = "CPU (x86-64 AVX-512, no AMX)"
+
+    def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
+                 tree_mode: str = "lane", cache_prefix: bool = True) -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        self.cache_prefix = cache_prefix
+        self._pools = _Pools(runner)
+        self._batch: Optional["DraftBatch"] = None
+        # layer_id -> (keys, values) buffers [B, H_kv, Lmax + K*S, E]; kept across rounds
+        # while the shape fits (no fresh page faults per round).
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._filled: set[int] = set()
+        self._masks: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def runtime_note(cls, platform: Platform) -> str:
+        return _runtime_note(platform)
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        """Padded prefix slot table and mask for the round (history is per step)."""
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+        self._batch = batch
+        # Padded entries hold slot 0: they index the pool and are masked out of the scores.
+        self._prefix_slots, self._prefix_mask = prefix_token_slots(
+            self.runner.req_to_token, batch.req_pool_indices, batch.seq_lens)
+        self._pad = (~self._prefix_mask).nonzero(as_tuple=True)
+        self._filled = set()
+        self._masks = {}
+
+    def _mask(self, step: int) -> torch.Tensor:
+        """``[B, 1, K*G, Lmax + K*S]`` bool: row ``(j, g)`` sees the valid prefix and the first
+        ``step + 1`` slots of history block ``j``. Built once per step, shared by layers."""
+        mask = self._masks.get(step)
+        if mask is not None:
+            return mask
+        bs, max_len = self._prefix_mask.shape
+        topk, steps, group = self.topk, self.num_steps, self._pools.group
+        dev = self._prefix_mask.device
+        row_lane = torch.arange(topk, device=dev).repeat_interleave(group)  # [K*G]
+        col = torch.arange(topk * steps, device=dev)
+        hist = (col[None, :] // steps == row_lane[:, None]) & (col[None, :] % steps <= step)
+        mask = torch.cat([self._prefix_mask[:, None, None, :].expand(bs, 1, topk * group,
+                                                                     max_len),
+                          hist[None, None].expand(bs, 1, -1, -1)], dim=-1)
+        self._masks[step] = mask
+        return mask
+
+    def _kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's key/value buffers with the prefix in place."""
+        pools = self._pools
+        bs, max_len = self._prefix_slots.shape
+        total = max_len + self.topk * self.num_steps
+        key_width = pools.key_pool(layer_id).shape[-1]
+        shape = (bs, pools.num_kv_heads, total)
+        bufs = self._buffers.get(layer_id) if self.cache_prefix else None
+        if bufs is None or bufs[0].shape != shape + (key_width,):
+            keys = torch.empty(shape + (key_width,), dtype=pools.dtype,
+                               device=self.runner.device)
+            # MLA: the latent row is key and value (value = its first kv_lora_rank columns).
+            values = keys if pools.mla else torch.empty(shape + (pools.v_width,),
+                                                        dtype=pools.dtype, device=keys.device)
+            bufs = (keys, values)
+            if self.cache_prefix:
+                self._buffers[layer_id] = bufs
+            self._filled.discard(layer_id)
+        if layer_id not in self._filled:
+            keys, values = bufs
+            pools.gather(layer_id, self._prefix_slots, keys[:, :, :max_len],
+                         None if pools.mla else values[:, :, :max_len])
+            # Masked keys get probability 0, but 0 * NaN is NaN: padded positions (slot 0
+            # may hold anything) and history slots not reached yet must hold finite values.
+            for buf in {id(keys): keys, id(values): values}.values():
+                _zero_rows(buf, self._pad)
+                buf[:, :, max_len:].zero_()
+            if self.cache_prefix:
+                self._filled.add(layer_id)
+        return bufs
+
+    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        """q: ``[B*K, H_q, E]``, k/v: the new KV of each lane (see ``DraftDecodeBackend``).
+        Returns ``[B*K, H_q, Ev]`` (MLA: ``[B*K, H, kv_lora_rank]``)."""
+        batch = self._batch
+        if batch is None:
+            raise InvalidInputError("init_forward_metadata", "to be called before forward",
+                                    "forward without metadata")
+        topk, steps, pools = self.topk, self.num_steps, self._pools
+        bs = self._prefix_slots.shape[0]
+        check_decode_forward(self.runner, bs * topk, steps, step, layer, q, k, v)
+        if self.tree_mode == "path":
+            check_parents_step(batch, step, topk)
+        lid = layer.layer_id
+        self.runner.write_kv(lid, batch.out_cache_loc[:, :, step], k, v)
+
+        keys, values = self._kv(lid)
+        hist = history_slots(batch.out_cache_loc, batch.parents, step, self.tree_mode).long()
+        max_len = self._prefix_slots.shape[1]
+        width_k = keys.shape[-1]
+        tail_k = keys[:, :, max_len:].view(bs, pools.num_kv_heads, topk, steps, width_k)
+        tail_v = None if pools.mla else values[:, :, max_len:].view(
+            bs, pools.num_kv_heads, topk, steps, values.shape[-1])
+        pools.gather(lid, hist, tail_k[:, :, :, :step + 1],
+                     None if tail_v is None else tail_v[:, :, :, :step + 1])
+
+        qg = _group_queries(q, bs, topk, pools.num_kv_heads, pools.dtype)
+        o = _attend(qg, keys, values, self._mask(step), layer.scaling, layer.logit_cap)
+        return _ungroup(o[..., :pools.v_width], topk, self.runner.dtype)
 
 
-class IntelAMXExtend(PendingExtend, name="intel_amx", platforms=is_cpu,
+# --- draft extend -----------------------------------------------------------------------------
+
+class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
                      kernel_library="torch (oneDNN)", priority={"cpu": 50}):
-    pending = pending_reason(3, "the CPU backend")
+    """Draft extend on CPU: one causal masked SDPA per layer over the padded batch."""
+
+    dtypes = _DTYPES
+    tested_on = "CPU (x86-64 AVX-512, no AMX)"
+
+    def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
+        super().__init__(runner, topk=topk, num_steps=num_steps)
+        self._pools = _Pools(runner)
+        self._batch: Optional["DraftExtendBatch"] = None
+
+    @classmethod
+    def runtime_note(cls, platform: Platform) -> str:
+        return _runtime_note(platform)
+
+    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+        """Padded key slots/mask ``[B, Lmax]``, causal mask ``[B, 1, Emax*G, Lmax]`` and the
+        padded row of every token."""
+        check_extend_batch(self.runner, batch)
+        self._batch = batch
+        meta = extend_token_slots(self.runner.req_to_token, batch.req_pool_indices,
+                                  batch.seq_lens, batch.extend_lens)
+        max_ext = int(batch.extend_lens.max())
+        dev = meta.slots.device
+        # Token i (query t of request b) sits in padded row b * Emax + t.
+        self._rows = meta.token_req * max_ext + meta.token_pos
+        self._max_ext = max_ext
+        # Query t sees keys x < L' - E + t + 1; padded queries (t >= E) see every valid key,
+        # so no row is fully masked.
+        visible = meta.prefix_lens[:, None] + torch.arange(max_ext, device=dev) + 1
+        col = torch.arange(meta.slots.shape[1], device=dev)
+        causal = (col[None, None, :] < visible[:, :, None]) & meta.valid[:, None, :]
+        # [B, 1, Emax * G, Lmax], row t * G + g.
+        self._mask = causal.repeat_interleave(self._pools.group, dim=1)[:, None]
+        self._slots = meta.slots
+        self._pad = (~meta.valid).nonzero(as_tuple=True)
+
+    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        """q: ``[T, H_q, E]`` (``T = sum(extend_lens)``); returns ``[T, H_q, Ev]``."""
+        batch = self._batch
+        if batch is None:
+            raise InvalidInputError("init_forward_metadata", "to be called before forward",
+                                    "forward without metadata")
+        num_tokens = self._rows.shape[0]
+        check_extend_forward(self.runner, num_tokens, layer, q, k, v)
+        lid = layer.layer_id
+        self.runner.write_kv(lid, batch.out_cache_loc, k, v)
+
+        pools = self._pools
+        bs, max_len = self._slots.shape
+        shape = (bs, pools.num_kv_heads, max_len)
+        dev = self.runner.device
+        keys = torch.empty(shape + (pools.key_pool(lid).shape[-1],), dtype=pools.dtype,
+                           device=dev)
+        values = keys if pools.mla else torch.empty(shape + (pools.v_width,), dtype=pools.dtype,
+                                                    device=dev)
+        pools.gather(lid, self._slots, keys, None if pools.mla else values)
+        for buf in {id(keys): keys, id(values): values}.values():
+            _zero_rows(buf, self._pad)  # 0 * NaN is NaN: padded keys must be finite
+
+        q_pad = q.new_zeros(bs * self._max_ext, q.shape[1], q.shape[2])
+        q_pad[self._rows] = q
+        qg = _group_queries(q_pad, bs, self._max_ext, pools.num_kv_heads, pools.dtype)
+        o = _attend(qg, keys, values, self._mask, layer.scaling, layer.logit_cap)
+        return _ungroup(o[..., :pools.v_width], self._max_ext, self.runner.dtype)[self._rows]
