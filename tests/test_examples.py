@@ -55,10 +55,7 @@ def test_custom_backend(monkeypatch, capsys, scoped_registry):
     assert "selected MyDecode / MyExtend" in out and "finite: True" in out
     assert "supports topk <= 8, got 16" in out
     # The example's classes registered only in the scoped registry.
-    assert "my_ref" in scoped_registry.all_names("decode")
-
-
-def test_custom_backend_left_the_default_registry_alone():
     from specattn.registry import default_registry
 
+    assert "my_ref" in scoped_registry.all_names("decode")
     assert "my_ref" not in default_registry.all_names("decode")
