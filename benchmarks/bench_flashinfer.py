@@ -1,0 +1,275 @@
+"""Benchmark the FlashInfer backends per ``performance.md`` (one step, one layer).
+
+For each case (uniform, and ragged lengths in [L/2, 3L/2]): the time of one draft-decode
+``forward`` at step 2 (3 history tokens: KV write + passes + merge), in the ``shared``
+(prefix once per request) and ``per-branch`` (upstream) modes, timed as the replay of a CUDA
+graph over rotating layers (KV read per call larger than L2), median of
+``triton.testing.do_bench``; the prefix pass alone; the copy-bandwidth floor measured in the
+same process; and the host cost of the metadata (eager ``init_forward_metadata`` per round,
+and the graph replay's re-plan). Draft extend likewise.
+
+Usage: ``python benchmarks/bench_flashinfer.py [--out DIR] [--cases a,b] [--signatures]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
+
+DEV = "cuda"
+CASES = {
+    # name: (model, B, L, K, S)  (page size does not matter: pools are seen as page 1)
+    "gqa-long": ("mha", 32, 4096, 8, 5),
+    "gqa-chain": ("mha", 64, 2048, 1, 4),
+    "gqa-paged": ("mha", 32, 4096, 4, 5),
+    "gqa-small": ("mha", 4, 1024, 4, 5),
+    "mla-long": ("mla", 32, 4096, 4, 5),
+    "extend": ("mha", 32, 4096, 0, 5),
+}
+L2_BYTES = 50 * 2 ** 20
+
+
+def signatures() -> None:
+    """The FlashInfer entry points the glue calls, as installed."""
+    import flashinfer
+
+    print("flashinfer", flashinfer.__version__, "torch", torch.__version__,
+          torch.cuda.get_device_name(), "cap", torch.cuda.get_device_capability())
+    targets = {
+        "BatchPrefillWithPagedKVCacheWrapper.__init__":
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper.__init__,
+        "BatchPrefillWithPagedKVCacheWrapper.plan":
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan,
+        "BatchPrefillWithPagedKVCacheWrapper.run":
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper.run,
+        "BatchDecodeWithPagedKVCacheWrapper.__init__":
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper.__init__,
+        "BatchDecodeWithPagedKVCacheWrapper.plan":
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan,
+        "BatchDecodeWithPagedKVCacheWrapper.run":
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper.run,
+        "merge_state": flashinfer.merge_state,
+        "mla.BatchMLAPagedAttentionWrapper.__init__":
+            flashinfer.mla.BatchMLAPagedAttentionWrapper.__init__,
+        "mla.BatchMLAPagedAttentionWrapper.plan":
+            flashinfer.mla.BatchMLAPagedAttentionWrapper.plan,
+        "mla.BatchMLAPagedAttentionWrapper.run":
+            flashinfer.mla.BatchMLAPagedAttentionWrapper.run,
+        "mla.MLAPlanMetadata.csr": flashinfer.mla.MLAPlanMetadata.csr,
+    }
+    for name, fn in targets.items():
+        try:
+            print(f"{name}{inspect.signature(fn)}")
+        except (TypeError, ValueError) as e:
+            print(f"{name}: {e}")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    import triton
+
+    src = torch.randn(2 ** 29, device=DEV)
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
+                                return_mode="median")
+    return 2 * src.numel() * 4 / (t * 1e-3)
+
+
+def row_bytes(model: str) -> int:
+    return 576 * 2 if model == "mla" else 8 * 256 * 2
+
+
+def build(model, lens, extra_slots, layers):
+    """Runner with random pools; request rows over shuffled slots; returns the free slots."""
+    B = len(lens)
+    num_slots = sum(lens) + extra_slots + 16
+    kw = dict(num_layers=layers, num_slots=num_slots, max_reqs=B,
+              max_context_len=max(lens) + 16, device=DEV)
+    if model == "mha":
+        r = DraftRunner.mha(32, 8, 128, **kw)
+        pools = r.k_buffer + r.v_buffer
+    else:
+        r = DraftRunner.mla(16, 512, 64, **kw)
+        pools = r.kv_buffer
+    for p in pools:
+        p.normal_()
+    slots = (torch.randperm(num_slots - 1, device=DEV) + 1).to(torch.int32)
+    rpi = torch.randperm(B, device=DEV)
+    used = 0
+    for b, L in enumerate(lens):
+        r.req_to_token[rpi[b], :L] = slots[used:used + L]
+        used += L
+    return r, rpi, torch.tensor(lens, device=DEV), slots[used:].long()
+
+
+def layers_for(lens, model):
+    per_layer = sum(lens) * row_bytes(model)
+    return max(2, min(12, -(-3 * L2_BYTES // per_layer)))
+
+
+def timed(fn, layers):
+    """Median ms of one call: a CUDA graph runs ``fn`` once per layer; its replay time over
+    the layer count. Falls back to eager timing if capture fails."""
+    import triton
+
+    for lay in layers:
+        fn(lay)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for lay in layers:
+                fn(lay)
+        t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
+        return t / len(layers), "graph"
+    except Exception as e:  # report, then time eagerly
+        print(f"  graph capture failed ({type(e).__name__}: {e}); eager timing", flush=True)
+        torch.cuda.synchronize()
+        t = triton.testing.do_bench(lambda: [fn(lay) for lay in layers], warmup=10, rep=100,
+                                    return_mode="median")
+        return t / len(layers), "eager"
+
+
+def host_ms(fn, reps=10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def inputs(model, n):
+    bf = torch.bfloat16
+    if model == "mha":
+        return (torch.randn(n, 32, 128, device=DEV, dtype=bf),
+                torch.randn(n, 8, 128, device=DEV, dtype=bf),
+                torch.randn(n, 8, 128, device=DEV, dtype=bf)), 128 ** -0.5
+    return (torch.randn(n, 16, 576, device=DEV, dtype=bf),
+            torch.randn(n, 576, device=DEV, dtype=bf), None), 192 ** -0.5
+
+
+def bench_decode(model, lens, K, S, mode, bw, step=2):
+    from specattn.backends.flashinfer import FlashInferDecode, FlashInferMLADecode
+
+    cls = FlashInferMLADecode if model == "mla" else FlashInferDecode
+    B, N = len(lens), len(lens) * K
+    layers = layers_for(lens, model)
+    r, rpi, seq, free = build(model, lens, N * S, layers)
+    batch = DraftBatch(rpi, seq, free[:N * S].reshape(B, K, S), None)
+    (q, k, v), scale = inputs(model, N)
+    lyr = [AttentionLayer(i, scale) for i in range(layers)]
+    # Host cost of one eager round (plan of every step the loop runs).
+    eager = cls(r, K, S, mode=mode)
+    eager.init_forward_metadata(batch)
+    eager.forward(0, lyr[0], q, k, v)  # learns the layer's scale (re-plan once)
+    t_meta = host_ms(lambda: eager.init_forward_metadata(batch))
+    del eager
+    be = cls(r, K, S, mode=mode)
+    be.init_cuda_graph_state(B, N)
+    be.init_forward_metadata_capture_cuda_graph(batch)
+    for i in range(step):
+        be.forward(i, lyr[0], q, k, v)
+    t, how = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
+    t_replay = host_ms(lambda: be.init_forward_metadata_replay_cuda_graph(batch, B))
+    t_prefix = None
+    rnd = be._graphs[B]
+    if rnd.prefix is not None:
+        t_prefix, _ = timed(lambda lay: rnd.prefix.run(q, lay.layer_id), lyr)
+    floor = (sum(lens) + N * (step + 1)) * row_bytes(model) / bw * 1e3
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=t_prefix, meta_host_ms=t_meta,
+                replay_plan_host_ms=t_replay)
+
+
+def bench_extend(lens, S, bw):
+    from specattn.backends.flashinfer import FlashInferExtend
+
+    E, B = S + 1, len(lens)
+    layers = layers_for(lens, "mha")
+    r, rpi, seq, _ = build("mha", lens, 0, layers)
+    loc = torch.cat([r.req_to_token[rpi[b], L - E:L].long() for b, L in enumerate(lens)])
+    batch = DraftExtendBatch(rpi, seq, torch.full((B,), E, device=DEV), loc)
+    be = FlashInferExtend(r)
+    be.init_forward_metadata(batch)
+    (q, k, v), scale = inputs("mha", B * E)
+    t, how = timed(lambda lay: be.forward(lay, q, k, v),
+                   [AttentionLayer(i, scale) for i in range(layers)])
+    t_meta = host_ms(lambda: be.init_forward_metadata(batch))
+    floor = sum(lens) * row_bytes("mha") / bw * 1e3
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=None, meta_host_ms=t_meta,
+                replay_plan_host_ms=None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--signatures", action="store_true")
+    args = ap.parse_args()
+    if args.signatures:
+        signatures()
+        return
+    rng = random.Random(0)
+    bw = copy_bandwidth()
+    drv = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    import flashinfer
+
+    print(f"# {drv}; torch {torch.__version__}; flashinfer {flashinfer.__version__}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for name in args.cases.split(","):
+        model, B, L, K, S = CASES[name]
+        for ragged in (False, True):
+            if ragged and name not in ("gqa-long", "mla-long", "extend"):
+                continue
+            lens = [rng.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
+            modes = ["-"] if name == "extend" else (["shared"] if K == 1
+                                                    else ["shared", "per-branch"])
+            res = {}
+            for mode in modes:
+                try:
+                    res[mode] = (bench_extend(lens, S, bw) if name == "extend"
+                                 else bench_decode(model, lens, K, S, mode, bw))
+                except Exception as e:  # keep going: one failing case must not hide others
+                    print(f"{name} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                torch.cuda.empty_cache()
+            base = res.get("per-branch")
+            for mode, d in res.items():
+                row = dict(case=name, lengths="ragged" if ragged else "uniform", mode=mode, **d)
+                row["x_floor"] = d["ms"] / d["floor_ms"]
+                row["speedup_vs_per_branch"] = (base["ms"] / d["ms"]) if base else None
+                rows.append(row)
+                pre = f" prefix {d['prefix_ms'] * 1e3:.0f} us" if d["prefix_ms"] else ""
+                sp = (f" {row['speedup_vs_per_branch']:.2f}x vs per-branch"
+                      if row["speedup_vs_per_branch"] else "")
+                rp = (f", replay plan {d['replay_plan_host_ms']:.2f} ms"
+                      if d["replay_plan_host_ms"] is not None else "")
+                print(f"{name:10s} {row['lengths']:7s} {mode:10s} {d['ms'] * 1e3:8.1f} us "
+                      f"({d['timing']}) floor {d['floor_ms'] * 1e3:6.1f} us "
+                      f"{row['x_floor']:.2f}x floor{sp}{pre}; host metadata/round "
+                      f"{d['meta_host_ms']:.2f} ms{rp}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "flashinfer-bench.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["case"])
+        w.writeheader()
+        w.writerows(rows)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""FlashInfer backends on the GPU against ``torch_ref``.
+
+Pools are NaN except the slots a lane may read, so a wrong index shows up as a non-finite
+output; every case draws fresh random inputs. Covers MHA/GQA and MLA draft decode (topk 1
+and 4, page size 1 and 16, lane and path trees, shared-prefix and per-branch modes, bf16 and
+fp16, standard and random shapes), draft extend (ragged and uniform) and CUDA-graph capture
+and replay with changing (and padded) batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from test_flashinfer import (assert_close_rel, decode_inputs, extend_inputs,  # noqa: E402
+                             make_decode_case, make_extend_case, run_decode_round)
+
+from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,  # noqa: E402
+                                          FlashInferMLADecode, FlashInferMLAExtend)
+from specattn.backends.torch_ref import reference_decode, reference_extend  # noqa: E402
+from specattn.data import DraftBatch  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GQA = (32, 8, 128)
+MLA = (16, 512, 64)
+MLA_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek: the pre-absorption head dim
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _name(dt):
+    return str(dt).replace("torch.", "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("topk, page_size, tree_mode, mode", [
+    (1, 1, "lane", "shared"), (1, 16, "path", "shared"), (4, 1, "lane", "shared"),
+    (4, 16, "path", "shared"), (4, 1, "path", "per-branch"), (4, 16, "lane", "per-branch")])
+def test_decode_mha_standard(dtype, topk, page_size, tree_mode, mode):
+    case = make_decode_case(bs=5, topk=topk, steps=4, page_size=page_size, dtype=dtype,
+                            device="cuda", seed=topk * 31 + page_size, max_len=300,
+                            heads=GQA)
+    backend = FlashInferDecode(case.runner, topk, 4, tree_mode=tree_mode, mode=mode)
+    run_decode_round(backend, case, seed=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_mha_random_shapes(seed):
+    gen = torch.Generator().manual_seed(seed)
+    hkv = int(torch.randint(1, 5, (1,), generator=gen))
+    group = int(torch.randint(1, 9, (1,), generator=gen))
+    topk = int(torch.randint(1, 7, (1,), generator=gen))
+    steps = int(torch.randint(2, 6, (1,), generator=gen))
+    head_dim = 64 if seed == 3 else 128
+    dtype = DTYPES[seed % 2] if head_dim == 128 else torch.bfloat16
+    case = make_decode_case(bs=int(torch.randint(1, 9, (1,), generator=gen)), topk=topk,
+                            steps=steps, dtype=dtype, device="cuda", seed=seed,
+                            max_len=int(torch.randint(1, 700, (1,), generator=gen)),
+                            heads=(hkv * group, hkv, head_dim),
+                            ragged=bool(seed % 2), page_size=1 + 15 * (seed % 2))
+    tree = "path" if seed % 2 else "lane"
+    backend = FlashInferDecode(case.runner, topk, steps, tree_mode=tree)
+    run_decode_round(backend, case, seed=seed)
+
+
+def test_decode_mha_empty_prefix():
+    """A request with ``L_b = 0`` attends to its history only."""
+    case = make_decode_case(bs=4, topk=4, steps=3, dtype=torch.bfloat16, device="cuda",
+                            seed=5, max_len=50, heads=GQA, min_len=0)
+    case.batch.seq_lens[1] = 0
+    backend = FlashInferDecode(case.runner, 4, 3)
+    run_decode_round(backend, case, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("topk, tree_mode, mode", [
+    (1, "lane", "shared"), (4, "lane", "shared"), (4, "path", "shared"),
+    (4, "lane", "per-branch")])
+def test_decode_mla(dtype, topk, tree_mode, mode):
+    case = make_decode_case(mla=True, bs=4, topk=topk, steps=4, dtype=dtype, device="cuda",
+                            seed=topk + 3, max_len=200, heads=MLA, scaling=MLA_SCALE)
+    backend = FlashInferMLADecode(case.runner, topk, 4, tree_mode=tree_mode, mode=mode)
+    run_decode_round(backend, case, seed=4)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "uniform"])
+def test_extend(mla, dtype, ragged):
+    case = make_extend_case(mla=mla, bs=6, dtype=dtype, device="cuda", seed=int(ragged),
+                            max_len=400, max_ext=6, heads=MLA if mla else GQA, ragged=ragged)
+    cls = FlashInferMLAExtend if mla else FlashInferExtend
+    backend = cls(case.runner)
+    backend.init_forward_metadata(case.batch)
+    q, k, v = extend_inputs(case, torch.Generator().manual_seed(3))
+    out = backend.forward(case.layer, q, k, v)
+    assert_close_rel(out, reference_extend(case.runner, case.layer, q, case.batch), q.dtype)
+
+
+def _graph_batch(case, order, parents_static):
+    b = case.batch
+    idx = torch.tensor(order, device=b.seq_lens.device)
+    seq = b.seq_lens[idx] - torch.arange(len(order), device=idx.device) % 3
+    flat = b.out_cache_loc[idx].reshape(-1)
+    loc = flat[torch.randperm(flat.numel(), device=flat.device)].reshape(len(order),
+                                                                         *b.out_cache_loc.shape[1:])
+    parents = torch.randint(0, b.topk, (b.num_steps, len(order), b.topk), device=idx.device)
+    parents_static[:, :len(order)].copy_(parents)
+    # A view of the captured tensor: path mode reads that one inside the graph.
+    return DraftBatch(b.req_pool_indices[idx], seq.clamp(min=1), loc,
+                      parents_static[:, :len(order)])
+
+
+@pytest.mark.parametrize("mla, topk, tree_mode", [
+    (False, 4, "lane"), (False, 4, "path"), (False, 1, "lane"), (True, 4, "path")],
+    ids=["mha-k4-lane", "mha-k4-path", "mha-k1", "mla-k4-path"])
+def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode):
+    steps, bs = 4, 4
+    case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, dtype=torch.bfloat16,
+                            device="cuda", seed=17, max_len=150, heads=MLA if mla else GQA,
+                            scaling=MLA_SCALE if mla else None)
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    backend = cls(case.runner, topk, steps, tree_mode=tree_mode)
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
+    parents = case.batch.parents.clone()
+    capture = DraftBatch(case.batch.req_pool_indices, case.batch.seq_lens,
+                         case.batch.out_cache_loc, parents)
+    backend.init_forward_metadata_capture_cuda_graph(capture)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
+
+    def loop():
+        return [backend.forward(i, case.layer, *inputs[i]) for i in range(steps - 1)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = loop()
+    for order in ([3, 1, 0, 2], [2, 0, 1]):  # changed batch, then a padded one
+        batch = _graph_batch(case, order, parents)
+        for q, k, v in inputs:
+            for t, new in zip((q, k, v), decode_inputs(case, gen)):
+                if t is not None:
+                    t.copy_(new)
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                          parents[:, :len(order)])
+        lanes = len(order) * topk
+        for i in range(steps - 1):
+            ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
+                                   tree_mode)
+            assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
