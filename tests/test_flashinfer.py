@@ -499,3 +499,20 @@ def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode
         assert_close_rel(out[:3 * topk], ref, case.runner.dtype)
     with pytest.raises(InvalidInputError, match="captured batch size"):
         backend.init_forward_metadata_replay_cuda_graph(small, 3)
+
+
+def test_history_plans_reused_across_rounds(fake_flashinfer):
+    """Shared mode: per round only the prefix pass is re-planned (history plans depend on
+    the lane count alone); a new batch size re-plans them."""
+    case = make_decode_case(topk=3, seed=21)
+    backend = FlashInferDecode(case.runner, 3, 3)
+    run_decode_round(backend, case, seed=1, steps=2)
+    run_decode_round(backend, next_round(case), seed=2, steps=2)
+    rnd = backend._eager
+    assert rnd.prefix.wrapper.plans == 2
+    assert [p.wrapper.plans for p in rnd.steps[:2]] == [1, 1]
+    b = case.batch
+    smaller = DraftBatch(b.req_pool_indices[:2], b.seq_lens[:2], b.out_cache_loc[:2],
+                         b.parents[:, :2])
+    run_decode_round(backend, DecodeCase(case.runner, smaller, case.layer), seed=3, steps=2)
+    assert [p.wrapper.plans for p in rnd.steps[:2]] == [2, 2]

@@ -13,13 +13,18 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
 Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, for the CSR
 indptrs FlashInfer's host scheduler needs); slot lists are built on the device; the prefix
 pass and the passes of steps ``0 .. max(S - 2, 0)`` are planned (the serving loop never runs
-step ``S - 1``; eager calls plan it on first use). Run step (``forward``): write K/V, refresh
+step ``S - 1``; eager calls plan it on first use). History plans depend on the lane count
+only, so in ``shared`` mode they are reused while the batch size stays: a round then costs
+one host plan (the prefix's) plus device work. Run step (``forward``): write K/V, refresh
 the ``path`` histories on the device (graph-safe), run the passes, merge.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
 wrapper's int workspace, so ``init_forward_metadata_replay_cuda_graph`` re-plans (outside the
-graph) before every replay, as upstream does.
+graph) before every replay, as upstream does (only the prefix pass in ``shared`` mode).
+Under graphs, ``path`` mode reads the ``parents`` tensor given at capture (the draft loop
+inside the graph fills it); a replay batch's own ``parents`` are copied into it. Padded lanes
+write and read slot 0 (``out_cache_loc`` padded with 0), like upstream's padding.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class _Round:
         self.steps = steps
         self.planned = [False] * len(steps)
         self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
+        self.hist_key: list[Optional[tuple]] = [None] * len(steps)
         self.rows = self.plen = self.seq_host = None
         self.parents: Optional[torch.Tensor] = None  # graph: the captured parents tensor
         self.bs = 0
@@ -155,8 +161,12 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if self.shared:
             total = lanes * n
             p.reserve(total)[:total] = hist.reshape(-1).to(torch.int32)
-            qo = torch.arange(lanes + 1, dtype=torch.int32)
-            p.plan(qo, qo * n, total, False, self.params)
+            # The history plan depends on the lane count only: reuse it across rounds.
+            key = (lanes, self.params, p.wrapper is not None)
+            if rnd.hist_key[step] != key:
+                qo = torch.arange(lanes + 1, dtype=torch.int32)
+                p.plan(qo, qo * n, total, False, self.params)
+                rnd.hist_key[step] = (lanes, self.params, True)
         else:
             total = int(rnd.seq_host.sum()) + lanes * n
             fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
@@ -223,9 +233,11 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
                 "warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
         log.debug("re-planning for scaling=%s logit_cap=%s", want.scale, want.cap)
         self.params = want
-        for p, done in zip(rnd.steps, rnd.planned):
+        for i, (p, done) in enumerate(zip(rnd.steps, rnd.planned)):
             if done:
                 p.replan(want)
+                if rnd.hist_key[i] is not None:
+                    rnd.hist_key[i] = (rnd.hist_key[i][0], want, True)
         if rnd.prefix is not None:
             rnd.prefix.replan(want)
 
