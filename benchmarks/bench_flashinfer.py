@@ -166,6 +166,9 @@ def bench_decode(model, lens, K, S, mode, bw, step=2):
     from specattn.backends.flashinfer import FlashInferDecode, FlashInferMLADecode
 
     cls = FlashInferMLADecode if model == "mla" else FlashInferDecode
+    prefix_backend = "auto"
+    if mode == "shared-fa2":  # the prefix pass on FlashInfer's fa2 prefill kernel
+        mode, prefix_backend = "shared", "fa2"
     B, N = len(lens), len(lens) * K
     layers = layers_for(lens, model)
     r, rpi, seq, free = build(model, lens, N * S, layers)
@@ -174,11 +177,13 @@ def bench_decode(model, lens, K, S, mode, bw, step=2):
     lyr = [AttentionLayer(i, scale) for i in range(layers)]
     # Host cost of one eager round (plan of every step the loop runs).
     eager = cls(r, K, S, mode=mode)
+    eager.prefix_backend = prefix_backend
     eager.init_forward_metadata(batch)
     eager.forward(0, lyr[0], q, k, v)  # learns the layer's scale (re-plan once)
     t_meta = host_ms(lambda: eager.init_forward_metadata(batch))
     del eager
     be = cls(r, K, S, mode=mode)
+    be.prefix_backend = prefix_backend
     be.init_cuda_graph_state(B, N)
     be.init_forward_metadata_capture_cuda_graph(batch)
     for i in range(step):
@@ -239,6 +244,8 @@ def main() -> None:
             lens = [rng.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
             modes = ["-"] if name == "extend" else (["shared"] if K == 1
                                                     else ["shared", "per-branch"])
+            if model == "mha" and K > 1 and not ragged:
+                modes.insert(1, "shared-fa2")
             res = {}
             for mode in modes:
                 try:
