@@ -69,25 +69,31 @@ class Registry:
         if kind not in KINDS:
             raise RegistrationError(f"{cls.qualified_name()}: subclass DraftDecodeBackend or "
                                     "DraftExtendBackend, not DraftBackend directly")
+        # Every check runs before anything changes: a refused class leaves no trace.
         self._check_name_free(kind, name, cls, is_alias=False)
-        flavours = self._classes[kind].setdefault(name, {})
-        if flavour in flavours and flavours[flavour] is not cls:
-            old = flavours[flavour]
-            if not replace:
-                raise DuplicateBackendError(
-                    f"{kind} backend name {name!r} (flavour {flavour!r}) is declared twice: "
-                    f"{old.qualified_name()} and {cls.qualified_name()}; pass replace=True "
-                    "to override on purpose")
-            log.warning("%s backend %r (flavour %r): %s replaces %s", kind, name, flavour,
-                        cls.qualified_name(), old.qualified_name())
+        old = self._classes[kind].get(name, {}).get(flavour)
+        if old is not None and old is not cls and not replace:
+            raise DuplicateBackendError(
+                f"{kind} backend name {name!r} (flavour {flavour!r}) is declared twice: "
+                f"{old.qualified_name()} and {cls.qualified_name()}; pass replace=True "
+                "to override on purpose")
         for alias in cls.aliases + cls.deprecated_aliases:
             self._check_name_free(kind, alias, cls, is_alias=True)
-        flavours[flavour] = cls
-        for alias in cls.aliases:
-            self._aliases[kind][alias] = (name, False)
-        for alias in cls.deprecated_aliases:
-            self._aliases[kind][alias] = (name, True)
+        if old is not None and old is not cls:
+            log.warning("%s backend %r (flavour %r): %s replaces %s", kind, name, flavour,
+                        cls.qualified_name(), old.qualified_name())
+        self._classes[kind].setdefault(name, {})[flavour] = cls
+        self._reindex_aliases(kind)
         self.version += 1
+
+    def _reindex_aliases(self, kind: str) -> None:
+        """Aliases live while a registered class declares them (one table, rebuilt)."""
+        table: dict[str, tuple[str, bool]] = {}
+        for flavours in self._classes[kind].values():
+            for c in flavours.values():
+                table.update({a: (c.name, False) for a in c.aliases})
+                table.update({a: (c.name, True) for a in c.deprecated_aliases})
+        self._aliases[kind] = table
 
     def _check_name_free(self, kind: str, name: str, cls: type, *, is_alias: bool) -> None:
         if name in self._dispatchers[kind]:
@@ -121,15 +127,14 @@ class Registry:
         self.version += 1
 
     def unregister(self, cls: type) -> None:
-        """Remove ``cls`` (and its aliases when no flavour of its name is left)."""
+        """Remove ``cls`` (and the aliases no remaining class declares)."""
         flavours = self._classes[cls.kind].get(cls.name, {})
         if flavours.get(cls.flavour) is not cls:
             raise LookupError(f"{cls.qualified_name()} is not registered here")
         del flavours[cls.flavour]
-        for alias in cls.aliases + cls.deprecated_aliases:
-            self._aliases[cls.kind].pop(alias, None)
         if not flavours:
             del self._classes[cls.kind][cls.name]
+        self._reindex_aliases(cls.kind)
         self.version += 1
 
     # --- reading ---------------------------------------------------------------------------

@@ -56,7 +56,6 @@ PENDING_NOW = frozenset({
     "trtllm_mha", "trtllm_mla", "cutedsl_mla",                          # issue #5
     "fa3", "fa4",                                                       # issue #6
     "flashmla", "tokenspeed_mla", "dsa", "dsv4", "aiter", "ascend",     # issue #7
-    "intel_amx",                                                        # issue #3 (CPU backend)
 })
 
 # Vendor modules a platform may have (the strategies draw subsets of this).

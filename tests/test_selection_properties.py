@@ -40,6 +40,21 @@ def _both(config, mla, num_steps, topk, platform):
         oracle.assert_matches(exp, got, f"{kind} {context}")
 
 
+def test_pending_now_is_current():
+    """The oracle's PENDING_NOW names exactly the registered names whose classes are pending
+    (a name is pending when all its classes are)."""
+    by_name: dict[str, list[bool]] = {}
+    for kind in oracle.KINDS:
+        for cls in default_registry.classes(kind):
+            by_name.setdefault(cls.name, []).append(bool(cls.pending))
+    pending = {n for n, flags in by_name.items() if all(flags)}
+    mixed = {n for n, flags in by_name.items() if any(flags) and not all(flags)}
+    assert not mixed, f"partly pending names, refine the oracle: {sorted(mixed)}"
+    assert pending == oracle.PENDING_NOW, (
+        f"update PENDING_NOW in tests/oracle.py: landed {sorted(oracle.PENDING_NOW - pending)}"
+        f", newly pending {sorted(pending - oracle.PENDING_NOW)}")
+
+
 # --- outcome == oracle -------------------------------------------------------------------------
 
 @given(config=s.configs(), mla=s.mla_flags, num_steps=s.num_steps, topk=s.topks,

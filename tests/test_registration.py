@@ -1,0 +1,257 @@
+"""The registration contract of ``__init_subclass__`` (PEP 487): opt-in, validated
+declarations, loud duplicates, no inherited registration, no vendor import at import time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from specattn import DraftBackend, DraftDecodeBackend, DraftExtendBackend
+from specattn.errors import DuplicateBackendError, RegistrationError
+from specattn.platforms import Platform, is_cpu
+from specattn.registry import Dispatcher, Route, default_registry
+
+_BODY = {"init_forward_metadata": lambda self, batch: None,
+         "forward": lambda self, *args: None}
+
+
+def declare(cls_name="Fake", base=DraftDecodeBackend, **keywords):
+    return type(cls_name, (base,), {"__module__": "fakes", **_BODY}, **keywords)
+
+
+# --- opt-in ------------------------------------------------------------------------------------
+
+def test_class_without_name_does_not_register(empty_registry):
+    base = declare("IntermediateBase")
+    assert not base.is_registered()
+    assert empty_registry.names("decode") == []
+
+
+def test_class_with_name_registers_into_the_active_registry_only(empty_registry):
+    version = default_registry.version
+    cls = declare("Mine", name="mine", aliases=("my",), platforms=is_cpu, models=("mha",),
+                  priority={"cpu": 7}, kernel_library="torch")
+    assert cls.is_registered() and cls.kind == "decode" and cls.name == "mine"
+    assert empty_registry.classes("decode", "mine") == [cls]
+    assert empty_registry.canonical("decode", "my") == ("mine", False)
+    assert empty_registry.names("extend") == []
+    assert default_registry.version == version
+    assert "mine" not in default_registry.names("decode")
+
+
+def test_declaration_is_recorded_as_data(empty_registry):
+    cls = declare("Mine", base=DraftExtendBackend, name="mine", flavour="x",
+                  requires=(("somelib", "some-lib"),), priority=3)
+    assert cls.kind == "extend" and cls.flavour == "x"
+    assert cls.requires == (("somelib", "some-lib"),)
+    assert cls.priority_on(Platform("cuda", (9, 0))) == 3
+    assert cls.models == frozenset({"mha", "mla"})
+    described = cls.describe()
+    assert described["name"] == "mine" and described["kind"] == "extend"
+    assert described["class"] == "fakes.Mine"
+    json.dumps(described)  # plain data
+
+
+def test_registration_needs_a_kind(empty_registry):
+    with pytest.raises(RegistrationError, match="subclass DraftDecodeBackend or"):
+        declare("NoKind", base=DraftBackend, name="nokind")
+
+
+def test_cooperative_keywords_pass_through_a_mixin(empty_registry):
+    class Tagged:
+        def __init_subclass__(cls, tag=None, **kwargs):
+            cls.tag = tag
+            super().__init_subclass__(**kwargs)
+
+    cls = type("TaggedDecode", (Tagged, DraftDecodeBackend),
+               {"__module__": "fakes", **_BODY}, name="tagged", tag="t1")
+    assert cls.tag == "t1" and cls.is_registered()
+
+
+# --- bad declarations --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keywords,match", [
+    (dict(name="x", colour="red"), "unknown class keyword"),
+    (dict(aliases=("y",)), "without name="),
+    (dict(name="X"), "lowercase"),
+    (dict(name=""), "lowercase"),
+    (dict(name=" x"), "lowercase"),
+    (dict(name=3), "lowercase"),
+    (dict(name="x", aliases="y"), "tuple of lowercase"),
+    (dict(name="x", aliases=("Y",)), "tuple of lowercase"),
+    (dict(name="x", deprecated_aliases=("",)), "tuple of lowercase"),
+    (dict(name="x", flavour=""), "flavour"),
+    (dict(name="x", platforms=lambda p: True), "Predicate"),
+    (dict(name="x", models=()), "models"),
+    (dict(name="x", models=("gqa",)), "models"),
+    (dict(name="x", requires=("triton",)), "requires"),
+    (dict(name="x", priority="high"), "priority"),
+    (dict(name="x", priority=True), "priority"),
+    (dict(name="x", priority={"cuda": 1.5}), "priority"),
+    (dict(name="x", mla_required_name="x"), "mla_required_name"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_declarations_raise(empty_registry, keywords, match):
+    with pytest.raises(RegistrationError, match=match) as info:
+        declare("Bad", **keywords)
+    assert isinstance(info.value, TypeError)
+    assert "fakes.Bad" in str(info.value)
+    assert empty_registry.names("decode") == []
+
+
+# --- duplicates and replacement ----------------------------------------------------------------
+
+def test_duplicate_name_names_both_classes(empty_registry):
+    declare("First", name="dup")
+    with pytest.raises(DuplicateBackendError) as info:
+        declare("Second", name="dup")
+    assert "fakes.First" in str(info.value) and "fakes.Second" in str(info.value)
+    assert isinstance(info.value, RegistrationError)
+    assert [c.__qualname__ for c in empty_registry.classes("decode", "dup")] == ["First"]
+
+
+def test_same_name_other_flavour_or_kind_is_fine(empty_registry):
+    a = declare("A", name="dup", flavour="one")
+    b = declare("B", name="dup", flavour="two")
+    c = declare("C", base=DraftExtendBackend, name="dup", flavour="one")
+    assert empty_registry.classes("decode", "dup") == [a, b]
+    assert empty_registry.classes("extend", "dup") == [c]
+
+
+def test_replace_true_overrides_and_logs(empty_registry, caplog):
+    declare("Old", name="dup")
+    with caplog.at_level(logging.WARNING, logger="specattn"):
+        new = declare("New", name="dup", replace=True)
+    assert empty_registry.classes("decode", "dup") == [new]
+    assert any("fakes.New replaces fakes.Old" in r.getMessage() for r in caplog.records)
+
+
+def test_replace_can_override_a_builtin_in_a_scope(scoped_registry):
+    builtin = default_registry.classes("decode", "torch_ref")[0]
+    mine = declare("MyRef", name="torch_ref", replace=True)
+    assert scoped_registry.classes("decode", "torch_ref") == [mine]
+    assert default_registry.classes("decode", "torch_ref") == [builtin]
+
+
+# --- inheritance -------------------------------------------------------------------------------
+
+def test_subclass_of_a_registered_class_does_not_re_register(empty_registry):
+    parent = declare("Parent", name="parent", aliases=("pa",))
+    child = type("Child", (parent,), {"__module__": "fakes"})
+    assert parent.is_registered() and not child.is_registered()
+    assert empty_registry.classes("decode", "parent") == [parent]
+
+
+def test_subclass_may_register_under_its_own_name(empty_registry):
+    parent = declare("Parent", name="parent", aliases=("pa",), platforms=is_cpu)
+    child = type("Child", (parent,), {"__module__": "fakes"}, name="child")
+    assert child.is_registered() and child.name == "child"
+    assert child.aliases == ()  # declarations are not inherited
+    assert empty_registry.canonical("decode", "pa") == ("parent", False)
+
+
+# --- aliases -----------------------------------------------------------------------------------
+
+def test_alias_clashes(empty_registry):
+    declare("A", name="alpha", aliases=("al",))
+    with pytest.raises(DuplicateBackendError, match="fakes.A"):
+        declare("B", name="beta", aliases=("al",))      # alias taken by another name
+    with pytest.raises(DuplicateBackendError):
+        declare("C", name="gamma", aliases=("alpha",))  # alias equal to a name
+    with pytest.raises(DuplicateBackendError):
+        declare("D", name="al")                         # name equal to an alias
+    # Another flavour of the same name may repeat the alias.
+    declare("E", name="alpha", flavour="other", aliases=("al",))
+    assert empty_registry.aliases_of("decode", "alpha") == ["al"]
+
+
+def test_deprecated_alias_is_marked(empty_registry):
+    declare("A", name="alpha", deprecated_aliases=("old",))
+    assert empty_registry.canonical("decode", "old") == ("alpha", True)
+    assert "old" in empty_registry.all_names("decode")
+
+
+def test_dispatcher_names_are_reserved(empty_registry):
+    empty_registry.add_dispatcher(Dispatcher("router", "decode", (Route(is_cpu, "x"),)))
+    with pytest.raises(DuplicateBackendError, match="dispatcher"):
+        declare("A", name="router")
+    with pytest.raises(DuplicateBackendError, match="dispatcher"):
+        declare("B", name="beta", aliases=("router",))
+    declare("C", base=DraftExtendBackend, name="router")  # other kind: free
+    with pytest.raises(DuplicateBackendError):
+        empty_registry.add_dispatcher(Dispatcher("router", "extend", ()))
+    with pytest.raises(RegistrationError):
+        empty_registry.add_dispatcher(Dispatcher("r2", "verify", ()))
+
+
+def test_unregister(empty_registry):
+    a = declare("A", name="alpha", aliases=("al",))
+    empty_registry.unregister(a)
+    assert empty_registry.names("decode") == []
+    assert empty_registry.canonical("decode", "al") == (None, False)
+    with pytest.raises(LookupError):
+        empty_registry.unregister(a)
+
+
+# --- built-ins ---------------------------------------------------------------------------------
+
+def test_every_original_name_is_registered_for_both_kinds():
+    from oracle import DEPRECATED_ALIASES, ORIGINAL_NAMES
+
+    for kind in ("decode", "extend"):
+        names = set(default_registry.all_names(kind))
+        missing = set(ORIGINAL_NAMES) | set(DEPRECATED_ALIASES) | {"torch_ref"}
+        assert missing <= names, (kind, missing - names)
+
+
+def test_builtin_declarations_are_consistent():
+    for kind in ("decode", "extend"):
+        for cls in default_registry.classes(kind):
+            assert cls.is_registered() and cls.kind == kind
+            assert cls.qualified_name().startswith("specattn.backends.")
+            assert cls.models and cls.models <= {"mha", "mla"}
+
+
+def test_import_specattn_imports_no_vendor_library():
+    vendors = ["flashinfer", "flash_attn", "flash_attn_interface", "flash_mla", "aiter",
+               "torch_npu", "tokenspeed_mla", "mate", "triton"]
+    code = ("import sys, json, specattn, torch; "
+            "specattn.list_backends(); "
+            f"print(json.dumps([[m for m in {vendors!r} if m in sys.modules], "
+            "torch.cuda.is_initialized()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**__import__("os").environ,
+                                          "SPECATTN_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    imported, cuda_initialized = json.loads(out.stdout.strip().splitlines()[-1])
+    assert imported == []
+    assert cuda_initialized is False
+
+
+# --- bugs found by the stateful test (pinned) --------------------------------------------------
+
+def test_refused_registration_leaves_no_trace(empty_registry):
+    from specattn.errors import UnknownBackendError
+    from specattn.keys import BackendRequest
+    from specattn.selection import select
+
+    declare("A", name="alpha", aliases=("al",))
+    with pytest.raises(DuplicateBackendError):
+        declare("B", name="beta", aliases=("al",))
+    assert empty_registry.names("decode") == ["alpha"]
+    assert empty_registry.canonical("decode", "beta") == (None, False)
+    with pytest.raises(UnknownBackendError):
+        select("decode", "beta", BackendRequest(kind="decode"), Platform("cpu"))
+
+
+def test_aliases_live_while_a_registered_class_declares_them(empty_registry):
+    a = declare("A", name="alpha", aliases=("al", "only_a"))
+    declare("B", name="alpha", flavour="b", aliases=("al",))
+    empty_registry.unregister(a)
+    assert empty_registry.canonical("decode", "al") == ("alpha", False)
+    assert empty_registry.canonical("decode", "only_a") == (None, False)
+    declare("C", name="alpha", flavour="b", aliases=("new",), replace=True)
+    assert empty_registry.canonical("decode", "al") == (None, False)
+    assert empty_registry.canonical("decode", "new") == ("alpha", False)
