@@ -20,7 +20,7 @@ from specattn.demo import cli_main
 from specattn.demo.cli import _make_runner, build_parser
 from specattn.demo.eagle import TOLERANCES, DraftTree, EagleDrafter, ErrorMeter
 from specattn.demo.model import DraftModel, ModelConfig
-from specattn.demo.render import render_tree
+from specattn.demo.render import lane_divergence, render_tree
 from specattn.platforms import current_platform
 
 SMALL = ["--batch", "2", "--min-len", "5", "--max-len", "21", "--steps", "3",
@@ -54,6 +54,8 @@ def test_demo_smoke(mla, tree_mode, page_size, topk):
     nodes = re.findall(r"[|`]- +\d+ p=[0-9.]+ L(\d+)", text)
     assert len(nodes) == 2 * 2 * 3 * topk  # 2 rounds x 2 trees x 3 depths x topk lanes
     assert {int(j) for j in nodes} == set(range(topk))
+    # Lane mode reports how many drafted nodes did not attend to their ancestry.
+    assert ("lane mode: " in text) == (tree_mode == "lane" and topk > 1)
     # The torch_ref comparison: both kinds, below the bf16 tolerance.
     errs = ERR_LINE.findall(text)
     assert [e[0] for e in errs] == ["extend", "decode"], text
@@ -295,6 +297,7 @@ def test_tree_helpers_on_a_hand_built_tree():
         "|-  10", "`-  11", "|-  20", "|  `-  31", "`-  21", "`-  30"]
     assert lines[1].endswith("L0") and lines[2].endswith("*+") and lines[3].endswith("*+~")
     assert lines[4].endswith("*") and lines[5].endswith("L1") and lines[6].endswith("L0")
+    assert lane_divergence(tree) == (1, 2)  # depth-2 nodes: lane 0 descends from lane 1
     # Path mode never marks '~' (the history is the ancestry by construction).
     assert not any("~" in ln for ln in render_tree(tree, 0, tree_mode="path"))
 

@@ -17,7 +17,7 @@ from ..factory import DraftBackendFactory
 from ..platforms import current_platform
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
-from .render import LEGEND, render_meter, render_tree
+from .render import LEGEND, lane_divergence, render_meter, render_tree
 
 __all__ = ["build_parser", "cli_main", "run_demo"]
 
@@ -146,7 +146,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> int:
                            topk=args.topk, num_steps=args.steps, tree_mode=args.tree_mode,
                            meter=meter)
     say(LEGEND)
-    new_tokens = None
+    new_tokens, diverged, could = None, 0, 0
     for r in range(args.rounds):
         if new_tokens is None:
             drafter.add_requests(prompts)
@@ -156,12 +156,18 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> int:
             what = f"accepted + bonus, {sum(int(t.numel()) for t in new_tokens)} tokens"
         tree = drafter.draft()
         counts, new_tokens = drafter.simulate_acceptance(tree, gen)
+        d, n = lane_divergence(tree)
+        diverged, could = diverged + d, could + n
         say(f"round {r}: draft extend ({what}), then {args.steps} draft steps x "
             f"{args.topk} lanes; simulated accepts {counts} (+1 bonus each)")
         for b in range(min(args.trees, args.batch)):
             for line in render_tree(tree, b, tree_mode=args.tree_mode, accepted=counts[b]):
                 say("  " + line)
     say()
+    if args.tree_mode == "lane" and args.topk > 1 and could:
+        say(f"lane mode: {diverged} of {could} drafted nodes below depth 1 attended to their "
+            "lane's history, not their ancestors' KV (upstream behaviour; --tree-mode path "
+            "attends to the exact ancestry)")
     if meter is None:
         say("check against torch_ref skipped (--no-check)")
     else:

@@ -6,7 +6,7 @@ from typing import Optional
 
 from .eagle import TOLERANCES, DraftTree, ErrorMeter
 
-__all__ = ["render_tree", "render_meter", "LEGEND"]
+__all__ = ["render_tree", "render_meter", "lane_divergence", "LEGEND"]
 
 LEGEND = ("tree: token p=<cumulative score> L<lane>; '*' best path, '+' accepted, "
           "'~' lane history is not the node's ancestry (lane mode)")
@@ -16,6 +16,14 @@ def _lane_diverges(tree: DraftTree, d: int, b: int, j: int) -> bool:
     """Node ``(d, j)`` was run at step ``d`` and attended to lane ``j``'s slots at steps
     ``0..d-1`` (lane mode): true when those are not the KV of its ancestors."""
     return any(a != j for a in tree.ancestry(d, b, j)[:-1])
+
+
+def lane_divergence(tree: DraftTree) -> tuple[int, int]:
+    """(nodes whose lane-mode history was not their ancestry, nodes that could diverge):
+    the forwarded nodes below depth 1, over every request."""
+    bsz, k = tree.tokens.shape[1:]
+    nodes = [(d, b, j) for d in range(1, tree.depth - 1) for b in range(bsz) for j in range(k)]
+    return sum(_lane_diverges(tree, *n) for n in nodes), len(nodes)
 
 
 def render_tree(tree: DraftTree, b: int, *, tree_mode: str,
