@@ -19,8 +19,9 @@ Plan step (``init_forward_metadata``, once per round): padded prefix slot table 
 then only gathers ``K * (step + 1)`` history rows per request.
 
 Precision: bf16 and fp32 run SDPA in their own dtype (its CPU kernel accumulates in fp32);
-fp16 runs in fp32 because CPUs without AVX512-FP16 have no fast fp16 math (measured about
-3x slower than converting once). A logit soft-cap (``logit_cap > 0``) uses an explicit fp32
+fp16 runs in fp32 because CPUs without AVX512-FP16 have no fast fp16 math (fp16 SDPA measured
+2-3x slower than fp32 on an AVX-512 EPYC; the conversion is paid once per round per layer with
+the prefix cache). A logit soft-cap (``logit_cap > 0``) uses an explicit fp32
 matmul/softmax path, since SDPA has no soft-cap. MLA passes the whole latent row as value
 (SDPA's fast kernel wants equal key and value widths) and keeps the first ``kv_lora_rank``
 output columns.
