@@ -21,7 +21,7 @@ from specattn.demo.cli import _make_runner, build_parser
 from specattn.demo.eagle import TOLERANCES, DraftTree, EagleDrafter, ErrorMeter
 from specattn.demo.model import DraftModel, ModelConfig
 from specattn.demo.render import lane_divergence, render_tree
-from specattn.platforms import current_platform
+from specattn.platforms import Platform, current_platform, use_platform
 
 SMALL = ["--batch", "2", "--min-len", "5", "--max-len", "21", "--steps", "3",
          "--rounds", "2", "--layers", "1", "--device", "cpu"]
@@ -96,6 +96,14 @@ def test_demo_through_the_specattn_command(capsys):
     assert main(["demo"] + SMALL + ["--trees", "1", "--no-check"]) == 0
     text = capsys.readouterr().out
     assert "check against torch_ref skipped" in text and "req 0:" in text
+
+
+def test_demo_selects_for_the_device_it_runs_on():
+    """``--device cpu`` on a GPU machine picks among CPU backends, not the GPU's."""
+    with use_platform(Platform("cuda", (9, 0), libraries=frozenset({"triton", "flashinfer"}))):
+        code, text = run(SMALL + ["--trees", "0"])
+    assert code == 0, text
+    assert "platform: cpu" in text and "on cpu" in text and "on cuda" not in text
 
 
 @pytest.mark.parametrize("argv,code,message", [

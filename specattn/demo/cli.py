@@ -14,7 +14,7 @@ from ..config import SpecConfig
 from ..data import DraftRunner
 from ..errors import SpecAttnError
 from ..factory import DraftBackendFactory
-from ..platforms import current_platform
+from ..platforms import Platform, current_platform, torch_device_type, use_platform
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
 from .render import LEGEND, lane_divergence, render_meter, render_tree
@@ -102,7 +102,19 @@ def _prompt_lens(batch: int, lo: int, hi: int) -> list[int]:
 
 
 def run_demo(args: argparse.Namespace, out: TextIO) -> int:
-    """The demo proper; returns 0 when every output matched torch_ref, else 1."""
+    """The demo proper; returns 0 when every output matched torch_ref, else 1.
+
+    Selection is made for the platform of ``--device``: on a GPU machine, ``--device cpu``
+    selects among the CPU backends."""
+    detected = current_platform()
+    if torch_device_type(detected) == args.device:
+        return _run(args, out)
+    cpu = Platform("cpu", None, detected.cpu_has_amx, triton_interpret=detected.triton_interpret)
+    with use_platform(cpu):
+        return _run(args, out)
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
     from ..allocator import PagedKVAllocator
 
     def say(line: str = "") -> None:
