@@ -171,6 +171,36 @@ def test_decode_lane_attends_to_its_own_new_kv(mla):
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
 
+def test_decode_path_mode_hand_made_tree():
+    """Path mode against ancestor chains written out by hand (not via metadata)."""
+    runner = _runner(False, torch.float32, 1)
+    alloc = PagedKVAllocator(runner)
+    reqs = _requests(runner, alloc, [12])
+    seq_lens = alloc.seq_lens(reqs.tolist())
+    loc = alloc.alloc_draft(reqs, 3, 3)
+    # Step 1: lanes 0, 1, 2 descend from step-0 lanes 2, 0, 1; step 2: from 1, 2, 2.
+    parents = torch.tensor([[[0, 0, 0]], [[2, 0, 1]], [[1, 2, 2]]])
+    backend = IntelAMXDecode(runner, 3, 3, tree_mode="path")
+    backend.init_forward_metadata(DraftBatch(reqs, seq_lens, loc, parents))
+    layer = AttentionLayer(0, SCALE)
+    for step in range(3):
+        q, k, v = _qkv(runner, 3)
+        out = backend.forward(step, layer, q, k, v)
+    c = loc[0]  # c[lane, step]
+    chains = [[c[0, 0], c[1, 1], c[0, 2]],   # lane 0 <- lane 1 <- lane 0
+              [c[1, 0], c[2, 1], c[1, 2]],   # lane 1 <- lane 2 <- lane 1
+              [c[1, 0], c[2, 1], c[2, 2]]]   # lane 2 <- lane 2 <- lane 1
+    prefix = runner.req_to_token[int(reqs[0]), :12].long()
+    group = runner.num_q_heads // runner.num_kv_heads
+    for j, chain in enumerate(chains):
+        slots = torch.cat([prefix, torch.stack(chain).long()])
+        keys = runner.k_buffer[0][slots].repeat_interleave(group, dim=1)
+        vals = runner.v_buffer[0][slots].repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[j], keys) * SCALE, dim=-1)
+        torch.testing.assert_close(out[j], torch.einsum("hn,nhd->hd", p, vals),
+                                   atol=2e-5, rtol=2e-5)
+
+
 def _extend_case(mla: bool, dtype: torch.dtype, page_size: int, prefix: list[int],
                  ext: list[int], logit_cap: float = 0.0) -> None:
     runner = _runner(mla, dtype, page_size)
