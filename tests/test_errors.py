@@ -1,0 +1,232 @@
+"""Every user-facing error: its class (and the builtin it subclasses), and its message."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specattn import DraftBackendFactory, DraftDecodeBackend, SpecConfig
+from specattn.errors import (
+    BackendUnavailableError,
+    DuplicateBackendError,
+    InvalidInputError,
+    ModelMismatchError,
+    RegistrationError,
+    SpecAttnError,
+    UnknownBackendError,
+)
+from specattn.keys import BackendRequest
+from specattn.platforms import Platform, is_cuda
+from specattn.registry import default_registry
+from specattn.selection import select
+
+CPU = Platform("cpu", libraries=frozenset())
+SM90 = Platform("cuda", (9, 0), libraries={"flashinfer"})
+
+
+def factory(name=None, mla=False, num_steps=3, page_size=1, platform=CPU):
+    return DraftBackendFactory(SpecConfig(attention_backend=name, page_size=page_size),
+                               SimpleNamespace(use_mla_backend=mla), 1, num_steps,
+                               platform=platform)
+
+
+def error_of(fn):
+    with pytest.raises(SpecAttnError) as info:
+        fn()
+    return info.value
+
+
+def test_hierarchy_matches_the_builtins_callers_catch():
+    assert issubclass(UnknownBackendError, ValueError)
+    assert issubclass(ModelMismatchError, ValueError)
+    assert issubclass(InvalidInputError, ValueError)
+    assert issubclass(BackendUnavailableError, RuntimeError)
+    assert issubclass(RegistrationError, TypeError)
+    assert issubclass(DuplicateBackendError, RegistrationError)
+    for cls in (UnknownBackendError, ModelMismatchError, InvalidInputError,
+                BackendUnavailableError, RegistrationError):
+        assert issubclass(cls, SpecAttnError)
+
+
+# --- unknown names (rules 3 and 15) ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,prefix", [
+    ("decode", "EAGLE is not supported in decode attention backend "),
+    ("extend", "EAGLE is not supported in attention backend "),
+])
+@pytest.mark.parametrize("name,closest", [("flashinfr", "flashinfer"),
+                                          ("FlashInfer", "flashinfer"),
+                                          ("trtlm_mha", "trtllm_mha"), ("tritonn", "triton")])
+def test_unknown_name_message(kind, prefix, name, closest):
+    f = factory(name)
+    err = error_of(f.resolve_decode_backend if kind == "decode"
+                   else f.resolve_draft_extend_backend)
+    assert type(err) is UnknownBackendError
+    text = str(err)
+    assert text.startswith(prefix + name + ". ")
+    valid = sorted(set(default_registry.all_names(kind)) | {"auto"})
+    assert f"Valid {kind} backend names: {', '.join(valid)}." in text
+    assert text.endswith(f"Did you mean {closest!r}?")
+    assert err.name == name and err.closest == closest and list(err.valid_names) == valid
+
+
+def test_unknown_name_message_snapshot(empty_registry):
+    for name in ("alpha", "beta"):
+        type(name, (DraftDecodeBackend,), {"__module__": "fakes",
+                                           "init_forward_metadata": lambda s, b: None,
+                                           "forward": lambda s, *a: None}, name=name)
+    with pytest.raises(UnknownBackendError) as info:
+        select("decode", "alpah", BackendRequest(kind="decode"), CPU)
+    assert str(info.value) == ("EAGLE is not supported in decode attention backend alpah. "
+                               "Valid decode backend names: alpha, auto, beta. "
+                               "Did you mean 'alpha'?")
+
+
+# --- MLA-only names (rule 8) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,reported", [("trtllm_mla", "trtllm_mla"),
+                                           ("cutedsl_mla", "trtllm_mla"),
+                                           ("tokenspeed_mla", "tokenspeed_mla")])
+def test_mla_only_message_is_the_original(name, reported):
+    for kind in ("decode", "extend"):
+        f = factory(name)
+        err = error_of(f.resolve_decode_backend if kind == "decode"
+                       else f.resolve_draft_extend_backend)
+        assert type(err) is ModelMismatchError
+        assert str(err) == f"{reported} backend requires MLA model (use_mla_backend=True)."
+
+
+# --- unavailable (rule 14) ---------------------------------------------------------------------
+
+def test_unavailable_names_the_backend_every_candidate_and_reason():
+    err = error_of(factory("trtllm_mha", platform=SM90).resolve_decode_backend)
+    assert type(err) is BackendUnavailableError and err.name == "trtllm_mha"
+    text = str(err)
+    assert text.startswith("trtllm_mha: no decode backend registered as 'trtllm_mha' can "
+                           "serve decode MHA")
+    assert "needs CUDA compute capability 10.x, this platform is cuda 9.0" in text
+    assert "supports page sizes [16, 32, 64], got 1" in text
+    assert text.endswith("Run `specattn list` to see what runs here.")
+    classes = default_registry.classes("decode", "trtllm_mha")
+    assert set(err.reasons) == {c.qualified_name() for c in classes}
+    for qualname, reasons in err.reasons.items():
+        assert qualname in text and reasons and all(r in text for r in reasons)
+
+
+def test_unavailable_lists_every_flavour():
+    err = error_of(factory("flashinfer").resolve_draft_extend_backend)
+    assert len(err.reasons) == 2
+    text = str(err)
+    for cls in default_registry.classes("extend", "flashinfer"):
+        assert cls.qualified_name() in text
+    assert "needs CUDA, this platform is cpu without AMX" in text
+    assert ("needs the 'flashinfer' package, which is not installed "
+            "(pip install flashinfer-python)") in text
+    assert "serves MHA models, the model is MHA" not in text
+    assert "serves MLA models, the model is MHA" in text
+
+
+def test_unavailable_message_snapshot(empty_registry):
+    type("Only", (DraftDecodeBackend,), {"__module__": "fakes", "page_sizes": frozenset({64}),
+                                         "init_forward_metadata": lambda s, b: None,
+                                         "forward": lambda s, *a: None},
+         name="only", platforms=is_cuda, requires=(("vendorlib", "vendor-lib"),))
+    with pytest.raises(BackendUnavailableError) as info:
+        select("decode", "only", BackendRequest(kind="decode", num_steps=3), CPU)
+    assert str(info.value) == (
+        "only: no decode backend registered as 'only' can serve decode MHA topk=1 num_steps=3 "
+        "page_size=1 kv_cache_dtype=auto tree_mode=lane on cpu without AMX. Candidates: "
+        "fakes.Only: needs CUDA, this platform is cpu without AMX, needs the 'vendorlib' "
+        "package, which is not installed (pip install vendor-lib), supports page sizes [64], "
+        "got 1. Run `specattn list` to see what runs here.")
+    assert info.value.reasons == {"fakes.Only": [
+        "needs CUDA, this platform is cpu without AMX",
+        "needs the 'vendorlib' package, which is not installed (pip install vendor-lib)",
+        "supports page sizes [64], got 1"]}
+
+
+def test_auto_with_nothing_usable(empty_registry):
+    with pytest.raises(BackendUnavailableError) as info:
+        select("extend", "auto", BackendRequest(kind="extend"), CPU)
+    assert str(info.value).startswith("auto: no extend backend can serve extend MHA")
+    assert info.value.name == "auto"
+
+
+def test_pending_backend_constructor_says_not_yet():
+    pending = [c for k in ("decode", "extend") for c in default_registry.classes(k)
+               if c.pending]
+    if not pending:
+        pytest.skip("no pending backend left")
+    cls = pending[0]
+    assert "not implemented yet" in cls.pending and "issue #" in cls.pending
+    runner = SimpleNamespace(page_size=1, use_mla_backend=False)
+    with pytest.raises(BackendUnavailableError, match="not implemented yet"):
+        if cls.kind == "decode":
+            cls(runner, 1, 3)
+        else:
+            cls(runner)
+
+
+# --- invalid inputs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,argument", [
+    (dict(speculative_attention_mode="verify"), "speculative_attention_mode"),
+    (dict(page_size=0), "page_size"),
+    (dict(page_size=True), "page_size"),
+    (dict(page_size="64"), "page_size"),
+    (dict(attention_backend=3), "attention_backend"),
+    (dict(speculative_draft_attention_backend=["fa3"]), "speculative_draft_attention_backend"),
+])
+def test_spec_config_rejects_bad_fields(kwargs, argument):
+    with pytest.raises(InvalidInputError) as info:
+        SpecConfig(**kwargs)
+    assert info.value.argument == argument
+    assert str(info.value).startswith(f"{argument}: expected ")
+    assert ", got " in str(info.value)
+
+
+def test_spec_config_message_text():
+    with pytest.raises(InvalidInputError) as info:
+        SpecConfig(page_size=0)
+    assert str(info.value) == "page_size: expected an int >= 1, got 0"
+
+
+@pytest.mark.parametrize("args,argument", [
+    (("not a config", SimpleNamespace(use_mla_backend=False), 1, 3), "config"),
+    ((SpecConfig(), SimpleNamespace(use_mla_backend=False), 0, 3), "topk"),
+    ((SpecConfig(), SimpleNamespace(use_mla_backend=False), True, 3), "topk"),
+    ((SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, -1), "num_steps"),
+    ((SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, 2.0), "num_steps"),
+    ((SpecConfig(), object(), 1, 3), "runner"),
+])
+def test_factory_rejects_bad_arguments(args, argument):
+    with pytest.raises(InvalidInputError) as info:
+        DraftBackendFactory(*args)
+    assert info.value.argument == argument
+
+
+def test_factory_rejects_a_bad_tree_mode():
+    with pytest.raises(InvalidInputError, match="tree_mode"):
+        DraftBackendFactory(SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, 3,
+                            tree_mode="tree", platform=CPU).resolve_decode_backend()
+
+
+@pytest.mark.parametrize("kwargs,argument", [
+    (dict(kind="verify"), "kind"), (dict(kind="decode", tree_mode="x"), "tree_mode"),
+    (dict(kind="decode", topk=0), "topk"), (dict(kind="decode", page_size=0), "page_size"),
+    (dict(kind="decode", num_steps=-1), "num_steps"),
+])
+def test_backend_request_rejects_bad_fields(kwargs, argument):
+    with pytest.raises(InvalidInputError) as info:
+        BackendRequest(**kwargs)
+    assert info.value.argument == argument
+
+
+def test_platform_errors_say_what_is_expected():
+    with pytest.raises(InvalidInputError) as info:
+        Platform("gpu")
+    assert str(info.value) == ("device: expected one of ('cuda', 'hip', 'npu', 'musa', 'xpu', "
+                               "'cpu'), got 'gpu'")
+    with pytest.raises(InvalidInputError, match=r"capability: expected \(major, minor\)"):
+        Platform("cuda", (9,))
