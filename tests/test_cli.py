@@ -1,0 +1,239 @@
+"""The ``specattn`` command: ``list``, ``select``, ``demo`` / ``bench`` delegation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+import specattn
+from specattn._logging import reset_once_registry
+from specattn.cli import main, parse_platform
+from specattn.errors import InvalidInputError
+from specattn.platforms import Platform, current_platform
+from specattn.registry import default_registry
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- list --------------------------------------------------------------------------------------
+
+def test_list_table(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"platform: {current_platform()}"
+    assert any(line.startswith("NAME ") and "RUNS HERE?" in line for line in lines)
+    too_long = [line for line in lines if len(line) > 120]
+    assert not too_long, too_long
+    for kind in ("decode", "extend"):
+        for name in default_registry.names(kind):
+            assert any(line.startswith(name + " ") for line in lines), name
+    ref = next(line for line in lines if line.startswith("torch_ref "))
+    assert "decode+extend" in ref and ref.rstrip().endswith("yes")
+    assert "aliases: nsa" in out  # dsa's deprecated alias
+    assert "cutedsl_mla (extend)" in out  # trtllm_mla's extend-only alias
+
+
+def test_list_json_has_every_field(capsys):
+    code, out, _ = run(capsys, "list", "--json")
+    assert code == 0
+    data = json.loads(out)
+    here = current_platform()
+    assert data["platform"]["device"] == here.device
+    assert data["platform"]["description"] == str(here)
+    rows = specattn.list_backends()
+    assert len(data["backends"]) == len(rows)
+    fields = {"name", "kind", "flavour", "aliases", "models", "platforms", "kernel_library",
+              "capabilities", "tested_on", "qualified_name", "runs_here", "reason"}
+    for got, row in zip(data["backends"], rows):
+        assert set(got) == fields
+        assert (got["name"], got["kind"], got["flavour"], got["runs_here"], got["reason"]) == \
+            (row.name, row.kind, row.flavour, row.runs_here, row.reason)
+
+
+def test_list_filters(capsys):
+    code, out, _ = run(capsys, "list", "--kind", "extend", "--pattern", "trt*", "--json")
+    names = {(r["name"], r["kind"]) for r in json.loads(out)["backends"]}
+    assert code == 0 and names == {("trtllm_mha", "extend"), ("trtllm_mla", "extend")}
+    code, out, _ = run(capsys, "list", "--pattern", "nsa", "--json")
+    assert {r["name"] for r in json.loads(out)["backends"]} == {"dsa"}
+    code, out, _ = run(capsys, "list", "--available", "--json")
+    assert all(r["runs_here"] for r in json.loads(out)["backends"])
+
+
+def test_list_for_another_platform(capsys):
+    code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
+                       "flashinfer", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["platform"]["capability"] == [10, 0]
+    assert data["platform"]["libraries"] == ["flashinfer"]
+    expected = specattn.list_backends(platform=Platform("cuda", (10, 0),
+                                                        libraries={"flashinfer"}))
+    assert [r["runs_here"] for r in data["backends"]] == [r.runs_here for r in expected]
+    rows = {(r["name"], r["kind"], r["flavour"]): r for r in data["backends"]}
+    assert "needs CUDA" not in rows[("flashinfer", "decode", "mha")]["reason"]
+    hybrid = rows[("hybrid_linear_attn", "decode", "dispatcher")]
+    assert hybrid["reason"] == "here -> triton"  # Blackwell (rule 6)
+    code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
+                       "flashinfer")
+    assert out.splitlines()[0] == "platform: cuda 10.0"
+    assert "libraries: flashinfer (given with --with-library)" in out
+
+
+# --- select ------------------------------------------------------------------------------------
+
+def _answers(out):
+    tail = out[out.index("\nanswer:\n"):].splitlines()
+    return {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
+            for line in tail if line.startswith("  ")}
+
+
+def test_select_cutedsl_mla_on_blackwell(capsys):
+    argv = ["select", "--platform", "cuda:10.0", "--with-library", "flashinfer", "--mla",
+            "--attention-backend", "cutedsl_mla"]
+    code, out, _ = run(capsys, *argv)
+    assert out.splitlines()[0] == "platform: cuda 10.0"
+    assert "decode: requested 'cutedsl_mla'" in out
+    assert "attention_backend='cutedsl_mla' is set: use it" in out
+    # page size 1 (the default) is not a trtllm-gen MLA page size: both kinds say so.
+    assert code == 1
+    answers = _answers(out)
+    assert answers["decode"].startswith("error: BackendUnavailableError: cutedsl_mla: ")
+    assert answers["extend"].startswith("error: BackendUnavailableError: trtllm_mla: ")
+    assert out.count("supports page sizes [32, 64], got 1") >= 2
+    # With page size 64, decode lands on cutedsl_mla and extend on trtllm_mla (rule 7).
+    code, out, _ = run(capsys, *argv, "--page-size", "64")
+    answers = _answers(out)
+    pending = {c.name for c in default_registry.classes("decode") if c.pending}
+    if "cutedsl_mla" in pending:
+        assert code == 1 and "not implemented yet" in answers["decode"]
+        assert answers["extend"].startswith("error: BackendUnavailableError: trtllm_mla: ")
+    else:
+        assert code == 0
+        assert "name 'cutedsl_mla'" in answers["decode"]
+        assert "name 'trtllm_mla'" in answers["extend"]
+
+
+def test_select_unknown_name_exits_1(capsys):
+    code, out, _ = run(capsys, "select", "--attention-backend", "flashinfr")
+    assert code == 1
+    assert "EAGLE is not supported in decode attention backend flashinfr." in out
+    assert "EAGLE is not supported in attention backend flashinfr." in out
+    assert "Did you mean 'flashinfer'?" in out
+    assert "not a known name, alias or dispatcher (rule 3)" in out
+
+
+def test_select_mla_only_name_for_mha(capsys):
+    code, out, _ = run(capsys, "select", "--attention-backend", "tokenspeed_mla")
+    assert code == 1
+    assert _answers(out)["decode"] == ("error: ModelMismatchError: tokenspeed_mla backend "
+                                       "requires MLA model (use_mla_backend=True).")
+
+
+def test_select_torch_ref_step_by_step(capsys):
+    code, out, _ = run(capsys, "select", "--platform", "cpu", "--with-library", "none",
+                       "--decode-attention-backend", "torch_ref",
+                       "--prefill-attention-backend", "torch_ref", "--topk", "4",
+                       "--num-steps", "5", "--tree-mode", "path")
+    assert code == 0
+    assert "model: MHA; topk=4 num_steps=5 tree_mode=path" in out
+    assert "  1. name precedence (rule 2): speculative_draft_attention_backend is not set" in out
+    assert "  2. name precedence (rule 2): decode_attention_backend='torch_ref' is set" in out
+    answers = _answers(out)
+    assert answers["decode"].startswith("specattn.backends.torch_ref.TorchRefDecode")
+    assert answers["extend"].startswith("specattn.backends.torch_ref.TorchRefExtend")
+
+
+def test_select_none_answers_exit_0(capsys):
+    reset_once_registry()
+    code, out, _ = run(capsys, "select", "--platform", "cpu", "--attention-backend",
+                       "torch_ref", "--prefill-attention-backend", "flashmla",
+                       "--num-steps", "1")
+    assert code == 0
+    assert _answers(out) == {"decode": "None", "extend": "None"}
+    assert "no multi-step draft decode backend is needed (rule 1)" in out
+    assert "warning: flashmla prefill backend is not yet supported for draft extend." in out
+
+
+def test_select_shows_the_deprecation_and_the_dispatch(capsys):
+    reset_once_registry()
+    code, out, _ = run(capsys, "select", "--platform", "cpu+amx", "--attention-backend",
+                       "hybrid_linear_attn", "--speculative-draft-attention-backend", "nsa",
+                       "--speculative-attention-mode", "decode")
+    assert code == 1  # nsa -> dsa needs CUDA or HIP and an MLA model
+    assert "DeprecationWarning: attention backend name 'nsa' is deprecated; use 'dsa'" in out
+    code, out, _ = run(capsys, "select", "--platform", "cpu+amx", "--attention-backend",
+                       "hybrid_linear_attn")
+    assert "'hybrid_linear_attn' dispatches" in out and "-> 'intel_amx'" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["select", "--platform", "gpu"], ["select", "--platform", "cuda"],
+    ["select", "--platform", "cpu+avx"], ["select", "--platform", "cuda:x.0"],
+    ["select", "--page-size", "0"], ["select", "--topk", "0"],
+    ["select", "--speculative-attention-mode", "verify"], ["list", "--kind", "verify"],
+    ["list", "--platform", "tpu"], ["frobnicate"], [],
+])
+def test_bad_arguments_exit_2(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+
+
+def test_parse_platform():
+    assert parse_platform("cuda:9.0") == Platform("cuda", (9, 0))
+    assert parse_platform("cuda:10") == Platform("cuda", (10, 0))
+    assert parse_platform("cpu+amx", ["none"]) == Platform("cpu", cpu_has_amx=True,
+                                                           libraries=frozenset(),
+                                                           triton_interpret=parse_platform(
+                                                               "cpu").triton_interpret)
+    assert parse_platform("cpu+interpret").triton_interpret
+    assert parse_platform("HIP", ["aiter", "triton"]) == Platform(
+        "hip", libraries={"aiter", "triton"})
+    assert parse_platform(None) == current_platform()
+    assert parse_platform(None, ["triton"]).libraries == frozenset({"triton"})
+    with pytest.raises(InvalidInputError):
+        parse_platform("cuda:9.0+amx+avx")
+
+
+# --- other commands ----------------------------------------------------------------------------
+
+def test_version_and_help(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"specattn {specattn.__version__}"
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "list" in out and "select" in out and "demo" in out
+
+
+def test_bench_is_reserved(capsys):
+    code, _, err = run(capsys, "bench", "--anything")
+    assert code == 2 and "not available yet (issue #8)" in err
+
+
+def test_demo_is_delegated(capsys, monkeypatch):
+    seen = []
+    fake = types.ModuleType("specattn.demo")
+    fake.cli_main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "specattn.demo", fake)
+    assert main(["demo", "--steps", "3", "--mla"]) == 7
+    assert seen == [["--steps", "3", "--mla"]]
+
+
+def test_demo_missing_is_a_clear_message(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "specattn.demo", None)
+    code, _, err = run(capsys, "demo")
+    assert code == 2 and "specattn.demo" in err and "not available" in err
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "specattn.cli", "--version"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"specattn {specattn.__version__}"
