@@ -95,6 +95,9 @@ class Row:
     models: frozenset[str] = frozenset({"mha", "mla"})
     page_sizes: Optional[frozenset[int]] = None  # None: any
     auto_eligible: bool = True
+    # Largest draft-decode topk (None: any). Upstream limits several MLA kernels to topk 1
+    # (table (B), A.6); specattn's classes lift that today, so no row sets it yet.
+    max_topk: Optional[int] = None
 
 
 _BOTH = KINDS
@@ -195,9 +198,12 @@ def rows_for(kind: str, name: str) -> list[Row]:
     return [r for r in ROWS if r.name == name and kind in r.kinds]
 
 
-def row_reasons(row: Row, mla: bool, page_size: int, platform: Platform) -> list[str]:
+def row_reasons(row: Row, mla: bool, page_size: int, platform: Platform, kind: str = "",
+                topk: int = 1) -> list[str]:
     """Why ``row`` cannot serve the request (empty: it can). Words for humans only."""
     why = []
+    if kind == "decode" and row.max_topk is not None and topk > row.max_topk:
+        why.append("topk")
     if ("mla" if mla else "mha") not in row.models:
         why.append("model")
     if not row.platform(platform):
@@ -215,15 +221,13 @@ def expected(kind: str, config: SpecConfig, mla: bool, num_steps: int, topk: int
              platform: Platform) -> Expected:
     """What the factory must answer for ``kind`` (``"decode"`` or ``"extend"``).
 
-    ``topk`` does not change any outcome today (no row limits it); it is an argument so the
-    property tests pass the same inputs to the oracle and the factory."""
-    del topk
+    ``topk`` matters only for rows with ``max_topk`` (none today)."""
     page_size = config.page_size
     if kind == "decode" and num_steps <= 1:  # rule 1, before any name is looked at
         return None
     name = requested_name(kind, config)
     if name is None or name == AUTO:  # rule 16
-        return _auto(kind, mla, page_size, platform)
+        return _auto(kind, mla, page_size, platform, topk)
     if name not in KNOWN_NAMES:  # rule 3
         return ExpectedError(UnknownBackendError, name,
                              prefix=UNKNOWN_PREFIX[kind].format(name=name))
@@ -238,7 +242,7 @@ def expected(kind: str, config: SpecConfig, mla: bool, num_steps: int, topk: int
     if name == "cutedsl_mla" and kind == "extend":  # rule 7
         name = "trtllm_mla"
     rows = rows_for(kind, name)
-    why = {r.flavour: row_reasons(r, mla, page_size, platform) for r in rows}
+    why = {r.flavour: row_reasons(r, mla, page_size, platform, kind, topk) for r in rows}
     usable = [r for r in rows if not why[r.flavour]]
     if len(usable) > 1:
         raise AssertionError(f"oracle table is ambiguous for {name} {kind}: {usable}")
@@ -247,9 +251,9 @@ def expected(kind: str, config: SpecConfig, mla: bool, num_steps: int, topk: int
     return ("class", usable[0].name, usable[0].flavour)
 
 
-def _auto(kind: str, mla: bool, page_size: int, platform: Platform) -> Expected:
+def _auto(kind: str, mla: bool, page_size: int, platform: Platform, topk: int) -> Expected:
     usable = [r for r in ROWS if kind in r.kinds and r.auto_eligible
-              and not row_reasons(r, mla, page_size, platform)]
+              and not row_reasons(r, mla, page_size, platform, kind, topk)]
     order = AUTO_PREFERENCE[platform.device]
     missing = [r.name for r in usable if r.name not in order]
     if missing:

@@ -10,7 +10,7 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import example, given, note
+from hypothesis import example, find, given, note, settings
 from hypothesis import strategies as st
 
 from specattn import DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, SpecConfig
@@ -53,6 +53,36 @@ def test_pending_now_is_current():
     assert pending == oracle.PENDING_NOW, (
         f"update PENDING_NOW in tests/oracle.py: landed {sorted(oracle.PENDING_NOW - pending)}"
         f", newly pending {sorted(pending - oracle.PENDING_NOW)}")
+
+
+def test_strategies_reach_every_case():
+    """Meta-test: the strategies produce every device, both override states and every kind
+    of name (so the properties below are not vacuous). Derandomized: deterministic."""
+    seen = {"devices": set(), "names": set(), "flags": set(), "caps": set()}
+
+    @settings(database=None, max_examples=600, derandomize=True)
+    @given(config=s.configs(), platform=s.platforms())
+    def collect(config, platform):
+        seen["devices"].add(platform.device)
+        seen["caps"].add(platform.capability)
+        seen["flags"].add((platform.device == "cpu", platform.cpu_has_amx,
+                           platform.triton_interpret))
+        seen["names"].update({config.attention_backend, config.decode_attention_backend,
+                              config.prefill_attention_backend,
+                              config.speculative_draft_attention_backend})
+
+    collect()
+    assert seen["devices"] == set(s.DEVICES)
+    caps = seen["caps"] & set(s.CUDA_CAPABILITIES)
+    assert len(caps) >= 8 and {(8, 0), (9, 0), (10, 0)} <= caps
+    assert caps & {(11, 0), (12, 0), (12, 1)}  # Blackwell beyond SM100
+    assert (True, True, True) in seen["flags"] and (True, False, False) in seen["flags"]
+    missing = (set(oracle.KNOWN_NAMES) | {"auto", None, ""}) - seen["names"]
+    assert not missing, missing
+    assert seen["names"] - set(oracle.KNOWN_NAMES) - {"auto", None, ""}  # other strings
+    assert find(s.configs(override=True), lambda c: True).speculative_draft_attention_backend
+    assert find(s.configs(override=False),
+                lambda c: True).speculative_draft_attention_backend is None
 
 
 # --- outcome == oracle -------------------------------------------------------------------------
