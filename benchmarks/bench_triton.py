@@ -102,7 +102,7 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=4.0, step=2):
+def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=6.0, step=2):
     import triton
 
     from specattn.backends.triton import TritonDecode
@@ -143,7 +143,7 @@ def row_bytes_shape(model):
     return 576 * 2 if model == "mla" else 8 * 256 * 2
 
 
-def bench_extend(B, lens, S, bw, config=None, waves=4.0):
+def bench_extend(B, lens, S, bw, config=None, waves=6.0):
     import triton
 
     from specattn.backends.triton import TritonExtend

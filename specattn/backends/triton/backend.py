@@ -72,7 +72,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 config=None, split_waves: float = 4.0) -> None:
+                 config=None, split_waves: float = 6.0) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
@@ -211,7 +211,7 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, config=None,
-                 split_waves: float = 4.0) -> None:
+                 split_waves: float = 6.0) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         self._num_splits_override = num_splits
         self._config_override = config

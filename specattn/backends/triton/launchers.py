@@ -73,15 +73,16 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
+    # Defaults from the H200 sweep (benchmarks/results/2026-11-29-h200/triton-notes.md).
     if shape.d_pe > 0 or shape.d_main > 256:  # MLA latent: wide rows, keep registers in check
         bm = min(_pow2(rows_per_group), 32)
-        return KernelConfig(bm, 32, 8 if bm > 16 else 4, 2)
+        return KernelConfig(bm, 32, 4, 2)
     bm = min(_pow2(rows_per_group), 64)
     bn = 64 if shape.d_main <= 128 else 32
-    return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 2)
+    return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 3)
 
 
-def choose_num_splits(programs: int, device: torch.device, waves: float = 4.0) -> int:
+def choose_num_splits(programs: int, device: torch.device, waves: float = 6.0) -> int:
     """Prefix splits so that ``programs * splits`` fills about ``waves`` programs per SM."""
     target = int(waves * _sm_count(device))
     return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, programs))))
