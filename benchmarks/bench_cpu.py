@@ -2,14 +2,17 @@
 
 Usage::
 
-    python benchmarks/bench_cpu.py [--quick] [--dtype bf16] [--out table.md]
+    python benchmarks/bench_cpu.py [--quick] [--dtype bf16] [--threads 1 --clock cpu]
+                                   [--out table.md]
 
 For each case it times one layer's attention for a whole draft round (steps ``0 .. S-2``,
-what the serving loop runs) or one draft extend, and prints tokens/s (query rows per second)
-(best of ``--reps`` runs) for ``intel_amx`` with and without its per-round prefix cache, a per-branch formulation (each
-lane its own SDPA sequence, reading the prefix ``K`` times: the upstream design on CPU) and
-``torch_ref``, with the ratios to ``torch_ref``. The cases are the standard ones of
-``performance.md`` scaled down for a small CPU. Not run by the tests.
+what the serving loop runs) or one draft extend, and prints tokens/s (query rows per second,
+best of ``--reps`` runs) for ``intel_amx`` with and without its per-round prefix cache, a
+per-branch formulation (each lane its own SDPA sequence, reading the prefix ``K`` times: the
+upstream design on CPU) and ``torch_ref``, with the ratios to ``torch_ref``. On a shared
+machine ``--threads 1 --clock cpu`` (process CPU time) gives the steadiest numbers.
+The cases are the standard ones of ``performance.md`` scaled down for a small CPU. Not run
+by the tests.
 """
 
 from __future__ import annotations

@@ -56,19 +56,11 @@ from ..validation import (
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 
-__all__ = ["IntelAMXDecode", "IntelAMXExtend", "amx_available"]
+__all__ = ["IntelAMXDecode", "IntelAMXExtend"]
 
 log = get_logger("backends.intel_amx")
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def amx_available(platform: Optional[Platform] = None) -> bool:
-    """Whether oneDNN can use AMX tiles here (the platform's probe, or torch's)."""
-    if platform is not None:
-        return bool(platform.cpu_has_amx)
-    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
 
 
 def _runtime_note(platform: Platform) -> str:
@@ -108,7 +100,7 @@ def _group_queries(q: torch.Tensor, bs: int, rows: int, num_kv_heads: int,
     """q: ``[bs * rows, H_q, E]`` → ``[bs, H_kv, rows * G, E]`` (row ``r * G + g``)."""
     heads, width = q.shape[1], q.shape[2]
     group = heads // num_kv_heads
-    q = q.view(bs, rows, num_kv_heads, group, width).permute(0, 2, 1, 3, 4)
+    q = q.reshape(bs, rows, num_kv_heads, group, width).permute(0, 2, 1, 3, 4)
     return q.to(dtype).reshape(bs, num_kv_heads, rows * group, width)
 
 
@@ -135,6 +127,7 @@ class _Workspace:
         if flat is None or flat.dtype != dtype or flat.numel() < n:
             flat = torch.empty(n + n // 4, dtype=dtype, device=self.device)
             self._flat[key] = flat
+            log.debug("workspace %s: %.1f MB", key, flat.numel() * flat.element_size() / 2**20)
         return flat[:n].view(shape)
 
 
