@@ -5,12 +5,16 @@ code paths that launch their kernels.
 """
 
 from . import (  # noqa: F401  (imported for registration)
-    exotic,
+    aiter,
+    ascend,
+    dsa,
+    dsv4,
     flash_attn,
     flashinfer,
     flashmla,
     hybrid,
     intel_amx,
+    tokenspeed,
     torch_ref,
     triton,
     trtllm,

@@ -30,3 +30,14 @@ class PendingExtend(DraftExtendBackend):
 def pending_reason(issue: int, what: str) -> str:
     return (f"not implemented yet in this version of specattn: {what} land with issue "
             f"#{issue}")
+
+
+def pending_pair(module: str, name: str, doc: str, reason: str, **decl: object):
+    """Declare a pending row's decode and extend classes (identical declarations)."""
+    attrs = {"pending": reason, "__doc__": doc, "__module__": module,
+             **decl.pop("attrs", {})}  # type: ignore[arg-type]
+    flavour = str(decl.get("flavour", ""))
+    suffix = "".join(p.capitalize() for p in f"{name}_{flavour}".split("_"))
+    dec = type(f"{suffix}Decode", (PendingDecode,), dict(attrs), name=name, **decl)
+    ext = type(f"{suffix}Extend", (PendingExtend,), dict(attrs), name=name, **decl)
+    return dec, ext
