@@ -103,8 +103,6 @@ def triton_cdiv(a, b):
 
 
 def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=6.0, step=2):
-    import triton
-
     from specattn.backends.triton import TritonDecode
 
     per_layer = (sum(lens) + B * K * S) * (row_bytes_shape(model))
@@ -144,8 +142,6 @@ def row_bytes_shape(model):
 
 
 def bench_extend(B, lens, S, bw, config=None, waves=6.0):
-    import triton
-
     from specattn.backends.triton import TritonExtend
 
     E = S + 1
