@@ -28,8 +28,7 @@ class PendingExtend(DraftExtendBackend):
 
 
 def pending_reason(issue: int, what: str) -> str:
-    return (f"not implemented yet in this version of specattn: {what} land with issue "
-            f"#{issue}")
+    return f"not implemented yet in this version of specattn ({what}: issue #{issue})"
 
 
 def pending_pair(module: str, name: str, doc: str, reason: str, **decl: object):
