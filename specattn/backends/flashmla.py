@@ -1,22 +1,208 @@
-"""``flashmla``: FlashMLA's ``flash_mla_with_kvcache`` (page size 64). Draft extend is not
-provided (original behaviour): the factory logs a warning and returns ``None``. Glue lands
-with issue #7.
+"""``flashmla``: MLA draft decode through FlashMLA's dense paged decode
+(``flash_mla.flash_mla_with_kvcache``, page size 64). Vendor glue, **not run on hardware**:
+the H200 check of ``sgl-flash-mla``'s legacy sm90 kernels is pending (no device time in the
+session that wrote it); tests drive it through a recording stand-in of ``flash_mla``.
+
+Draft extend is not provided (original behaviour): the factory logs
+``EXTEND_WARNING`` and returns ``None`` (the dispatcher below).
+
+Algorithm (draft step ``i``, ``N = B*K`` lanes), per layer:
+
+1. write the new latent rows at ``out_cache_loc[:, :, i]``;
+2. *prefix pass* (FlashMLA): the ``K`` lanes of request ``b`` are the ``s_q = K`` query tokens
+   of one batch row, ``causal=False``, over ``R_b[0 : L_b]`` through a page-64 block table,
+   so each request's prefix is read once for all its lanes. Returns ``out [B, K, H, 512]`` and
+   ``softmax_lse [B, H, K]`` (natural log, FlashMLA's reference definition);
+3. *history pass* (torch): each lane against its ``i + 1`` history slots (``lane`` or
+   ``path`` tree mode), fp32, with its own LSE. At most ``S`` keys per lane: small;
+4. merge the two by LSE (``_standin.merge_lse``).
+
+Upstream refuses ``topk > 1`` ("Currently FlashMLA only supports topk=1 for speculative
+decoding"); the split above lifts that and also gives exact ``path`` trees. Note the
+semantics: specattn's draft step ``i`` attends to the prefix *and* its ``i + 1`` draft
+tokens (``semantics.md``), not SGLang's prefix-only metadata (exotic-rows 0.1).
+
+Metadata: the block table ``[B, ceil(max_context_len / 64)]`` int32, ``cache_seqlens [B]``
+int32 and the tile-scheduler metadata (``get_mla_metadata(cache_seqlens, K * H, 1)``) are
+built once per round (the prefix does not change within a round) and shared by every step
+and layer. Both FlashMLA interfaces work: the old one returns
+``(tile_scheduler_metadata [num_sm_parts, 8], num_splits [B + 1])``, the new one
+``(FlashMLASchedMeta, None)`` filled by the first kernel call and then reused.
+
+CUDA graphs: ``init_cuda_graph_state`` sizes the block table, lengths and (old interface)
+scheduler buffers for ``max_bs``; capture/replay refill them in place (the scheduler output is
+copied into the fixed buffers, as SGLang does). Padded requests get ``seq_lens = 1``.
+
+Limits: MLA with ``kv_lora_rank = 512`` and rope 64 (FlashMLA's only shape); bf16/fp16; no
+logit soft-cap; the pool's slot count must be a multiple of 64; every ``L_b >= 1``; FP8 KV
+(``descale_q/descale_k`` of SGLang's fork) is not wired.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .. import validation
+from ..base import DraftDecodeBackend
+from ..errors import BackendUnavailableError, InvalidInputError
+from ..metadata import history_slots, prefix_page_table
 from ..platforms import any_platform, cuda_capability
 from ..registry import Dispatcher, Route, default_registry
-from ._pending import PendingDecode, pending_reason
+from ._standin import Buffers, ceil_div, merge_lse, vendor_module
+
+if TYPE_CHECKING:
+    from ..data import AttentionLayer, DraftBatch, DraftRunner
+
+__all__ = ["FlashMLADecode", "EXTEND_WARNING", "PAGE_SIZE"]
 
 EXTEND_WARNING = "flashmla prefill backend is not yet supported for draft extend."
+PAGE_SIZE = 64
+_HEAD_DIM, _HEAD_DIM_V = 576, 512
+_PIP = "sgl-flash-mla"
 
 
-class FlashMLADecode(PendingDecode, name="flashmla", platforms=cuda_capability(9, 10),
-                     models=("mla",), requires=(("flash_mla", "flash-mla"),),
+def _latent_history(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
+                    hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """History pass in fp32. q: ``[N, H, W]``; hist: ``[N, n]`` slots.
+    Returns ``o [N, H, R]`` fp32 and ``lse [N, H]`` (natural log)."""
+    kv = runner.kv_buffer[layer.layer_id]
+    keys = kv[hist.reshape(-1).long()].float().view(hist.shape[0], hist.shape[1], -1)
+    s = torch.einsum("nhw,nkw->nhk", q.float(), keys) * layer.scaling
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("nhk,nkr->nhr", torch.exp(s - lse[..., None]),
+                     keys[..., :runner.kv_lora_rank])
+    return o, lse
+
+
+class FlashMLADecode(DraftDecodeBackend, name="flashmla", platforms=cuda_capability(9, 10),
+                     models=("mla",), requires=(("flash_mla", _PIP),),
                      kernel_library="flash_mla", priority={"cuda": 65}):
-    page_sizes = frozenset({64})
-    pending = pending_reason(7, "the FlashMLA glue")
+    """FlashMLA prefix pass + torch history pass, merged by LSE (see the module doc).
+
+    q: ``[B*K, H, 576]``, k: ``[B*K, 576]``, v: ``None`` → ``[B*K, H, 512]``.
+    """
+
+    dtypes = (torch.bfloat16, torch.float16)
+    page_sizes = frozenset({PAGE_SIZE})
+    head_dims = frozenset({_HEAD_DIM})
+    supports_cuda_graph = True
+    tested_on = "not run on hardware (stand-in tested; H200 check of sgl-flash-mla pending)"
+
+    def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
+                 tree_mode: str = "lane") -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        if runner.kv_lora_rank != _HEAD_DIM_V:
+            raise BackendUnavailableError(
+                f"flashmla: FlashMLA needs kv_lora_rank {_HEAD_DIM_V} (head_dim_v), the model "
+                f"has {runner.kv_lora_rank}", "flashmla")
+        if runner.num_slots % PAGE_SIZE:
+            raise InvalidInputError("runner.kv_buffer", f"a slot count that is a multiple of "
+                                    f"the page size {PAGE_SIZE}", runner.num_slots)
+        self._fm = vendor_module("flash_mla", _PIP, "flashmla")
+        self._bufs = Buffers(runner.device)
+        self._width = ceil_div(runner.max_context_len, PAGE_SIZE)
+        self._batch: Optional["DraftBatch"] = None
+        self._sched = None  # (tile_scheduler_metadata, num_splits) for this round
+
+    # --- metadata ------------------------------------------------------------------------
+
+    def _fill(self, batch: "DraftBatch", bs: int) -> None:
+        """Round metadata into the buffers (no host sync)."""
+        r, bufs = self.runner, self._bufs
+        table = bufs.get("block_table", (bs, self._width))
+        table.copy_(prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                      PAGE_SIZE, self._width))
+        seqlens = bufs.get("cache_seqlens", (bs,))
+        seqlens.copy_(batch.seq_lens)
+        loc = bufs.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64)
+        loc.copy_(batch.out_cache_loc)
+        tile, splits = self._fm.get_mla_metadata(seqlens, self.topk * r.num_heads, 1)
+        if splits is not None and bufs.fixed:
+            # Old interface under CUDA graphs: scheduler output into the fixed buffers.
+            fixed_tile = bufs.get("tile_scheduler_metadata", tuple(tile.shape))
+            fixed_tile.copy_(tile)
+            fixed_splits = bufs.get("num_splits", (bs + 1,))
+            fixed_splits.copy_(splits)
+            tile, splits = fixed_tile, fixed_splits
+        self._sched = (tile, splits)
+        self._batch, self._bs = batch, bs
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch)
+        self._fill(batch, batch.batch_size)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed block table, lengths, slots and scheduler buffers for ``max_bs`` requests."""
+        self.cuda_graph_max_bs = max_bs
+        bufs = self._bufs
+        bufs.get("block_table", (max_bs, self._width))
+        seqlens = bufs.get("cache_seqlens", (max_bs,))
+        seqlens.fill_(1)
+        bufs.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
+        tile, splits = self._fm.get_mla_metadata(seqlens, self.topk * self.runner.num_heads, 1)
+        if splits is not None:
+            bufs.get("tile_scheduler_metadata", tuple(tile.shape))
+            bufs.get("num_splits", (max_bs + 1,))
+        bufs.freeze()
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
+        self._check_graph(batch)
+        self._captured_parents = batch.parents
+        self._fill(batch, batch.batch_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
+        """``batch`` holds ``bs`` (padded) requests; refills the fixed buffers in place."""
+        self._check_graph(batch)
+        if batch.batch_size != bs:
+            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
+                                    f"{batch.batch_size} requests")
+        captured = getattr(self, "_captured_parents", None)
+        if self.tree_mode == "path" and captured is not None and batch.parents is not captured:
+            captured[:, :bs].copy_(batch.parents)
+        self._fill(batch, bs)
+
+    def _check_graph(self, batch: "DraftBatch") -> None:
+        if not self._bufs.fixed:
+            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
+                                    "no call")
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("flashmla: forward() called before init_forward_metadata(batch)")
+        r, bs, topk = self.runner, self._bs, self.topk
+        validation.check_decode_forward(r, bs * topk, self.num_steps, step, layer, q, k, v)
+        if layer.logit_cap > 0:
+            raise InvalidInputError("layer.logit_cap", "0 (FlashMLA has no soft cap)",
+                                    layer.logit_cap)
+        parents = None
+        if self.tree_mode == "path":
+            validation.check_parents_step(self._batch, step, topk)
+            parents = getattr(self, "_captured_parents", None) if self._bufs.fixed else None
+            parents = parents if parents is not None else self._batch.parents
+        loc = self._bufs.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
+        r.write_kv(layer.layer_id, loc[:, :, step], k, None)
+
+        tile, splits = self._sched
+        kv = r.kv_buffer[layer.layer_id]
+        o_pre, lse_pre = self._fm.flash_mla_with_kvcache(
+            q.view(bs, topk, r.num_heads, _HEAD_DIM), kv.view(-1, PAGE_SIZE, 1, _HEAD_DIM),
+            self._bufs.get("block_table", (bs, self._width)),
+            self._bufs.get("cache_seqlens", (bs,)), _HEAD_DIM_V, tile, splits,
+            softmax_scale=layer.scaling, causal=False)
+        o_pre = o_pre.reshape(bs * topk, r.num_heads, _HEAD_DIM_V)
+        lse_pre = lse_pre.transpose(1, 2).reshape(bs * topk, r.num_heads)
+
+        hist = history_slots(loc, parents, step, self.tree_mode).reshape(bs * topk, step + 1)
+        o_his, lse_his = _latent_history(r, layer, q, hist)
+        return merge_lse(o_pre, lse_pre.float(), o_his, lse_his, r.dtype)
 
 
 default_registry.add_dispatcher(Dispatcher(
