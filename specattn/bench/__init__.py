@@ -1,0 +1,210 @@
+"""``specattn bench``: the side-by-side benchmark of every backend that runs here (issue #8).
+
+    specattn bench [--case NAME ...] [--backend NAME ...] [--steps] [--extend]
+                   [--batch B --prefix L --topk K --num-steps S --page-size P --mla]
+                   [--dtype bf16] [--out DIR] [--quick]
+
+Per case (``cases.py``): the copy-bandwidth floor, then every variant (each backend in its
+shared-prefix and ``per-branch`` modes where it has both, and raw-library per-lane baselines)
+checked against ``torch_ref`` and timed (``harness.py``); a table, CSV, PNG charts and the
+versions go to ``benchmarks/results/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the
+small cases run for ``torch_ref`` and ``intel_amx`` (wall clock, tokens/s, ratio to
+``torch_ref``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["cli_main", "build_parser"]
+
+log = logging.getLogger("specattn.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specattn bench",
+        description="Time every draft-attention backend that runs here against the "
+        "copy-bandwidth floor and the per-branch baselines (performance.md).")
+    p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
+                   help="standard cases to run (default: all for this device; "
+                   "--list-cases shows them)")
+    p.add_argument("--backend", metavar="NAME", nargs="+", action="extend",
+                   help="backends to run (names or aliases; flashinfer-raw, fa4-raw, "
+                   "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
+    p.add_argument("--steps", action="store_true", help="draft decode (multi-step) cases only")
+    p.add_argument("--extend", action="store_true", help="draft extend cases only")
+    shape = p.add_argument_group("custom shape (replaces the standard cases unless --case "
+                                 "is given)")
+    shape.add_argument("--batch", type=int, help="requests B (default 4)")
+    shape.add_argument("--prefix", type=int, help="prefix length L (default 1024)")
+    shape.add_argument("--topk", type=int, help="lanes per request K (default 4)")
+    shape.add_argument("--num-steps", type=int, help="draft steps S (default 5)")
+    shape.add_argument("--page-size", type=int, help="page size P (default 1)")
+    shape.add_argument("--mla", action="store_true", help="MLA shape (16 heads, rank 512, "
+                       "rope 64) instead of GQA (32/8 heads, head dim 128)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--out", metavar="DIR", help="results folder (default "
+                   "benchmarks/results/<date>-<gpu or cpu>)")
+    p.add_argument("--quick", action="store_true", help="uniform lengths only, shorter "
+                   "timing, fewer sweep points (CPU: prefixes / 4)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the prefix-length sweep")
+    p.add_argument("--no-round", action="store_true", help="skip whole-round timing")
+    p.add_argument("--no-raw", action="store_true", help="skip raw-library baselines")
+    p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
+    p.add_argument("--reps", type=int, default=5, help="CPU: timed runs (best is kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--list-cases", action="store_true", help="print the cases and exit")
+    return p
+
+
+def _select_cases(args, on_gpu: bool):
+    from . import cases as C
+
+    custom = any(getattr(args, f) is not None for f in
+                 ("batch", "prefix", "topk", "num_steps", "page_size")) or args.mla
+    dtype = C.DTYPES[args.dtype]
+    chosen = []
+    if args.case:
+        chosen = C.find_cases(args.case)
+    elif not custom:
+        chosen = list(C.default_cases(on_gpu))
+        if args.quick and not on_gpu:
+            chosen = [C.scaled(c, 4) for c in chosen]
+    if custom:
+        kw = {k: getattr(args, a) for k, a in (("batch", "batch"), ("prefix", "prefix"),
+                                              ("topk", "topk"), ("steps", "num_steps"),
+                                              ("page_size", "page_size"))
+              if getattr(args, a) is not None}
+        chosen.append(C.custom_case(mla=args.mla, dtype=dtype, **kw))
+        if args.extend:
+            chosen.append(C.custom_case(mla=args.mla, dtype=dtype, extend=True, **kw))
+    if args.steps != args.extend:  # exactly one of them: that kind only
+        kind = "decode" if args.steps else "extend"
+        chosen = [c for c in chosen if c.kind == kind]
+    chosen = [c.with_(dtype=dtype) for c in chosen]
+    lengths = (False,) if args.quick else (False, True)
+    return [c.with_(ragged=r) for c in chosen for r in lengths], custom
+
+
+def _out_dir(args, info) -> str:
+    from .report import device_slug
+
+    if args.out:
+        return args.out
+    return os.path.join("benchmarks", "results",
+                        f"{datetime.date.today().isoformat()}-{device_slug(info)}")
+
+
+def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
+    where = (f"{info['gpu']}, driver {info.get('driver')}, CUDA {info.get('cuda')}" if on_gpu
+             else f"{info['cpu']} ({info.get('cpu_capability')}), "
+             f"{info['torch_threads']} torch threads")
+    libs = ", ".join(f"{k} {info[k]}" for k in ("torch", "triton", "flashinfer", "flash-attn")
+                     if info.get(k))
+    round_layers = "/".join(sorted({str(r["round_layers"]) for r in rows
+                                    if r.get("round_layers")})) or "-"
+    step = ("one forward of one layer at step 2 (3 history slots; KV write included) or one "
+            "draft extend")
+    lines = [
+        f"# specattn bench, {datetime.date.today().isoformat()}",
+        "",
+        f"{where}; {libs}; copy bandwidth {bandwidth / 1e9:,.1f} GB/s (same process).",
+        "",
+        f"`time us`: {step}, {clock_name}"
+        + (", layers rotated past L2 in one CUDA graph" if on_gpu else "")
+        + ". `x floor`: over the copy-bandwidth floor (every prefix once + every lane's "
+        "history). `x vs per-branch`: speedup over the backend's own per-branch mode, else "
+        "the raw per-lane baseline. `round`: metadata + S-1 steps (extend: one call) x "
+        f"{round_layers} layers" + ("" if on_gpu else " (wall clock, eager)")
+        + ". `check`: max error against "
+        "torch_ref on sampled requests.",
+    ]
+    return "\n".join(lines)
+
+
+def cli_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``specattn bench``; returns the exit status (0: every variant passed its
+    check, 1: some failed, 2: bad arguments)."""
+    import torch
+
+    from ..errors import InvalidInputError
+    from ..platforms import current_platform
+    from . import cases as C
+    from . import report, run
+    from .harness import CudaClock, WallClock, copy_bandwidth
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    on_gpu = (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
+    if on_gpu and not torch.cuda.is_available():
+        print("specattn bench: error: --device cuda, but torch sees no CUDA device",
+              file=sys.stderr)
+        return 2
+    try:
+        cases, custom = _select_cases(args, on_gpu)
+    except InvalidInputError as exc:
+        print(f"specattn bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.list_cases:
+        for c in C.all_cases():
+            print(c.describe())
+        return 0
+    if not cases:
+        print("specattn bench: error: no case left to run (check --case, --steps, --extend)",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if on_gpu else "cpu")
+    platform = current_platform()
+    clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
+        max(1, args.reps - 2) if args.quick else args.reps)
+    plans = run.plan_cases(cases, platform, args.backend, raw=not args.no_raw)
+    sweep = [] if (args.no_sweep or custom or args.case or args.extend and not args.steps) \
+        else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
+                            platform, args.backend, raw=not args.no_raw)
+    total = sum(len(p.variants) for p in plans + sweep)
+    print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
+          f"{device.type}", file=sys.stderr)
+    info = report.versions(device)
+    bandwidth = copy_bandwidth(device, clock)
+    progress = run.Progress(total)
+    rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
+                         rounds=not args.no_round, round_layers=args.round_layers)
+    sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
+    progress.close()
+    report.add_ratios(rows)
+
+    out = _out_dir(args, info)
+    os.makedirs(out, exist_ok=True)
+    report.write_csv(rows, os.path.join(out, "bench.csv"))
+    if sweep_rows:
+        report.write_csv(sweep_rows, os.path.join(out, "sweep.csv"), report.SWEEP_COLUMNS)
+    info["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1)
+    info["command"] = "specattn bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    report.write_versions(info, os.path.join(out, "versions.json"))
+    title = info["gpu"] or "CPU"
+    pngs, png_note = report.write_pngs(rows, sweep_rows, out, title)
+    text = _header(info, bandwidth, clock.name, on_gpu, rows) + "\n\n"
+    text += report.render_table(rows, cpu=not on_gpu) + "\n"
+    if sweep_rows:
+        text += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
+        text += ", `prefix-sweep.png`.\n" if pngs else ".\n"
+    if png_note:
+        text += f"\n{png_note}.\n"
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {out}/ (bench.csv, table.md, versions.json"
+          + (", sweep.csv" if sweep_rows else "")
+          + (f", {len(pngs)} PNG" if pngs else "") + ")")
+    failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
+    return 1 if failed else 0

@@ -1,0 +1,197 @@
+"""Benchmark cases: the standard table of ``performance.md``, small CPU cases, custom shapes.
+
+A ``Case`` is one model shape and batch: ``B`` requests of prefix ``L`` (uniform, or ragged
+in ``[L/2, 3L/2]``), ``K`` lanes, ``S`` draft steps, page size ``P``. Decode cases time one
+step (step 2: three history slots) and one draft round; extend cases (``E_b = S + 1`` new
+tokens per request, already in ``L``) time one draft extend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import InvalidInputError
+
+__all__ = ["Case", "STANDARD_CASES", "SMALL_CASES", "SWEEP_PREFIXES", "SWEEP_TOPKS",
+           "all_cases", "default_cases", "find_cases", "custom_case", "sweep_cases",
+           "DTYPES"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Per-layer shapes of performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
+# kv_lora_rank, rope dim).
+GQA_SHAPE = (32, 8, 128)
+MLA_SHAPE = (16, 512, 64)
+# Step timed by the per-step numbers: three history slots, as performance.md measures.
+TIMED_STEP = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case. ``shape``: ``(H_q, H_kv, D)`` for MHA, ``(H, R, rope)`` for MLA."""
+
+    name: str
+    model: str
+    batch: int
+    prefix: int
+    topk: int
+    steps: int
+    page_size: int = 1
+    kind: str = "decode"
+    dtype: torch.dtype = torch.bfloat16
+    ragged: bool = False
+    shape: Optional[tuple[int, int, int]] = None
+
+    def __post_init__(self) -> None:
+        if self.model not in ("mha", "mla"):
+            raise InvalidInputError("case.model", "'mha' or 'mla'", repr(self.model))
+        if self.kind not in ("decode", "extend"):
+            raise InvalidInputError("case.kind", "'decode' or 'extend'", repr(self.kind))
+        for field in ("batch", "prefix", "topk", "steps", "page_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"--{field.replace('_', '-')}", "an int >= 1",
+                                        repr(value))
+        if self.kind == "extend" and self.prefix <= self.steps + 1:
+            raise InvalidInputError("--prefix", f"more than the {self.steps + 1} extend tokens",
+                                    self.prefix)
+        if self.shape is None:
+            object.__setattr__(self, "shape", MLA_SHAPE if self.model == "mla" else GQA_SHAPE)
+
+    # --- derived sizes -------------------------------------------------------------------
+
+    @property
+    def lengths_label(self) -> str:
+        return "ragged" if self.ragged else "uniform"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.lengths_label}"
+
+    @property
+    def lanes(self) -> int:
+        """Query rows of one call: ``B*K`` (decode) or ``B*(S+1)`` (extend)."""
+        return self.batch * (self.topk if self.kind == "decode" else self.extend_len)
+
+    @property
+    def extend_len(self) -> int:
+        return self.steps + 1
+
+    @property
+    def timed_step(self) -> int:
+        """The decode step the per-step numbers time (at most ``S - 2``, the last the serving
+        loop runs)."""
+        return max(0, min(TIMED_STEP, self.steps - 2))
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's KV in one layer (K and V; MLA: the latent row)."""
+        a, b, c = self.shape
+        if self.model == "mla":
+            return (b + c) * self.element_size
+        return b * 2 * c * self.element_size
+
+    def lengths(self, seed: int = 0) -> list[int]:
+        """Per-request prefix lengths: ``L`` each, or uniform in ``[L/2, 3L/2]`` (ragged)."""
+        if not self.ragged:
+            return [self.prefix] * self.batch
+        rng = random.Random(f"{seed}:{self.name}:{self.batch}:{self.prefix}")
+        low = max(self.prefix // 2, self.steps + 2)
+        return [rng.randint(low, max(low, 3 * self.prefix // 2)) for _ in range(self.batch)]
+
+    def kv_bytes(self, lengths: list[int], step: Optional[int] = None) -> int:
+        """Bytes the floor reads: every prefix once plus every lane's history at ``step``
+        (decode, default the timed step), or every request's KV (extend)."""
+        if self.kind == "extend":
+            return sum(lengths) * self.row_bytes
+        step = self.timed_step if step is None else step
+        return (sum(lengths) + self.batch * self.topk * (step + 1)) * self.row_bytes
+
+    def describe(self) -> str:
+        kind = "extend" if self.kind == "extend" else f"K={self.topk}"
+        return (f"{self.name}: {self.model.upper()} B={self.batch} L={self.prefix} {kind} "
+                f"S={self.steps} P={self.page_size} {str(self.dtype).replace('torch.', '')}")
+
+    def with_(self, **changes) -> "Case":
+        return dataclasses.replace(self, **changes)
+
+
+def _std(name, model, batch, prefix, topk, steps, page_size=1, kind="decode") -> Case:
+    return Case(name, model, batch, prefix, topk, steps, page_size, kind)
+
+
+# performance.md, "Standard cases" (mla-long also at page size 64).
+STANDARD_CASES = (
+    _std("gqa-long", "mha", 32, 4096, 8, 5),
+    _std("gqa-chain", "mha", 64, 2048, 1, 4),
+    _std("gqa-paged", "mha", 32, 4096, 4, 5, 16),
+    _std("gqa-small", "mha", 4, 1024, 4, 5),
+    _std("mla-long", "mla", 32, 4096, 4, 5),
+    _std("mla-long-p64", "mla", 32, 4096, 4, 5, 64),
+    _std("extend", "mha", 32, 4096, 1, 5, kind="extend"),
+)
+
+# The same shapes scaled down for a small CPU (torch_ref and intel_amx).
+SMALL_CASES = (
+    _std("cpu-gqa-small", "mha", 4, 1024, 4, 5),
+    _std("cpu-gqa-k8", "mha", 4, 1024, 8, 5),
+    _std("cpu-gqa-chain", "mha", 8, 1024, 1, 4),
+    _std("cpu-gqa-paged", "mha", 4, 1024, 4, 5, 16),
+    _std("cpu-mla-small", "mla", 4, 1024, 4, 5),
+    _std("cpu-extend", "mha", 8, 1024, 1, 5, kind="extend"),
+)
+
+# Latency against prefix length (GQA shape, one step, uniform lengths).
+SWEEP_PREFIXES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_TOPKS = (1, 4, 8)
+
+
+def all_cases() -> tuple[Case, ...]:
+    return STANDARD_CASES + SMALL_CASES
+
+
+def default_cases(on_gpu: bool) -> tuple[Case, ...]:
+    return STANDARD_CASES if on_gpu else SMALL_CASES
+
+
+def find_cases(names: list[str]) -> list[Case]:
+    """The cases named (standard or small), in the order given."""
+    known = {c.name: c for c in all_cases()}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise InvalidInputError("--case", f"one of {sorted(known)}", ", ".join(missing))
+    return [known[n] for n in names]
+
+
+def custom_case(*, batch: int = 4, prefix: int = 1024, topk: int = 4, steps: int = 5,
+                page_size: int = 1, mla: bool = False, extend: bool = False,
+                dtype: torch.dtype = torch.bfloat16) -> Case:
+    """A case from the command line's shape flags (model shapes of performance.md)."""
+    return Case("custom-extend" if extend else "custom", "mla" if mla else "mha", batch,
+                prefix, 1 if extend else topk, steps, page_size,
+                "extend" if extend else "decode", dtype)
+
+
+def sweep_cases(on_gpu: bool, quick: bool, dtype: torch.dtype) -> list[Case]:
+    """Uniform GQA decode cases over prefix lengths and ``K`` 1/4/8 (the sweep chart)."""
+    if on_gpu:
+        prefixes = SWEEP_PREFIXES[::2] if quick else SWEEP_PREFIXES
+        batch = 32
+    else:
+        prefixes = (128, 256, 512) if quick else (256, 512, 1024, 2048)
+        batch = 2
+    return [Case(f"sweep-k{k}-l{n}", "mha", batch, n, k, 5, dtype=dtype)
+            for k in SWEEP_TOPKS for n in prefixes]
+
+
+def scaled(case: Case, factor: int) -> Case:
+    """``case`` with its prefix divided by ``factor`` (``--quick``)."""
+    return case.with_(prefix=max(case.prefix // factor, case.steps + 3))

@@ -1,0 +1,491 @@
+"""Timing, the copy-bandwidth floor and the correctness gate of ``specattn bench``.
+
+Protocol (``performance.md``): the copy bandwidth is measured in the same process a moment
+before the cases; every variant is first checked against ``torch_ref`` on a sample of
+requests (a variant that fails is reported as failed and not timed); times are medians of
+``triton.testing.do_bench`` over a CUDA graph that runs the call once per layer, the layers'
+pools rotating so the KV read per call is larger than L2 (GPU), or the best of a few wall-clock
+runs (CPU). Inputs are random, never zeros.
+
+Per variant and case:
+
+- ``step``: one ``forward`` of one layer at the timed step (KV write included);
+- ``round``: one whole draft round, metadata + ``S - 1`` steps x ``round_layers`` layers
+  (decode), or metadata + one extend per layer; eagerly, and as one CUDA graph replay
+  (metadata replay call + graph replay) where the backend supports graphs.
+
+The clock is an object (``WallClock``, ``CudaClock``) so tests drive the same control flow with
+a fake one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..allocator import PagedKVAllocator
+from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from ..keys import BackendRequest
+from .baselines import RAW_BASELINES, has_module
+from .cases import Case
+
+__all__ = ["WallClock", "CudaClock", "Setup", "Variant", "Result", "build_setup",
+           "copy_bandwidth", "discover_variants", "check_variant", "measure_variant",
+           "tolerance", "CPU_DEFAULT_BACKENDS"]
+
+log = logging.getLogger("specattn.bench")
+
+L2_BYTES = 50 * 2 ** 20  # H200: 50 MiB; the rotation covers three times that
+CPU_DEFAULT_BACKENDS = ("torch_ref", "intel_amx")
+_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Max error relative to the reference's largest magnitude."""
+    return _TOLERANCE.get(dtype, 2e-2)
+
+
+# --- clocks --------------------------------------------------------------------------------
+
+class WallClock:
+    """Host wall clock: best of ``reps`` runs after one warm-up (on a shared CPU the minimum
+    is the run least disturbed by other processes). No graphs."""
+
+    name = "wall"
+    graphs = False
+
+    def __init__(self, reps: int = 5) -> None:
+        self.reps = reps
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Milliseconds of one ``fn()``."""
+        fn()
+        best = math.inf
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        raise RuntimeError("graphs need a CUDA device")
+
+
+class CudaClock:
+    """CUDA: median of ``triton.testing.do_bench`` (device events); graphs captured on the
+    current device."""
+
+    name = "do_bench median"
+    graphs = True
+
+    def __init__(self, warmup_ms: int = 25, rep_ms: int = 200) -> None:
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
+                                             return_mode="median"))
+
+    def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Capture ``fn`` (already run once eagerly) and return the replay."""
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return g.replay
+
+
+def copy_bandwidth(device: torch.device, clock) -> float:
+    """Bytes read + written per second of a large copy on ``device`` (2 GiB on a GPU, 256 MiB
+    on the CPU), timed with ``clock``."""
+    numel = 2 ** 29 if device.type == "cuda" else 2 ** 26
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = clock.time(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * numel * 4 / (ms * 1e-3)
+
+
+# --- the data of one case --------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """A case made concrete: pools with random KV, the batch, inputs and layers.
+
+    inputs: per decode step (or once for extend) ``(q, k, v)`` of ``case.lanes`` rows.
+    sample: request indices the correctness check compares (first, last, longest).
+    """
+
+    case: Case
+    runner: DraftRunner
+    batch: Any
+    lengths: list[int]
+    inputs: list[tuple]
+    layers: list[AttentionLayer]
+    sample: list[int]
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+
+def _num_layers(case: Case, lengths: list[int], device: torch.device,
+                max_layers: Optional[int]) -> int:
+    per_layer = max(sum(lengths) * case.row_bytes, 1)
+    layers = max(2, min(12, -(-3 * L2_BYTES // per_layer)))
+    if device.type != "cuda":
+        layers = min(layers, 2)
+    return min(layers, max_layers) if max_layers else layers
+
+
+def _random_inputs(case: Case, rows: int, device: torch.device, gen: torch.Generator):
+    dt = case.dtype
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    a, b, c = case.shape
+    if case.model == "mla":
+        return randn(rows, a, b + c), randn(rows, b + c), None
+    return randn(rows, a, c), randn(rows, b, c), randn(rows, b, c)
+
+
+def build_setup(case: Case, device: torch.device | str, *, seed: int = 0,
+                max_layers: Optional[int] = None) -> Setup:
+    """Runner, pools (random), requests (``PagedKVAllocator``), batch and inputs of ``case``."""
+    device = torch.device(device)
+    lengths = case.lengths(seed)
+    layers = _num_layers(case, lengths, device, max_layers)
+    P = case.page_size
+    ext = case.topk * (case.steps + P) if case.kind == "decode" else 0
+    pages = sum(-(-(n + ext) // P) for n in lengths) + 2
+    max_ctx = max(lengths) + ext + P
+    kw = dict(num_layers=layers, num_slots=pages * P, max_reqs=case.batch,
+              max_context_len=max_ctx, page_size=P, dtype=case.dtype, device=device)
+    a, b, c = case.shape
+    runner = (DraftRunner.mla(a, b, c, **kw) if case.model == "mla"
+              else DraftRunner.mha(a, b, c, **kw))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    pools = runner.kv_buffer if case.model == "mla" else runner.k_buffer + runner.v_buffer
+    for pool in pools:
+        pool.copy_(torch.randn(pool.shape, generator=gen, device=device))
+    alloc = PagedKVAllocator(runner)
+    reqs = [alloc.new_request() for _ in lengths]
+    rpi = torch.tensor(reqs, dtype=torch.int64, device=device)
+    if case.kind == "decode":
+        for req, n in zip(reqs, lengths):
+            alloc.extend(req, n)
+        seq_lens = alloc.seq_lens(reqs)
+        loc = alloc.alloc_draft(rpi, case.topk, case.steps)
+        batch = DraftBatch(rpi, seq_lens, loc)
+        inputs = [_random_inputs(case, case.lanes, device, gen) for _ in range(case.steps)]
+    else:
+        new = []
+        for req, n in zip(reqs, lengths):
+            alloc.extend(req, n - case.extend_len)
+            new.append(alloc.extend(req, case.extend_len))
+        batch = DraftExtendBatch(rpi, alloc.seq_lens(reqs),
+                                 torch.full((case.batch,), case.extend_len, device=device),
+                                 torch.cat(new))
+        inputs = [_random_inputs(case, case.lanes, device, gen)]
+    head = c if case.model == "mha" else 192  # MLA: qk_nope + rope of the unabsorbed head
+    scale = head ** -0.5
+    longest = max(range(case.batch), key=lambda i: lengths[i])
+    sample = sorted({0, case.batch - 1, longest})
+    return Setup(case, runner, batch, lengths, inputs,
+                 [AttentionLayer(i, scale) for i in range(layers)], sample)
+
+
+# --- variants --------------------------------------------------------------------------------
+
+@dataclass
+class Variant:
+    """One thing to time: a registered backend in one mode, or a raw-library baseline."""
+
+    label: str
+    backend: str
+    mode: str  # "shared", "per-branch", "default" or "raw"
+    kernel_library: str
+    make: Callable[[Setup], Any]
+    graphs: bool = False  # supports the CUDA-graph protocol
+    raw: bool = False
+
+
+def _request(case: Case) -> BackendRequest:
+    a, b, c = case.shape
+    head_dim = b + c if case.model == "mla" else c
+    return BackendRequest(kind=case.kind, mla=case.model == "mla", topk=case.topk,
+                          num_steps=case.steps, page_size=case.page_size, dtype=case.dtype,
+                          head_dim=head_dim)
+
+
+def _has_mode(cls: type) -> bool:
+    return "mode" in inspect.signature(cls.__init__).parameters
+
+
+def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
+    if case.kind == "decode":
+        return lambda s: cls(s.runner, case.topk, case.steps, **kw)
+    return lambda s: cls(s.runner, **kw)
+
+
+def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
+                      raw: bool = True) -> tuple[list[Variant], list[tuple[str, str]]]:
+    """Variants that can run ``case`` here, and ``(name, reason)`` for those that cannot.
+
+    names: backends to include (registered names or aliases, or a raw key such as
+    ``flashinfer-raw``); ``None``: every backend available here (on the CPU, ``torch_ref``
+    and ``intel_amx``). On a GPU ``torch_ref`` is the correctness reference only and is
+    timed only when named. Backends with a ``mode`` constructor keyword also run
+    ``mode="per-branch"``.
+    """
+    from ..listing import list_backends
+
+    on_gpu = platform.device != "cpu"
+    wanted = None if names is None else set(names)
+    variants: list[Variant] = []
+    skipped: list[tuple[str, str]] = []
+    for info in list_backends(kind=case.kind, platform=platform):
+        cls = info.backend
+        if cls is None or info.flavour == "dispatcher":
+            continue
+        keys = {info.name, *info.aliases}
+        if wanted is not None:
+            if not keys & wanted:
+                continue
+        elif on_gpu and info.name == "torch_ref":
+            continue
+        elif not on_gpu and info.name not in CPU_DEFAULT_BACKENDS:
+            continue
+        if case.model not in info.models:
+            continue  # the other flavour of this backend serves it
+        reasons = [] if info.runs_here else [info.reason]
+        reasons = reasons or cls.validate(_request(case), platform)
+        if reasons:
+            if wanted is not None or info.runs_here:
+                skipped.append((info.name, "; ".join(reasons)))
+            continue
+        graphs = bool(cls.supports_cuda_graph)
+        if case.kind == "decode" and _has_mode(cls):
+            variants.append(Variant(info.name, info.name, "shared", info.kernel_library,
+                                    _maker(cls, case, mode="shared"), graphs))
+            variants.append(Variant(f"{info.name}/per-branch", info.name, "per-branch",
+                                    info.kernel_library, _maker(cls, case, mode="per-branch"),
+                                    graphs))
+        else:
+            variants.append(Variant(info.name, info.name, "default", info.kernel_library,
+                                    _maker(cls, case), graphs))
+    if raw and case.kind == "decode" and case.model == "mha":
+        for key, cls, module, device in RAW_BASELINES:
+            if wanted is not None and not {key, "raw"} & wanted:
+                continue
+            if (device == "cuda") != on_gpu:
+                continue
+            if module != "torch" and not has_module(module):
+                skipped.append((key, f"needs the '{module}' package"))
+                continue
+            variants.append(Variant(cls.label, key, "raw", module,
+                                    lambda s, cls=cls: cls(s.runner, case.topk, case.steps),
+                                    raw=True))
+    if wanted is not None:
+        known = {v.backend for v in variants} | {n for n, _ in skipped}
+        for name in sorted(wanted - known - {"raw"}):
+            if not any(name in (v.label, v.backend) for v in variants):
+                skipped.append((name, "not a backend of this kind/model that is registered"))
+    return variants, skipped
+
+
+# --- correctness -----------------------------------------------------------------------------
+
+def _sub_decode_batch(batch: DraftBatch, sample: list[int]) -> DraftBatch:
+    idx = torch.tensor(sample, device=batch.seq_lens.device)
+    return DraftBatch(batch.req_pool_indices[idx], batch.seq_lens[idx],
+                      batch.out_cache_loc[idx], None)
+
+
+def _rows_of(sample: list[int], width: int, device) -> torch.Tensor:
+    """Query rows of the sampled requests when each request owns ``width`` rows."""
+    idx = torch.tensor(sample, device=device)
+    return (idx[:, None] * width + torch.arange(width, device=device)).reshape(-1)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in float32 (``inf`` when ``out`` is not finite)."""
+    out, ref = out.float(), ref.float()
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {tuple(out.shape)}, reference {tuple(ref.shape)}")
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+def check_variant(variant: Variant, setup: Setup) -> float:
+    """Run ``variant`` on layer 0 (decode: steps ``0 .. timed_step``) and compare the sampled
+    requests with ``torch_ref``. Returns the relative error; raises on a crash."""
+    from ..backends.torch_ref import reference_decode, reference_extend
+
+    case, layer = setup.case, setup.layers[0]
+    backend = variant.make(setup)
+    backend.init_forward_metadata(setup.batch)
+    if case.kind == "decode":
+        for step in range(case.timed_step + 1):
+            out = backend.forward(step, layer, *setup.inputs[step])
+        q = setup.inputs[case.timed_step][0]
+        rows = _rows_of(setup.sample, case.topk, q.device)
+        ref = reference_decode(setup.runner, layer, q[rows],
+                               _sub_decode_batch(setup.batch, setup.sample), case.timed_step)
+    else:
+        out = backend.forward(layer, *setup.inputs[0])
+        q = setup.inputs[0][0]
+        rows = _rows_of(setup.sample, case.extend_len, q.device)
+        b = setup.batch
+        idx = torch.tensor(setup.sample, device=q.device)
+        sub = DraftExtendBatch(b.req_pool_indices[idx], b.seq_lens[idx], b.extend_lens[idx],
+                               b.out_cache_loc[rows])
+        ref = reference_extend(setup.runner, layer, q[rows], sub)
+    return relative_error(out[rows], ref)
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    """What ``measure_variant`` found (times in ms; ``None``: not measured)."""
+
+    status: str = "ok"  # ok | failed | reference
+    error: str = ""
+    max_err: Optional[float] = None
+    step_ms: Optional[float] = None
+    step_timing: str = ""
+    round_eager_ms: Optional[float] = None
+    round_graph_ms: Optional[float] = None
+    round_layers: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
+
+
+def _step_call(backend, setup: Setup):
+    case = setup.case
+    if case.kind == "decode":
+        step = case.timed_step
+        q, k, v = setup.inputs[step]
+        return lambda layer: backend.forward(step, layer, q, k, v)
+    q, k, v = setup.inputs[0]
+    return lambda layer: backend.forward(layer, q, k, v)
+
+
+def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[str]]:
+    """Milliseconds of one step of one layer (rotating layers), how it was timed, notes."""
+    case, notes = setup.case, []
+    backend = variant.make(setup)
+    backend.init_forward_metadata(setup.batch)
+    if case.kind == "decode":
+        for step in range(case.timed_step):  # the history before the timed step
+            backend.forward(step, setup.layers[0], *setup.inputs[step])
+    call = _step_call(backend, setup)
+    layers = setup.layers
+
+    def all_layers():
+        for layer in layers:
+            call(layer)
+
+    if clock.graphs:
+        try:
+            all_layers()  # plans and compiles outside the capture
+            replay = clock.graph(all_layers)
+            return clock.time(replay) / len(layers), "graph", notes
+        except Exception as exc:  # report, then time eagerly
+            notes.append(f"graph capture failed ({_short(exc)}); eager timing")
+            if setup.device.type == "cuda":
+                torch.cuda.synchronize()
+    return clock.time(all_layers) / len(layers), "eager" if clock.graphs else clock.name, notes
+
+
+def _round_fn(backend, setup: Setup, layers: list[AttentionLayer], metadata: Callable):
+    case = setup.case
+
+    def run():
+        metadata()
+        if case.kind == "decode":
+            for step in range(case.steps - 1):
+                q, k, v = setup.inputs[step]
+                for layer in layers:
+                    backend.forward(step, layer, q, k, v)
+        else:
+            q, k, v = setup.inputs[0]
+            for layer in layers:
+                backend.forward(layer, q, k, v)
+    return run
+
+
+def time_round(variant: Variant, setup: Setup, clock, round_layers: int,
+               ) -> tuple[float, Optional[float], list[str]]:
+    """One whole round: eager ms, and graph ms (metadata replay + graph replay) or None."""
+    layers = setup.layers[:round_layers]
+    notes: list[str] = []
+    backend = variant.make(setup)
+    eager = clock.time(_round_fn(backend, setup, layers,
+                                 lambda: backend.init_forward_metadata(setup.batch)))
+    graph = None
+    if clock.graphs and variant.graphs:
+        try:
+            gb = variant.make(setup)
+            case = setup.case
+            gb.init_cuda_graph_state(case.batch, case.lanes)
+            gb.init_forward_metadata_capture_cuda_graph(setup.batch)
+            body = _round_fn(gb, setup, layers, lambda: None)
+            body()  # warm-up outside the capture
+            replay = clock.graph(body)
+
+            def replayed():
+                gb.init_forward_metadata_replay_cuda_graph(setup.batch, case.batch)
+                replay()
+
+            graph = clock.time(replayed)
+        except Exception as exc:
+            notes.append(f"round graph failed ({_short(exc)})")
+    return eager, graph, notes
+
+
+def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True,
+                    rounds: bool = True, round_layers: int = 4) -> Result:
+    """Check, then time one variant on one case. Never raises: failures become the result."""
+    res = Result(round_layers=min(round_layers, len(setup.layers)))
+    try:
+        res.max_err = check_variant(variant, setup)
+    except Exception as exc:
+        log.debug("check of %s failed", variant.label, exc_info=True)
+        return Result(status="failed", error=f"crashed in the check: {_short(exc)}")
+    tol = tolerance(setup.case.dtype)
+    if not res.max_err <= tol:
+        res.status = "failed"
+        res.error = (f"wrong result: max error {res.max_err:.3g} of the reference's largest "
+                     f"value (tolerance {tol:g})")
+        return res
+    if not timed:
+        res.status = "reference"
+        return res
+    try:
+        res.step_ms, res.step_timing, notes = time_step(variant, setup, clock)
+        res.notes += notes
+        if rounds and not variant.raw:
+            res.round_eager_ms, res.round_graph_ms, notes = time_round(
+                variant, setup, clock, res.round_layers)
+            res.notes += notes
+    except Exception as exc:
+        log.debug("timing of %s failed", variant.label, exc_info=True)
+        res.status, res.error = "failed", f"crashed while timed: {_short(exc)}"
+    return res

@@ -1,0 +1,307 @@
+"""Rows, ratios and outputs of ``specattn bench``: the table (markdown), CSV, PNG charts and
+the versions record.
+
+One row per (case, lengths, variant), plus one ``floor`` row per case (the copy-bandwidth
+floor: every prefix once plus every lane's history, over the copy bandwidth measured in the
+same process). ``add_ratios`` fills the derived columns from the measured ones, so they are
+computed in one place (and tested without a GPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform as host_platform
+import subprocess
+from collections import defaultdict
+from importlib import metadata as importlib_metadata
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "FLOOR", "add_ratios", "render_table", "write_csv",
+           "read_csv", "write_pngs", "versions", "device_slug"]
+
+FLOOR = "copy-bandwidth floor"
+COLUMNS = [
+    "case", "lengths", "kind", "model", "batch", "prefix", "topk", "steps", "page_size",
+    "dtype", "lanes", "variant", "backend", "mode", "kernel_library", "status", "error", "max_err",
+    "time_us", "timing", "floor_us", "x_floor", "kv_bytes", "bandwidth_gbs", "per_branch",
+    "x_vs_per_branch", "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us",
+    "round_graph_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
+]
+SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
+                 "x_floor", "error"]
+
+
+def _num(value: Any) -> Optional[float]:
+    if value is None or value == "":
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(out) else out
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill ``x_floor``, ``bandwidth_gbs``, ``tokens_per_s``, ``per_branch``,
+    ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and return ``rows``).
+
+    Per (case, lengths): ``x_floor = time / floor``; ``bandwidth = kv_bytes / time``;
+    ``tokens_per_s`` = query rows of one call per second (one layer), ``round_tokens_per_s``
+    the rows of a whole round (``S - 1`` steps) over its eager time; ``x_vs_per_branch`` =
+    per-branch time / time (above 1 = faster than per-branch), against the backend's own
+    ``per-branch`` mode, else the first raw-library per-lane baseline; ``x_vs_torch_ref`` =
+    torch_ref time / time. Failed rows get none of them.
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[(row["case"], row["lengths"])].append(row)
+    for group in groups.values():
+        ok = [r for r in group if r.get("status") == "ok" and _num(r.get("time_us"))]
+        own_pb = {r["backend"]: r for r in ok if r.get("mode") == "per-branch"}
+        raw_pb = next((r for r in ok if r.get("mode") == "raw"), None)
+        ref = next((r for r in ok if r.get("backend") == "torch_ref"), None)
+        for r in group:
+            t = _num(r.get("time_us"))
+            if r.get("status") not in ("ok", "floor") or not t:
+                continue
+            floor = _num(r.get("floor_us"))
+            r["x_floor"] = t / floor if floor else None
+            kv = _num(r.get("kv_bytes"))
+            r["bandwidth_gbs"] = kv / (t * 1e-6) / 1e9 if kv else None
+            if r["status"] == "floor":
+                continue
+            lanes = _num(r.get("lanes"))
+            r["tokens_per_s"] = lanes / (t * 1e-6) if lanes else None
+            base = None
+            if r.get("mode") not in ("per-branch", "raw"):
+                base = own_pb.get(r["backend"]) or raw_pb
+            r["per_branch"] = base["variant"] if base else ""
+            r["x_vs_per_branch"] = _num(base["time_us"]) / t if base else None
+            r["x_vs_torch_ref"] = (_num(ref["time_us"]) / t
+                                   if ref is not None and ref is not r else None)
+            round_us = _num(r.get("round_eager_us"))
+            if round_us and lanes:
+                steps = int(_num(r.get("steps")) or 2) - 1 if r.get("kind") == "decode" else 1
+                r["round_tokens_per_s"] = lanes * max(steps, 1) / (round_us * 1e-6)
+    return rows
+
+
+# --- table -----------------------------------------------------------------------------------
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
+    """The markdown table printed at the end (one line per row; failed rows say why)."""
+    head = ["case", "lengths", "variant", "time us", "x floor", "x vs per-branch", "GB/s"]
+    head += ["tokens/s", "x vs torch_ref"] if cpu else []
+    head += ["round eager us", "round graph us" if not cpu else "round tokens/s", "check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        status = r.get("status")
+        cells = [r["case"], r["lengths"], r["variant"]]
+        if status in ("failed", "unsupported"):
+            word = "FAILED" if status == "failed" else "not run"
+            cells += [f"{word}: {r.get('error', '')}".replace("|", "/")]
+            cells += [""] * (len(head) - len(cells))
+        else:
+            vs_pb = _fmt(r.get("x_vs_per_branch"), ".2f", "x")
+            cells += [_fmt(r.get("time_us"), ",.1f"), _fmt(r.get("x_floor"), ".2f"),
+                      vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
+            if cpu:
+                cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
+                          _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
+            cells.append(_fmt(r.get("round_eager_us"), ",.0f"))
+            if cpu:
+                cells.append(_fmt(r.get("round_tokens_per_s"), ",.0f"))
+            else:
+                cells.append(_fmt(r.get("round_graph_us"), ",.0f"))
+            if status == "floor":
+                cells.append("")
+            elif status == "reference":
+                cells.append("reference (not timed)")
+            else:
+                cells.append(_fmt(r.get("max_err"), ".1e"))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+# --- CSV -------------------------------------------------------------------------------------
+
+def write_csv(rows: list[dict[str, Any]], path: str, columns: list[str] = COLUMNS) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _csv_cell(r.get(k)) for k in columns})
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return "; ".join(str(v) for v in value)
+    return value
+
+
+def read_csv(path: str) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- charts ----------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out_dir: str,
+               title: str) -> tuple[list[str], str]:
+    """Per case: bars per variant (step time) with the floor as a line; and latency against
+    prefix length per ``K``. Returns the files written and a note ('' or why none)."""
+    plt = _pyplot()
+    if plt is None:
+        return [], "no PNG charts: matplotlib is not installed (pip install matplotlib)"
+    written = []
+    cases: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        cases[(r["case"], r["lengths"])].append(r)
+    for (case, lengths), group in cases.items():
+        floor = next((_num(r["time_us"]) for r in group if r.get("status") == "floor"), None)
+        bars = [r for r in group if r.get("status") in ("ok", "failed")]
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2), 3.6))
+        labels = [r["variant"] for r in bars]
+        values = [_num(r.get("time_us")) or 0.0 for r in bars]
+        colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
+                  for r in bars]
+        ax.bar(range(len(bars)), values, color=colors)
+        for i, r in enumerate(bars):
+            if r.get("status") == "failed":
+                ax.text(i, 0, "failed", ha="center", va="bottom", color="#b03a3a")
+        if floor:
+            ax.axhline(floor, color="#b03a3a", linestyle="--", label=f"floor {floor:,.0f} us")
+            ax.legend(loc="upper left", fontsize=8)
+        ax.set_xticks(range(len(bars)))
+        ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel("one step, one layer (us)")
+        ax.set_title(f"{case} ({lengths}) - {title}", fontsize=9)
+        fig.tight_layout()
+        name = f"case-{case}-{lengths}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+        written.append(name)
+    if sweep_rows:
+        written.append(_sweep_png(plt, sweep_rows, out_dir, title))
+    return written, ""
+
+
+def _sweep_png(plt, sweep_rows, out_dir: str, title: str) -> str:
+    topks = sorted({int(r["topk"]) for r in sweep_rows})
+    fig, axes = plt.subplots(1, len(topks), figsize=(4.2 * len(topks), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], topks):
+        at_k = [r for r in sweep_rows if int(r["topk"]) == k]
+        for variant in dict.fromkeys(r["variant"] for r in at_k):
+            pts = sorted((int(r["prefix"]), _num(r["time_us"])) for r in at_k
+                         if r["variant"] == variant and r.get("status") == "ok")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=variant)
+        floor = sorted({(int(r["prefix"]), _num(r["floor_us"])) for r in at_k
+                        if _num(r.get("floor_us"))})
+        if floor:
+            ax.plot(*zip(*floor), linestyle="--", color="#b03a3a", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prefix length")
+        ax.set_title(f"K = {k}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("one step, one layer (us)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"latency against prefix length - {title}", fontsize=9)
+    fig.tight_layout()
+    name = "prefix-sweep.png"
+    fig.savefig(os.path.join(out_dir, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+# --- versions --------------------------------------------------------------------------------
+
+def _dist_version(*names: str) -> Optional[str]:
+    for name in names:
+        try:
+            return importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host_platform.processor() or host_platform.machine()
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on: device, driver and library versions."""
+    from .. import __version__
+
+    info: dict[str, Any] = {
+        "specattn": __version__, "torch": torch.__version__,
+        "triton": _dist_version("triton"),
+        "flashinfer": _dist_version("flashinfer-python", "flashinfer"),
+        "flash-attn": _dist_version("flash-attn-4", "flash-attn", "flash_attn"),
+        "python": host_platform.python_version(), "cpu": _cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["gpu"] = None
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return info
+
+
+def device_slug(info: dict[str, Any]) -> str:
+    """``h200`` for "NVIDIA H200", ``cpu`` without a GPU (the results folder's suffix)."""
+    gpu = info.get("gpu")
+    if not gpu:
+        return "cpu"
+    words = [w for w in gpu.lower().replace("nvidia", " ").split() if w]
+    slug = "-".join("".join(ch for ch in w if ch.isalnum()) for w in words[:2])
+    return slug.strip("-") or "gpu"
+
+
+def write_versions(info: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.write("\n")

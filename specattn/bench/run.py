@@ -1,0 +1,167 @@
+"""The benchmark loop: cases x variants, with a progress line, into report rows."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+import torch
+
+from .cases import Case
+from .harness import Result, Variant, build_setup, discover_variants, measure_variant
+from .report import FLOOR
+
+__all__ = ["Progress", "Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
+           "result_row", "floor_row"]
+
+
+class Progress:
+    """A plain-text progress bar on ``stream`` (redrawn in place on a terminal, one line per
+    item otherwise)."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24) -> None:
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def line(self, label: str) -> str:
+        filled = round(self.width * self.done / self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        return f"[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+
+    def update(self, label: str) -> None:
+        """Show ``label`` as the item now running (call before it runs)."""
+        text = self.line(label)
+        if self.tty:
+            self.stream.write("\r\033[K" + text[:160])
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + self.line("done") + "\n")
+            self.stream.flush()
+
+
+def case_fields(case: Case, lengths: list[int]) -> dict[str, Any]:
+    return {"case": case.name, "lengths": case.lengths_label, "kind": case.kind,
+            "model": case.model, "batch": case.batch, "prefix": case.prefix,
+            "topk": case.topk if case.kind == "decode" else "", "steps": case.steps,
+            "page_size": case.page_size, "dtype": str(case.dtype).replace("torch.", ""),
+            "lanes": case.lanes, "kv_bytes": case.kv_bytes(lengths)}
+
+
+def floor_row(case: Case, lengths: list[int], bandwidth: float) -> dict[str, Any]:
+    """The case's floor: its ``kv_bytes`` over the copy bandwidth (bytes/s)."""
+    floor_us = case.kv_bytes(lengths) / bandwidth * 1e6
+    return {**case_fields(case, lengths), "variant": FLOOR, "backend": "", "mode": "floor",
+            "kernel_library": "", "status": "floor", "time_us": floor_us,
+            "timing": "computed", "floor_us": floor_us, "copy_bw_gbs": bandwidth / 1e9}
+
+
+def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
+               bandwidth: float) -> dict[str, Any]:
+    def us(ms):
+        return None if ms is None else ms * 1e3
+
+    return {**case_fields(case, lengths), "variant": variant.label,
+            "backend": variant.backend, "mode": variant.mode,
+            "kernel_library": variant.kernel_library, "status": result.status,
+            "error": result.error, "max_err": result.max_err, "time_us": us(result.step_ms),
+            "timing": result.step_timing, "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6,
+            "round_layers": result.round_layers if result.round_eager_ms else "",
+            "round_eager_us": us(result.round_eager_ms),
+            "round_graph_us": us(result.round_graph_ms), "copy_bw_gbs": bandwidth / 1e9,
+            "notes": result.notes}
+
+
+class Plan:
+    """One case with the variants that will run it and those that cannot (and why)."""
+
+    def __init__(self, case: Case, variants: list[Variant],
+                 skipped: list[tuple[str, str]]) -> None:
+        self.case, self.variants, self.skipped = case, variants, skipped
+
+
+def plan_cases(cases: list[Case], platform, backends: Optional[list[str]],
+               raw: bool) -> list[Plan]:
+    plans = []
+    for case in cases:
+        variants, skipped = discover_variants(case, platform, backends, raw=raw)
+        plans.append(Plan(case, variants, skipped))
+    return plans
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: Progress, *, seed: int,
+              rounds: bool, round_layers: int) -> list[tuple[list[int], Variant, Result]]:
+    case = plan.case
+    try:
+        setup = build_setup(case, device, seed=seed)
+    except Exception as exc:  # e.g. out of memory: every variant of the case fails
+        lengths = case.lengths(seed)
+        err = Result(status="failed", error=f"setup failed: {type(exc).__name__}: {exc}"[:240])
+        for _ in plan.variants:
+            progress.advance()
+        _free(device)
+        return [(lengths, v, err) for v in plan.variants]
+    out = []
+    for variant in plan.variants:
+        progress.update(f"{case.label} | {variant.label}")
+        result = measure_variant(variant, setup, clock, rounds=rounds,
+                                 round_layers=round_layers)
+        out.append((setup.lengths, variant, result))
+        progress.advance()
+        _free(device)
+    del setup
+    _free(device)
+    return out
+
+
+def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: Progress, *,
+              seed: int = 0, rounds: bool = True, round_layers: int = 4,
+              ) -> list[dict[str, Any]]:
+    """Rows of every planned case: its floor, then one row per variant (skipped variants of a
+    named backend are reported as failed with the reason)."""
+    rows = []
+    for plan in plans:
+        lengths = plan.case.lengths(seed)
+        rows.append(floor_row(plan.case, lengths, bandwidth))
+        for lengths, variant, result in _run_plan(plan, device, clock, bandwidth, progress,
+                                                  seed=seed, rounds=rounds,
+                                                  round_layers=round_layers):
+            rows.append(result_row(plan.case, lengths, variant, result, bandwidth))
+        for name, reason in plan.skipped:
+            rows.append({**case_fields(plan.case, lengths), "variant": name, "backend": name,
+                         "mode": "", "kernel_library": "", "status": "unsupported",
+                         "error": reason})
+    return rows
+
+
+def run_sweep(plans: list[Plan], device, clock, bandwidth: float, progress: Progress, *,
+              seed: int = 0) -> list[dict[str, Any]]:
+    """Rows of the prefix-length sweep (one step per variant; no rounds)."""
+    rows = []
+    for plan in plans:
+        case = plan.case
+        for lengths, variant, result in _run_plan(plan, device, clock, bandwidth, progress,
+                                                  seed=seed, rounds=False, round_layers=0):
+            floor_us = case.kv_bytes(lengths) / bandwidth * 1e6
+            t = None if result.step_ms is None else result.step_ms * 1e3
+            rows.append({"topk": case.topk, "prefix": case.prefix, "batch": case.batch,
+                         "variant": variant.label, "status": result.status, "time_us": t,
+                         "floor_us": floor_us, "x_floor": t / floor_us if t else None,
+                         "error": result.error})
+    return rows
