@@ -213,9 +213,13 @@ def test_version_and_help(capsys):
     assert code == 0 and "list" in out and "select" in out and "demo" in out
 
 
-def test_bench_is_reserved(capsys):
-    code, _, err = run(capsys, "bench", "--anything")
-    assert code == 2 and "not available yet (issue #8)" in err
+def test_bench_is_delegated(monkeypatch):
+    seen = []
+    fake = types.ModuleType("specattn.bench")
+    fake.cli_main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "specattn.bench", fake)
+    assert main(["bench", "--quick", "--case", "gqa-small"]) == 3
+    assert seen == [["--quick", "--case", "gqa-small"]]
 
 
 def test_demo_is_delegated(capsys, monkeypatch):
