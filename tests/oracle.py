@@ -54,7 +54,7 @@ DEPRECATION_TEXT = "deprecated"
 # ---------------------------------------------------------------------------------------------
 PENDING_NOW = frozenset({
     "trtllm_mha", "trtllm_mla", "cutedsl_mla",                          # issue #5
-    "tokenspeed_mla", "dsa", "dsv4", "aiter", "ascend",                 # issue #7
+    "tokenspeed_mla", "aiter", "ascend",                                # issue #7
 })
 
 # Vendor modules a platform may have (the strategies draw subsets of this).
@@ -103,6 +103,13 @@ _BOTH = KINDS
 _MHA, _MLA = frozenset({"mha"}), frozenset({"mla"})
 _TRITON_PLATFORMS = lambda p: (p.device in ("cuda", "hip", "xpu")  # noqa: E731
                                or (p.device == "cpu" and p.triton_interpret))
+# Brief H7a (issue #7): the dsa kernels and dsv4's CUDA flavour are Triton kernels, so they
+# also run on the CPU under TRITON_INTERPRET=1 (CI tests them there); dsv4's HIP flavour stays
+# HIP-only so that exactly one dsv4 flavour matches a platform.
+_DSA_PLATFORMS = lambda p: (p.device in ("cuda", "hip")  # noqa: E731
+                            or (p.device == "cpu" and p.triton_interpret))
+_DSV4_CUDA_PLATFORMS = lambda p: (p.device == "cuda"  # noqa: E731
+                                  or (p.device == "cpu" and p.triton_interpret))
 
 # Issue #2's platform list as a table. Facts beyond selection.md, with their source:
 # - libraries: backend table (B) of upstream-draft-backends.md (flashinfer for the trtllm
@@ -136,12 +143,12 @@ ROWS: tuple[Row, ...] = (
         frozenset({32, 64})),
     Row("tokenspeed_mla", "default", _BOTH, _cuda(10), _libs("tokenspeed_mla"), _MLA,
         frozenset({32, 64})),
-    Row("dsa", "default", _BOTH, _device("cuda", "hip"), _libs("triton"), _MLA,
+    Row("dsa", "default", _BOTH, _DSA_PLATFORMS, _libs("triton"), _MLA,
         frozenset({1, 64}), auto_eligible=False),
     Row("ascend", "default", _BOTH, _device("npu"), _libs("torch_npu")),
     Row("dsv4", "npu", _BOTH, _device("npu"), _libs("torch_npu"), auto_eligible=False),
     Row("dsv4", "hip", _BOTH, _device("hip"), _libs("triton"), auto_eligible=False),
-    Row("dsv4", "cuda", _BOTH, _device("cuda"), _libs("triton"), auto_eligible=False),
+    Row("dsv4", "cuda", _BOTH, _DSV4_CUDA_PLATFORMS, _libs("triton"), auto_eligible=False),
     Row("torch_ref", "default", _BOTH, lambda p: True),
 )
 
