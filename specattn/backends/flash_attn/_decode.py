@@ -1,0 +1,278 @@
+"""The draft-decode glue shared by every FlashAttention flavour (FA4, FA3, MUSA ``mate``).
+
+Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane):
+
+- ``shared`` mode, ``K > 1`` (two passes, merged by natural-log LSE):
+  *prefix pass*: the ``K`` lanes of request ``b`` are ``K`` non-causal query rows of one varlen
+  sequence (``cu_seqlens_q`` steps by ``K``) over the request's prefix page table
+  (page ids of ``R_b[0 : L_b]``, ``seqused_k = L_b``), so the prefix is read once per request;
+  *history pass*: each lane one query over its ``n`` history slots, through a page-size-1
+  view of the pool (``page_table[z] = `` the lane's slots, ``seqused_k = n``).
+- ``K == 1``, or ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
+  step, each lane one query over a page-size-1 table ``[prefix slots | history slots]``
+  (``seqused_k = L_b + n``). Page-size-1 because the history slots need not continue the
+  prefix's pages.
+- ``split_prefix = C > 1`` (a switch; the routing rule is left to measurement on the H200):
+  FA4 has no split-KV on sm90, so small batches with long prefixes leave SMs idle. The prefix
+  pass then runs each request's prefix as ``C`` chunks of whole pages, each chunk an extra
+  "request" with the request's ``K`` query rows (``q`` repeated ``C`` times); the ``C``
+  chunks and the history merge by LSE. Empty chunks carry no weight. Also for ``K == 1``.
+
+Metadata (``init_forward_metadata``): device ops only, no host sync, for all steps at once.
+The tables are full width (``max_context_len``), so one table serves every step: step ``i``
+differs only in its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the
+history columns from ``parents`` at the start of each step (device ops, graph-safe).
+
+CUDA graphs: ``init_cuda_graph_state(max_bs, ...)`` allocates every buffer for ``max_bs``
+requests / ``max_bs * K`` lanes; capture and replay refill them in place (replay pads the
+batch to the captured size with request 0, ``seq_lens = 1`` and slot 0), so a captured graph
+reads the same addresses every replay. ``path`` mode reads the ``parents`` tensor given at
+capture; a replay batch's own tensor is copied into it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ...base import DraftDecodeBackend
+from ...errors import InvalidInputError
+from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
+from ...platforms import current_platform
+from ...validation import check_decode_batch, check_decode_forward, check_parents_step
+from ._kernels import merge_states, resolve_kernel
+from ._tables import ceil_div, check_page_aligned, paged_pools
+
+log = logging.getLogger("specattn.backends.flash_attn")
+
+MODES = ("shared", "per-branch")
+
+
+class _Buffers:
+    """Every per-round tensor, sized for ``bs`` requests (fixed under CUDA graphs).
+
+    loc: ``[bs, K, S]`` int64 draft slots. seq: ``[bs]`` int32 ``L_b``.
+    cu_req: ``[bs*C + 1]`` int32, ``K`` rows per (chunk of a) request; cu_lane: ``[N + 1]``.
+    Two-pass: prefix_pt ``[bs, C * cp]`` int32 page ids (chunk ``c`` = columns
+    ``c*cp : (c+1)*cp``), chunk_used ``[bs * C]``, hist_pt ``[N, S]`` slots,
+    hist_used ``[S, N]`` = ``i + 1``. One-pass: full_pt ``[N, ctx + S]`` slots,
+    full_used ``[S, N]`` = ``L_b + i + 1``, lane_len ``[N]`` int64.
+    """
+
+    def __init__(self, bs: int, topk: int, steps: int, ctx: int, page_size: int,
+                 chunks: int, two_pass: bool, device: torch.device) -> None:
+        i32 = dict(dtype=torch.int32, device=device)
+        lanes = bs * topk
+        self.bs = bs
+        self.loc = torch.zeros(bs, topk, steps, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(bs, **i32)
+        self.cu_req = torch.arange(bs * chunks + 1, **i32) * topk
+        self.cu_lane = torch.arange(lanes + 1, **i32)
+        self.two_pass = two_pass
+        if two_pass:
+            self.chunk_pages = ceil_div(ceil_div(ctx, page_size), chunks)
+            self.prefix_pt = torch.zeros(bs, chunks * self.chunk_pages, **i32)
+            self.chunk_used = torch.zeros(bs * chunks, **i32)
+            self.hist_pt = torch.zeros(lanes, steps, **i32)
+            self.hist_used = (torch.arange(steps, **i32) + 1)[:, None].repeat(1, lanes)
+        else:
+            self.full_pt = torch.zeros(lanes, ctx + steps, **i32)
+            self.full_used = torch.zeros(steps, lanes, **i32)
+            self.lane_len = torch.zeros(lanes, dtype=torch.int64, device=device)
+
+
+class FlashAttnDecodeGlue(DraftDecodeBackend):
+    """Common body of the registered fa3 / fa4 decode classes (not registered).
+
+    Extra keywords: ``mode`` (``"shared"`` default, or ``"per-branch"``) and
+    ``split_prefix`` (``C >= 1`` prefix chunks per request; 1 = off).
+    """
+
+    library = "fa4"  # which kernel family: "fa4", "fa3" or "mate"
+
+    def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
+                 mode: str = "shared", split_prefix: int = 1) -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        if mode not in MODES:
+            raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
+        if not isinstance(split_prefix, int) or isinstance(split_prefix, bool) or \
+                split_prefix < 1:
+            raise InvalidInputError("split_prefix", "an int >= 1 (1 = off)", repr(split_prefix))
+        if mode == "per-branch" and split_prefix > 1:
+            raise InvalidInputError("split_prefix", "1 in mode='per-branch' (only the shared "
+                                    "prefix pass is split)", split_prefix)
+        self.kernel = resolve_kernel(self.library, current_platform(), type(self).name)
+        self.mode = mode
+        self.chunks = split_prefix
+        self.two_pass = mode == "shared" and (topk > 1 or split_prefix > 1)
+        self._bufs: Optional[_Buffers] = None
+        self._graph_bufs: Optional[_Buffers] = None
+        self._active: Optional[_Buffers] = None
+        self._bs = 0
+        self._batch = None
+        self._captured_parents: Optional[torch.Tensor] = None
+
+    def _new_buffers(self, bs: int) -> _Buffers:
+        return _Buffers(bs, self.topk, self.num_steps, self.runner.max_context_len,
+                        self.page_size, self.chunks, self.two_pass, self.runner.device)
+
+    # --- metadata ----------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch) -> None:
+        """Fill this round's tables on the device (no host sync on a GPU)."""
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+        bs = batch.batch_size
+        if self._bufs is None or self._bufs.bs < bs:
+            self._bufs = self._new_buffers(bs)
+        self._fill(self._bufs, batch, bs, batch.req_pool_indices, batch.seq_lens,
+                   batch.out_cache_loc)
+
+    def _fill(self, bufs: _Buffers, batch, bs: int, rpi: torch.Tensor, seq: torch.Tensor,
+              loc: torch.Tensor) -> None:
+        if self.two_pass:
+            check_page_aligned(self.runner, rpi, seq, "prefixes")
+        k, s, p = self.topk, self.num_steps, self.page_size
+        lanes = bs * k
+        r2t = self.runner.req_to_token
+        bufs.loc[:bs].copy_(loc)
+        bufs.seq[:bs].copy_(seq)
+        if self.two_pass:
+            width = bufs.prefix_pt.shape[1]
+            bufs.prefix_pt[:bs].copy_(prefix_page_table(r2t, rpi, seq, p, max_pages=width))
+            span = bufs.chunk_pages * p  # keys per full chunk
+            start = torch.arange(self.chunks, device=seq.device) * span
+            used = (seq.long()[:, None] - start[None, :]).clamp(0, span)
+            bufs.chunk_used[:bs * self.chunks].copy_(used.reshape(-1))
+            bufs.hist_pt[:lanes].copy_(loc.reshape(lanes, s))
+        else:
+            ctx = self.runner.max_context_len
+            lane_len = seq.long().repeat_interleave(k)
+            bufs.lane_len[:lanes].copy_(lane_len)
+            slots, _ = prefix_token_slots(r2t, rpi, seq, max_len=ctx)
+            table = bufs.full_pt[:lanes]
+            table[:, :ctx].copy_(slots.repeat_interleave(k, dim=0))
+            table[:, ctx:].zero_()
+            cols = lane_len[:, None] + torch.arange(s, device=seq.device)
+            table.scatter_(1, cols, loc.reshape(lanes, s).to(torch.int32))
+            bufs.full_used[:, :lanes].copy_(
+                lane_len[None, :] + torch.arange(1, s + 1, device=seq.device)[:, None])
+        self._active, self._bs, self._batch = bufs, bs, batch
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        bufs = self._active
+        if bufs is None:
+            raise RuntimeError(f"{type(self).name}: forward() called before "
+                               "init_forward_metadata(batch)")
+        bs, lanes = self._bs, self._bs * self.topk
+        check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
+        if self.tree_mode == "path":
+            check_parents_step(self._batch, step, self.topk)
+        loc = bufs.loc[:bs]
+        self.runner.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
+        if self.tree_mode == "path" and self.topk > 1:
+            self._refresh_path(bufs, loc, step)
+        q = q if q.is_contiguous() else q.contiguous()
+        k1, v1 = paged_pools(self.runner, layer.layer_id, 1)
+        common = dict(scale=float(layer.scaling), softcap=float(layer.logit_cap))
+        if not self.two_pass:
+            o, _ = self.kernel(q, k1, v1, page_table=bufs.full_pt[:lanes],
+                               seqused=bufs.full_used[step, :lanes],
+                               cu_seqlens_q=bufs.cu_lane[:lanes + 1], max_seqlen_q=1,
+                               causal=False, with_lse=False, **common)
+            return o
+        outs, lses = self._prefix_parts(bufs, bs, layer.layer_id, q, common)
+        o_h, lse_h = self.kernel(q, k1, v1, page_table=bufs.hist_pt[:lanes],
+                                 seqused=bufs.hist_used[step, :lanes],
+                                 cu_seqlens_q=bufs.cu_lane[:lanes + 1], max_seqlen_q=1,
+                                 causal=False, with_lse=True, **common)
+        return merge_states(outs + [o_h], lses + [lse_h], q.dtype)
+
+    def _prefix_parts(self, bufs: _Buffers, bs: int, layer_id: int, q: torch.Tensor,
+                      common: dict) -> tuple[list, list]:
+        """The prefix pass: one state per chunk, each ``[N, H, D_v]`` and LSE ``[N, H]``."""
+        kp, vp = paged_pools(self.runner, layer_id, self.page_size)
+        c, k = self.chunks, self.topk
+        if c == 1:
+            o, lse = self.kernel(q, kp, vp, page_table=bufs.prefix_pt[:bs],
+                                 seqused=bufs.seq[:bs], cu_seqlens_q=bufs.cu_req[:bs + 1],
+                                 max_seqlen_q=k, causal=False, with_lse=True, **common)
+            return [o], [lse]
+        rows = bs * c
+        qc = q.view(bs, 1, k, *q.shape[1:]).expand(bs, c, k, *q.shape[1:])
+        qc = qc.reshape(rows * k, *q.shape[1:])
+        o, lse = self.kernel(qc, kp, vp,
+                             page_table=bufs.prefix_pt[:bs].view(rows, bufs.chunk_pages),
+                             seqused=bufs.chunk_used[:rows], cu_seqlens_q=bufs.cu_req[:rows + 1],
+                             max_seqlen_q=k, causal=False, with_lse=True, **common)
+        o = o.view(bs, c, k, *o.shape[1:])
+        lse = lse.reshape(bs, c, k, lse.shape[-1])
+        lanes = bs * k
+        return ([o[:, i].reshape(lanes, *o.shape[3:]) for i in range(c)],
+                [lse[:, i].reshape(lanes, -1) for i in range(c)])
+
+    def _refresh_path(self, bufs: _Buffers, loc: torch.Tensor, step: int) -> None:
+        """Rewrite step ``step``'s history columns from ``parents`` (device ops)."""
+        parents = self._captured_parents if bufs is self._graph_bufs else None
+        parents = self._batch.parents if parents is None else parents
+        lanes = self._bs * self.topk
+        hist = path_history_slots(loc, parents, step).reshape(lanes, step + 1)
+        hist = hist.to(torch.int32)
+        if self.two_pass:
+            bufs.hist_pt[:lanes, :step + 1].copy_(hist)
+        else:
+            cols = bufs.lane_len[:lanes, None] + torch.arange(step + 1, device=loc.device)
+            bufs.full_pt[:lanes].scatter_(1, cols, hist)
+
+    # --- CUDA graphs -------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
+        if not isinstance(max_bs, int) or max_bs < 1:
+            raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
+        self.cuda_graph_max_bs = max_bs
+        self._graph_bufs = self._new_buffers(max_bs)
+        self._captured_parents = None
+
+    def _require_graph_state(self) -> _Buffers:
+        if self._graph_bufs is None:
+            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
+                                    "no call")
+        return self._graph_bufs
+
+    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
+        bufs = self._require_graph_state()
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
+                           max_bs=self.cuda_graph_max_bs)
+        self._captured_parents = batch.parents if self.tree_mode == "path" else None
+        self._fill(bufs, batch, batch.batch_size, batch.req_pool_indices, batch.seq_lens,
+                   batch.out_cache_loc)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
+        """Refill the fixed buffers; a batch of fewer than ``bs`` requests is padded."""
+        bufs = self._require_graph_state()
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
+                           max_bs=self.cuda_graph_max_bs)
+        raw = batch.batch_size
+        if not isinstance(bs, int) or not raw <= bs <= self.cuda_graph_max_bs:
+            raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] "
+                                    "(the captured batch size)", repr(bs))
+        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
+        if raw < bs:
+            pad = bs - raw
+            rpi = torch.cat([rpi, rpi.new_zeros(pad)])
+            seq = torch.cat([seq, seq.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
+            loc = torch.cat([loc, loc.new_zeros((pad,) + tuple(loc.shape[1:]))])
+        captured = self._captured_parents
+        if self.tree_mode == "path" and captured is not None and (
+                batch.parents.data_ptr() != captured.data_ptr()):
+            # The graph reads `parents` live; a replay batch's own tensor is copied in.
+            if raw > captured.shape[1]:
+                raise InvalidInputError("batch.parents", "at most the captured batch size",
+                                        f"{raw} requests")
+            captured[:, :raw].copy_(batch.parents)
+        self._fill(bufs, batch, bs, rpi, seq, loc)
