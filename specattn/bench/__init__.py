@@ -189,6 +189,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     if sweep_rows:
         report.write_csv(sweep_rows, os.path.join(out, "sweep.csv"), report.SWEEP_COLUMNS)
     info["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1)
+    info["date"] = datetime.date.today().isoformat()
     info["command"] = "specattn bench " + " ".join(argv if argv is not None else sys.argv[1:])
     report.write_versions(info, os.path.join(out, "versions.json"))
     title = info["gpu"] or "CPU"

@@ -1,0 +1,404 @@
+"""``specattn bench``: cases, floor arithmetic, ratios, the correctness gate, the GPU control
+flow (graphs, rounds) driven by a fake clock, outputs (CSV, table, PNG), the CLI and the
+README generator."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from specattn import AttentionLayer, DraftDecodeBackend
+from specattn.backends.torch_ref import TorchRefDecode, reference_decode
+from specattn.bench import cli_main
+from specattn.bench import cases as C
+from specattn.bench import report
+from specattn.bench.baselines import SDPAPerLane, per_lane_table
+from specattn.bench.harness import (
+    Variant, WallClock, build_setup, discover_variants, measure_variant, relative_error,
+)
+from specattn.bench.run import Progress, floor_row
+from specattn.metadata import history_slots
+from specattn.platforms import current_platform
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def tiny(kind="decode", model="mha", ragged=True, dtype=torch.float32, topk=2, page=1):
+    shape = (4, 2, 16) if model == "mha" else (4, 32, 8)
+    return C.Case("tiny", model, 3, 20, topk, 4, page, kind, dtype, ragged, shape)
+
+
+# --- cases and the floor ---------------------------------------------------------------------
+
+def test_standard_cases_are_the_performance_table():
+    got = {c.name: (c.model, c.batch, c.prefix, c.topk, c.steps, c.page_size, c.kind)
+           for c in C.STANDARD_CASES}
+    assert got["gqa-long"] == ("mha", 32, 4096, 8, 5, 1, "decode")
+    assert got["gqa-chain"] == ("mha", 64, 2048, 1, 4, 1, "decode")
+    assert got["gqa-paged"] == ("mha", 32, 4096, 4, 5, 16, "decode")
+    assert got["gqa-small"] == ("mha", 4, 1024, 4, 5, 1, "decode")
+    assert got["mla-long"][:6] == ("mla", 32, 4096, 4, 5, 1)
+    assert got["mla-long-p64"][5] == 64
+    assert got["extend"][-1] == "extend"
+    sweep = C.sweep_cases(True, False, torch.bfloat16)
+    assert {c.topk for c in sweep} == {1, 4, 8}
+    assert min(c.prefix for c in sweep) == 512 and max(c.prefix for c in sweep) == 32768
+
+
+def test_ragged_lengths_are_seeded_and_in_range():
+    case = C.STANDARD_CASES[0].with_(ragged=True)
+    lens = case.lengths(seed=3)
+    assert lens == case.lengths(seed=3) and lens != case.lengths(seed=4)
+    assert all(2048 <= n <= 6144 for n in lens) and len(set(lens)) > 1
+    assert C.STANDARD_CASES[0].lengths() == [4096] * 32
+
+
+def test_floor_matches_performance_md():
+    # performance.md: gqa-long, 3 history slots, 4.3 TB/s -> about 125 us for 0.54 GB.
+    case = C.find_cases(["gqa-long"])[0]
+    lens = case.lengths()
+    assert case.row_bytes == 8 * (128 + 128) * 2
+    assert case.kv_bytes(lens) == (32 * 4096 + 32 * 8 * 3) * 4096
+    row = floor_row(case, lens, 4.3e12)
+    assert row["floor_us"] == pytest.approx(125, rel=0.02)
+    assert row["status"] == "floor" and row["copy_bw_gbs"] == pytest.approx(4300)
+    mla = C.find_cases(["mla-long"])[0]
+    assert mla.row_bytes == 576 * 2
+    ext = C.find_cases(["extend"])[0]
+    assert ext.kv_bytes([100, 200]) == 300 * ext.row_bytes and ext.lanes == 32 * 6
+
+
+def test_case_errors_and_custom_shapes():
+    from specattn.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="--case"):
+        C.find_cases(["gqa-long", "nope"])
+    with pytest.raises(InvalidInputError, match="--batch"):
+        C.custom_case(batch=0)
+    c = C.custom_case(batch=2, prefix=64, topk=3, mla=True)
+    assert (c.model, c.shape, c.topk, c.timed_step) == ("mla", C.MLA_SHAPE, 3, 2)
+    assert C.custom_case(steps=2).timed_step == 0
+
+
+# --- ratios, table, CSV ----------------------------------------------------------------------
+
+def _row(variant, backend, mode, t, status="ok", **kw):
+    base = {"case": "c", "lengths": "uniform", "kind": "decode", "steps": 5, "lanes": 64,
+            "kv_bytes": 1e9, "floor_us": 250.0, "variant": variant, "backend": backend,
+            "mode": mode, "status": status, "time_us": t}
+    base.update(kw)
+    return base
+
+
+def test_ratios():
+    rows = [
+        _row(report.FLOOR, "", "floor", 250.0, status="floor"),
+        _row("x", "x", "shared", 500.0, round_eager_us=4000.0),
+        _row("x/per-branch", "x", "per-branch", 1500.0),
+        _row("y", "y", "default", 1000.0),
+        _row("raw", "flashinfer-raw", "raw", 2000.0),
+        _row("torch_ref", "torch_ref", "default", 5000.0),
+        _row("z", "z", "shared", None, status="failed", error="boom"),
+        _row("x", "x", "shared", 50.0, lengths="ragged", floor_us=None),
+    ]
+    report.add_ratios(rows)
+    floor, x, xpb, y, raw, ref, z, other = rows
+    assert x["x_floor"] == pytest.approx(2.0) and floor["x_floor"] == pytest.approx(1.0)
+    assert x["x_vs_per_branch"] == pytest.approx(3.0) and x["per_branch"] == "x/per-branch"
+    assert y["x_vs_per_branch"] == pytest.approx(2.0) and y["per_branch"] == "raw"
+    assert raw.get("x_vs_per_branch") is None and xpb.get("x_vs_per_branch") is None
+    assert x["x_vs_torch_ref"] == pytest.approx(10.0) and ref["x_vs_torch_ref"] is None
+    assert x["bandwidth_gbs"] == pytest.approx(2000.0)  # 1 GB in 500 us
+    assert x["tokens_per_s"] == pytest.approx(64 / 500e-6)
+    assert x["round_tokens_per_s"] == pytest.approx(64 * 4 / 4e-3)
+    assert all(z.get(k) is None for k in ("x_floor", "x_vs_per_branch", "tokens_per_s"))
+    # Ratios never cross cases/lengths: the ragged row has no per-branch partner.
+    assert other.get("x_vs_per_branch") is None and other["x_floor"] is None
+
+
+def test_csv_columns_and_failed_rows(tmp_path):
+    rows = report.add_ratios([
+        _row(report.FLOOR, "", "floor", 250.0, status="floor"),
+        _row("x", "x", "shared", 500.0, max_err=1e-3, notes=["a", "b"]),
+        _row("bad", "bad", "default", None, status="failed",
+             error="wrong result: max error 1 | of the reference"),
+        _row("gone", "gone", "", None, status="unsupported", error="needs CUDA"),
+    ])
+    path = tmp_path / "bench.csv"
+    report.write_csv(rows, str(path))
+    back = report.read_csv(str(path))
+    assert list(back[0]) == report.COLUMNS
+    assert [r["status"] for r in back] == ["floor", "ok", "failed", "unsupported"]
+    assert back[1]["notes"] == "a; b" and float(back[1]["x_floor"]) == pytest.approx(2.0)
+    assert back[2]["time_us"] == "" and "wrong result" in back[2]["error"]
+    table = report.render_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "FAILED: wrong result" in table and "not run: needs CUDA" in table
+    assert "tokens/s" in report.render_table(rows, cpu=True)
+
+
+def test_device_slug():
+    assert report.device_slug({"gpu": "NVIDIA H200"}) == "h200"
+    assert report.device_slug({"gpu": None}) == "cpu"
+    assert report.versions(torch.device("cpu"))["torch"] == torch.__version__
+
+
+# --- variants and the correctness gate --------------------------------------------------------
+
+def test_cpu_variants_default_and_named(scoped_registry):
+    plat = current_platform()
+    variants, skipped = discover_variants(tiny(), plat)
+    labels = [v.label for v in variants]
+    assert labels == ["intel_amx", "torch_ref", SDPAPerLane.label]
+    mla, _ = discover_variants(tiny(model="mla"), plat)
+    assert [v.label for v in mla] == ["intel_amx", "torch_ref"]  # raw baselines: MHA only
+    ext, _ = discover_variants(tiny(kind="extend"), plat)
+    assert not any(v.raw for v in ext)
+
+    class WithModes(DraftDecodeBackend, name="bench_modes"):
+        def __init__(self, runner, topk, num_steps, *, tree_mode="lane", mode="shared"):
+            super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+
+        def init_forward_metadata(self, batch): ...
+
+        def forward(self, step, layer, q, k, v): ...
+
+    variants, skipped = discover_variants(tiny(), plat, ["bench_modes", "flashinfer",
+                                                         "no_such_backend"], raw=False)
+    assert [(v.label, v.mode) for v in variants] == [("bench_modes", "shared"),
+                                                     ("bench_modes/per-branch", "per-branch")]
+    why = dict(skipped)
+    assert "CUDA" in why["flashinfer"] and "not a backend" in why["no_such_backend"]
+
+
+def _broken_class(output):
+    class Broken(TorchRefDecode, name="bench_broken"):
+        def forward(self, step, layer, q, k, v):
+            return output(super().forward(step, layer, q, k, v))
+
+    return Broken
+
+
+class CountingClock(WallClock):
+    def __init__(self):
+        super().__init__(reps=1)
+        self.calls = 0
+
+    def time(self, fn):
+        self.calls += 1
+        return super().time(fn)
+
+
+@pytest.mark.parametrize("output", [lambda o: o * 1.1, lambda o: o.fill_(float("nan"))],
+                         ids=["wrong", "nan"])
+def test_wrong_backend_is_failed_and_not_timed(scoped_registry, output):
+    cls = _broken_class(output)
+    setup = build_setup(tiny(), "cpu")
+    variant = Variant("bench_broken", "bench_broken", "default", "torch",
+                      lambda s: cls(s.runner, 2, 4))
+    clock = CountingClock()
+    res = measure_variant(variant, setup, clock)
+    assert res.status == "failed" and "wrong result" in res.error
+    assert res.step_ms is None and clock.calls == 0
+
+
+def test_crashing_backend_is_failed(scoped_registry):
+    def boom(o):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    cls = _broken_class(boom)
+    setup = build_setup(tiny(), "cpu")
+    res = measure_variant(Variant("b", "b", "default", "torch", lambda s: cls(s.runner, 2, 4)),
+                          setup, WallClock(1))
+    assert res.status == "failed" and res.error.endswith("RuntimeError: kernel exploded")
+
+
+@pytest.mark.parametrize("kind,model,page,dtype", [
+    ("decode", "mha", 1, torch.bfloat16), ("decode", "mla", 4, torch.float16),
+    ("decode", "mha", 4, torch.float32), ("extend", "mha", 1, torch.bfloat16),
+    ("extend", "mla", 1, torch.float32)])
+def test_cpu_backends_pass_the_gate(kind, model, page, dtype):
+    case = tiny(kind, model, dtype=dtype, page=page)
+    setup = build_setup(case, "cpu")
+    variants, _ = discover_variants(case, current_platform())
+    for v in variants:
+        res = measure_variant(v, setup, WallClock(1), round_layers=2)
+        assert res.status == "ok", (v.label, res.error)
+        assert res.max_err <= 2e-2 and res.step_ms > 0
+        assert (res.round_eager_ms is None) == v.raw and res.round_graph_ms is None
+
+
+def test_per_lane_table_is_prefix_then_history():
+    setup = build_setup(tiny(topk=3), "cpu")
+    r, b = setup.runner, setup.batch
+    table, lens = per_lane_table(r, b, 2)
+    hist = history_slots(b.out_cache_loc, None, 2, "lane")
+    for z in range(table.shape[0]):
+        i, j = divmod(z, 3)
+        n = int(b.seq_lens[i])
+        want = torch.cat([r.req_to_token[int(b.req_pool_indices[i]), :n].long(), hist[i, j]])
+        assert int(lens[z]) == n + 3
+        assert torch.equal(table[z, :n + 3], want) and not table[z, n + 3:].any()
+
+
+def test_relative_error():
+    ref = torch.tensor([1.0, -2.0])
+    assert relative_error(ref + 0.02, ref) == pytest.approx(0.01)
+    assert relative_error(torch.tensor([float("nan"), 0.0]), ref) == math.inf
+    with pytest.raises(ValueError):
+        relative_error(ref[:1], ref)
+
+
+# --- the GPU control flow with a fake clock ---------------------------------------------------
+
+class FakeGraphClock:
+    """Stands in for CudaClock: 'captures' by returning the function, fixed times."""
+
+    name = "fake"
+    graphs = True
+
+    def __init__(self, fail_capture=False):
+        self.fail_capture = fail_capture
+        self.captured = 0
+
+    def time(self, fn):
+        fn()
+        return 2.0
+
+    def graph(self, fn):
+        if self.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        return fn
+
+
+def _graph_backend(calls):
+    class GraphRef(TorchRefDecode, name="bench_graphs"):
+        supports_cuda_graph = True
+
+        def init_cuda_graph_state(self, max_bs, max_num_tokens):
+            calls.append(("state", max_bs, max_num_tokens))
+            super().init_cuda_graph_state(max_bs, max_num_tokens)
+
+        def init_forward_metadata_capture_cuda_graph(self, batch):
+            calls.append("capture")
+            super().init_forward_metadata_capture_cuda_graph(batch)
+
+        def init_forward_metadata_replay_cuda_graph(self, batch, bs):
+            calls.append(("replay", bs))
+            super().init_forward_metadata_replay_cuda_graph(batch, bs)
+
+    return GraphRef
+
+
+def test_graph_step_and_round_protocol(scoped_registry):
+    calls = []
+    cls = _graph_backend(calls)
+    case = tiny()
+    setup = build_setup(case, "cpu", max_layers=2)
+    variant = Variant("g", "bench_graphs", "default", "torch", lambda s: cls(s.runner, 2, 4),
+                      graphs=True)
+    clock = FakeGraphClock()
+    res = measure_variant(variant, setup, clock, round_layers=2)
+    assert res.status == "ok" and res.step_timing == "graph"
+    assert res.step_ms == pytest.approx(2.0 / len(setup.layers))
+    assert res.round_eager_ms == 2.0 and res.round_graph_ms == 2.0 and res.round_layers == 2
+    assert calls[:2] == [("state", case.batch, case.lanes), "capture"]
+    assert ("replay", case.batch) in calls and clock.captured == 2
+
+
+def test_graph_capture_failure_falls_back_to_eager(scoped_registry):
+    cls = _graph_backend([])
+    setup = build_setup(tiny(), "cpu")
+    variant = Variant("g", "bench_graphs", "default", "torch", lambda s: cls(s.runner, 2, 4),
+                      graphs=True)
+    res = measure_variant(variant, setup, FakeGraphClock(fail_capture=True))
+    assert res.status == "ok" and res.step_timing == "eager" and res.round_graph_ms is None
+    assert any("graph capture failed" in n for n in res.notes)
+    assert any("round graph failed" in n for n in res.notes)
+
+
+def test_sdpa_baseline_matches_reference():
+    setup = build_setup(tiny(topk=3, dtype=torch.float32), "cpu")
+    be = SDPAPerLane(setup.runner, 3, 4)
+    be.init_forward_metadata(setup.batch)
+    layer = AttentionLayer(0, 0.25)
+    for step in range(3):
+        out = be.forward(step, layer, *setup.inputs[step])
+    ref = reference_decode(setup.runner, layer, setup.inputs[2][0], setup.batch, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# --- progress, CLI, README ---------------------------------------------------------------------
+
+def test_progress_plain_text():
+    buf = io.StringIO()
+    p = Progress(4, buf, width=8)
+    p.update("a")
+    p.advance()
+    p.advance()
+    p.update("b")
+    p.close()
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("[........] 0/4") and lines[0].endswith(" a")
+    assert lines[1].startswith("[####....] 2/4") and len(lines) == 2
+
+
+def test_cli_errors(capsys):
+    assert cli_main(["--case", "nope"]) == 2
+    assert "--case" in capsys.readouterr().err
+    assert cli_main(["--list-cases"]) == 0
+    assert "gqa-long: MHA B=32 L=4096 K=8 S=5 P=1 bfloat16" in capsys.readouterr().out
+    assert cli_main(["--case", "extend", "--steps"]) == 2
+
+
+def test_cli_end_to_end_and_readme(tmp_path, capsys):
+    out = tmp_path / "2026-11-29-cpu"
+    code = cli_main(["--batch", "2", "--prefix", "40", "--topk", "2", "--num-steps", "4",
+                     "--steps", "--extend", "--quick", "--reps", "2", "--round-layers", "1",
+                     "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    rows = report.read_csv(str(out / "bench.csv"))
+    got = {(r["case"], r["variant"]): r for r in rows}
+    assert got[("custom", "intel_amx")]["status"] == "ok"
+    assert float(got[("custom", "intel_amx")]["x_vs_torch_ref"]) > 0
+    assert got[("custom", SDPAPerLane.label)]["mode"] == "raw"
+    assert got[("custom-extend", "torch_ref")]["status"] == "ok"
+    assert {r["status"] for r in rows} == {"floor", "ok"}
+    info = json.loads((out / "versions.json").read_text())
+    assert info["torch"] == torch.__version__ and info["copy_bandwidth_gbs"] > 0
+    table = (out / "table.md").read_text()
+    assert "| custom | uniform | intel_amx |" in table and table.strip() in stdout
+    pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
+    if HAS_MPL:
+        assert "case-custom-uniform.png" in pngs
+    else:
+        assert not pngs and "matplotlib is not installed" in table
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import make_readme_performance as mrp
+    finally:
+        sys.path.pop(0)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n\n{mrp.START}\nOLD-TEXT\n{mrp.END}\ntail\n")
+    assert mrp.main([str(out), "--readme", str(readme), "--check"]) == 1
+    assert mrp.main([str(out), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "OLD-TEXT" not in text and text.endswith(f"{mrp.END}\ntail\n")
+    assert "| custom | MHA B=2 L=40 K=2 S=4 P=1 | intel_amx |" in text
+    assert "[`2026-11-29-cpu/table.md`](2026-11-29-cpu/table.md)" in text
+    assert mrp.main([str(out), "--readme", str(readme), "--check"]) == 0
+    readme.write_text("no markers\n")
+    assert mrp.main([str(out), "--readme", str(readme)]) == 1
