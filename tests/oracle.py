@@ -54,7 +54,7 @@ DEPRECATION_TEXT = "deprecated"
 # ---------------------------------------------------------------------------------------------
 PENDING_NOW = frozenset({
     "trtllm_mha", "trtllm_mla", "cutedsl_mla",                          # issue #5
-    "tokenspeed_mla", "aiter", "ascend",                                # issue #7
+    "tokenspeed_mla", "aiter",                                          # issue #7
 })
 
 # Vendor modules a platform may have (the strategies draw subsets of this).
@@ -100,6 +100,7 @@ class Row:
 
 
 _BOTH = KINDS
+_NPU_PAGES = frozenset(range(16, 513, 16))
 _MHA, _MLA = frozenset({"mha"}), frozenset({"mla"})
 _TRITON_PLATFORMS = lambda p: (p.device in ("cuda", "hip", "xpu")  # noqa: E731
                                or (p.device == "cpu" and p.triton_interpret))
@@ -145,8 +146,12 @@ ROWS: tuple[Row, ...] = (
         frozenset({32, 64})),
     Row("dsa", "default", _BOTH, _DSA_PLATFORMS, _libs("triton"), _MLA,
         frozenset({1, 64}), auto_eligible=False),
-    Row("ascend", "default", _BOTH, _device("npu"), _libs("torch_npu")),
-    Row("dsv4", "npu", _BOTH, _device("npu"), _libs("torch_npu"), auto_eligible=False),
+    # Ascend rows: torch_npu's page attention needs 16-aligned blocks for fp16/bf16 (torch_npu
+    # API reference, npu_fused_infer_attention_score, "page attention" constraints).
+    Row("ascend", "default", _BOTH, _device("npu"), _libs("torch_npu"),
+        page_sizes=_NPU_PAGES),
+    Row("dsv4", "npu", _BOTH, _device("npu"), _libs("torch_npu"), page_sizes=_NPU_PAGES,
+        auto_eligible=False),
     Row("dsv4", "hip", _BOTH, _device("hip"), _libs("triton"), auto_eligible=False),
     Row("dsv4", "cuda", _BOTH, _DSV4_CUDA_PLATFORMS, _libs("triton"), auto_eligible=False),
     Row("torch_ref", "default", _BOTH, lambda p: True),

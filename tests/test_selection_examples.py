@@ -235,8 +235,9 @@ def test_rule9_flashmla_decode_needs_page_64():
                          ids=["npu", "hip", "cuda"])
 def test_rule10_dsv4_flavours(platform, flavour):
     for kind in ("decode", "extend"):
-        assert_lands_on(kind, resolve(kind, platform, mla=True, attention_backend="dsv4"),
-                        "dsv4", flavour)
+        # page 128: SGLang's NPU page size (torch_npu's paged ops need 16-aligned pages).
+        assert_lands_on(kind, resolve(kind, platform, mla=True, page_size=128,
+                                      attention_backend="dsv4"), "dsv4", flavour)
 
 
 # --- rule 11 / 17: one backend per name; nsa is dsa --------------------------------------------
