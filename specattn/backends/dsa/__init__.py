@@ -217,6 +217,17 @@ class _DSAMixin:
         slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], pos)
         return torch.where(vals > _NEG_INF, slots, -1).to(torch.int32)
 
+    def selected_slots(self, layer: "AttentionLayer", index_q: Optional[torch.Tensor] = None,
+                       index_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The prefix slot lists ``[rows, W]`` int32 (``-1`` = none, order not semantic) that a
+        ``forward`` with these index inputs selects, for tests and debugging. Reads the
+        index-key pool as it is now (``forward`` writes the new tokens' keys first)."""
+        if self._active is None:
+            raise RuntimeError("dsa: selected_slots() called before init_forward_metadata")
+        rows = self._rows()
+        self._check_index_inputs(rows, index_q, index_weights, None)
+        return self._selection(layer.layer_id, rows, index_q, index_weights)
+
     def _attend(self, layer, q, sel, hist, hl) -> torch.Tensor:
         kernels = _k()
         splits = kernels.choose_num_splits(sel.shape[1], q.device)
@@ -242,6 +253,9 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
         self._setup(index_topk, index_k_buffer)
         self._batch: Optional["DraftBatch"] = None
         self._bs = self._groups = 0
+
+    def _rows(self) -> int:
+        return self._bs * self.topk
 
     def init_forward_metadata(self, batch: "DraftBatch") -> None:
         """Row tables and slot lists for all steps; one host read of ``max(seq_lens)``."""
@@ -336,6 +350,9 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
         self._setup(index_topk, index_k_buffer)
         self._batch = None
         self._n = self._groups = 0
+
+    def _rows(self) -> int:
+        return self._n
 
     def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
         """One host read of ``max(seq_lens)`` (the candidate-list bound)."""

@@ -1,0 +1,345 @@
+"""``dsa`` (DeepSeek V3.2 sparse MLA) on the Triton CPU interpreter vs the references.
+
+Tiny shapes: 4 MLA heads, rank 32 + rope 16, 3 index heads of 16, ``index_topk`` shrunk to a
+few tokens so prefixes both fit (dense) and exceed it (sparse). Oracles: ``torch_ref`` (dense
+MLA) when every candidate list fits, ``torch_ref_sparse`` otherwise; the selection is
+compared as sets (distinct fp32 scores; a swap is only accepted between near-tied scores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specattn import metadata
+from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.backends.torch_ref_sparse import (dsa_decode_selection, dsa_extend_selection,
+                                                index_scores, reference_dsa_decode,
+                                                reference_dsa_extend)
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.errors import BackendUnavailableError, InvalidInputError
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+
+from specattn.backends.dsa import DSADecode, DSAExtend, make_index_k_buffer  # noqa: E402
+from specattn.backends.dsa import _kernels as dsa_kernels  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+H, R, ROPE, NH, DI = 4, 32, 16, 3, 16
+
+
+def _close(out, ref, dtype):
+    assert not torch.isnan(out).any(), "NaN in the output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _fill(runner, dtype):
+    for p in runner.kv_buffer:
+        p.copy_(torch.randn(p.shape, device=DEV).to(dtype))
+    pool = make_index_k_buffer(runner, DI)
+    for p in pool:
+        p.copy_(_index_keys(p.shape[0], dtype))
+    return pool
+
+
+def _index_keys(n, dtype):
+    """Random index keys whose column 0 is 1: with ``_index_q``'s large head-0 entry there,
+    head 0's ReLU rarely clips, so scores are distinct (ReLU-clipped heads would tie at 0)."""
+    k = torch.randn(n, DI, device=DEV)
+    k[:, 0] = 1.0
+    return k.to(dtype)
+
+
+def _index_q(rows, dtype):
+    q = torch.randn(rows, NH, DI, device=DEV)
+    q[:, 0, 0] = 12.0
+    return q.to(dtype)
+
+
+def make_decode(dtype, *, topk, steps, page, seq_lens, tree_mode="lane"):
+    bs = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
+    extra = metadata.max_draft_extend_len(topk, steps, page)
+    num_slots = sum(seq_lens) + bs * extra + 8
+    runner = DraftRunner.mla(H, R, ROPE, num_layers=2, num_slots=num_slots, max_reqs=bs + 2,
+                             max_context_len=max(seq_lens) + extra + page, page_size=page,
+                             dtype=dtype, device=DEV)
+    pool = _fill(runner, dtype)
+    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
+    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
+    used = 0
+    for b, L in enumerate(seq_lens):
+        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
+        used += L
+    n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
+    loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq,
+                                           perm[used:used + n_new].long(), topk, steps, page)
+    parents = (torch.zeros(steps, bs, topk, dtype=torch.int64, device=DEV)
+               if tree_mode == "path" else None)
+    return runner, pool, DraftBatch(rpi, seq, loc, parents)
+
+
+def new_inputs(rows, dtype, with_index=True):
+    q = torch.randn(rows, H, R + ROPE, device=DEV).to(dtype)
+    k = torch.randn(rows, R + ROPE, device=DEV).to(dtype)
+    if not with_index:
+        return q, k, {}
+    return q, k, dict(index_q=_index_q(rows, dtype),
+                      index_weights=torch.rand(rows, NH, device=DEV) + 0.1,
+                      index_k=_index_keys(rows, dtype))
+
+
+def check_sets(got: torch.Tensor, ref_slots: list, scores: list, tol=1e-4):
+    """Per row: ``got`` (slots, -1 padded) equals the reference set, except swaps between
+    scores within ``tol`` of the row's k-th score (ties are not ordered)."""
+    for r, (want, sc) in enumerate(zip(ref_slots, scores)):
+        have = {int(s) for s in got[r] if int(s) >= 0}
+        want = {int(s) for s in want}
+        assert len(have) == len(want), f"row {r}: {len(have)} selected, expected {len(want)}"
+        diff = have ^ want
+        if diff:
+            kth = min(sc[s] for s in want)
+            assert all(abs(sc[s] - kth) <= tol * max(1.0, abs(kth)) for s in diff), (
+                f"row {r}: selection differs beyond ties: {sorted(diff)}")
+
+
+DECODE_CASES = [
+    # dtype, topk, page, tree, seq_lens, index_topk
+    (torch.bfloat16, 1, 64, "lane", [5, 40], 8),       # one dense row, one sparse row
+    (torch.float16, 2, 1, "path", [30, 23], 8),
+    (torch.float32, 3, 64, "lane", [21, 9], 4),
+    (torch.float32, 2, 1, "lane", [12, 3], 16),        # every list fits: dense, indexer skipped
+    (torch.bfloat16, 4, 1, "path", [6, 33], 5),
+]
+
+
+@pytest.mark.parametrize("dtype,topk,page,tree_mode,seq_lens,index_topk", DECODE_CASES)
+def test_decode_matches_reference(dtype, topk, page, tree_mode, seq_lens, index_topk):
+    steps = 3
+    runner, pool, batch = make_decode(dtype, topk=topk, steps=steps, page=page,
+                                      seq_lens=seq_lens, tree_mode=tree_mode)
+    backend = DSADecode(runner, topk, steps, tree_mode=tree_mode, index_topk=index_topk,
+                        index_k_buffer=pool)
+    layer = AttentionLayer(layer_id=1, scaling=(R + ROPE) ** -0.5)
+    backend.init_forward_metadata(batch)
+    bs = len(seq_lens)
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, idx = new_inputs(bs * topk, dtype)
+        out = backend.forward(step, layer, q, k, None, **idx)
+        ref = reference_dsa_decode(runner, layer, q, batch, step, tree_mode,
+                                   index_topk=index_topk, index_pool=pool[1],
+                                   index_q=idx["index_q"], index_weights=idx["index_weights"])
+        assert out.shape == (bs * topk, H, R)
+        _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("tree_mode,page", [("lane", 64), ("path", 1)])
+def test_decode_dense_equals_torch_ref(tree_mode, page):
+    """Prefixes <= index_topk: dsa = dense MLA (torch_ref), with and without index inputs."""
+    runner, pool, batch = make_decode(torch.float32, topk=2, steps=2, page=page,
+                                      seq_lens=[17, 9], tree_mode=tree_mode)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    for with_index in (True, False):
+        backend = DSADecode(runner, 2, 2, tree_mode=tree_mode, index_k_buffer=pool)
+        backend.init_forward_metadata(batch)
+        for step in range(2):
+            if tree_mode == "path" and step:
+                batch.parents[step] = torch.randint(0, 2, (2, 2), device=DEV)
+            q, k, idx = new_inputs(4, torch.float32, with_index)
+            out = backend.forward(step, layer, q, k, None, **idx)
+            _close(out, reference_decode(runner, layer, q, batch, step, tree_mode),
+                   torch.float32)
+
+
+def test_selection_is_reference_topk():
+    """The indexer + top-k picks the reference's sets (fp32, distinct scores), topk > 1."""
+    runner, pool, batch = make_decode(torch.float32, topk=3, steps=2, page=1,
+                                      seq_lens=[50, 23, 7])
+    backend = DSADecode(runner, 3, 2, index_topk=10, index_k_buffer=pool)
+    backend.init_forward_metadata(batch)
+    layer = AttentionLayer(layer_id=1, scaling=0.2)
+    _, _, idx = new_inputs(9, torch.float32)
+    got = backend.selected_slots(layer, idx["index_q"], idx["index_weights"])
+    ref = dsa_decode_selection(runner, batch, 10, pool[1], idx["index_q"],
+                               idx["index_weights"])
+    ref_slots, scores = [], []
+    for z, pos in enumerate(ref):
+        row = runner.req_to_token[int(batch.req_pool_indices[z // 3])]
+        n = int(batch.seq_lens[z // 3])
+        sc = index_scores(idx["index_q"][z:z + 1], idx["index_weights"][z:z + 1],
+                          pool[1][row[:n].long()])[0]
+        ref_slots.append(row[pos].tolist())
+        scores.append({int(row[x]): float(sc[x]) for x in range(n)})
+    assert got.shape == (9, 10)
+    assert (got[6:] >= 0).sum(1).tolist() == [7, 7, 7]  # L = 7 < 10: everything, -1 padded
+    check_sets(got, ref_slots, scores)
+
+
+def test_minus_one_entries_contribute_nothing():
+    """Hand-built slot lists: -1 padding anywhere gives the output of the valid slots alone,
+    and the output depends on exactly the listed rows."""
+    runner, _, _ = make_decode(torch.float32, topk=1, steps=1, page=1, seq_lens=[30])
+    layer = AttentionLayer(layer_id=0, scaling=0.3)
+    kv = runner.kv_buffer[0]
+    q = torch.randn(2, H, R + ROPE, device=DEV)
+    slots = torch.randperm(kv.shape[0], device=DEV)[:12].to(torch.int32)
+    sel = torch.full((2, 40), -1, dtype=torch.int32, device=DEV)
+    sel[0, :12] = slots
+    sel[1, torch.randperm(40, device=DEV)[:12]] = slots  # scattered among -1 entries
+    hist = torch.zeros(2, 1, dtype=torch.int32, device=DEV)
+    for splits in (1, 3):
+        out = dsa_kernels.sparse_mla(q, kv, layer, sel, hist, 0, R, splits)
+        from specattn.backends.torch_ref import attend
+
+        lat = kv[slots.long()].float()
+        ref = attend(q, lat[:, None], lat[:, None, :R], 0.3)
+        _close(out, ref, torch.float32)
+    # Changing a row not in the list changes nothing; changing a listed row changes the output.
+    before = dsa_kernels.sparse_mla(q, kv, layer, sel, hist, 0, R, 2)
+    other = [s for s in range(kv.shape[0]) if s not in set(slots.tolist())][0]
+    kv[other] += 5.0
+    assert torch.equal(dsa_kernels.sparse_mla(q, kv, layer, sel, hist, 0, R, 2), before)
+    kv[int(slots[3])] += 5.0
+    assert not torch.allclose(dsa_kernels.sparse_mla(q, kv, layer, sel, hist, 0, R, 2), before)
+
+
+def make_extend(dtype, *, page, seq_lens, ext_lens):
+    bs = len(seq_lens)
+    num_slots = sum(seq_lens) + 8
+    runner = DraftRunner.mla(H, R, ROPE, num_layers=2, num_slots=num_slots, max_reqs=bs + 2,
+                             max_context_len=max(seq_lens) + page, page_size=page,
+                             dtype=dtype, device=DEV)
+    pool = _fill(runner, dtype)
+    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
+    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
+    used, new = 0, []
+    for b, (L, E) in enumerate(zip(seq_lens, ext_lens)):
+        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
+        new.append(perm[used + L - E:used + L].long())
+        used += L
+    return runner, pool, DraftExtendBatch(rpi, torch.tensor(seq_lens, device=DEV),
+                                          torch.tensor(ext_lens, device=DEV), torch.cat(new))
+
+
+EXTEND_CASES = [
+    (torch.bfloat16, 64, [30, 12], [4, 1], 8),
+    (torch.float16, 1, [9, 40], [3, 5], 6),
+    (torch.float32, 1, [17, 17], [4, 4], 10),          # some tokens fit, later ones do not
+    (torch.float32, 64, [6, 20], [2, 6], 32),          # dense
+]
+
+
+@pytest.mark.parametrize("dtype,page,seq_lens,ext_lens,index_topk", EXTEND_CASES)
+def test_extend_matches_reference(dtype, page, seq_lens, ext_lens, index_topk):
+    runner, pool, batch = make_extend(dtype, page=page, seq_lens=seq_lens, ext_lens=ext_lens)
+    backend = DSAExtend(runner, index_topk=index_topk, index_k_buffer=pool)
+    layer = AttentionLayer(layer_id=1, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    q, k, idx = new_inputs(sum(ext_lens), dtype)
+    out = backend.forward(layer, q, k, None, **idx)
+    ref = reference_dsa_extend(runner, layer, q, batch, index_topk=index_topk,
+                               index_pool=pool[1], index_q=idx["index_q"],
+                               index_weights=idx["index_weights"])
+    _close(out, ref, dtype)
+    if max(seq_lens) <= index_topk:
+        _close(out, reference_extend(runner, layer, q, batch), dtype)
+
+
+def test_extend_selection_is_causal_topk():
+    runner, pool, batch = make_extend(torch.float32, page=1, seq_lens=[25, 14],
+                                      ext_lens=[3, 4])
+    backend = DSAExtend(runner, index_topk=6, index_k_buffer=pool)
+    backend.init_forward_metadata(batch)
+    _, _, idx = new_inputs(7, torch.float32)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    # forward writes the new tokens' index keys first; do the same before asking.
+    pool[0][batch.out_cache_loc] = idx["index_k"]
+    got = backend.selected_slots(layer, idx["index_q"], idx["index_weights"])
+    ref = dsa_extend_selection(runner, batch, 6, pool[0], idx["index_q"],
+                               idx["index_weights"])
+    ref_slots, scores, t = [], [], 0
+    for b, (L, E) in enumerate([(25, 3), (14, 4)]):
+        row = runner.req_to_token[int(batch.req_pool_indices[b])]
+        for u in range(E):
+            n = L - E + u + 1
+            sc = index_scores(idx["index_q"][t:t + 1], idx["index_weights"][t:t + 1],
+                              pool[0][row[:n].long()])[0]
+            ref_slots.append(row[ref[t]].tolist())
+            scores.append({int(row[x]): float(sc[x]) for x in range(n)})
+            t += 1
+    check_sets(got, ref_slots, scores)
+
+
+def test_graph_protocol_padded_replay():
+    """Fixed buffers (indexer path: max_context_len > index_topk): capture, then replay a
+    different round of the same padded size."""
+    topk, steps = 2, 2
+    runner, pool, batch = make_decode(torch.float32, topk=topk, steps=steps, page=1,
+                                      seq_lens=[20, 3, 14], tree_mode="path")
+    backend = DSADecode(runner, topk, steps, tree_mode="path", index_topk=6,
+                        index_k_buffer=pool)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * topk)
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    runner2, _, batch2 = make_decode(torch.float32, topk=topk, steps=steps, page=1,
+                                     seq_lens=[2, 16, 9], tree_mode="path")
+    r2t = runner2.req_to_token
+    runner.req_to_token.zero_()
+    runner.req_to_token[:r2t.shape[0], :r2t.shape[1]] = r2t
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+        getattr(batch, name).copy_(getattr(batch2, name))
+    backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    layer = AttentionLayer(layer_id=0, scaling=0.25)
+    for step in range(steps):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (3, topk), device=DEV)
+        q, k, idx = new_inputs(3 * topk, torch.float32)
+        out = backend.forward(step, layer, q, k, None, **idx)
+        ref = reference_dsa_decode(runner, layer, q, batch, step, "path", index_topk=6,
+                                   index_pool=pool[0], index_q=idx["index_q"],
+                                   index_weights=idx["index_weights"])
+        _close(out, ref, torch.float32)
+
+
+def test_errors():
+    runner, pool, batch = make_decode(torch.float32, topk=1, steps=1, page=1, seq_lens=[20])
+    layer = AttentionLayer(0, 1.0)
+    with pytest.raises(InvalidInputError, match="index_topk"):
+        DSADecode(runner, 1, 1, index_topk=0)
+    with pytest.raises(InvalidInputError, match="index_k_buffer"):
+        DSADecode(runner, 1, 1, index_k_buffer=pool[:1])
+    backend = DSADecode(runner, 1, 1, index_topk=8, index_k_buffer=pool)
+    q, k, idx = new_inputs(1, torch.float32)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(0, layer, q, k, None, **idx)
+    backend.init_forward_metadata(batch)
+    with pytest.raises(InvalidInputError, match="index_q.*index_topk=8"):
+        backend.forward(0, layer, q, k, None)  # L = 20 > 8 needs the indexer
+    with pytest.raises(InvalidInputError, match="index_weights"):
+        backend.forward(0, layer, q, k, None, index_q=idx["index_q"])
+    with pytest.raises(InvalidInputError, match="index_q"):
+        backend.forward(0, layer, q, k, None, index_q=idx["index_q"][:, :, :8],
+                        index_weights=idx["index_weights"])
+    with pytest.raises(InvalidInputError, match="index_k"):
+        backend.forward(0, layer, q, k, None, index_k=idx["index_k"].half())
+    no_pool = DSADecode(runner, 1, 1)
+    with pytest.raises(InvalidInputError, match="index-key pool"):
+        no_pool.init_forward_metadata(batch) or no_pool.forward(0, layer, q, k, None, **idx)
+    mha = DraftRunner.mha(4, 1, 16, num_layers=1, num_slots=8, max_reqs=1, max_context_len=8,
+                          dtype=torch.float32, device=DEV)
+    with pytest.raises(BackendUnavailableError, match="MLA"):
+        DSADecode(mha, 1, 2)
+
+
+def test_declaration():
+    for cls in (DSADecode, DSAExtend):
+        assert cls.auto_eligible is False and cls.pending is None
+        assert cls.supports_cuda_graph and "GPU run pending" in cls.tested_on
+        assert cls.deprecated_aliases == ("nsa",)
