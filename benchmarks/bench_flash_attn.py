@@ -1,0 +1,259 @@
+"""Benchmark the FlashAttention backends (``fa4``; ``fa3`` = the same glue) per ``performance.md``.
+
+For each case (uniform lengths, and ragged in [L/2, 3L/2]): the time of one draft-decode
+``forward`` at step 2 (3 history tokens: KV write + passes + merge) in the ``shared`` mode
+(prefix once per request), the ``per-branch`` baseline (FA4 varlen, one query per lane), and
+``split_prefix`` = 2/4/8 (chunks of each prefix as extra sequences: the candidate route for
+small batches with long prefixes, FA4 having no split-KV on sm90); the prefix pass alone;
+the floor from the copy bandwidth measured in the same process; the host cost of
+``init_forward_metadata``. Draft extend likewise. Timing: a CUDA graph over rotating layers
+(KV read per call larger than L2), median of ``triton.testing.do_bench``; eager if capture
+fails (reported).
+
+Usage: ``python benchmarks/bench_flash_attn.py [--out DIR] [--cases a,b] [--backend fa4|fa3]
+[--signatures]``. Writes ``flash-attn-bench.csv`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from specattn import metadata  # noqa: E402
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D = 32, 8, 128
+CASES = {
+    # name: (B, L, K, S, P)
+    "gqa-long": (32, 4096, 8, 5, 1),
+    "gqa-chain": (64, 2048, 1, 4, 1),
+    "gqa-paged": (32, 4096, 4, 5, 16),
+    "gqa-small": (4, 1024, 4, 5, 1),
+    "extend": (32, 4096, 0, 5, 1),
+}
+L2_BYTES = 50 * 2 ** 20
+ROW_BYTES = HKV * D * 2 * 2  # K and V of one token, bf16
+
+
+def signatures() -> None:
+    import flash_attn.cute as cute
+
+    print("torch", torch.__version__, torch.cuda.get_device_name(),
+          "cap", torch.cuda.get_device_capability())
+    print("flash_attn.cute.flash_attn_varlen_func", inspect.signature(cute.flash_attn_varlen_func))
+    try:
+        import flash_attn_interface as fa3
+
+        print("flash_attn_interface.flash_attn_with_kvcache",
+              inspect.signature(fa3.flash_attn_with_kvcache))
+    except ImportError:
+        print("flash_attn_interface: not installed")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    import triton
+
+    src = torch.randn(2 ** 29, device=DEV)
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
+                                return_mode="median")
+    return 2 * src.numel() * 4 / (t * 1e-3)
+
+
+def build(lens, extra, page_size, layers):
+    """Random pools; request ``b`` owns whole random pages covering ``lens[b] + extra[b]``
+    positions (``R_b[x] = page[x // P] * P + x % P``), as a paged engine allocates."""
+    need = [math.ceil((n + e) / page_size) for n, e in zip(lens, extra)]
+    pages = sum(need) + 2
+    ctx = max(n + e for n, e in zip(lens, extra)) + page_size
+    r = DraftRunner.mha(HQ, HKV, D, num_layers=layers, num_slots=pages * page_size,
+                        max_reqs=len(lens), max_context_len=ctx, page_size=page_size,
+                        dtype=torch.bfloat16, device=DEV)
+    for p in r.k_buffer + r.v_buffer:
+        p.normal_()
+    free = (torch.randperm(pages - 1) + 1).tolist()
+    rpi = torch.randperm(len(lens))
+    rows = torch.zeros(len(lens), ctx, dtype=torch.int32)
+    for b, n in enumerate(need):
+        own = torch.tensor([free.pop() for _ in range(n)])
+        x = torch.arange(lens[b] + extra[b])
+        rows[b, :len(x)] = (own[x // page_size] * page_size + x % page_size).int()
+    r.req_to_token[rpi.to(DEV)] = rows.to(DEV)
+    return r, rpi.to(DEV), rows
+
+
+def layers_for(lens):
+    return max(2, min(12, -(-3 * L2_BYTES // (sum(lens) * ROW_BYTES))))
+
+
+def timed(fn, layers):
+    import triton
+
+    for lay in layers:
+        fn(lay)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for lay in layers:
+                fn(lay)
+        t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
+        return t / len(layers), "graph"
+    except Exception as e:
+        print(f"  graph capture failed ({type(e).__name__}: {e}); eager timing", flush=True)
+        torch.cuda.synchronize()
+        t = triton.testing.do_bench(lambda: [fn(lay) for lay in layers], warmup=10, rep=100,
+                                    return_mode="median")
+        return t / len(layers), "eager"
+
+
+def host_ms(fn, reps=10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def decode_classes(backend):
+    from specattn.backends import flash_attn as fa
+
+    return (fa.FA4Decode, fa.FA4Extend) if backend == "fa4" else (fa.FA3DecodeSM90,
+                                                                 fa.FA3ExtendSM90)
+
+
+def bench_decode(backend, lens, K, S, P, variant, bw, step=2):
+    dec, _ = decode_classes(backend)
+    mode, split = ("per-branch", 1) if variant == "per-branch" else ("shared", 1)
+    if variant.startswith("split"):
+        split = int(variant[5:])
+    B, N = len(lens), len(lens) * K
+    layers = layers_for(lens)
+    seq = torch.tensor(lens)
+    ext = metadata.draft_extend_lens(seq, K, S, P)
+    r, rpi, rows = build(lens, ext.tolist(), P, layers)
+    new = torch.cat([rows[b, lens[b]:lens[b] + int(ext[b])] for b in range(B)]).long()
+    loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq.to(DEV), new.to(DEV), K,
+                                           S, P)
+    batch = DraftBatch(rpi, seq.to(DEV), loc, None)
+    q = torch.randn(N, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(N, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lyr = [AttentionLayer(i, D ** -0.5) for i in range(layers)]
+    be = dec(r, K, S, mode=mode, split_prefix=split)
+    be.init_forward_metadata(batch)
+    t_meta = host_ms(lambda: be.init_forward_metadata(batch))
+    for i in range(step):
+        be.forward(i, lyr[0], q, k, v)
+    t, how = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
+    t_prefix = None
+    if be.two_pass:
+        common = dict(scale=D ** -0.5, softcap=0.0)
+        t_prefix, _ = timed(lambda lay: be._prefix_parts(be._active, B, lay.layer_id, q,
+                                                         common), lyr)
+    floor = (sum(lens) + N * (step + 1)) * ROW_BYTES / bw * 1e3
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=t_prefix, meta_host_ms=t_meta)
+
+
+def bench_extend(backend, lens, E, bw):
+    _, ext_cls = decode_classes(backend)
+    B = len(lens)
+    layers = layers_for(lens)
+    total = [n + E for n in lens]
+    r, rpi, rows = build(total, [0] * B, 1, layers)
+    loc = torch.cat([rows[b, lens[b]:total[b]] for b in range(B)]).long().to(DEV)
+    batch = DraftExtendBatch(rpi, torch.tensor(total, device=DEV),
+                             torch.full((B,), E, device=DEV), loc)
+    T = B * E
+    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lyr = [AttentionLayer(i, D ** -0.5) for i in range(layers)]
+    be = ext_cls(r)
+    be.init_forward_metadata(batch)
+    t_meta = host_ms(lambda: be.init_forward_metadata(batch))
+    t, how = timed(lambda lay: be.forward(lay, q, k, v), lyr)
+    floor = sum(total) * ROW_BYTES / bw * 1e3
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=None, meta_host_ms=t_meta)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--backend", default="fa4", choices=("fa4", "fa3"))
+    ap.add_argument("--signatures", action="store_true")
+    args = ap.parse_args()
+    if args.signatures:
+        signatures()
+        return
+    random.seed(0)
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
+    results = []
+    for name in args.cases.split(","):
+        B, L, K, S, P = CASES[name]
+        for lengths in ("uniform", "ragged"):
+            lens = [L] * B if lengths == "uniform" else [random.randint(L // 2, 3 * L // 2)
+                                                         for _ in range(B)]
+            if name == "extend":
+                runs = {"extend": lambda: bench_extend(args.backend, lens, S + 1, bw)}
+            else:
+                variants = ["shared", "per-branch"]
+                if name in ("gqa-small", "gqa-long"):
+                    variants += ["split2", "split4", "split8"]
+                runs = {v: (lambda v=v: bench_decode(args.backend, lens, K, S, P, v, bw))
+                        for v in variants}
+            base = None
+            for variant, fn in runs.items():
+                try:
+                    res = fn()
+                except Exception as e:  # one failing variant must not hide the others
+                    print(f"{name} {lengths} {variant}: FAILED {type(e).__name__}: {e}")
+                    continue
+                if variant == "per-branch":
+                    base = res["ms"]
+                res.update(case=name, lengths=lengths, variant=variant)
+                results.append(res)
+                torch.cuda.empty_cache()
+            for res in results:
+                if res["case"] == name and res["lengths"] == lengths and base:
+                    res["vs_per_branch"] = base / res["ms"]
+    print("| case | lengths | variant | us | x floor | speedup vs per-branch | prefix us | "
+          "metadata host us | timing |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        pre = f"{r['prefix_ms'] * 1e3:.0f}" if r["prefix_ms"] else "-"
+        vs = f"{r['vs_per_branch']:.2f}" if r.get("vs_per_branch") else "-"
+        print(f"| {r['case']} | {r['lengths']} | {r['variant']} | {r['ms'] * 1e3:.0f} | "
+              f"{r['ms'] / r['floor_ms']:.2f} | {vs} | {pre} | {r['meta_host_ms'] * 1e3:.0f} | "
+              f"{r['timing']} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "flash-attn-bench.csv")
+        keys = ["case", "lengths", "variant", "ms", "floor_ms", "prefix_ms", "meta_host_ms",
+                "vs_per_branch", "timing"]
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(results)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
