@@ -54,7 +54,6 @@ DEPRECATION_TEXT = "deprecated"
 # ---------------------------------------------------------------------------------------------
 PENDING_NOW = frozenset({
     "trtllm_mha", "trtllm_mla", "cutedsl_mla",                          # issue #5
-    "tokenspeed_mla",                                                   # issue #7
 })
 
 # Vendor modules a platform may have (the strategies draw subsets of this).

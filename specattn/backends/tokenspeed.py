@@ -1,14 +1,216 @@
-"""``tokenspeed_mla``: dense paged MLA through the tokenspeed-mla CuTe-DSL kernels
-(Blackwell only). Glue lands with issue #7."""
+"""``tokenspeed_mla``: dense paged MLA through the tokenspeed-mla CuTe-DSL kernels (Blackwell
+only: sm100/sm103). Vendor glue, **not run on hardware** (no Blackwell GPU here); tests drive
+it through a recording stand-in of ``tokenspeed_mla`` (``tests/standins/tokenspeed_mla.py``).
+
+Call (per layer; TRT-LLM-MLA semantics, as SGLang's ``TokenspeedMLABackend``)::
+
+    tokenspeed_mla.tokenspeed_mla_decode(query [rows, q_len, H, R + rope],
+        kv_cache [pages, P, R + rope], workspace_buffer (int8), kv_lora_rank, qk_rope_head_dim,
+        block_tables [rows, width] int32, seq_lens [rows] int32, max_seq_len,
+        softmax_scale = layer.scaling * k_scale, output_scale = k_scale, enable_pdl=False)
+    → out [rows, q_len, H, R] bf16
+
+``causal_mask`` is left at its default (True): query ``j`` of a row sees
+``seq_len - q_len + j + 1`` keys. ``k_scale`` is 1 (the pool stores unscaled values).
+
+- Draft decode: one row per lane (``q_len = 1``), ``L_b + i + 1`` keys through the lane's
+  page table (``_standin.lane_block_table``: shared full prefix pages, then the lane's own
+  pages of the serving engine's draft allocation; ``lane`` tree mode). The 2.0.4 API returns
+  no LSE, so the shared-prefix split of ``flashmla`` is not available; upstream refuses
+  ``topk > 1``, the per-lane tables lift that.
+- Draft extend: one row per request, its ``E_b`` queries right-aligned in
+  ``q_len = max(E)`` slots so the bottom-right causal mask gives query ``t`` exactly
+  ``L'_b - E_b + t + 1`` keys (the padding rows' outputs are dropped).
+
+KV: bf16 (``kv_cache_dtype="auto"``) or fp8 e4m3 (``"fp8_e4m3"``, SGLang's requirement);
+query and KV dtypes must match, so with fp8 KV the query is cast to fp8. Page size 32 or 64.
+Workspace: ``num_sms * H * max(8, q_len) * (R + 1) * 4`` bytes (SGLang sizes it for
+``q_len <= 8``). ``max_seq_len`` is the static bound ``max_context_len + S`` (no host sync).
+
+CUDA graphs (decode): the request/length/slot buffers, the lane table and the workspace are
+fixed (``init_cuda_graph_state``); the table is rebuilt per step with torch ops.
+"""
 
 from __future__ import annotations
 
-from ..platforms import cuda_capability
-from ._pending import pending_pair, pending_reason
+from typing import TYPE_CHECKING, Optional
 
-TokenspeedMLADecode, TokenspeedMLAExtend = pending_pair(
-    __name__, "tokenspeed_mla", "Dense paged MLA through the tokenspeed-mla CuTe-DSL kernels.",
-    pending_reason(7, "the tokenspeed-mla glue"), platforms=cuda_capability(10),
-    models=("mla",), mla_required_name="tokenspeed_mla",
-    requires=(("tokenspeed_mla", "tokenspeed-mla"),), kernel_library="tokenspeed-mla",
-    priority={"cuda": 60}, attrs={"page_sizes": frozenset({32, 64})})
+import torch
+
+from .. import validation
+from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..errors import InvalidInputError
+from ..metadata import extend_token_slots, prefix_page_table
+from ..platforms import cuda_capability
+from ._standin import Buffers, ceil_div, lane_block_table, vendor_module
+
+if TYPE_CHECKING:
+    from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+
+__all__ = ["TokenspeedMLADecode", "TokenspeedMLAExtend"]
+
+_DECL = dict(platforms=cuda_capability(10), models=("mla",), mla_required_name="tokenspeed_mla",
+             requires=(("tokenspeed_mla", "tokenspeed-mla"),), kernel_library="tokenspeed-mla",
+             priority={"cuda": 60})
+_TESTED = "not run on hardware (stand-in tested; needs sm100/sm103)"
+_K_SCALE = 1.0
+
+
+class _Tokenspeed:
+    """Shared setup: vendor module, workspace, kv view and the call."""
+
+    page_sizes = frozenset({32, 64})
+    dtypes = (torch.bfloat16,)
+    kv_cache_dtypes = ("auto", "fp8_e4m3")
+    tested_on = _TESTED
+
+    def _setup(self, runner: "DraftRunner") -> None:
+        if runner.num_slots % runner.page_size:
+            raise InvalidInputError("runner.kv_buffer", "a slot count that is a multiple of "
+                                    f"the page size {runner.page_size}", runner.num_slots)
+        self._ts = vendor_module("tokenspeed_mla", "tokenspeed-mla", "tokenspeed_mla")
+        self._bufs = Buffers(runner.device)
+        dev = runner.device
+        self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                         if dev.type == "cuda" else 1)
+
+    def _workspace(self, q_len: int) -> torch.Tensor:
+        r = self.runner
+        nbytes = self._num_sms * r.num_heads * max(8, q_len) * (r.kv_lora_rank + 1) * 4
+        return self._bufs.get("workspace", (nbytes,), torch.int8)
+
+    def _call(self, q: torch.Tensor, layer: "AttentionLayer", table: torch.Tensor,
+              lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """q: ``[rows, q_len, H, R + rope]`` → ``[rows, q_len, H, R]`` (runner dtype)."""
+        r = self.runner
+        if layer.logit_cap > 0:
+            raise InvalidInputError("layer.logit_cap", "0 (tokenspeed-mla has no soft cap)",
+                                    layer.logit_cap)
+        kv = r.kv_buffer[layer.layer_id]
+        if q.dtype != kv.dtype:  # fp8 KV: the kernel wants the query in the KV dtype
+            q = q.to(kv.dtype)
+        out = self._ts.tokenspeed_mla_decode(
+            query=q, kv_cache=kv.view(-1, r.page_size, kv.shape[-1]),
+            workspace_buffer=self._workspace(q.shape[1]), kv_lora_rank=r.kv_lora_rank,
+            qk_rope_head_dim=r.qk_rope_head_dim, block_tables=table, seq_lens=lens,
+            max_seq_len=max_seq_len, softmax_scale=layer.scaling * _K_SCALE,
+            output_scale=_K_SCALE, enable_pdl=False)
+        return out.to(r.dtype)
+
+
+class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla", **_DECL):
+    """Per-lane dense paged MLA decode. q ``[B*K, H, R + rope]`` → ``[B*K, H, R]``."""
+
+    tree_modes = frozenset({"lane"})
+    supports_cuda_graph = True
+
+    def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
+                 tree_mode: str = "lane") -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        self._setup(runner)
+        self._width = ceil_div(runner.max_context_len + num_steps, runner.page_size)
+        self._batch: Optional["DraftBatch"] = None
+
+    def _fill(self, batch: "DraftBatch", bs: int) -> None:
+        b = self._bufs
+        b.get("req_pool_indices", (bs,), torch.int64).copy_(batch.req_pool_indices)
+        b.get("seq_lens", (bs,), torch.int64).copy_(batch.seq_lens)
+        b.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64).copy_(
+            batch.out_cache_loc)
+        self._batch, self._bs = batch, bs
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch)
+        self._fill(batch, batch.batch_size)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.cuda_graph_max_bs = max_bs
+        b, n = self._bufs, max_bs * self.topk
+        b.get("req_pool_indices", (max_bs,), torch.int64)
+        b.get("seq_lens", (max_bs,), torch.int64)
+        b.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
+        b.get("table", (n, self._width))
+        b.get("lens", (n,))
+        self._workspace(1)
+        b.freeze()
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
+        self._graph(batch, batch.batch_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
+        self._graph(batch, bs)
+
+    def _graph(self, batch: "DraftBatch", bs: int) -> None:
+        if not self._bufs.fixed:
+            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
+                                    "no call")
+        if batch.batch_size != bs:
+            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
+                                    f"{batch.batch_size} requests")
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._fill(batch, bs)
+
+    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("tokenspeed_mla: forward() called before "
+                               "init_forward_metadata(batch)")
+        r, b, bs, topk = self.runner, self._bufs, self._bs, self.topk
+        n = bs * topk
+        validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
+        loc = b.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
+        r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, None)
+        seq = b.get("seq_lens", (bs,), torch.int64)
+        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token,
+                                 b.get("req_pool_indices", (bs,), torch.int64), seq, loc,
+                                 None, step, "lane", r.page_size)
+        lens = b.get("lens", (n,))
+        lens.copy_(seq.repeat_interleave(topk) + step + 1)
+        out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
+                         r.max_context_len + self.num_steps)
+        return out.view(n, r.num_heads, r.kv_lora_rank)
+
+
+class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla", **_DECL):
+    """Draft extend: right-aligned padded queries, bottom-right causal mask (module doc)."""
+
+    supports_cuda_graph = False  # max(E) sizes q_len on the host per batch
+
+    def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
+        super().__init__(runner, topk=topk, num_steps=num_steps)
+        self._setup(runner)
+        self._width = ceil_div(runner.max_context_len, runner.page_size)
+        self._batch: Optional["DraftExtendBatch"] = None
+
+    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+        r = self.runner
+        validation.check_extend_batch(r, batch)
+        meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                  batch.extend_lens, max_len=1)
+        self._q_len = int(batch.extend_lens.max())
+        ext = batch.extend_lens.long()
+        # Token t of request b sits in padded row b * q_len + (q_len - E_b + t).
+        self._rows = meta.token_req * self._q_len + (self._q_len - ext[meta.token_req]
+                                                     + meta.token_pos)
+        self._table = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                        r.page_size, self._width)
+        self._lens = batch.seq_lens.to(torch.int32)
+        self._n = int(meta.token_req.shape[0])
+        self._batch = batch
+
+    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("tokenspeed_mla: forward() called before "
+                               "init_forward_metadata(batch)")
+        r = self.runner
+        validation.check_extend_forward(r, self._n, layer, q, k, v)
+        r.write_kv(layer.layer_id, self._batch.out_cache_loc, k, None)
+        bs = self._batch.batch_size
+        q_pad = q.new_zeros(bs * self._q_len, r.num_heads, q.shape[-1])
+        q_pad[self._rows] = q
+        out = self._call(q_pad.view(bs, self._q_len, r.num_heads, q.shape[-1]), layer,
+                         self._table, self._lens, r.max_context_len)
+        return out.reshape(bs * self._q_len, r.num_heads, r.kv_lora_rank)[self._rows]
