@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-raw", action="store_true", help="skip raw-library baselines")
     p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
     p.add_argument("--reps", type=int, default=5, help="CPU: timed runs (best is kept)")
+    p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="CPU: wall time, or this process's CPU time (steadier on a shared "
+                   "machine, with --threads 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--list-cases", action="store_true", help="print the cases and exit")
@@ -83,8 +87,7 @@ def _select_cases(args, on_gpu: bool):
                                               ("page_size", "page_size"))
               if getattr(args, a) is not None}
         chosen.append(C.custom_case(mla=args.mla, dtype=dtype, **kw))
-        if args.extend:
-            chosen.append(C.custom_case(mla=args.mla, dtype=dtype, extend=True, **kw))
+        chosen.append(C.custom_case(mla=args.mla, dtype=dtype, extend=True, **kw))
     if args.steps != args.extend:  # exactly one of them: that kind only
         kind = "decode" if args.steps else "extend"
         chosen = [c for c in chosen if c.kind == kind]
@@ -122,7 +125,7 @@ def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
         + ". `x floor`: over the copy-bandwidth floor (every prefix once + every lane's "
         "history). `x vs per-branch`: speedup over the backend's own per-branch mode, else "
         "the raw per-lane baseline. `round`: metadata + S-1 steps (extend: one call) x "
-        f"{round_layers} layers" + ("" if on_gpu else " (wall clock, eager)")
+        f"{round_layers} layers" + ("" if on_gpu else f" ({clock_name}, eager)")
         + ". `check`: max error against "
         "torch_ref on sampled requests.",
     ]
@@ -165,12 +168,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cuda" if on_gpu else "cpu")
     platform = current_platform()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
-        max(1, args.reps - 2) if args.quick else args.reps)
-    plans = run.plan_cases(cases, platform, args.backend, raw=not args.no_raw)
+        max(1, args.reps - 2) if args.quick else args.reps, cpu_time=args.clock == "cpu")
+    plans = run.plan_cases(cases, platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
     sweep = [] if (args.no_sweep or custom or args.case or args.extend and not args.steps) \
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
-                            platform, args.backend, raw=not args.no_raw)
+                            platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
     total = sum(len(p.variants) for p in plans + sweep)
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}", file=sys.stderr)

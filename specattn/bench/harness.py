@@ -54,23 +54,26 @@ def tolerance(dtype: torch.dtype) -> float:
 # --- clocks --------------------------------------------------------------------------------
 
 class WallClock:
-    """Host wall clock: best of ``reps`` runs after one warm-up (on a shared CPU the minimum
-    is the run least disturbed by other processes). No graphs."""
+    """Host clock: best of ``reps`` runs after one warm-up (on a shared CPU the minimum is the
+    run least disturbed by other processes). ``cpu_time=True`` counts this process's CPU time
+    instead of wall time (steadier on a loaded machine; use with one torch thread). No
+    graphs."""
 
-    name = "wall"
     graphs = False
 
-    def __init__(self, reps: int = 5) -> None:
+    def __init__(self, reps: int = 5, cpu_time: bool = False) -> None:
         self.reps = reps
+        self.name = "process CPU time" if cpu_time else "wall"
+        self._now = time.process_time if cpu_time else time.perf_counter
 
     def time(self, fn: Callable[[], Any]) -> float:
         """Milliseconds of one ``fn()``."""
         fn()
         best = math.inf
         for _ in range(self.reps):
-            t0 = time.perf_counter()
+            t0 = self._now()
             fn()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, self._now() - t0)
         return best * 1e3
 
     def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -112,7 +115,6 @@ def copy_bandwidth(device: torch.device, clock) -> float:
            else torch.full((numel,), 1.5))
     dst = torch.empty_like(src)
     ms = clock.time(lambda: dst.copy_(src))
-    del src, dst
     return 2 * numel * 4 / (ms * 1e-3)
 
 
@@ -241,18 +243,20 @@ def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
 
 
 def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
-                      raw: bool = True) -> tuple[list[Variant], list[tuple[str, str]]]:
+                      raw: bool = True, on_gpu: Optional[bool] = None,
+                      ) -> tuple[list[Variant], list[tuple[str, str]]]:
     """Variants that can run ``case`` here, and ``(name, reason)`` for those that cannot.
 
     names: backends to include (registered names or aliases, or a raw key such as
     ``flashinfer-raw``); ``None``: every backend available here (on the CPU, ``torch_ref``
     and ``intel_amx``). On a GPU ``torch_ref`` is the correctness reference only and is
     timed only when named. Backends with a ``mode`` constructor keyword also run
-    ``mode="per-branch"``.
+    ``mode="per-branch"``. on_gpu: whether the tensors live on a GPU (default: the
+    platform's device is not the CPU).
     """
     from ..listing import list_backends
 
-    on_gpu = platform.device != "cpu"
+    on_gpu = platform.device != "cpu" if on_gpu is None else on_gpu
     wanted = None if names is None else set(names)
     variants: list[Variant] = []
     skipped: list[tuple[str, str]] = []
@@ -393,7 +397,11 @@ def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[s
     """Milliseconds of one step of one layer (rotating layers), how it was timed, notes."""
     case, notes = setup.case, []
     backend = variant.make(setup)
-    backend.init_forward_metadata(setup.batch)
+    if clock.graphs and variant.graphs:  # the backend's own graph protocol (fixed buffers)
+        backend.init_cuda_graph_state(case.batch, case.lanes)
+        backend.init_forward_metadata_capture_cuda_graph(setup.batch)
+    else:
+        backend.init_forward_metadata(setup.batch)
     if case.kind == "decode":
         for step in range(case.timed_step):  # the history before the timed step
             backend.forward(step, setup.layers[0], *setup.inputs[step])

@@ -78,7 +78,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             lanes = _num(r.get("lanes"))
             r["tokens_per_s"] = lanes / (t * 1e-6) if lanes else None
             base = None
-            if r.get("mode") not in ("per-branch", "raw"):
+            # torch_ref has no shared-prefix design to compare: no per-branch ratio.
+            if r.get("mode") not in ("per-branch", "raw") and r.get("backend") != "torch_ref":
                 base = own_pb.get(r["backend"]) or raw_pb
             r["per_branch"] = base["variant"] if base else ""
             r["x_vs_per_branch"] = _num(base["time_us"]) / t if base else None
@@ -192,10 +193,15 @@ def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out
         values = [_num(r.get("time_us")) or 0.0 for r in bars]
         colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
                   for r in bars]
-        ax.bar(range(len(bars)), values, color=colors)
+        drawn = ax.bar(range(len(bars)), values, color=colors)
+        ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7)
+        positive = [v for v in values + [floor or 0.0] if v > 0]
+        if positive and max(positive) > 30 * min(positive):
+            ax.set_yscale("log")  # torch_ref next to fast kernels
         for i, r in enumerate(bars):
             if r.get("status") == "failed":
-                ax.text(i, 0, "failed", ha="center", va="bottom", color="#b03a3a")
+                ax.text(i, min(positive or [1.0]), "failed", ha="center", va="bottom",
+                        color="#b03a3a")
         if floor:
             ax.axhline(floor, color="#b03a3a", linestyle="--", label=f"floor {floor:,.0f} us")
             ax.legend(loc="upper left", fontsize=8)

@@ -91,10 +91,11 @@ class Plan:
 
 
 def plan_cases(cases: list[Case], platform, backends: Optional[list[str]],
-               raw: bool) -> list[Plan]:
+               raw: bool, on_gpu: Optional[bool] = None) -> list[Plan]:
     plans = []
     for case in cases:
-        variants, skipped = discover_variants(case, platform, backends, raw=raw)
+        variants, skipped = discover_variants(case, platform, backends, raw=raw,
+                                              on_gpu=on_gpu)
         plans.append(Plan(case, variants, skipped))
     return plans
 
