@@ -191,8 +191,8 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
     assert err <= TOL[dtype] * scale, f"max abs err {err} (ref scale {scale})"
 
 
-def run_decode_round(backend, case: Case, seed: int = 1, rows=None):
-    """Metadata, then every step against ``torch_ref`` (``rows``: padded lane count)."""
+def run_decode_round(backend, case: Case, seed: int = 1):
+    """Metadata, then every step against ``torch_ref``."""
     gen = torch.Generator().manual_seed(seed)
     backend.init_forward_metadata(case.batch)
     return decode_steps(backend, case, gen)
@@ -205,8 +205,7 @@ def decode_steps(backend, case: Case, gen, pad_lanes: int = 0):
     for step in range(b.num_steps):
         q, k, v = qkv(case.runner, lanes + pad_lanes, gen)
         out = backend.forward(step, case.layer, q, k, v)
-        if pad_lanes:
-            # Padded lanes write slot 0; restore what the reference reads there (nothing real).
+        if pad_lanes:  # padded lanes (slot 0) are not compared
             out, q = out[:lanes], q[:lanes]
         ref = reference_decode(case.runner, case.layer, q, b, step, backend.tree_mode)
         assert_close_rel(out, ref, case.runner.dtype)

@@ -32,7 +32,6 @@ capture; a replay batch's own tensor is copied into it.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -44,8 +43,6 @@ from ...platforms import current_platform
 from ...validation import check_decode_batch, check_decode_forward, check_parents_step
 from ._kernels import merge_states, resolve_kernel
 from ._tables import ceil_div, check_page_aligned, paged_pools
-
-log = logging.getLogger("specattn.backends.flash_attn")
 
 MODES = ("shared", "per-branch")
 
