@@ -171,7 +171,12 @@ class _DSAMixin:
         x = torch.arange(width, device=self.runner.device).expand(rows, width)
         slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], x)
         ok = x < meta.row[:rows, 1:2].long()
-        meta.dense_sel = torch.where(ok, slots, -1).to(torch.int32)
+        sel = torch.where(ok, slots, -1).to(torch.int32)
+        # Refill in place: a captured graph holds the buffer's address.
+        if meta.dense_sel is None or meta.dense_sel.shape != sel.shape:
+            meta.dense_sel = sel
+        else:
+            meta.dense_sel.copy_(sel)
 
     def _check_index_inputs(self, rows: int, index_q, index_weights, index_k) -> None:
         pool = self.index_k_buffer
