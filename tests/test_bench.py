@@ -341,6 +341,20 @@ def test_sdpa_baseline_matches_reference():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_append_merges_by_case(tmp_path):
+    from specattn.bench import _merge
+
+    old = [_row("x", "x", "shared", 1.0, case="a"), _row("x", "x", "shared", 2.0, case="b")]
+    report.write_csv(old, str(tmp_path / "bench.csv"))
+    report.write_csv([{"topk": 1, "prefix": 512, "variant": "x", "time_us": 3.0}],
+                     str(tmp_path / "sweep.csv"), report.SWEEP_COLUMNS)
+    new = [_row("y", "y", "shared", 9.0, case="b")]
+    rows, sweep = _merge(str(tmp_path), new, [{"topk": 1, "prefix": 1024}])
+    assert [(r["case"], r["variant"]) for r in rows] == [("a", "x"), ("b", "y")]
+    assert [int(r["prefix"]) for r in sweep] == [512, 1024]
+    assert _merge(str(tmp_path / "missing"), new, []) == (new, [])
+
+
 # --- progress, CLI, README ---------------------------------------------------------------------
 
 def test_progress_plain_text():

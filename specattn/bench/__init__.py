@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import sys
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--out", metavar="DIR", help="results folder (default "
                    "benchmarks/results/<date>-<gpu or cpu>)")
+    p.add_argument("--append", action="store_true", help="merge into the CSVs already in "
+                   "--out (rows of the cases run now are replaced): split a long run into "
+                   "several commands")
     p.add_argument("--quick", action="store_true", help="uniform lengths only, shorter "
                    "timing, fewer sweep points (CPU: prefixes / 4)")
     p.add_argument("--no-sweep", action="store_true", help="skip the prefix-length sweep")
@@ -132,6 +136,24 @@ def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
     return "\n".join(lines)
 
 
+def _merge(out: str, rows: list, sweep_rows: list) -> tuple[list, list]:
+    """Earlier rows of ``out`` whose case (or sweep point) did not run now, then the new
+    rows."""
+    from .report import read_csv
+
+    def older(name, key, new):
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
+            return []
+        seen = {key(r) for r in new}
+        return [r for r in read_csv(path) if key(r) not in seen]
+
+    rows = older("bench.csv", lambda r: (r["case"], r["lengths"]), rows) + rows
+    sweep_rows = older("sweep.csv", lambda r: (str(r["topk"]), str(r["prefix"])),
+                       sweep_rows) + sweep_rows
+    return rows, sweep_rows
+
+
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``specattn bench``; returns the exit status (0: every variant passed its
     check, 1: some failed, 2: bad arguments)."""
@@ -186,16 +208,21 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                          rounds=not args.no_round, round_layers=args.round_layers)
     sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
     progress.close()
-    report.add_ratios(rows)
-
     out = _out_dir(args, info)
     os.makedirs(out, exist_ok=True)
+    if args.append:
+        rows, sweep_rows = _merge(out, rows, sweep_rows)
+    report.add_ratios(rows)
     report.write_csv(rows, os.path.join(out, "bench.csv"))
     if sweep_rows:
         report.write_csv(sweep_rows, os.path.join(out, "sweep.csv"), report.SWEEP_COLUMNS)
     info["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1)
     info["date"] = datetime.date.today().isoformat()
     info["command"] = "specattn bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    old_info = os.path.join(out, "versions.json")
+    if args.append and os.path.exists(old_info):
+        with open(old_info) as f:
+            info["command"] = json.load(f).get("command", "?") + " && " + info["command"]
     report.write_versions(info, os.path.join(out, "versions.json"))
     title = info["gpu"] or "CPU"
     pngs, png_note = report.write_pngs(rows, sweep_rows, out, title)
