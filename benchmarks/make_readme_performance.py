@@ -110,8 +110,10 @@ def render_section(results_dir: str, readme_dir: str) -> str:
               "design), with the same kernel library where it has that mode."]
     pngs = sorted(p for p in os.listdir(results_dir) if p.endswith(".png"))
     chosen = [p for p in pngs if p == "prefix-sweep.png"]
-    first = next((p for p in pngs if p.startswith("case-gqa-long-uniform")),
-                 next((p for p in pngs if p.startswith("case-")), None))
+    # The headline case's chart: gqa-long when it ran, else the first case of the table.
+    order = ["gqa-long"] + [h["case"] for h in heads]
+    first = next((f"case-{c}-uniform.png" for c in order if f"case-{c}-uniform.png" in pngs),
+                 None)
     if first:
         chosen.insert(0, first)
     if chosen:
