@@ -422,3 +422,17 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     assert mrp.main([str(out), "--readme", str(readme), "--check"]) == 0
     readme.write_text("no markers\n")
     assert mrp.main([str(out), "--readme", str(readme)]) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_small_case_end_to_end(tmp_path):
+    """On the GPU: every available backend passes the gate on gqa-small, with graph timing
+    for graph-capable ones and a graph round."""
+    out = tmp_path / "gpu"
+    code = cli_main(["--case", "gqa-small", "--quick", "--no-sweep", "--out", str(out)])
+    rows = report.read_csv(str(out / "bench.csv"))
+    failed = [(r["variant"], r["error"]) for r in rows if r["status"] == "failed"]
+    assert code == 0 and not failed, failed
+    triton = next(r for r in rows if r["variant"] == "triton")
+    assert triton["timing"] == "graph" and float(triton["round_graph_us"]) > 0
+    assert float(triton["x_vs_per_branch"]) > 0 and float(triton["x_floor"]) > 0
