@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="uniform lengths only, shorter "
                    "timing, fewer sweep points (CPU: prefixes / 4)")
     p.add_argument("--no-sweep", action="store_true", help="skip the prefix-length sweep")
+    p.add_argument("--only-sweep", action="store_true", help="run the prefix-length sweep "
+                   "only (with --append: add it to an earlier run's folder)")
     p.add_argument("--no-round", action="store_true", help="skip whole-round timing")
     p.add_argument("--no-raw", action="store_true", help="skip raw-library baselines")
     p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
@@ -194,8 +196,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
         max(1, args.reps - 2) if args.quick else args.reps, cpu_time=args.clock == "cpu")
-    plans = run.plan_cases(cases, platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
-    sweep = [] if (args.no_sweep or custom or args.case or args.extend and not args.steps) \
+    plans = [] if args.only_sweep else run.plan_cases(cases, platform, args.backend,
+                                                      raw=not args.no_raw, on_gpu=on_gpu)
+    no_sweep = args.no_sweep or custom or args.case or (args.extend and not args.steps)
+    sweep = [] if no_sweep and not args.only_sweep \
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
                             platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
     total = sum(len(p.variants) for p in plans + sweep)
