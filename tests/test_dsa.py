@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specattn import metadata
-from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.backends.torch_ref import attend, reference_decode, reference_extend
 from specattn.backends.torch_ref_sparse import (dsa_decode_selection, dsa_extend_selection,
                                                 index_scores, reference_dsa_decode,
                                                 reference_dsa_extend)
@@ -197,8 +197,6 @@ def test_minus_one_entries_contribute_nothing():
     hist = torch.zeros(2, 1, dtype=torch.int32, device=DEV)
     for splits in (1, 3):
         out = dsa_kernels.sparse_mla(q, kv, layer, sel, hist, 0, R, splits)
-        from specattn.backends.torch_ref import attend
-
         lat = kv[slots.long()].float()
         ref = attend(q, lat[:, None], lat[:, None, :R], 0.3)
         _close(out, ref, torch.float32)

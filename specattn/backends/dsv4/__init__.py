@@ -56,6 +56,7 @@ log = logging.getLogger("specattn.dsv4")
 DEFAULT_WINDOW = 128
 _TRITON = (("triton", "triton"),)
 _TESTED_ON = "CPU interpreter; GPU run pending"
+_HIP_TESTED_ON = "not run on hardware (the CUDA flavour's kernels, CPU interpreter tested)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -316,6 +317,10 @@ class DSV4CudaExtend(_DSV4Extend, name="dsv4", flavour="cuda", platforms=_CUDA_P
 class DSV4HipDecode(_DSV4Decode, name="dsv4", flavour="hip", platforms=is_hip, **_DECL):
     """DeepSeek V4 draft decode, HIP flavour (the same Triton kernels)."""
 
+    tested_on = _HIP_TESTED_ON
+
 
 class DSV4HipExtend(_DSV4Extend, name="dsv4", flavour="hip", platforms=is_hip, **_DECL):
     """DeepSeek V4 draft extend, HIP flavour (the same Triton kernels)."""
+
+    tested_on = _HIP_TESTED_ON
