@@ -39,6 +39,7 @@ CASES = {
     "extend": ("mha", 32, 4096, 0, 5),
 }
 L2_BYTES = 50 * 2 ** 20
+SWEEP_CASE = (32, 4096, 8, 5, 2)  # gqa-long: B, L, K, S, step
 
 
 def signatures() -> None:
@@ -91,8 +92,9 @@ def row_bytes(model: str) -> int:
     return 576 * 2 if model == "mla" else 8 * 256 * 2
 
 
-def build(model, lens, extra_slots, layers):
-    """Runner with random pools; request rows over shuffled slots; returns the free slots."""
+def build(model, lens, extra_slots, layers, contiguous=False):
+    """Runner with random pools; request rows over shuffled slots (``contiguous``: in order,
+    as a fresh allocator hands them out); returns the free slots."""
     B = len(lens)
     num_slots = sum(lens) + extra_slots + 16
     kw = dict(num_layers=layers, num_slots=num_slots, max_reqs=B,
@@ -105,7 +107,8 @@ def build(model, lens, extra_slots, layers):
         pools = r.kv_buffer
     for p in pools:
         p.normal_()
-    slots = (torch.randperm(num_slots - 1, device=DEV) + 1).to(torch.int32)
+    slots = ((torch.arange(num_slots - 1, device=DEV) if contiguous
+              else torch.randperm(num_slots - 1, device=DEV)) + 1).to(torch.int32)
     rpi = torch.randperm(B, device=DEV)
     used = 0
     for b, L in enumerate(lens):
@@ -160,6 +163,69 @@ def inputs(model, n):
                 torch.randn(n, 8, 128, device=DEV, dtype=bf)), 128 ** -0.5
     return (torch.randn(n, 16, 576, device=DEV, dtype=bf),
             torch.randn(n, 576, device=DEV, dtype=bf), None), 192 ** -0.5
+
+
+def sweep(bw) -> None:
+    """Where the time of the gqa-long shared-prefix step goes, and prefix-pass variants."""
+    import flashinfer
+
+    from specattn.backends.flashinfer import FlashInferDecode
+
+    B, L, K, S, step = SWEEP_CASE
+    lens = [L] * B
+    for contiguous in (False, True):
+        layers = layers_for(lens, "mha")
+        r, rpi, seq, free = build("mha", lens, B * K * S, layers, contiguous=contiguous)
+        batch = DraftBatch(rpi, seq, free[:B * K * S].reshape(B, K, S), None)
+        (q, k, v), scale = inputs("mha", B * K)
+        lyr = [AttentionLayer(i, scale) for i in range(layers)]
+        floor = (sum(lens) + B * K * (step + 1)) * row_bytes("mha") / bw * 1e3
+        tag = "contiguous" if contiguous else "random"
+        variants = [("fa3", {}), ("fa2", {})]
+        if not contiguous:
+            variants += [("fa2", {"fixed_split_size": n}) for n in (512, 1024, 2048)]
+            variants += [("fa2", {"disable_split_kv": True}), ("fa3", {"fixed_split_size": 1024})]
+        for backend, kw in variants:
+            try:
+                be = FlashInferDecode(r, K, S)
+                be.prefix_backend, be.prefix_plan_kwargs = backend, kw
+                be.init_forward_metadata(batch)
+                be.forward(0, lyr[0], q, k, v)
+                rnd = be._eager
+                t, _ = timed(lambda lay: rnd.prefix.run(q, lay.layer_id), lyr)
+                line = f"prefix {backend} {kw}: {t * 1e3:.1f} us"
+                if not kw:
+                    for i in range(1, step):
+                        be.forward(i, lyr[0], q, k, v)
+                    tf, _ = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
+                    line += f"; whole step {tf * 1e3:.1f} us ({tf / floor:.2f}x floor)"
+                print(f"sweep {tag:10s} {line}", flush=True)
+            except Exception as e:
+                print(f"sweep {tag} prefix {backend} {kw}: FAILED {type(e).__name__}: {e}",
+                      flush=True)
+        if contiguous:
+            pb = FlashInferDecode(r, K, S, mode="per-branch")
+            pb.init_forward_metadata(batch)
+            for i in range(step):
+                pb.forward(i, lyr[0], q, k, v)
+            t, _ = timed(lambda lay: pb.forward(step, lay, q, k, v), lyr)
+            print(f"sweep {tag:10s} per-branch whole step {t * 1e3:.1f} us", flush=True)
+            continue
+        be = FlashInferDecode(r, K, S)
+        be.init_forward_metadata(batch)
+        for i in range(step + 1):
+            be.forward(i, lyr[0], q, k, v)
+        rnd = be._eager
+        loc = batch.out_cache_loc[:, :, step].reshape(-1)
+        t_w, _ = timed(lambda lay: r.write_kv(lay.layer_id, loc, k, v), lyr)
+        t_h, _ = timed(lambda lay: rnd.steps[step].run(q, lay.layer_id), lyr)
+        o_p, l_p = rnd.prefix.run(q, 0)
+        o_h, l_h = rnd.steps[step].run(q, 0)
+        t_m, _ = timed(lambda lay: flashinfer.merge_state(o_p, l_p, o_h, l_h), lyr)
+        print(f"sweep {tag:10s} write_kv {t_w * 1e3:.1f} us, history pass {t_h * 1e3:.1f} us, "
+              f"merge_state {t_m * 1e3:.1f} us", flush=True)
+        del r, be
+        torch.cuda.empty_cache()
 
 
 def bench_decode(model, lens, K, S, mode, bw, step=2):
@@ -223,9 +289,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--signatures", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if args.signatures:
         signatures()
+        return
+    if args.sweep:
+        sweep(copy_bandwidth())
         return
     rng = random.Random(0)
     bw = copy_bandwidth()

@@ -47,14 +47,18 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
     """Shared-prefix draft decode for MHA/GQA (``mode="per-branch"``: upstream design).
 
     q: ``[B*K, H_q, D]``, k: ``[B*K, H_kv, D]``, v: ``[B*K, H_kv, D_v]`` → ``[B*K, H_q, D_v]``.
-    ``prefix_backend`` (instance attribute, before the first round) picks the prefill
-    wrapper's kernel for the prefix pass (``auto``: fa3 on sm90).
+    ``prefix_backend`` and ``prefix_plan_kwargs`` (instance attributes, set before the first
+    round) pick the prefill wrapper's kernel for the prefix pass and extra ``plan`` arguments
+    (``fixed_split_size``, ...), for benchmarks. ``auto`` resolves to fa2 here (FlashInfer
+    takes fa2 for <= 64 query rows per request); forcing fa3 measured 3.9x slower on the
+    H200 with page-size-1 gathers (``benchmarks/results/2026-11-29-h200/flashinfer-bench.md``).
     """
 
     dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = False  # set after the GPU tests
-    tested_on = "not run on hardware"
+    supports_cuda_graph = True
+    tested_on = _TESTED
     prefix_backend = "auto"
+    prefix_plan_kwargs: dict = {}
 
     def _default_params(self) -> Params:
         return default_params(self.runner.head_dim)
@@ -62,7 +66,8 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
     def _new_pass(self, role, graph_rows, capacity):
         kw = dict(graph_rows=graph_rows, capacity=capacity)
         if role == "prefix":
-            return PrefillPass(self.runner, with_lse=True, backend=self.prefix_backend, **kw)
+            return PrefillPass(self.runner, with_lse=True, backend=self.prefix_backend,
+                               plan_kwargs=self.prefix_plan_kwargs, **kw)
         lse = role == "history"
         if self.runner.v_head_dim != self.runner.head_dim:  # decode wrapper: one head dim
             return PrefillPass(self.runner, with_lse=lse, **kw)
@@ -78,7 +83,7 @@ class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
     """
 
     dtypes = (torch.bfloat16, torch.float16)
-    tested_on = "not run on hardware"
+    tested_on = _TESTED
 
     def _default_params(self) -> Params:
         return default_params(self.runner.head_dim)
@@ -109,8 +114,8 @@ class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla"
     """
 
     dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = False  # set after the GPU tests
-    tested_on = "not run on hardware"
+    supports_cuda_graph = True
+    tested_on = _TESTED
 
     def _default_params(self) -> Params:
         return _mla_params(self.runner)
@@ -132,7 +137,7 @@ class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla"
     """
 
     dtypes = (torch.bfloat16, torch.float16)
-    tested_on = "not run on hardware"
+    tested_on = _TESTED
 
     def _default_params(self) -> Params:
         return _mla_params(self.runner)

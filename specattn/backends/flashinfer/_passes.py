@@ -128,9 +128,11 @@ class PrefillPass(Pass):
     """``BatchPrefillWithPagedKVCacheWrapper``: any number of query rows per sequence
     (prefix pass with ``K`` rows per request; causal draft extend)."""
 
-    def __init__(self, runner: "DraftRunner", *, backend: str = "auto", **kw) -> None:
+    def __init__(self, runner: "DraftRunner", *, backend: str = "auto",
+                 plan_kwargs: Optional[dict] = None, **kw) -> None:
         super().__init__(runner, **kw)
         self.backend = backend
+        self.plan_kwargs = dict(plan_kwargs or {})  # e.g. fixed_split_size (benchmarks)
 
     def _make_wrapper(self, num_seqs: int):
         fi = flashinfer_module()
@@ -150,7 +152,7 @@ class PrefillPass(Pass):
                           r.num_kv_heads, r.head_dim, 1, head_dim_vo=r.v_head_dim,
                           causal=causal, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.dtype)
+                          q_data_type=r.dtype, kv_data_type=r.dtype, **self.plan_kwargs)
 
     def run(self, q: torch.Tensor, layer_id: int):
         kv = _mha_kv(self.runner, layer_id)
