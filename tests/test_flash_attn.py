@@ -308,7 +308,8 @@ def make_case_on(case: Case, seed: int) -> Case:
     order = torch.arange(b.batch_size - 1, -1, -1)
     gen = torch.Generator().manual_seed(seed)
     loc = b.out_cache_loc[order][:, torch.randperm(b.topk, generator=gen)]
-    parents = torch.randint(0, b.topk, tuple(b.parents.shape), generator=gen)
+    parents = torch.randint(0, b.topk, tuple(b.parents.shape), generator=gen).to(
+        b.parents.device)
     return Case(case.runner, DraftBatch(b.req_pool_indices[order], b.seq_lens[order], loc,
                                         parents), case.layer)
 
