@@ -22,6 +22,7 @@ from .render import LEGEND, lane_divergence, render_meter, render_tree
 __all__ = ["build_parser", "cli_main", "run_demo"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODELS = ("synthetic", "smollm2")
 
 
 def _positive(text: str) -> int:
@@ -67,7 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests whose draft tree is printed each round (2)")
     p.add_argument("--no-check", action="store_true",
                    help="skip recomputing every attention call with torch_ref")
+    p.add_argument("--model", choices=MODELS, default="synthetic",
+                   help="synthetic: this random draft model (default); smollm2: "
+                        "self-speculative decoding of SmolLM2-135M (see --model smollm2 "
+                        "--help)")
     return p
+
+
+def _model_choice(argv: list[str]) -> tuple[str, list[str]]:
+    """``--model NAME`` (or ``--model=NAME``) and the other arguments."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=MODELS, default="synthetic")
+    known, _ = pre.parse_known_args(argv)
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--model":
+            skip = True
+        elif not arg.startswith("--model="):
+            rest.append(arg)
+    return known.model, rest
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
@@ -193,6 +214,15 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     """Entry point of ``specattn demo``; returns the exit status (never raises SystemExit)."""
     out = sys.stdout if out is None else out
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        model, rest = _model_choice(argv)
+    except SystemExit as exc:  # a bad --model: argparse already printed
+        return int(exc.code or 0)
+    if model == "smollm2":
+        from .smollm2.cli import cli_main as smollm2_main
+
+        return smollm2_main(rest, out)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
