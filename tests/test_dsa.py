@@ -339,5 +339,5 @@ def test_errors():
 def test_declaration():
     for cls in (DSADecode, DSAExtend):
         assert cls.auto_eligible is False and cls.pending is None
-        assert cls.supports_cuda_graph and "GPU run pending" in cls.tested_on
+        assert cls.supports_cuda_graph and "H200" in cls.tested_on
         assert cls.deprecated_aliases == ("nsa",)

@@ -283,7 +283,7 @@ def test_errors():
 def test_declaration():
     assert DSV4CudaDecode.auto_eligible is False and DSV4CudaExtend.auto_eligible is False
     assert DSV4CudaDecode.pending is None
-    assert "GPU run pending" in DSV4CudaDecode.tested_on
+    assert "H200" in DSV4CudaDecode.tested_on
     runner = make_runner("mla", torch.bfloat16, page=1, num_slots=4, max_reqs=1, max_ctx=4)
     runner.dtype = torch.float64  # not served: the capability check names the dtype
     with pytest.raises((BackendUnavailableError, InvalidInputError)):

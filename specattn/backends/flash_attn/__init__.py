@@ -16,11 +16,14 @@ into ``C`` chunks for small batches (routing left to measurement). Draft extend 
 varlen pass. Any page size: prefixes use page ids (``[num_pages, P, H_kv, D]`` view of the
 pool), histories a page-size-1 view. See ``_decode.py`` / ``_extend.py``.
 
-Status: the glue is complete and tested on the CPU against ``torch_ref`` through stand-ins
-of the three libraries that follow their documented APIs (``tests/test_flash_attn.py``);
-the real kernels are verified by the GPU run next session
-(``tests/gpu/test_flash_attn_gpu.py``), hence ``tested_on`` and ``supports_cuda_graph``
-(the protocol is implemented on fixed buffers, not yet captured on a GPU).
+Status: the glue is tested on the CPU against ``torch_ref`` through stand-ins of the three
+libraries that follow their documented APIs (``tests/test_flash_attn.py``). On the H200
+(2026-11-29, flash-attn-4 4.0.0b36) ``tests/gpu/test_flash_attn_gpu.py`` passed against
+``torch_ref`` with the real FA4 kernel: decode (topk 1/4/8, page 1/16/64, lane/path,
+shared/per-branch/split-prefix), random shapes, extend, ``fa3`` through FA4's sm90 kernel,
+and CUDA-graph capture/replay (``benchmarks/results/2026-11-29-h200/flash-attn-*``). The
+FA3 library path (sm8x, or sm90 with ``flash_attn_interface``) and MUSA are untested on
+hardware.
 
 MHA/GQA only: FA4 accepts the absorbed MLA shape (576/512) only on SM100/110, not on the
 H200; FA3's MLA path (``qv``) is not wired yet.
@@ -41,7 +44,9 @@ __all__ = ["FA3DecodeSM8x", "FA3DecodeSM90", "FA3DecodeMUSA", "FA4Decode", "FA4D
 
 _MUSA = (("mate", "mate"),)
 _FA4_REQ = (("flash_attn.cute", "flash-attn-4"),)
-_TESTED = "not run on hardware yet (H200 run pending)"
+_TESTED = "not run on hardware (FA3 library path)"
+_TESTED_FA4 = "H200 (sm90, FA4 4.0.0b36): GPU tests incl. CUDA-graph replay"
+_TESTED_FA3_VIA_FA4 = "H200 through FA4's sm90 kernel; FA3 library path untested"
 _TESTED_MUSA = "not run on hardware (MUSA port untested)"
 _MHA = ("mha",)
 
@@ -88,6 +93,8 @@ class _Mate(_Caps):
 
 class _FA4(_Caps):
     library = "fa4"
+    supports_cuda_graph = True
+    tested_on = _TESTED_FA4
 
 
 _SM8X = cuda_capability(8)
@@ -109,6 +116,8 @@ class FA3DecodeSM90(_FA3Cuda, FlashAttnDecodeGlue, name="fa3", flavour="sm90",
                     priority={"cuda": 72}):
     """fa3 draft decode on Hopper: FlashAttention-3, or FA4's sm90 kernel when FA3 is absent.
     FA3 path untested on hardware. Shapes as ``FA3DecodeSM8x``."""
+
+    tested_on = _TESTED_FA3_VIA_FA4
 
 
 class FA3DecodeMUSA(_Mate, FlashAttnDecodeGlue, name="fa3", flavour="musa", platforms=is_musa,
@@ -147,6 +156,8 @@ class FA3ExtendSM90(_FA3Cuda, FlashAttnExtendGlue, name="fa3", flavour="sm90",
                     priority={"cuda": 72}):
     """fa3 draft extend on Hopper (FA3, or FA4's sm90 kernel). FA3 path untested on
     hardware."""
+
+    tested_on = _TESTED_FA3_VIA_FA4
 
 
 class FA3ExtendMUSA(_Mate, FlashAttnExtendGlue, name="fa3", flavour="musa", platforms=is_musa,
