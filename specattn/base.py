@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
-from .errors import BackendUnavailableError, RegistrationError
+from .errors import BackendUnavailableError, InvalidInputError, RegistrationError
 from .keys import BackendRequest
 from .platforms import Platform, Predicate, any_platform, current_platform
 
@@ -191,6 +191,22 @@ class DraftBackend(ABC):
             "tested_on": cls.tested_on, "class": cls.qualified_name(),
         }
 
+    # --- protocol checks shared by the backends -----------------------------------------------
+
+    def _require_metadata(self, prepared: object) -> None:
+        """``forward`` before ``init_forward_metadata``: ``prepared`` (the backend's round
+        state) is still ``None``."""
+        if prepared is None:
+            raise RuntimeError(f"{type(self).name}: forward() called before "
+                               "init_forward_metadata(batch)")
+
+    @staticmethod
+    def _require_graph_state(ready: bool) -> None:
+        """Capture/replay before ``init_cuda_graph_state`` (``ready`` False)."""
+        if not ready:
+            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
+                                    "no call")
+
     # --- construction ------------------------------------------------------------------------
 
     def _check_constructible(self, request: BackendRequest) -> None:
@@ -316,6 +332,26 @@ class DraftDecodeBackend(DraftBackend):
         """``seq_lens`` value for padded requests in a captured batch."""
         return 1
 
+    @staticmethod
+    def _check_padded(batch: "DraftBatch", bs: int) -> None:
+        """A replayed batch holds exactly the ``bs`` (padded) requests of the graph."""
+        if batch.batch_size != bs:
+            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
+                                    f"{batch.batch_size} requests")
+
+    def _check_graph_batch(self, batch: "DraftBatch", bs: Optional[int], *,
+                           ready: bool) -> None:
+        """Capture/replay checks, in this order: ``init_cuda_graph_state`` ran (``ready``),
+        ``batch`` is padded to ``bs`` requests (skipped for ``bs=None``), and the batch is
+        valid within ``cuda_graph_max_bs`` (no debug pass: capture must not sync)."""
+        from .validation import check_decode_batch
+
+        self._require_graph_state(ready)
+        if bs is not None:
+            self._check_padded(batch, bs)
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
+                           max_bs=self.cuda_graph_max_bs, debug=False)
+
 
 class DraftExtendBackend(DraftBackend):
     """Draft extend: causal attention of the newly accepted tokens over the paged prefix.
@@ -364,6 +400,14 @@ class DraftExtendBackend(DraftBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
+
+    def _check_graph_batch(self, batch: "DraftExtendBatch", *, ready: bool) -> None:
+        """Capture/replay checks: ``init_cuda_graph_state`` ran (``ready``), then the batch
+        is valid (no debug pass: capture must not sync)."""
+        from .validation import check_extend_batch
+
+        self._require_graph_state(ready)
+        check_extend_batch(self.runner, batch, debug=False)
 
 
 def iter_declared(classes: Iterable[type]) -> list[type]:

@@ -189,23 +189,14 @@ class _NpuDecode(DraftDecodeBackend):
         if self._rows.kind == "mla":
             raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
                                     "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
-        if not self._bufs.fixed:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
         self._fill(batch, bs)
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
                 ) -> torch.Tensor:
         """q: ``[B*K, H, W]`` → ``[B*K, H, D_v]`` (see ``DraftDecodeBackend``)."""
-        if self._batch is None:
-            raise RuntimeError(f"{self.name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r, bs, topk, b = self.runner, self._bs, self.topk, self._bufs
         n = bs * topk
         validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
@@ -280,19 +271,14 @@ class _NpuExtend(DraftExtendBackend):
         if self._rows.kind == "mla":
             raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
                                     "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
-        if not self._bufs.fixed:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        validation.check_extend_batch(self.runner, batch, debug=False)
+        self._check_graph_batch(batch, ready=self._bufs.fixed)
         self._fill(batch)
 
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
                 ) -> torch.Tensor:
         """q: ``[T, H, W]`` → ``[T, H, D_v]`` (see ``DraftExtendBackend``)."""
-        if self._batch is None:
-            raise RuntimeError(f"{self.name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         n, b = self._n, self._bufs
         validation.check_extend_forward(self.runner, n, layer, q, k, v)
         _no_cap(layer)

@@ -149,34 +149,24 @@ class FlashMLADecode(DraftDecodeBackend, name="flashmla", platforms=cuda_capabil
         bufs.freeze()
 
     def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._check_graph(batch)
+        self._check_graph_batch(batch, None, ready=self._bufs.fixed)
         self._captured_parents = batch.parents
         self._fill(batch, batch.batch_size)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
         """``batch`` holds ``bs`` (padded) requests; refills the fixed buffers in place."""
-        self._check_graph(batch)
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
+        self._check_graph_batch(batch, None, ready=self._bufs.fixed)
+        self._check_padded(batch, bs)
         captured = getattr(self, "_captured_parents", None)
         if self.tree_mode == "path" and captured is not None and batch.parents is not captured:
             captured[:, :bs].copy_(batch.parents)
         self._fill(batch, bs)
 
-    def _check_graph(self, batch: "DraftBatch") -> None:
-        if not self._bufs.fixed:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
-
     # --- forward -------------------------------------------------------------------------
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._batch is None:
-            raise RuntimeError("flashmla: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r, bs, topk = self.runner, self._bs, self.topk
         validation.check_decode_forward(r, bs * topk, self.num_steps, step, layer, q, k, v)
         if layer.logit_cap > 0:

@@ -142,21 +142,12 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
         self._graph(batch, bs)
 
     def _graph(self, batch: "DraftBatch", bs: int) -> None:
-        if not self._bufs.fixed:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
         self._fill(batch, bs)
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._batch is None:
-            raise RuntimeError("tokenspeed_mla: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r, b, bs, topk = self.runner, self._bufs, self._bs, self.topk
         n = bs * topk
         validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
@@ -202,9 +193,7 @@ class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla"
 
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._batch is None:
-            raise RuntimeError("tokenspeed_mla: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r = self.runner
         validation.check_extend_forward(r, self._n, layer, q, k, v)
         r.write_kv(layer.layer_id, self._batch.out_cache_loc, k, None)

@@ -110,13 +110,6 @@ def reference_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Te
     return out
 
 
-def _require_metadata(backend):
-    if backend.batch is None:
-        raise RuntimeError(f"{type(backend).name}: forward() called before "
-                           "init_forward_metadata(batch)")
-    return backend.batch
-
-
 class TorchRefDecode(DraftDecodeBackend, name="torch_ref", platforms=any_platform,
                      kernel_library="torch", priority=0):
     """Reference multi-step draft decode (see the module doc)."""
@@ -132,7 +125,8 @@ class TorchRefDecode(DraftDecodeBackend, name="torch_ref", platforms=any_platfor
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        batch = _require_metadata(self)
+        self._require_metadata(self.batch)
+        batch = self.batch
         validation.check_decode_forward(self.runner, batch.batch_size * self.topk,
                                         self.num_steps, step, layer, q, k, v)
         if self.tree_mode == "path":
@@ -156,7 +150,7 @@ class TorchRefExtend(DraftExtendBackend, name="torch_ref", platforms=any_platfor
 
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        _require_metadata(self)
+        self._require_metadata(self.batch)
         validation.check_extend_forward(self.runner, self.num_tokens, layer, q, k, v)
         self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
         return reference_extend(self.runner, layer, q, self.batch)

@@ -305,14 +305,7 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
         self._graph_fill(batch, bs)
 
     def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
-        if self._graph_meta is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, bs, ready=self._graph_meta is not None)
         self._fill(batch, self.runner.max_context_len, graph=True)
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
@@ -320,8 +313,7 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
                 index_weights: Optional[torch.Tensor] = None,
                 index_k: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: ``[B*K, H, R + rope]``, k: ``[B*K, R + rope]`` → ``[B*K, H, R]``."""
-        if self._batch is None:
-            raise RuntimeError("dsa: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         rows = self._bs * self.topk
         validation.check_decode_forward(self.runner, rows, self.num_steps, step, layer, q, k, v)
         if self.tree_mode == "path":
@@ -399,10 +391,7 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
         self._graph_fill(batch)
 
     def _graph_fill(self, batch: "DraftExtendBatch") -> None:
-        if self._graph_meta is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        validation.check_extend_batch(self.runner, batch, debug=False)
+        self._check_graph_batch(batch, ready=self._graph_meta is not None)
         self._fill(batch, self.runner.max_context_len, graph=True)
 
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
@@ -410,8 +399,7 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
                 index_weights: Optional[torch.Tensor] = None,
                 index_k: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: ``[T, H, R + rope]``, k: ``[T, R + rope]`` → ``[T, H, R]``."""
-        if self._batch is None:
-            raise RuntimeError("dsa: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         n = self._n
         validation.check_extend_forward(self.runner, n, layer, q, k, v)
         self._check_index_inputs(n, index_q, index_weights, index_k)

@@ -201,22 +201,14 @@ class _DSV4Decode(DraftDecodeBackend):
         self._graph_batch(batch, bs)
 
     def _graph_batch(self, batch: "DraftBatch", bs: int) -> None:
-        if self._graph_bufs is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, bs, ready=self._graph_bufs is not None)
         self._activate(self._graph_bufs, batch)
 
     def forward(self, step: int, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
                 ) -> torch.Tensor:
         """q: ``[B*K, H, D]`` → ``[B*K, H, D]``; attn_sink: ``[H]`` fp32 or None."""
-        if self._batch is None:
-            raise RuntimeError("dsv4: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         bufs, bs = self._active, self._bs
         rows = bs * self.topk
         validation.check_decode_forward(self.runner, rows, self.num_steps, step, layer, q, k, v)
@@ -274,10 +266,7 @@ class _DSV4Extend(DraftExtendBackend):
         self._graph_batch(batch)
 
     def _graph_batch(self, batch: "DraftExtendBatch") -> None:
-        if self._graph_bufs is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        validation.check_extend_batch(self.runner, batch, debug=False)
+        self._check_graph_batch(batch, ready=self._graph_bufs is not None)
         n = int(batch.out_cache_loc.shape[0])
         if n > self._graph_bufs.meta.shape[0]:
             raise InvalidInputError("batch.out_cache_loc", f"at most max_num_tokens="
@@ -288,8 +277,7 @@ class _DSV4Extend(DraftExtendBackend):
                 v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
                 ) -> torch.Tensor:
         """q: ``[T, H, D]`` → ``[T, H, D]``; attn_sink: ``[H]`` fp32 or None."""
-        if self._batch is None:
-            raise RuntimeError("dsv4: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         n, bufs = self._num_tokens, self._active
         validation.check_extend_forward(self.runner, n, layer, q, k, v)
         sink = _sink(self.runner, layer, attn_sink)

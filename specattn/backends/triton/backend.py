@@ -137,20 +137,13 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                                          shape.num_q_heads, shape.d_v, self.runner.device, 16)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._check_graph_batch(batch)
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, None, ready=self._graph_bufs is not None)
         self._captured_parents = batch.parents
         self._fill(batch, batch.batch_size)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
         """Refill the fixed buffers for ``bs`` (padded) requests; ``batch`` holds ``bs``."""
-        self._check_graph_batch(batch)
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_graph_batch(batch, bs, ready=self._graph_bufs is not None)
         captured = getattr(self, "_captured_parents", None)
         if self.tree_mode == "path" and captured is not None and (
                 batch.parents.data_ptr() != captured.data_ptr()):
@@ -161,17 +154,11 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
             captured[:, :bs].copy_(batch.parents)
         self._fill(batch, bs)
 
-    def _check_graph_batch(self, batch: "DraftBatch") -> None:
-        if self._graph_bufs is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-
     # --- forward -------------------------------------------------------------------------
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._batch is None:
-            raise RuntimeError("triton: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         plan, bufs = self._plan, self._active
         lanes = plan["bs"] * self.topk
         validation.check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
@@ -275,8 +262,7 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
 
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._batch is None:
-            raise RuntimeError("triton: forward() called before init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         plan, bufs = self._plan, self._active
         validation.check_extend_forward(self.runner, plan["num_tokens"], layer, q, k, v)
         self.runner.write_kv(layer.layer_id, bufs.hist[:plan["num_tokens"], 0], k, v)
