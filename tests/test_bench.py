@@ -4,6 +4,8 @@ README generator."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import io
 import json
@@ -181,6 +183,22 @@ def test_cpu_variants_default_and_named(scoped_registry):
     why = dict(skipped)
     assert "CUDA" in why["flashinfer"] and "not a backend" in why["no_such_backend"]
 
+
+
+def test_gpu_variants_skip_model_specific_rows_and_foreign_flavours():
+    """Found on the H200 (2026-11-29): the default GPU run timed dsv4 (model-specific math,
+    auto_eligible=False) and listed fa4's MUSA flavour as "not run" beside the CUDA one."""
+    from specattn.platforms import Platform
+
+    plat = Platform("cuda", (9, 0), libraries=frozenset({"triton", "flash_attn.cute"}))
+    case = dataclasses.replace(tiny(), dtype=torch.bfloat16)
+    variants, skipped = discover_variants(case, plat, on_gpu=True)
+    labels = {v.label for v in variants}
+    assert {"triton", "fa4", "fa4/per-branch"} <= labels
+    assert not {"dsv4", "dsa"} & labels
+    assert not any("MUSA" in why for _, why in skipped), skipped
+    named, _ = discover_variants(case, plat, ["dsv4"], raw=False, on_gpu=True)
+    assert [v.label for v in named] == ["dsv4"]  # still timed when asked for by name
 
 def _broken_class(output):
     class Broken(TorchRefDecode, name="bench_broken"):

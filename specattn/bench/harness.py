@@ -260,14 +260,22 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
     wanted = None if names is None else set(names)
     variants: list[Variant] = []
     skipped: list[tuple[str, str]] = []
-    for info in list_backends(kind=case.kind, platform=platform):
+    infos = list_backends(kind=case.kind, platform=platform)
+    # A name with several flavours (fa3/fa4: cuda and musa) is one backend here: the flavours
+    # that cannot run on this platform are not "not run" rows when another flavour runs.
+    running = {i.name for i in infos if i.runs_here and case.model in i.models}
+    for info in infos:
         cls = info.backend
         if cls is None or info.flavour == "dispatcher":
+            continue
+        if not info.runs_here and info.name in running:
             continue
         keys = {info.name, *info.aliases}
         if wanted is not None:
             if not keys & wanted:
                 continue
+        elif not cls.auto_eligible:
+            continue  # model-specific math (dsa, dsv4): timed only when named
         elif on_gpu and info.name == "torch_ref":
             continue
         elif not on_gpu and info.name not in CPU_DEFAULT_BACKENDS:
