@@ -52,9 +52,7 @@ DEPRECATION_TEXT = "deprecated"
 # `auto`). This is today's state of the `pending` ClassVar in specattn/backends/*; each later
 # issue that lands kernels removes its names here (test_pending_now_is_current says which).
 # ---------------------------------------------------------------------------------------------
-PENDING_NOW = frozenset({
-    "trtllm_mha", "trtllm_mla", "cutedsl_mla",                          # issue #5
-})
+PENDING_NOW: frozenset[str] = frozenset()  # issue #5 landed the trtllm family last
 
 # Vendor modules a platform may have (the strategies draw subsets of this).
 LIBRARIES = ("flashinfer", "triton", "flash_attn_interface", "flash_attn.cute", "flash_mla",
