@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from helpers import random_qkv as _qkv
 from specattn.backends.aiter import AiterDecode, AiterExtend
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftRunner
@@ -38,17 +39,6 @@ def _runner(model, dtype, page=1):
 def _make(cls, runner, *args, **kw):
     with use_platform(HIP):
         return cls(runner, *args, **kw)
-
-
-def _qkv(runner, n, gen):
-    dt = runner.dtype
-    if runner.use_mla_backend:
-        w = runner.kv_lora_rank + runner.qk_rope_head_dim
-        return (torch.randn(n, runner.num_heads, w, generator=gen).to(dt),
-                (torch.randn(n, w, generator=gen) * 0.5).to(dt), None)
-    return (torch.randn(n, 4, 16, generator=gen).to(dt),
-            (torch.randn(n, 2, 16, generator=gen) * 0.5).to(dt),
-            torch.randn(n, 2, 16, generator=gen).to(dt))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

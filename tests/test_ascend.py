@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from helpers import random_qkv as _qkv
 from specattn.backends.ascend import AscendDecode, AscendExtend, DSV4NpuDecode, DSV4NpuExtend
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.backends.torch_ref_sparse import reference_window_decode, reference_window_extend
@@ -37,17 +38,6 @@ def _window_runner(dtype):
 def _make(cls, runner, *args, **kw):
     with use_platform(NPU):
         return cls(runner, *args, **kw)
-
-
-def _qkv(runner, n, gen):
-    dt = runner.dtype
-    if runner.use_mla_backend:
-        w = runner.kv_lora_rank + runner.qk_rope_head_dim
-        return (torch.randn(n, runner.num_heads, w, generator=gen).to(dt),
-                (torch.randn(n, w, generator=gen) * 0.5).to(dt), None)
-    return (torch.randn(n, runner.num_q_heads, runner.head_dim, generator=gen).to(dt),
-            (torch.randn(n, runner.num_kv_heads, runner.head_dim, generator=gen) * .5).to(dt),
-            (torch.randn(n, runner.num_kv_heads, runner.v_head_dim, generator=gen)).to(dt))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

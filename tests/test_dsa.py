@@ -11,37 +11,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specattn import metadata
+from helpers import (DEV, decode_sizes, place_decode_round, place_extend_round,
+                     randomize_pools, require_triton_interpret)
+from helpers import close as _close
 from specattn.backends.torch_ref import attend, reference_decode, reference_extend
 from specattn.backends.torch_ref_sparse import (dsa_decode_selection, dsa_extend_selection,
                                                 index_scores, reference_dsa_decode,
                                                 reference_dsa_extend)
-from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.data import AttentionLayer, DraftRunner
 from specattn.errors import BackendUnavailableError, InvalidInputError
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
-        pytest.skip("needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+require_triton_interpret()
 
 from specattn.backends.dsa import DSADecode, DSAExtend, make_index_k_buffer  # noqa: E402
 from specattn.backends.dsa import _kernels as dsa_kernels  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 H, R, ROPE, NH, DI = 4, 32, 16, 3, 16
 
 
-def _close(out, ref, dtype):
-    assert not torch.isnan(out).any(), "NaN in the output"
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-
-
 def _fill(runner, dtype):
-    for p in runner.kv_buffer:
-        p.copy_(torch.randn(p.shape, device=DEV).to(dtype))
+    randomize_pools(runner)
     pool = make_index_k_buffer(runner, DI)
     for p in pool:
         p.copy_(_index_keys(p.shape[0], dtype))
@@ -63,26 +52,12 @@ def _index_q(rows, dtype):
 
 
 def make_decode(dtype, *, topk, steps, page, seq_lens, tree_mode="lane"):
-    bs = len(seq_lens)
-    seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
-    extra = metadata.max_draft_extend_len(topk, steps, page)
-    num_slots = sum(seq_lens) + bs * extra + 8
-    runner = DraftRunner.mla(H, R, ROPE, num_layers=2, num_slots=num_slots, max_reqs=bs + 2,
-                             max_context_len=max(seq_lens) + extra + page, page_size=page,
-                             dtype=dtype, device=DEV)
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, steps, page)
+    runner = DraftRunner.mla(H, R, ROPE, num_layers=2, num_slots=num_slots,
+                             max_reqs=len(seq_lens) + 2, max_context_len=max_ctx,
+                             page_size=page, dtype=dtype, device=DEV)
     pool = _fill(runner, dtype)
-    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
-    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
-    used = 0
-    for b, L in enumerate(seq_lens):
-        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
-        used += L
-    n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
-    loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq,
-                                           perm[used:used + n_new].long(), topk, steps, page)
-    parents = (torch.zeros(steps, bs, topk, dtype=torch.int64, device=DEV)
-               if tree_mode == "path" else None)
-    return runner, pool, DraftBatch(rpi, seq, loc, parents)
+    return runner, pool, place_decode_round(runner, seq_lens, topk, steps, page, tree_mode)
 
 
 def new_inputs(rows, dtype, with_index=True):
@@ -216,15 +191,7 @@ def make_extend(dtype, *, page, seq_lens, ext_lens):
                              max_context_len=max(seq_lens) + page, page_size=page,
                              dtype=dtype, device=DEV)
     pool = _fill(runner, dtype)
-    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
-    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
-    used, new = 0, []
-    for b, (L, E) in enumerate(zip(seq_lens, ext_lens)):
-        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
-        new.append(perm[used + L - E:used + L].long())
-        used += L
-    return runner, pool, DraftExtendBatch(rpi, torch.tensor(seq_lens, device=DEV),
-                                          torch.tensor(ext_lens, device=DEV), torch.cat(new))
+    return runner, pool, place_extend_round(runner, seq_lens, ext_lens)
 
 
 EXTEND_CASES = [

@@ -9,28 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specattn import metadata
+from helpers import (DEV, close, decode_sizes, place_decode_round, place_extend_round,
+                     randomize_pools, require_triton_interpret)
 from specattn.backends.torch_ref import reference_decode, reference_extend
-from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.data import AttentionLayer, DraftRunner
 from specattn.errors import InvalidInputError
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
-        pytest.skip("needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+require_triton_interpret()
 
 from specattn.backends.triton import TritonDecode, TritonExtend  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten partial?)"
-    tol = TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    close(out, ref, dtype, "NaN in the output (unwritten partial?)")
 
 
 def make_runner(model: str, dtype, *, page: int, num_slots: int, max_reqs: int,
@@ -39,38 +30,18 @@ def make_runner(model: str, dtype, *, page: int, num_slots: int, max_reqs: int,
         runner = DraftRunner.mha(4, 2, 32, num_layers=2, num_slots=num_slots,
                                  max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
                                  dtype=dtype, device=DEV)
-        pools = runner.k_buffer + runner.v_buffer
     else:
         runner = DraftRunner.mla(4, 32, 16, num_layers=2, num_slots=num_slots,
                                  max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
                                  dtype=dtype, device=DEV)
-        pools = runner.kv_buffer
-    for p in pools:
-        p.copy_(torch.randn(p.shape, device=DEV).to(dtype))
-    return runner
+    return randomize_pools(runner)
 
 
 def make_decode(model, dtype, *, topk, steps, page, seq_lens, tree_mode="lane"):
-    bs = len(seq_lens)
-    seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
-    extra = metadata.max_draft_extend_len(topk, steps, page)
-    max_ctx = max(seq_lens) + extra + page
-    num_slots = sum(seq_lens) + bs * extra + 8
-    runner = make_runner(model, dtype, page=page, num_slots=num_slots, max_reqs=bs + 3,
-                         max_ctx=max_ctx)
-    rpi = torch.randperm(bs + 3, device=DEV)[:bs]
-    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
-    used = 0
-    for b, L in enumerate(seq_lens):
-        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
-        used += L
-    n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
-    loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq,
-                                           perm[used:used + n_new].long(), topk, steps, page)
-    parents = None
-    if tree_mode == "path":
-        parents = torch.zeros(steps, bs, topk, dtype=torch.int64, device=DEV)
-    return runner, DraftBatch(rpi, seq, loc, parents)
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, steps, page)
+    runner = make_runner(model, dtype, page=page, num_slots=num_slots,
+                         max_reqs=len(seq_lens) + 3, max_ctx=max_ctx)
+    return runner, place_decode_round(runner, seq_lens, topk, steps, page, tree_mode)
 
 
 def new_qkv(runner: DraftRunner, rows: int, dtype):
@@ -178,16 +149,7 @@ def make_extend(model, dtype, *, page, seq_lens, ext_lens):
     num_slots = sum(seq_lens) + 8
     runner = make_runner(model, dtype, page=page, num_slots=num_slots, max_reqs=bs + 2,
                          max_ctx=max(seq_lens) + page)
-    rpi = torch.randperm(bs + 2, device=DEV)[:bs]
-    perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
-    used, new = 0, []
-    for b, (L, E) in enumerate(zip(seq_lens, ext_lens)):
-        runner.req_to_token[rpi[b], :L] = perm[used:used + L]
-        new.append(perm[used + L - E:used + L].long())
-        used += L
-    batch = DraftExtendBatch(rpi, torch.tensor(seq_lens, device=DEV),
-                             torch.tensor(ext_lens, device=DEV), torch.cat(new))
-    return runner, batch
+    return runner, place_extend_round(runner, seq_lens, ext_lens)
 
 
 EXTEND_CASES = [
