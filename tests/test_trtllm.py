@@ -106,6 +106,11 @@ def test_mha_extend_matches_reference(fi, dtype, page, lens, ext):
     q, k, v = _qkv(runner, sum(ext), gen)
     out = backend.forward(layer, q, k, v)
     assert_close(out, reference_extend(runner, layer, q, batch), dtype)
+    (c,) = fi
+    q_len = max(ext)  # left-aligned rows; keys run to L' - E + q_len (module doc)
+    assert c.args["q_len_per_req"] == q_len
+    assert c.describe("query") == ((len(lens) * q_len, HQ, D), dtype, "cpu")
+    assert c.args["seq_lens"].tolist() == [L - e + q_len for L, e in zip(lens, ext)]
 
 
 @pytest.mark.parametrize("page,lens,ext", [(32, [50, 3, 33], [4, 3, 1]), (64, [9], [1])])
@@ -182,7 +187,13 @@ def test_wrong_block_table_gives_wrong_answer(fi):
     batch = paged_round(runner, [60], 1, 2, gen)
     backend.init_forward_metadata(batch)
     real = backend._lane_metadata
-    backend._lane_metadata = lambda step: (lambda t, n: (t.add_(t[:, 1:2] != 0), n))(*real(step))
+
+    def corrupted(step):
+        table, lens = real(step)
+        table[0, 1] = (table[0, 1] + 1) % 64  # the second prefix page → another page
+        return table, lens
+
+    backend._lane_metadata = corrupted
     layer = AttentionLayer(0, 0.2)
     q, k, v = _qkv(runner, 1, gen)
     out = backend.forward(0, layer, q, k, v)
@@ -262,6 +273,9 @@ def test_capability_errors(fi, monkeypatch):
     q, k, v = _qkv(backend.runner, 1, torch.Generator().manual_seed(1))
     with pytest.raises(InvalidInputError, match="soft cap"):
         backend.forward(0, AttentionLayer(0, 0.1, logit_cap=4.0), q, k, v)
+    monkeypatch.delattr(sys.modules["flashinfer.decode"], "trtllm_batch_decode_with_kv_cache")
+    with pytest.raises(BackendUnavailableError, match="has no flashinfer.decode.trtllm_batch"):
+        _make(TRTLLMMHAExtend, _mha(16))
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     with pytest.raises(BackendUnavailableError, match="pip install flashinfer-python"):
         _make(TRTLLMMHADecode, _mha(16), 1, 2)

@@ -102,8 +102,8 @@ def _vendor_function(backend: str, fn: str) -> Callable:
         if hasattr(mod, fn):
             return getattr(mod, fn)
     raise BackendUnavailableError(
-        f"{backend}: this flashinfer has no {fn} (needs a flashinfer-python with the "
-        "trtllm-gen decode functions, 0.3 or newer)", backend,
+        f"{backend}: the installed flashinfer has no flashinfer.decode.{fn} (needs a "
+        "flashinfer-python release with the trtllm-gen decode functions)", backend,
         {backend: [f"flashinfer lacks {fn}"]})
 
 
