@@ -136,3 +136,23 @@ def test_errors(monkeypatch, calls):
         _make(AiterExtend, _runner("mha", torch.bfloat16))
     for cls in (AiterDecode, AiterExtend):
         assert cls.pending is None and cls.tested_on.startswith("not run on hardware")
+
+
+def test_graph_protocol_errors(calls):
+    """The shared protocol checks (``base``/``_standin``), pinned with their messages."""
+    gen = torch.Generator().manual_seed(25)
+    runner = _runner("mha", torch.float16)
+    backend = _make(AiterDecode, runner, 2, 2)
+    batch = paged_round(runner, [5, 9], 2, 2, gen)
+    q, k, v = _qkv(runner, 4, gen)
+    with pytest.raises(RuntimeError, match=r"^aiter: forward\(\) called before "
+                       r"init_forward_metadata\(batch\)$"):
+        backend.forward(0, AttentionLayer(0, 0.2), q, k, v)
+    with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=4)
+    with pytest.raises(InvalidInputError, match="padded to bs=3"):
+        backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    backend.init_cuda_graph_state(max_bs=1, max_num_tokens=2)
+    with pytest.raises(InvalidInputError, match="max_bs"):
+        backend.init_forward_metadata_capture_cuda_graph(batch)

@@ -1,6 +1,6 @@
 """Shared helpers of the vendor-glue rows (``flashmla``, ``tokenspeed_mla``, ``aiter``,
-``ascend``): the lazy vendor import, fixed/growing metadata buffers, per-lane block tables
-and the log-sum-exp merge.
+``ascend``): the lazy vendor import, fixed/growing metadata buffers and the decode round
+plumbing around them (``BufferedDecode``), per-lane block tables and the log-sum-exp merge.
 
 Vendor import: ``vendor_module(name, pip_name, backend)`` imports the library when a backend
 is *constructed* (never when specattn is imported). Whatever ``sys.modules[name]`` holds is
@@ -16,14 +16,19 @@ from __future__ import annotations
 import importlib
 import math
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .. import validation
 from ..errors import BackendUnavailableError, InvalidInputError
 from ..metadata import history_slots
 
-__all__ = ["vendor_module", "Buffers", "lane_block_table", "merge_lse", "ceil_div"]
+if TYPE_CHECKING:
+    from ..data import DraftBatch
+
+__all__ = ["vendor_module", "Buffers", "BufferedDecode", "lane_block_table", "merge_lse",
+           "ceil_div"]
 
 
 def ceil_div(a, b):
@@ -71,6 +76,48 @@ class Buffers:
 
     def data_ptr(self, name: str) -> int:
         return self._flat[name].data_ptr()
+
+    def round_fields(self, bs: int, topk: int, num_steps: int,
+                     batch: Optional["DraftBatch"] = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's ``req_pool_indices [bs]``, ``seq_lens [bs]`` and ``out_cache_loc
+        [bs, topk, num_steps]`` (int64 buffers); ``batch``'s values are copied in if given."""
+        rpi = self.get("req_pool_indices", (bs,), torch.int64)
+        seq = self.get("seq_lens", (bs,), torch.int64)
+        loc = self.get("out_cache_loc", (bs, topk, num_steps), torch.int64)
+        if batch is not None:
+            rpi.copy_(batch.req_pool_indices)
+            seq.copy_(batch.seq_lens)
+            loc.copy_(batch.out_cache_loc)
+        return rpi, seq, loc
+
+
+class BufferedDecode:
+    """Round plumbing of a decode glue class whose metadata lives in ``self._bufs``
+    (``Buffers``) and is written by ``self._fill(batch, bs)``.
+
+    ``init_forward_metadata`` validates and fills; capture/replay check the graph protocol
+    (``init_cuda_graph_state`` froze the buffers, ``batch`` padded to ``bs``, within
+    ``cuda_graph_max_bs``) and then refill the frozen buffers in place (``_graph_fill``).
+    Mix in before ``DraftDecodeBackend``."""
+
+    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
+                                      batch)
+        self._fill(batch, batch.batch_size)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
+        self._graph(batch, batch.batch_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
+        self._graph(batch, bs)
+
+    def _graph(self, batch: "DraftBatch", bs: int) -> None:
+        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
+        self._graph_fill(batch, bs)
+
+    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
+        self._fill(batch, bs)
 
 
 def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,

@@ -47,7 +47,7 @@ from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..errors import BackendUnavailableError, InvalidInputError
 from ..metadata import draft_kv_indices, extend_token_slots, history_slots
 from ..platforms import is_hip
-from ._standin import Buffers, ceil_div, vendor_module
+from ._standin import BufferedDecode, Buffers, ceil_div, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -82,7 +82,7 @@ def _latent(runner: "DraftRunner", layer_id: int) -> torch.Tensor:
     return kv.view(-1, 1, 1, kv.shape[-1])
 
 
-class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
+class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
     """Per-lane ragged paged decode (see the module doc).
 
     MHA: q ``[B*K, H_q, D]`` → ``[B*K, H_q, D]``; MLA: q ``[B*K, H, R + rope]`` →
@@ -108,7 +108,7 @@ class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
         nbytes = lanes * heads * parts * r.head_dim * 4 + 2 * lanes * heads * parts * 4
         return self._bufs.get("workspace", (nbytes,), torch.uint8)
 
-    def _fill(self, batch: "DraftBatch", bs: int, row_width: Optional[int]) -> None:
+    def _fill(self, batch: "DraftBatch", bs: int, row_width: Optional[int] = None) -> None:
         r, b, topk, steps = self.runner, self._bufs, self.topk, self.num_steps
         max_len = r.max_context_len if b.fixed else None
         indptr, indices = draft_kv_indices(r.req_to_token, batch.req_pool_indices,
@@ -126,11 +126,6 @@ class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
         self._width = indices.shape[1]
         self._batch, self._bs = batch, bs
 
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self._fill(batch, batch.batch_size, None)
-
     def _graph_width(self, bs: int) -> int:
         return bs * self.topk * (self.runner.max_context_len + self.num_steps)
 
@@ -147,14 +142,7 @@ class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
         self._workspace(n)
         b.freeze()
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._graph(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        self._graph(batch, bs)
-
-    def _graph(self, batch: "DraftBatch", bs: int) -> None:
-        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
+    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
         self._fill(batch, bs, self._graph_width(bs))
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,

@@ -53,7 +53,7 @@ from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..errors import InvalidInputError
 from ..metadata import extend_token_slots, prefix_page_table
 from ..platforms import is_npu
-from ._standin import Buffers, ceil_div, lane_block_table, vendor_module
+from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -132,7 +132,7 @@ class _Rows:
         return (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
 
 
-class _NpuDecode(DraftDecodeBackend):
+class _NpuDecode(BufferedDecode, DraftDecodeBackend):
     """Per-lane paged decode on torch_npu (see the module doc)."""
 
     page_sizes = PAGE_SIZES
@@ -154,43 +154,24 @@ class _NpuDecode(DraftDecodeBackend):
         return "mla" if runner.use_mla_backend else "mha"
 
     def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        bufs = self._bufs
-        for name, src in (("req_pool_indices", batch.req_pool_indices),
-                          ("seq_lens", batch.seq_lens)):
-            bufs.get(name, (bs,), torch.int64).copy_(src)
-        bufs.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64).copy_(
-            batch.out_cache_loc)
+        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
         # Host lengths for the ops' length arguments: one read per round.
         self._host_lens = [int(x) for x in batch.seq_lens.tolist() for _ in range(self.topk)]
         self._batch, self._bs = batch, bs
-
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self._fill(batch, batch.batch_size)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed metadata and table buffers for ``max_bs * topk`` lanes."""
         self.cuda_graph_max_bs = max_bs
         b = self._bufs
-        b.get("req_pool_indices", (max_bs,), torch.int64)
-        b.get("seq_lens", (max_bs,), torch.int64)
-        b.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
+        b.round_fields(max_bs, self.topk, self.num_steps)
         b.get("table", (max_bs * self.topk, self._rows.width))
         b.freeze()
-
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._graph(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        self._graph(batch, bs)
 
     def _graph(self, batch: "DraftBatch", bs: int) -> None:
         if self._rows.kind == "mla":
             raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
                                     "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
-        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
-        self._fill(batch, bs)
+        super()._graph(batch, bs)
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
@@ -202,12 +183,10 @@ class _NpuDecode(DraftDecodeBackend):
         validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
         _no_cap(layer)
         sink = self._sink(layer, attn_sink)
-        loc = b.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
+        rpi, seq, loc = b.round_fields(bs, topk, self.num_steps)
         r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
-        table = lane_block_table(
-            b.get("table", (n, self._rows.width)), r.req_to_token,
-            b.get("req_pool_indices", (bs,), torch.int64), b.get("seq_lens", (bs,), torch.int64),
-            loc, None, step, "lane", r.page_size)
+        table = lane_block_table(b.get("table", (n, self._rows.width)), r.req_to_token, rpi,
+                                 seq, loc, None, step, "lane", r.page_size)
         lens = [x + step + 1 for x in self._host_lens]
         return self._rows.run(q, layer, table, lens, sink)
 

@@ -50,7 +50,7 @@ from ..errors import BackendUnavailableError, InvalidInputError
 from ..metadata import history_slots, prefix_page_table
 from ..platforms import any_platform, cuda_capability
 from ..registry import Dispatcher, Route, default_registry
-from ._standin import Buffers, ceil_div, merge_lse, vendor_module
+from ._standin import BufferedDecode, Buffers, ceil_div, merge_lse, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftRunner
@@ -76,9 +76,10 @@ def _latent_history(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Ten
     return o, lse
 
 
-class FlashMLADecode(DraftDecodeBackend, name="flashmla", platforms=cuda_capability(9, 10),
-                     models=("mla",), requires=(("flash_mla", _PIP),),
-                     kernel_library="flash_mla", priority={"cuda": 65}):
+class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
+                     platforms=cuda_capability(9, 10), models=("mla",),
+                     requires=(("flash_mla", _PIP),), kernel_library="flash_mla",
+                     priority={"cuda": 65}):
     """FlashMLA prefix pass + torch history pass, merged by LSE (see the module doc).
 
     q: ``[B*K, H, 576]``, k: ``[B*K, 576]``, v: ``None`` → ``[B*K, H, 512]``.
@@ -128,11 +129,6 @@ class FlashMLADecode(DraftDecodeBackend, name="flashmla", platforms=cuda_capabil
             tile, splits = fixed_tile, fixed_splits
         self._sched = (tile, splits)
         self._batch, self._bs = batch, bs
-
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self._fill(batch, batch.batch_size)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed block table, lengths, slots and scheduler buffers for ``max_bs`` requests."""

@@ -42,7 +42,7 @@ from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..errors import InvalidInputError
 from ..metadata import extend_token_slots, prefix_page_table
 from ..platforms import cuda_capability
-from ._standin import Buffers, ceil_div, lane_block_table, vendor_module
+from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -98,7 +98,8 @@ class _Tokenspeed:
         return out.to(r.dtype)
 
 
-class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla", **_DECL):
+class TokenspeedMLADecode(_Tokenspeed, BufferedDecode, DraftDecodeBackend, name="tokenspeed_mla",
+                          **_DECL):
     """Per-lane dense paged MLA decode. q ``[B*K, H, R + rope]`` → ``[B*K, H, R]``."""
 
     tree_modes = frozenset({"lane"})
@@ -112,38 +113,17 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
         self._batch: Optional["DraftBatch"] = None
 
     def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        b = self._bufs
-        b.get("req_pool_indices", (bs,), torch.int64).copy_(batch.req_pool_indices)
-        b.get("seq_lens", (bs,), torch.int64).copy_(batch.seq_lens)
-        b.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64).copy_(
-            batch.out_cache_loc)
+        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
         self._batch, self._bs = batch, bs
-
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self._fill(batch, batch.batch_size)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.cuda_graph_max_bs = max_bs
         b, n = self._bufs, max_bs * self.topk
-        b.get("req_pool_indices", (max_bs,), torch.int64)
-        b.get("seq_lens", (max_bs,), torch.int64)
-        b.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
+        b.round_fields(max_bs, self.topk, self.num_steps)
         b.get("table", (n, self._width))
         b.get("lens", (n,))
         self._workspace(1)
         b.freeze()
-
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._graph(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        self._graph(batch, bs)
-
-    def _graph(self, batch: "DraftBatch", bs: int) -> None:
-        self._check_graph_batch(batch, bs, ready=self._bufs.fixed)
-        self._fill(batch, bs)
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -151,12 +131,10 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
         r, b, bs, topk = self.runner, self._bufs, self._bs, self.topk
         n = bs * topk
         validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
-        loc = b.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
+        rpi, seq, loc = b.round_fields(bs, topk, self.num_steps)
         r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, None)
-        seq = b.get("seq_lens", (bs,), torch.int64)
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token,
-                                 b.get("req_pool_indices", (bs,), torch.int64), seq, loc,
-                                 None, step, "lane", r.page_size)
+        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token, rpi, seq,
+                                 loc, None, step, "lane", r.page_size)
         lens = b.get("lens", (n,))
         lens.copy_(seq.repeat_interleave(topk) + step + 1)
         out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
