@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import copy_bandwidth, timed  # noqa: E402
 from specattn import metadata  # noqa: E402
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
 
@@ -61,17 +62,6 @@ def signatures() -> None:
         print("flash_attn_interface: not installed")
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    import triton
-
-    src = torch.randn(2 ** 29, device=DEV)
-    dst = torch.empty_like(src)
-    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                return_mode="median")
-    return 2 * src.numel() * 4 / (t * 1e-3)
-
-
 def build(lens, extra, page_size, layers):
     """Random pools; request ``b`` owns whole random pages covering ``lens[b] + extra[b]``
     positions (``R_b[x] = page[x // P] * P + x % P``), as a paged engine allocates."""
@@ -96,27 +86,6 @@ def build(lens, extra, page_size, layers):
 
 def layers_for(lens):
     return max(2, min(12, -(-3 * L2_BYTES // (sum(lens) * ROW_BYTES))))
-
-
-def timed(fn, layers):
-    import triton
-
-    for lay in layers:
-        fn(lay)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for lay in layers:
-                fn(lay)
-        t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-        return t / len(layers), "graph"
-    except Exception as e:
-        print(f"  graph capture failed ({type(e).__name__}: {e}); eager timing", flush=True)
-        torch.cuda.synchronize()
-        t = triton.testing.do_bench(lambda: [fn(lay) for lay in layers], warmup=10, rep=100,
-                                    return_mode="median")
-        return t / len(layers), "eager"
 
 
 def host_ms(fn, reps=10) -> float:

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import copy_bandwidth, timed  # noqa: E402
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
 
 DEV = "cuda"
@@ -77,17 +78,6 @@ def signatures() -> None:
             print(f"{name}: {e}")
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    import triton
-
-    src = torch.randn(2 ** 29, device=DEV)
-    dst = torch.empty_like(src)
-    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                return_mode="median")
-    return 2 * src.numel() * 4 / (t * 1e-3)
-
-
 def row_bytes(model: str) -> int:
     return 576 * 2 if model == "mla" else 8 * 256 * 2
 
@@ -120,29 +110,6 @@ def build(model, lens, extra_slots, layers, contiguous=False):
 def layers_for(lens, model):
     per_layer = sum(lens) * row_bytes(model)
     return max(2, min(12, -(-3 * L2_BYTES // per_layer)))
-
-
-def timed(fn, layers):
-    """Median ms of one call: a CUDA graph runs ``fn`` once per layer; its replay time over
-    the layer count. Falls back to eager timing if capture fails."""
-    import triton
-
-    for lay in layers:
-        fn(lay)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for lay in layers:
-                fn(lay)
-        t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-        return t / len(layers), "graph"
-    except Exception as e:  # report, then time eagerly
-        print(f"  graph capture failed ({type(e).__name__}: {e}); eager timing", flush=True)
-        torch.cuda.synchronize()
-        t = triton.testing.do_bench(lambda: [fn(lay) for lay in layers], warmup=10, rep=100,
-                                    return_mode="median")
-        return t / len(layers), "eager"
 
 
 def host_ms(fn, reps=10) -> float:

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import copy_bandwidth, timed  # noqa: E402
 from specattn import metadata  # noqa: E402
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
 
@@ -38,17 +39,6 @@ CASES = {
     "extend": ("mha", 32, 4096, 0, 5, 1),
 }
 L2_BYTES = 50 * 2 ** 20
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    import triton
-
-    src = torch.randn(2 ** 29, device=DEV)
-    dst = torch.empty_like(src)
-    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                return_mode="median")
-    return 2 * src.numel() * 4 / (t * 1e-3)
 
 
 def row_bytes(r: DraftRunner) -> int:
@@ -163,19 +153,8 @@ def bench_extend(B, lens, S, bw, config=None, waves=6.0):
 
 
 def _graph_time(fn, layers) -> float:
-    """Median ms of one call: a CUDA graph runs ``fn`` once per layer (pools rotate, so the
-    KV read is larger than L2); its replay time divided by the layer count."""
-    import triton
-
-    for lay in layers:
-        fn(lay)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for lay in layers:
-            fn(lay)
-    t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-    return t / len(layers)
+    """``timed`` without its eager fallback: here a failed capture is an error."""
+    return timed(fn, layers, eager_fallback=False)[0]
 
 
 def lens_for(B, L, ragged, rng):
