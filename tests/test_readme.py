@@ -1,0 +1,28 @@
+"""The README's first lines are the two commands of a fresh machine, and `.ci/run` runs
+exactly the second one."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block and text.index(block.group(0)) < 40, "the commands open the README"
+    return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line]
+
+
+def test_readme_opens_with_the_demo_and_the_test_command():
+    demo, tests = _readme_commands()
+    assert demo.endswith("specattn demo")
+    assert tests.endswith("python -m pytest -q")
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))]
+    assert ci == [_readme_commands()[1]]
