@@ -55,6 +55,17 @@ def test_decode_matches_reference(monkeypatch, dtype, topk, tree_mode, lens):
     _run_round(backend, runner, batch, gen)
 
 
+def test_sgl_flash_mla_wheel_dense_decode_goes_through_use_legacy(monkeypatch):
+    """Found on the H200: sgl-flash-mla 1.0 refuses dense decoding without use_legacy=True."""
+    install(monkeypatch, "flash_mla", fm_standin.make(sgl_legacy=True)[0])
+    gen = torch.Generator().manual_seed(2)
+    runner = _runner(torch.bfloat16)
+    backend = _backend(runner, 2, 2)
+    batch = paged_round(runner, [70, 9], 2, 2, gen)
+    backend.init_forward_metadata(batch)
+    _run_round(backend, runner, batch, gen, layers=(0,))
+
+
 def test_new_interface_sched_meta(monkeypatch):
     """FlashMLA's newer interface: ``get_mla_metadata`` → ``(FlashMLASchedMeta, None)``."""
     mod, calls = fm_standin.make(new_interface=True)

@@ -89,7 +89,8 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
     page_sizes = frozenset({PAGE_SIZE})
     head_dims = frozenset({_HEAD_DIM})
     supports_cuda_graph = True
-    tested_on = "not run on hardware (stand-in tested; H200 check of sgl-flash-mla pending)"
+    tested_on = ("not run on hardware (stand-in tested); the sgl-flash-mla wheel loads on the "
+                 "H200 (torch 2.11): GPU test pending")
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
@@ -102,6 +103,10 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
             raise InvalidInputError("runner.kv_buffer", f"a slot count that is a multiple of "
                                     f"the page size {PAGE_SIZE}", runner.num_slots)
         self._fm = vendor_module("flash_mla", _PIP, "flashmla")
+        # The sgl-flash-mla wheel (the one that loads on the H200) keeps dense decoding only
+        # in its legacy sm90 kernels, reached with use_legacy=True.
+        has_legacy = getattr(self._fm, "has_legacy", None)
+        self._dense_kwargs = {"use_legacy": True} if has_legacy and has_legacy() else {}
         self._bufs = Buffers(runner.device)
         self._width = ceil_div(runner.max_context_len, PAGE_SIZE)
         self._batch: Optional["DraftBatch"] = None
@@ -182,7 +187,7 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
             q.view(bs, topk, r.num_heads, _HEAD_DIM), kv.view(-1, PAGE_SIZE, 1, _HEAD_DIM),
             self._bufs.get("block_table", (bs, self._width)),
             self._bufs.get("cache_seqlens", (bs,)), _HEAD_DIM_V, tile, splits,
-            softmax_scale=layer.scaling, causal=False)
+            softmax_scale=layer.scaling, causal=False, **self._dense_kwargs)
         o_pre = o_pre.reshape(bs * topk, r.num_heads, _HEAD_DIM_V)
         lse_pre = lse_pre.transpose(1, 2).reshape(bs * topk, r.num_heads)
 

@@ -8,6 +8,11 @@
   tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False,
   is_fp8_kvcache=False, indices=None)`` → ``(out [B, s_q, h_q, 512],
   softmax_lse [B, h_q, s_q] fp32, natural log)``. ``causal=True`` aligns bottom-right.
+
+``make(sgl_legacy=True)`` models the ``sgl-flash-mla`` 1.0 wheel (seen on the H200,
+2026-11-29: ``benchmarks/results/2026-11-29-h200/flashmla-probe.log``): it adds
+``has_legacy()`` and a ``use_legacy`` keyword, and its current kernels refuse dense decoding
+("Dense MLA decoding was removed from the current kernels; pass use_legacy=True").
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from ._common import attention_lse, build, expect, expect_tensor
 NUM_SM_PARTS = 4
 
 
-def make(*, new_interface: bool = False):
-    """Old interface by default; ``new_interface=True`` returns ``(sched_meta, None)``."""
+def make(*, new_interface: bool = False, sgl_legacy: bool = False):
+    """Old interface by default; ``new_interface=True`` returns ``(sched_meta, None)``;
+    ``sgl_legacy=True`` is the sgl-flash-mla wheel (dense decode only with use_legacy)."""
     seen_sched: dict[int, tuple] = {}
 
     def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
@@ -44,7 +50,12 @@ def make(*, new_interface: bool = False):
                                head_dim_v: int, tile_scheduler_metadata, num_splits,
                                softmax_scale: Optional[float] = None, causal: bool = False,
                                is_fp8_kvcache: bool = False,
-                               indices: Optional[torch.Tensor] = None):
+                               indices: Optional[torch.Tensor] = None,
+                               use_legacy: Optional[bool] = None):
+        if sgl_legacy:
+            expect(use_legacy is True, "sgl-flash-mla: dense decode needs use_legacy=True")
+        else:
+            expect(use_legacy is None, "FlashMLA's own interface has no use_legacy keyword")
         expect_tensor("q", q, ndim=4, dtype=(torch.bfloat16, torch.float16))
         b, s_q, h_q, d = q.shape
         expect(d == 576, f"q: head_dim 576, got {d}")
@@ -80,5 +91,8 @@ def make(*, new_interface: bool = False):
             lse[i] = l.transpose(0, 1)
         return out, lse
 
-    return build("flash_mla", {"get_mla_metadata": get_mla_metadata,
-                               "flash_mla_with_kvcache": flash_mla_with_kvcache})
+    functions = {"get_mla_metadata": get_mla_metadata,
+                 "flash_mla_with_kvcache": flash_mla_with_kvcache}
+    if sgl_legacy:
+        functions["has_legacy"] = lambda: True
+    return build("flash_mla", functions)
