@@ -68,7 +68,7 @@ from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..errors import BackendUnavailableError, InvalidInputError
 from ..metadata import draft_slot_positions, extend_token_slots, prefix_page_table
 from ..platforms import cuda_capability
-from ._standin import Buffers, ceil_div, lane_block_table, vendor_module
+from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -223,8 +223,9 @@ class _MLA(_TRTLLM):
 
 # --- draft decode ----------------------------------------------------------------------------
 
-class _LaneDecode(DraftDecodeBackend):
-    """Per-lane rows (module doc). Subclasses provide ``_call`` and ``_width``."""
+class _LaneDecode(BufferedDecode, DraftDecodeBackend):
+    """Per-lane rows (module doc). Subclasses provide ``_call`` and ``_width``; capture and
+    replay go through ``BufferedDecode`` (graph-protocol checks, then ``_graph_fill``)."""
 
     tree_modes = frozenset({"lane"})
     supports_cuda_graph = True
@@ -242,11 +243,7 @@ class _LaneDecode(DraftDecodeBackend):
         return ceil_div(num_tokens, page_size)
 
     def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        b = self._bufs
-        b.get("req_pool_indices", (bs,), torch.int64).copy_(batch.req_pool_indices)
-        b.get("seq_lens", (bs,), torch.int64).copy_(batch.seq_lens)
-        b.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64).copy_(
-            batch.out_cache_loc)
+        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
         self._batch, self._bs = batch, bs
 
     def init_forward_metadata(self, batch: "DraftBatch") -> None:
@@ -259,30 +256,14 @@ class _LaneDecode(DraftDecodeBackend):
         """Fixed buffers for ``max_bs * K`` lanes (table, lengths, slots, workspace)."""
         self.cuda_graph_max_bs = max_bs
         b, n = self._bufs, max_bs * self.topk
-        b.get("req_pool_indices", (max_bs,), torch.int64)
-        b.get("seq_lens", (max_bs,), torch.int64)
-        b.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
+        b.round_fields(max_bs, self.topk, self.num_steps)
         b.get("table", (n, self._width))
         b.get("lens", (n,))
         self._workspace()
         b.freeze()
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._graph(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """``batch`` holds ``bs`` (padded) requests; refills the fixed buffers in place."""
-        self._graph(batch, bs)
-
-    def _graph(self, batch: "DraftBatch", bs: int) -> None:
-        if not self._bufs.fixed:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch, max_bs=self.cuda_graph_max_bs, debug=False)
+    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
+        """After ``BufferedDecode``'s graph-protocol checks: the layout (no debug pass)."""
         check_draft_layout(self.runner, batch, self.topk, self.num_steps, self.name,
                            debug=False)
         self._fill(batch, bs)
@@ -291,25 +272,21 @@ class _LaneDecode(DraftDecodeBackend):
         """Lane table ``[B*K, width]`` int32 and lane lengths ``[B*K]`` int32 for ``step``."""
         r, b, bs = self.runner, self._bufs, self._bs
         n = bs * self.topk
-        seq = b.get("seq_lens", (bs,), torch.int64)
-        loc = b.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64)
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token,
-                                 b.get("req_pool_indices", (bs,), torch.int64), seq, loc,
-                                 None, step, "lane", r.page_size)
+        rpi, seq, loc = b.round_fields(bs, self.topk, self.num_steps)
+        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token, rpi, seq,
+                                 loc, None, step, "lane", r.page_size)
         lens = b.get("lens", (n,))
         lens.copy_(seq.repeat_interleave(self.topk) + step + 1)
         return table, lens
 
     def _write(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                v: Optional[torch.Tensor]) -> int:
-        if self._batch is None:
-            raise RuntimeError(f"{self.name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r, bs, topk = self.runner, self._bs, self.topk
         n = bs * topk
         validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
         self._check_layer(layer)
-        loc = self._bufs.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
+        _, _, loc = self._bufs.round_fields(bs, topk, self.num_steps)
         r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
         return n
 
@@ -392,9 +369,7 @@ class _PaddedExtend(DraftExtendBackend):
     def _prepare(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                  v: Optional[torch.Tensor]) -> torch.Tensor:
         """Writes the new KV; returns the padded query ``[B * q_len, H, D]``."""
-        if self._batch is None:
-            raise RuntimeError(f"{self.name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(self._batch)
         r = self.runner
         validation.check_extend_forward(r, self._n, layer, q, k, v)
         self._check_layer(layer)
