@@ -162,9 +162,7 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
     def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         bufs = self._active
-        if bufs is None:
-            raise RuntimeError(f"{type(self).name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(bufs)
         bs, lanes = self._bs, self._bs * self.topk
         check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
         if self.tree_mode == "path":
@@ -235,14 +233,12 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         self._graph_bufs = self._new_buffers(max_bs)
         self._captured_parents = None
 
-    def _require_graph_state(self) -> _Buffers:
-        if self._graph_bufs is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
+    def _graph_state(self) -> _Buffers:
+        self._require_graph_state(self._graph_bufs is not None)
         return self._graph_bufs
 
     def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        bufs = self._require_graph_state()
+        bufs = self._graph_state()
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
                            max_bs=self.cuda_graph_max_bs)
         self._captured_parents = batch.parents if self.tree_mode == "path" else None
@@ -251,7 +247,7 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
         """Refill the fixed buffers; a batch of fewer than ``bs`` requests is padded."""
-        bufs = self._require_graph_state()
+        bufs = self._graph_state()
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
                            max_bs=self.cuda_graph_max_bs)
         raw = batch.batch_size

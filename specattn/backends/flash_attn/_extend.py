@@ -76,9 +76,7 @@ class FlashAttnExtendGlue(DraftExtendBackend):
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         bufs = self._active
-        if bufs is None:
-            raise RuntimeError(f"{type(self).name}: forward() called before "
-                               "init_forward_metadata(batch)")
+        self._require_metadata(bufs)
         check_extend_forward(self.runner, self._tokens, layer, q, k, v)
         self.runner.write_kv(layer.layer_id, bufs.loc[:self._tokens], k, v)
         q = q if q.is_contiguous() else q.contiguous()
@@ -101,9 +99,7 @@ class FlashAttnExtendGlue(DraftExtendBackend):
         self._graph_bufs = _Buffers(max_bs, max_num_tokens, self._pages, self.runner.device)
 
     def _graph_fill(self, batch) -> None:
-        if self._graph_bufs is None:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
+        self._require_graph_state(self._graph_bufs is not None)
         check_extend_batch(self.runner, batch)
         bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
         if bs > self._graph_bufs.bs or tokens > self._graph_bufs.tokens:
