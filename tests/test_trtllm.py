@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from helpers import random_qkv as _qkv
 from specattn import DraftBackendFactory, SpecConfig
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.backends.trtllm import (CuteDSLMLADecode, TRTLLMMHADecode, TRTLLMMHAExtend,
@@ -45,17 +46,6 @@ def _mla(page, kv_lora_rank=512):
 def _make(cls, runner, *args, platform=B200, **kw):
     with use_platform(platform):
         return cls(runner, *args, **kw)
-
-
-def _qkv(runner, n, gen):
-    dt = runner.dtype
-    if runner.use_mla_backend:
-        w = runner.head_dim
-        return (torch.randn(n, HM, w, generator=gen).to(dt),
-                (torch.randn(n, w, generator=gen) * 0.5).to(dt), None)
-    return (torch.randn(n, HQ, D, generator=gen).to(dt),
-            (torch.randn(n, HKV, D, generator=gen) * 0.5).to(dt),
-            torch.randn(n, HKV, D, generator=gen).to(dt))
 
 
 def _run_round(backend, runner, batch, gen, steps=range(STEPS), layers=(1, 0)):
