@@ -1,12 +1,16 @@
-"""Test helpers shared by the kernel test files (``test_triton``, ``test_dsa``, ``test_dsv4``)
-and the stand-in glue tests (``test_aiter``, ``test_ascend``).
+"""Test helpers shared by the kernel test files (``test_triton``, ``test_dsa``, ``test_dsv4``),
+the stand-in glue tests (``test_aiter``, ``test_ascend``, ``test_trtllm``) and the case
+builders of ``test_flash_attn`` / ``test_flashinfer`` (also used by their GPU tests).
 
 - ``require_triton_interpret()``: skip the calling module without Triton, or on a machine
   with neither a GPU nor ``TRITON_INTERPRET=1`` (conftest sets it on CPU-only machines).
 - ``close(out, ref, dtype)``: no NaN in ``out``, then ``out ~ ref`` within ``TOL[dtype]``.
 - ``randomize_pools``, ``place_decode_round``, ``place_extend_round``: fresh random pools and
   rounds laid out through ``metadata`` (random request rows and slots).
-- ``random_qkv(runner, n, gen)``: one forward's ``q, k, v`` for the runner's model.
+- ``random_qkv(runner, n, gen)``: one forward's ``q, k, v`` for the runner's model;
+  ``randn_qkv`` the same unscaled, on the runner's device (FlashAttention/FlashInfer cases).
+- ``poison_pools``, ``fill_slots``, ``extend_lengths``: NaN pools with real values only where
+  a case puts them, and the ragged/uniform extend lengths of a case.
 """
 
 from __future__ import annotations
@@ -40,12 +44,44 @@ def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def _pools(runner: DraftRunner) -> list[torch.Tensor]:
+    return runner.kv_buffer if runner.use_mla_backend else runner.k_buffer + runner.v_buffer
+
+
 def randomize_pools(runner: DraftRunner) -> DraftRunner:
     """Fill every KV pool of ``runner`` with standard-normal values in its dtype."""
-    pools = runner.kv_buffer if runner.use_mla_backend else runner.k_buffer + runner.v_buffer
-    for p in pools:
+    for p in _pools(runner):
         p.copy_(torch.randn(p.shape, device=DEV).to(p.dtype))
     return runner
+
+
+def poison_pools(runner: DraftRunner, gen: torch.Generator) -> DraftRunner:
+    """Every pool NaN except slot 0 (the dummy slot padded lanes use), which gets random
+    values; cases then fill the slots a lane may read (``fill_slots``)."""
+    for p in _pools(runner):
+        p.fill_(float("nan"))
+        p[0] = torch.randn(p[0].shape, generator=gen).to(runner.dtype)
+    return runner
+
+
+def fill_slots(runner: DraftRunner, slots: torch.Tensor, gen: torch.Generator) -> None:
+    """Standard-normal values (drawn on the CPU) into ``slots`` of every pool."""
+    for p in _pools(runner):
+        vals = torch.randn((slots.numel(),) + tuple(p.shape[1:]), generator=gen)
+        p[slots.to(p.device).long()] = vals.to(p.dtype).to(p.device)
+
+
+def extend_lengths(bs: int, max_len: int, max_ext: int, ragged: bool,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(extend_lens, seq_lens)`` ``[bs]`` int64: ragged ``E in [1, max_ext]`` over a prefix
+    in ``[0, max_len)``, else every request ``max_ext`` new tokens after ``max_len``."""
+    if ragged:
+        ext = torch.randint(1, max_ext + 1, (bs,), generator=gen)
+        seq = ext + torch.randint(0, max_len, (bs,), generator=gen)
+    else:
+        ext = torch.full((bs,), max_ext)
+        seq = torch.full((bs,), max_len + max_ext)
+    return ext, seq
 
 
 def decode_sizes(seq_lens: list[int], topk: int, steps: int, page: int) -> tuple[int, int]:
@@ -102,3 +138,19 @@ def random_qkv(runner: DraftRunner, n: int, gen: Optional[torch.Generator] = Non
     return (torch.randn(n, runner.num_q_heads, runner.head_dim, generator=gen).to(dt),
             (torch.randn(n, runner.num_kv_heads, runner.head_dim, generator=gen) * .5).to(dt),
             torch.randn(n, runner.num_kv_heads, runner.v_head_dim, generator=gen).to(dt))
+
+
+def randn_qkv(runner: DraftRunner, n: int, gen: torch.Generator):
+    """Unscaled standard-normal ``q, k, v`` for ``n`` rows (drawn on the CPU, moved to the
+    runner's device). MHA: ``[n, H_q, D]``, ``[n, H_kv, D]``, ``[n, H_kv, D_v]``; MLA:
+    ``[n, H, R + rope]``, ``[n, R + rope]``, ``None``."""
+    dev, dt = runner.device, runner.dtype
+    if runner.use_mla_backend:
+        width = runner.kv_lora_rank + runner.qk_rope_head_dim
+        q = torch.randn(n, runner.num_heads, width, generator=gen)
+        k = torch.randn(n, width, generator=gen)
+        return q.to(dt).to(dev), k.to(dt).to(dev), None
+    q = torch.randn(n, runner.num_q_heads, runner.head_dim, generator=gen)
+    k = torch.randn(n, runner.num_kv_heads, runner.head_dim, generator=gen)
+    v = torch.randn(n, runner.num_kv_heads, runner.v_head_dim, generator=gen)
+    return q.to(dt).to(dev), k.to(dt).to(dev), v.to(dt).to(dev)

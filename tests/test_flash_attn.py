@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from helpers import extend_lengths, fill_slots, poison_pools
+from helpers import randn_qkv as qkv
 from specattn import metadata
 from specattn.backends import flash_attn as fa
 from specattn.backends.flash_attn import _kernels
@@ -94,16 +96,7 @@ def _paged_runner(total_pages: int, page_size: int, max_reqs: int, max_ctx: int,
     runner = DraftRunner.mha(hq, hkv, d, num_layers=2, num_slots=total_pages * page_size,
                              max_reqs=max_reqs, max_context_len=max_ctx, page_size=page_size,
                              dtype=dtype, device=device)
-    for p in runner.k_buffer + runner.v_buffer:
-        p.fill_(float("nan"))
-        p[0] = torch.randn(p[0].shape, generator=gen).to(dtype)  # the padding slot
-    return runner
-
-
-def _fill(runner: DraftRunner, slots: torch.Tensor, gen) -> None:
-    for p in runner.k_buffer + runner.v_buffer:
-        vals = torch.randn((slots.numel(),) + tuple(p.shape[1:]), generator=gen)
-        p[slots.to(p.device).long()] = vals.to(p.dtype).to(p.device)
+    return poison_pools(runner, gen)  # NaN, random values in slot 0 (the padding slot)
 
 
 def _allocate(lens: torch.Tensor, page_size: int, max_ctx: int, gen):
@@ -138,7 +131,7 @@ def make_decode_case(*, bs=3, topk=2, steps=3, page_size=1, dtype=torch.bfloat16
     r2t = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
     r2t[rpi] = rows
     for b in range(bs):
-        _fill(runner, rows[b, :int(seq[b])], gen)
+        fill_slots(runner, rows[b, :int(seq[b])], gen)
     new = torch.cat([rows[b, int(seq[b]):int(seq[b] + ext[b])] for b in range(bs)])
     loc = metadata.assign_draft_cache_locs(r2t, rpi, seq, new.long(), topk, steps, page_size)
     runner.req_to_token.copy_(r2t.to(device))
@@ -151,12 +144,7 @@ def make_decode_case(*, bs=3, topk=2, steps=3, page_size=1, dtype=torch.bfloat16
 def make_extend_case(*, bs=3, page_size=1, dtype=torch.bfloat16, device="cpu", seed=0,
                      ragged=True, max_len=40, max_ext=5, heads=(4, 2, 16)) -> Case:
     gen = torch.Generator().manual_seed(seed)
-    if ragged:
-        ext = torch.randint(1, max_ext + 1, (bs,), generator=gen)
-        seq = ext + torch.randint(0, max_len, (bs,), generator=gen)
-    else:
-        ext = torch.full((bs,), max_ext)
-        seq = torch.full((bs,), max_len + max_ext)
+    ext, seq = extend_lengths(bs, max_len, max_ext, ragged, gen)
     max_ctx = int(seq.max()) + page_size
     rows, total_pages = _allocate(seq, page_size, max_ctx, gen)
     max_reqs = bs + 1
@@ -167,20 +155,12 @@ def make_extend_case(*, bs=3, page_size=1, dtype=torch.bfloat16, device="cpu", s
     new = []
     for b in range(bs):
         prefix = int(seq[b] - ext[b])
-        _fill(runner, rows[b, :prefix], gen)
+        fill_slots(runner, rows[b, :prefix], gen)
         new.append(rows[b, prefix:int(seq[b])].long())
     runner.req_to_token.copy_(r2t.to(device))
     batch = DraftExtendBatch(rpi.to(device), seq.to(device), ext.to(device),
                              torch.cat(new).to(device))
     return Case(runner, batch, AttentionLayer(0, 1.0 / math.sqrt(heads[2])))
-
-
-def qkv(runner: DraftRunner, rows: int, gen):
-    dev, dt = runner.device, runner.dtype
-    q = torch.randn(rows, runner.num_q_heads, runner.head_dim, generator=gen)
-    k = torch.randn(rows, runner.num_kv_heads, runner.head_dim, generator=gen)
-    v = torch.randn(rows, runner.num_kv_heads, runner.v_head_dim, generator=gen)
-    return q.to(dt).to(dev), k.to(dt).to(dev), v.to(dt).to(dev)
 
 
 def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:

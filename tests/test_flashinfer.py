@@ -22,6 +22,7 @@ from typing import Optional
 import pytest
 import torch
 
+from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
@@ -55,24 +56,12 @@ def _poisoned_runner(mla: bool, num_slots: int, max_reqs: int, max_ctx: int, pag
         runner = DraftRunner.mla(h, rank, rope, num_layers=2, num_slots=num_slots,
                                  max_reqs=max_reqs, max_context_len=max_ctx,
                                  page_size=page_size, dtype=dtype, device=device)
-        pools = runner.kv_buffer
     else:
         hq, hkv, d = heads
         runner = DraftRunner.mha(hq, hkv, d, num_layers=2, num_slots=num_slots,
                                  max_reqs=max_reqs, max_context_len=max_ctx,
                                  page_size=page_size, dtype=dtype, device=device)
-        pools = runner.k_buffer + runner.v_buffer
-    for p in pools:
-        p.fill_(float("nan"))
-        p[0] = torch.randn(p[0].shape, generator=gen).to(dtype)
-    return runner
-
-
-def _fill_slots(runner: DraftRunner, slots: torch.Tensor, gen: torch.Generator) -> None:
-    pools = runner.kv_buffer if runner.use_mla_backend else runner.k_buffer + runner.v_buffer
-    for p in pools:
-        vals = torch.randn((slots.numel(),) + tuple(p.shape[1:]), generator=gen)
-        p[slots.to(p.device).long()] = vals.to(p.dtype).to(p.device)
+    return poison_pools(runner, gen)
 
 
 def make_decode_case(*, mla: bool = False, bs: int = 3, topk: int = 2, steps: int = 3,
@@ -99,7 +88,7 @@ def make_decode_case(*, mla: bool = False, bs: int = 3, topk: int = 2, steps: in
     for b in range(bs):
         r2t[rpi[b], :seq[b]] = perm[start:start + seq[b]].to(torch.int32)
         start += int(seq[b])
-    _fill_slots(runner, perm[:start], gen)
+    fill_slots(runner, perm[:start], gen)
     loc = perm[start:start + n_draft].reshape(bs, topk, steps)
     parents = torch.randint(0, topk, (steps, bs, topk), generator=gen)
     parents[0] = 0
@@ -113,17 +102,7 @@ def make_decode_case(*, mla: bool = False, bs: int = 3, topk: int = 2, steps: in
 
 def decode_inputs(case: DecodeCase, gen: torch.Generator):
     """Random ``q, k, v`` for one step (MLA: ``v = None``)."""
-    r, n = case.runner, case.batch.batch_size * case.batch.topk
-    dev, dt = r.device, r.dtype
-    if r.use_mla_backend:
-        width = r.kv_lora_rank + r.qk_rope_head_dim
-        q = torch.randn(n, r.num_heads, width, generator=gen)
-        k = torch.randn(n, width, generator=gen)
-        return q.to(dt).to(dev), k.to(dt).to(dev), None
-    q = torch.randn(n, r.num_q_heads, r.head_dim, generator=gen)
-    k = torch.randn(n, r.num_kv_heads, r.head_dim, generator=gen)
-    v = torch.randn(n, r.num_kv_heads, r.v_head_dim, generator=gen)
-    return q.to(dt).to(dev), k.to(dt).to(dev), v.to(dt).to(dev)
+    return randn_qkv(case.runner, case.batch.batch_size * case.batch.topk, gen)
 
 
 def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -169,12 +148,7 @@ def make_extend_case(*, mla: bool = False, bs: int = 3, dtype=torch.float32, dev
                      ragged: bool = True, page_size: int = 1):
     gen = torch.Generator().manual_seed(seed)
     heads = heads or ((4, 64, 16) if mla else (4, 2, 16))
-    if ragged:
-        ext = torch.randint(1, max_ext + 1, (bs,), generator=gen)
-        seq = ext + torch.randint(0, max_len, (bs,), generator=gen)
-    else:
-        ext = torch.full((bs,), max_ext)
-        seq = torch.full((bs,), max_len + max_ext)
+    ext, seq = extend_lengths(bs, max_len, max_ext, ragged, gen)
     max_reqs, max_ctx = bs + 1, int(seq.max()) + page_size
     num_slots = int(seq.sum()) + 9
     runner = _poisoned_runner(mla, num_slots, max_reqs, max_ctx, page_size, dtype, device, gen,
@@ -186,7 +160,7 @@ def make_extend_case(*, mla: bool = False, bs: int = 3, dtype=torch.float32, dev
     for b in range(bs):
         r2t[rpi[b], :seq[b]] = perm[start:start + seq[b]].to(torch.int32)
         prefix = int(seq[b] - ext[b])
-        _fill_slots(runner, perm[start:start + prefix], gen)
+        fill_slots(runner, perm[start:start + prefix], gen)
         new.append(perm[start + prefix:start + seq[b]])
         start += int(seq[b])
     runner.req_to_token.copy_(r2t.to(device))
@@ -197,17 +171,7 @@ def make_extend_case(*, mla: bool = False, bs: int = 3, dtype=torch.float32, dev
 
 
 def extend_inputs(case: DecodeCase, gen: torch.Generator):
-    r, t = case.runner, int(case.batch.extend_lens.sum())
-    if r.use_mla_backend:
-        width = r.kv_lora_rank + r.qk_rope_head_dim
-        q = torch.randn(t, r.num_heads, width, generator=gen)
-        k = torch.randn(t, width, generator=gen)
-        return q.to(r.dtype).to(r.device), k.to(r.dtype).to(r.device), None
-    q = torch.randn(t, r.num_q_heads, r.head_dim, generator=gen)
-    k = torch.randn(t, r.num_kv_heads, r.head_dim, generator=gen)
-    v = torch.randn(t, r.num_kv_heads, r.v_head_dim, generator=gen)
-    return (q.to(r.dtype).to(r.device), k.to(r.dtype).to(r.device),
-            v.to(r.dtype).to(r.device))
+    return randn_qkv(case.runner, int(case.batch.extend_lens.sum()), gen)
 
 
 # --- a pure-torch stand-in for the FlashInfer API the glue uses ------------------------------
