@@ -23,13 +23,6 @@ def warn_once(log: logging.Logger, message: str) -> None:
         log.warning(message)
 
 
-def info_once(log: logging.Logger, message: str) -> None:
-    """Log ``message`` at INFO level the first time it is seen in this process."""
-    key = (log.name, "info:" + message)
-    if key not in _seen:
-        _seen.add(key)
-        log.info(message)
-
 
 def deprecation_once(message: str, stacklevel: int = 3) -> None:
     """Emit ``DeprecationWarning(message)`` once per process."""

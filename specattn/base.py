@@ -19,7 +19,7 @@ per-class settings are read from ``cls.__dict__``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
@@ -409,7 +409,3 @@ class DraftExtendBackend(DraftBackend):
         self._require_graph_state(ready)
         check_extend_batch(self.runner, batch, debug=False)
 
-
-def iter_declared(classes: Iterable[type]) -> list[type]:
-    """``classes`` sorted by qualified name (the registry's deterministic order)."""
-    return sorted(classes, key=lambda c: c.qualified_name())

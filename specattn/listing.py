@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Optional
 
-from .keys import KINDS, BackendRequest
+from .keys import KINDS
 from .platforms import Platform, current_platform
 from .plugins import load_plugins
 from .registry import Registry, active_registry, default_registry
@@ -77,7 +77,3 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
     if available_only:
         rows = [r for r in rows if r.runs_here]
     return sorted(rows, key=lambda r: (r.name, r.kind, r.flavour))
-
-
-def sample_request(kind: str, mla: bool) -> BackendRequest:
-    return BackendRequest(kind=kind, mla=mla)

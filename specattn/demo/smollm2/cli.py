@@ -18,6 +18,7 @@ from ...config import SpecConfig
 from ...errors import SpecAttnError
 from ...factory import DraftBackendFactory
 from ...platforms import Platform, current_platform, use_platform
+from ..cli import _positive
 from ..render import render_tree
 
 __all__ = ["build_parser", "cli_main", "DEFAULT_PROMPTS"]
@@ -28,13 +29,6 @@ DEFAULT_PROMPTS = (
     "Explain in one sentence what a transformer model is.",
     "List three prime numbers.",
 )
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
