@@ -216,23 +216,27 @@ DECODE_GRID = [
 ]
 
 
+@pytest.mark.parametrize("fused", [None, False], ids=["triton-merge", "torch-merge"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("lib,topk,page_size,tree_mode", DECODE_GRID)
-def test_decode_matches_reference(lib, topk, page_size, tree_mode, dtype):
+def test_decode_matches_reference(lib, topk, page_size, tree_mode, dtype, fused):
     cls, _, platform, rec = LIBS[lib]
     case = make_decode_case(topk=topk, page_size=page_size, dtype=dtype, seed=topk + page_size,
                             steps=3)
     with installed(platform):
-        backend = cls(case.runner, topk, 3, tree_mode=tree_mode)
+        backend = cls(case.runner, topk, 3, tree_mode=tree_mode, fused_merge=fused)
         run_decode_round(backend, case)
-    # topk > 1: prefix pass (K rows per request) + history pass per step; else one pass.
-    per_step = 2 if topk > 1 else 1
+    # topk > 1: prefix pass (K rows per request) per step, then the history either in the
+    # Triton kernel (fused) or as a second library call; topk == 1: one pass.
+    per_step = 2 if topk > 1 and fused is False else 1
+    assert backend.fused == (fused is not False)
     assert len(rec.calls) == 3 * per_step
     if topk > 1:
         prefix = rec.calls[0]
         assert (prefix.batch, prefix.total_q, prefix.max_seqlen_q) == (3, 3 * topk, topk)
         assert prefix.page_size == page_size and prefix.with_lse
-        assert rec.calls[1].page_size == 1 and rec.calls[1].batch == 3 * topk
+        if fused is False:
+            assert rec.calls[1].page_size == 1 and rec.calls[1].batch == 3 * topk
     assert not any(c.causal for c in rec.calls)
 
 

@@ -12,11 +12,19 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   step, each lane one query over a page-size-1 table ``[prefix slots | history slots]``
   (``seqused_k = L_b + n``). Page-size-1 because the history slots need not continue the
   prefix's pages.
-- ``split_prefix = C > 1`` (a switch; the routing rule is left to measurement on the H200):
-  FA4 has no split-KV on sm90, so small batches with long prefixes leave SMs idle. The prefix
-  pass then runs each request's prefix as ``C`` chunks of whole pages, each chunk an extra
-  "request" with the request's ``K`` query rows (``q`` repeated ``C`` times); the ``C``
-  chunks and the history merge by LSE. Empty chunks carry no weight. Also for ``K == 1``.
+- ``split_prefix = C > 1``: FA4 has no split-KV on sm90, so small batches with long
+  prefixes leave SMs idle. The prefix pass then runs each request's prefix as ``C`` chunks of
+  whole pages, each chunk an extra "request" with the request's ``K`` query rows (``q``
+  repeated ``C`` times); the ``C`` chunks and the history merge by LSE. Empty chunks carry no
+  weight. Also for ``K == 1``.
+- ``auto`` mode (default): per round, ``_route.choose_route`` picks shared, split or
+  per-branch from ``B``, ``K``, the prefix bound, ``H_kv`` and the SM count (host ints only,
+  so one captured graph keeps its route); a route other than ``shared`` is logged once.
+
+History + merge: where Triton runs (a CUDA GPU, or the CPU interpreter), the history pass and
+the LSE merge are one Triton kernel (``_fused.history_merge``) reading the prefix pass's
+output and head-major LSE in place; elsewhere (MUSA) the history is a second FlashAttention
+call and the merge is ``merge_states`` in torch.
 
 Metadata (``init_forward_metadata``): device ops only, no host sync, for all steps at once.
 The tables are full width (``max_context_len``), so one table serves every step: step ``i``
@@ -34,6 +42,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import logging
+
 import torch
 
 from ...base import DraftDecodeBackend
@@ -41,10 +51,14 @@ from ...errors import InvalidInputError
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
 from ...validation import check_decode_batch, check_decode_forward, check_parents_step
+from ._fused import fused_available, history_merge
 from ._kernels import merge_states, resolve_kernel
+from ._route import choose_route, device_sm_count
 from ._tables import ceil_div, check_page_aligned, paged_pools
 
-MODES = ("shared", "per-branch")
+log = logging.getLogger("specattn.backends.flash_attn")
+
+MODES = ("auto", "shared", "per-branch")
 
 
 class _Buffers:
@@ -63,6 +77,7 @@ class _Buffers:
         i32 = dict(dtype=torch.int32, device=device)
         lanes = bs * topk
         self.bs = bs
+        self.chunks = chunks
         self.loc = torch.zeros(bs, topk, steps, dtype=torch.int64, device=device)
         self.seq = torch.zeros(bs, **i32)
         self.cu_req = torch.arange(bs * chunks + 1, **i32) * topk
@@ -83,14 +98,17 @@ class _Buffers:
 class FlashAttnDecodeGlue(DraftDecodeBackend):
     """Common body of the registered fa3 / fa4 decode classes (not registered).
 
-    Extra keywords: ``mode`` (``"shared"`` default, or ``"per-branch"``) and
-    ``split_prefix`` (``C >= 1`` prefix chunks per request; 1 = off).
+    Extra keywords: ``mode`` (``"auto"`` default: routed per round; ``"shared"``;
+    ``"per-branch"``), ``split_prefix`` (``C >= 1`` prefix chunks per request, 1 = off; a
+    value > 1 fixes the shared route) and ``fused_merge`` (None: the Triton history+merge
+    kernel where Triton runs; False: FlashAttention history pass + torch merge).
     """
 
     library = "fa4"  # which kernel family: "fa4", "fa3" or "mate"
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
-                 mode: str = "shared", split_prefix: int = 1) -> None:
+                 mode: str = "auto", split_prefix: int = 1,
+                 fused_merge: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in MODES:
             raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
@@ -100,20 +118,57 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         if mode == "per-branch" and split_prefix > 1:
             raise InvalidInputError("split_prefix", "1 in mode='per-branch' (only the shared "
                                     "prefix pass is split)", split_prefix)
+        if fused_merge not in (None, True, False):
+            raise InvalidInputError("fused_merge", "None, True or False", repr(fused_merge))
         self.kernel = resolve_kernel(self.library, current_platform(), type(self).name)
         self.mode = mode
         self.chunks = split_prefix
-        self.two_pass = mode == "shared" and (topk > 1 or split_prefix > 1)
-        self._bufs: Optional[_Buffers] = None
-        self._graph_bufs: Optional[_Buffers] = None
+        can_fuse = fused_available(runner.device)
+        if fused_merge and not can_fuse:
+            raise InvalidInputError("fused_merge", "False or None here (Triton cannot run on "
+                                    f"{runner.device})", fused_merge)
+        self.fused = can_fuse if fused_merge is None else fused_merge
+        self._bufs: dict = {}  # route -> _Buffers (eager rounds)
+        self._graph_bufs: Optional[dict] = None  # route -> _Buffers for cuda_graph_max_bs
         self._active: Optional[_Buffers] = None
+        self._route = self._fixed_route()
+        self._logged_routes: set = set()
         self._bs = 0
         self._batch = None
         self._captured_parents: Optional[torch.Tensor] = None
 
-    def _new_buffers(self, bs: int) -> _Buffers:
+    # --- routing -----------------------------------------------------------------------------
+
+    def _fixed_route(self) -> tuple:
+        if self.mode == "per-branch":
+            return ("per-branch", 1)
+        return ("shared", self.chunks)
+
+    def route_for(self, bs: int) -> tuple:
+        """``(mode, chunks)`` a round of ``bs`` requests runs (host ints only)."""
+        if self.mode != "auto" or self.chunks > 1:
+            return self._fixed_route()
+        r = self.runner
+        route = choose_route(bs=bs, topk=self.topk, prefix_len=r.max_context_len,
+                             num_kv_heads=r.num_kv_heads, num_sms=device_sm_count(r.device),
+                             head_dim=r.head_dim)
+        if route != ("shared", 1) and route not in self._logged_routes:
+            self._logged_routes.add(route)
+            log.debug("%s: %d requests x %d lanes route to %s (chunks=%d): the shared prefix "
+                      "pass would leave SMs idle", type(self).name, bs, self.topk, *route)
+        return route
+
+    def _two_pass(self, route: tuple) -> bool:
+        return route[0] == "shared" and (self.topk > 1 or route[1] > 1)
+
+    @property
+    def two_pass(self) -> bool:
+        """Whether the current (or, before any round, the fixed) route has two passes."""
+        return self._two_pass(self._route)
+
+    def _new_buffers(self, bs: int, route: tuple) -> _Buffers:
         return _Buffers(bs, self.topk, self.num_steps, self.runner.max_context_len,
-                        self.page_size, self.chunks, self.two_pass, self.runner.device)
+                        self.page_size, route[1], self._two_pass(route), self.runner.device)
 
     # --- metadata ----------------------------------------------------------------------------
 
@@ -121,27 +176,30 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         """Fill this round's tables on the device (no host sync on a GPU)."""
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
         bs = batch.batch_size
-        if self._bufs is None or self._bufs.bs < bs:
-            self._bufs = self._new_buffers(bs)
-        self._fill(self._bufs, batch, bs, batch.req_pool_indices, batch.seq_lens,
+        route = self.route_for(bs)
+        bufs = self._bufs.get(route)
+        if bufs is None or bufs.bs < bs:
+            bufs = self._bufs[route] = self._new_buffers(bs, route)
+        self._fill(bufs, route, batch, bs, batch.req_pool_indices, batch.seq_lens,
                    batch.out_cache_loc)
 
-    def _fill(self, bufs: _Buffers, batch, bs: int, rpi: torch.Tensor, seq: torch.Tensor,
-              loc: torch.Tensor) -> None:
-        if self.two_pass:
+    def _fill(self, bufs: _Buffers, route: tuple, batch, bs: int, rpi: torch.Tensor,
+              seq: torch.Tensor, loc: torch.Tensor) -> None:
+        two_pass, chunks = self._two_pass(route), route[1]
+        if two_pass:
             check_page_aligned(self.runner, rpi, seq, "prefixes")
         k, s, p = self.topk, self.num_steps, self.page_size
         lanes = bs * k
         r2t = self.runner.req_to_token
         bufs.loc[:bs].copy_(loc)
         bufs.seq[:bs].copy_(seq)
-        if self.two_pass:
+        if two_pass:
             width = bufs.prefix_pt.shape[1]
             bufs.prefix_pt[:bs].copy_(prefix_page_table(r2t, rpi, seq, p, max_pages=width))
             span = bufs.chunk_pages * p  # keys per full chunk
-            start = torch.arange(self.chunks, device=seq.device) * span
+            start = torch.arange(chunks, device=seq.device) * span
             used = (seq.long()[:, None] - start[None, :]).clamp(0, span)
-            bufs.chunk_used[:bs * self.chunks].copy_(used.reshape(-1))
+            bufs.chunk_used[:bs * chunks].copy_(used.reshape(-1))
             bufs.hist_pt[:lanes].copy_(loc.reshape(lanes, s))
         else:
             ctx = self.runner.max_context_len
@@ -155,7 +213,7 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             table.scatter_(1, cols, loc.reshape(lanes, s).to(torch.int32))
             bufs.full_used[:, :lanes].copy_(
                 lane_len[None, :] + torch.arange(1, s + 1, device=seq.device)[:, None])
-        self._active, self._bs, self._batch = bufs, bs, batch
+        self._active, self._route, self._bs, self._batch = bufs, route, bs, batch
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -169,55 +227,67 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             check_parents_step(self._batch, step, self.topk)
         loc = bufs.loc[:bs]
         self.runner.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
+        two_pass = self.two_pass
         if self.tree_mode == "path" and self.topk > 1:
-            self._refresh_path(bufs, loc, step)
+            self._refresh_path(bufs, loc, step, two_pass)
         q = q if q.is_contiguous() else q.contiguous()
-        k1, v1 = paged_pools(self.runner, layer.layer_id, 1)
         common = dict(scale=float(layer.scaling), softcap=float(layer.logit_cap))
-        if not self.two_pass:
+        if not two_pass:
+            k1, v1 = paged_pools(self.runner, layer.layer_id, 1)
             o, _ = self.kernel(q, k1, v1, page_table=bufs.full_pt[:lanes],
                                seqused=bufs.full_used[step, :lanes],
                                cu_seqlens_q=bufs.cu_lane[:lanes + 1], max_seqlen_q=1,
                                causal=False, with_lse=False, **common)
             return o
-        outs, lses = self._prefix_parts(bufs, bs, layer.layer_id, q, common)
+        o_p, lse_p = self.prefix_pass(bufs, bs, layer.layer_id, q, common)
+        if self.fused:
+            lid = layer.layer_id
+            return history_merge(q, self.runner.k_buffer[lid], self.runner.v_buffer[lid],
+                                 bufs.hist_pt, step + 1, o_p, lse_p, topk=self.topk,
+                                 chunks=bufs.chunks, **common)
+        k1, v1 = paged_pools(self.runner, layer.layer_id, 1)
         o_h, lse_h = self.kernel(q, k1, v1, page_table=bufs.hist_pt[:lanes],
                                  seqused=bufs.hist_used[step, :lanes],
                                  cu_seqlens_q=bufs.cu_lane[:lanes + 1], max_seqlen_q=1,
                                  causal=False, with_lse=True, **common)
+        outs, lses = self._chunk_states(o_p, lse_p, bs, bufs.chunks)
         return merge_states(outs + [o_h], lses + [lse_h], q.dtype)
 
-    def _prefix_parts(self, bufs: _Buffers, bs: int, layer_id: int, q: torch.Tensor,
-                      common: dict) -> tuple[list, list]:
-        """The prefix pass: one state per chunk, each ``[N, H, D_v]`` and LSE ``[N, H]``."""
+    def prefix_pass(self, bufs: _Buffers, bs: int, layer_id: int, q: torch.Tensor,
+                    common: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix pass: out ``[B*C*K, H, D_v]`` (rows ``(b, c, k)``) and its LSE as a
+        token-major view ``[B*C*K, H]`` of the library's head-major tensor (no copy)."""
         kp, vp = paged_pools(self.runner, layer_id, self.page_size)
-        c, k = self.chunks, self.topk
-        if c == 1:
-            o, lse = self.kernel(q, kp, vp, page_table=bufs.prefix_pt[:bs],
-                                 seqused=bufs.seq[:bs], cu_seqlens_q=bufs.cu_req[:bs + 1],
-                                 max_seqlen_q=k, causal=False, with_lse=True, **common)
-            return [o], [lse]
+        c, k = bufs.chunks, self.topk
         rows = bs * c
-        qc = q.view(bs, 1, k, *q.shape[1:]).expand(bs, c, k, *q.shape[1:])
-        qc = qc.reshape(rows * k, *q.shape[1:])
-        o, lse = self.kernel(qc, kp, vp,
-                             page_table=bufs.prefix_pt[:bs].view(rows, bufs.chunk_pages),
-                             seqused=bufs.chunk_used[:rows], cu_seqlens_q=bufs.cu_req[:rows + 1],
-                             max_seqlen_q=k, causal=False, with_lse=True, **common)
+        if c > 1:
+            qc = q.view(bs, 1, k, *q.shape[1:]).expand(bs, c, k, *q.shape[1:])
+            q = qc.reshape(rows * k, *q.shape[1:])
+        return self.kernel(q, kp, vp, page_table=bufs.prefix_pt[:bs].view(rows, -1),
+                           seqused=bufs.chunk_used[:rows], cu_seqlens_q=bufs.cu_req[:rows + 1],
+                           max_seqlen_q=k, causal=False, with_lse=True, **common)
+
+    def _chunk_states(self, o: torch.Tensor, lse: torch.Tensor, bs: int,
+                      c: int) -> tuple[list, list]:
+        """Per-chunk ``[N, H, D_v]`` / ``[N, H]`` states for the torch merge."""
+        if c == 1:
+            return [o], [lse]
+        k, lanes = self.topk, bs * self.topk
         o = o.view(bs, c, k, *o.shape[1:])
         lse = lse.reshape(bs, c, k, lse.shape[-1])
-        lanes = bs * k
         return ([o[:, i].reshape(lanes, *o.shape[3:]) for i in range(c)],
                 [lse[:, i].reshape(lanes, -1) for i in range(c)])
 
-    def _refresh_path(self, bufs: _Buffers, loc: torch.Tensor, step: int) -> None:
+    def _refresh_path(self, bufs: _Buffers, loc: torch.Tensor, step: int,
+                      two_pass: bool) -> None:
         """Rewrite step ``step``'s history columns from ``parents`` (device ops)."""
-        parents = self._captured_parents if bufs is self._graph_bufs else None
+        graph = self._graph_bufs is not None and bufs in self._graph_bufs.values()
+        parents = self._captured_parents if graph else None
         parents = self._batch.parents if parents is None else parents
         lanes = self._bs * self.topk
         hist = path_history_slots(loc, parents, step).reshape(lanes, step + 1)
         hist = hist.to(torch.int32)
-        if self.two_pass:
+        if two_pass:
             bufs.hist_pt[:lanes, :step + 1].copy_(hist)
         else:
             cols = bufs.lane_len[:lanes, None] + torch.arange(step + 1, device=loc.device)
@@ -226,34 +296,41 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
     # --- CUDA graphs -------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
+        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes), one set per
+        route the captured sizes take (made at capture, reused by every replay)."""
         if not isinstance(max_bs, int) or max_bs < 1:
             raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
         self.cuda_graph_max_bs = max_bs
-        self._graph_bufs = self._new_buffers(max_bs)
+        self._graph_bufs = {}
         self._captured_parents = None
 
-    def _graph_state(self) -> _Buffers:
+    def _graph_state(self, bs: int) -> tuple:
         self._require_graph_state(self._graph_bufs is not None)
-        return self._graph_bufs
+        route = self.route_for(bs)
+        bufs = self._graph_bufs.get(route)
+        if bufs is None:
+            bufs = self._graph_bufs[route] = self._new_buffers(self.cuda_graph_max_bs, route)
+        return bufs, route
 
     def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        bufs = self._graph_state()
+        self._require_graph_state(self._graph_bufs is not None)
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
                            max_bs=self.cuda_graph_max_bs)
+        bufs, route = self._graph_state(batch.batch_size)
         self._captured_parents = batch.parents if self.tree_mode == "path" else None
-        self._fill(bufs, batch, batch.batch_size, batch.req_pool_indices, batch.seq_lens,
-                   batch.out_cache_loc)
+        self._fill(bufs, route, batch, batch.batch_size, batch.req_pool_indices,
+                   batch.seq_lens, batch.out_cache_loc)
 
     def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
         """Refill the fixed buffers; a batch of fewer than ``bs`` requests is padded."""
-        bufs = self._graph_state()
+        self._require_graph_state(self._graph_bufs is not None)
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
                            max_bs=self.cuda_graph_max_bs)
         raw = batch.batch_size
         if not isinstance(bs, int) or not raw <= bs <= self.cuda_graph_max_bs:
             raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] "
                                     "(the captured batch size)", repr(bs))
+        bufs, route = self._graph_state(bs)  # the captured size's route
         rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
         if raw < bs:
             pad = bs - raw
@@ -268,4 +345,4 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
                 raise InvalidInputError("batch.parents", "at most the captured batch size",
                                         f"{raw} requests")
             captured[:, :raw].copy_(batch.parents)
-        self._fill(bufs, batch, bs, rpi, seq, loc)
+        self._fill(bufs, route, batch, bs, rpi, seq, loc)
