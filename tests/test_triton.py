@@ -17,7 +17,8 @@ from specattn.errors import InvalidInputError
 
 require_triton_interpret()
 
-from specattn.backends.triton import TritonDecode, TritonExtend  # noqa: E402
+from specattn.backends.triton import TritonDecode, TritonExtend, launchers  # noqa: E402
+from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -97,6 +98,34 @@ def test_decode_matches_reference(model, dtype, topk, page, tree_mode, seq_lens,
     run_decode_round(runner, batch, backend, dtype, layer, tree_mode)
 
 
+MLA_VARIANTS = [
+    # topk, tree_mode, seq_lens, config (v3 MLA kernel variants; rows = topk * 4 heads)
+    (8, "path", [23, 40], KernelConfig(16, 16, 4, 2, dv_split=2, v_reload=False)),
+    (4, "lane", [40, 9], KernelConfig(16, 32, 4, 2, dv_split=1, v_reload=True)),
+    (2, "path", [31, 0], KernelConfig(16, 16, 4, 2, dv_split=2, v_reload=True)),
+]
+
+
+@pytest.mark.parametrize("topk,tree_mode,seq_lens,config", MLA_VARIANTS)
+def test_mla_kernel_variants(topk, tree_mode, seq_lens, config):
+    """The MLA stage-1 variants (V split over two programs, V reload, several row blocks)."""
+    runner, batch = make_decode("mla", torch.bfloat16, topk=topk, steps=3, page=1,
+                                seq_lens=seq_lens, tree_mode=tree_mode)
+    backend = TritonDecode(runner, topk, 3, tree_mode=tree_mode, config=config)
+    layer = AttentionLayer(layer_id=0, scaling=0.15)
+    run_decode_round(runner, batch, backend, torch.bfloat16, layer, tree_mode)
+
+
+def test_split_count_rounding():
+    """Below 2 waves the split count rounds down (one full wave, no stragglers)."""
+    shape = launchers.AttnShape(16, 1, 512, 64, 512, True)
+    cfg = launchers.KernelConfig(64, 32, 8, 2)
+    cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
+    assert launchers.plan_splits(shape, cfg, 64, 3, cpu, 1.0, extend=False) == 1
+    assert launchers.plan_splits(shape, cfg, 64, 1, cpu, 1.0, extend=False) == 4
+    assert launchers.plan_splits(shape, cfg, 64, 3, cpu, 6.0, extend=False) == 8
+
+
 @pytest.mark.parametrize("num_splits", [1, 7])
 def test_decode_logit_cap_and_fixed_splits(num_splits):
     runner, batch = make_decode("mha", torch.float32, topk=2, steps=2, page=1,
@@ -158,13 +187,17 @@ EXTEND_CASES = [
     ("mha", torch.float32, 1, [6, 33], [6, 2]),
     ("mla", torch.bfloat16, 16, [25, 38], [3, 5]),
     ("mla", torch.float32, 1, [17, 17], [4, 4]),
+    ("mla", torch.float16, 1, [36, 8], [6, 2]),
 ]
 
 
 @pytest.mark.parametrize("model,dtype,page,seq_lens,ext_lens", EXTEND_CASES)
 def test_extend_matches_reference(model, dtype, page, seq_lens, ext_lens):
     runner, batch = make_extend(model, dtype, page=page, seq_lens=seq_lens, ext_lens=ext_lens)
-    backend = TritonExtend(runner)
+    # fp16 MLA: the V-split variant with several row blocks (6 tokens x 4 heads > 16 rows).
+    cfg = KernelConfig(16, 16, 4, 2, dv_split=2) if (model, dtype) == ("mla", torch.float16) \
+        else None
+    backend = TritonExtend(runner, config=cfg)
     layer = AttentionLayer(layer_id=1, scaling=0.2, logit_cap=2.0 if dtype == torch.float32
                            else 0.0)
     backend.init_forward_metadata(batch)

@@ -50,7 +50,7 @@ class _GraphBuffers:
 
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, max_splits: int) -> None:
-        parts = max_splits + 1
+        parts = max_splits
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(max_rows * num_q_heads * parts * d_v, dtype=torch.float32,
@@ -64,7 +64,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
     (default: from the SM count and the grid size); ``config``: a ``launchers.KernelConfig``
-    overriding the block sizes (benchmarks)."""
+    overriding the block sizes, ``split_waves``: programs per SM the split count aims at
+    (default per kernel, ``launchers.default_waves``) (benchmarks)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
@@ -72,7 +73,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 config=None, split_waves: float = 6.0) -> None:
+                 config=None, split_waves: Optional[float] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
@@ -96,9 +97,9 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         rows_per_group = lanes * shape.group
         cfg = self._config_override or L.choose_config(shape, rows_per_group)
         num_groups = bs * self.topk // lanes
-        programs = triton_cdiv(rows_per_group, cfg.block_m) * num_groups * shape.num_kv_heads
-        splits = self._num_splits_override or L.choose_num_splits(
-            programs, self.runner.device, self._split_waves)
+        splits = self._num_splits_override or L.plan_splits(
+            shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
+            extend=False)
         return dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
                     num_groups=num_groups, num_splits=splits, bs=bs)
 
@@ -184,10 +185,6 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                            mid_lse=mid_lse, hist=bufs.hist, parents=parents)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
     """Draft extend on the same split-KV kernel: per request and KV head, the ``E_b * G``
     query rows read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally."""
@@ -198,7 +195,7 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, config=None,
-                 split_waves: float = 6.0) -> None:
+                 split_waves: Optional[float] = None) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         self._num_splits_override = num_splits
         self._config_override = config
@@ -212,9 +209,8 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         shape = L.AttnShape.of(self.runner)
         rows_per_group = max_extend * shape.group
         cfg = self._config_override or L.choose_config(shape, rows_per_group)
-        programs = triton_cdiv(rows_per_group, cfg.block_m) * bs * shape.num_kv_heads
-        splits = self._num_splits_override or L.choose_num_splits(
-            programs, self.runner.device, self._split_waves)
+        splits = self._num_splits_override or L.plan_splits(
+            shape, cfg, rows_per_group, bs, self.runner.device, self._split_waves, extend=True)
         return dict(shape=shape, cfg=cfg, rows_per_group=rows_per_group, num_splits=splits,
                     bs=bs, num_tokens=num_tokens)
 

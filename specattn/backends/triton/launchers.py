@@ -24,12 +24,21 @@ MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile."""
+    """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile. MLA only:
+    ``dv_split`` programs share the 512-wide output (1 or 2), ``v_reload`` loads V again
+    instead of reusing the K tile."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    dv_split: int = 1
+    v_reload: bool = False
+
+    def label(self) -> str:
+        extra = (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
+            (" vr" if self.v_reload else "")
+        return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,12 @@ class AttnShape:
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def mla_kernel(self) -> bool:
+        """Whether the MLA stage 1 (latent read as two halves + rope) applies."""
+        return self.v_is_k and self.d_pe > 0 and self.d_main % 2 == 0 and self.d_main >= 32 \
+            and self.d_v == self.d_main
 
     @classmethod
     def of(cls, runner) -> "AttnShape":
@@ -73,8 +88,11 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
-    # Defaults from the H200 sweep (benchmarks/results/2026-11-29-h200/triton-notes.md).
-    if shape.d_pe > 0 or shape.d_main > 256:  # MLA latent: wide rows, keep registers in check
+    # Defaults from the H200 sweeps (benchmarks/results/2026-11-29-h200/triton-notes.md).
+    if shape.mla_kernel:  # v3: all K*H rows of a request in one tile (64 = wgmma height)
+        bm = min(_pow2(rows_per_group), 64)
+        return KernelConfig(bm, 32, 8 if bm >= 64 else 4, 2)
+    if shape.d_pe > 0 or shape.d_main > 256:  # wide rows, keep registers in check
         bm = min(_pow2(rows_per_group), 32)
         return KernelConfig(bm, 32, 4, 2)
     bm = min(_pow2(rows_per_group), 64)
@@ -82,10 +100,29 @@ def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 3)
 
 
+def default_waves(shape: AttnShape, extend: bool) -> float:
+    """Programs per SM that the prefix split count aims at (H200 sweeps)."""
+    if shape.mla_kernel:
+        return 1.0  # ~200 KB of shared memory per program: one resident program per SM
+    return 2.0 if extend else 6.0
+
+
 def choose_num_splits(programs: int, device: torch.device, waves: float = 6.0) -> int:
-    """Prefix splits so that ``programs * splits`` fills about ``waves`` programs per SM."""
-    target = int(waves * _sm_count(device))
-    return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, programs))))
+    """Prefix splits so that ``programs * splits`` fills about ``waves`` programs per SM
+    (rounded up; below 2 waves rounded down, so one full wave is not followed by a few
+    stragglers)."""
+    target = waves * _sm_count(device)
+    n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
+    return max(1, min(MAX_SPLITS, n))
+
+
+def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_groups: int,
+                device: torch.device, waves: Optional[float], extend: bool) -> int:
+    """Split count for a stage-1 grid (host ints only: graph-safe)."""
+    dv = cfg.dv_split if shape.mla_kernel else 1
+    programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
+    w = default_waves(shape, extend) if waves is None else waves
+    return choose_num_splits(programs, device, w)
 
 
 def layer_pools(runner, layer_id: int):
@@ -124,9 +161,9 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
 
 def scratch(rows: int, shape: AttnShape, num_splits: int, device: torch.device,
             flat_o: Optional[torch.Tensor] = None, flat_lse: Optional[torch.Tensor] = None):
-    """Partial-output buffers ``[rows, H_q, splits + 1, D_v]`` / ``[rows, H_q, splits + 1]``
+    """Partial-output buffers ``[rows, H_q, splits, D_v]`` / ``[rows, H_q, splits]``
     (fp32), views of ``flat_o``/``flat_lse`` when given (fixed CUDA-graph buffers)."""
-    parts = num_splits + 1
+    parts = num_splits
     n_o = rows * shape.num_q_heads * parts * shape.d_v
     n_l = rows * shape.num_q_heads * parts
     if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
@@ -153,24 +190,43 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     par_b = parents.stride(1) if parents is not None else 0
     if parents is not None and parents.stride(2) != 1:
         raise ValueError("parents must have unit stride in its last dimension")
-    grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
-            num_splits + 1)
-    K._partial_attn_kernel[grid](
-        q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist_t, par,
-        step, float(layer.scaling), float(layer.logit_cap),
-        q.stride(0), q.stride(1), sks, skh, svs, svh,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
-        topk, num_steps, lanes_per_group, num_splits,
-        NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, MODE=mode,
-        D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
-        BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe), BLOCK_DV=_pow2(shape.d_v),
-        V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        USE_CAP=layer.logit_cap > 0,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or interp else "tf32", DOT_F32=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dot_prec = "ieee" if q.dtype == torch.float32 or interp else "tf32"
+    common = (step, float(layer.scaling), float(layer.logit_cap))
+    if shape.mla_kernel:
+        dv = cfg.dv_split
+        if dv not in (1, 2):
+            raise ValueError(f"dv_split must be 1 or 2, got {dv}")
+        half = shape.d_main // 2
+        grid = (triton.cdiv(rows_per_group, cfg.block_m) * dv, num_groups, num_splits)
+        K._mla_partial_kernel[grid](
+            q, kb, mid_o, mid_lse, req_to_token, meta, hist_t, par, *common,
+            q.stride(0), q.stride(1), sks,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
+            topk, num_steps, lanes_per_group, num_splits,
+            GROUP=shape.group, MODE=mode, D_HALF=half, D_PE=shape.d_pe,
+            BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe),
+            ACC_B_W=_pow2(half) if dv == 1 else 16, DV_SPLIT=dv, V_RELOAD=cfg.v_reload,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0,
+            DOT_PREC=dot_prec, DOT_F32=interp, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    else:
+        grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
+                num_splits)
+        K._partial_attn_kernel[grid](
+            q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist_t, par, *common,
+            q.stride(0), q.stride(1), sks, skh, svs, svh,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
+            topk, num_steps, lanes_per_group, num_splits,
+            NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, MODE=mode,
+            D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
+            BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
+            BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, DOT_PREC=dot_prec,
+            DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
-    parts = num_splits + 1
+    parts = num_splits
     K._merge_kernel[(rows, shape.num_q_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
