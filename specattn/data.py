@@ -120,6 +120,12 @@ class DraftRunner:
         self.num_layers = num_layers
         self.req_to_token = req_to_token
         self.kv_cache_dtype = kv_cache_dtype
+        from .backends._fp8_kv import layout_for
+
+        # An FP8 byte layout (``backends/_fp8_kv``) or None: plain pools of the pool's dtype.
+        self.kv_layout = layout_for(kv_cache_dtype, use_mla_backend=self.use_mla_backend,
+                                    kv_lora_rank=kv_lora_rank,
+                                    qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
         if self.use_mla_backend:
             self.num_heads = num_heads
             self.kv_lora_rank = kv_lora_rank
@@ -167,15 +173,26 @@ class DraftRunner:
     def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
             num_layers: int, num_slots: int, max_reqs: int, max_context_len: int,
             page_size: int = 1, dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | str = "cpu") -> "DraftRunner":
-        """Allocate zeroed MLA latent pools and an all-zero ``req_to_token``."""
-        kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim, dtype=dtype,
-                          device=device) for _ in range(num_layers)]
+            device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+            ) -> "DraftRunner":
+        """Allocate zeroed MLA latent pools and an all-zero ``req_to_token``.
+
+        ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"``: uint8 pools in that FP8 layout
+        (``backends/_fp8_kv``; ``dtype`` stays the activation dtype)."""
+        from .backends._fp8_kv import layout_for
+
+        layout = layout_for(kv_cache_dtype, use_mla_backend=True, kv_lora_rank=kv_lora_rank,
+                            qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
+        if layout is not None:
+            kv = [layout.allocate(num_slots, device) for _ in range(num_layers)]
+        else:
+            kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim, dtype=dtype,
+                              device=device) for _ in range(num_layers)]
         r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         return cls(use_mla_backend=True, dtype=dtype, device=device, page_size=page_size,
                    num_layers=num_layers, req_to_token=r2t, num_heads=num_heads,
                    kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                   kv_buffer=kv)
+                   kv_buffer=kv, kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def wrap_mha(cls, req_to_token: torch.Tensor, k_buffer: Sequence[torch.Tensor],
@@ -192,13 +209,22 @@ class DraftRunner:
     @classmethod
     def wrap_mla(cls, req_to_token: torch.Tensor, kv_buffer: Sequence[torch.Tensor],
                  num_heads: int, kv_lora_rank: int, *, page_size: int = 1,
-                 kv_cache_dtype: str = "auto") -> "DraftRunner":
-        """Wrap an engine's MLA latent pools (no copy)."""
+                 kv_cache_dtype: str = "auto",
+                 dtype: Optional[torch.dtype] = None) -> "DraftRunner":
+        """Wrap an engine's MLA latent pools (no copy). FP8 layouts (uint8 pools): the rope
+        width is solved from the byte width; ``dtype`` (activations) defaults to bfloat16."""
+        from .backends._fp8_kv import LAYOUT_NAMES, rope_for_width
+
         kv0 = kv_buffer[0]
-        return cls(use_mla_backend=True, dtype=kv0.dtype, device=kv0.device,
+        if kv_cache_dtype in LAYOUT_NAMES:
+            rope = rope_for_width(kv_cache_dtype, kv_lora_rank, int(kv0.shape[1]))
+            dtype = dtype or torch.bfloat16
+        else:
+            rope, dtype = kv0.shape[1] - kv_lora_rank, dtype or kv0.dtype
+        return cls(use_mla_backend=True, dtype=dtype, device=kv0.device,
                    page_size=page_size, num_layers=len(kv_buffer), req_to_token=req_to_token,
                    num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-                   qk_rope_head_dim=kv0.shape[1] - kv_lora_rank, kv_buffer=kv_buffer,
+                   qk_rope_head_dim=rope, kv_buffer=kv_buffer,
                    kv_cache_dtype=kv_cache_dtype)
 
     # --- views -----------------------------------------------------------------------------
@@ -233,7 +259,9 @@ class DraftRunner:
         """Store new KV at slots ``loc [N]``: MHA ``k [N, H_kv, D]``, ``v [N, H_kv, D_v]``;
         MLA ``k [N, kv_lora_rank + rope]`` and ``v = None``."""
         loc = loc.reshape(-1).long()
-        if self.use_mla_backend:
+        if self.kv_layout is not None:  # FP8 byte layout: quantize on write
+            self.kv_layout.write(self.kv_buffer[layer_id], loc, k.reshape(loc.shape[0], -1))
+        elif self.use_mla_backend:
             self.kv_buffer[layer_id][loc] = k.reshape(loc.shape[0], -1).to(
                 self.kv_buffer[layer_id].dtype)
         else:

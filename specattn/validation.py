@@ -100,6 +100,10 @@ def check_runner(runner: "DraftRunner") -> None:
         pools = {"runner.kv_buffer": runner.kv_buffer}
         width = runner.kv_lora_rank + runner.qk_rope_head_dim
         expected = {"runner.kv_buffer": (width,)}
+        layout = getattr(runner, "kv_layout", None)
+        if layout is not None:  # FP8 byte layout (backends/_fp8_kv): uint8 pools
+            _check_layout_pools(runner, layout)
+            return
     else:
         for field in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
             value = getattr(runner, field)
@@ -130,6 +134,21 @@ def check_runner(runner: "DraftRunner") -> None:
                 raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
                                         t.shape[0])
             num_slots = t.shape[0]
+
+
+def _check_layout_pools(runner: "DraftRunner", layout) -> None:
+    pool = runner.kv_buffer
+    if pool is None or len(pool) != runner.num_layers:
+        got = None if pool is None else f"{len(pool)} tensors"
+        raise InvalidInputError("runner.kv_buffer", f"a list of {runner.num_layers} tensors "
+                                "(one per layer)", got)
+    for i, t in enumerate(pool):
+        _tensor(f"runner.kv_buffer[{i}]", t, dtypes=(torch.uint8,), ndim=2,
+                device=runner.device)
+        layout.check_pool(f"runner.kv_buffer[{i}]", t)
+        if t.shape[0] != pool[0].shape[0]:
+            raise InvalidInputError(f"runner.kv_buffer[{i}]", f"{pool[0].shape[0]} slots like "
+                                    "layer 0", t.shape[0])
 
 
 def _fp8_dtypes() -> tuple:

@@ -37,6 +37,10 @@ per-head sink ``s_h``::
 
 Key pool for ``dsv4``: MLA runner with ``qk_rope_head_dim == 0`` (``kv_buffer [slots, D]``)
 or MHA runner with one KV head (``k_buffer [slots, 1, D]``; ``v_buffer`` is not read).
+
+FP8 pools (``runner.kv_layout``: ``fp8_ds_mla`` for ``dsa``, ``fp8_ds_v4`` for ``dsv4``;
+``backends/_fp8_kv``): the reference is "dequantize, then exact attention": every key row is
+read through the layout's ``read`` (float32) and the math above runs unchanged.
 """
 
 from __future__ import annotations
@@ -53,9 +57,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "index_scores", "select_positions", "reference_dsa_decode", "reference_dsa_extend",
-    "dsa_decode_selection", "dsa_extend_selection", "window_key_pool", "sink_attend",
-    "reference_window_decode", "reference_window_extend",
+    "dsa_decode_selection", "dsa_extend_selection", "window_key_pool", "window_rows",
+    "latent_rows", "sink_attend", "reference_window_decode", "reference_window_extend",
 ]
+
+
+def latent_rows(runner: "DraftRunner", layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+    """The MLA pool's rows ``[n, R + rope]`` float32 of ``slots [n]``; an FP8 pool
+    (``runner.kv_layout``) is dequantized (``backends/_fp8_kv``)."""
+    pool = runner.kv_buffer[layer_id]
+    if getattr(runner, "kv_layout", None) is not None:
+        return runner.kv_layout.read(pool, slots)
+    return pool[slots.long()].float()
+
+
+def _mla_kv(runner: "DraftRunner", layer_id: int, slots: torch.Tensor):
+    """``_gather_kv`` for MLA runners, FP8 pools included: ``k [n, 1, R + rope]``,
+    ``v [n, 1, R]`` float32."""
+    if getattr(runner, "kv_layout", None) is None:
+        return _gather_kv(runner, layer_id, slots)
+    kv = latent_rows(runner, layer_id, slots)
+    return kv[:, None, :], kv[:, None, :runner.kv_lora_rank]
 
 
 # --- dsa --------------------------------------------------------------------------------------
@@ -140,7 +162,7 @@ def reference_dsa_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torc
         b, j = divmod(z, topk)
         row = runner.req_to_token[int(batch.req_pool_indices[b])]
         slots = torch.cat([row[sel[z]].long(), hist[b, j].long()])
-        k, v = _gather_kv(runner, layer.layer_id, slots)
+        k, v = _mla_kv(runner, layer.layer_id, slots)
         out[z] = attend(q[z:z + 1], k, v, layer.scaling, layer.logit_cap)[0].to(q.dtype)
     return out
 
@@ -157,7 +179,7 @@ def reference_dsa_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torc
     for b in range(batch.batch_size):
         row = runner.req_to_token[int(batch.req_pool_indices[b])]
         for _ in range(int(batch.extend_lens[b])):
-            k, v = _gather_kv(runner, layer.layer_id, row[sel[t_all]].long())
+            k, v = _mla_kv(runner, layer.layer_id, row[sel[t_all]].long())
             out[t_all] = attend(q[t_all:t_all + 1], k, v, layer.scaling,
                                 layer.logit_cap)[0].to(q.dtype)
             t_all += 1
@@ -168,10 +190,18 @@ def reference_dsa_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torc
 
 
 def window_key_pool(runner: "DraftRunner", layer_id: int) -> torch.Tensor:
-    """The layer's one-vector-per-slot pool ``[num_slots, D]`` (keys = values)."""
+    """The layer's one-vector-per-slot pool ``[num_slots, D]`` (keys = values), as stored:
+    an FP8 pool is uint8 ``[num_slots, bytes_per_token]`` (``window_rows`` decodes it)."""
     if runner.use_mla_backend:
         return runner.kv_buffer[layer_id]
     return runner.k_buffer[layer_id][:, 0, :]
+
+
+def window_rows(runner: "DraftRunner", layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+    """Keys (= values) ``[n, D]`` float32 of ``slots [n]``, FP8 pools dequantized."""
+    if getattr(runner, "kv_layout", None) is not None:
+        return latent_rows(runner, layer_id, slots)
+    return window_key_pool(runner, layer_id)[slots.long()].float()
 
 
 def sink_attend(q: torch.Tensor, kv: torch.Tensor, scaling: float, logit_cap: float = 0.0,
@@ -199,15 +229,14 @@ def reference_window_decode(runner: "DraftRunner", layer: "AttentionLayer", q: t
     doc)."""
     bs, topk = batch.out_cache_loc.shape[:2]
     hist = metadata.history_slots(batch.out_cache_loc, batch.parents, step, tree_mode)
-    pool = window_key_pool(runner, layer.layer_id)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for z in range(bs * topk):
         b, j = divmod(z, topk)
         seq_len = int(batch.seq_lens[b])
         prefix = runner.req_to_token[int(batch.req_pool_indices[b]), :seq_len].long()
         slots = torch.cat([prefix, hist[b, j].long()])[-window:]
-        out[z] = sink_attend(q[z], pool[slots], layer.scaling, layer.logit_cap,
-                             attn_sink).to(q.dtype)
+        out[z] = sink_attend(q[z], window_rows(runner, layer.layer_id, slots), layer.scaling,
+                             layer.logit_cap, attn_sink).to(q.dtype)
     return out
 
 
@@ -216,7 +245,6 @@ def reference_window_extend(runner: "DraftRunner", layer: "AttentionLayer", q: t
                             attn_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """DSv4 draft extend (no write). q: ``[T, H, D]``; token at position ``p`` sees
     ``R_b[max(0, p + 1 - window) : p + 1]``."""
-    pool = window_key_pool(runner, layer.layer_id)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     t_all = 0
     for b in range(batch.batch_size):
@@ -225,7 +253,7 @@ def reference_window_extend(runner: "DraftRunner", layer: "AttentionLayer", q: t
         for t in range(ext):
             p = seq_len - ext + t
             slots = row[max(0, p + 1 - window):p + 1].long()
-            out[t_all] = sink_attend(q[t_all], pool[slots], layer.scaling, layer.logit_cap,
-                                     attn_sink).to(q.dtype)
+            out[t_all] = sink_attend(q[t_all], window_rows(runner, layer.layer_id, slots),
+                                     layer.scaling, layer.logit_cap, attn_sink).to(q.dtype)
             t_all += 1
     return out

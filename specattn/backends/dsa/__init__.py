@@ -33,9 +33,16 @@ works)::
 
 Kernels (``_kernels``): a Triton indexer (a request's rows share each index-key tile; the
 scores are per row), ``torch.topk`` on the scores, then a split-K Triton sparse-MLA over the
-per-row slot lists plus one history split, merged by LSE. bf16/fp16/fp32 KV, any page size
-(slots are read token by token through ``req_to_token``; 64 and 1 are what upstream uses);
-no FP8 KV.
+per-row slot lists plus one history split, merged by LSE. Any page size (slots are read token
+by token through ``req_to_token``; 64 and 1 are what upstream uses).
+
+KV: bf16/fp16/fp32 latent pools (``kv_cache_dtype="auto"``), or V3.2's FP8 "with scale" layout
+(``kv_cache_dtype="fp8_ds_mla"`` on the runner: ``DraftRunner.mla(..., kv_cache_dtype=
+"fp8_ds_mla")`` allocates uint8 ``[slots, 656]`` pools for rank 512 + rope 64, ``write_kv``
+quantizes, the kernel dequantizes; layout in ``backends/_fp8_kv``; ``kv_lora_rank`` a multiple
+of 128). Its reference is "dequantize, then exact attention" (``torch_ref_sparse``). The
+index keys stay in their own bf16/fp16/fp32 pool (upstream's 132-byte FP8 index-K cache is
+not built).
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ __all__ = ["DSADecode", "DSAExtend", "make_index_k_buffer", "DEFAULT_INDEX_TOPK"
 log = logging.getLogger("specattn.dsa")
 
 DEFAULT_INDEX_TOPK = 2048
+# "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (backends/_fp8_kv).
+_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 _TESTED_ON = "H200 (sm90) GPU tests incl. CUDA-graph replay + CPU interpreter"
 _NEG_INF = float("-inf")
 
@@ -237,7 +246,8 @@ class _DSAMixin:
         kernels = _k()
         splits = kernels.choose_num_splits(sel.shape[1], q.device)
         return kernels.sparse_mla(q, self.runner.kv_buffer[layer.layer_id], layer, sel, hist,
-                                  hl, self.runner.kv_lora_rank, splits, self._active.mid)
+                                  hl, self.runner.kv_lora_rank, splits, self._active.mid,
+                                  layout=self.runner.kv_layout)
 
 
 class _DSADecode(_DSAMixin, DraftDecodeBackend):
@@ -245,6 +255,7 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
     ``index_k_buffer`` (per-layer index-key pools)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     auto_eligible = False
@@ -334,6 +345,7 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
     """DSA draft extend (see the module doc)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     auto_eligible = False

@@ -18,7 +18,12 @@ to values (the pool stores one vector per slot) and a per-head attention sink ``
 Data: an MLA runner with ``qk_rope_head_dim == 0`` (``kv_buffer [slots, D]``, ``q [N, H, D]``,
 ``k [N, D]``, ``v = None``), or an MHA runner with one KV head and ``head_dim == v_head_dim``
 (``k_buffer [slots, 1, D]`` is the pool; pass ``v = k``: it is stored, never read). The pool
-is bf16/fp16/fp32; upstream's 584-byte FP8 layout is not supported.
+is bf16/fp16/fp32 (``kv_cache_dtype="auto"``), or, on an MLA runner, upstream's FP8 SWA layout
+(``kv_cache_dtype="fp8_ds_v4"``: ``DraftRunner.mla(H, 512, 0, ..., kv_cache_dtype="fp8_ds_v4")``
+allocates uint8 ``[slots, 584]`` pools, page-blocked by the runner's page size: 448 e4m3 in
+blocks of 64 with ue8m0 exponents, then 64 bf16 RoPE values; ``write_kv`` quantizes, the
+kernel dequantizes; layout in ``backends/_fp8_kv``). The FP8 reference is "dequantize, then
+exact attention" (``torch_ref_sparse``).
 
 The sink: ``forward(..., attn_sink=t)`` or a ``SinkAttentionLayer`` carrying it; neither
 (or ``-inf``) = no sink.
@@ -54,6 +59,8 @@ __all__ = ["SinkAttentionLayer", "DSV4CudaDecode", "DSV4CudaExtend", "DSV4HipDec
 log = logging.getLogger("specattn.dsv4")
 
 DEFAULT_WINDOW = 128
+# "auto": the pool's own dtype; "fp8_ds_v4": V4's 584-byte FP8 layout (backends/_fp8_kv).
+_KV_CACHE_DTYPES = ("auto", "fp8_ds_v4")
 _TRITON = (("triton", "triton"),)
 _TESTED_ON = "H200 (sm90) GPU tests incl. CUDA-graph replay + CPU interpreter"
 _HIP_TESTED_ON = "not run on hardware (the CUDA flavour's kernels, CPU interpreter tested)"
@@ -158,6 +165,7 @@ class _DSV4Decode(DraftDecodeBackend):
     attn_sink=None)``."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     auto_eligible = False
@@ -227,6 +235,7 @@ class _DSV4Extend(DraftExtendBackend):
     """Sink-aware sliding-window draft extend (see the module doc)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     auto_eligible = False

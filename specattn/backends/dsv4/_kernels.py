@@ -7,8 +7,14 @@ logical key ``x < prefix_len`` is ``req_to_token[rpi, x]``, key ``x >= prefix_le
 ``WINDOW`` keys in one pass (at most ``WINDOW`` keys: no split-K, no merge), then scales the
 normalised output by ``1 / (1 + exp(sink_h - lse_h))`` (natural-log LSE).
 
+FP8 pools (``kv_cache_dtype="fp8_ds_v4"``, V4's page-blocked 584-byte layout in
+``backends/_fp8_kv``): each key tile is loaded as bytes (e4m3 codes with ue8m0 block exponents,
+then the bf16 RoPE tail) and dequantized in registers by the ``dsa`` kernels' ``_fp8_load``
+(integer/float ops, interpreter-safe); the whole ``D`` vector (e4m3 part and RoPE part) is
+both key and value.
+
 Limits: keys equal values (``V_IS_K``), one KV head, ``BLOCK_D >= 16`` (``tl.dot``), fp32
-accumulation; bf16/fp16/fp32 pools (no FP8 dequant).
+accumulation.
 """
 
 from __future__ import annotations
@@ -19,20 +25,23 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dsa._kernels import _fp8_attend_tile, fp8_args
 from ..torch_ref_sparse import window_key_pool
 from ..triton._attn_kernels import _attend_tile
 
 
 @triton.jit
 def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
-                   sm_scale, logit_cap, HL, WINDOW,
+                   sm_scale, logit_cap, HL, WINDOW, page_size,
                    stride_qt, stride_qh, stride_ps, stride_ot, stride_oh, stride_r2t,
                    stride_hist, NUM_HEADS,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_SINK: tl.constexpr, USE_CAP: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """Q: [rows, H, D]; Pool: [slots, D]; Out: [rows, H, D]; Meta: [rows, 2] int32
-    (req row, prefix_len); Hist: [rows, HL] int32; Sink: [H] fp32."""
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, FMT: tl.constexpr,
+                   D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr):
+    """Q: [rows, H, D]; Pool: [slots, D] (FMT 0) or uint8 [slots, bytes_per_token] in FP8
+    layout FMT; Out: [rows, H, D]; Meta: [rows, 2] int32 (req row, prefix_len); Hist: [rows,
+    HL] int32; Sink: [H] fp32."""
     r = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     rpi = tl.load(Meta + r * 2).to(tl.int64)
@@ -46,7 +55,7 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
     d_ok = offs_d < D
     q = tl.load(Q + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
+    if DOT_F32 or FMT != 0:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -63,10 +72,15 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
                         mask=key_ok & (x >= prefix_len), other=0)
         slot = tl.where(in_prefix, s_pre, s_his).to(tl.int64)
         vis = key_ok[None, :] & head_ok[:, None]
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, Pool, 0, stride_ps, 0, stride_ps, 0,
-            sm_scale, logit_cap, D, 0, D, BLOCK_D, 16, BLOCK_D, True, USE_CAP, DOT_PREC,
-            DOT_F32)
+        if FMT == 0:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, Pool, 0, stride_ps, 0,
+                stride_ps, 0, sm_scale, logit_cap, D, 0, D, BLOCK_D, 16, BLOCK_D, True,
+                USE_CAP, DOT_PREC, DOT_F32)
+        else:
+            acc, m_i, l_i = _fp8_attend_tile(
+                acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, page_size, sm_scale, logit_cap,
+                D, 0, BLOCK_D, 16, FMT, D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC)
 
     LN2: tl.constexpr = 0.6931471805599453
     seen = l_i > 0.0
@@ -89,8 +103,10 @@ def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: t
                      hl: int, window: int, sink: Optional[torch.Tensor]) -> torch.Tensor:
     """Run step (graph-safe: launches only). q: ``[rows, H, D]`` → ``[rows, H, D]``.
 
-    meta: ``[rows, 2]`` int32 (req row, prefix_len); hist: ``[rows, hl]`` int32."""
+    meta: ``[rows, 2]`` int32 (req row, prefix_len); hist: ``[rows, hl]`` int32. An FP8 runner
+    (``runner.kv_layout``) passes its uint8 pool and layout constants."""
     pool = window_key_pool(runner, layer.layer_id)
+    layout = runner.kv_layout
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
@@ -99,14 +115,18 @@ def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: t
     block_d = _pow2(dim)
     block_m = min(_pow2(heads), 16 if block_d >= 256 else 32)
     block_n = 32 if block_d >= 256 else 64
+    if layout is not None and block_d >= 256 and not interp:
+        block_n = 16  # fp32 key tiles after dequantization: keep the registers in bounds
     grid = (rows, triton.cdiv(heads, block_m))
     _window_kernel[grid](
         q, pool, out, runner.req_to_token, meta, hist, sink if sink is not None else q,
         float(layer.scaling), float(layer.logit_cap), hl, window,
+        layout.page_size if layout is not None else 1,
         q.stride(0), q.stride(1), pool.stride(0), out.stride(0), out.stride(1),
         runner.req_to_token.stride(0), hist.stride(0), heads,
         D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SINK=sink is not None, USE_CAP=layer.logit_cap > 0,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interp else "tf32", DOT_F32=interp,
+        **fp8_args(layout),
         num_warps=4 if block_d <= 128 else 8, num_stages=2)
     return out
