@@ -8,6 +8,8 @@ compared as sets (distinct fp32 scores; a swap is only accepted between near-tie
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -308,3 +310,184 @@ def test_declaration():
         assert cls.auto_eligible is False and cls.pending is None
         assert cls.supports_cuda_graph and "H200" in cls.tested_on
         assert cls.deprecated_aliases == ("nsa",)
+
+
+# --- FP8 KV ("fp8_ds_mla": V3.2's 656-byte layout, backends/_fp8_kv) --------------------------
+
+R8 = 128  # the FP8 layout scales blocks of 128: the smallest rank it holds
+
+
+def _bf16_bytes(x: float) -> list:
+    bits = struct.unpack("<I", struct.pack("<f", x))[0] >> 16  # exact for the values used
+    return [bits & 0xFF, bits >> 8]
+
+
+def test_fp8_ds_mla_pool_width_and_byte_layout():
+    """656 bytes per token at V3.2's shape; a hand-built token decodes to the expected values,
+    through the layout's reader and through the kernel (one key, so the output is its value);
+    write_kv puts the codes, the fp32 scale and the bf16 RoPE values where the format says."""
+    big = DraftRunner.mla(2, 512, 64, num_layers=1, num_slots=64, max_reqs=1,
+                          max_context_len=64, page_size=64, kv_cache_dtype="fp8_ds_mla")
+    assert big.kv_buffer[0].dtype == torch.uint8 and big.kv_buffer[0].shape == (64, 656)
+    runner = DraftRunner.mla(H, R8, ROPE, num_layers=1, num_slots=4, max_reqs=1,
+                             max_context_len=4, dtype=torch.float32, device=DEV,
+                             kv_cache_dtype="fp8_ds_mla")
+    lay = runner.kv_layout
+    assert lay.bytes_per_token == R8 + 4 + 2 * ROPE
+    # e4m3: 0x38 = 1.0, 0xB8 = -1.0, 0x01 = 2^-9 (subnormal), 0x7E = 448, 0x00 = 0.
+    codes = [0x38, 0xB8, 0x01, 0x7E] + [0x00] * (R8 - 4)
+    scale = list(struct.pack("<f", 0.5))
+    rope = sum((_bf16_bytes(v) for v in [1.5, -2.0] + [0.0] * (ROPE - 2)), [])
+    token = torch.tensor(codes + scale + rope, dtype=torch.uint8)
+    runner.kv_buffer[0][2] = token.to(DEV)
+    want = torch.zeros(R8 + ROPE)
+    want[:4] = torch.tensor([0.5, -0.5, 2.0 ** -10, 224.0])
+    want[R8:R8 + 2] = torch.tensor([1.5, -2.0])
+    torch.testing.assert_close(lay.read(runner.kv_buffer[0], torch.tensor([2])).cpu()[0], want,
+                               rtol=0, atol=0)
+    q = torch.randn(1, H, R8 + ROPE, device=DEV)
+    sel = torch.tensor([[2]], dtype=torch.int32, device=DEV)
+    hist = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    out = dsa_kernels.sparse_mla(q, runner.kv_buffer[0], AttentionLayer(0, 0.1), sel, hist, 0,
+                                 R8, 1, layout=lay)
+    torch.testing.assert_close(out.cpu(), want[:R8].expand(1, H, R8), rtol=0, atol=0)
+    # Writing: block amax 448 * 0.25 -> scale 0.25 at bytes [R8, R8 + 4), codes, RoPE.
+    x = torch.zeros(1, R8 + ROPE)
+    x[0, 0], x[0, 1], x[0, R8] = 112.0, -0.25, 3.0
+    runner.write_kv(0, torch.tensor([1], device=DEV), x.to(DEV), None)
+    row = runner.kv_buffer[0][1].cpu()
+    assert struct.unpack("<f", bytes(row[R8:R8 + 4].tolist()))[0] == 0.25
+    assert row[0] == 0x7E and row[1] == 0xB8 and row[2] == 0
+    assert row[R8 + 4:R8 + 6].tolist() == _bf16_bytes(3.0)
+
+
+def test_fp8_ds_mla_round_trip():
+    """Write then read: the RoPE part is bf16-exact, the rest within e4m3's half-ulp (2^-4
+    relative, or 2^-10 of the block scale for subnormals); scales are amax / 448."""
+    runner = DraftRunner.mla(H, 2 * R8, ROPE, num_layers=1, num_slots=40, max_reqs=1,
+                             max_context_len=4, page_size=64, dtype=torch.bfloat16,
+                             device=DEV, kv_cache_dtype="fp8_ds_mla")
+    x = torch.randn(40, 2 * R8 + ROPE, device=DEV) * torch.rand(40, 1, device=DEV) * 10
+    x[3, :R8] = 0.0  # an all-zero block: scale 0, decodes to 0
+    slots = torch.randperm(40, device=DEV)
+    runner.write_kv(0, slots, x, None)
+    got = runner.kv_layout.read(runner.kv_buffer[0], slots)
+    torch.testing.assert_close(got[:, 2 * R8:], x[:, 2 * R8:].bfloat16().float(), rtol=0, atol=0)
+    blocks = x[:, :2 * R8].reshape(40, 2, R8)
+    scale = blocks.abs().amax(-1, keepdim=True) / 448
+    err = (got[:, :2 * R8].reshape(40, 2, R8) - blocks).abs()
+    assert (err <= torch.maximum(blocks.abs() * 2 ** -4, scale * 2 ** -10) * 1.0001).all()
+    assert torch.equal(got[3, :R8], torch.zeros(R8, device=DEV))
+
+
+def make_fp8_decode(dtype, *, topk, steps, page, seq_lens, tree_mode="lane"):
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, steps, page)
+    runner = DraftRunner.mla(H, R8, ROPE, num_layers=2, num_slots=num_slots,
+                             max_reqs=len(seq_lens) + 2, max_context_len=max_ctx,
+                             page_size=page, dtype=dtype, device=DEV,
+                             kv_cache_dtype="fp8_ds_mla")
+    for layer_id in range(2):
+        runner.write_kv(layer_id, torch.arange(num_slots, device=DEV),
+                        torch.randn(num_slots, R8 + ROPE, device=DEV), None)
+    pool = make_index_k_buffer(runner, DI)
+    for p in pool:
+        p.copy_(_index_keys(p.shape[0], dtype))
+    return runner, pool, place_decode_round(runner, seq_lens, topk, steps, page, tree_mode)
+
+
+def _fp8_inputs(rows, dtype):
+    q = torch.randn(rows, H, R8 + ROPE, device=DEV).to(dtype)
+    k = torch.randn(rows, R8 + ROPE, device=DEV).to(dtype)
+    return q, k, dict(index_q=_index_q(rows, dtype),
+                      index_weights=torch.rand(rows, NH, device=DEV) + 0.1,
+                      index_k=_index_keys(rows, dtype))
+
+
+FP8_DECODE_CASES = [
+    # dtype, topk, page, tree, seq_lens, index_topk
+    (torch.bfloat16, 1, 64, "lane", [5, 40], 8),    # one dense row, one sparse row
+    (torch.float16, 3, 1, "path", [30, 12], 8),
+    (torch.float32, 2, 64, "lane", [12, 3], 16),    # every list fits: dense
+]
+
+
+@pytest.mark.parametrize("dtype,topk,page,tree_mode,seq_lens,index_topk", FP8_DECODE_CASES)
+def test_fp8_decode_matches_reference(dtype, topk, page, tree_mode, seq_lens, index_topk):
+    """FP8 pool: the kernel (in-kernel dequantization) vs the reference on the dequantized
+    pool; the drafts' own keys are quantized by write_kv before either reads them."""
+    steps = 2
+    runner, pool, batch = make_fp8_decode(dtype, topk=topk, steps=steps, page=page,
+                                          seq_lens=seq_lens, tree_mode=tree_mode)
+    backend = DSADecode(runner, topk, steps, tree_mode=tree_mode, index_topk=index_topk,
+                        index_k_buffer=pool)
+    layer = AttentionLayer(layer_id=1, scaling=(R8 + ROPE) ** -0.5)
+    backend.init_forward_metadata(batch)
+    bs = len(seq_lens)
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, idx = _fp8_inputs(bs * topk, dtype)
+        out = torch.full((bs * topk, H, R8), float("nan"), dtype=dtype, device=DEV)
+        out.copy_(backend.forward(step, layer, q, k, None, **idx))
+        ref = reference_dsa_decode(runner, layer, q, batch, step, tree_mode,
+                                   index_topk=index_topk, index_pool=pool[1],
+                                   index_q=idx["index_q"], index_weights=idx["index_weights"])
+        _close(out, ref, dtype)
+
+
+def test_fp8_extend_matches_reference():
+    seq_lens, ext_lens, index_topk = [30, 12], [4, 2], 8
+    bs = len(seq_lens)
+    runner = DraftRunner.mla(H, R8, ROPE, num_layers=1, num_slots=sum(seq_lens) + 8,
+                             max_reqs=bs + 2, max_context_len=max(seq_lens) + 64, page_size=64,
+                             dtype=torch.bfloat16, device=DEV, kv_cache_dtype="fp8_ds_mla")
+    runner.write_kv(0, torch.arange(runner.num_slots, device=DEV),
+                    torch.randn(runner.num_slots, R8 + ROPE, device=DEV), None)
+    pool = make_index_k_buffer(runner, DI)
+    pool[0].copy_(_index_keys(runner.num_slots, torch.bfloat16))
+    batch = place_extend_round(runner, seq_lens, ext_lens)
+    backend = DSAExtend(runner, index_topk=index_topk, index_k_buffer=pool)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    q, k, idx = _fp8_inputs(sum(ext_lens), torch.bfloat16)
+    out = backend.forward(layer, q, k, None, **idx)
+    _close(out, reference_dsa_extend(runner, layer, q, batch, index_topk=index_topk,
+                                     index_pool=pool[0], index_q=idx["index_q"],
+                                     index_weights=idx["index_weights"]), torch.bfloat16)
+
+
+def test_fp8_capability_and_layout_errors():
+    """Declared honestly: dsa takes "fp8_ds_mla" and nothing else of the FP8 layouts; other
+    rows refuse an FP8 runner; wrong shapes and pools name the argument."""
+    from specattn.backends.triton import TritonDecode
+
+    for cls in (DSADecode, DSAExtend):
+        assert cls.kv_cache_dtypes == ("auto", "fp8_ds_mla")
+        assert "kv auto/fp8_ds_mla" in cls.describe()["capabilities"]
+    fp8 = DraftRunner.mla(H, R8, ROPE, num_layers=1, num_slots=8, max_reqs=1,
+                          max_context_len=8, dtype=torch.float32, device=DEV,
+                          kv_cache_dtype="fp8_ds_mla")
+    assert DSADecode(fp8, 1, 2).runner is fp8
+    with pytest.raises(BackendUnavailableError, match="kv_cache_dtype"):
+        TritonDecode(fp8, 1, 2)
+    v4 = DraftRunner.mla(H, R8, 0, num_layers=1, num_slots=8, max_reqs=1, max_context_len=8,
+                         dtype=torch.float32, device=DEV, kv_cache_dtype="fp8_ds_v4")
+    with pytest.raises(BackendUnavailableError, match="kv_cache_dtype"):
+        DSADecode(v4, 1, 2)
+    with pytest.raises(InvalidInputError, match="kv_lora_rank"):
+        DraftRunner.mla(H, 96, ROPE, num_layers=1, num_slots=8, max_reqs=1, max_context_len=8,
+                        kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(InvalidInputError, match="kv_cache_dtype"):
+        DraftRunner.wrap_mha(fp8.req_to_token, [torch.zeros(8, 1, R8, device=DEV)],
+                             [torch.zeros(8, 1, R8, device=DEV)], H,
+                             kv_cache_dtype="fp8_ds_mla")
+    # Wrapping: the width is solved from the bytes; a plain pool or a wrong width is refused.
+    wrapped = DraftRunner.wrap_mla(fp8.req_to_token, fp8.kv_buffer, H, R8,
+                                   kv_cache_dtype="fp8_ds_mla")
+    assert wrapped.qk_rope_head_dim == ROPE and wrapped.dtype == torch.bfloat16
+    with pytest.raises(InvalidInputError, match="kv_buffer"):
+        DraftRunner.wrap_mla(fp8.req_to_token, [fp8.kv_buffer[0][:, :-3]], H, R8,
+                             kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(InvalidInputError, match=r"runner\.kv_buffer\[0\]"):
+        DraftRunner.wrap_mla(fp8.req_to_token, [fp8.kv_buffer[0].to(torch.int8)], H, R8,
+                             kv_cache_dtype="fp8_ds_mla")
