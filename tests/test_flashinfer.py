@@ -25,6 +25,7 @@ import torch
 from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
+from specattn.backends.flashinfer._history import history_merge
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
                                                  host_indptr)
 from specattn.backends.torch_ref import reference_decode, reference_extend
@@ -229,10 +230,14 @@ class FakePrefill(_FakeWrapper):
 
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, *,
              head_dim_vo=None, causal=False, sm_scale=None, logits_soft_cap=None,
-             q_data_type=None, kv_data_type=None):
+             q_data_type=None, kv_data_type=None, uniform_q_len=None, disable_split_kv=False,
+             fixed_split_size=None):
         assert page_size == 1 and bool((last_page_len == 1).all())
+        if uniform_q_len:  # FlashInfer drops a hint that does not describe the batch
+            assert bool(((qo_indptr[1:] - qo_indptr[:-1]) == uniform_q_len).all())
         self._stage(qo_indptr, kv_indptr, indices)
         self.causal, self.scale, self.cap = causal, sm_scale, logits_soft_cap
+        self.uniform_q_len = uniform_q_len
 
     def run(self, q, kv, return_lse=False):
         k, v = kv[0][:, 0], kv[1][:, 0]
@@ -276,20 +281,12 @@ class FakeMLA(_FakeWrapper):
         return (o, lse) if return_lse else o
 
 
-def _merge_state(va, sa, vb, sb):
-    s = torch.logaddexp(sa * math.log(2), sb * math.log(2))
-    wa = torch.exp(sa * math.log(2) - s)[..., None]
-    wb = torch.exp(sb * math.log(2) - s)[..., None]
-    return (wa * va.float() + wb * vb.float()).to(va.dtype), s / math.log(2)
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     """FlashInfer replaced by the stand-in, on a fake sm90 platform with the library."""
     fi = types.ModuleType("flashinfer")
     fi.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
     fi.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
-    fi.merge_state = _merge_state
     fi.mla = types.SimpleNamespace(
         BatchMLAPagedAttentionWrapper=FakeMLA,
         MLAPlanMetadata=types.SimpleNamespace(csr=lambda qo, kv, idx, lens: types.SimpleNamespace(
@@ -444,6 +441,8 @@ def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode
     rnd = backend._graphs[4]
     wrappers = [p.wrapper for p in ([rnd.prefix] if rnd.prefix else []) + rnd.steps[:2]]
     assert all(w.use_cuda_graph for w in wrappers)
+    if rnd.prefix is not None and not mla:  # the prefix tile fits K rows per request
+        assert rnd.prefix.wrapper.uniform_q_len == topk
     # Replay: a fresh 3-request batch over the same pools; path mode reads the parents
     # tensor given at capture, into which the replay batch's parents are copied.
     b = case.batch
@@ -465,18 +464,67 @@ def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode
         backend.init_forward_metadata_replay_cuda_graph(small, 3)
 
 
-def test_history_plans_reused_across_rounds(fake_flashinfer):
-    """Shared mode: per round only the prefix pass is re-planned (history plans depend on
-    the lane count alone); a new batch size re-plans them."""
-    case = make_decode_case(topk=3, seed=21)
-    backend = FlashInferDecode(case.runner, 3, 3)
+@pytest.mark.parametrize("mla", [False, True])
+def test_shared_mode_plans_prefix_once_per_round(fake_flashinfer, mla):
+    """Shared mode: one FlashInfer plan per round (the prefix pass), whatever the number of
+    steps or batch size; the history needs no pass of its own; the eager plan gives no
+    graph hint."""
+    case = make_decode_case(mla=mla, topk=3, seed=21)
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    backend = cls(case.runner, 3, 3)
     run_decode_round(backend, case, seed=1, steps=2)
-    run_decode_round(backend, next_round(case), seed=2, steps=2)
+    run_decode_round(backend, next_round(case), seed=2, steps=1)
     rnd = backend._eager
-    assert rnd.prefix.wrapper.plans == 2
-    assert [p.wrapper.plans for p in rnd.steps[:2]] == [1, 1]
+    assert rnd.steps == [] and rnd.prefix.wrapper.plans == 2
+    if not mla:
+        assert rnd.prefix.wrapper.uniform_q_len is None
     b = case.batch
     smaller = DraftBatch(b.req_pool_indices[:2], b.seq_lens[:2], b.out_cache_loc[:2],
                          b.parents[:, :2])
-    run_decode_round(backend, DecodeCase(case.runner, smaller, case.layer), seed=3, steps=2)
-    assert [p.wrapper.plans for p in rnd.steps[:2]] == [2, 2]
+    run_decode_round(backend, DecodeCase(case.runner, smaller, case.layer), seed=3, steps=1)
+    assert rnd.prefix.wrapper.plans == 3
+
+
+# --- the fused history + merge kernel (Triton; the interpreter on CPU) -------------------------
+
+
+def _attend_rows(q, k, v, scale, cap):
+    """q: [H, D]; k: [n, H_kv, D]; v: [n, H_kv, Dv] -> (o [H, Dv], lse base 2 [H]) in fp32."""
+    group = q.shape[0] // k.shape[1]
+    s = torch.einsum("hd,nhd->hn", q.float(), k.float().repeat_interleave(group, 1)) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    o = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v.float().repeat_interleave(group, 1))
+    return o, torch.logsumexp(s, -1) / math.log(2)
+
+
+@pytest.mark.parametrize("dtype, heads, d, dv, cap, plen", [
+    (torch.float32, (4, 2), 16, 16, 0.0, 5), (torch.float32, (8, 1), 24, 16, 3.0, 7),
+    (torch.bfloat16, (3, 3), 8, 8, 0.0, 4), (torch.float16, (4, 1), 80, 64, 0.0, 6),
+    (torch.float32, (2, 2), 16, 16, 0.0, 0)], ids=["gqa", "mla-like-cap", "bf16-mha",
+                                                   "fp16-tail", "empty-prefix"])
+def test_history_merge_matches_softmax_over_prefix_and_history(dtype, heads, d, dv, cap, plen):
+    """One softmax over a prefix (given as its o and base-2 LSE) plus history slots read
+    through strided views; NaN in every pool slot no lane reads."""
+    gen = torch.Generator().manual_seed(plen + d)
+    (hq, hkv), lanes, n, slots = heads, 5, 3, 40
+    q = torch.randn(lanes, hq, d, generator=gen).to(dtype)
+    pool = torch.full((slots, hkv, d + dv), float("nan"), dtype=dtype)
+    hist = torch.randperm(slots - 1, generator=gen)[:lanes * (n + 1)].reshape(lanes, n + 1) + 1
+    hist = hist[:, :n]  # a strided view, as the glue passes it
+    pool[hist.reshape(-1)] = torch.randn(lanes * n, hkv, d + dv, generator=gen).to(dtype)
+    k_pool, v_pool = pool[..., :d], pool[..., d:]
+    pk = torch.randn(lanes, plen, hkv, d, generator=gen).to(dtype)
+    pv = torch.randn(lanes, plen, hkv, dv, generator=gen).to(dtype)
+    o_p = torch.zeros(lanes, hq, dv, dtype=dtype)
+    lse_p = torch.full((lanes, hq), float("-inf"))
+    want = []
+    for i in range(lanes):
+        if plen:
+            o, lse = _attend_rows(q[i], pk[i], pv[i], 0.3, cap)
+            o_p[i], lse_p[i] = o.to(dtype), lse
+        k_all = torch.cat([pk[i], k_pool[hist[i]]])
+        v_all = torch.cat([pv[i], v_pool[hist[i]]])
+        want.append(_attend_rows(q[i], k_all, v_all, 0.3, cap)[0])
+    out = history_merge(q, k_pool, v_pool, hist, o_p, lse_p, 0.3, cap)
+    assert_close_rel(out, torch.stack(want).to(dtype), dtype)

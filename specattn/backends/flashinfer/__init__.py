@@ -1,10 +1,11 @@
 """FlashInfer backends (``flashinfer``, MHA and MLA flavours), FlashInfer 0.7.x.
 
 Draft decode reads each request's prefix once for all ``K`` lanes: a prefix pass (paged
-prefill wrapper, ``K`` non-causal query rows per request) plus a per-lane history pass (batch
-decode wrapper on tensor cores), merged by ``flashinfer.merge_state`` (base-2 LSE on both
-sides). ``topk == 1`` is one plain decode over prefix + history. MLA does the same with
-``BatchMLAPagedAttentionWrapper`` for both passes, so ``topk > 1`` works for MLA too.
+prefill wrapper, ``K`` non-causal query rows per request) plus one small Triton kernel that
+attends each lane to its history and merges with the prefix result by the prefix's base-2
+LSE (Triton ships with torch on CUDA). ``topk == 1`` is one plain decode over prefix +
+history. MLA does the same with ``BatchMLAPagedAttentionWrapper`` for the prefix pass, so
+``topk > 1`` works for MLA too.
 Draft extend is one causal paged prefill (MHA) or MLA pass over ragged requests.
 
 The token pool ``[num_slots, H_kv, D]`` (MLA ``[num_slots, R + rope]``) is viewed as pages
@@ -13,6 +14,7 @@ page size > 1 with ``topk > 1``). Layout of this package:
 
 - ``_slots.py``: pure-torch CSR slot lists (device-built, no host sync);
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
+- ``_history.py``: the fused history pass + merge (Triton);
 - ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;
 - this module: the four registered classes.
 
@@ -67,11 +69,14 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
         kw = dict(graph_rows=graph_rows, capacity=capacity)
         if role == "prefix":
             return PrefillPass(self.runner, with_lse=True, backend=self.prefix_backend,
-                               plan_kwargs=self.prefix_plan_kwargs, **kw)
-        lse = role == "history"
+                               plan_kwargs=self.prefix_plan_kwargs, uniform_rows=self.topk,
+                               **kw)
         if self.runner.v_head_dim != self.runner.head_dim:  # decode wrapper: one head dim
-            return PrefillPass(self.runner, with_lse=lse, **kw)
-        return DecodePass(self.runner, with_lse=lse, **kw)
+            return PrefillPass(self.runner, with_lse=False, **kw)
+        return DecodePass(self.runner, with_lse=False, **kw)
+
+    def _history_pools(self, layer_id):
+        return self.runner.k_buffer[layer_id], self.runner.v_buffer[layer_id]
 
 
 class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
@@ -126,6 +131,11 @@ class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla"
     def _new_pass(self, role, graph_rows, capacity):
         return MLAPass(self.runner, with_lse=role != "full", graph_rows=graph_rows,
                        capacity=capacity)
+
+    def _history_pools(self, layer_id):
+        # The latent pool [num_slots, R + rope] is both K (all of it) and V (its first R).
+        kv = self.runner.kv_buffer[layer_id]
+        return kv.unsqueeze(1), kv[:, :self.runner.kv_lora_rank].unsqueeze(1)
 
 
 class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla",

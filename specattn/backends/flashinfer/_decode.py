@@ -2,26 +2,30 @@
 
 Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane):
 
-- ``shared`` mode, ``K > 1``: a *prefix* pass attends the ``K`` query rows of each request
-  to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K`` times), a
-  *history* pass attends each lane to its ``n`` history slots, and ``flashinfer.merge_state``
-  merges the two by their base-2 LSE. The prefix pass is planned once per round and serves
-  every step (its KV set does not change within a round).
+- ``shared`` mode, ``K > 1``: a *prefix* pass (FlashInfer) attends the ``K`` query rows of
+  each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
+  times); one Triton kernel (``_history.py``) then attends each lane to its ``n`` history
+  slots and merges with the prefix result by its base-2 LSE. The prefix pass is planned once
+  per round and serves every step (its KV set does not change within a round); the history
+  kernel needs no plan (it reads the slots from ``out_cache_loc`` / ``parents`` on the
+  device).
 - ``K == 1``, or the ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
   step, each lane a sequence over ``R_b[0 : L_b]`` plus its history.
 
 Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, for the CSR
-indptrs FlashInfer's host scheduler needs); slot lists are built on the device; the prefix
-pass and the passes of steps ``0 .. max(S - 2, 0)`` are planned (the serving loop never runs
-step ``S - 1``; eager calls plan it on first use). History plans depend on the lane count
-only, so in ``shared`` mode they are reused while the batch size stays: a round then costs
-one host plan (the prefix's) plus device work. Run step (``forward``): write K/V, refresh
-the ``path`` histories on the device (graph-safe), run the passes, merge.
+indptrs FlashInfer's host scheduler needs); slot lists are built on the device. ``shared``
+mode plans the prefix pass only (one host plan per round); otherwise the passes of steps
+``0 .. max(S - 2, 0)`` are planned (the serving loop never runs step ``S - 1``; eager calls
+plan it on first use). Run step (``forward``): write K/V, build the ``path`` histories on
+the device (graph-safe), run the passes (and the history kernel).
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
 wrapper's int workspace, so ``init_forward_metadata_replay_cuda_graph`` re-plans (outside the
 graph) before every replay, as upstream does (only the prefix pass in ``shared`` mode).
+The graph-mode prefix plan promises FlashInfer ``K`` query rows per request
+(``uniform_q_len``), so its query tile is sized for ``K`` rows rather than for the ragged
+worst case of ``B * K - B + 1`` rows (4x padded work at ``K = 8``); see ``_passes.py``.
 Under graphs, ``path`` mode reads the ``parents`` tensor given at capture (the draft loop
 inside the graph fills it); a replay batch's own ``parents`` are copied into it. Padded lanes
 write and read slot 0 (``out_cache_loc`` padded with 0), like upstream's padding.
@@ -38,7 +42,8 @@ from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
 from ...metadata import path_history_slots
 from ...validation import check_decode_batch, check_decode_forward, check_parents_step
-from ._passes import Params, Pass, flashinfer_module
+from ._history import history_merge
+from ._passes import Params, Pass
 from ._slots import fill_ragged_slots, history_positions, host_indptr
 
 log = logging.getLogger("specattn.backends.flashinfer")
@@ -54,11 +59,10 @@ class _Round:
     """The passes of one draft round (eager) or one captured batch size (graph)."""
 
     def __init__(self, prefix: Optional[Pass], steps: list[Pass]) -> None:
-        self.prefix = prefix
-        self.steps = steps
+        self.prefix = prefix  # shared mode (no step passes: the history kernel needs none)
+        self.steps = steps  # one full pass per step otherwise
         self.planned = [False] * len(steps)
         self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
-        self.hist_key: list[Optional[tuple]] = [None] * len(steps)
         self.rows = self.plen = self.seq_host = None
         self.parents: Optional[torch.Tensor] = None  # graph: the captured parents tensor
         self.bs = 0
@@ -86,7 +90,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self._loc: Optional[torch.Tensor] = None
         self._parents: Optional[torch.Tensor] = None
         self._graph_loc: Optional[torch.Tensor] = None
-        self._graph_caps: Optional[tuple[int, int, int]] = None
+        self._graph_caps: Optional[tuple[int, int]] = None
 
     # --- flavour hooks -----------------------------------------------------------------------
 
@@ -97,7 +101,12 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         return Params(float(layer.scaling), float(layer.logit_cap))
 
     def _new_pass(self, role: str, graph_rows: Optional[int], capacity: int) -> Pass:
-        """role: ``prefix`` (K rows per request, LSE), ``history`` (1 row, LSE) or ``full``."""
+        """role: ``prefix`` (K rows per request, LSE) or ``full`` (1 row per lane)."""
+        raise NotImplementedError
+
+    def _history_pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pools of a layer for the history kernel: ``[num_slots, H_kv, D]`` and
+        ``[num_slots, H_kv, D_v]`` (views)."""
         raise NotImplementedError
 
     # --- metadata ----------------------------------------------------------------------------
@@ -107,21 +116,15 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         return max(self.num_steps - 1, 1)
 
     def _new_round(self, graph_bs: Optional[int] = None) -> _Round:
-        k, s = self.topk, self.num_steps
-        if graph_bs is None:
-            rows = {"prefix": None, "history": None, "full": None}
-            caps = (0, 0, 0)
-        else:
-            n = graph_bs * k
-            rows = {"prefix": graph_bs, "history": n, "full": n}
-            caps = self._graph_caps
-        role, cap = ("history", caps[1]) if self.shared else ("full", caps[2])
-        prefix = self._new_pass("prefix", rows["prefix"], caps[0]) if self.shared else None
+        caps = (0, 0) if graph_bs is None else self._graph_caps
+        if self.shared:
+            return _Round(self._new_pass("prefix", graph_bs, caps[0]), [])
+        lanes = None if graph_bs is None else graph_bs * self.topk
         # Graph wrappers for the steps the serving loop runs; a later step (eager only)
         # gets an ordinary pass planned on first use.
-        steps = [self._new_pass(role, rows[role], cap) if i < self._planned_steps
-                 else self._new_pass(role, None, 0) for i in range(s)]
-        return _Round(prefix, steps)
+        steps = [self._new_pass("full", lanes, caps[1]) if i < self._planned_steps
+                 else self._new_pass("full", None, 0) for i in range(self.num_steps)]
+        return _Round(None, steps)
 
     def init_forward_metadata(self, batch) -> None:
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
@@ -148,33 +151,24 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
             rnd.rows = rnd.rows.repeat_interleave(k)
             rnd.plen = rnd.plen.repeat_interleave(k)
             rnd.seq_host = rnd.seq_host.repeat_interleave(k)
-        for i in range(self._planned_steps):
-            self._plan_step(rnd, i)
+            for i in range(self._planned_steps):
+                self._plan_step(rnd, i)
         self._active = rnd
 
     def _plan_step(self, rnd: _Round, step: int) -> None:
+        """Plan step ``step``'s full pass (``K == 1`` or ``per-branch``)."""
         n = step + 1
         lanes = rnd.bs * self.topk
         # Lane histories; in path mode a placeholder until forward() reads `parents`.
         hist = self._loc[:, :, :n].reshape(lanes, n)
         p = rnd.steps[step]
-        if self.shared:
-            total = lanes * n
-            p.reserve(total)[:total] = hist.reshape(-1).to(torch.int32)
-            # The history plan depends on the lane count only: reuse it across rounds.
-            key = (lanes, self.params, p.wrapper is not None)
-            if rnd.hist_key[step] != key:
-                qo = torch.arange(lanes + 1, dtype=torch.int32)
-                p.plan(qo, qo * n, total, False, self.params)
-                rnd.hist_key[step] = (lanes, self.params, True)
-        else:
-            total = int(rnd.seq_host.sum()) + lanes * n
-            fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
-                              rnd.plen, hist)
-            if self._needs_path_refresh:
-                rnd.hist_pos[step] = history_positions(rnd.plen, n)
-            qo = torch.arange(lanes + 1, dtype=torch.int32)
-            p.plan(qo, host_indptr(rnd.seq_host + n), total, False, self.params)
+        total = int(rnd.seq_host.sum()) + lanes * n
+        fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
+                          rnd.plen, hist)
+        if self._needs_path_refresh:
+            rnd.hist_pos[step] = history_positions(rnd.plen, n)
+        qo = torch.arange(lanes + 1, dtype=torch.int32)
+        p.plan(qo, host_indptr(rnd.seq_host + n), total, False, self.params)
         rnd.planned[step] = True
 
     @property
@@ -195,32 +189,35 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if self.tree_mode == "path":
             check_parents_step(self._batch, step, self.topk)
         self._sync_params(rnd, layer)
-        if not rnd.planned[step]:
+        if not self.shared and not rnd.planned[step]:
             if _capturing():
                 raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
                                         "graph capture (the serving loop runs steps "
                                         "0 .. num_steps-2)", step)
             self._plan_step(rnd, step)
         self.runner.write_kv(layer.layer_id, self._loc[:, :, step].reshape(-1), k, v)
-        if self._needs_path_refresh:
-            self._refresh_path(rnd, step)
         q = q if q.is_contiguous() else q.contiguous()
         if not self.shared:
+            if self._needs_path_refresh:
+                self._refresh_path(rnd, step)
             o, _ = rnd.steps[step].run(q, layer.layer_id)
             return o
         o_p, lse_p = rnd.prefix.run(q, layer.layer_id)
-        o_h, lse_h = rnd.steps[step].run(q, layer.layer_id)
-        o, _ = flashinfer_module().merge_state(o_p, lse_p, o_h, lse_h)
-        return o
+        k_pool, v_pool = self._history_pools(layer.layer_id)
+        return history_merge(q, k_pool, v_pool, self._history(step, lanes), o_p, lse_p,
+                             self.params.scale, self.params.cap)
+
+    def _history(self, step: int, lanes: int) -> torch.Tensor:
+        """``[lanes, step + 1]`` history slots of every lane (device ops, graph-safe)."""
+        if self._needs_path_refresh:
+            return path_history_slots(self._loc, self._parents, step).reshape(lanes, step + 1)
+        return self._loc[:, :, :step + 1].reshape(lanes, step + 1)
 
     def _refresh_path(self, rnd: _Round, step: int) -> None:
-        """Rewrite step ``step``'s history slots from ``parents`` (device ops, graph-safe)."""
+        """Rewrite step ``step``'s history slots in its full pass from ``parents`` (device
+        ops, graph-safe)."""
         hist = path_history_slots(self._loc, self._parents, step).reshape(-1).to(torch.int32)
-        p = rnd.steps[step]
-        if self.shared:
-            p.indices[:hist.numel()].copy_(hist)
-        else:
-            p.indices.index_copy_(0, rnd.hist_pos[step], hist)
+        rnd.steps[step].indices.index_copy_(0, rnd.hist_pos[step], hist)
 
     def _sync_params(self, rnd: _Round, layer) -> None:
         want = self._check_layer_params(layer)
@@ -233,11 +230,9 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
                 "warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
         log.debug("re-planning for scaling=%s logit_cap=%s", want.scale, want.cap)
         self.params = want
-        for i, (p, done) in enumerate(zip(rnd.steps, rnd.planned)):
+        for p, done in zip(rnd.steps, rnd.planned):
             if done:
                 p.replan(want)
-                if rnd.hist_key[i] is not None:
-                    rnd.hist_key[i] = (rnd.hist_key[i][0], want, True)
         if rnd.prefix is not None:
             rnd.prefix.replan(want)
 
@@ -250,7 +245,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self.cuda_graph_max_bs = max_bs
         k, s, ctx = self.topk, self.num_steps, self.runner.max_context_len
         lanes = max_bs * k
-        self._graph_caps = (max_bs * ctx, lanes * s, lanes * (ctx + s))
+        self._graph_caps = (max_bs * ctx, lanes * (ctx + s))  # prefix, full pass
         self._graph_loc = torch.zeros(max_bs, k, s, dtype=torch.int64,
                                       device=self.runner.device)
         self._graphs.clear()

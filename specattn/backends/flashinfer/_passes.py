@@ -124,15 +124,44 @@ def _mha_kv(runner: "DraftRunner", layer_id: int) -> tuple[torch.Tensor, torch.T
     return runner.k_buffer[layer_id].unsqueeze(1), runner.v_buffer[layer_id].unsqueeze(1)
 
 
+def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -> dict:
+    """Extra ``plan`` arguments of a CUDA-graph prefill plan.
+
+    FlashInfer's graph-mode scheduler (``PrefillSplitQOKVIndptr``) must cover any row
+    distribution a replay may bring, so it sizes the query tile for ``total_rows - seqs + 1``
+    rows per sequence: 225 packed-by-4 rows for ``gqa-long`` (B 32, K 8), a 128-row tile
+    with 32 rows used. ``uniform_q_len`` promises every replay has ``rows`` per sequence (true
+    for the prefix pass: ``K`` per request), so the tile fits. Graph mode also always takes
+    the split-KV path (partials + a merge kernel); when the ``seqs x H_kv`` grid already
+    fills every SM, no request would be split anyway, so ``disable_split_kv`` drops that
+    detour. Measured in ``benchmarks/results/2026-11-29-h200/flashinfer-bench-v2.md``.
+    """
+    kw = {}
+    if rows:
+        kw["uniform_q_len"] = rows
+    dev = torch.device(runner.device)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        if seqs * runner.num_kv_heads >= sms:
+            kw["disable_split_kv"] = True
+    return kw
+
+
 class PrefillPass(Pass):
     """``BatchPrefillWithPagedKVCacheWrapper``: any number of query rows per sequence
-    (prefix pass with ``K`` rows per request; causal draft extend)."""
+    (prefix pass with ``K`` rows per request; causal draft extend).
+
+    ``uniform_rows``: the number of query rows of every sequence in every plan, if fixed (the
+    prefix pass: ``K``); CUDA-graph plans then size FlashInfer's query tile for it.
+    ``plan_kwargs`` are passed to every ``plan`` last (they override the graph defaults)."""
 
     def __init__(self, runner: "DraftRunner", *, backend: str = "auto",
-                 plan_kwargs: Optional[dict] = None, **kw) -> None:
+                 plan_kwargs: Optional[dict] = None, uniform_rows: Optional[int] = None,
+                 **kw) -> None:
         super().__init__(runner, **kw)
         self.backend = backend
         self.plan_kwargs = dict(plan_kwargs or {})  # e.g. fixed_split_size (benchmarks)
+        self.uniform_rows = uniform_rows
 
     def _make_wrapper(self, num_seqs: int):
         fi = flashinfer_module()
@@ -147,12 +176,15 @@ class PrefillPass(Pass):
 
     def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
         r = self.runner
-        last = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
+        seqs = kv_indptr.numel() - 1
+        last = torch.ones(seqs, dtype=torch.int32)
+        extra = _graph_split_kwargs(r, self.uniform_rows, seqs) if self.graph else {}
+        extra.update(self.plan_kwargs)
         self.wrapper.plan(qo_indptr, kv_indptr, self.indices[:total], last, r.num_q_heads,
                           r.num_kv_heads, r.head_dim, 1, head_dim_vo=r.v_head_dim,
                           causal=causal, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.dtype, **self.plan_kwargs)
+                          q_data_type=r.dtype, kv_data_type=r.dtype, **extra)
 
     def run(self, q: torch.Tensor, layer_id: int):
         kv = _mha_kv(self.runner, layer_id)
