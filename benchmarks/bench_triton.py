@@ -92,7 +92,7 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=6.0, step=2):
+def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=None, step=2):
     from specattn.backends.triton import TritonDecode
 
     per_layer = (sum(lens) + B * K * S) * (row_bytes_shape(model))
@@ -131,7 +131,7 @@ def row_bytes_shape(model):
     return 576 * 2 if model == "mla" else 8 * 256 * 2
 
 
-def bench_extend(B, lens, S, bw, config=None, waves=6.0):
+def bench_extend(B, lens, S, bw, config=None, waves=None):
     from specattn.backends.triton import TritonExtend
 
     E = S + 1
@@ -166,12 +166,20 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--mla-config", default=None,
+                    help="file with 'block_m block_n warps stages dv_split v_reload waves' "
+                         "(sweep_triton.py's best) for the shared-prefix MLA cases")
     args = ap.parse_args()
     import triton
 
     from specattn.backends.triton.launchers import KernelConfig
 
     rng = random.Random(0)
+    mla_cfg, mla_waves = None, None
+    if args.mla_config and os.path.exists(args.mla_config):
+        f = open(args.mla_config).read().split()
+        mla_cfg = KernelConfig(*map(int, f[:5]), v_reload=bool(int(f[5])))
+        mla_waves = float(f[6])
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
@@ -193,7 +201,9 @@ def main() -> None:
                     t, floor, info = bench_extend(B, lens, S, bw)
                     pb = None
                 else:
-                    t, floor, info = bench_decode(model, B, lens, K, S, P, "shared", bw)
+                    cfg_w = (mla_cfg, mla_waves) if model == "mla" else (None, None)
+                    t, floor, info = bench_decode(model, B, lens, K, S, P, "shared", bw,
+                                                  *cfg_w)
                     pb = bench_decode(model, B, lens, K, S, P, "per-branch", bw)[0]
             except Exception as e:  # keep going: report the failure in the table
                 line = f"| {name} | {'ragged' if ragged else 'uniform'} | FAILED: {e!r} |\n"
@@ -205,7 +215,7 @@ def main() -> None:
                     f"{floor * 1e3:.1f} | {t / floor:.2f} | "
                     f"{'-' if pb is None else f'{pb * 1e3:.1f}'} | "
                     f"{'-' if pb is None else f'{pb / t:.2f}x'} | {info['splits']} | "
-                    f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} |\n")
+                    f"{cfg.label()} |\n")
             print(line, end="", flush=True)
             rows.append(line)
             with open(os.path.join(args.out, "triton-bench-partial.md"), "a") as f:
