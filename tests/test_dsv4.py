@@ -9,6 +9,8 @@ sink written as an extra zero-valued key.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -252,3 +254,173 @@ def test_declaration():
     runner.dtype = torch.float64  # not served: the capability check names the dtype
     with pytest.raises((BackendUnavailableError, InvalidInputError)):
         DSV4CudaDecode(runner, 1, 2)
+
+
+# --- FP8 KV ("fp8_ds_v4": V4's 584-byte page-blocked layout, backends/_fp8_kv) ----------------
+
+D8 = 128  # 64 e4m3 values (one ue8m0 block) + the 64 bf16 RoPE values: the smallest V4 row
+
+
+def _bf16_bytes(x: float) -> list:
+    bits = struct.unpack("<I", struct.pack("<f", x))[0] >> 16  # exact for the values used
+    return [bits & 0xFF, bits >> 8]
+
+
+def make_fp8_runner(dtype, *, page, num_slots, max_reqs, max_ctx, dim=D8):
+    num_slots = -(-num_slots // page) * page  # whole pages (the layout is page-blocked)
+    runner = DraftRunner.mla(H, dim, 0, num_layers=2, num_slots=num_slots, max_reqs=max_reqs,
+                             max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV,
+                             kv_cache_dtype="fp8_ds_v4")
+    for layer_id in range(2):
+        runner.write_kv(layer_id, torch.arange(num_slots, device=DEV),
+                        torch.randn(num_slots, dim, device=DEV), None)
+    return runner
+
+
+def test_fp8_ds_v4_pool_width_and_page_blocked_bytes():
+    """584 bytes per token at V4's shape; in a page of P tokens the P data rows (e4m3, then
+    bf16 RoPE) come first, then the P scale rows (ue8m0 exponents, pad byte). A hand-built
+    page decodes to the expected values through the reader and through the kernel."""
+    from specattn.backends.dsv4._kernels import window_attention
+
+    big = DraftRunner.mla(2, 512, 0, num_layers=1, num_slots=256, max_reqs=1,
+                          max_context_len=8, page_size=128, kv_cache_dtype="fp8_ds_v4")
+    lay = big.kv_layout
+    assert big.kv_buffer[0].shape == (256, 584) and big.kv_buffer[0].dtype == torch.uint8
+    assert (lay.d_nope, lay.d_rope, lay.tile) == (448, 64, 64)
+    # Token 130 = page 1, row 2: data at 128*584 + 2*576, scales at 128*584 + 128*576 + 2*8.
+    x = torch.zeros(1, 512)
+    x[0, 64 * 3] = 448.0 * 8  # block 3: amax 3584 -> scale 8 -> ue8m0 byte 130
+    x[0, 448] = 1.5
+    big.write_kv(0, torch.tensor([130]), x, None)
+    flat = big.kv_buffer[0].view(-1)
+    data, scales = 128 * 584 + 2 * 576, 128 * 584 + 128 * 576 + 2 * 8
+    assert flat[data + 64 * 3] == 0x7E  # 448 * 8 / 8 = 448
+    assert flat[data + 448:data + 450].tolist() == _bf16_bytes(1.5)
+    assert flat[scales + 3] == 127 + 3 and flat[scales + 7] == 0  # pad byte untouched
+    # All-zero blocks get the floor scale 1e-4 rounded up: 2^-13.
+    assert flat[scales:scales + 3].tolist() == [127 - 13] * 3
+    # Nothing else written: 1 code + 2 RoPE bytes + 7 exponents.
+    assert int((flat != 0).sum()) == 1 + 2 + 7
+
+    runner = DraftRunner.mla(H, D8, 0, num_layers=1, num_slots=4, max_reqs=1,
+                             max_context_len=4, page_size=2, dtype=torch.float32, device=DEV,
+                             kv_cache_dtype="fp8_ds_v4")
+    lay = runner.kv_layout
+    assert lay.bytes_per_token == 64 + 128 + 2
+    page = [0] * (2 * lay.bytes_per_token)
+    # Token 3 = page 1, row 1: data row at 192, scale row at 2*192 + 2.
+    row = [0x38, 0xB8, 0x01, 0x7E] + [0] * 60 + sum((_bf16_bytes(v) for v in [-3.0, 0.25]
+                                                      + [0.0] * 62), [])
+    page[192:384] = row
+    page[386] = 127 - 2  # scale 2^-2
+    runner.kv_buffer[0][2:4] = torch.tensor(page, dtype=torch.uint8).view(2, -1).to(DEV)
+    want = torch.zeros(D8)
+    want[:4] = torch.tensor([0.25, -0.25, 2.0 ** -11, 112.0])
+    want[64:66] = torch.tensor([-3.0, 0.25])
+    torch.testing.assert_close(lay.read(runner.kv_buffer[0], torch.tensor([3])).cpu()[0], want,
+                               rtol=0, atol=0)
+    runner.req_to_token[0, 0] = 3
+    q = torch.randn(1, H, D8, device=DEV)
+    meta = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    out = window_attention(q, runner, AttentionLayer(0, 0.1), meta, meta, 0, 8, None)
+    torch.testing.assert_close(out.cpu(), want.expand(1, H, D8), rtol=0, atol=0)
+
+
+def test_fp8_ds_v4_round_trip():
+    """Write then read: ue8m0 scales are powers of two >= amax / 448, RoPE is bf16-exact, the
+    e4m3 part within half an ulp (2^-4 relative, 2^-10 of the scale for subnormals)."""
+    runner = make_fp8_runner(torch.bfloat16, page=16, num_slots=48, max_reqs=1, max_ctx=4,
+                             dim=256)
+    x = torch.randn(48, 256, device=DEV) * torch.rand(48, 1, device=DEV) * 10
+    slots = torch.randperm(48, device=DEV)
+    runner.write_kv(0, slots, x, None)
+    lay = runner.kv_layout
+    got = lay.read(runner.kv_buffer[0], slots)
+    torch.testing.assert_close(got[:, 192:], x[:, 192:].bfloat16().float(), rtol=0, atol=0)
+    _, scale_off, _ = lay.offsets(slots)
+    e = runner.kv_buffer[0].view(-1)[scale_off[:, None] + torch.arange(3, device=DEV)]
+    scale = torch.exp2(e.float() - 127)[..., None]
+    blocks = x[:, :192].reshape(48, 3, 64)
+    assert (scale >= blocks.abs().amax(-1, keepdim=True) / 448).all()
+    assert (scale < blocks.abs().amax(-1, keepdim=True) / 224).all()
+    err = (got[:, :192].reshape(48, 3, 64) - blocks).abs()
+    assert (err <= torch.maximum(blocks.abs() * 2 ** -4, scale * 2 ** -10) * 1.0001).all()
+
+
+FP8_DECODE_CASES = [
+    # dtype, topk, page, tree, seq_lens, window, sink
+    (torch.bfloat16, 1, 16, "lane", [3, 20], 8, "rand"),    # L < W, L > W
+    (torch.float32, 2, 1, "path", [5, 6], 8, "rand"),       # L + i + 1 crosses W
+    (torch.float16, 3, 16, "lane", [2, 30], 2, "none"),     # history-only windows
+]
+
+
+@pytest.mark.parametrize("dtype,topk,page,tree_mode,seq_lens,window,sink", FP8_DECODE_CASES)
+def test_fp8_decode_matches_reference(dtype, topk, page, tree_mode, seq_lens, window, sink):
+    """FP8 pool: in-kernel dequantization vs the reference on the dequantized pool (the
+    drafts' keys are quantized by write_kv before either reads them)."""
+    steps = 3
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, steps, page)
+    runner = make_fp8_runner(dtype, page=page, num_slots=num_slots,
+                             max_reqs=len(seq_lens) + 2, max_ctx=max_ctx)
+    batch = place_decode_round(runner, seq_lens, topk, steps, page, tree_mode)
+    backend = DSV4CudaDecode(runner, topk, steps, tree_mode=tree_mode, window=window)
+    layer = AttentionLayer(layer_id=1, scaling=D8 ** -0.5)
+    attn_sink = make_sink(sink)
+    backend.init_forward_metadata(batch)
+    bs = len(seq_lens)
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q = torch.randn(bs * topk, H, D8, device=DEV).to(dtype)
+        k = torch.randn(bs * topk, D8, device=DEV).to(dtype)
+        out = torch.full_like(q, float("nan"))
+        out.copy_(backend.forward(step, layer, q, k, None, attn_sink=attn_sink))
+        _close(out, reference_window_decode(runner, layer, q, batch, step, tree_mode,
+                                            window=window, attn_sink=attn_sink), dtype)
+
+
+@pytest.mark.parametrize("dtype,page,seq_lens,ext_lens,window", [
+    (torch.bfloat16, 16, [30, 5], [4, 5], 8),
+    (torch.float32, 1, [17, 17], [4, 4], 3),
+])
+def test_fp8_extend_matches_reference(dtype, page, seq_lens, ext_lens, window):
+    runner = make_fp8_runner(dtype, page=page, num_slots=sum(seq_lens) + 8,
+                             max_reqs=len(seq_lens) + 2, max_ctx=max(seq_lens) + page)
+    batch = place_extend_round(runner, seq_lens, ext_lens)
+    backend = DSV4CudaExtend(runner, window=window)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    attn_sink = make_sink("rand")
+    backend.init_forward_metadata(batch)
+    q = torch.randn(sum(ext_lens), H, D8, device=DEV).to(dtype)
+    k = torch.randn(sum(ext_lens), D8, device=DEV).to(dtype)
+    out = backend.forward(layer, q, k, None, attn_sink=attn_sink)
+    _close(out, reference_window_extend(runner, layer, q, batch, window=window,
+                                        attn_sink=attn_sink), dtype)
+
+
+def test_fp8_capability_and_layout_errors():
+    """dsv4 declares "fp8_ds_v4" only; a V3.2-layout runner is refused naming kv_cache_dtype;
+    shapes the layout cannot hold and partial pages name the argument."""
+    from specattn.backends.dsa import DSADecode
+
+    for cls in (DSV4CudaDecode, DSV4CudaExtend):
+        assert cls.kv_cache_dtypes == ("auto", "fp8_ds_v4")
+    v4 = make_fp8_runner(torch.float32, page=4, num_slots=8, max_reqs=1, max_ctx=8)
+    assert DSV4CudaDecode(v4, 2, 2).runner is v4
+    with pytest.raises(BackendUnavailableError, match="kv_cache_dtype"):
+        DSADecode(v4, 1, 2)
+    v32 = DraftRunner.mla(H, D8, 0, num_layers=1, num_slots=8, max_reqs=1, max_context_len=8,
+                          dtype=torch.float32, device=DEV, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(BackendUnavailableError, match="kv_cache_dtype"):
+        DSV4CudaExtend(v32)
+    with pytest.raises(InvalidInputError, match="kv_lora_rank"):
+        DraftRunner.mla(H, 100, 0, num_layers=1, num_slots=8, max_reqs=1, max_context_len=8,
+                        kv_cache_dtype="fp8_ds_v4")
+    with pytest.raises(InvalidInputError, match=r"runner\.kv_buffer\[0\].*page_size=4"):
+        DraftRunner.mla(H, D8, 0, num_layers=1, num_slots=6, max_reqs=1, max_context_len=8,
+                        page_size=4, kv_cache_dtype="fp8_ds_v4")
+    wrapped = DraftRunner.wrap_mla(v4.req_to_token, v4.kv_buffer, H, D8, page_size=4,
+                                   kv_cache_dtype="fp8_ds_v4", dtype=torch.float16)
+    assert wrapped.qk_rope_head_dim == 0 and wrapped.dtype == torch.float16
