@@ -429,6 +429,40 @@ def test_extend_matches_reference(fake_flashinfer, mla):
                          case.runner.dtype)
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_extend_graph_buffers_replay(fake_flashinfer, mla):
+    """Extend under the graph protocol: capture plans a graph-mode pass on fixed buffers;
+    a replay with another split of the same tokens reuses it and matches torch_ref; an
+    uncaptured batch size and a batch over the buffers are refused."""
+    cls = FlashInferMLAExtend if mla else FlashInferExtend
+    case = make_extend_case(mla=mla, seed=3, ragged=True)
+    backend = cls(case.runner)
+    b = case.batch
+    tokens = int(b.extend_lens.sum())
+    backend.init_cuda_graph_state(max_bs=b.batch_size, max_num_tokens=tokens)
+    backend.init_forward_metadata_capture_cuda_graph(b)
+    p = backend._graphs[b.batch_size]
+    assert p.wrapper.use_cuda_graph
+    order = torch.arange(b.batch_size - 1, -1, -1)
+    starts = torch.cumsum(b.extend_lens, 0) - b.extend_lens
+    loc = torch.cat([b.out_cache_loc[starts[i]:starts[i] + b.extend_lens[i]] for i in order])
+    other = DraftExtendBatch(b.req_pool_indices[order], b.seq_lens[order],
+                             b.extend_lens[order], loc)
+    backend.init_forward_metadata_replay_cuda_graph(other, b.batch_size)
+    assert backend._graphs[b.batch_size] is p and backend._pass is p
+    q, k, v = extend_inputs(case, torch.Generator().manual_seed(9))
+    out = backend.forward(case.layer, q, k, v)
+    assert_close_rel(out, reference_extend(case.runner, case.layer, q, other),
+                     case.runner.dtype)
+    half = DraftExtendBatch(b.req_pool_indices[:1], b.seq_lens[:1], b.extend_lens[:1],
+                            b.out_cache_loc[:int(b.extend_lens[0])])
+    with pytest.raises(InvalidInputError, match="captured"):
+        backend.init_forward_metadata_replay_cuda_graph(half, 1)
+    backend.init_cuda_graph_state(max_bs=1, max_num_tokens=1)
+    with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
+        backend.init_forward_metadata_capture_cuda_graph(b)
+
+
 @pytest.mark.parametrize("mla, topk, tree_mode", [(False, 3, "path"), (False, 1, "lane"),
                                                   (True, 2, "lane")])
 def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode):

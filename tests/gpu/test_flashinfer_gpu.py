@@ -4,7 +4,7 @@ Pools are NaN except the slots a lane may read, so a wrong index shows up as a n
 output; every case draws fresh random inputs. Covers MHA/GQA and MLA draft decode (topk 1
 and 4, page size 1 and 16, lane and path trees, shared-prefix and per-branch modes, bf16 and
 fp16, standard and random shapes), draft extend (ragged and uniform) and CUDA-graph capture
-and replay with changing (and padded) batches.
+and replay with changing (and padded) batches, for decode and extend.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from test_flashinfer import (assert_close_rel, decode_inputs, extend_inputs,  # 
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,  # noqa: E402
                                           FlashInferMLADecode, FlashInferMLAExtend)
 from specattn.backends.torch_ref import reference_decode, reference_extend  # noqa: E402
-from specattn.data import DraftBatch  # noqa: E402
+from specattn.data import DraftBatch, DraftExtendBatch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -165,3 +165,43 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode):
             ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
                                    tree_mode)
             assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_extend_cuda_graph_replay(mla):
+    """Extend captured once, replayed with the requests reordered (another split of the
+    same token count over the same batch size), NaN-filled output before each replay."""
+    case = make_extend_case(mla=mla, bs=6, dtype=torch.bfloat16, device="cuda", seed=7,
+                            max_len=300, max_ext=6, heads=MLA if mla else GQA, ragged=True)
+    cls = FlashInferMLAExtend if mla else FlashInferExtend
+    backend = cls(case.runner)
+    b = case.batch
+    tokens = int(b.extend_lens.sum())
+    backend.init_cuda_graph_state(max_bs=b.batch_size, max_num_tokens=tokens)
+    backend.init_forward_metadata(b)  # eager warm-up (learns the layer's scale)
+    q, k, v = extend_inputs(case, torch.Generator().manual_seed(1))
+    backend.forward(case.layer, q, k, v)
+    backend.init_forward_metadata_capture_cuda_graph(b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(case.layer, q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(case.layer, q, k, v)
+    for order in (list(range(b.batch_size))[::-1], [2, 0, 1, 5, 3, 4]):
+        idx = torch.tensor(order, device="cuda")
+        starts = (torch.cumsum(b.extend_lens, 0) - b.extend_lens).tolist()
+        lens = b.extend_lens.tolist()
+        loc = torch.cat([b.out_cache_loc[starts[i]:starts[i] + lens[i]] for i in order])
+        batch = DraftExtendBatch(b.req_pool_indices[idx], b.seq_lens[idx],
+                                 b.extend_lens[idx], loc)
+        for t, new in zip((q, k, v), extend_inputs(case, torch.Generator().manual_seed(2))):
+            if t is not None:
+                t.copy_(new)
+        backend.init_forward_metadata_replay_cuda_graph(batch, b.batch_size)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_rel(out, reference_extend(case.runner, case.layer, q, batch), q.dtype)

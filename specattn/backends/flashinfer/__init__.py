@@ -20,7 +20,8 @@ page size > 1 with ``topk > 1``). Layout of this package:
 
 Limits: FlashInfer plans the softmax scale and the soft cap, so a layer with other values
 than the last plan triggers a re-plan (eager; refused under graph capture). MLA has no soft
-cap. CUDA graph replay re-plans on the host (FlashInfer's scheduler is host code).
+cap. CUDA graph replay (decode and extend) re-plans on the host (FlashInfer's scheduler is
+host code).
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
     """
 
     dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = True
     tested_on = _TESTED
 
     def _default_params(self) -> Params:
         return default_params(self.runner.head_dim)
 
-    def _new_pass(self):
-        return PrefillPass(self.runner, with_lse=False)
+    def _new_pass(self, graph_rows=None, capacity=0):
+        return PrefillPass(self.runner, with_lse=False, graph_rows=graph_rows,
+                           capacity=capacity)
 
 
 def _mla_params(runner) -> Params:
@@ -147,6 +150,7 @@ class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla"
     """
 
     dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = True
     tested_on = _TESTED
 
     def _default_params(self) -> Params:
@@ -155,5 +159,5 @@ class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla"
     def _check_layer_params(self, layer) -> Params:
         return _mla_layer_params(layer)
 
-    def _new_pass(self):
-        return MLAPass(self.runner, with_lse=False)
+    def _new_pass(self, graph_rows=None, capacity=0):
+        return MLAPass(self.runner, with_lse=False, graph_rows=graph_rows, capacity=capacity)
