@@ -1,17 +1,22 @@
 """Benchmark the FlashAttention backends (``fa4``; ``fa3`` = the same glue) per ``performance.md``.
 
-For each case (uniform lengths, and ragged in [L/2, 3L/2]): the time of one draft-decode
-``forward`` at step 2 (3 history tokens: KV write + passes + merge) in the ``shared`` mode
-(prefix once per request), the ``per-branch`` baseline (FA4 varlen, one query per lane), and
-``split_prefix`` = 2/4/8 (chunks of each prefix as extra sequences: the candidate route for
-small batches with long prefixes, FA4 having no split-KV on sm90); the prefix pass alone;
-the floor from the copy bandwidth measured in the same process; the host cost of
-``init_forward_metadata``. Draft extend likewise. Timing: a CUDA graph over rotating layers
+For each case (uniform lengths, and ragged in [L/2, 3L/2] for ``gqa-long``): the time of one
+draft-decode ``forward`` at step 2 (3 history tokens: KV write + passes + merge) in the
+variants ``shared-v1`` (the previous design: FA4 history pass + torch LSE merge),
+``shared`` (FA4 prefix pass + the Triton history+merge kernel), ``auto`` (the routing rule's
+pick, named in the table), the ``per-branch`` baseline (FA4 varlen, one query per lane) and
+``split2``/``split4`` (chunks of each prefix as extra sequences, FA4 having no split-KV on
+sm90); the prefix pass alone; the floor from the copy bandwidth measured in the same
+process; the host cost of ``init_forward_metadata``. Draft extend likewise. ``--profile``
+adds the per-part breakdown of one ``gqa-long`` step (graph-timed parts, and the kernels
+of one eager step from ``torch.profiler``) and FA4 prefix-pass options (``pack_gqa``,
+``num_splits``). Timing: a CUDA graph over rotating layers
 (KV read per call larger than L2), median of ``triton.testing.do_bench``; eager if capture
 fails (reported).
 
 Usage: ``python benchmarks/bench_flash_attn.py [--out DIR] [--cases a,b] [--backend fa4|fa3]
-[--signatures]``. Writes ``flash-attn-bench.csv`` and prints a markdown table.
+[--profile] [--signatures]``. Writes ``flash-attn-bench-v2.csv`` and prints a markdown
+table.
 """
 
 from __future__ import annotations
@@ -105,11 +110,20 @@ def decode_classes(backend):
                                                                  fa.FA3ExtendSM90)
 
 
-def bench_decode(backend, lens, K, S, P, variant, bw, step=2):
+VARIANTS = {
+    # name: constructor keywords
+    "shared-v1": dict(mode="shared", fused_merge=False),
+    "shared": dict(mode="shared"),
+    "auto": dict(mode="auto"),
+    "per-branch": dict(mode="per-branch"),
+    "split2": dict(mode="shared", split_prefix=2),
+    "split4": dict(mode="shared", split_prefix=4),
+}
+
+
+def decode_setup(backend, lens, K, S, P, variant, step=2):
+    """A backend in ``variant`` with this round's metadata, steps ``< step`` run."""
     dec, _ = decode_classes(backend)
-    mode, split = ("per-branch", 1) if variant == "per-branch" else ("shared", 1)
-    if variant.startswith("split"):
-        split = int(variant[5:])
     B, N = len(lens), len(lens) * K
     layers = layers_for(lens)
     seq = torch.tensor(lens)
@@ -123,19 +137,104 @@ def bench_decode(backend, lens, K, S, P, variant, bw, step=2):
     k = torch.randn(N, HKV, D, device=DEV, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     lyr = [AttentionLayer(i, D ** -0.5) for i in range(layers)]
-    be = dec(r, K, S, mode=mode, split_prefix=split)
+    be = dec(r, K, S, **VARIANTS[variant])
     be.init_forward_metadata(batch)
-    t_meta = host_ms(lambda: be.init_forward_metadata(batch))
     for i in range(step):
         be.forward(i, lyr[0], q, k, v)
+    return be, batch, (q, k, v), lyr
+
+
+def bench_decode(backend, lens, K, S, P, variant, bw, step=2):
+    be, batch, (q, k, v), lyr = decode_setup(backend, lens, K, S, P, variant, step)
+    B, N = len(lens), len(lens) * K
+    t_meta = host_ms(lambda: be.init_forward_metadata(batch))
     t, how = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
     t_prefix = None
     if be.two_pass:
         common = dict(scale=D ** -0.5, softcap=0.0)
-        t_prefix, _ = timed(lambda lay: be._prefix_parts(be._active, B, lay.layer_id, q,
-                                                         common), lyr)
+        t_prefix, _ = timed(lambda lay: be.prefix_pass(be._active, B, lay.layer_id, q,
+                                                       common), lyr)
     floor = (sum(lens) + N * (step + 1)) * ROW_BYTES / bw * 1e3
-    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=t_prefix, meta_host_ms=t_meta)
+    route = "/".join(map(str, be._route)) if variant == "auto" else ""
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=t_prefix, meta_host_ms=t_meta,
+                route=route)
+
+
+def profile_parts(backend, lens, K, S, P, step=2) -> list[str]:
+    """Per-part times of one two-pass step (graph-timed, us) and its eager kernels."""
+    from specattn.backends.flash_attn import merge_states
+    from specattn.backends.flash_attn._fused import history_merge
+    from specattn.backends.flash_attn._tables import paged_pools
+
+    be, batch, (q, k, v), lyr = decode_setup(backend, lens, K, S, P, "shared-v1", step)
+    B, N = len(lens), len(lens) * K
+    bufs, r = be._active, be.runner
+    common = dict(scale=D ** -0.5, softcap=0.0)
+    slot = bufs.loc[:B, :, step].reshape(-1)
+    o_p, lse_p = be.prefix_pass(bufs, B, 0, q, common)
+    k1, v1 = paged_pools(r, 0, 1)
+    hist = dict(page_table=bufs.hist_pt[:N], seqused=bufs.hist_used[step, :N],
+                cu_seqlens_q=bufs.cu_lane[:N + 1], max_seqlen_q=1, causal=False,
+                with_lse=True, **common)
+    o_h, lse_h = be.kernel(q, k1, v1, **hist)
+    parts = {
+        "KV write (write_kv)": lambda lay: r.write_kv(lay.layer_id, slot, k, v),
+        "prefix pass (FA4)": lambda lay: be.prefix_pass(bufs, B, lay.layer_id, q, common),
+        "v1: history pass (FA4)": lambda lay: be.kernel(q, *paged_pools(r, lay.layer_id, 1),
+                                                        **hist),
+        "v1: LSE merge (torch)": lambda lay: merge_states([o_p, o_h], [lse_p, lse_h],
+                                                          q.dtype),
+        "v1: whole step": lambda lay: be.forward(step, lay, q, k, v),
+        "v2: history+merge (Triton)": lambda lay: history_merge(
+            q, r.k_buffer[lay.layer_id], r.v_buffer[lay.layer_id], bufs.hist_pt, step + 1,
+            o_p, lse_p, topk=K, chunks=1, **common),
+    }
+    lines = ["| part | us |", "|---|---|"]
+    for name, fn in parts.items():
+        t, how = timed(fn, lyr)
+        lines.append(f"| {name} | {t * 1e3:.1f} ({how}) |")
+    be.fused = True
+    t, how = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
+    lines.append(f"| v2: whole step | {t * 1e3:.1f} ({how}) |")
+    for fused in (False, True):
+        be.fused = fused
+        be.forward(step, lyr[0], q, k, v)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                be.forward(step, lyr[0], q, k, v)
+            torch.cuda.synchronize()
+        lines.append(f"\nkernels of one eager step ({'v2 fused' if fused else 'v1'}), "
+                     "device us per step:")
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]:
+            if ev.device_time_total > 0:
+                lines.append(f"  {ev.device_time_total / 5:8.1f}  x{ev.count // 5}  "
+                             f"{ev.key[:90]}")
+    return lines
+
+
+def prefix_options(backend, lens, K, S, P) -> list[str]:
+    """The prefix pass with FA4 options the glue does not set (pack_gqa, num_splits)."""
+    be, batch, (q, k, v), lyr = decode_setup(backend, lens, K, S, P, "shared")
+    B = len(lens)
+    bufs = be._active
+    fn = be.kernel.module.flash_attn_varlen_func
+    lines = []
+    from specattn.backends.flash_attn._tables import paged_pools
+
+    for opts in (dict(), dict(pack_gqa=True), dict(pack_gqa=False), dict(num_splits=2)):
+        def call(lay, opts=opts):
+            kp, vp = paged_pools(be.runner, lay.layer_id, P)
+            return fn(q, kp, vp, cu_seqlens_q=bufs.cu_req[:B + 1], max_seqlen_q=K,
+                      seqused_k=bufs.seq[:B], page_table=bufs.prefix_pt[:B],
+                      softmax_scale=D ** -0.5, causal=False, return_lse=True, **opts)
+        try:
+            t, how = timed(call, lyr, eager_fallback=False)
+            lines.append(f"| prefix pass {opts or 'defaults'} | {t * 1e3:.1f} ({how}) |")
+        except Exception as e:  # an option the sm90 kernel rejects
+            msg = str(e).splitlines()[0][:100] if str(e) else ""
+            lines.append(f"| prefix pass {opts} | rejected: {type(e).__name__}: {msg} |")
+    return lines
 
 
 def bench_extend(backend, lens, E, bw):
@@ -163,8 +262,9 @@ def bench_extend(backend, lens, E, bw):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="gqa-long,gqa-small,gqa-paged,gqa-chain")
     ap.add_argument("--backend", default="fa4", choices=("fa4", "fa3"))
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--signatures", action="store_true")
     args = ap.parse_args()
     if args.signatures:
@@ -173,19 +273,25 @@ def main() -> None:
     random.seed(0)
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}", flush=True)
+    if args.profile:
+        B, L, K, S, P = CASES["gqa-long"]
+        print("\n".join(profile_parts(args.backend, [L] * B, K, S, P)), flush=True)
+        for name in ("gqa-long", "gqa-small"):
+            B, L, K, S, P = CASES[name]
+            print(f"{name}:\n" + "\n".join(prefix_options(args.backend, [L] * B, K, S, P)),
+                  flush=True)
     results = []
     for name in args.cases.split(","):
         B, L, K, S, P = CASES[name]
-        for lengths in ("uniform", "ragged"):
+        for lengths in ("uniform", "ragged") if name == "gqa-long" else ("uniform",):
             lens = [L] * B if lengths == "uniform" else [random.randint(L // 2, 3 * L // 2)
                                                          for _ in range(B)]
             if name == "extend":
                 runs = {"extend": lambda: bench_extend(args.backend, lens, S + 1, bw)}
             else:
-                variants = ["shared", "per-branch"]
-                if name in ("gqa-small", "gqa-long"):
-                    variants += ["split2", "split4", "split8"]
+                variants = (["shared", "per-branch", "split2"] if K == 1 else
+                            ["shared-v1", "shared", "auto", "per-branch", "split2", "split4"])
                 runs = {v: (lambda v=v: bench_decode(args.backend, lens, K, S, P, v, bw))
                         for v in variants}
             base = None
@@ -199,6 +305,7 @@ def main() -> None:
                     base = res["ms"]
                 res.update(case=name, lengths=lengths, variant=variant)
                 results.append(res)
+                print(f"{name} {lengths} {variant}: {res['ms'] * 1e3:.1f} us", flush=True)
                 torch.cuda.empty_cache()
             for res in results:
                 if res["case"] == name and res["lengths"] == lengths and base:
@@ -209,14 +316,15 @@ def main() -> None:
     for r in results:
         pre = f"{r['prefix_ms'] * 1e3:.0f}" if r["prefix_ms"] else "-"
         vs = f"{r['vs_per_branch']:.2f}" if r.get("vs_per_branch") else "-"
-        print(f"| {r['case']} | {r['lengths']} | {r['variant']} | {r['ms'] * 1e3:.0f} | "
+        var = r["variant"] + (f" ({r['route']})" if r.get("route") else "")
+        print(f"| {r['case']} | {r['lengths']} | {var} | {r['ms'] * 1e3:.0f} | "
               f"{r['ms'] / r['floor_ms']:.2f} | {vs} | {pre} | {r['meta_host_ms'] * 1e3:.0f} | "
               f"{r['timing']} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "flash-attn-bench.csv")
-        keys = ["case", "lengths", "variant", "ms", "floor_ms", "prefix_ms", "meta_host_ms",
-                "vs_per_branch", "timing"]
+        path = os.path.join(args.out, "flash-attn-bench-v2.csv")
+        keys = ["case", "lengths", "variant", "route", "ms", "floor_ms", "prefix_ms",
+                "meta_host_ms", "vs_per_branch", "timing"]
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, keys, extrasaction="ignore")
             w.writeheader()

@@ -3,8 +3,9 @@
 For the H200 run: the CPU tests' case builders (page-aligned allocations, NaN pools except
 readable slots) with the real ``flash_attn.cute`` / ``flash_attn_interface`` at the
 ``performance.md`` GQA shape (32 q heads, 8 kv heads, head dim 128). Covers draft decode
-(topk 1/4/8, page size 1/16/64, lane/path trees, shared / per-branch / split-prefix modes,
-bf16/fp16, ragged and uniform, random shapes), draft extend, the fa3 fallback, and CUDA
+(topk 1/4/8, page size 1/16/64, lane/path trees, shared / per-branch / split-prefix / auto
+modes, the Triton history+merge kernel and the torch-merge fallback, bf16/fp16, ragged and
+uniform, random shapes), draft extend, the fa3 fallback, and CUDA
 graph capture + replay with a changed, padded batch. Also pins the installed signatures.
 """
 
@@ -57,19 +58,40 @@ def test_installed_signatures_have_the_keywords_the_glue_passes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@pytest.mark.parametrize("topk,page_size,tree_mode,mode,split", [
-    (1, 1, "lane", "shared", 1), (1, 16, "path", "shared", 1), (4, 1, "lane", "shared", 1),
-    (4, 16, "path", "shared", 1), (4, 64, "lane", "shared", 1), (8, 1, "path", "shared", 1),
-    (4, 1, "path", "per-branch", 1), (4, 16, "lane", "per-branch", 1),
-    (4, 1, "lane", "shared", 4), (1, 16, "path", "shared", 3)])
-def test_fa4_decode(dtype, topk, page_size, tree_mode, mode, split):
+@pytest.mark.parametrize("topk,page_size,tree_mode,mode,split,fused", [
+    (1, 1, "lane", "shared", 1, None), (1, 16, "path", "shared", 1, None),
+    (4, 1, "lane", "shared", 1, None), (4, 16, "path", "shared", 1, None),
+    (4, 64, "lane", "shared", 1, None), (8, 1, "path", "shared", 1, None),
+    (4, 16, "path", "shared", 1, False), (4, 1, "lane", "shared", 4, False),
+    (4, 1, "path", "per-branch", 1, None), (4, 16, "lane", "per-branch", 1, None),
+    (4, 1, "lane", "shared", 4, None), (1, 16, "path", "shared", 3, None),
+    (4, 16, "path", "auto", 1, None)])
+def test_fa4_decode(dtype, topk, page_size, tree_mode, mode, split, fused):
+    """fused None: prefix pass + the Triton history+merge kernel; False: FA4 history pass +
+    torch merge (the non-Triton path)."""
     case = make_decode_case(bs=5, topk=topk, steps=4, page_size=page_size, dtype=dtype,
                             device="cuda", seed=topk * 31 + page_size, max_len=300,
                             heads=GQA)
     backend = fa.FA4Decode(case.runner, topk, 4, tree_mode=tree_mode, mode=mode,
-                           split_prefix=split)
+                           split_prefix=split, fused_merge=fused)
+    assert backend.fused == (fused is None)
     run_decode_round(backend, case)
     run_decode_round(backend, make_case_on(case, seed=3))
+
+
+def test_fa4_auto_route_follows_the_rule():
+    """auto mode runs the route ``choose_route`` gives for this GPU's SM count."""
+    from specattn.backends.flash_attn._route import choose_route
+
+    for bs in (1, 5):
+        case = make_decode_case(bs=bs, topk=4, steps=3, page_size=16, device="cuda",
+                                seed=40 + bs, max_len=300, heads=GQA)
+        backend = fa.FA4Decode(case.runner, 4, 3, tree_mode="path")
+        run_decode_round(backend, case)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert backend._route == choose_route(
+            bs=bs, topk=4, prefix_len=case.runner.max_context_len, num_kv_heads=8,
+            num_sms=sms, head_dim=128)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -110,13 +132,15 @@ def test_fa3_runs_here():
     run_extend(fa.FA3ExtendSM90(ext.runner), ext)
 
 
-@pytest.mark.parametrize("topk,page_size,tree_mode,mode", [
-    (4, 16, "path", "shared"), (1, 1, "lane", "shared"), (4, 1, "lane", "per-branch")])
-def test_fa4_cuda_graph_replay(topk, page_size, tree_mode, mode):
+@pytest.mark.parametrize("topk,page_size,tree_mode,mode,split", [
+    (4, 16, "path", "shared", 1), (1, 1, "lane", "shared", 1), (4, 1, "lane", "per-branch", 1),
+    (4, 16, "path", "shared", 3), (4, 1, "path", "auto", 1)])
+def test_fa4_cuda_graph_replay(topk, page_size, tree_mode, mode, split):
     steps = 4
     case = make_decode_case(bs=3, topk=topk, steps=steps, page_size=page_size,
                             device="cuda", seed=17, max_len=300, heads=GQA)
-    backend = fa.FA4Decode(case.runner, topk, steps, tree_mode=tree_mode, mode=mode)
+    backend = fa.FA4Decode(case.runner, topk, steps, tree_mode=tree_mode, mode=mode,
+                           split_prefix=split)
     run_decode_round(backend, case)  # eager warm-up: compiles every kernel variant
     backend.init_cuda_graph_state(4, 4 * topk)
     backend.init_forward_metadata_capture_cuda_graph(case.batch)

@@ -6,7 +6,8 @@ FA4 has no split-KV on sm90: one CTA reads one (sequence, kv head)'s keys, so a 
 
     time(pass) = ceil(ctas / SMs) waves * keys_per_cta * T_KEY  +  LAUNCH per launch
 
-- ``shared``: ``B * H_kv`` CTAs over ``L`` keys; 2 launches (prefix pass, history+merge).
+- ``shared``: ``B * H_kv`` CTAs over ``L`` keys; 2 launches (prefix pass, history+merge),
+  1 when ``K == 1`` (one pass).
 - ``split C``: ``B * C * H_kv`` CTAs over ``L / C`` keys; 3 launches (q copy too).
 - ``per-branch``: ``B * K * H_kv`` CTAs over ``L`` keys (K times the bytes); 1 launch.
 
@@ -45,7 +46,8 @@ def route_cost(route: Route, *, bs: int, topk: int, prefix_len: int, num_kv_head
     if mode == "per-branch":
         return _waves(bs * topk * num_kv_heads, num_sms) * prefix_len * per_key + LAUNCH_US
     keys = -(-prefix_len // chunks)
-    launches = 2 if chunks == 1 else 3
+    # K == 1 unsplit is one pass; else prefix + history/merge (+ the q copy when split).
+    launches = (1 if topk == 1 else 2) if chunks == 1 else 3
     return _waves(bs * chunks * num_kv_heads, num_sms) * keys * per_key + launches * LAUNCH_US
 
 
