@@ -511,3 +511,103 @@ def test_merge_states_weights_and_empty_parts():
     for empty in (float("inf"), float("-inf")):
         got = fa.merge_states([nan, o2], [torch.full_like(l1, empty), l2], torch.float32)
         torch.testing.assert_close(got, o2)
+
+
+# --- the Triton history+merge kernel and the routing rule ------------------------------------
+
+
+def _history_case(gen, lanes=6, topk=3, chunks=2, hq=4, hkv=2, d=16, steps=4):
+    slots = 40
+    kc = torch.randn(slots, hkv, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(slots, hkv, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(lanes, hq, d, generator=gen).to(torch.bfloat16)
+    hist = torch.randint(0, slots, (lanes, steps), generator=gen, dtype=torch.int32)
+    rows = lanes * chunks
+    po = torch.randn(rows, hq, d, generator=gen).to(torch.bfloat16)
+    lse_hm = torch.randn(hq, rows, generator=gen) * 3  # head-major, as FA returns it
+    return kc, vc, q, hist, po, lse_hm
+
+
+@pytest.mark.parametrize("cap", [0.0, 2.5])
+@pytest.mark.parametrize("n_hist", [1, 3])
+def test_history_merge_kernel_matches_torch(n_hist, cap):
+    """Rows ``(b, c, k)`` of the prefix states, head-major LSE read through strides, empty
+    chunks (+-inf LSE, NaN output) with no weight; history attention with soft cap."""
+    from specattn.backends.flash_attn._fused import history_merge
+    from specattn.backends.torch_ref import attend
+
+    gen = torch.Generator().manual_seed(n_hist)
+    topk, chunks, lanes = 3, 2, 6
+    kc, vc, q, hist, po, lse_hm = _history_case(gen, lanes, topk, chunks)
+    lse_hm[:, 1] = float("inf")  # row (b0, c0, k1): FA3's empty marker
+    lse_hm[:, 3] = float("-inf")  # row (b0, c1, k0): FA4's
+    po[1], po[3] = float("nan"), float("nan")
+    scale = 0.3
+    got = history_merge(q, kc, vc, hist, n_hist, po, lse_hm.t(), topk=topk, chunks=chunks,
+                        scale=scale, softcap=cap)
+    # Torch: history state per lane, then merge_states with the chunk states.
+    group = q.shape[1] // kc.shape[1]
+    o_h, lse_h = [], []
+    for z in range(lanes):
+        sl = hist[z, :n_hist].long()
+        k = kc[sl].float().repeat_interleave(group, 1)
+        v = vc[sl].float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[z].float(), k) * scale
+        if cap > 0:
+            s = cap * torch.tanh(s / cap)
+        lse_h.append(torch.logsumexp(s, -1))
+        o_h.append(attend(q[z:z + 1], k, v, scale, cap)[0])
+    o_h, lse_h = torch.stack(o_h), torch.stack(lse_h)
+    b, j = torch.arange(lanes) // topk, torch.arange(lanes) % topk
+    outs = [po[(b * chunks + c) * topk + j].float() for c in range(chunks)]
+    lses = [lse_hm.t()[(b * chunks + c) * topk + j] for c in range(chunks)]
+    want = fa.merge_states(outs + [o_h], lses + [lse_h], torch.float32)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # Not a trivial pass: the history changes the answer.
+    assert (want - fa.merge_states(outs, lses, torch.float32)).abs().max() > 0.05
+
+
+def test_route_rule_is_a_pure_function_of_shapes():
+    from specattn.backends.flash_attn._route import choose_route, route_cost
+
+    big = dict(bs=32, topk=8, prefix_len=4096, num_kv_heads=8, num_sms=132)
+    assert choose_route(**big) == ("shared", 1)  # gqa-long: the prefix read once
+    assert choose_route(**{**big, "num_sms": None}) == ("shared", 1)  # no GPU: shared
+    small = dict(bs=4, topk=4, prefix_len=1024, num_kv_heads=8, num_sms=132)
+    assert choose_route(**small) != ("shared", 1)  # gqa-small: SMs idle in the prefix pass
+    assert choose_route(**small) == choose_route(**small)
+    for bs in (1, 2, 4, 8, 64):  # K == 1 has no per-branch alternative
+        assert choose_route(**{**small, "bs": bs, "topk": 1})[0] == "shared"
+    # The pick is the cheapest option of the model.
+    for bs in (1, 3, 8, 17, 32, 100):
+        kw = {**small, "bs": bs}
+        pick = choose_route(**kw)
+        options = [("shared", 1), ("shared", 2), ("shared", 4), ("per-branch", 1)]
+        assert route_cost(pick, **kw) == min(route_cost(r, **kw) for r in options)
+
+
+def test_auto_mode_routes_small_batches_and_logs_once(monkeypatch, caplog):
+    from specattn.backends.flash_attn import _decode, _route
+
+    monkeypatch.setattr(_decode, "device_sm_count", lambda device: 132)
+    cls, _, platform, rec = LIBS["fa4"]
+    case = make_decode_case(bs=2, topk=4, page_size=16, seed=31, max_len=60)
+    want = _route.choose_route(bs=2, topk=4, prefix_len=case.runner.max_context_len,
+                               num_kv_heads=2, num_sms=132, head_dim=16)
+    assert want != ("shared", 1)
+    with installed(platform), caplog.at_level(logging.DEBUG, "specattn.backends.flash_attn"):
+        backend = cls(case.runner, 4, 3, tree_mode="path")
+        run_decode_round(backend, case)
+        run_decode_round(backend, make_case_on(case, seed=32))
+        assert backend._route == want
+        routed = [r for r in caplog.records if "route to" in r.getMessage()]
+        assert len(routed) == 1 and routed[0].levelno == logging.DEBUG
+        if want[0] == "per-branch":
+            assert all(c.page_size == 1 and c.batch == 8 for c in rec.calls)
+        else:
+            assert rec.calls[0].batch == 2 * want[1]
+        # Explicit mode="shared" is never rerouted.
+        rec.clear()
+        run_decode_round(cls(case.runner, 4, 3, mode="shared"), case)
+        assert rec.calls[0].batch == 2 and rec.calls[0].max_seqlen_q == 4
