@@ -3,7 +3,10 @@ CUDA graph capture and padded replay. Marked ``gpu`` (skipped without CUDA).
 
 Shapes: DSA = V3.2 at TP8 (16 MLA heads, rank 512 + rope 64, 64 index heads of 128,
 ``index_topk`` 2048, prefixes below, at and above 2048); DSv4 = V4-Flash's MTP layer (64
-heads of 512, one KV head, window 128, fp32 sink), lengths around the window edge.
+heads of 512, one KV head, window 128, fp32 sink), lengths around the window edge. Each row
+also runs on its FP8 pool (``fp8=True``: dsa ``fp8_ds_mla`` 656 bytes/token at page 64, dsv4
+``fp8_ds_v4`` 584 bytes/token page-blocked at 128/64), filled through ``write_kv`` and
+compared with the reference on the dequantized pool.
 """
 
 from __future__ import annotations
@@ -34,16 +37,28 @@ def _close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def _runner(kind, dtype, page, num_slots, max_reqs, max_ctx):
+# FP8 KV: V3.2's 656-byte layout for dsa, V4's 584-byte page-blocked layout for dsv4.
+FP8 = {"dsa": "fp8_ds_mla", "dsv4": "fp8_ds_v4"}
+
+
+def _runner(kind, dtype, page, num_slots, max_reqs, max_ctx, fp8=False):
+    kv_dtype = FP8[kind] if fp8 else "auto"
+    if fp8:
+        num_slots = -(-num_slots // page) * page  # whole pages (V4's layout is page-blocked)
     if kind == "dsa":
         r = DraftRunner.mla(H_DSA, R, ROPE, num_layers=1, num_slots=num_slots,
                             max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
-                            dtype=dtype, device=DEV)
+                            dtype=dtype, device=DEV, kv_cache_dtype=kv_dtype)
     else:
         r = DraftRunner.mla(H_V4, D_V4, 0, num_layers=1, num_slots=num_slots,
                             max_reqs=max_reqs, max_context_len=max_ctx, page_size=page,
-                            dtype=dtype, device=DEV)
-    r.kv_buffer[0].normal_()
+                            dtype=dtype, device=DEV, kv_cache_dtype=kv_dtype)
+    if fp8:  # quantized through write_kv, as an engine fills the pool
+        width = r.kv_lora_rank + r.qk_rope_head_dim
+        r.write_kv(0, torch.arange(r.num_slots, device=DEV),
+                   torch.randn(r.num_slots, width, device=DEV), None)
+    else:
+        r.kv_buffer[0].normal_()
     return r
 
 
@@ -68,12 +83,13 @@ def _index_inputs(rows, dtype):
                 index_k=_index_keys(rows, dtype))
 
 
-def make_decode(kind, dtype, topk, steps, page, seq_lens, tree_mode):
+def make_decode(kind, dtype, topk, steps, page, seq_lens, tree_mode, fp8=False):
     bs = len(seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
     extra = metadata.max_draft_extend_len(topk, steps, page)
     num_slots = sum(seq_lens) + bs * extra + 16
-    r = _runner(kind, dtype, page, num_slots, bs + 4, max(seq_lens) + extra + page)
+    r = _runner(kind, dtype, page, num_slots, bs + 4, max(seq_lens) + extra + page, fp8)
+    num_slots = r.num_slots
     rpi = torch.randperm(bs + 4, device=DEV)[:bs]
     perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
     used = 0
@@ -88,10 +104,11 @@ def make_decode(kind, dtype, topk, steps, page, seq_lens, tree_mode):
     return r, DraftBatch(rpi, seq, loc, parents)
 
 
-def make_extend(kind, dtype, page, seq_lens, ext_lens):
+def make_extend(kind, dtype, page, seq_lens, ext_lens, fp8=False):
     bs = len(seq_lens)
     num_slots = sum(seq_lens) + 16
-    r = _runner(kind, dtype, page, num_slots, bs + 2, max(seq_lens) + page)
+    r = _runner(kind, dtype, page, num_slots, bs + 2, max(seq_lens) + page, fp8)
+    num_slots = r.num_slots
     rpi = torch.randperm(bs + 2, device=DEV)[:bs]
     perm = torch.randperm(num_slots, device=DEV).to(torch.int32)
     used, new = 0, []
@@ -111,14 +128,15 @@ def _qk(r, rows, dtype):
 
 # --- dsa ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("topk,page,tree_mode", [(1, 64, "lane"), (4, 64, "path"),
-                                                 (4, 1, "lane"), (1, 1, "path")])
-def test_dsa_decode(topk, page, tree_mode):
+@pytest.mark.parametrize("topk,page,tree_mode,fp8", [
+    (1, 64, "lane", False), (4, 64, "path", False), (4, 1, "lane", False),
+    (1, 1, "path", False), (1, 64, "lane", True), (4, 64, "path", True)])
+def test_dsa_decode(topk, page, tree_mode, fp8):
     from specattn.backends.dsa import DSADecode
 
     dtype, steps = torch.bfloat16, 3
     lens = [700, 2048, 2049, 5000]
-    r, batch = make_decode("dsa", dtype, topk, steps, page, lens, tree_mode)
+    r, batch = make_decode("dsa", dtype, topk, steps, page, lens, tree_mode, fp8)
     pool = _index_pool(r, dtype)
     backend = DSADecode(r, topk, steps, tree_mode=tree_mode, index_k_buffer=pool)
     layer = AttentionLayer(0, 192 ** -0.5)
@@ -174,11 +192,12 @@ def test_dsa_selection_sets():
             assert all(abs(by_slot[s] - kth) <= 1e-4 * abs(kth) for s in have ^ want)
 
 
-def test_dsa_extend():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dsa_extend(fp8):
     from specattn.backends.dsa import DSAExtend
 
     dtype = torch.bfloat16
-    r, batch = make_extend("dsa", dtype, 64, [4000, 2050, 900], [4, 3, 1])
+    r, batch = make_extend("dsa", dtype, 64, [4000, 2050, 900], [4, 3, 1], fp8)
     pool = _index_pool(r, dtype)
     backend = DSAExtend(r, index_k_buffer=pool)
     layer = AttentionLayer(0, 192 ** -0.5)
@@ -204,13 +223,15 @@ def test_dsa_long_prefix_needs_index_inputs():
 
 # --- dsv4 --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("topk,page,tree_mode", [(1, 256, "lane"), (3, 1, "path")])
-def test_dsv4_decode(topk, page, tree_mode):
+@pytest.mark.parametrize("topk,page,tree_mode,fp8", [
+    (1, 256, "lane", False), (3, 1, "path", False), (1, 128, "lane", True),
+    (3, 64, "path", True)])
+def test_dsv4_decode(topk, page, tree_mode, fp8):
     from specattn.backends.dsv4 import DSV4CudaDecode
 
     dtype, steps = torch.bfloat16, 3
     lens = [50, 126, 127, 128, 1000]
-    r, batch = make_decode("dsv4", dtype, topk, steps, page, lens, tree_mode)
+    r, batch = make_decode("dsv4", dtype, topk, steps, page, lens, tree_mode, fp8)
     backend = DSV4CudaDecode(r, topk, steps, tree_mode=tree_mode)
     layer = AttentionLayer(0, D_V4 ** -0.5)
     sink = torch.randn(H_V4, device=DEV)
@@ -225,11 +246,12 @@ def test_dsv4_decode(topk, page, tree_mode):
                                             window=WINDOW, attn_sink=sink), dtype)
 
 
-def test_dsv4_extend():
+@pytest.mark.parametrize("page,fp8", [(256, False), (128, True)])
+def test_dsv4_extend(page, fp8):
     from specattn.backends.dsv4 import DSV4CudaExtend
 
     dtype = torch.bfloat16
-    r, batch = make_extend("dsv4", dtype, 256, [60, 130, 900], [4, 3, 2])
+    r, batch = make_extend("dsv4", dtype, page, [60, 130, 900], [4, 3, 2], fp8)
     backend = DSV4CudaExtend(r)
     layer = AttentionLayer(0, D_V4 ** -0.5)
     sink = torch.randn(H_V4, device=DEV)
@@ -242,13 +264,15 @@ def test_dsv4_extend():
 
 # --- CUDA graphs -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["dsa", "dsv4"])
-def test_cuda_graph_capture_replay_padded(kind):
+@pytest.mark.parametrize("kind,fp8", [("dsa", False), ("dsv4", False), ("dsa", True),
+                                      ("dsv4", True)])
+def test_cuda_graph_capture_replay_padded(kind, fp8):
     """Capture every step at bs=4; replay a round of 3 real requests padded to 4 with new
-    lengths / rows / slots / parents; real lanes match the reference."""
+    lengths / rows / slots / parents; real lanes match the reference. FP8: write_kv's
+    quantization is captured too."""
     dtype, K, S, max_bs, real = torch.bfloat16, 2, 3, 4, 3
     long = 2600 if kind == "dsa" else 400
-    r, batch = make_decode(kind, dtype, K, S, 1, [long] * max_bs, "path")
+    r, batch = make_decode(kind, dtype, K, S, 1, [long] * max_bs, "path", fp8)
     if kind == "dsa":
         from specattn.backends.dsa import DSADecode
 
