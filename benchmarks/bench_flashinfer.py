@@ -1,12 +1,16 @@
 """Benchmark the FlashInfer backends per ``performance.md`` (one step, one layer).
 
 For each case (uniform, and ragged lengths in [L/2, 3L/2]): the time of one draft-decode
-``forward`` at step 2 (3 history tokens: KV write + passes + merge), in the ``shared``
-(prefix once per request) and ``per-branch`` (upstream) modes, timed as the replay of a CUDA
-graph over rotating layers (KV read per call larger than L2), median of
-``triton.testing.do_bench``; the prefix pass alone; the copy-bandwidth floor measured in the
-same process; and the host cost of the metadata (eager ``init_forward_metadata`` per round,
-and the graph replay's re-plan). Draft extend likewise.
+``forward`` at step 2 (3 history tokens: KV write + prefix pass + history/merge), in the
+``shared`` (prefix once per request) and ``per-branch`` (upstream) modes, timed as the replay
+of a CUDA graph over rotating layers (KV read per call larger than L2), median of
+``triton.testing.do_bench``; the copy-bandwidth floor measured in the same process; and the
+host cost of the metadata (eager ``init_forward_metadata`` per round, and the graph replay's
+re-plan). Shared-mode rows also time the parts: ``write_kv``, the prefix pass with the
+graph plan this glue makes, with FlashInfer's default graph plan (no ``uniform_q_len`` /
+``disable_split_kv``: what v1 ran) and with an eager plan; the fused history + merge kernel;
+and, for comparison, v1's history pass (FlashInfer decode wrapper, graph plan) +
+``merge_state``. Draft extend: eager plan and graph plan.
 
 Usage: ``python benchmarks/bench_flashinfer.py [--out DIR] [--cases a,b] [--signatures]``.
 """
@@ -133,10 +137,10 @@ def inputs(model, n):
 
 
 def sweep(bw) -> None:
-    """Where the time of the gqa-long shared-prefix step goes, and prefix-pass variants."""
-    import flashinfer
-
+    """Where the time of the gqa-long shared-prefix step goes, and prefix-pass variants
+    (eager plans)."""
     from specattn.backends.flashinfer import FlashInferDecode
+    from specattn.backends.flashinfer._history import history_merge
 
     B, L, K, S, step = SWEEP_CASE
     lens = [L] * B
@@ -185,14 +189,69 @@ def sweep(bw) -> None:
         rnd = be._eager
         loc = batch.out_cache_loc[:, :, step].reshape(-1)
         t_w, _ = timed(lambda lay: r.write_kv(lay.layer_id, loc, k, v), lyr)
-        t_h, _ = timed(lambda lay: rnd.steps[step].run(q, lay.layer_id), lyr)
         o_p, l_p = rnd.prefix.run(q, 0)
-        o_h, l_h = rnd.steps[step].run(q, 0)
-        t_m, _ = timed(lambda lay: flashinfer.merge_state(o_p, l_p, o_h, l_h), lyr)
-        print(f"sweep {tag:10s} write_kv {t_w * 1e3:.1f} us, history pass {t_h * 1e3:.1f} us, "
-              f"merge_state {t_m * 1e3:.1f} us", flush=True)
+        hist = be._history(step, B * K)
+        t_h, _ = timed(lambda lay: history_merge(q, *be._history_pools(lay.layer_id), hist, o_p,
+                                                 l_p, be.params.scale, 0.0), lyr)
+        print(f"sweep {tag:10s} write_kv {t_w * 1e3:.1f} us, history + merge kernel "
+              f"{t_h * 1e3:.1f} us", flush=True)
         del r, be
         torch.cuda.empty_cache()
+
+
+def v1_history(be, B, N, n, q):
+    """v1's history pass (graph-mode FlashInfer decode over each lane's ``n`` slots, LSE)
+    plus ``merge_state``, on ``be``'s runner: returns ``fn(layer, o_p, lse_p)``."""
+    import flashinfer
+
+    from specattn.backends.flashinfer._passes import DecodePass, MLAPass
+
+    r = be.runner
+    cls = MLAPass if r.use_mla_backend else DecodePass
+    hp = cls(r, with_lse=True, graph_rows=N, capacity=N * n)
+    hp.indices[:N * n] = be._history(n - 1, N).reshape(-1).to(torch.int32)
+    qo = torch.arange(N + 1, dtype=torch.int32)
+    hp.plan(qo, qo * n, N * n, False, be.params)
+
+    def fn(lay, o_p, lse_p):
+        o_h, lse_h = hp.run(q, lay.layer_id)
+        return flashinfer.merge_state(o_p, lse_p, o_h, lse_h)
+    return fn
+
+
+def decode_parts(cls, r, batch, B, N, K, S, step, q, k, v, lyr, be, eager):
+    """Shared mode: the parts of one step (ms each)."""
+    from specattn.backends.flashinfer._history import history_merge
+
+    parts = {}
+    loc = batch.out_cache_loc[:, :, step].reshape(-1)
+    parts["write_kv"], _ = timed(lambda lay: r.write_kv(lay.layer_id, loc, k, v), lyr)
+    rnd = be._graphs[B]
+    parts["prefix"], _ = timed(lambda lay: rnd.prefix.run(q, lay.layer_id), lyr)
+    if not r.use_mla_backend:  # FlashInfer's default graph plan (v1)
+        old = cls(r, K, S)
+        old.prefix_plan_kwargs = {"uniform_q_len": None, "disable_split_kv": False}
+        old.init_cuda_graph_state(B, N)
+        old.init_forward_metadata_capture_cuda_graph(batch)
+        old.forward(0, lyr[0], q, k, v)
+        p_old = old._graphs[B].prefix
+        parts["prefix_default_graph_plan"], _ = timed(lambda lay: p_old.run(q, lay.layer_id),
+                                                      lyr)
+        del old
+    p_eager = eager._eager.prefix
+    parts["prefix_eager_plan"], _ = timed(lambda lay: p_eager.run(q, lay.layer_id), lyr)
+    o_p, lse_p = rnd.prefix.run(q, 0)
+    hist = be._history(step, N)
+    params = be.params
+    parts["history_merge"], _ = timed(
+        lambda lay: history_merge(q, *be._history_pools(lay.layer_id), hist, o_p, lse_p,
+                                  params.scale, params.cap), lyr)
+    try:
+        fn = v1_history(be, B, N, step + 1, q)
+        parts["v1_history_pass_merge"], _ = timed(lambda lay: fn(lay, o_p, lse_p), lyr)
+    except Exception as e:  # a comparison only
+        print(f"  v1 history pass: FAILED {type(e).__name__}: {e}", flush=True)
+    return parts
 
 
 def bench_decode(model, lens, K, S, mode, bw, step=2):
@@ -200,8 +259,6 @@ def bench_decode(model, lens, K, S, mode, bw, step=2):
 
     cls = FlashInferMLADecode if model == "mla" else FlashInferDecode
     prefix_backend = "auto"
-    if mode == "shared-fa2":  # the prefix pass on FlashInfer's fa2 prefill kernel
-        mode, prefix_backend = "shared", "fa2"
     B, N = len(lens), len(lens) * K
     layers = layers_for(lens, model)
     r, rpi, seq, free = build(model, lens, N * S, layers)
@@ -223,13 +280,15 @@ def bench_decode(model, lens, K, S, mode, bw, step=2):
         be.forward(i, lyr[0], q, k, v)
     t, how = timed(lambda lay: be.forward(step, lay, q, k, v), lyr)
     t_replay = host_ms(lambda: be.init_forward_metadata_replay_cuda_graph(batch, B))
-    t_prefix = None
-    rnd = be._graphs[B]
-    if rnd.prefix is not None:
-        t_prefix, _ = timed(lambda lay: rnd.prefix.run(q, lay.layer_id), lyr)
+    parts = {}
+    if be._graphs[B].prefix is not None:
+        eager = cls(r, K, S, mode=mode)
+        eager.init_forward_metadata(batch)
+        eager.forward(0, lyr[0], q, k, v)
+        parts = decode_parts(cls, r, batch, B, N, K, S, step, q, k, v, lyr, be, eager)
     floor = (sum(lens) + N * (step + 1)) * row_bytes(model) / bw * 1e3
-    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=t_prefix, meta_host_ms=t_meta,
-                replay_plan_host_ms=t_replay)
+    return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=parts.get("prefix"),
+                meta_host_ms=t_meta, replay_plan_host_ms=t_replay, parts=parts)
 
 
 def bench_extend(lens, S, bw):
@@ -240,15 +299,21 @@ def bench_extend(lens, S, bw):
     r, rpi, seq, _ = build("mha", lens, 0, layers)
     loc = torch.cat([r.req_to_token[rpi[b], L - E:L].long() for b, L in enumerate(lens)])
     batch = DraftExtendBatch(rpi, seq, torch.full((B,), E, device=DEV), loc)
+    (q, k, v), scale = inputs("mha", B * E)
+    lyr = [AttentionLayer(i, scale) for i in range(layers)]
     be = FlashInferExtend(r)
     be.init_forward_metadata(batch)
-    (q, k, v), scale = inputs("mha", B * E)
-    t, how = timed(lambda lay: be.forward(lay, q, k, v),
-                   [AttentionLayer(i, scale) for i in range(layers)])
+    be.forward(lyr[0], q, k, v)
+    t_eager, _ = timed(lambda lay: be.forward(lay, q, k, v), lyr)
     t_meta = host_ms(lambda: be.init_forward_metadata(batch))
+    # CUDA-graph path: graph-mode plan on fixed buffers, re-planned before each replay.
+    be.init_cuda_graph_state(B, B * E)
+    be.init_forward_metadata_capture_cuda_graph(batch)
+    t, how = timed(lambda lay: be.forward(lay, q, k, v), lyr)
+    t_replay = host_ms(lambda: be.init_forward_metadata_replay_cuda_graph(batch, B))
     floor = sum(lens) * row_bytes("mha") / bw * 1e3
     return dict(ms=t, timing=how, floor_ms=floor, prefix_ms=None, meta_host_ms=t_meta,
-                replay_plan_host_ms=None)
+                replay_plan_host_ms=t_replay, parts={"eager_plan": t_eager})
 
 
 def main() -> None:
@@ -281,8 +346,6 @@ def main() -> None:
             lens = [rng.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
             modes = ["-"] if name == "extend" else (["shared"] if K == 1
                                                     else ["shared", "per-branch"])
-            if model == "mha" and K > 1 and not ragged:
-                modes.insert(1, "shared-fa2")
             res = {}
             for mode in modes:
                 try:
@@ -293,7 +356,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
             base = res.get("per-branch")
             for mode, d in res.items():
+                parts = d.pop("parts")
                 row = dict(case=name, lengths="ragged" if ragged else "uniform", mode=mode, **d)
+                row["parts_us"] = " ".join(f"{p}={ms * 1e3:.1f}" for p, ms in parts.items())
                 row["x_floor"] = d["ms"] / d["floor_ms"]
                 row["speedup_vs_per_branch"] = (base["ms"] / d["ms"]) if base else None
                 rows.append(row)
@@ -306,8 +371,10 @@ def main() -> None:
                       f"({d['timing']}) floor {d['floor_ms'] * 1e3:6.1f} us "
                       f"{row['x_floor']:.2f}x floor{sp}{pre}; host metadata/round "
                       f"{d['meta_host_ms']:.2f} ms{rp}", flush=True)
+                if parts:
+                    print(f"{'':10s} parts (us): {row['parts_us']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "flashinfer-bench.csv")
+    path = os.path.join(args.out, "flashinfer-bench-v2.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["case"])
         w.writeheader()
