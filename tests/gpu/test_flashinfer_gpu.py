@@ -117,11 +117,13 @@ def _graph_batch(case, order, parents_static):
                       parents_static[:, :len(order)])
 
 
-@pytest.mark.parametrize("mla, topk, tree_mode", [
-    (False, 4, "lane"), (False, 4, "path"), (False, 1, "lane"), (True, 4, "path")],
-    ids=["mha-k4-lane", "mha-k4-path", "mha-k1", "mla-k4-path"])
-def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode):
-    steps, bs = 4, 4
+@pytest.mark.parametrize("mla, topk, tree_mode, bs", [
+    (False, 4, "lane", 4), (False, 4, "path", 4), (False, 1, "lane", 4), (True, 4, "path", 4),
+    (False, 4, "path", 20)],
+    ids=["mha-k4-lane", "mha-k4-path", "mha-k1", "mla-k4-path", "mha-k4-path-bs20"])
+def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode, bs):
+    """bs 20 x 8 KV heads fills the H200's 132 SMs: the prefix plan disables split-KV."""
+    steps = 4
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, dtype=torch.bfloat16,
                             device="cuda", seed=17, max_len=150, heads=MLA if mla else GQA,
                             scaling=MLA_SCALE if mla else None)
@@ -147,7 +149,8 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = loop()
-    for order in ([3, 1, 0, 2], [2, 0, 1]):  # changed batch, then a padded one
+    perm = torch.randperm(bs, generator=torch.Generator().manual_seed(bs)).tolist()
+    for order in (perm, perm[:-1]):  # changed batch, then a padded one
         batch = _graph_batch(case, order, parents)
         for q, k, v in inputs:
             for t, new in zip((q, k, v), decode_inputs(case, gen)):
