@@ -216,9 +216,22 @@ DECODE_GRID = [
 ]
 
 
-@pytest.mark.parametrize("fused", [None, False], ids=["triton-merge", "torch-merge"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("lib,topk,page_size,tree_mode", DECODE_GRID)
+def _decode_params():
+    """Every grid row in both dtypes with the Triton merge; the torch merge (FA history
+    pass, the non-Triton path) for the two-pass rows in bf16."""
+    out = []
+    for lib, topk, page_size, tree_mode in DECODE_GRID:
+        for dtype in DTYPES:
+            out.append(pytest.param(lib, topk, page_size, tree_mode, dtype, None,
+                                    id=f"{lib}-{topk}-{page_size}-{tree_mode}-"
+                                       f"{str(dtype)[6:]}-triton-merge"))
+        if topk > 1:
+            out.append(pytest.param(lib, topk, page_size, tree_mode, torch.bfloat16, False,
+                                    id=f"{lib}-{topk}-{page_size}-{tree_mode}-torch-merge"))
+    return out
+
+
+@pytest.mark.parametrize("lib,topk,page_size,tree_mode,dtype,fused", _decode_params())
 def test_decode_matches_reference(lib, topk, page_size, tree_mode, dtype, fused):
     cls, _, platform, rec = LIBS[lib]
     case = make_decode_case(topk=topk, page_size=page_size, dtype=dtype, seed=topk + page_size,
