@@ -18,9 +18,11 @@ from .spec import Generation
 __all__ = ["TreeComparison", "compare_trees", "TREE_TOLERANCES"]
 
 # (rtol, atol) on the trees' cumulative scores, by draft dtype: fp32 drafts differ only by
-# summation order; half-precision ones by the attention output's rounding.
-TREE_TOLERANCES = {torch.float32: (1e-4, 1e-6), torch.float16: (1e-2, 1e-4),
-                   torch.bfloat16: (3e-2, 1e-3)}
+# summation order; in half precision one rounding of an attention output moves every later
+# layer's bf16 activations, and the scores (products of probabilities) by up to a few
+# percent over N layers (1.5e-2 absolute seen with 2 bf16 layers under Triton's interpreter).
+TREE_TOLERANCES = {torch.float32: (1e-4, 1e-6), torch.float16: (3e-2, 5e-3),
+                   torch.bfloat16: (1e-1, 2e-2)}
 
 
 @dataclass
@@ -51,7 +53,8 @@ class TreeComparison:
         if self.first_diff is None:
             return f"all {self.total} rounds equal (max score diff {self.max_score_diff:.1e})"
         kind = "near tie" if self.near_tie else "NOT a near tie"
-        return f"{self.rounds}/{self.total} rounds equal, then {kind}: {self.first_diff}"
+        return (f"{self.rounds}/{self.total} rounds equal (max score diff "
+                f"{self.max_score_diff:.1e}), then {kind}: {self.first_diff}")
 
 
 def _same_choice(ref: torch.Tensor, got: torch.Tensor, rtol: float, atol: float) -> bool:
