@@ -178,7 +178,8 @@ def main() -> None:
     mla_cfg, mla_waves = None, None
     if args.mla_config and os.path.exists(args.mla_config):
         f = open(args.mla_config).read().split()
-        mla_cfg = KernelConfig(*map(int, f[:5]), v_reload=bool(int(f[5])))
+        mla_cfg = KernelConfig(*map(int, f[:4]), mla_v3=True, dv_split=int(f[4]),
+                               v_reload=bool(int(f[5])))
         mla_waves = float(f[6])
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()

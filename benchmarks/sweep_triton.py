@@ -34,11 +34,13 @@ def mla_variants():
     from specattn.backends.triton.launchers import KernelConfig as C
 
     # Most promising first: the phase is time-boxed.
+    v3 = dict(mla_v3=True)
     return [
-        C(64, 32, 8, 2), C(64, 32, 4, 2, dv_split=2), C(64, 64, 8, 2, dv_split=2),
-        C(64, 32, 8, 2, dv_split=2), C(64, 64, 8, 2), C(64, 32, 8, 3),
-        C(64, 32, 8, 2, v_reload=True), C(64, 64, 4, 2, dv_split=2), C(32, 32, 4, 2),
-        C(64, 16, 4, 3, dv_split=2),
+        C(64, 32, 8, 2, **v3), C(64, 32, 4, 2, dv_split=2, **v3),
+        C(64, 64, 8, 2, dv_split=2, **v3), C(64, 32, 8, 2, dv_split=2, **v3),
+        C(64, 64, 8, 2, **v3), C(64, 32, 8, 3, **v3), C(64, 32, 8, 2, v_reload=True, **v3),
+        C(64, 64, 4, 2, dv_split=2, **v3), C(32, 32, 4, 2, **v3),
+        C(64, 16, 4, 3, dv_split=2, **v3),
     ]
 
 

@@ -100,15 +100,16 @@ def test_decode_matches_reference(model, dtype, topk, page, tree_mode, seq_lens,
 
 MLA_VARIANTS = [
     # topk, tree_mode, seq_lens, config (v3 MLA kernel variants; rows = topk * 4 heads)
-    (8, "path", [23, 40], KernelConfig(16, 16, 4, 2, dv_split=2, v_reload=False)),
-    (4, "lane", [40, 9], KernelConfig(16, 32, 4, 2, dv_split=1, v_reload=True)),
-    (2, "path", [31, 0], KernelConfig(16, 16, 4, 2, dv_split=2, v_reload=True)),
+    (8, "path", [23, 40], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2)),
+    (4, "lane", [40, 9], KernelConfig(16, 32, 4, 2, mla_v3=True, v_reload=True)),
+    (2, "path", [31, 0], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2, v_reload=True)),
 ]
 
 
 @pytest.mark.parametrize("topk,tree_mode,seq_lens,config", MLA_VARIANTS)
 def test_mla_kernel_variants(topk, tree_mode, seq_lens, config):
-    """The MLA stage-1 variants (V split over two programs, V reload, several row blocks)."""
+    """The MLA v3 stage-1 variants (V split over two programs, V reload, several row blocks;
+    tail fused into the last split, so the last partial must hold it)."""
     runner, batch = make_decode("mla", torch.bfloat16, topk=topk, steps=3, page=1,
                                 seq_lens=seq_lens, tree_mode=tree_mode)
     backend = TritonDecode(runner, topk, 3, tree_mode=tree_mode, config=config)
@@ -116,10 +117,14 @@ def test_mla_kernel_variants(topk, tree_mode, seq_lens, config):
     run_decode_round(runner, batch, backend, torch.bfloat16, layer, tree_mode)
 
 
-def test_split_count_rounding():
-    """Below 2 waves the split count rounds down (one full wave, no stragglers)."""
+def test_config_and_split_count():
+    """MLA with >= 64 rows per group takes the v3 kernel at one wave; below 2 waves the split
+    count rounds down (one full wave, no stragglers); the generic kernel adds a tail part."""
     shape = launchers.AttnShape(16, 1, 512, 64, 512, True)
-    cfg = launchers.KernelConfig(64, 32, 8, 2)
+    cfg = launchers.choose_config(shape, 64)
+    assert cfg.mla_v3 and not launchers.choose_config(shape, 16).mla_v3
+    assert launchers.num_parts(cfg, 4) == 4
+    assert launchers.num_parts(launchers.choose_config(shape, 16), 4) == 5
     cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
     assert launchers.plan_splits(shape, cfg, 64, 3, cpu, 1.0, extend=False) == 1
     assert launchers.plan_splits(shape, cfg, 64, 1, cpu, 1.0, extend=False) == 4
@@ -195,8 +200,8 @@ EXTEND_CASES = [
 def test_extend_matches_reference(model, dtype, page, seq_lens, ext_lens):
     runner, batch = make_extend(model, dtype, page=page, seq_lens=seq_lens, ext_lens=ext_lens)
     # fp16 MLA: the V-split variant with several row blocks (6 tokens x 4 heads > 16 rows).
-    cfg = KernelConfig(16, 16, 4, 2, dv_split=2) if (model, dtype) == ("mla", torch.float16) \
-        else None
+    cfg = KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2) \
+        if (model, dtype) == ("mla", torch.float16) else None
     backend = TritonExtend(runner, config=cfg)
     layer = AttentionLayer(layer_id=1, scaling=0.2, logit_cap=2.0 if dtype == torch.float32
                            else 0.0)

@@ -117,7 +117,7 @@ def test_mla_kernel_variants_real_shapes(dv_split, v_reload):
 
     lens = [random.randint(2048, 6144) for _ in range(4)]
     r, batch = make_decode("mla", torch.bfloat16, 4, 5, 1, lens, "path")
-    cfg = KernelConfig(64, 32, 4 if dv_split == 2 else 8, 2, dv_split=dv_split,
+    cfg = KernelConfig(64, 32, 4 if dv_split == 2 else 8, 2, mla_v3=True, dv_split=dv_split,
                        v_reload=v_reload)
     backend = TritonDecode(r, 4, 5, tree_mode="path", config=cfg)
     run_round(r, batch, backend, torch.bfloat16, AttentionLayer(0, 576 ** -0.5, 30.0), "path",

@@ -8,20 +8,24 @@ Algorithm (one kernel family serves draft decode, per-branch decode and draft ex
   ``n_q * G`` query rows (``G = H_q / H_kv``; MLA: ``G = H``, one latent head), row
   ``m -> (m // G, kv_head * G + m % G)``, tiled ``BLOCK_M`` at a time so QK and PV run on
   tensor cores (``tl.dot``).
-- Stage 1, grid ``(row_blocks, groups * H_kv, NUM_SPLITS)``: program ``split`` walks one
-  slice of the prefix ``R_b[0 : prefix_len]`` (split length computed on the device by the
-  metadata kernel, so the grid is fixed: graph-safe); each prefix tile is loaded once for
-  every row of the group. The last split (the shortest slice) then walks the *tail* with the
-  same accumulator (v3; v1/v2 spent an extra program per row block on it): decode: each
-  lane's ``step + 1`` history slots (lane mode: the metadata table; path mode: the ancestor
-  chain followed through ``parents`` at run time), masked to the key's own lane; extend: the
-  new tokens ``R_b[prefix_len + u]``, causal (``u <= t``). Each program writes a normalised
-  partial output and its natural-log LSE (``-inf`` when it saw no key). Row blocks are grid
-  axis 0, so programs sharing a prefix slice run together and a re-read hits L2.
-- MLA has its own stage 1 (``_mla_partial_kernel``): the latent row is read as two halves +
-  rope, so ``S`` is three chained dots and the 512-wide ``P.V`` accumulator can be split
-  over two adjacent programs (``DV_SPLIT``) or kept in one.
-- Stage 2, grid ``(rows, H_q)``: merges the ``NUM_SPLITS`` partials by natural-log LSE.
+- Stage 1 (generic, ``_partial_attn_kernel``), grid ``(row_blocks, groups * H_kv,
+  NUM_SPLITS + 1)``: programs ``split < NUM_SPLITS`` walk one slice of the prefix
+  ``R_b[0 : prefix_len]`` (split length computed on the device by the metadata kernel, so the
+  grid is fixed: graph-safe); each prefix tile is loaded once for every row of the group.
+  Program ``split == NUM_SPLITS`` walks the *tail*: decode: each lane's ``step + 1`` history
+  slots (lane mode: the metadata table; path mode: the ancestor chain followed through
+  ``parents`` at run time), masked to the key's own lane; extend: the new tokens
+  ``R_b[prefix_len + u]``, causal (``u <= t``). Each program writes a normalised partial
+  output and its natural-log LSE (``-inf`` when it saw no key). Row blocks are grid axis 0,
+  so programs sharing a prefix slice run together and a re-read hits L2.
+- Stage 1 for MLA with >= 64 rows per group (v3, ``_mla_partial_kernel``), grid
+  ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``: all ``K * H`` rows of a request in one
+  64-row tile; the latent row is read as two halves + rope, so ``S`` is three chained dots
+  and the 512-wide ``P.V`` accumulator stays in one program (``DV_SPLIT = 1``) or is split
+  over two adjacent programs (``DV_SPLIT = 2``); the last split also walks the tail (no
+  extra program wave; here that measured faster, for the generic kernel it did not).
+- Stage 2, grid ``(rows, H_q)``: merges the partials (``NUM_SPLITS + 1`` generic,
+  ``NUM_SPLITS`` MLA v3) by natural-log LSE.
 
 Limits: token-level gathers through ``req_to_token`` (any page size, no page-table fast
 path); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16`` (``tl.dot``); fp32 partials.
@@ -41,6 +45,184 @@ MODE_EXTEND = tl.constexpr(2)
 
 
 @triton.jit
+def _attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh,
+                 stride_ks, stride_kh, stride_vs, stride_vh, sm_scale, logit_cap,
+                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One key tile: slot [BLOCK_N] (int64), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
+
+    DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
+    so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = Kb + slot[:, None] * stride_ks + kvh * stride_kh
+    k = tl.load(k_base + offs_d[None, :], mask=key_ok[:, None] & (offs_d < D_MAIN)[None, :],
+                other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        kpe = tl.load(k_base + D_MAIN + offs_pe[None, :],
+                      mask=key_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+        if DOT_F32:
+            kpe = kpe.to(tl.float32)
+        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
+    s = s * sm_scale
+    if USE_CAP:
+        # cap * tanh(s / cap), tanh via the sigmoid (portable to the interpreter).
+        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
+    s = tl.where(vis, s * LOG2E, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_IS_K:
+        v = k
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(Vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                    mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _partial_attn_kernel(
+        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
+        step, sm_scale, logit_cap,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+        stride_r2t, stride_par_s, stride_par_b,
+        TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, D_MAIN: tl.constexpr, D_PE: tl.constexpr,
+        D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
+        BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+        DOT_F32: tl.constexpr):
+    """Stage 1, generic (MHA/GQA, extend, MLA below 64 rows per group): the v2 kernel,
+    kept as measured (fusing the tail into the last split, tried in v3, was ~10% slower on
+    the H200, see triton-notes.md). Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``;
+    program ``split == NUM_SPLITS`` walks the tail.
+
+    Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
+    V = its first D_V columns); MidO: [rows, H_q, NUM_SPLITS + 1, D_V] fp32;
+    MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32; Hist: [lanes, NUM_STEPS]
+    int32 (decode); Parents: [NUM_STEPS, B, TOPK] (path mode).
+    """
+    rb = tl.program_id(0)
+    gh = tl.program_id(1)
+    split = tl.program_id(2)
+    gi = gh // NUM_KV_HEADS
+    kvh = gh % NUM_KV_HEADS
+    if MODE == MODE_EXTEND:
+        b = gi
+        q_start = tl.load(Meta + b * META_W + 3)
+        n_q = tl.load(Meta + b * META_W + 4)
+    else:
+        b = (gi * LANES_PER_GROUP) // TOPK
+        q_start = gi * LANES_PER_GROUP
+        n_q = LANES_PER_GROUP
+    rpi = tl.load(Meta + b * META_W).to(tl.int64)
+    prefix_len = tl.load(Meta + b * META_W + 1)
+    split_len = tl.load(Meta + b * META_W + 2)
+    n_rows = n_q * GROUP
+    row_lo = rb * BLOCK_M
+    live = row_lo < n_rows  # row blocks past a short extend request do nothing
+
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_rows
+    q_local = offs_m // GROUP  # lane (decode) or new-token index (extend) within the group
+    head = kvh * GROUP + offs_m % GROUP
+    q_row = (q_start + q_local).to(tl.int64)
+    q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_base + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
+                other=0.0)
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
+                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    else:
+        qpe = q
+    if DOT_F32:
+        q = q.to(tl.float32)
+        qpe = qpe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    r2t_row = ReqToToken + rpi * stride_r2t
+
+    if split < NUM_SPLITS:
+        start = split * split_len
+        end = tl.minimum(prefix_len, start + split_len)
+        end = tl.where(live, end, start)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            key_ok = pos < end
+            slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
+            vis = key_ok[None, :] & row_ok[:, None]
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
+                stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
+                BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+    else:
+        # Only the keys of this row block's lanes / tokens.
+        local_hi = tl.minimum(n_q, (row_lo + BLOCK_M + GROUP - 1) // GROUP)
+        if MODE == MODE_EXTEND:
+            hl = 1
+            n_lo = 0
+        else:
+            hl = step + 1
+            n_lo = (row_lo // GROUP) * hl
+        n_hi = tl.where(live, local_hi * hl, n_lo)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            idx = n0 + offs_n
+            key_ok = idx < n_hi
+            if MODE == MODE_EXTEND:
+                slot = tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0)
+                vis = idx[None, :] <= q_local[:, None]
+            else:
+                key_lane = idx // hl
+                t = idx % hl
+                z = q_start + key_lane
+                if MODE == MODE_PATH:
+                    # Ancestor of lane z at depth t: a_step = j, a_{u-1} = parents[u, b, a_u].
+                    a = z % TOPK
+                    for uu in range(0, step):
+                        u = step - uu
+                        par = tl.load(Parents + u * stride_par_s + b * stride_par_b + a,
+                                      mask=key_ok, other=0)
+                        a = tl.where(t < u, par.to(tl.int32), a)
+                    z = b * TOPK + a
+                slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
+                vis = key_lane[None, :] == q_local[:, None]
+            slot = slot.to(tl.int64)
+            vis = vis & key_ok[None, :] & row_ok[:, None]
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
+                stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
+                BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+
+    LN2: tl.constexpr = 0.6931471805599453
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
+    tl.store(mo + offs_dv[None, :], o, mask=row_ok[:, None] & (offs_dv < D_V)[None, :])
+    tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse, mask=row_ok)
+
+
+@triton.jit
 def _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP: tl.constexpr):
     """Online-softmax step on raw scores ``s [BLOCK_M, BLOCK_N]``: returns ``(p, alpha,
     m_new, l_new)`` in base 2 (``p`` unnormalised, ``alpha`` rescales the old state)."""
@@ -56,44 +238,6 @@ def _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP: tl.constexpr
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh,
-                 stride_ks, stride_kh, stride_vs, stride_vh, sm_scale, logit_cap,
-                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One key tile: slot [BLOCK_N] (int64), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
-
-    DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
-    so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
-    offs_d = tl.arange(0, BLOCK_D)
-    k_base = Kb + slot[:, None] * stride_ks + kvh * stride_kh
-    k = tl.load(k_base + offs_d[None, :], mask=key_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        kpe = tl.load(k_base + D_MAIN + offs_pe[None, :],
-                      mask=key_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-        if DOT_F32:
-            kpe = kpe.to(tl.float32)
-        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
-    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
-    if V_IS_K:
-        v = k
-    else:
-        offs_dv = tl.arange(0, BLOCK_DV)
-        v = tl.load(Vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -157,100 +301,6 @@ def _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, 
         slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
         vis = key_lane[None, :] == q_local[:, None]
     return slot.to(tl.int64), vis
-
-
-@triton.jit
-def _partial_attn_kernel(
-        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
-        step, sm_scale, logit_cap,
-        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-        stride_r2t, stride_par_s, stride_par_b,
-        TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
-        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-        D_MAIN: tl.constexpr, D_PE: tl.constexpr,
-        D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
-        BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-        DOT_F32: tl.constexpr):
-    """Stage 1, generic (MHA/GQA; MLA fallback). Grid ``(row_blocks, groups * H_kv,
-    NUM_SPLITS)``.
-
-    Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
-    V = its first D_V columns); MidO: [rows, H_q, >= NUM_SPLITS, D_V] fp32;
-    MidLse: [rows, H_q, >= NUM_SPLITS] fp32; Meta: [B, 5] int32; Hist: [lanes, NUM_STEPS]
-    int32 (decode); Parents: [NUM_STEPS, B, TOPK] (path mode).
-    """
-    rb = tl.program_id(0)
-    gh = tl.program_id(1)
-    split = tl.program_id(2)
-    gi = gh // NUM_KV_HEADS
-    kvh = gh % NUM_KV_HEADS
-    b, q_start, n_q, rpi, prefix_len, split_len = _group_of(gi, Meta, TOPK, LANES_PER_GROUP,
-                                                            MODE)
-    n_rows = n_q * GROUP
-    row_lo = rb * BLOCK_M
-    live = row_lo < n_rows  # row blocks past a short extend request do nothing
-
-    offs_m = row_lo + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n_rows
-    q_local = offs_m // GROUP  # lane (decode) or new-token index (extend) within the group
-    head = kvh * GROUP + offs_m % GROUP
-    q_row = (q_start + q_local).to(tl.int64)
-    q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
-                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    else:
-        qpe = q
-    if DOT_F32:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    r2t_row = ReqToToken + rpi * stride_r2t
-
-    start = split * split_len
-    end = tl.minimum(prefix_len, start + split_len)
-    end = tl.where(live, end, start)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        key_ok = pos < end
-        slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
-        vis = key_ok[None, :] & row_ok[:, None]
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
-            stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
-            BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
-    # The last split (the shortest slice) also walks the tail: no extra program wave.
-    n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
-                                 BLOCK_M, MODE)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        idx = n0 + offs_n
-        key_ok = idx < n_hi
-        slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
-                               prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                               NUM_STEPS, MODE)
-        vis = vis & key_ok[None, :] & row_ok[:, None]
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
-            stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
-            BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
-
-    seen = l_i > 0.0
-    lse = _lse(m_i, l_i)
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo + offs_dv[None, :], o, mask=row_ok[:, None] & (offs_dv < D_V)[None, :])
-    tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse, mask=row_ok)
 
 
 @triton.jit

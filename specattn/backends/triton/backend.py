@@ -50,7 +50,7 @@ class _GraphBuffers:
 
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, max_splits: int) -> None:
-        parts = max_splits
+        parts = max_splits + 1
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(max_rows * num_q_heads * parts * d_v, dtype=torch.float32,
@@ -173,8 +173,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         self.runner.write_kv(layer.layer_id, bufs.hist[:lanes, step], k, v)
         L = _launchers()
         shape = plan["shape"]
-        mid_o, mid_lse = L.scratch(lanes, shape, plan["num_splits"], q.device, bufs.mid_o,
-                                   bufs.mid_lse)
+        mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(plan["cfg"], plan["num_splits"]),
+                                   q.device, bufs.mid_o, bufs.mid_lse)
         mode = 1 if self.tree_mode == "path" else 0
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=mode, num_groups=plan["num_groups"],
@@ -264,7 +264,8 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         self.runner.write_kv(layer.layer_id, bufs.hist[:plan["num_tokens"], 0], k, v)
         L = _launchers()
         shape = plan["shape"]
-        mid_o, mid_lse = L.scratch(plan["num_tokens"], shape, plan["num_splits"], q.device,
+        mid_o, mid_lse = L.scratch(plan["num_tokens"], shape,
+                                   L.num_parts(plan["cfg"], plan["num_splits"]), q.device,
                                    bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],

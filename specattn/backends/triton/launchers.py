@@ -24,19 +24,21 @@ MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile. MLA only:
-    ``dv_split`` programs share the 512-wide output (1 or 2), ``v_reload`` loads V again
-    instead of reusing the K tile."""
+    """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile. ``mla_v3``: use
+    the MLA stage-1 kernel (MLA shapes only); with it, ``dv_split`` programs share the
+    512-wide output (1 or 2) and ``v_reload`` loads V again instead of reusing the K tile."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    mla_v3: bool = False
     dv_split: int = 1
     v_reload: bool = False
 
     def label(self) -> str:
-        extra = (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
+        extra = (" mla3" if self.mla_v3 else "") + \
+            (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
             (" vr" if self.v_reload else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
@@ -58,7 +60,7 @@ class AttnShape:
 
     @property
     def mla_kernel(self) -> bool:
-        """Whether the MLA stage 1 (latent read as two halves + rope) applies."""
+        """Whether the MLA v3 stage 1 (latent read as two halves + rope) can run."""
         return self.v_is_k and self.d_pe > 0 and self.d_main % 2 == 0 and self.d_main >= 32 \
             and self.d_v == self.d_main
 
@@ -89,9 +91,9 @@ def _pow2(x: int, lo: int = 16) -> int:
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
     # Defaults from the H200 sweeps (benchmarks/results/2026-11-29-h200/triton-notes.md).
-    if shape.mla_kernel:  # v3: all K*H rows of a request in one tile (64 = wgmma height)
-        bm = min(_pow2(rows_per_group), 64)
-        return KernelConfig(bm, 32, 8 if bm >= 64 else 4, 2)
+    if shape.mla_kernel and rows_per_group >= 64:
+        # v3: K*H rows of a request in one 64-row tile (the wgmma height), 8 warps.
+        return KernelConfig(64, 64, 8, 2, mla_v3=True)
     if shape.d_pe > 0 or shape.d_main > 256:  # wide rows, keep registers in check
         bm = min(_pow2(rows_per_group), 32)
         return KernelConfig(bm, 32, 4, 2)
@@ -100,9 +102,9 @@ def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 3)
 
 
-def default_waves(shape: AttnShape, extend: bool) -> float:
+def default_waves(cfg: KernelConfig, extend: bool) -> float:
     """Programs per SM that the prefix split count aims at (H200 sweeps)."""
-    if shape.mla_kernel:
+    if cfg.mla_v3:
         return 1.0  # ~200 KB of shared memory per program: one resident program per SM
     return 2.0 if extend else 6.0
 
@@ -119,10 +121,15 @@ def choose_num_splits(programs: int, device: torch.device, waves: float = 6.0) -
 def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_groups: int,
                 device: torch.device, waves: Optional[float], extend: bool) -> int:
     """Split count for a stage-1 grid (host ints only: graph-safe)."""
-    dv = cfg.dv_split if shape.mla_kernel else 1
+    dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
-    w = default_waves(shape, extend) if waves is None else waves
+    w = default_waves(cfg, extend) if waves is None else waves
     return choose_num_splits(programs, device, w)
+
+
+def num_parts(cfg: KernelConfig, num_splits: int) -> int:
+    """Partials per row: the generic kernel adds one tail program, MLA v3 fuses it."""
+    return num_splits if cfg.mla_v3 else num_splits + 1
 
 
 def layer_pools(runner, layer_id: int):
@@ -159,11 +166,11 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         num_warps=4)
 
 
-def scratch(rows: int, shape: AttnShape, num_splits: int, device: torch.device,
+def scratch(rows: int, shape: AttnShape, parts: int, device: torch.device,
             flat_o: Optional[torch.Tensor] = None, flat_lse: Optional[torch.Tensor] = None):
-    """Partial-output buffers ``[rows, H_q, splits, D_v]`` / ``[rows, H_q, splits]``
-    (fp32), views of ``flat_o``/``flat_lse`` when given (fixed CUDA-graph buffers)."""
-    parts = num_splits
+    """Partial-output buffers ``[rows, H_q, parts, D_v]`` / ``[rows, H_q, parts]`` (fp32,
+    ``parts = num_parts(cfg, splits)``), views of ``flat_o``/``flat_lse`` when given (fixed
+    CUDA-graph buffers)."""
     n_o = rows * shape.num_q_heads * parts * shape.d_v
     n_l = rows * shape.num_q_heads * parts
     if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
@@ -192,7 +199,9 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         raise ValueError("parents must have unit stride in its last dimension")
     dot_prec = "ieee" if q.dtype == torch.float32 or interp else "tf32"
     common = (step, float(layer.scaling), float(layer.logit_cap))
-    if shape.mla_kernel:
+    if cfg.mla_v3:
+        if not shape.mla_kernel:
+            raise ValueError(f"mla_v3 needs an MLA shape with an even latent width, got {shape}")
         dv = cfg.dv_split
         if dv not in (1, 2):
             raise ValueError(f"dv_split must be 1 or 2, got {dv}")
@@ -212,7 +221,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
-                num_splits)
+                num_splits + 1)
         K._partial_attn_kernel[grid](
             q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist_t, par, *common,
             q.stride(0), q.stride(1), sks, skh, svs, svh,
@@ -226,7 +235,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, DOT_PREC=dot_prec,
             DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
-    parts = num_splits
+    parts = num_parts(cfg, num_splits)
     K._merge_kernel[(rows, shape.num_q_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
