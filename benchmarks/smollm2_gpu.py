@@ -150,16 +150,18 @@ def _generate(bench: Bench, run: Run, draft):
 
 
 def _plan(bench: Bench) -> list[Run]:
-    """Runs in priority order (torch_ref before the backend compared with it)."""
+    """Runs in priority order (torch_ref before the backends compared with it): fp32 K=4,
+    bf16, fp32 K=1."""
     dev = bench.device.type
     grid = QUICK_GRID if bench.args.quick else FULL_GRID
     triton_ok = importlib.util.find_spec("triton") is not None and (
         dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-    runs = []
+    runs, k1 = [], []  # K=1 rows after the bf16 ones: if time runs out, they go first
     for cfg in grid:
-        runs.append(Run("torch_ref", torch.float32, cfg))
+        rows = k1 if cfg[0] == 1 and not bench.args.quick else runs
+        rows.append(Run("torch_ref", torch.float32, cfg))
         if triton_ok:
-            runs.append(Run("triton", torch.float32, cfg))
+            rows.append(Run("triton", torch.float32, cfg))
     half = ["triton"] if triton_ok else []
     if dev == "cuda" and importlib.util.find_spec("flashinfer") is not None:
         half.append("flashinfer")
@@ -169,7 +171,7 @@ def _plan(bench: Bench) -> list[Run]:
     for cfg in QUICK_HALF_GRID if bench.args.quick else HALF_GRID:
         runs.append(Run("torch_ref", torch.bfloat16, cfg))
         runs.extend(Run(b, torch.bfloat16, cfg) for b in half)
-    return runs
+    return runs + k1
 
 
 def execute(bench: Bench) -> None:
