@@ -222,7 +222,7 @@ def prefix_options(backend, lens, K, S, P) -> list[str]:
     lines = []
     from specattn.backends.flash_attn._tables import paged_pools
 
-    for opts in (dict(), dict(pack_gqa=True), dict(pack_gqa=False), dict(num_splits=2)):
+    for opts in (dict(), dict(pack_gqa=False), dict(num_splits=2)):
         def call(lay, opts=opts):
             kp, vp = paged_pools(be.runner, lay.layer_id, P)
             return fn(q, kp, vp, cu_seqlens_q=bufs.cu_req[:B + 1], max_seqlen_q=K,
@@ -277,7 +277,7 @@ def main() -> None:
     if args.profile:
         B, L, K, S, P = CASES["gqa-long"]
         print("\n".join(profile_parts(args.backend, [L] * B, K, S, P)), flush=True)
-        for name in ("gqa-long", "gqa-small"):
+        for name in ("gqa-long",):
             B, L, K, S, P = CASES[name]
             print(f"{name}:\n" + "\n".join(prefix_options(args.backend, [L] * B, K, S, P)),
                   flush=True)
@@ -290,8 +290,13 @@ def main() -> None:
             if name == "extend":
                 runs = {"extend": lambda: bench_extend(args.backend, lens, S + 1, bw)}
             else:
-                variants = (["shared", "per-branch", "split2"] if K == 1 else
-                            ["shared-v1", "shared", "auto", "per-branch", "split2", "split4"])
+                variants = ["shared-v1", "shared", "auto", "per-branch", "split2"]
+                if K == 1:
+                    variants = ["shared", "per-branch"]
+                elif lengths == "ragged":
+                    variants = ["shared-v1", "shared", "per-branch"]
+                elif name == "gqa-small":
+                    variants.append("split4")
                 runs = {v: (lambda v=v: bench_decode(args.backend, lens, K, S, P, v, bw))
                         for v in variants}
             base = None
