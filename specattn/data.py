@@ -96,6 +96,9 @@ class DraftRunner:
     ``kv_buffer[layer] [num_slots, kv_lora_rank + qk_rope_head_dim]`` (compressed KV ``c``
     first, then the rotary key). ``req_to_token [max_reqs, max_context_len]`` int32 maps a
     request's token positions to slots. Slot ``s`` lies in page ``s // page_size``.
+    ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"`` (MLA only): ``kv_buffer[layer]`` is a
+    uint8 ``[num_slots, bytes_per_token]`` pool in that FP8 layout (``runner.kv_layout``,
+    ``backends/_fp8_kv``); ``write_kv`` quantizes into it.
 
     Build one with ``DraftRunner.mha(...)`` / ``DraftRunner.mla(...)`` (allocates zeroed
     pools) or ``DraftRunner.wrap_mha(...)`` / ``wrap_mla(...)`` (uses an engine's tensors,

@@ -49,7 +49,7 @@ import torch
 from ..errors import InvalidInputError
 
 __all__ = ["KVLayout", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
-           "e4m3_decode", "E4M3_MAX"]
+           "rope_for_width", "e4m3_decode", "E4M3_MAX"]
 
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_V4 = "fp8_ds_v4"
