@@ -3,7 +3,9 @@
 - The package imports without FlashInfer; selection picks the MHA/MLA flavour; construction
   on the CPU platform fails with the reason.
 - The pure-torch slot-list helpers against Python loops.
-- The glue (slot lists, path refresh, LSE merge, extend, CUDA-graph bookkeeping) against
+- The fused history + merge kernel (Triton interpreter on CPU) against a softmax over prefix
+  and history; the graph-mode prefill plan arguments.
+- The glue (slot lists, path histories, extend, CUDA-graph bookkeeping) against
   ``torch_ref``, with FlashInfer replaced by a small pure-torch stand-in that follows its
   documented semantics (page-size-1 CSR, bottom-right causal, base-2 LSE, indices read at
   run time). The real kernels are tested on the GPU (``tests/gpu/test_flashinfer_gpu.py``),
@@ -26,6 +28,7 @@ from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
 from specattn.backends.flashinfer._history import history_merge
+from specattn.backends.flashinfer._passes import _graph_split_kwargs
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
                                                  host_indptr)
 from specattn.backends.torch_ref import reference_decode, reference_extend
@@ -368,6 +371,19 @@ def test_fill_ragged_slots_matches_loop(with_history):
     if with_history:
         pos = history_positions(plen, 2)
         assert out[pos].tolist() == hist.reshape(-1).tolist()
+
+
+def test_graph_prefill_plan_arguments(monkeypatch):
+    """Graph-mode prefill plans: ``uniform_q_len`` when the rows per sequence are fixed;
+    split-KV off only once ``seqs x H_kv`` fills the SMs (H200: 132)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(multi_processor_count=132))
+    gpu = types.SimpleNamespace(device="cuda", num_kv_heads=8)
+    assert _graph_split_kwargs(gpu, 8, 32) == {"uniform_q_len": 8, "disable_split_kv": True}
+    assert _graph_split_kwargs(gpu, 4, 16) == {"uniform_q_len": 4}  # 128 CTAs < 132 SMs
+    assert _graph_split_kwargs(gpu, None, 17) == {"disable_split_kv": True}
+    cpu = types.SimpleNamespace(device="cpu", num_kv_heads=8)
+    assert _graph_split_kwargs(cpu, 3, 100) == {"uniform_q_len": 3}
 
 
 # --- glue against torch_ref (stand-in kernels) -----------------------------------------------
