@@ -52,7 +52,8 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
     q: ``[B*K, H_q, D]``, k: ``[B*K, H_kv, D]``, v: ``[B*K, H_kv, D_v]`` → ``[B*K, H_q, D_v]``.
     ``prefix_backend`` and ``prefix_plan_kwargs`` (instance attributes, set before the first
     round) pick the prefill wrapper's kernel for the prefix pass and extra ``plan`` arguments
-    (``fixed_split_size``, ...), for benchmarks. ``auto`` resolves to fa2 here (FlashInfer
+    (``fixed_split_size``, ...; they override the graph plan's ``uniform_q_len`` and
+    ``disable_split_kv``), for benchmarks. ``auto`` resolves to fa2 here (FlashInfer
     takes fa2 for <= 64 query rows per request); forcing fa3 measured 3.9x slower on the
     H200 with page-size-1 gathers (``benchmarks/results/2026-11-29-h200/flashinfer-bench.md``).
     """
