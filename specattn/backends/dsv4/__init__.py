@@ -63,8 +63,7 @@ DEFAULT_WINDOW = 128
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_v4")
 _TRITON = (("triton", "triton"),)
 _TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay + CPU interpreter; "
-              "FP8 KV pools: "
-              "CPU interpreter only (GPU tests written, not yet run)")
+              "FP8 KV pools: CPU interpreter only (GPU tests written, not yet run)")
 _HIP_TESTED_ON = "not run on hardware (the CUDA flavour's kernels, CPU interpreter tested)"
 
 
