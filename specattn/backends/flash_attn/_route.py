@@ -1,21 +1,27 @@
 """Which formulation a draft-decode round runs in ``mode="auto"``: a pure function of shapes.
 
 FA4 has no split-KV on sm90: one CTA reads one (sequence, kv head)'s keys, so a pass over
-``rows`` sequences keeps ``rows * H_kv`` CTAs busy, and one CTA streams keys at about
-``1 / SMs`` of the chip's bandwidth. A small cost model from that:
+``rows`` sequences runs ``ctas = rows * H_kv`` CTAs. Its time is the larger of two limits:
 
-    time(pass) = ceil(ctas / SMs) waves * keys_per_cta * T_KEY  +  LAUNCH per launch
+    pass(ctas, keys) = max(ceil(ctas / SMs) * keys * T_CTA,     one CTA streams at most
+                           ctas / SMs * keys * T_BW)             the chip's bandwidth
 
-- ``shared``: ``B * H_kv`` CTAs over ``L`` keys; 2 launches (prefix pass, history+merge),
-  1 when ``K == 1`` (one pass).
-- ``split C``: ``B * C * H_kv`` CTAs over ``L / C`` keys; 3 launches (q copy too).
-- ``per-branch``: ``B * K * H_kv`` CTAs over ``L`` keys (K times the bytes); 1 launch.
+(``T_CTA``: one CTA's latency-bound rate, ``T_BW``: the chip's bandwidth per SM, both per key
+of one kv head at ``D = 128``). Every route runs one FlashAttention pass (its fixed cost
+cancels); the two-pass routes add the Triton history+merge kernel (``HIST``), a split adds
+the copy of ``q`` per chunk (``COPY``):
 
-Constants from the H200 (2026-11-29, ``flash-attn-bench-v2.md``): one CTA reads a kv head's
-key+value row (``D = 128``, bf16: 512 B) in ``T_KEY`` us; a launch inside a CUDA graph costs
-``LAUNCH`` us. ``L`` is the host's bound on the prefix length (the runner's
-``max_context_len``): the actual lengths live on the device and are not read (no sync),
-and the decision must not change between replays of one captured graph.
+- ``shared``: ``pass(B * H_kv, L) + HIST``; ``K == 1``: one pass ``pass(B * H_kv, L)``.
+- ``split C``: ``pass(B * C * H_kv, L / C) + HIST + COPY``.
+- ``per-branch``: ``pass(B * K * H_kv, L)`` (``K`` times the bytes).
+
+Constants fitted on the H200 (2026-11-29, ``flash-attn-bench-v2.md``): ``gqa-small`` prefix
+pass 20 / 17 / 14 us unsplit / 2 / 4 chunks (``T_CTA``), ``gqa-long`` 155 us against a 126 us
+copy floor (``T_BW``), per-branch 28 us at ``gqa-small``; it picks split 4 there (measured
+fastest: 27.0 us vs per-branch 27.8, shared 31.2) and shared at ``gqa-long``/``gqa-paged``.
+``L`` is the host's bound on the prefix length (the runner's ``max_context_len``): the
+actual lengths live on the device and are not read (no sync), and the decision must not
+change between replays of one captured graph.
 """
 
 from __future__ import annotations
@@ -27,28 +33,33 @@ import torch
 
 __all__ = ["Route", "choose_route", "route_cost", "SPLITS", "device_sm_count"]
 
-T_KEY_US = 0.016  # per key of one kv head (K+V, 512 B) per CTA, us
-LAUNCH_US = 4.0  # one extra kernel in a replayed graph, incl. its tail, us
-SPLITS = (2, 4)  # split-prefix chunk counts considered
+T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), us
+T_BW_US = 0.016  # the same key at the chip's copy bandwidth per SM (512 B / (4.25 TB/s/132))
+HIST_US = 8.0  # the Triton history+merge kernel, incl. its launch in a graph
+COPY_US = 2.0  # q repeated per chunk (split only)
+SPLITS = (2, 4)  # split-prefix chunk counts considered (measured on the H200)
 # (mode, chunks): mode "shared" or "per-branch"; chunks > 1 only with "shared".
 Route = tuple
 
 
-def _waves(ctas: int, sms: int) -> int:
-    return -(-ctas // sms)
+def _pass_us(ctas: int, keys: int, sms: int, scale: float) -> float:
+    waves = -(-ctas // sms)
+    return max(waves * keys * T_CTA_US, ctas / sms * keys * T_BW_US) * scale
 
 
 def route_cost(route: Route, *, bs: int, topk: int, prefix_len: int, num_kv_heads: int,
                num_sms: int, head_dim: int = 128) -> float:
-    """Modelled microseconds of one step of ``route`` (see the module docstring)."""
+    """Modelled microseconds of one step of ``route`` past the costs every route shares
+    (the KV write, one pass's launch); see the module docstring."""
     mode, chunks = route
-    per_key = T_KEY_US * head_dim / 128
+    scale = head_dim / 128
     if mode == "per-branch":
-        return _waves(bs * topk * num_kv_heads, num_sms) * prefix_len * per_key + LAUNCH_US
+        return _pass_us(bs * topk * num_kv_heads, prefix_len, num_sms, scale)
     keys = -(-prefix_len // chunks)
-    # K == 1 unsplit is one pass; else prefix + history/merge (+ the q copy when split).
-    launches = (1 if topk == 1 else 2) if chunks == 1 else 3
-    return _waves(bs * chunks * num_kv_heads, num_sms) * keys * per_key + launches * LAUNCH_US
+    cost = _pass_us(bs * chunks * num_kv_heads, keys, num_sms, scale)
+    if chunks > 1:
+        return cost + HIST_US + COPY_US
+    return cost + (HIST_US if topk > 1 else 0.0)
 
 
 def choose_route(*, bs: int, topk: int, prefix_len: int, num_kv_heads: int,
