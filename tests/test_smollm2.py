@@ -355,6 +355,14 @@ def test_cli_smollm2(smol):
     assert "req 0: prefix" in text  # one draft tree printed
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cli_smollm2_device_cuda_without_a_gpu(capsys):
+    from specattn.demo import cli_main
+
+    assert cli_main(["--model", "smollm2", "--device", "cuda"], out=io.StringIO()) == 2
+    assert "--device cuda but torch sees no CUDA device" in capsys.readouterr().err
+
+
 def test_cli_model_synthetic_is_default_and_selectable():
     from specattn.demo import cli_main
 

