@@ -9,10 +9,11 @@
 - MUSA: both names use the MUSA port of the FA3-style API (``mate.flash_attn_with_kvcache``);
   **untested on hardware**.
 
-Draft decode reads each request's prefix once for all ``K`` lanes (prefix pass + per-lane
-history pass, merged by natural-log LSE); ``K == 1`` is one pass; ``mode="per-branch"`` is
-upstream's one-sequence-per-lane design (benchmarks); ``split_prefix=C`` splits each prefix
-into ``C`` chunks for small batches (routing left to measurement). Draft extend is one causal
+Draft decode reads each request's prefix once for all ``K`` lanes (FA prefix pass, then one
+Triton kernel for the per-lane history and the natural-log LSE merge); ``K == 1`` is one
+pass; ``mode="per-branch"`` is upstream's one-sequence-per-lane design; ``split_prefix=C``
+splits each prefix into ``C`` chunks; the default ``mode="auto"`` picks among these per round
+from the batch shape and SM count (``_route.py``). Draft extend is one causal
 varlen pass. Any page size: prefixes use page ids (``[num_pages, P, H_kv, D]`` view of the
 pool), histories a page-size-1 view. See ``_decode.py`` / ``_extend.py``.
 
@@ -20,8 +21,10 @@ Status: the glue is tested on the CPU against ``torch_ref`` through stand-ins of
 libraries that follow their documented APIs (``tests/test_flash_attn.py``). On the H200
 (2026-11-29, flash-attn-4 4.0.0b36) ``tests/gpu/test_flash_attn_gpu.py`` passed against
 ``torch_ref`` with the real FA4 kernel: decode (topk 1/4/8, page 1/16/64, lane/path,
-shared/per-branch/split-prefix), random shapes, extend, ``fa3`` through FA4's sm90 kernel,
-and CUDA-graph capture/replay (``benchmarks/results/2026-11-29-h200/flash-attn-*``). The
+shared/per-branch/split-prefix/auto, Triton history+merge and the torch-merge fallback),
+random shapes, extend, ``fa3`` through FA4's sm90 kernel, and CUDA-graph capture/replay
+(``benchmarks/results/2026-11-29-h200/flash-attn-*-v2*``: gqa-long 1.42x the floor, 5.9x
+faster than FA4 per-branch). The
 FA3 library path (sm8x, or sm90 with ``flash_attn_interface``) and MUSA are untested on
 hardware.
 
@@ -131,7 +134,7 @@ class FA4Decode(_FA4, FlashAttnDecodeGlue, name="fa4", flavour="cuda", platforms
                 models=_MHA, requires=_FA4_REQ, kernel_library="flash-attn 4",
                 priority={"cuda": 75}):
     """fa4 draft decode (FlashAttention-4 varlen with a page table). Glue tested through a
-    stand-in on the CPU; the real kernel is verified by the H200 run next session.
+    stand-in on the CPU; GPU tests against torch_ref on the H200 (2026-11-29).
 
     q: ``[B*K, H_q, D]``, k: ``[B*K, H_kv, D]``, v: ``[B*K, H_kv, D_v]`` → ``[B*K, H_q, D_v]``.
     """

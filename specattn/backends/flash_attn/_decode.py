@@ -8,8 +8,8 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   (page ids of ``R_b[0 : L_b]``, ``seqused_k = L_b``), so the prefix is read once per request;
   *history pass*: each lane one query over its ``n`` history slots, through a page-size-1
   view of the pool (``page_table[z] = `` the lane's slots, ``seqused_k = n``).
-- ``K == 1``, or ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
-  step, each lane one query over a page-size-1 table ``[prefix slots | history slots]``
+- ``K == 1``, or ``per-branch`` mode (upstream's design; also the auto route for small
+  batches with short prefixes): one pass per step, each lane one query over a page-size-1 table ``[prefix slots | history slots]``
   (``seqused_k = L_b + n``). Page-size-1 because the history slots need not continue the
   prefix's pages.
 - ``split_prefix = C > 1``: FA4 has no split-KV on sm90, so small batches with long
@@ -31,8 +31,8 @@ The tables are full width (``max_context_len``), so one table serves every step:
 differs only in its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the
 history columns from ``parents`` at the start of each step (device ops, graph-safe).
 
-CUDA graphs: ``init_cuda_graph_state(max_bs, ...)`` allocates every buffer for ``max_bs``
-requests / ``max_bs * K`` lanes; capture and replay refill them in place (replay pads the
+CUDA graphs: ``init_cuda_graph_state(max_bs, ...)``; the buffers of each route a captured
+batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and replay refill them in place (replay pads the
 batch to the captured size with request 0, ``seq_lens = 1`` and slot 0), so a captured graph
 reads the same addresses every replay. ``path`` mode reads the ``parents`` tensor given at
 capture; a replay batch's own tensor is copied into it.
@@ -40,9 +40,8 @@ capture; a replay batch's own tensor is copied into it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import logging
+from typing import Optional
 
 import torch
 

@@ -17,6 +17,7 @@ Returns ``[N, H_q, D_v]`` in q's dtype.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -26,13 +27,12 @@ __all__ = ["fused_available", "history_merge"]
 
 def fused_available(device: torch.device) -> bool:
     """Triton runs on this device: a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``."""
-    if device.type == "cuda":
-        pass
-    elif device.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not (device.type == "cuda" or (device.type == "cpu" and interpret)):
         return False
     try:
-        import triton  # noqa: F401
-    except Exception:  # no Triton here: the torch merge path stays
+        importlib.import_module("triton")
+    except Exception:  # no (working) Triton here: the torch merge path stays
         return False
     return True
 

@@ -16,7 +16,8 @@ Arguments common to both: q ``[total_q, H_q, D]``; k/v ``[num_pages, page_size, 
 (views of the token pool); page_table int32 ``[batch, max_pages]`` (unit last stride);
 seqused int32 ``[batch]`` (keys per sequence); cu_seqlens_q int32 ``[batch + 1]``.
 
-``merge_states`` combines partial results by their natural-log LSE in torch. Vendor modules
+``merge_states`` combines partial results by their natural-log LSE in torch: the decode
+glue's fallback where Triton cannot run (else ``_fused.history_merge``). Vendor modules
 are imported only in ``resolve_kernel`` (construction time), never at import.
 """
 
