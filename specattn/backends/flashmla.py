@@ -182,6 +182,12 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
         r.write_kv(layer.layer_id, loc[:, :, step], k, None)
 
         tile, splits = self._sched
+        if splits is None and self._bufs.fixed:
+            # New interface: the scheduler runs inside the first flash_mla_with_kvcache call on
+            # an empty FlashMLASchedMeta. Under CUDA graphs that must happen inside the graph,
+            # so that a replay re-schedules for its lengths: a fresh meta per call.
+            tile, _ = self._fm.get_mla_metadata(self._bufs.get("cache_seqlens", (bs,)),
+                                                topk * r.num_heads, 1)
         kv = r.kv_buffer[layer.layer_id]
         o_pre, lse_pre = self._fm.flash_mla_with_kvcache(
             q.view(bs, topk, r.num_heads, _HEAD_DIM), kv.view(-1, PAGE_SIZE, 1, _HEAD_DIM),
