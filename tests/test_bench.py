@@ -257,6 +257,15 @@ def test_cpu_backends_pass_the_gate(kind, model, page, dtype):
         assert (res.round_eager_ms is None) == v.raw and res.round_graph_ms is None
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_setup_sizes_context_for_duplicated_pages(seed):
+    """P > 1 with K > 1: each lane copies the partial last page, so the round can need more
+    than K * (S + P) slots (the H200 run's mla-long-p64 ragged setup failure)."""
+    case = tiny(topk=4, page=16)
+    setup = build_setup(case, "cpu", seed=seed)
+    assert setup.batch.out_cache_loc.shape == (case.batch, 4, case.steps)
+
+
 def test_per_lane_table_is_prefix_then_history():
     setup = build_setup(tiny(topk=3), "cpu")
     r, b = setup.runner, setup.batch

@@ -32,6 +32,7 @@ import torch
 from ..allocator import PagedKVAllocator
 from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from ..keys import BackendRequest
+from ..metadata import max_draft_extend_len
 from .baselines import RAW_BASELINES, has_module
 from .cases import Case
 
@@ -169,7 +170,9 @@ def build_setup(case: Case, device: torch.device | str, *, seed: int = 0,
     lengths = case.lengths(seed)
     layers = _num_layers(case, lengths, device, max_layers)
     P = case.page_size
-    ext = case.topk * (case.steps + P) if case.kind == "decode" else 0
+    # The draft round's slots: with P > 1 and K > 1 each lane owns a copy of the partial last
+    # page, so the bound is metadata's, not K * S.
+    ext = max_draft_extend_len(case.topk, case.steps, P) if case.kind == "decode" else 0
     pages = sum(-(-(n + ext) // P) for n in lengths) + 2
     max_ctx = max(lengths) + ext + P
     kw = dict(num_layers=layers, num_slots=pages * P, max_reqs=case.batch,
