@@ -1,7 +1,9 @@
 """``flashmla``: MLA draft decode through FlashMLA's dense paged decode
-(``flash_mla.flash_mla_with_kvcache``, page size 64). Vendor glue, **not run on hardware**:
-the H200 check of ``sgl-flash-mla``'s legacy sm90 kernels is pending (no device time in the
-session that wrote it); tests drive it through a recording stand-in of ``flash_mla``.
+(``flash_mla.flash_mla_with_kvcache``, page size 64). Run on an H200 (sm90, torch 2.11) with
+the ``sgl-flash-mla`` 1.0.0 wheel's legacy dense decode (``use_legacy=True``): 5 GPU tests
+against ``torch_ref`` (K 1/4, lane/path, bf16/fp16, padded CUDA-graph replay;
+``benchmarks/results/2026-11-29-h200/flashmla-gpu-tests.log``), which also confirms the
+natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``.
 
 Draft extend is not provided (original behaviour): the factory logs
 ``EXTEND_WARNING`` and returns ``None`` (the dispatcher below).
@@ -27,7 +29,9 @@ int32 and the tile-scheduler metadata (``get_mla_metadata(cache_seqlens, K * H, 
 built once per round (the prefix does not change within a round) and shared by every step
 and layer. Both FlashMLA interfaces work: the old one returns
 ``(tile_scheduler_metadata [num_sm_parts, 8], num_splits [B + 1])``, the new one
-``(FlashMLASchedMeta, None)`` filled by the first kernel call and then reused.
+``(FlashMLASchedMeta, None)`` filled by the first kernel call and then reused (eager); under
+CUDA graphs each call gets a fresh one, so the scheduler runs inside the graph and a replay
+re-schedules for its lengths.
 
 CUDA graphs: ``init_cuda_graph_state`` sizes the block table, lengths and (old interface)
 scheduler buffers for ``max_bs``; capture/replay refill them in place (the scheduler output is
@@ -89,8 +93,8 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
     page_sizes = frozenset({PAGE_SIZE})
     head_dims = frozenset({_HEAD_DIM})
     supports_cuda_graph = True
-    tested_on = ("not run on hardware (stand-in tested); the sgl-flash-mla wheel loads on the "
-                 "H200 (torch 2.11): GPU test pending")
+    tested_on = ("H200 (sm90) GPU tests with the sgl-flash-mla wheel's legacy dense decode, "
+                 "incl. CUDA-graph replay; stand-in tested on CPU")
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:

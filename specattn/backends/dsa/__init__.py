@@ -67,8 +67,8 @@ log = logging.getLogger("specattn.dsa")
 DEFAULT_INDEX_TOPK = 2048
 # "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (backends/_fp8_kv).
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
-_TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay + CPU interpreter; "
-              "FP8 KV pools: CPU interpreter only (GPU tests written, not yet run)")
+_TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay and the FP8 KV pools + CPU "
+              "interpreter")
 _NEG_INF = float("-inf")
 
 
