@@ -216,7 +216,10 @@ def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, 
 
 
 def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
-                       debug: Optional[bool] = None) -> None:
+                       debug: Optional[bool] = None,
+                       max_extend_len: Optional[int] = None) -> None:
+    """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
+    where values are scanned (CPU tensors or debug checks)."""
     dev = runner.device
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
                   ndim=1, device=dev)
@@ -234,6 +237,12 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
     _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
     _check_index_values("batch.seq_lens", seq, 1, runner.max_context_len + 1, debug)
     _check_index_values("batch.extend_lens", ext, 1, runner.max_context_len + 1, debug)
+    if max_extend_len is not None and ext.numel() and _scan_values(ext, debug):
+        longest = int(ext.max())
+        if longest > max_extend_len:
+            raise InvalidInputError("batch.extend_lens", f"values <= max_extend_len="
+                                    f"{max_extend_len} (the backend's CUDA-graph bound)",
+                                    f"a value {longest}")
     if _scan_values(ext, debug):
         total = int(ext.sum())
         _shape("batch.out_cache_loc", loc, (total,))

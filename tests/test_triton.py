@@ -225,6 +225,35 @@ def test_extend_graph_bound_grid():
     _close(out, reference_extend(runner, layer, q, batch), torch.float32)
 
 
+@pytest.mark.parametrize("ext_lens", [[3, 3, 3], [1, 3, 2]])
+def test_extend_graph_grid_bounded_by_max_extend_len(ext_lens):
+    """``max_extend_len`` sizes the graph grid for at most that many rows per request (the
+    fixed ``S + 1`` slots of semantics.md): same result as the reference, fewer row blocks."""
+    runner, batch = make_extend("mha", torch.float32, page=4, seq_lens=[20, 9, 13],
+                                ext_lens=ext_lens)
+    n = sum(ext_lens)
+    loose, tight = TritonExtend(runner), TritonExtend(runner, max_extend_len=3)
+    for backend in (loose, tight):
+        backend.init_cuda_graph_state(max_bs=3, max_num_tokens=n)
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+    assert tight._plan["rows_per_group"] < loose._plan["rows_per_group"]
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    q, k, v = new_qkv(runner, n, torch.float32)
+    _poison(tight)
+    _close(tight.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
+           torch.float32)
+
+
+def test_extend_max_extend_len_is_checked():
+    runner, batch = make_extend("mha", torch.float32, page=1, seq_lens=[20, 9], ext_lens=[4, 1])
+    backend = TritonExtend(runner, max_extend_len=3)
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=5)
+    with pytest.raises(InvalidInputError, match=r"batch.extend_lens.*max_extend_len=3.*4"):
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+    with pytest.raises(InvalidInputError, match="max_extend_len"):
+        TritonExtend(runner, max_extend_len=0)
+
+
 def test_bad_mode_and_order():
     runner, batch = make_decode("mha", torch.float32, topk=1, steps=1, page=1, seq_lens=[4])
     with pytest.raises(InvalidInputError, match="mode"):

@@ -242,6 +242,8 @@ def _has_mode(cls: type) -> bool:
 def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
     if case.kind == "decode":
         return lambda s: cls(s.runner, case.topk, case.steps, **kw)
+    if "max_extend_len" in inspect.signature(cls.__init__).parameters:
+        kw = dict(kw, max_extend_len=case.extend_len)  # the graph grid's bound (S + 1 slots)
     return lambda s: cls(s.runner, **kw)
 
 
