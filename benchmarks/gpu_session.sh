@@ -9,7 +9,8 @@
 #   call 2, at once (the machine stays warm 30 s), carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh:
 #       bash benchmarks/gpu_session.sh second [--no-bench]
 #     runs the FlashInfer and FlashAttention GPU tests and the bench record (every standard
-#     case, uniform + ragged, then the quick prefix sweep) into $OUT/bench.tgz.
+#     case, uniform + ragged, then the quick prefix sweep; flashmla too, through the wheel
+#     that call 1 installed in /tmp/site) into $OUT/bench.tgz.
 #
 # Logs go to $OUT (one file per suite); the exit status is non-zero if any suite failed.
 # Budget: about 4 min (call 1) + 8 min (call 2) of device time on an H200.
@@ -56,12 +57,14 @@ second() {
     echo "fa4-first is missing: the machine went cold; redo 'first' then 'second'" >&2; exit 3; }
   eval "$line"
   export PYTHONPATH=$PWD:$PYTHONPATH
+  [ -d /tmp/site/flash_mla ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # from 'first'
+
   suite flashinfer-gpu-tests 240 tests/gpu/test_flashinfer_gpu.py
   suite flash-attn-gpu-tests 180 tests/gpu/test_flash_attn_gpu.py
   suite bench-gpu-test 120 tests/test_bench.py -k gpu
   [ "${1:-}" = "--no-bench" ] && return
   local bench=(python -c 'import sys; from specattn.cli import main; sys.exit(main(sys.argv[1:]))'
-               bench --out /tmp/bench --backend triton flashinfer fa4 raw)
+               bench --out /tmp/bench --backend triton flashinfer fa4 flashmla raw)
   rm -rf /tmp/bench
   timeout 270 "${bench[@]}" --case gqa-long gqa-paged gqa-chain gqa-small --no-sweep \
     > "$OUT/bench-1.log" 2>&1 || status=1
