@@ -405,6 +405,30 @@ def test_cli_errors(capsys):
     assert cli_main(["--case", "extend", "--steps"]) == 2
 
 
+def test_default_out_dir_keeps_an_earlier_record(tmp_path, monkeypatch):
+    """A default results folder that holds a run (a committed record) is not overwritten:
+    the new run gets ``-2``, then ``-3``; ``--append`` merges into the folder itself."""
+    import argparse
+    import datetime
+
+    from specattn.bench import _out_dir
+
+    monkeypatch.chdir(tmp_path)
+    info = {"gpu": None, "cpu": "x"}
+    fresh = argparse.Namespace(out=None, append=False)
+    base = _out_dir(fresh, info)
+    assert base.startswith(os.path.join("benchmarks", "results",
+                                        datetime.date.today().isoformat()))
+    os.makedirs(base)
+    assert _out_dir(fresh, info) == base  # an empty folder holds no run
+    for folder, following in ((base, base + "-2"), (base + "-2", base + "-3")):
+        os.makedirs(folder, exist_ok=True)
+        (tmp_path / folder / "bench.csv").write_text("case\n")
+        assert _out_dir(fresh, info) == following
+    assert _out_dir(argparse.Namespace(out=None, append=True), info) == base
+    assert _out_dir(argparse.Namespace(out="mine", append=False), info) == "mine"
+
+
 def test_cli_end_to_end_and_readme(tmp_path, capsys):
     out = tmp_path / "2026-11-29-cpu"
     threads = torch.get_num_threads()

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "rope 64) instead of GQA (32/8 heads, head dim 128)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--out", metavar="DIR", help="results folder (default "
-                   "benchmarks/results/<date>-<gpu or cpu>)")
+                   "benchmarks/results/<date>-<gpu or cpu>, or its first free -2, -3... "
+                   "when it already holds a run and --append is not given)")
     p.add_argument("--append", action="store_true", help="merge into the CSVs already in "
                    "--out (rows of the cases run now are replaced): split a long run into "
                    "several commands")
@@ -103,12 +104,20 @@ def _select_cases(args, on_gpu: bool):
 
 
 def _out_dir(args, info) -> str:
+    """``--out``, else ``benchmarks/results/<date>-<device>``. Without ``--append`` a default
+    folder that already holds a run is kept (it may be a committed record): the new run goes
+    to the first free ``...-2``, ``...-3``."""
     from .report import device_slug
 
     if args.out:
         return args.out
-    return os.path.join("benchmarks", "results",
+    base = os.path.join("benchmarks", "results",
                         f"{datetime.date.today().isoformat()}-{device_slug(info)}")
+    out, n = base, 1
+    while not args.append and os.path.exists(os.path.join(out, "bench.csv")):
+        n += 1
+        out = f"{base}-{n}"
+    return out
 
 
 def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
