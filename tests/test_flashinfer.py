@@ -553,9 +553,12 @@ def _attend_rows(q, k, v, scale, cap):
     (torch.bfloat16, (3, 3), 8, 8, 0.0, 4), (torch.float16, (4, 1), 80, 64, 0.0, 6),
     (torch.float32, (2, 2), 16, 16, 0.0, 0)], ids=["gqa", "mla-like-cap", "bf16-mha",
                                                    "fp16-tail", "empty-prefix"])
-def test_history_merge_matches_softmax_over_prefix_and_history(dtype, heads, d, dv, cap, plen):
+@pytest.mark.parametrize("new_kv", [False, True], ids=["pool", "new-kv"])
+def test_history_merge_matches_softmax_over_prefix_and_history(dtype, heads, d, dv, cap, plen,
+                                                               new_kv):
     """One softmax over a prefix (given as its o and base-2 LSE) plus history slots read
-    through strided views; NaN in every pool slot no lane reads."""
+    through strided views; NaN in every pool slot no lane reads. ``new_kv``: the last slot's
+    K/V come from the call (NaN in the pool before) and the kernel stores them there."""
     gen = torch.Generator().manual_seed(plen + d)
     (hq, hkv), lanes, n, slots = heads, 5, 3, 40
     q = torch.randn(lanes, hq, d, generator=gen).to(dtype)
@@ -576,5 +579,12 @@ def test_history_merge_matches_softmax_over_prefix_and_history(dtype, heads, d, 
         k_all = torch.cat([pk[i], k_pool[hist[i]]])
         v_all = torch.cat([pv[i], v_pool[hist[i]]])
         want.append(_attend_rows(q[i], k_all, v_all, 0.3, cap)[0])
-    out = history_merge(q, k_pool, v_pool, hist, o_p, lse_p, 0.3, cap)
+    kv_new = None
+    if new_kv:
+        kv_new = pool[hist[:, -1]].clone()
+        pool[hist[:, -1]] = float("nan")
+    out = history_merge(q, k_pool, v_pool, hist, o_p, lse_p, 0.3, cap,
+                        *((kv_new[..., :d], kv_new[..., d:]) if new_kv else ()))
     assert_close_rel(out, torch.stack(want).to(dtype), dtype)
+    if new_kv:
+        torch.testing.assert_close(pool[hist[:, -1]], kv_new, rtol=0, atol=0)

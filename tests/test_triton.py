@@ -264,3 +264,70 @@ def test_bad_mode_and_order():
         backend.forward(0, AttentionLayer(layer_id=0, scaling=1.0), q, k, v)
     with pytest.raises(InvalidInputError):
         backend.init_forward_metadata_replay_cuda_graph(batch, 1)
+
+
+def _check_fusion_state(runner, backend, layer_id: int, slots: torch.Tensor, k, v) -> None:
+    """After a forward: the new KV is in the pool at its slots, the counters are re-armed."""
+    slots = slots.reshape(-1).long()
+    if runner.use_mla_backend:
+        torch.testing.assert_close(runner.kv_buffer[layer_id][slots], k, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(runner.k_buffer[layer_id][slots], k, rtol=0, atol=0)
+        torch.testing.assert_close(runner.v_buffer[layer_id][slots], v, rtol=0, atol=0)
+    assert int(backend._active.counter.abs().sum()) == 0
+
+
+FUSION_CASES = [
+    # model, topk, tree_mode, mode, config: the fused KV write (default) and merge, and the
+    # unfused path; MLA with topk 8 = 32 rows -> two 16-row blocks per request
+    ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
+    ("mha", 2, "lane", "per-branch", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
+    ("mha", 4, "lane", "shared", KernelConfig(16, 16, 4, 2, fuse_write=False)),
+    ("mla", 8, "lane", "shared", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
+    ("mla", 8, "path", "shared", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
+    ("mla", 4, "path", "shared", KernelConfig(16, 32, 4, 2, mla_v3=True, fuse_write=False)),
+]
+
+
+@pytest.mark.parametrize("model,topk,tree_mode,mode,config", FUSION_CASES)
+def test_fused_write_and_merge(model, topk, tree_mode, mode, config):
+    dtype, steps = torch.bfloat16, 3
+    runner, batch = make_decode(model, dtype, topk=topk, steps=steps, page=4,
+                                seq_lens=[26, 37], tree_mode=tree_mode)
+    backend = TritonDecode(runner, topk, steps, tree_mode=tree_mode, mode=mode, config=config,
+                           num_splits=3)
+    layer = AttentionLayer(layer_id=1, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    for step in range(steps):
+        if tree_mode == "path" and step > 0:
+            batch.parents[step] = torch.randint(0, topk, (2, topk), device=DEV)
+        q, k, v = new_qkv(runner, 2 * topk, dtype)
+        _poison(backend)
+        out = backend.forward(step, layer, q, k, v)
+        _close(out, reference_decode(runner, layer, q, batch, step, tree_mode), dtype)
+        _check_fusion_state(runner, backend, 1, batch.out_cache_loc[:, :, step], k, v)
+
+
+@pytest.mark.parametrize("model,config", [
+    ("mha", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
+    ("mha", KernelConfig(16, 16, 4, 2, fuse_write=False)),
+    ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
+])
+def test_extend_fused_write_and_merge(model, config):
+    runner, batch = make_extend(model, torch.bfloat16, page=1, seq_lens=[30, 19],
+                                ext_lens=[6, 3])
+    backend = TritonExtend(runner, config=config)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    q, k, v = new_qkv(runner, 9, torch.bfloat16)
+    _poison(backend)
+    out = backend.forward(layer, q, k, v)
+    _close(out, reference_extend(runner, layer, q, batch), torch.bfloat16)
+    _check_fusion_state(runner, backend, 0, batch.out_cache_loc, k, v)
+
+
+def test_fuse_merge_needs_one_output_program():
+    with pytest.raises(InvalidInputError, match="config.fuse_merge"):
+        KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, fuse_merge=True)
+    with pytest.raises(InvalidInputError, match="config.dv_split"):
+        KernelConfig(32, 32, 4, 2, dv_split=2)

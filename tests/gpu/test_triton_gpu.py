@@ -224,6 +224,46 @@ def test_metadata_capturable():
     assert torch.equal(hist.view(2, 4, 5).long(), batch.out_cache_loc.long())
 
 
+def _flipped_merge(r, topk, mode):
+    """The default kernel config for this shape with the other merge (fused / launch)."""
+    import dataclasses
+
+    from specattn.backends.triton import launchers
+
+    shape = launchers.AttnShape.of(r)
+    cfg = launchers.choose_config(shape, (topk if mode == "shared" else 1) * shape.group)
+    return dataclasses.replace(cfg, fuse_merge=not cfg.fuse_merge)
+
+
+@pytest.mark.parametrize("model,K,tree_mode,mode", [
+    ("mha", 8, "path", "shared"), ("mha", 4, "lane", "per-branch"),
+    ("mla", 4, "path", "shared"), ("mla", 1, "lane", "shared")])
+def test_fused_write_and_merge_both_ways(model, K, tree_mode, mode):
+    """The kernel's own KV write (the pool holds k/v afterwards) with the merge both fused
+    and launched; ragged lengths, logit cap."""
+    from specattn.backends.triton import TritonDecode
+
+    dtype, S = torch.bfloat16, 4
+    lens = [random.randint(1000, 5000) for _ in range(5)]
+    r, batch = make_decode(model, dtype, K, S, 16, lens, tree_mode)
+    for flip in (False, True):
+        backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode,
+                               config=_flipped_merge(r, K, mode) if flip else None)
+        layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5, 30.0)
+        backend.init_forward_metadata(batch)
+        for step in range(S):
+            if tree_mode == "path" and step:
+                batch.parents[step] = torch.randint(0, K, (5, K), device=DEV)
+            q, k, v = qkv(r, 5 * K, dtype)
+            backend._active.mid_o.fill_(float("nan"))
+            out = backend.forward(step, layer, q, k, v)
+            _close(out, reference_decode(r, layer, q, batch, step, tree_mode), dtype)
+            slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
+            pool = r.kv_buffer[0] if model == "mla" else r.k_buffer[0]
+            assert torch.equal(pool[slots], k)
+            assert int(backend._active.counter.abs().sum()) == 0
+
+
 def test_random_stress_100_batches():
     from specattn.backends.triton import TritonDecode
 
@@ -236,8 +276,9 @@ def test_random_stress_100_batches():
         B = rng.randint(1, 12)
         lens = [rng.randint(0, 2500) for _ in range(B)]
         r, batch = make_decode(model, dtype, K, S, P, lens, tree_mode, gqa=(16, 4, 128))
-        backend = TritonDecode(r, K, S, tree_mode=tree_mode,
-                               mode="per-branch" if it % 7 == 0 else "shared")
+        mode = "per-branch" if it % 7 == 0 else "shared"
+        backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode,
+                               config=_flipped_merge(r, K, mode) if it % 3 == 1 else None)
         scale = (576 if model == "mla" else 128) ** -0.5
         run_round(r, batch, backend, dtype, AttentionLayer(0, scale), tree_mode,
                   steps_to_check={rng.randrange(S)})

@@ -227,8 +227,8 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             slot = tl.maximum(slot, 0).to(tl.int64)
             if FMT == 0:
                 acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, Kv, 0, stride_ks, 0,
-                    stride_ks, 0, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
+                    acc, m_i, l_i, q, qpe, Kv + slot * stride_ks, Kv + slot * stride_ks,
+                    key_ok, vis, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
                     BLOCK_DPE, BLOCK_D, True, USE_CAP, DOT_PREC, DOT_F32)
             else:
                 acc, m_i, l_i = _fp8_attend_tile(
@@ -243,8 +243,8 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             vis = key_ok[None, :] & head_ok[:, None]
             if FMT == 0:
                 acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, Kv, 0, stride_ks, 0,
-                    stride_ks, 0, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
+                    acc, m_i, l_i, q, qpe, Kv + slot * stride_ks, Kv + slot * stride_ks,
+                    key_ok, vis, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
                     BLOCK_DPE, BLOCK_D, True, USE_CAP, DOT_PREC, DOT_F32)
             else:
                 acc, m_i, l_i = _fp8_attend_tile(

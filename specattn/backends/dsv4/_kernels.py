@@ -74,9 +74,9 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
         vis = key_ok[None, :] & head_ok[:, None]
         if FMT == 0:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, Pool, 0, stride_ps, 0,
-                stride_ps, 0, sm_scale, logit_cap, D, 0, D, BLOCK_D, 16, BLOCK_D, True,
-                USE_CAP, DOT_PREC, DOT_F32)
+                acc, m_i, l_i, q, q, Pool + slot * stride_ps, Pool + slot * stride_ps, key_ok,
+                vis, sm_scale, logit_cap, D, 0, D, BLOCK_D, 16, BLOCK_D, True, USE_CAP,
+                DOT_PREC, DOT_F32)
         else:
             acc, m_i, l_i = _fp8_attend_tile(
                 acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, page_size, sm_scale, logit_cap,

@@ -195,7 +195,10 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
                                         "graph capture (the serving loop runs steps "
                                         "0 .. num_steps-2)", step)
             self._plan_step(rnd, step)
-        self.runner.write_kv(layer.layer_id, self._loc[:, :, step].reshape(-1), k, v)
+        # The shared path's history kernel stores the new KV itself (plain pools only).
+        fuse_write = self.shared and getattr(self.runner, "kv_layout", None) is None
+        if not fuse_write:
+            self.runner.write_kv(layer.layer_id, self._loc[:, :, step].reshape(-1), k, v)
         q = q if q.is_contiguous() else q.contiguous()
         if not self.shared:
             if self._needs_path_refresh:
@@ -205,7 +208,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         o_p, lse_p = rnd.prefix.run(q, layer.layer_id)
         k_pool, v_pool = self._history_pools(layer.layer_id)
         return history_merge(q, k_pool, v_pool, self._history(step, lanes), o_p, lse_p,
-                             self.params.scale, self.params.cap)
+                             self.params.scale, self.params.cap, k_new=k, v_new=v)
 
     def _history(self, step: int, lanes: int) -> torch.Tensor:
         """``[lanes, step + 1]`` history slots of every lane (device ops, graph-safe)."""

@@ -7,12 +7,18 @@ more launch: 55 us + 5 us on the H200 for 256 lanes x 3 slots, a third of the wh
 Here one program per (lane, KV head) starts the online softmax from the prefix state
 (running max = LSE, running sum = 1, accumulator = ``o_p``) and folds in the history slots,
 so the merge costs nothing extra and nothing is planned on the host (graph-safe as is).
+With the step's new ``k``/``v`` given, the kernel also stores them at each lane's last slot
+and reads that key from them, not the pool: no separate KV write (two or three launches,
+~9 us per layer on the H200 at ``gqa-long``), and nothing to order between programs (each
+(lane, KV head) is the only reader of its new key).
 
 Only element-wise products and row sums (no ``tl.dot``): the rows are few, and the CPU
 interpreter's low-precision ``tl.dot`` is not trusted.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -31,12 +37,13 @@ def _kernel():
 
     @triton.jit
     def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr,
-                             n_hist, scale, cap,
+                             kn_ptr, vn_ptr, n_hist, scale, cap,
                              sq_l, sq_h, sk_s, sk_h, sv_s, sv_h, sh_l, sh_t,
-                             so_l, so_h, sl_l, sl_h, sout_l, sout_h,
+                             so_l, so_h, sl_l, sl_h, sout_l, sout_h, skn_l, skn_h, svn_l, svn_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                              D_QK: tl.constexpr, D_MAIN: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-                             D_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_CAP: tl.constexpr):
+                             D_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_CAP: tl.constexpr,
+                             NEW_KV: tl.constexpr, WRITE_V: tl.constexpr):
         lane = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
@@ -60,9 +67,25 @@ def _kernel():
                       other=0.0).to(tl.float32)
         acc = tl.where(empty[:, None], 0.0, acc)
         l_sum = tl.where(empty, 0.0, 1.0)
+        if NEW_KV:  # this step's key: from k/v, stored at the lane's last slot
+            slot = tl.load(hist_ptr + lane * sh_l + (n_hist - 1) * sh_t).to(tl.int64)
+            kn_row = kn_ptr + lane * skn_l + kvh * skn_h
+            vn_row = vn_ptr + lane * svn_l + kvh * svn_h
+            tl.store(k_ptr + slot * sk_s + kvh * sk_h + dm, tl.load(kn_row + dm))
+            if BLOCK_TAIL > 0:
+                tl.store(k_ptr + slot * sk_s + kvh * sk_h + dt,
+                         tl.load(kn_row + dt, mask=tm, other=0.0), mask=tm)
+            if WRITE_V:  # (MLA: V is a view of the K rows just stored)
+                tl.store(v_ptr + slot * sv_s + kvh * sv_h + dv,
+                         tl.load(vn_row + dv, mask=vm, other=0.0), mask=vm)
         for t in range(0, n_hist):
             slot = tl.load(hist_ptr + lane * sh_l + t * sh_t).to(tl.int64)
             k_row = k_ptr + slot * sk_s + kvh * sk_h
+            v_row = v_ptr + slot * sv_s + kvh * sv_h
+            if NEW_KV:
+                if t == n_hist - 1:
+                    k_row = kn_row
+                    v_row = vn_row
             s = tl.sum(qm * tl.load(k_row + dm).to(tl.float32)[None, :], 1)
             if BLOCK_TAIL > 0:
                 kt = tl.load(k_row + dt, mask=tm, other=0.0).to(tl.float32)
@@ -75,7 +98,7 @@ def _kernel():
             m_new = tl.maximum(m, s)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new)
-            v = tl.load(v_ptr + slot * sv_s + kvh * sv_h + dv, mask=vm, other=0.0)
+            v = tl.load(v_row + dv, mask=vm, other=0.0)
             acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
             l_sum = l_sum * alpha + p
             m = m_new
@@ -97,7 +120,8 @@ def _pow2_ceil(x: int) -> int:
 
 def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   hist: torch.Tensor, o_prefix: torch.Tensor, lse_prefix: torch.Tensor,
-                  scale: float, cap: float) -> torch.Tensor:
+                  scale: float, cap: float, k_new: Optional[torch.Tensor] = None,
+                  v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attend each lane to its history slots and merge with its prefix result.
 
     q: ``[N, H_q, D]``; k_pool: ``[num_slots, H_kv, D]``; v_pool: ``[num_slots, H_kv, D_v]``
@@ -106,6 +130,10 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lse_prefix: ``[N, H_q]`` float32, base 2 (FlashInfer's). Returns ``[N, H_q, D_v]`` in
     ``q.dtype``: softmax over prefix and history together, scores ``scale * q.k`` soft-capped
     by ``cap`` (0 = off).
+
+    k_new: ``[N, H_kv, D]`` (MLA ``[N, D]``), v_new: ``[N, H_kv, D_v]`` or None (MLA: V is
+    the first ``D_v`` columns of ``k_new``, and ``v_pool`` a view of ``k_pool``): this step's
+    KV, stored here at ``hist[:, -1]`` (unit last strides, pool dtype).
     """
     import triton  # noqa: F401  (the kernel's library; fails clearly if absent)
 
@@ -123,13 +151,21 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_g = max(_pow2_ceil(group), 2)
     block_v = _pow2_ceil(dv)
     warps = max(1, min(8, block_g * block_v // 1024))
+    new_kv = k_new is not None
+    if new_kv:
+        k_new = k_new if k_new.dim() == 3 else k_new.unsqueeze(1)
+        write_v = v_new is not None
+        v_new = v_new if write_v else k_new
+    else:
+        k_new = v_new = k_pool
+        write_v = False
     _kernel()[(lanes, hkv)](
-        q, k_pool, v_pool, hist, o_prefix, lse_prefix, out, n, scale, cap,
+        q, k_pool, v_pool, hist, o_prefix, lse_prefix, out, k_new, v_new, n, scale, cap,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), hist.stride(0), hist.stride(1),
         o_prefix.stride(0), o_prefix.stride(1), lse_prefix.stride(0), lse_prefix.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, D_QK=d, D_MAIN=d_main,
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), GROUP=group, BLOCK_G=block_g, D_QK=d, D_MAIN=d_main,
         BLOCK_TAIL=_pow2_ceil(tail) if tail else 0, D_V=dv, BLOCK_V=block_v,
-        HAS_CAP=cap > 0, num_warps=warps)
+        HAS_CAP=cap > 0, NEW_KV=new_kv, WRITE_V=write_v, num_warps=warps)
     return out

@@ -45,19 +45,20 @@ MODE_EXTEND = tl.constexpr(2)
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh,
-                 stride_ks, stride_kh, stride_vs, stride_vh, sm_scale, logit_cap,
+def _attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
                  D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
                  V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
                  DOT_F32: tl.constexpr):
-    """One key tile: slot [BLOCK_N] (int64), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
+    """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
+    head: in the pool, or in the new k / v for keys written this call), key_ok [BLOCK_N],
+    vis [BLOCK_M, BLOCK_N].
 
     DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
     so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
     LOG2E: tl.constexpr = 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = Kb + slot[:, None] * stride_ks + kvh * stride_kh
+    k_base = k_rows[:, None]
     k = tl.load(k_base + offs_d[None, :], mask=key_ok[:, None] & (offs_d < D_MAIN)[None, :],
                 other=0.0)
     if DOT_F32:
@@ -85,7 +86,7 @@ def _attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh,
         v = k
     else:
         offs_dv = tl.arange(0, BLOCK_DV)
-        v = tl.load(Vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+        v = tl.load(v_rows[:, None] + offs_dv[None, :],
                     mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
         if DOT_F32:
             v = v.to(tl.float32)
@@ -95,43 +96,44 @@ def _attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh,
 
 @triton.jit
 def _partial_attn_kernel(
-        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
+        Q, Kb, Vb, Kin, Vin, MidO, MidLse, Out, Counter, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+        stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, D_MAIN: tl.constexpr, D_PE: tl.constexpr,
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, FUSE_WRITE: tl.constexpr,
+        BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PREC: tl.constexpr,
         DOT_F32: tl.constexpr):
-    """Stage 1, generic (MHA/GQA, extend, MLA below 64 rows per group): the v2 kernel,
-    kept as measured (fusing the tail into the last split, tried in v3, was ~10% slower on
-    the H200, see triton-notes.md). Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``;
-    program ``split == NUM_SPLITS`` walks the tail.
+    """Stage 1, generic (MHA/GQA, extend, MLA below 64 rows per group). Grid
+    ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS`` walks
+    the tail (fusing it into the last split, tried in v3, was ~10% slower on the H200).
 
     Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
     V = its first D_V columns); MidO: [rows, H_q, NUM_SPLITS + 1, D_V] fp32;
     MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32; Hist: [lanes, NUM_STEPS]
-    int32 (decode); Parents: [NUM_STEPS, B, TOPK] (path mode).
+    int32 (decode; extend: [tokens, 1], the new tokens' slots); Parents: [NUM_STEPS, B, TOPK]
+    (path mode).
+
+    FUSE_WRITE: Kin/Vin [rows, H_kv, D] are this call's new keys/values; the tail program
+    stores the ones it attends (decode: each lane's step ``step``; extend: the new tokens) at
+    ``Hist[row, step]`` and reads them from Kin/Vin, not the pool (no separate write launch, no
+    ordering between programs). FUSE_MERGE: the last program of a (row block, group, KV head)
+    to finish (``Counter`` [row_blocks * groups * H_kv] int32, zero, reset after use) merges
+    the partials into Out [rows, H_q, D_V] (no second launch).
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
     split = tl.program_id(2)
     gi = gh // NUM_KV_HEADS
     kvh = gh % NUM_KV_HEADS
-    if MODE == MODE_EXTEND:
-        b = gi
-        q_start = tl.load(Meta + b * META_W + 3)
-        n_q = tl.load(Meta + b * META_W + 4)
-    else:
-        b = (gi * LANES_PER_GROUP) // TOPK
-        q_start = gi * LANES_PER_GROUP
-        n_q = LANES_PER_GROUP
-    rpi = tl.load(Meta + b * META_W).to(tl.int64)
-    prefix_len = tl.load(Meta + b * META_W + 1)
-    split_len = tl.load(Meta + b * META_W + 2)
+    b, q_start, n_q, rpi, prefix_len, split_len = _group_of(gi, Meta, TOPK, LANES_PER_GROUP,
+                                                            MODE)
     n_rows = n_q * GROUP
     row_lo = rb * BLOCK_M
     live = row_lo < n_rows  # row blocks past a short extend request do nothing
@@ -171,55 +173,115 @@ def _partial_attn_kernel(
             slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
             vis = key_ok[None, :] & row_ok[:, None]
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
-                stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
-                BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
+                Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
+                D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
+                DOT_F32)
     else:
-        # Only the keys of this row block's lanes / tokens.
-        local_hi = tl.minimum(n_q, (row_lo + BLOCK_M + GROUP - 1) // GROUP)
-        if MODE == MODE_EXTEND:
-            hl = 1
-            n_lo = 0
-        else:
-            hl = step + 1
-            n_lo = (row_lo // GROUP) * hl
-        n_hi = tl.where(live, local_hi * hl, n_lo)
+        n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             idx = n0 + offs_n
             key_ok = idx < n_hi
-            if MODE == MODE_EXTEND:
-                slot = tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0)
-                vis = idx[None, :] <= q_local[:, None]
-            else:
-                key_lane = idx // hl
-                t = idx % hl
-                z = q_start + key_lane
-                if MODE == MODE_PATH:
-                    # Ancestor of lane z at depth t: a_step = j, a_{u-1} = parents[u, b, a_u].
-                    a = z % TOPK
-                    for uu in range(0, step):
-                        u = step - uu
-                        par = tl.load(Parents + u * stride_par_s + b * stride_par_b + a,
-                                      mask=key_ok, other=0)
-                        a = tl.where(t < u, par.to(tl.int32), a)
-                    z = b * TOPK + a
-                slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
-                vis = key_lane[None, :] == q_local[:, None]
-            slot = slot.to(tl.int64)
+            slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
+                                   prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+                                   NUM_STEPS, MODE)
             vis = vis & key_ok[None, :] & row_ok[:, None]
+            k_rows = Kb + slot * stride_ks + kvh * stride_kh
+            v_rows = Vb + slot * stride_vs + kvh * stride_vh
+            if FUSE_WRITE:
+                new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
+                k_new = Kin + src * stride_kin_t + kvh * stride_kin_h
+                v_new = Vin + src * stride_vin_t + kvh * stride_vin_h
+                dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
+                _copy_rows(k_new, Kb + dst * stride_ks + kvh * stride_kh, new,
+                           D_MAIN + D_PE, BLOCK_KW)
+                if not V_IS_K:
+                    _copy_rows(v_new, Vb + dst * stride_vs + kvh * stride_vh, new, D_V,
+                               BLOCK_DV)
+                k_rows = tl.where(new, k_new, k_rows)
+                v_rows = tl.where(new, v_new, v_rows)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kb, Vb, kvh, stride_ks, stride_kh,
-                stride_vs, stride_vh, sm_scale, logit_cap, D_MAIN, D_PE, D_V, BLOCK_D,
-                BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
+                D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
+                DOT_F32)
 
-    LN2: tl.constexpr = 0.6931471805599453
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     offs_dv = tl.arange(0, BLOCK_DV)
-    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo + offs_dv[None, :], o, mask=row_ok[:, None] & (offs_dv < D_V)[None, :])
-    tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse, mask=row_ok)
+    o_mask = row_ok[:, None] & (offs_dv < D_V)[None, :]
+    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
+    ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
+    tl.store(mo + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
+    tl.store(ml + split, _lse(m_i, l_i), mask=row_ok)
+    if FUSE_MERGE:
+        if _arrived_last(Counter + rb * tl.num_programs(1) + gh, NUM_SPLITS + 1):
+            _merge_rows(mo, ml, stride_mo_s, NUM_SPLITS + 1, row_ok,
+                        Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh, offs_dv,
+                        offs_dv < D_V, BLOCK_M, BLOCK_DV, BLOCK_P)
+
+
+@triton.jit
+def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
+    """Tail key ``idx [BLOCK_N]`` -> ``(new, src)``: whether it is written by this call
+    (decode: a lane's current step, the last of its ``hl`` slots; extend: every new token) and
+    its row in the call's k / v (int64)."""
+    if MODE == MODE_EXTEND:
+        new = key_ok
+        src = q_start + idx
+    else:
+        new = key_ok & (idx % hl == hl - 1)
+        src = q_start + idx // hl
+    return new, src.to(tl.int64)
+
+
+@triton.jit
+def _copy_rows(src_rows, dst_rows, ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Copy ``WIDTH`` elements of each row ``src_rows[i] -> dst_rows[i]`` where ``ok[i]``
+    (``BLOCK_W >= WIDTH``, a power of two)."""
+    offs = tl.arange(0, BLOCK_W)
+    m = ok[:, None] & (offs < WIDTH)[None, :]
+    x = tl.load(src_rows[:, None] + offs[None, :], mask=m, other=0.0)
+    tl.store(dst_rows[:, None] + offs[None, :], x.to(dst_rows.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _arrived_last(counter, num_parts):
+    """Called by every program of a tile once its partial is stored: True for the last of
+    the ``num_parts`` to arrive, which re-arms ``counter`` (int32, 0) for the next launch."""
+    # All threads' partial stores precede the program's single (release) increment; the last
+    # arriver's increment (acquire) orders its reads of the others' partials after them.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_parts - 1
+    if last:
+        tl.store(counter, 0)
+    return last
+
+
+@triton.jit
+def _merge_rows(mo, ml, stride_mo_s, num_parts, row_ok, out, offs_c, c_ok,
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """``out[r, c] = sum_p w_p mo[r, p, c]``, ``w = softmax_p(ml[r, p])`` (natural log) for
+    the columns ``offs_c [BLOCK_C]`` (``c_ok``) of rows ``row_ok [BLOCK_M]``. mo / out:
+    [BLOCK_M, 1] row pointers; ml: [BLOCK_M] LSE row pointers. Loads bypass L1 (``.cg``):
+    the partials were written by other programs."""
+    offs_p = tl.arange(0, BLOCK_P)
+    lse = tl.load(ml[:, None] + offs_p[None, :],
+                  mask=row_ok[:, None] & (offs_p < num_parts)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m[:, None])
+    den = tl.sum(w, 1)
+    mask = row_ok[:, None] & c_ok[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for p in range(0, num_parts):
+        w_p = tl.sum(tl.where(offs_p[None, :] == p, w, 0.0), 1)
+        part = tl.load(mo + p * stride_mo_s + offs_c[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")
+        acc += part * w_p[:, None]
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out + offs_c[None, :], o.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -312,18 +374,19 @@ def _lse(m_i, l_i):
 
 
 @triton.jit
-def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, slot, key_ok, vis, KV, stride_kvs,
-              off_a, off_b, sm_scale, logit_cap,
+def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
+              logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_DPE: tl.constexpr, DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr,
               USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """One MLA key tile. The latent row ``[2 * D_HALF + D_PE]`` is loaded as two halves
+    """One MLA key tile, ``rows [BLOCK_N]``: pointers to each key's latent row (pool or new
+    k). The latent row ``[2 * D_HALF + D_PE]`` is loaded as two halves
     (``off_a``: the half this program accumulates, ``off_b``: the other) and the rope part;
     ``S = qa.ka + qb.kb + qpe.kpe``; ``acc_a += P.ka`` (and ``acc_b += P.kb`` when one
     program owns both halves). ``V_RELOAD`` reloads V instead of reusing the K tile."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_pe = tl.arange(0, BLOCK_DPE)
-    row = KV + slot[:, None] * stride_kvs
+    row = rows[:, None]
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
     ka = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0)
     kb = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0)
@@ -354,17 +417,18 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, slot, key_ok, vis, KV, stride
 
 @triton.jit
 def _mla_partial_kernel(
-        Q, KV, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
+        Q, KV, Kin, MidO, MidLse, Out, Counter, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
-        stride_qt, stride_qh, stride_kvs,
-        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+        stride_qt, stride_qh, stride_kvs, stride_kin_t,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         GROUP: tl.constexpr, MODE: tl.constexpr, D_HALF: tl.constexpr, D_PE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, ACC_B_W: tl.constexpr,
         DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, FUSE_WRITE: tl.constexpr,
+        BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Stage 1 for MLA (v3). Grid ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -374,6 +438,8 @@ def _mla_partial_kernel(
     tile is loaded once for S and P.V. ``DV_SPLIT = 2``: two adjacent programs own one half
     of the 512-wide output each (half the accumulator registers; the second one's key reads
     hit L2); ``ACC_B_W`` is the width of the second accumulator (unused, 16, when split).
+    FUSE_WRITE / FUSE_MERGE as in ``_partial_attn_kernel`` (Kin: [rows, 2 * D_HALF + D_PE],
+    Out: [rows, H, 2 * D_HALF]; FUSE_MERGE needs DV_SPLIT = 1).
     """
     pid0 = tl.program_id(0)
     rb = pid0 // DV_SPLIT
@@ -422,7 +488,7 @@ def _mla_partial_kernel(
         slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
         vis = key_ok[None, :] & row_ok[:, None]
         acc_a, acc_b, m_i, l_i = _mla_tile(
-            acc_a, acc_b, m_i, l_i, qa, qb, qpe, slot, key_ok, vis, KV, stride_kvs, off_a,
+            acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis, off_a,
             off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
             USE_CAP, DOT_PREC, DOT_F32)
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
@@ -434,19 +500,33 @@ def _mla_partial_kernel(
                                prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
                                NUM_STEPS, MODE)
         vis = vis & key_ok[None, :] & row_ok[:, None]
+        rows = KV + slot * stride_kvs
+        if FUSE_WRITE:
+            new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
+            k_new = Kin + src * stride_kin_t
+            dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
+            _copy_rows(k_new, KV + dst * stride_kvs, new, 2 * D_HALF + D_PE, BLOCK_KW)
+            rows = tl.where(new, k_new, rows)
         acc_a, acc_b, m_i, l_i = _mla_tile(
-            acc_a, acc_b, m_i, l_i, qa, qb, qpe, slot, key_ok, vis, KV, stride_kvs, off_a,
-            off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
-            USE_CAP, DOT_PREC, DOT_F32)
+            acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
+            logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
+            DOT_PREC, DOT_F32)
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
-    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo + off_a + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
+    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
+    mo_split = mo + split * stride_mo_s
+    tl.store(mo_split + off_a + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
     if DV_SPLIT == 1:
-        tl.store(mo + off_b + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
-    tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, _lse(m_i, l_i),
-             mask=row_ok & (offs_m * 0 + half == 0))
+        tl.store(mo_split + off_b + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
+    ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
+    tl.store(ml + split, _lse(m_i, l_i), mask=row_ok & (offs_m * 0 + half == 0))
+    if FUSE_MERGE:  # DV_SPLIT == 1 (the launcher checks)
+        if _arrived_last(Counter + rb * tl.num_programs(1) + gi, NUM_SPLITS):
+            out = Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh
+            for c in range(0, 2):  # one 256-wide half at a time: bounded registers
+                _merge_rows(mo, ml, stride_mo_s, NUM_SPLITS, row_ok, out, c * D_HALF + offs_h,
+                            offs_h < D_HALF, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 @triton.jit

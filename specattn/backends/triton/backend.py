@@ -46,7 +46,8 @@ def _launchers():
 
 
 class _GraphBuffers:
-    """Fixed buffers for CUDA graphs (or the eager cache): meta, history, partials."""
+    """Fixed buffers for CUDA graphs (or the eager cache): meta, history (the new tokens'
+    slots), partials and the fused merge's arrival counters (zero between launches)."""
 
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, max_splits: int) -> None:
@@ -57,6 +58,8 @@ class _GraphBuffers:
                                  device=device)
         self.mid_lse = torch.empty(max_rows * num_q_heads * parts, dtype=torch.float32,
                                    device=device)
+        self.counter = torch.zeros(max(1, max_rows + max_reqs) * num_q_heads,
+                                   dtype=torch.int32, device=device)
 
 
 class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
@@ -169,9 +172,11 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
             parents = getattr(self, "_captured_parents", None) if bufs is self._graph_bufs \
                 else None
             parents = parents if parents is not None else self._batch.parents
-        # The history table's column `step` is out_cache_loc[:, :, step] (fixed buffer).
-        self.runner.write_kv(layer.layer_id, bufs.hist[:lanes, step], k, v)
         L = _launchers()
+        fuse_write = L.can_fuse_write(self.runner, plan["cfg"])
+        if not fuse_write:
+            # The history table's column `step` is out_cache_loc[:, :, step] (fixed buffer).
+            self.runner.write_kv(layer.layer_id, bufs.hist[:lanes, step], k, v)
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(plan["cfg"], plan["num_splits"]),
                                    q.device, bufs.mid_o, bufs.mid_lse)
@@ -182,7 +187,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                            lanes_per_group=plan["lanes"], topk=self.topk,
                            num_steps=self.num_steps, step=step,
                            num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
-                           mid_lse=mid_lse, hist=bufs.hist, parents=parents)
+                           mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
+                           new_kv=(k, v) if fuse_write else None, counter=bufs.counter)
 
 
 class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
@@ -277,8 +283,11 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         self._require_metadata(self._batch)
         plan, bufs = self._plan, self._active
         validation.check_extend_forward(self.runner, plan["num_tokens"], layer, q, k, v)
-        self.runner.write_kv(layer.layer_id, bufs.hist[:plan["num_tokens"], 0], k, v)
         L = _launchers()
+        slots = bufs.hist[:plan["num_tokens"]]  # [T, 1]: out_cache_loc (fixed buffer)
+        fuse_write = L.can_fuse_write(self.runner, plan["cfg"])
+        if not fuse_write:
+            self.runner.write_kv(layer.layer_id, slots[:, 0], k, v)
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(plan["num_tokens"], shape,
                                    L.num_parts(plan["cfg"], plan["num_splits"]), q.device,
@@ -287,4 +296,5 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
                            num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
-                           mid_lse=mid_lse)
+                           mid_lse=mid_lse, hist=slots, new_kv=(k, v) if fuse_write else None,
+                           counter=bufs.counter)

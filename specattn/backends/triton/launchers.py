@@ -26,7 +26,9 @@ MAX_SPLITS = 16
 class KernelConfig:
     """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile. ``mla_v3``: use
     the MLA stage-1 kernel (MLA shapes only); with it, ``dv_split`` programs share the
-    512-wide output (1 or 2) and ``v_reload`` loads V again instead of reusing the K tile."""
+    512-wide output (1 or 2) and ``v_reload`` loads V again instead of reusing the K tile.
+    ``fuse_write``: the tail programs store the call's new KV (no separate write launch);
+    ``fuse_merge``: the last program of each tile merges the partials (no merge launch)."""
 
     block_m: int
     block_n: int
@@ -35,11 +37,23 @@ class KernelConfig:
     mla_v3: bool = False
     dv_split: int = 1
     v_reload: bool = False
+    fuse_write: bool = True
+    fuse_merge: bool = False
+
+    def __post_init__(self) -> None:
+        from ...errors import InvalidInputError
+
+        if self.dv_split not in (1, 2) or (self.dv_split == 2 and not self.mla_v3):
+            raise InvalidInputError("config.dv_split", "1, or 2 with mla_v3", self.dv_split)
+        if self.fuse_merge and self.dv_split != 1:
+            raise InvalidInputError("config.fuse_merge", "False with dv_split=2 (the two "
+                                    "halves' partials finish independently)", True)
 
     def label(self) -> str:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
-            (" vr" if self.v_reload else "")
+            (" vr" if self.v_reload else "") + ("" if self.fuse_write else " nofw") + \
+            (" fm" if self.fuse_merge else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -181,13 +195,33 @@ def scratch(rows: int, shape: AttnShape, parts: int, device: torch.device,
     return mid_o, mid_lse
 
 
+def can_fuse_write(runner, cfg: KernelConfig) -> bool:
+    """Whether the attention kernel may store the call's new KV itself: plain pools in the
+    model dtype (byte layouts such as FP8 go through ``runner.write_kv``)."""
+    return cfg.fuse_write and getattr(runner, "kv_layout", None) is None
+
+
+def _counters(counter: Optional[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zeroed arrival counters: the fixed buffer's first ``n``, or a fresh one."""
+    if counter is not None and counter.numel() >= n:
+        return counter
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
 def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tensor,
               req_to_token: torch.Tensor, *, mode: int, num_groups: int,
               rows_per_group: int, lanes_per_group: int, topk: int, num_steps: int,
               step: int, num_splits: int, cfg: KernelConfig, mid_o: torch.Tensor,
               mid_lse: torch.Tensor, hist: Optional[torch.Tensor] = None,
-              parents: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Stage 1 + merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]`` in ``q.dtype``."""
+              parents: Optional[torch.Tensor] = None,
+              new_kv: Optional[tuple] = None,
+              counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Stage 1 + merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]`` in ``q.dtype``.
+
+    new_kv: ``(k, v)`` of this call (``v`` None for MLA) when the kernel stores them itself
+    (``can_fuse_write``) at ``hist[row, step]`` (decode: ``hist [lanes, num_steps]``;
+    extend: ``hist [tokens, 1]``, ``step = 0``); else the caller has written them.
+    counter: int32 zeros, the fixed buffer for ``cfg.fuse_merge``'s arrival counters."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     interp = q.device.type == "cpu"  # the Triton CPU interpreter
     rows = q.shape[0]
@@ -197,48 +231,60 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     par_b = parents.stride(1) if parents is not None else 0
     if parents is not None and parents.stride(2) != 1:
         raise ValueError("parents must have unit stride in its last dimension")
+    fuse_write = new_kv is not None
+    if fuse_write and (hist is None or not hist.is_contiguous()):
+        raise ValueError("a fused KV write needs the contiguous slot table `hist`")
+    k_in, v_in = new_kv if fuse_write else (kb, vb)
+    if v_in is None:
+        v_in = k_in
     dot_prec = "ieee" if q.dtype == torch.float32 or interp else "tf32"
     common = (step, float(layer.scaling), float(layer.logit_cap))
+    out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
+    parts = num_parts(cfg, num_splits)
+    fused = dict(FUSE_WRITE=fuse_write, BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
+                 FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
     if cfg.mla_v3:
         if not shape.mla_kernel:
             raise ValueError(f"mla_v3 needs an MLA shape with an even latent width, got {shape}")
         dv = cfg.dv_split
-        if dv not in (1, 2):
-            raise ValueError(f"dv_split must be 1 or 2, got {dv}")
         half = shape.d_main // 2
         grid = (triton.cdiv(rows_per_group, cfg.block_m) * dv, num_groups, num_splits)
+        cnt = _counters(counter, grid[0] * grid[1], q.device) if cfg.fuse_merge else meta
         K._mla_partial_kernel[grid](
-            q, kb, mid_o, mid_lse, req_to_token, meta, hist_t, par, *common,
-            q.stride(0), q.stride(1), sks,
+            q, kb, k_in, mid_o, mid_lse, out, cnt, req_to_token, meta, hist_t, par, *common,
+            q.stride(0), q.stride(1), sks, k_in.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
-            topk, num_steps, lanes_per_group, num_splits,
+            mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), par_s,
+            par_b, topk, num_steps, lanes_per_group, num_splits,
             GROUP=shape.group, MODE=mode, D_HALF=half, D_PE=shape.d_pe,
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe),
             ACC_B_W=_pow2(half) if dv == 1 else 16, DV_SPLIT=dv, V_RELOAD=cfg.v_reload,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused,
             DOT_PREC=dot_prec, DOT_F32=interp, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
+        cnt = _counters(counter, grid[0] * grid[1], q.device) if cfg.fuse_merge else meta
+        kin_h = k_in.stride(1) if k_in.dim() == 3 else 0
+        vin_h = v_in.stride(1) if v_in.dim() == 3 else 0
         K._partial_attn_kernel[grid](
-            q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist_t, par, *common,
-            q.stride(0), q.stride(1), sks, skh, svs, svh,
+            q, kb, vb, k_in, v_in, mid_o, mid_lse, out, cnt, req_to_token, meta, hist_t, par,
+            *common, q.stride(0), q.stride(1), sks, skh, svs, svh,
+            k_in.stride(0), kin_h, v_in.stride(0), vin_h,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), req_to_token.stride(0), par_s, par_b,
-            topk, num_steps, lanes_per_group, num_splits,
+            mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), par_s,
+            par_b, topk, num_steps, lanes_per_group, num_splits,
             NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, MODE=mode,
             D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, DOT_PREC=dot_prec,
+            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused, DOT_PREC=dot_prec,
             DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
-    parts = num_parts(cfg, num_splits)
-    K._merge_kernel[(rows, shape.num_q_heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=shape.d_v,
-        BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
+    if not cfg.fuse_merge:
+        K._merge_kernel[(rows, shape.num_q_heads)](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=shape.d_v,
+            BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
     return out

@@ -1,0 +1,92 @@
+"""A/B of the Triton kernels' fusions on the H200, one run: the KV write in the tail programs
+(``fuse_write``) and the partial merge in the last program of each tile (``fuse_merge``),
+against the unfused v3 path (separate write and merge launches), per standard case.
+
+Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]`` (CUDA only).
+Same timing as ``bench_triton.py`` (one forward at step 2, layers rotated past L2, CUDA-graph
+replay, do_bench median); the floor is from the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_triton as bt  # noqa: E402
+from _common import copy_bandwidth  # noqa: E402
+
+
+def default_config(model: str, K: int, extend: bool):
+    from specattn.backends.triton import launchers
+
+    shape = launchers.AttnShape(16, 1, 512, 64, 512, True) if model == "mla" else \
+        launchers.AttnShape(32, 8, 128, 0, 128, False)
+    rows = (bt.CASES["extend"][4] + 1 if extend else K) * shape.group
+    return launchers.choose_config(shape, rows)
+
+
+VARIANTS = {  # label: (fuse_write, fuse_merge, waves or None for the default)
+    "unfused (v3)": (False, False, None),
+    "write fused": (True, False, None),
+    "write + merge fused": (True, True, None),
+}
+WAVE_SWEEP = {"gqa-long": (4.0, 8.0), "gqa-paged": (4.0,), "extend": (1.0, 4.0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default="gqa-long,gqa-long-k1,gqa-paged,gqa-small,mla-long,"
+                                       "mla-long-p64,extend")
+    args = ap.parse_args()
+    import triton
+
+    bw = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    text = (f"# Triton fusion A/B\n\n{time.strftime('%Y-%m-%d %H:%M')} | {props.name} | "
+            f"torch {torch.__version__} | triton {triton.__version__} | CUDA "
+            f"{torch.version.cuda} | copy bandwidth {bw / 1e12:.2f} TB/s\n\n"
+            "| case | lengths | variant | waves | time us | x floor | splits | config |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    print(text, end="", flush=True)
+    rng = random.Random(0)
+    for name in args.cases.split(","):
+        model, B, L, K, S, P = bt.CASES[name]
+        extend = name == "extend"
+        base = default_config(model, K, extend)
+        runs = [(lab, fw, fm, w) for lab, (fw, fm, w) in VARIANTS.items()]
+        runs += [("write + merge fused", True, True, w) for w in WAVE_SWEEP.get(name, ())]
+        for ragged in ((False, True) if name in ("gqa-long", "mla-long") else (False,)):
+            lens = bt.lens_for(B, L, ragged, rng)
+            for lab, fw, fm, waves in runs:
+                cfg = dataclasses.replace(base, fuse_write=fw, fuse_merge=fm)
+                try:
+                    if extend:
+                        t, floor, info = bt.bench_extend(B, lens, S, bw, cfg, waves)
+                    else:
+                        t, floor, info = bt.bench_decode(model, B, lens, K, S, P, "shared", bw,
+                                                         cfg, waves)
+                except Exception as e:  # report, keep going
+                    line = f"| {name} | {'ragged' if ragged else 'uniform'} | {lab} | " \
+                           f"{waves or 'default'} | FAILED {e!r} | | | |\n"
+                else:
+                    line = (f"| {name} | {'ragged' if ragged else 'uniform'} | {lab} | "
+                            f"{waves or 'default'} | {t * 1e3:.1f} | {t / floor:.2f} | "
+                            f"{info['splits']} | {info['cfg'].label()} |\n")
+                print(line, end="", flush=True)
+                text += line
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "triton-fusion-ab.md"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
