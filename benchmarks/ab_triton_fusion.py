@@ -1,6 +1,7 @@
-"""A/B of the Triton kernels' fusions on the H200, one run: the KV write in the tail programs
-(``fuse_write``) and the partial merge in the last program of each tile (``fuse_merge``),
-against the unfused v3 path (separate write and merge launches), per standard case.
+"""A/B of the Triton kernels' fusions on the H200, one run: who writes the new KV
+(``kv_write``: torch indexed copies = v3, one Triton launch, the attention kernel's tail
+programs or its first prefix split) and the partial merge in the last program of each tile
+(``fuse_merge``) vs its own launch, per standard case.
 
 Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]`` (CUDA only).
 Same timing as ``bench_triton.py`` (one forward at step 2, layers rotated past L2, CUDA-graph
@@ -33,12 +34,10 @@ def default_config(model: str, K: int, extend: bool):
     return launchers.choose_config(shape, rows)
 
 
-VARIANTS = {  # label: (fuse_write, fuse_merge, waves or None for the default)
-    "unfused (v3)": (False, False, None),
-    "write fused": (True, False, None),
-    "write + merge fused": (True, True, None),
-}
-WAVE_SWEEP = {"gqa-long": (4.0, 8.0), "gqa-paged": (4.0,), "extend": (1.0, 4.0)}
+VARIANTS = [  # (kv_write, fuse_merge, waves or None for the default)
+    ("torch", False, None), ("kernel", False, None), ("tail", False, None),
+    ("first", False, None), ("first", True, None)]
+EXTRA = {"extend": [("first", False, 1.0), ("first", True, 1.0), ("kernel", False, 1.0)]}
 
 
 def main() -> None:
@@ -62,12 +61,12 @@ def main() -> None:
         model, B, L, K, S, P = bt.CASES[name]
         extend = name == "extend"
         base = default_config(model, K, extend)
-        runs = [(lab, fw, fm, w) for lab, (fw, fm, w) in VARIANTS.items()]
-        runs += [("write + merge fused", True, True, w) for w in WAVE_SWEEP.get(name, ())]
-        for ragged in ((False, True) if name in ("gqa-long", "mla-long") else (False,)):
+        runs = VARIANTS + EXTRA.get(name, [])
+        for ragged in (False,):
             lens = bt.lens_for(B, L, ragged, rng)
-            for lab, fw, fm, waves in runs:
-                cfg = dataclasses.replace(base, fuse_write=fw, fuse_merge=fm)
+            for kv_write, fm, waves in runs:
+                cfg = dataclasses.replace(base, kv_write=kv_write, fuse_merge=fm)
+                lab = f"kv_write={kv_write}" + (" + merge fused" if fm else "")
                 try:
                     if extend:
                         t, floor, info = bt.bench_extend(B, lens, S, bw, cfg, waves)

@@ -278,14 +278,18 @@ def _check_fusion_state(runner, backend, layer_id: int, slots: torch.Tensor, k, 
 
 
 FUSION_CASES = [
-    # model, topk, tree_mode, mode, config: the fused KV write (default) and merge, and the
-    # unfused path; MLA with topk 8 = 32 rows -> two 16-row blocks per request
+    # model, topk, tree_mode, mode, config: every KV write (in the kernel's first split or
+    # tail, one launch, torch) and the fused merge; MLA with topk 8 = 32 rows -> two 16-row
+    # blocks per request
     ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
-    ("mha", 2, "lane", "per-branch", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
-    ("mha", 4, "lane", "shared", KernelConfig(16, 16, 4, 2, fuse_write=False)),
-    ("mla", 8, "lane", "shared", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
+    ("mha", 2, "lane", "per-branch", KernelConfig(16, 16, 4, 2, kv_write="tail",
+                                                  fuse_merge=True)),
+    ("mha", 4, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="torch")),
+    ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, kv_write="kernel")),
+    ("mla", 8, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="tail", fuse_merge=True)),
     ("mla", 8, "path", "shared", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
-    ("mla", 4, "path", "shared", KernelConfig(16, 32, 4, 2, mla_v3=True, fuse_write=False)),
+    ("mla", 4, "path", "shared", KernelConfig(16, 32, 4, 2, mla_v3=True, kv_write="tail")),
+    ("mla", 2, "lane", "shared", KernelConfig(16, 32, 4, 2, kv_write="kernel")),
 ]
 
 
@@ -310,8 +314,10 @@ def test_fused_write_and_merge(model, topk, tree_mode, mode, config):
 
 @pytest.mark.parametrize("model,config", [
     ("mha", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
-    ("mha", KernelConfig(16, 16, 4, 2, fuse_write=False)),
+    ("mha", KernelConfig(16, 16, 4, 2, kv_write="tail")),
+    ("mha", KernelConfig(16, 16, 4, 2, kv_write="torch")),
     ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
+    ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, kv_write="kernel")),
 ])
 def test_extend_fused_write_and_merge(model, config):
     runner, batch = make_extend(model, torch.bfloat16, page=1, seq_lens=[30, 19],
@@ -331,3 +337,5 @@ def test_fuse_merge_needs_one_output_program():
         KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, fuse_merge=True)
     with pytest.raises(InvalidInputError, match="config.dv_split"):
         KernelConfig(32, 32, 4, 2, dv_split=2)
+    with pytest.raises(InvalidInputError, match="config.kv_write"):
+        KernelConfig(32, 32, 4, 2, kv_write="later")

@@ -43,6 +43,13 @@ MODE_LANE = tl.constexpr(0)
 MODE_PATH = tl.constexpr(1)
 MODE_EXTEND = tl.constexpr(2)
 
+# Where the call's new KV gets into the pool (NEW_KV): the caller wrote it (POOL), the tail
+# programs store it (TAIL) or each tile's first prefix split does (FIRST); with TAIL / FIRST
+# the tail reads those keys from the call's k / v, so no program waits for another's store.
+NEW_KV_POOL = tl.constexpr(0)
+NEW_KV_TAIL = tl.constexpr(1)
+NEW_KV_FIRST = tl.constexpr(2)
+
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
@@ -106,7 +113,7 @@ def _partial_attn_kernel(
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, D_MAIN: tl.constexpr, D_PE: tl.constexpr,
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, FUSE_WRITE: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
         BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
         DOT_PREC: tl.constexpr,
         DOT_F32: tl.constexpr):
@@ -120,10 +127,10 @@ def _partial_attn_kernel(
     int32 (decode; extend: [tokens, 1], the new tokens' slots); Parents: [NUM_STEPS, B, TOPK]
     (path mode).
 
-    FUSE_WRITE: Kin/Vin [rows, H_kv, D] are this call's new keys/values; the tail program
-    stores the ones it attends (decode: each lane's step ``step``; extend: the new tokens) at
-    ``Hist[row, step]`` and reads them from Kin/Vin, not the pool (no separate write launch, no
-    ordering between programs). FUSE_MERGE: the last program of a (row block, group, KV head)
+    NEW_KV (TAIL / FIRST): Kin/Vin [rows, H_kv, D] are this call's new keys/values (decode:
+    each lane's step ``step``; extend: the new tokens), stored at ``Hist[row, step]`` by the
+    tail program or by split 0 of the same tile; the tail reads them from Kin/Vin, not the
+    pool (no separate write launch, no ordering between programs). FUSE_MERGE: the last program of a (row block, group, KV head)
     to finish (``Counter`` [row_blocks * groups * H_kv] int32, zero, reset after use) merges
     the partials into Out [rows, H_q, D_V] (no second launch).
     """
@@ -164,6 +171,16 @@ def _partial_attn_kernel(
     r2t_row = ReqToToken + rpi * stride_r2t
 
     if split < NUM_SPLITS:
+        if NEW_KV == NEW_KV_FIRST:
+            if split == 0:
+                n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M,
+                                             MODE)
+                for n0 in range(n_lo, n_hi, BLOCK_N):
+                    new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
+                    _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
+                                  stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
+                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
+                                  BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
         start = split * split_len
         end = tl.minimum(prefix_len, start + split_len)
         end = tl.where(live, end, start)
@@ -188,18 +205,15 @@ def _partial_attn_kernel(
             vis = vis & key_ok[None, :] & row_ok[:, None]
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
-            if FUSE_WRITE:
+            if NEW_KV != NEW_KV_POOL:
                 new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
-                k_new = Kin + src * stride_kin_t + kvh * stride_kin_h
-                v_new = Vin + src * stride_vin_t + kvh * stride_vin_h
-                dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
-                _copy_rows(k_new, Kb + dst * stride_ks + kvh * stride_kh, new,
-                           D_MAIN + D_PE, BLOCK_KW)
-                if not V_IS_K:
-                    _copy_rows(v_new, Vb + dst * stride_vs + kvh * stride_vh, new, D_V,
-                               BLOCK_DV)
-                k_rows = tl.where(new, k_new, k_rows)
-                v_rows = tl.where(new, v_new, v_rows)
+                if NEW_KV == NEW_KV_TAIL:
+                    _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
+                                  stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
+                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
+                                  BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
+                k_rows = tl.where(new, Kin + src * stride_kin_t + kvh * stride_kin_h, k_rows)
+                v_rows = tl.where(new, Vin + src * stride_vin_t + kvh * stride_vin_h, v_rows)
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
@@ -232,6 +246,21 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
         new = key_ok & (idx % hl == hl - 1)
         src = q_start + idx // hl
     return new, src.to(tl.int64)
+
+
+@triton.jit
+def _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t, stride_kin_h,
+                  stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
+                  NUM_STEPS, KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
+    """Store the new keys ``new [BLOCK_N]`` (rows ``src`` of Kin / Vin, KV head ``kvh``) at
+    their slots ``Hist[src, step]`` (``KW`` = key width; V_IS_K: the latent row only)."""
+    dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
+    _copy_rows(Kin + src * stride_kin_t + kvh * stride_kin_h, Kb + dst * stride_ks +
+               kvh * stride_kh, new, KW, BLOCK_KW)
+    if not V_IS_K:
+        _copy_rows(Vin + src * stride_vin_t + kvh * stride_vin_h, Vb + dst * stride_vs +
+                   kvh * stride_vh, new, D_V, BLOCK_DV)
 
 
 @triton.jit
@@ -426,7 +455,7 @@ def _mla_partial_kernel(
         GROUP: tl.constexpr, MODE: tl.constexpr, D_HALF: tl.constexpr, D_PE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, ACC_B_W: tl.constexpr,
         DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, FUSE_WRITE: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
         BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Stage 1 for MLA (v3). Grid ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``.
@@ -438,7 +467,7 @@ def _mla_partial_kernel(
     tile is loaded once for S and P.V. ``DV_SPLIT = 2``: two adjacent programs own one half
     of the 512-wide output each (half the accumulator registers; the second one's key reads
     hit L2); ``ACC_B_W`` is the width of the second accumulator (unused, 16, when split).
-    FUSE_WRITE / FUSE_MERGE as in ``_partial_attn_kernel`` (Kin: [rows, 2 * D_HALF + D_PE],
+    NEW_KV / FUSE_MERGE as in ``_partial_attn_kernel`` (Kin: [rows, 2 * D_HALF + D_PE],
     Out: [rows, H, 2 * D_HALF]; FUSE_MERGE needs DV_SPLIT = 1).
     """
     pid0 = tl.program_id(0)
@@ -479,6 +508,15 @@ def _mla_partial_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = ReqToToken + rpi * stride_r2t
 
+    if NEW_KV == NEW_KV_FIRST:
+        if split == 0:
+            n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, half == 0, step, GROUP, BLOCK_M,
+                                         MODE)
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
+                _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
+                              stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
+                              2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW, True)
     start = split * split_len
     end = tl.minimum(prefix_len, start + split_len)
     end = tl.where(live, end, start)
@@ -501,12 +539,13 @@ def _mla_partial_kernel(
                                NUM_STEPS, MODE)
         vis = vis & key_ok[None, :] & row_ok[:, None]
         rows = KV + slot * stride_kvs
-        if FUSE_WRITE:
+        if NEW_KV != NEW_KV_POOL:
             new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
-            k_new = Kin + src * stride_kin_t
-            dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
-            _copy_rows(k_new, KV + dst * stride_kvs, new, 2 * D_HALF + D_PE, BLOCK_KW)
-            rows = tl.where(new, k_new, rows)
+            if NEW_KV == NEW_KV_TAIL:
+                _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
+                              stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
+                              2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW, True)
+            rows = tl.where(new, Kin + src * stride_kin_t, rows)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
             logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
@@ -551,3 +590,24 @@ def _merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, stri
     o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + t * stride_ot + h * stride_oh + offs_dv, o.to(Out.dtype.element_ty),
              mask=offs_dv < D_V)
+
+
+@triton.jit
+def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h, stride_vin_t,
+                     stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
+                     KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr):
+    """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the call's new KV in
+    one launch (``kv_write="kernel"``)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dst = tl.load(Slots + r * stride_slots).to(tl.int64)
+    offs = tl.arange(0, BLOCK_KW)
+    x = tl.load(Kin + r * stride_kin_t + h * stride_kin_h + offs, mask=offs < KW)
+    tl.store(Kb + dst * stride_ks + h * stride_kh + offs, x.to(Kb.dtype.element_ty),
+             mask=offs < KW)
+    if WRITE_V:
+        offs_v = tl.arange(0, BLOCK_DV)
+        y = tl.load(Vin + r * stride_vin_t + h * stride_vin_h + offs_v, mask=offs_v < D_V)
+        tl.store(Vb + dst * stride_vs + h * stride_vh + offs_v, y.to(Vb.dtype.element_ty),
+                 mask=offs_v < D_V)

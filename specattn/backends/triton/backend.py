@@ -173,10 +173,6 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                 else None
             parents = parents if parents is not None else self._batch.parents
         L = _launchers()
-        fuse_write = L.can_fuse_write(self.runner, plan["cfg"])
-        if not fuse_write:
-            # The history table's column `step` is out_cache_loc[:, :, step] (fixed buffer).
-            self.runner.write_kv(layer.layer_id, bufs.hist[:lanes, step], k, v)
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(plan["cfg"], plan["num_splits"]),
                                    q.device, bufs.mid_o, bufs.mid_lse)
@@ -188,7 +184,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                            num_steps=self.num_steps, step=step,
                            num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
-                           new_kv=(k, v) if fuse_write else None, counter=bufs.counter)
+                           new_kv=(k, v), counter=bufs.counter)
 
 
 class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
@@ -285,9 +281,6 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         validation.check_extend_forward(self.runner, plan["num_tokens"], layer, q, k, v)
         L = _launchers()
         slots = bufs.hist[:plan["num_tokens"]]  # [T, 1]: out_cache_loc (fixed buffer)
-        fuse_write = L.can_fuse_write(self.runner, plan["cfg"])
-        if not fuse_write:
-            self.runner.write_kv(layer.layer_id, slots[:, 0], k, v)
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(plan["num_tokens"], shape,
                                    L.num_parts(plan["cfg"], plan["num_splits"]), q.device,
@@ -296,5 +289,5 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
                            num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
-                           mid_lse=mid_lse, hist=slots, new_kv=(k, v) if fuse_write else None,
+                           mid_lse=mid_lse, hist=slots, new_kv=(k, v),
                            counter=bufs.counter)

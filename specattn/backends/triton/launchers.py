@@ -19,6 +19,8 @@ from . import _attn_kernels as K
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 
 MAX_SPLITS = 16
+KV_WRITES = ("torch", "kernel", "tail", "first")
+_NEW_KV = {"tail": 1, "first": 2}  # the kernels' NEW_KV codes (0: already in the pool)
 
 
 
@@ -27,8 +29,11 @@ class KernelConfig:
     """Stage-1 tiling: ``block_m`` query rows x ``block_n`` keys per tile. ``mla_v3``: use
     the MLA stage-1 kernel (MLA shapes only); with it, ``dv_split`` programs share the
     512-wide output (1 or 2) and ``v_reload`` loads V again instead of reusing the K tile.
-    ``fuse_write``: the tail programs store the call's new KV (no separate write launch);
-    ``fuse_merge``: the last program of each tile merges the partials (no merge launch)."""
+    ``kv_write``: who stores the call's new KV in the pool: ``"torch"`` (``runner.write_kv``,
+    indexed copies), ``"kernel"`` (one Triton launch), ``"tail"`` / ``"first"`` (the
+    attention kernel's tail programs / each tile's first prefix split; the tail then reads
+    the new keys from k, v). ``fuse_merge``: the last program of each tile merges the
+    partials (no merge launch)."""
 
     block_m: int
     block_n: int
@@ -37,12 +42,15 @@ class KernelConfig:
     mla_v3: bool = False
     dv_split: int = 1
     v_reload: bool = False
-    fuse_write: bool = True
+    kv_write: str = "first"
     fuse_merge: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
 
+        if self.kv_write not in KV_WRITES:
+            raise InvalidInputError("config.kv_write", f"one of {KV_WRITES}",
+                                    repr(self.kv_write))
         if self.dv_split not in (1, 2) or (self.dv_split == 2 and not self.mla_v3):
             raise InvalidInputError("config.dv_split", "1, or 2 with mla_v3", self.dv_split)
         if self.fuse_merge and self.dv_split != 1:
@@ -52,7 +60,7 @@ class KernelConfig:
     def label(self) -> str:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
-            (" vr" if self.v_reload else "") + ("" if self.fuse_write else " nofw") + \
+            (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
             (" fm" if self.fuse_merge else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
@@ -195,10 +203,26 @@ def scratch(rows: int, shape: AttnShape, parts: int, device: torch.device,
     return mid_o, mid_lse
 
 
-def can_fuse_write(runner, cfg: KernelConfig) -> bool:
-    """Whether the attention kernel may store the call's new KV itself: plain pools in the
-    model dtype (byte layouts such as FP8 go through ``runner.write_kv``)."""
-    return cfg.fuse_write and getattr(runner, "kv_layout", None) is None
+def kv_write_mode(runner, cfg: KernelConfig) -> str:
+    """``cfg.kv_write``, or ``"torch"`` for pools with a byte layout (FP8: quantized by
+    ``runner.write_kv``)."""
+    return cfg.kv_write if getattr(runner, "kv_layout", None) is None else "torch"
+
+
+def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
+                 v: Optional[torch.Tensor]) -> None:
+    """One launch: ``pool[slots[r]] = k[r]`` (and ``v``). slots: ``[rows]`` int;
+    k: ``[rows, H_kv, D]`` (MLA ``[rows, D]``)."""
+    kb, vb, sks, skh, svs, svh = layer_pools(runner, layer_id)
+    rows = slots.shape[0]
+    if rows == 0:
+        return
+    k3 = k if k.dim() == 3 else k.unsqueeze(1)
+    v3 = k3 if v is None else v
+    K._write_kv_kernel[(rows, k3.shape[1])](
+        slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+        sks, skh, svs, svh, KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]), D_V=v3.shape[2],
+        BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1)
 
 
 def _counters(counter: Optional[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
@@ -218,9 +242,9 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
               counter: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Stage 1 + merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]`` in ``q.dtype``.
 
-    new_kv: ``(k, v)`` of this call (``v`` None for MLA) when the kernel stores them itself
-    (``can_fuse_write``) at ``hist[row, step]`` (decode: ``hist [lanes, num_steps]``;
-    extend: ``hist [tokens, 1]``, ``step = 0``); else the caller has written them.
+    new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
+    (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``) the
+    way ``kv_write_mode`` says; None: the caller has written them.
     counter: int32 zeros, the fixed buffer for ``cfg.fuse_merge``'s arrival counters."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     interp = q.device.type == "cpu"  # the Triton CPU interpreter
@@ -231,17 +255,22 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     par_b = parents.stride(1) if parents is not None else 0
     if parents is not None and parents.stride(2) != 1:
         raise ValueError("parents must have unit stride in its last dimension")
-    fuse_write = new_kv is not None
-    if fuse_write and (hist is None or not hist.is_contiguous()):
-        raise ValueError("a fused KV write needs the contiguous slot table `hist`")
-    k_in, v_in = new_kv if fuse_write else (kb, vb)
+    write = kv_write_mode(runner, cfg) if new_kv is not None else None
+    if write is not None and (hist is None or not hist.is_contiguous()):
+        raise ValueError("a KV write needs the contiguous slot table `hist`")
+    if write == "torch":
+        runner.write_kv(layer.layer_id, hist[:, step], *new_kv)
+    elif write == "kernel":
+        write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
+    in_kernel = write in _NEW_KV
+    k_in, v_in = new_kv if in_kernel else (kb, vb)
     if v_in is None:
         v_in = k_in
     dot_prec = "ieee" if q.dtype == torch.float32 or interp else "tf32"
     common = (step, float(layer.scaling), float(layer.logit_cap))
     out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
     parts = num_parts(cfg, num_splits)
-    fused = dict(FUSE_WRITE=fuse_write, BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
+    fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
     if cfg.mla_v3:
         if not shape.mla_kernel:
