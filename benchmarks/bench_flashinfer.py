@@ -8,7 +8,8 @@ of a CUDA graph over rotating layers (KV read per call larger than L2), median o
 host cost of the metadata (eager ``init_forward_metadata`` per round, and the graph replay's
 re-plan). Shared-mode rows also time the parts: ``write_kv``, the prefix pass with the
 graph plan this glue makes, with FlashInfer's default graph plan (no ``uniform_q_len`` /
-``disable_split_kv``: what v1 ran) and with an eager plan; the fused history + merge kernel;
+``disable_split_kv``: what v1 ran) and with an eager plan; the fused history + merge kernel
+(reading the pool after ``write_kv``, and storing the new KV itself, as the step now runs);
 and, for comparison, v1's history pass (FlashInfer decode wrapper, graph plan) +
 ``merge_state``. Draft extend: eager plan and graph plan.
 
@@ -246,6 +247,10 @@ def decode_parts(cls, r, batch, B, N, K, S, step, q, k, v, lyr, be, eager):
     parts["history_merge"], _ = timed(
         lambda lay: history_merge(q, *be._history_pools(lay.layer_id), hist, o_p, lse_p,
                                   params.scale, params.cap), lyr)
+    # What the step runs now: the same kernel storing the new KV (replaces write_kv).
+    parts["history_merge_storing_kv"], _ = timed(
+        lambda lay: history_merge(q, *be._history_pools(lay.layer_id), hist, o_p, lse_p,
+                                  params.scale, params.cap, k_new=k, v_new=v), lyr)
     try:
         fn = v1_history(be, B, N, step + 1, q)
         parts["v1_history_pass_merge"], _ = timed(lambda lay: fn(lay, o_p, lse_p), lyr)

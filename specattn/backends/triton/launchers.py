@@ -42,7 +42,7 @@ class KernelConfig:
     mla_v3: bool = False
     dv_split: int = 1
     v_reload: bool = False
-    kv_write: str = "first"
+    kv_write: str = "kernel"
     fuse_merge: bool = False
 
     def __post_init__(self) -> None:
@@ -112,10 +112,12 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
-    # Defaults from the H200 sweeps (benchmarks/results/2026-11-29-h200/triton-notes.md).
+    # Defaults from the H200 sweeps (benchmarks/results/2026-11-29-h200/triton-notes.md);
+    # KV write and merge from triton-fusion-ab.md: the one-launch write everywhere but the
+    # MLA kernel (its first split writes: 109 vs 128 us at mla-long), the merge launched.
     if shape.mla_kernel and rows_per_group >= 64:
         # v3: K*H rows of a request in one 64-row tile (the wgmma height), 8 warps.
-        return KernelConfig(64, 64, 8, 2, mla_v3=True)
+        return KernelConfig(64, 64, 8, 2, mla_v3=True, kv_write="first")
     if shape.d_pe > 0 or shape.d_main > 256:  # wide rows, keep registers in check
         bm = min(_pow2(rows_per_group), 32)
         return KernelConfig(bm, 32, 4, 2)
