@@ -1,8 +1,7 @@
 """A/B of the Triton kernels' fusions on the H200, one run: who writes the new KV
 (``kv_write``: torch indexed copies = v3, one Triton launch, the attention kernel's tail
 programs or its first prefix split) and the partial merge in the last program of each tile
-(``fuse_merge``) vs its own launch, and the tail programs launched first (``tail_first``) or
-last, per standard case.
+(``fuse_merge``) vs its own launch, per standard case.
 
 Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]`` (CUDA only).
 Same timing as ``bench_triton.py`` (one forward at step 2, layers rotated past L2, CUDA-graph
@@ -35,15 +34,10 @@ def default_config(model: str, K: int, extend: bool):
     return launchers.choose_config(shape, rows)
 
 
-VARIANTS = [  # (kv_write, fuse_merge, tail_first, waves or None for the default)
-    ("torch", False, False, None), ("kernel", False, False, None),
-    ("tail", False, False, None), ("first", False, False, None),
-    ("first", True, False, None), ("kernel", False, True, None), ("tail", False, True, None),
-    ("first", False, True, None)]
-QUICK = [v for v in VARIANTS if v[0] in ("torch", "kernel") and not v[2]] + \
-    [v for v in VARIANTS if v[2]]  # --quick: the v3 path, the default and tail-first
-EXTRA = {"extend": [("first", False, False, 1.0), ("first", True, False, 1.0),
-                    ("kernel", False, False, 1.0)]}
+VARIANTS = [  # (kv_write, fuse_merge, waves or None for the default)
+    ("torch", False, None), ("kernel", False, None), ("tail", False, None),
+    ("first", False, None), ("first", True, None)]
+EXTRA = {"extend": [("first", False, 1.0), ("first", True, 1.0), ("kernel", False, 1.0)]}
 
 
 def main() -> None:
@@ -51,7 +45,6 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="gqa-long,gqa-long-k1,gqa-paged,gqa-small,mla-long,"
                                        "mla-long-p64,extend")
-    ap.add_argument("--quick", action="store_true", help="fewer variants (QUICK)")
     args = ap.parse_args()
     import triton
 
@@ -68,15 +61,12 @@ def main() -> None:
         model, B, L, K, S, P = bt.CASES[name]
         extend = name == "extend"
         base = default_config(model, K, extend)
-        runs = QUICK if args.quick else VARIANTS + EXTRA.get(name, [])
+        runs = VARIANTS + EXTRA.get(name, [])
         for ragged in (False,):
             lens = bt.lens_for(B, L, ragged, rng)
-            for kv_write, fm, tf, waves in runs:
-                if tf and base.mla_v3:
-                    continue  # the MLA kernel has no separate tail program
-                cfg = dataclasses.replace(base, kv_write=kv_write, fuse_merge=fm, tail_first=tf)
-                lab = f"kv_write={kv_write}" + (" + merge fused" if fm else "") + \
-                    (" + tail first" if tf else "")
+            for kv_write, fm, waves in runs:
+                cfg = dataclasses.replace(base, kv_write=kv_write, fuse_merge=fm)
+                lab = f"kv_write={kv_write}" + (" + merge fused" if fm else "")
                 try:
                     if extend:
                         t, floor, info = bt.bench_extend(B, lens, S, bw, cfg, waves)

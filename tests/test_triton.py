@@ -286,8 +286,6 @@ FUSION_CASES = [
                                                   fuse_merge=True)),
     ("mha", 4, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="torch")),
     ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, kv_write="kernel")),
-    ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, kv_write="tail", tail_first=True)),
-    ("mha", 1, "lane", "shared", KernelConfig(16, 16, 4, 2, tail_first=True, fuse_merge=True)),
     ("mla", 8, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="tail", fuse_merge=True)),
     ("mla", 8, "path", "shared", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
     ("mla", 4, "path", "shared", KernelConfig(16, 32, 4, 2, mla_v3=True, kv_write="tail")),
@@ -318,7 +316,6 @@ def test_fused_write_and_merge(model, topk, tree_mode, mode, config):
     ("mha", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
     ("mha", KernelConfig(16, 16, 4, 2, kv_write="tail")),
     ("mha", KernelConfig(16, 16, 4, 2, kv_write="torch")),
-    ("mha", KernelConfig(16, 16, 4, 2, kv_write="first", tail_first=True)),
     ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
     ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, kv_write="kernel")),
 ])

@@ -115,11 +115,11 @@ def _partial_attn_kernel(
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
         BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
-        TAIL_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        DOT_PREC: tl.constexpr,
+        DOT_F32: tl.constexpr):
     """Stage 1, generic (MHA/GQA, extend, MLA below 64 rows per group). Grid
     ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS`` walks
-    the tail (fusing it into the last split, tried in v3, was ~10% slower on the H200); with
-    TAIL_FIRST the tail programs are grid slice 0 (launched first) instead of the last.
+    the tail (fusing it into the last split, tried in v3, was ~10% slower on the H200).
 
     Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
     V = its first D_V columns); MidO: [rows, H_q, NUM_SPLITS + 1, D_V] fp32;
@@ -137,8 +137,6 @@ def _partial_attn_kernel(
     rb = tl.program_id(0)
     gh = tl.program_id(1)
     split = tl.program_id(2)
-    if TAIL_FIRST:  # grid slice 0 is the tail: scheduled first, off the last wave
-        split = tl.where(split == 0, NUM_SPLITS, split - 1)
     gi = gh // NUM_KV_HEADS
     kvh = gh % NUM_KV_HEADS
     b, q_start, n_q, rpi, prefix_len, split_len = _group_of(gi, Meta, TOPK, LANES_PER_GROUP,

@@ -33,8 +33,7 @@ class KernelConfig:
     indexed copies), ``"kernel"`` (one Triton launch), ``"tail"`` / ``"first"`` (the
     attention kernel's tail programs / each tile's first prefix split; the tail then reads
     the new keys from k, v). ``fuse_merge``: the last program of each tile merges the
-    partials (no merge launch). ``tail_first`` (generic kernel): the tail programs are
-    launched first instead of last."""
+    partials (no merge launch)."""
 
     block_m: int
     block_n: int
@@ -45,7 +44,6 @@ class KernelConfig:
     v_reload: bool = False
     kv_write: str = "kernel"
     fuse_merge: bool = False
-    tail_first: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -63,7 +61,7 @@ class KernelConfig:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
-            (" fm" if self.fuse_merge else "") + (" tf" if self.tail_first else "")
+            (" fm" if self.fuse_merge else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -312,8 +310,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused,
-            TAIL_FIRST=cfg.tail_first, DOT_PREC=dot_prec, DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused, DOT_PREC=dot_prec,
+            DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not cfg.fuse_merge:
         K._merge_kernel[(rows, shape.num_q_heads)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
