@@ -27,7 +27,7 @@ import torch
 from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
-from specattn.backends.flashinfer._history import history_merge
+from specattn.backends._history_merge import history_merge
 from specattn.backends.flashinfer._passes import _graph_split_kwargs
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
                                                  host_indptr)

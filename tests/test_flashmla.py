@@ -43,13 +43,17 @@ def _run_round(backend, runner, batch, gen, layers=(1, 0)):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("topk,tree_mode,lens", [
-    (1, "lane", [70, 130]), (3, "lane", [64, 17]), (2, "path", [100, 100])])
-def test_decode_matches_reference(monkeypatch, dtype, topk, tree_mode, lens):
+@pytest.mark.parametrize("topk,tree_mode,lens,fused", [
+    (1, "lane", [70, 130], True), (3, "lane", [64, 17], True), (2, "path", [100, 100], True),
+    (3, "path", [90, 40], False)])
+def test_decode_matches_reference(monkeypatch, dtype, topk, tree_mode, lens, fused):
+    """``fused``: the Triton history + merge kernel stores the step's KV (the reference reads
+    it from the pool afterwards); else the torch history pass and merge."""
     install(monkeypatch, "flash_mla", fm_standin.make()[0])
     gen = torch.Generator().manual_seed(1)
     runner = _runner(dtype)
     backend = _backend(runner, topk, 3, tree_mode)
+    backend.fused_history = fused
     batch = paged_round(runner, lens, topk, 3, gen, parents=tree_mode == "path")
     backend.init_forward_metadata(batch)
     _run_round(backend, runner, batch, gen)

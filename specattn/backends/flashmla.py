@@ -10,14 +10,17 @@ Draft extend is not provided (original behaviour): the factory logs
 
 Algorithm (draft step ``i``, ``N = B*K`` lanes), per layer:
 
-1. write the new latent rows at ``out_cache_loc[:, :, i]``;
+1. (torch history only) write the new latent rows at ``out_cache_loc[:, :, i]``;
 2. *prefix pass* (FlashMLA): the ``K`` lanes of request ``b`` are the ``s_q = K`` query tokens
    of one batch row, ``causal=False``, over ``R_b[0 : L_b]`` through a page-64 block table,
    so each request's prefix is read once for all its lanes. Returns ``out [B, K, H, 512]`` and
    ``softmax_lse [B, H, K]`` (natural log, FlashMLA's reference definition);
-3. *history pass* (torch): each lane against its ``i + 1`` history slots (``lane`` or
-   ``path`` tree mode), fp32, with its own LSE. At most ``S`` keys per lane: small;
-4. merge the two by LSE (``_standin.merge_lse``).
+3. *history pass + merge*: one Triton kernel (``backends/_history_merge.py``, shared with
+   ``flashinfer``) continues each lane's online softmax from the prefix state over its
+   ``i + 1`` history slots (``lane`` or ``path`` tree mode) and stores the step's latent rows
+   itself (the prefix pass never reads them). Where Triton cannot run (or with
+   ``fused_history = False``): write first, a torch fp32 history pass, then
+   ``_standin.merge_lse``.
 
 Upstream refuses ``topk > 1`` ("Currently FlashMLA only supports topk=1 for speculative
 decoding"); the split above lifts that and also gives exact ``path`` trees. Note the
@@ -44,6 +47,7 @@ logit soft-cap; the pool's slot count must be a multiple of 64; every ``L_b >= 1
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -67,6 +71,15 @@ _HEAD_DIM, _HEAD_DIM_V = 576, 512
 _PIP = "sgl-flash-mla"
 
 
+def _triton_runs(device: torch.device) -> bool:
+    """Whether the Triton history kernel can run on ``device`` (CUDA, or the interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _latent_history(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
                     hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """History pass in fp32. q: ``[N, H, W]``; hist: ``[N, n]`` slots.
@@ -84,7 +97,7 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
                      platforms=cuda_capability(9, 10), models=("mla",),
                      requires=(("flash_mla", _PIP),), kernel_library="flash_mla",
                      priority={"cuda": 65}):
-    """FlashMLA prefix pass + torch history pass, merged by LSE (see the module doc).
+    """FlashMLA prefix pass + Triton history pass and LSE merge (see the module doc).
 
     q: ``[B*K, H, 576]``, k: ``[B*K, 576]``, v: ``None`` → ``[B*K, H, 512]``.
     """
@@ -95,6 +108,7 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
     supports_cuda_graph = True
     tested_on = ("H200 (sm90) GPU tests with the sgl-flash-mla wheel's legacy dense decode, "
                  "incl. CUDA-graph replay; stand-in tested on CPU")
+    fused_history = True  # the Triton history + merge kernel where Triton runs
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
@@ -183,7 +197,9 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
             parents = getattr(self, "_captured_parents", None) if self._bufs.fixed else None
             parents = parents if parents is not None else self._batch.parents
         loc = self._bufs.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
-        r.write_kv(layer.layer_id, loc[:, :, step], k, None)
+        fused = self.fused_history and _triton_runs(q.device)
+        if not fused:
+            r.write_kv(layer.layer_id, loc[:, :, step], k, None)
 
         tile, splits = self._sched
         if splits is None and self._bufs.fixed:
@@ -202,6 +218,11 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
         lse_pre = lse_pre.transpose(1, 2).reshape(bs * topk, r.num_heads)
 
         hist = history_slots(loc, parents, step, self.tree_mode).reshape(bs * topk, step + 1)
+        if fused:  # stores k at hist[:, -1] (this step's slots) and merges in one launch
+            from ._history_merge import history_merge
+
+            return history_merge(q, kv.unsqueeze(1), kv[:, :_HEAD_DIM_V].unsqueeze(1), hist,
+                                 o_pre, lse_pre, layer.scaling, 0.0, k_new=k, lse_base="e")
         o_his, lse_his = _latent_history(r, layer, q, hist)
         return merge_lse(o_pre, lse_pre.float(), o_his, lse_his, r.dtype)
 

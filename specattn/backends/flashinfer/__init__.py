@@ -14,7 +14,7 @@ page size > 1 with ``topk > 1``). Layout of this package:
 
 - ``_slots.py``: pure-torch CSR slot lists (device-built, no host sync);
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
-- ``_history.py``: the fused history pass + merge (Triton);
+- ``.._history_merge``: the fused history pass + merge (Triton, shared with ``flashmla``);
 - ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;
 - this module: the four registered classes.
 

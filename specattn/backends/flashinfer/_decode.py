@@ -4,7 +4,7 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
 
 - ``shared`` mode, ``K > 1``: a *prefix* pass (FlashInfer) attends the ``K`` query rows of
   each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
-  times); one Triton kernel (``_history.py``) then attends each lane to its ``n`` history
+  times); one Triton kernel (``backends/_history_merge.py``) then attends each lane to its ``n`` history
   slots and merges with the prefix result by its base-2 LSE. The prefix pass is planned once
   per round and serves every step (its KV set does not change within a round); the history
   kernel needs no plan (it reads the slots from ``out_cache_loc`` / ``parents`` on the
@@ -16,8 +16,10 @@ Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, fo
 indptrs FlashInfer's host scheduler needs); slot lists are built on the device. ``shared``
 mode plans the prefix pass only (one host plan per round); otherwise the passes of steps
 ``0 .. max(S - 2, 0)`` are planned (the serving loop never runs step ``S - 1``; eager calls
-plan it on first use). Run step (``forward``): write K/V, build the ``path`` histories on
-the device (graph-safe), run the passes (and the history kernel).
+plan it on first use). Run step (``forward``): build the ``path`` histories on the device
+(graph-safe), run the passes; ``shared`` mode's history kernel also stores the step's K/V
+(the prefix pass never reads them: one launch less than ``runner.write_kv``), the other
+modes write them first with ``runner.write_kv``.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
@@ -42,7 +44,7 @@ from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
 from ...metadata import path_history_slots
 from ...validation import check_decode_batch, check_decode_forward, check_parents_step
-from ._history import history_merge
+from .._history_merge import history_merge
 from ._passes import Params, Pass
 from ._slots import fill_ragged_slots, history_positions, host_indptr
 

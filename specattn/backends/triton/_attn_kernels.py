@@ -25,7 +25,12 @@ Algorithm (one kernel family serves draft decode, per-branch decode and draft ex
   over two adjacent programs (``DV_SPLIT = 2``); the last split also walks the tail (no
   extra program wave; here that measured faster, for the generic kernel it did not).
 - Stage 2, grid ``(rows, H_q)``: merges the partials (``NUM_SPLITS + 1`` generic,
-  ``NUM_SPLITS`` MLA v3) by natural-log LSE.
+  ``NUM_SPLITS`` MLA v3) by natural-log LSE; with ``FUSE_MERGE`` the last stage-1 program of
+  each tile merges instead (no second launch; measured slower on the H200, kept as an option).
+
+The call's new KV: written before stage 1 by one launch (``_write_kv_kernel``), or by
+stage 1 itself (``NEW_KV``: the tail or each tile's first split stores it, the tail reads it
+from ``k``/``v``, so no program waits on another's store).
 
 Limits: token-level gathers through ``req_to_token`` (any page size, no page-table fast
 path); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16`` (``tl.dot``); fp32 partials.

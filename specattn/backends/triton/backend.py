@@ -3,9 +3,10 @@
 Importing this module does not import Triton: the kernels load on the first metadata call.
 
 Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel (request
-table + lane history table, all steps); per step and layer ``forward`` writes the new KV
-(indexed copy at the history table's step column) then runs the split-KV attention kernel
-and the LSE merge. ``mode="shared"`` (default) reads each request's prefix once per KV head
+table + lane history table, all steps); per step and layer ``forward`` stores the new KV at
+the history table's step column (one Triton launch; the MLA kernel stores it in its first
+prefix split and reads it from ``k``: ``launchers.KernelConfig.kv_write``), then runs the
+split-KV attention kernel and the LSE merge. ``mode="shared"`` (default) reads each request's prefix once per KV head
 for all ``K`` lanes; ``mode="per-branch"`` treats every lane as its own sequence (the
 upstream design: prefix read ``K`` times), kept for benchmarks and as a fallback.
 

@@ -1,9 +1,11 @@
-"""The history pass and the LSE merge of the shared-prefix draft decode, in one Triton kernel.
+"""The history pass and the LSE merge of the shared-prefix draft decode, in one Triton kernel
+(used by the ``flashinfer`` and ``flashmla`` glue after their library's prefix pass).
 
-After the prefix pass each lane has ``o_p`` and the base-2 LSE of its scores over
-``R_b[0 : L_b]``; it still has to attend to its ``n <= S`` history slots. A FlashInfer decode
-launch for that spends a CTA (and a host plan) per tiny sequence, and ``merge_state`` is one
-more launch: 55 us + 5 us on the H200 for 256 lanes x 3 slots, a third of the whole step.
+After the prefix pass each lane has ``o_p`` and the LSE of its scores over ``R_b[0 : L_b]``
+(base 2 from FlashInfer, natural log from FlashMLA: ``lse_base``); it still has to attend
+to its ``n <= S`` history slots. A FlashInfer decode launch for that spends a CTA (and a host
+plan) per tiny sequence, and ``merge_state`` is one more launch: 55 us + 5 us on the H200 for
+256 lanes x 3 slots, a third of the whole step.
 Here one program per (lane, KV head) starts the online softmax from the prefix state
 (running max = LSE, running sum = 1, accumulator = ``o_p``) and folds in the history slots,
 so the merge costs nothing extra and nothing is planned on the host (graph-safe as is).
@@ -43,7 +45,8 @@ def _kernel():
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                              D_QK: tl.constexpr, D_MAIN: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                              D_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_CAP: tl.constexpr,
-                             NEW_KV: tl.constexpr, WRITE_V: tl.constexpr):
+                             NEW_KV: tl.constexpr, WRITE_V: tl.constexpr,
+                             LSE_TO_LOG2: tl.constexpr):
         lane = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
@@ -62,6 +65,8 @@ def _kernel():
         gv = gm[:, None] & vm[None, :]
         # The prefix state; an empty prefix (LSE -inf) contributes nothing.
         m = tl.load(lse_ptr + lane * sl_l + heads * sl_h, mask=gm, other=0.0).to(tl.float32)
+        if LSE_TO_LOG2 != 1.0:  # natural-log LSE -> base 2, the running max's base
+            m = m * LSE_TO_LOG2
         empty = m == float("-inf")
         acc = tl.load(op_ptr + lane * so_l + heads[:, None] * so_h + dv[None, :], mask=gv,
                       other=0.0).to(tl.float32)
@@ -121,13 +126,14 @@ def _pow2_ceil(x: int) -> int:
 def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   hist: torch.Tensor, o_prefix: torch.Tensor, lse_prefix: torch.Tensor,
                   scale: float, cap: float, k_new: Optional[torch.Tensor] = None,
-                  v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  v_new: Optional[torch.Tensor] = None, lse_base: str = "2") -> torch.Tensor:
     """Attend each lane to its history slots and merge with its prefix result.
 
     q: ``[N, H_q, D]``; k_pool: ``[num_slots, H_kv, D]``; v_pool: ``[num_slots, H_kv, D_v]``
     (any strides with a unit last stride: MLA passes views of one latent pool);
     hist: ``[N, n]`` int slots (any strides); o_prefix: ``[N, H_q, D_v]``;
-    lse_prefix: ``[N, H_q]`` float32, base 2 (FlashInfer's). Returns ``[N, H_q, D_v]`` in
+    lse_prefix: ``[N, H_q]`` float32, base 2 (``lse_base="2"``, FlashInfer's) or natural log
+    (``"e"``, FlashMLA's); ``-inf`` = empty prefix. Returns ``[N, H_q, D_v]`` in
     ``q.dtype``: softmax over prefix and history together, scores ``scale * q.k`` soft-capped
     by ``cap`` (0 = off).
 
@@ -136,6 +142,9 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     KV, stored here at ``hist[:, -1]`` (unit last strides, pool dtype).
     """
     import triton  # noqa: F401  (the kernel's library; fails clearly if absent)
+
+    if lse_base not in ("2", "e"):
+        raise ValueError(f"lse_base must be '2' or 'e', got {lse_base!r}")
 
     if q.stride(-1) != 1 or o_prefix.stride(-1) != 1:
         q, o_prefix = q.contiguous(), o_prefix.contiguous()
@@ -167,5 +176,6 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), GROUP=group, BLOCK_G=block_g, D_QK=d, D_MAIN=d_main,
         BLOCK_TAIL=_pow2_ceil(tail) if tail else 0, D_V=dv, BLOCK_V=block_v,
-        HAS_CAP=cap > 0, NEW_KV=new_kv, WRITE_V=write_v, num_warps=warps)
+        HAS_CAP=cap > 0, NEW_KV=new_kv, WRITE_V=write_v,
+        LSE_TO_LOG2=1.0 if lse_base == "2" else 1.4426950408889634, num_warps=warps)
     return out
