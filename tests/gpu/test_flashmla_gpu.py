@@ -28,16 +28,18 @@ def _flash_mla_or_skip():
         pytest.skip(f"flash_mla does not import here: {type(exc).__name__}: {exc}")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-history", "triton-history"])
 @pytest.mark.parametrize("topk,tree_mode,lens", [(1, "lane", [700, 1300]),
                                                  (4, "lane", [640, 65]),
                                                  (4, "path", [1000, 1000, 3])])
-def test_flashmla_decode_matches_reference(topk, tree_mode, lens):
+def test_flashmla_decode_matches_reference(topk, tree_mode, lens, fused):
     _flash_mla_or_skip()
     gen = torch.Generator().manual_seed(0)
     runner = DraftRunner.mla(HEADS, 512, 64, num_layers=1, num_slots=64 * 256, max_reqs=8,
                              max_context_len=2048, page_size=64, dtype=torch.bfloat16,
                              device="cuda")
     backend = FlashMLADecode(runner, topk, 3, tree_mode=tree_mode)
+    backend.fused_history = fused
     batch = paged_round(runner, lens, topk, 3, gen, parents=tree_mode == "path")
     backend.init_forward_metadata(batch)
     n = batch.batch_size * topk
