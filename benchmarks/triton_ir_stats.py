@@ -7,7 +7,8 @@ showed the tail loop losing its ``cp.async`` pipeline when its K/V row pointers 
 ``tl.where`` (async copies 14 -> 7, global loads 7 -> 167). Check a kernel change here first,
 then spend device time on the variants that keep their pipelines.
 
-Usage: ``python benchmarks/triton_ir_stats.py [--new-kv 0 1 2] [--dump DIR]`` (gqa-long
+Usage: ``python benchmarks/triton_ir_stats.py [--new-kv 0 1 2] [--mla [N,W,S ...]]
+[--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
 shape: 32 q heads, 8 KV heads, head dim 128, K = 8 -> 32-row tiles, block_n 64, 4 warps,
 3 stages; the same specialisation of pointers and strides as at run time).
 """
@@ -21,23 +22,16 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-_PTR = {"Q": "*bf16", "Kb": "*bf16", "Vb": "*bf16", "Kin": "*bf16", "Vin": "*bf16",
+_PTR = {"Q": "*bf16", "Kb": "*bf16", "Vb": "*bf16", "Kin": "*bf16", "Vin": "*bf16", "KV": "*bf16",
         "Out": "*bf16", "MidO": "*fp32", "MidLse": "*fp32", "Counter": "*i32",
         "ReqToToken": "*i32", "Meta": "*i32", "Hist": "*i32", "Parents": "*i64"}
 
 
-def compile_stage1(new_kv: int, mode: int = 0):
+def _compile(fn, const: dict, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specattn.backends.triton import _attn_kernels as K
-
-    fn = K._partial_attn_kernel
-    const = dict(NUM_KV_HEADS=8, GROUP=4, MODE=mode, D_MAIN=128, D_PE=0, D_V=128,
-                 BLOCK_D=128, BLOCK_DPE=16, BLOCK_DV=128, V_IS_K=False, BLOCK_M=32,
-                 BLOCK_N=64, USE_CAP=False, NEW_KV=new_kv, BLOCK_KW=128, FUSE_MERGE=False,
-                 BLOCK_P=8, DOT_PREC="tf32", DOT_F32=False)
     names = fn.arg_names
     sig = {a: "constexpr" if a in const else _PTR.get(a, "fp32" if a in ("sm_scale", "logit_cap")
                                                      else "i32") for a in names}
@@ -47,7 +41,49 @@ def compile_stage1(new_kv: int, mode: int = 0):
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=3))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_stage1(new_kv: int, mode: int = 0):
+    """The generic kernel at the gqa-long shape (m32 n64 w4 s3, the default config)."""
+    from specattn.backends.triton import _attn_kernels as K
+
+    const = dict(NUM_KV_HEADS=8, GROUP=4, MODE=mode, D_MAIN=128, D_PE=0, D_V=128,
+                 BLOCK_D=128, BLOCK_DPE=16, BLOCK_DV=128, V_IS_K=False, BLOCK_M=32,
+                 BLOCK_N=64, USE_CAP=False, NEW_KV=new_kv, BLOCK_KW=128, FUSE_MERGE=False,
+                 BLOCK_P=8, DOT_PREC="tf32", DOT_F32=False)
+    return _compile(K._partial_attn_kernel, const, 4, 3)
+
+
+def compile_mla(new_kv: int, block_n: int = 64, num_warps: int = 8, num_stages: int = 2):
+    """The MLA v3 kernel at the mla-long shape (16 heads x K 4 = one 64-row tile)."""
+    from specattn.backends.triton import _attn_kernels as K
+
+    const = dict(GROUP=16, MODE=0, D_HALF=256, D_PE=64, BLOCK_H=256, BLOCK_DPE=64,
+                 ACC_B_W=256, DV_SPLIT=1, V_RELOAD=False, BLOCK_M=64, BLOCK_N=block_n,
+                 USE_CAP=False, NEW_KV=new_kv, BLOCK_KW=1024, FUSE_MERGE=False, BLOCK_P=4,
+                 DOT_PREC="tf32", DOT_F32=False)
+    return _compile(K._mla_partial_kernel, const, num_warps, num_stages)
+
+
+def resources(kernel) -> str:
+    """Registers per thread, local memory (spills) and shared memory of the cubin."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    regs = f"regs {found.group(1)}, stack {found.group(2)} B, local {found.group(3)} B" \
+        if found else "regs ?"
+    return f"{regs}, shared (dynamic) {kernel.metadata.shared} B"
 
 
 def stats(kernel) -> dict:
@@ -63,14 +99,25 @@ def main() -> None:
     ap.add_argument("--new-kv", type=int, nargs="+", default=[0, 1, 2],
                     help="NEW_KV codes: 0 pool (kv_write torch/kernel), 1 tail, 2 first")
     ap.add_argument("--dump", default=None, help="also write each variant's TTGIR and PTX here")
+    ap.add_argument("--mla", nargs="*", default=None, metavar="N,W,S",
+                    help="the MLA v3 kernel instead, one config per block_n,warps,stages "
+                         "(default: 64,8,2)")
     args = ap.parse_args()
-    for nk in args.new_kv:
-        k = compile_stage1(nk)
-        print(f"NEW_KV={nk}: " + ", ".join(f"{n} {v}" for n, v in stats(k).items()), flush=True)
+    if args.mla is not None:
+        variants = [(f"MLA n{n} w{w} s{st} NEW_KV={nk}", compile_mla, (nk, n, w, st))
+                    for n, w, st in (tuple(map(int, c.split(","))) for c in args.mla or ["64,8,2"])
+                    for nk in args.new_kv]
+    else:
+        variants = [(f"NEW_KV={nk}", compile_stage1, (nk,)) for nk in args.new_kv]
+    for label, build, build_args in variants:
+        k = build(*build_args)
+        print(f"{label}: " + ", ".join(f"{n} {v}" for n, v in stats(k).items()) +
+              f"; {resources(k)}", flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(args.dump, f"stage1-newkv{nk}.{ext}"), "w") as f:
+                name = label.replace(" ", "_").replace("=", "")
+                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
                     f.write(k.asm[ext])
 
 
