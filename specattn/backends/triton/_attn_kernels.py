@@ -63,23 +63,48 @@ def _attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, l
                  V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
                  DOT_F32: tl.constexpr):
     """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
-    head: in the pool, or in the new k / v for keys written this call), key_ok [BLOCK_N],
-    vis [BLOCK_M, BLOCK_N].
+    head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
 
     DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
     so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
-    LOG2E: tl.constexpr = 1.4426950408889634
+    k, kpe, v = _load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
+                         BLOCK_DV, V_IS_K)
+    return _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
+                      V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+
+
+@triton.jit
+def _load_kv(k_rows, v_rows, ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+             V_IS_K: tl.constexpr):
+    """K [BLOCK_N, BLOCK_D], its rope part [BLOCK_N, BLOCK_DPE] (D_PE > 0) and V
+    [BLOCK_N, BLOCK_DV] (V_IS_K: K itself) of the rows ``ok`` (others 0)."""
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = k_rows[:, None]
-    k = tl.load(k_base + offs_d[None, :], mask=key_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
+    k = tl.load(k_rows[:, None] + offs_d[None, :],
+                mask=ok[:, None] & (offs_d < D_MAIN)[None, :], other=0.0)
+    kpe = k
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        kpe = tl.load(k_rows[:, None] + D_MAIN + offs_pe[None, :],
+                      mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    v = k
+    if not V_IS_K:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :],
+                    mask=ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
+    return k, kpe, v
+
+
+@triton.jit
+def _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
+               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """The online-softmax update of ``_attend_tile`` on loaded tiles (``_load_kv``)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
     if DOT_F32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        kpe = tl.load(k_base + D_MAIN + offs_pe[None, :],
-                      mask=key_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
         if DOT_F32:
             kpe = kpe.to(tl.float32)
         s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
@@ -96,12 +121,8 @@ def _attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, l
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_IS_K:
         v = k
-    else:
-        offs_dv = tl.arange(0, BLOCK_DV)
-        v = tl.load(v_rows[:, None] + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
+    elif DOT_F32:
+        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -210,6 +231,8 @@ def _partial_attn_kernel(
             vis = vis & key_ok[None, :] & row_ok[:, None]
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
+            k, kpe, v = _load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
+                                 BLOCK_DPE, BLOCK_DV, V_IS_K)
             if NEW_KV != NEW_KV_POOL:
                 new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
                 if NEW_KV == NEW_KV_TAIL:
@@ -217,12 +240,17 @@ def _partial_attn_kernel(
                                   stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
                                   stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
                                   BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
-                k_rows = tl.where(new, Kin + src * stride_kin_t + kvh * stride_kin_h, k_rows)
-                v_rows = tl.where(new, Vin + src * stride_vin_t + kvh * stride_vin_h, v_rows)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
-                D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
-                DOT_F32)
+                # This call's keys from k / v: select on loaded tiles, not on row pointers
+                # (a pointer select unpipelines the loop, triton_ir_stats.py).
+                k_n, kpe_n, v_n = _load_kv(Kin + src * stride_kin_t + kvh * stride_kin_h,
+                                           Vin + src * stride_vin_t + kvh * stride_vin_h,
+                                           new, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
+                                           BLOCK_DV, V_IS_K)
+                k = tl.where(new[:, None], k_n, k)
+                kpe = tl.where(new[:, None], kpe_n, kpe)
+                v = tl.where(new[:, None], v_n, v)
+            acc, m_i, l_i = _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
+                                       logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
