@@ -4,11 +4,11 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
 
 - ``shared`` mode, ``K > 1``: a *prefix* pass (FlashInfer) attends the ``K`` query rows of
   each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
-  times); one Triton kernel (``backends/_history_merge.py``) then attends each lane to its ``n`` history
-  slots and merges with the prefix result by its base-2 LSE. The prefix pass is planned once
-  per round and serves every step (its KV set does not change within a round); the history
-  kernel needs no plan (it reads the slots from ``out_cache_loc`` / ``parents`` on the
-  device).
+  times); one Triton kernel (``backends/_history_merge.py``) then attends each lane to its
+  ``n`` history slots and merges with the prefix result by its base-2 LSE. The prefix pass
+  is planned once per round and serves every step (its KV set does not change within a
+  round); the history kernel needs no plan (it reads the slots from ``out_cache_loc`` /
+  ``parents`` on the device).
 - ``K == 1``, or the ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
   step, each lane a sequence over ``R_b[0 : L_b]`` plus its history.
 

@@ -136,7 +136,8 @@ def _partial_attn_kernel(
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
-        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, D_MAIN: tl.constexpr, D_PE: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+        D_MAIN: tl.constexpr, D_PE: tl.constexpr,
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
@@ -156,9 +157,10 @@ def _partial_attn_kernel(
     NEW_KV (TAIL / FIRST): Kin/Vin [rows, H_kv, D] are this call's new keys/values (decode:
     each lane's step ``step``; extend: the new tokens), stored at ``Hist[row, step]`` by the
     tail program or by split 0 of the same tile; the tail reads them from Kin/Vin, not the
-    pool (no separate write launch, no ordering between programs). FUSE_MERGE: the last program of a (row block, group, KV head)
-    to finish (``Counter`` [row_blocks * groups * H_kv] int32, zero, reset after use) merges
-    the partials into Out [rows, H_q, D_V] (no second launch).
+    pool (no separate write launch, no ordering between programs). FUSE_MERGE: the last
+    program of a (row block, group, KV head) to finish (``Counter`` [row_blocks * groups *
+    H_kv] int32, zero, reset after use) merges the partials into Out [rows, H_q, D_V] (no
+    second launch).
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -626,12 +628,12 @@ def _merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, stri
 
 
 @triton.jit
-def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h, stride_vin_t,
-                     stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
+def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h,
+                     stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
                      KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
                      BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr):
-    """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the call's new KV in
-    one launch (``kv_write="kernel"``)."""
+    """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
+    call's new KV in one launch (``kv_write="kernel"``)."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dst = tl.load(Slots + r * stride_slots).to(tl.int64)

@@ -6,9 +6,10 @@ Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel 
 table + lane history table, all steps); per step and layer ``forward`` stores the new KV at
 the history table's step column (one Triton launch; the MLA kernel stores it in its first
 prefix split and reads it from ``k``: ``launchers.KernelConfig.kv_write``), then runs the
-split-KV attention kernel and the LSE merge. ``mode="shared"`` (default) reads each request's prefix once per KV head
-for all ``K`` lanes; ``mode="per-branch"`` treats every lane as its own sequence (the
-upstream design: prefix read ``K`` times), kept for benchmarks and as a fallback.
+split-KV attention kernel and the LSE merge. ``mode="shared"`` (default) reads each
+request's prefix once per KV head for all ``K`` lanes; ``mode="per-branch"`` treats every
+lane as its own sequence (the upstream design: prefix read ``K`` times), kept for benchmarks
+and as a fallback.
 
 CUDA graphs: ``init_cuda_graph_state`` allocates every buffer for ``max_bs * K`` lanes; the
 capture/replay metadata calls refill them with one kernel launch and no host sync. The split

@@ -113,8 +113,9 @@ def _pow2(x: int, lo: int = 16) -> int:
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     """Block sizes for a group of ``rows_per_group`` query rows per KV head."""
     # Defaults from the H200 sweeps (benchmarks/results/2026-11-29-h200/triton-notes.md);
-    # KV write and merge from triton-fusion-ab.md: the one-launch write everywhere but the
-    # MLA kernel (its first split writes: 109 vs 128 us at mla-long), the merge launched.
+    # KV write and merge from triton-fusion-ab-{1,2,3}.md there: the one-launch write
+    # everywhere but the MLA kernel (its first split writes: 109 vs 128 us at mla-long), the
+    # merge launched.
     if shape.mla_kernel and rows_per_group >= 64:
         # v3: K*H rows of a request in one 64-row tile (the wgmma height), 8 warps.
         return KernelConfig(64, 64, 8, 2, mla_v3=True, kv_write="first")
@@ -222,9 +223,9 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
     k3 = k if k.dim() == 3 else k.unsqueeze(1)
     v3 = k3 if v is None else v
     K._write_kv_kernel[(rows, k3.shape[1])](
-        slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
-        sks, skh, svs, svh, KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]), D_V=v3.shape[2],
-        BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1)
+        slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0),
+        v3.stride(1), sks, skh, svs, svh, KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
+        D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1)
 
 
 def _counters(counter: Optional[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
