@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton._attn_kernels import _attend_tile, _merge_kernel
+from ..triton._attn_kernels import _attend_tile, _merge_kernel, _softmax_update
 
 MAX_SPLITS = 8
 
@@ -113,7 +113,6 @@ def _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Pool, page_size, 
     """``_attend_tile`` over an FP8 pool (fp32 operands; ``q``/``qpe`` already fp32): keys
     are vector columns ``[0, D_MAIN)`` (+ ``[D_MAIN, D_MAIN + D_PE)`` scored by ``qpe``),
     values are columns ``[0, D_MAIN)``."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     nope_off, scale_off, rope_off = _fp8_offsets(slot, page_size, FMT, D_NOPE, D_ROPE,
                                                  D_NOPE // TILE)
     offs_d = tl.arange(0, BLOCK_D)
@@ -125,15 +124,7 @@ def _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Pool, page_size, 
         kpe = _fp8_load(Pool, nope_off, scale_off, rope_off, key_ok, D_MAIN + offs_pe,
                         offs_pe < D_PE, FMT, D_NOPE, TILE)
         s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
-    s = s * sm_scale
-    if USE_CAP:
-        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
-    s = tl.where(vis, s * LOG2E, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=DOT_PREC)
     return acc, m_new, l_i
 

@@ -100,7 +100,6 @@ def _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE:
                V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
                DOT_F32: tl.constexpr):
     """The online-softmax update of ``_attend_tile`` on loaded tiles (``_load_kv``)."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     if DOT_F32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -108,17 +107,7 @@ def _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE:
         if DOT_F32:
             kpe = kpe.to(tl.float32)
         s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
-    s = s * sm_scale
-    if USE_CAP:
-        # cap * tanh(s / cap), tanh via the sigmoid (portable to the interpreter).
-        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
-    s = tl.where(vis, s * LOG2E, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # Rows that have seen no key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_IS_K:
         v = k
     elif DOT_F32:
