@@ -3,6 +3,7 @@
 is first on ``sys.path`` when it runs.
 
 - ``copy_bandwidth()``: the copy floor, measured in the same process as the kernels.
+- ``run_line(bw)``: "date | GPU | torch | triton | CUDA | copy bandwidth" for a report.
 - ``timed(fn, layers)``: median ms of one ``fn(layer)`` call under a CUDA graph that rotates
   through ``layers`` (so the KV read each call is larger than L2).
 """
@@ -23,6 +24,17 @@ def copy_bandwidth() -> float:
     t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
                                 return_mode="median")
     return 2 * src.numel() * 4 / (t * 1e-3)
+
+
+def run_line(bw: float) -> str:
+    """When and where a report was measured (``bw``: copy bandwidth, bytes/s)."""
+    import time
+
+    import triton
+
+    return (f"{time.strftime('%Y-%m-%d %H:%M')} | {torch.cuda.get_device_name(0)} | "
+            f"torch {torch.__version__} | triton {triton.__version__} | "
+            f"CUDA {torch.version.cuda} | copy bandwidth {bw / 1e12:.2f} TB/s")
 
 
 def timed(fn, layers, *, eager_fallback: bool = True) -> tuple[float, str]:

@@ -15,14 +15,11 @@ import dataclasses
 import os
 import random
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_triton as bt  # noqa: E402
-from _common import copy_bandwidth  # noqa: E402
+from _common import copy_bandwidth, run_line  # noqa: E402
 
 
 def default_config(model: str, K: int, extend: bool):
@@ -46,13 +43,8 @@ def main() -> None:
     ap.add_argument("--cases", default="gqa-long,gqa-long-k1,gqa-paged,gqa-small,mla-long,"
                                        "mla-long-p64,extend")
     args = ap.parse_args()
-    import triton
-
     bw = copy_bandwidth()
-    props = torch.cuda.get_device_properties(0)
-    text = (f"# Triton fusion A/B\n\n{time.strftime('%Y-%m-%d %H:%M')} | {props.name} | "
-            f"torch {torch.__version__} | triton {triton.__version__} | CUDA "
-            f"{torch.version.cuda} | copy bandwidth {bw / 1e12:.2f} TB/s\n\n"
+    text = (f"# Triton fusion A/B\n\n{run_line(bw)}\n\n"
             "| case | lengths | variant | waves | time us | x floor | splits | config |\n"
             "|---|---|---|---|---|---|---|---|\n")
     print(text, end="", flush=True)

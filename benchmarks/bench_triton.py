@@ -16,13 +16,12 @@ import itertools
 import os
 import random
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import copy_bandwidth, timed  # noqa: E402
+from _common import copy_bandwidth, run_line, timed  # noqa: E402
 from specattn import metadata  # noqa: E402
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
 
@@ -170,8 +169,6 @@ def main() -> None:
                     help="file with 'block_m block_n warps stages dv_split v_reload waves' "
                          "(sweep_triton.py's best) for the shared-prefix MLA cases")
     args = ap.parse_args()
-    import triton
-
     from specattn.backends.triton.launchers import KernelConfig
 
     rng = random.Random(0)
@@ -183,10 +180,7 @@ def main() -> None:
         mla_waves = float(f[6])
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
-    props = torch.cuda.get_device_properties(0)
-    head = (f"# Triton backend benchmark\n\n{time.strftime('%Y-%m-%d %H:%M')} | "
-            f"{props.name} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"CUDA {torch.version.cuda} | copy bandwidth {bw / 1e12:.2f} TB/s\n\n"
+    head = (f"# Triton backend benchmark\n\n{run_line(bw)}\n\n"
             "One step (step 2: 3 history tokens), one layer, bf16, median of do_bench, "
             "KV write included.\n\n"
             "| case | lengths | time us | floor us | x floor | per-branch us | shared speedup "
