@@ -130,6 +130,25 @@ def _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Pool, page_size, 
 
 
 @triton.jit
+def _latent_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
+                 logit_cap, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DPE: tl.constexpr, FMT: tl.constexpr, D_NOPE: tl.constexpr,
+                 D_ROPE: tl.constexpr, TILE: tl.constexpr, USE_CAP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One key tile of the latent pool in its layout: plain rows (``FMT == 0``, the triton
+    backend's ``_attend_tile``, V = the first D_MAIN columns) or an FP8 byte layout."""
+    if FMT == 0:
+        rows = Kv + slot * stride_ks
+        return _attend_tile(acc, m_i, l_i, q, qpe, rows, rows, key_ok, vis, sm_scale,
+                            logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D, BLOCK_DPE, BLOCK_D, True,
+                            USE_CAP, DOT_PREC, DOT_F32)
+    else:
+        return _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, page_size,
+                                sm_scale, logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT,
+                                D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC)
+
+
+@triton.jit
 def _index_score_kernel(IdxQ, IdxW, IdxPool, Scores, ReqToToken, RowMeta, GroupMeta,
                         stride_qt, stride_qh, stride_wt, stride_ps, stride_st, stride_r2t,
                         key_width, NUM_IDX_HEADS, IDX_DIM,
@@ -216,32 +235,20 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             key_ok = in_list & (slot >= 0)
             vis = key_ok[None, :] & head_ok[:, None]
             slot = tl.maximum(slot, 0).to(tl.int64)
-            if FMT == 0:
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, qpe, Kv + slot * stride_ks, Kv + slot * stride_ks,
-                    key_ok, vis, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
-                    BLOCK_DPE, BLOCK_D, True, USE_CAP, DOT_PREC, DOT_F32)
-            else:
-                acc, m_i, l_i = _fp8_attend_tile(
-                    acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, page_size, sm_scale,
-                    logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
-                    USE_CAP, DOT_PREC)
+            acc, m_i, l_i = _latent_tile(
+                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
+                logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
+                USE_CAP, DOT_PREC, DOT_F32)
     else:
         for n0 in range(0, HL, BLOCK_N):
             e = n0 + offs_n
             key_ok = e < HL
             slot = tl.load(Hist + r * stride_hist + e, mask=key_ok, other=0).to(tl.int64)
             vis = key_ok[None, :] & head_ok[:, None]
-            if FMT == 0:
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, qpe, Kv + slot * stride_ks, Kv + slot * stride_ks,
-                    key_ok, vis, sm_scale, logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D,
-                    BLOCK_DPE, BLOCK_D, True, USE_CAP, DOT_PREC, DOT_F32)
-            else:
-                acc, m_i, l_i = _fp8_attend_tile(
-                    acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, page_size, sm_scale,
-                    logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
-                    USE_CAP, DOT_PREC)
+            acc, m_i, l_i = _latent_tile(
+                acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
+                logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
+                USE_CAP, DOT_PREC, DOT_F32)
     LN2: tl.constexpr = 0.6931471805599453
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

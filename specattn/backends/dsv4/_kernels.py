@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dsa._kernels import _fp8_attend_tile, fp8_args
+from ..dsa._kernels import _latent_tile, fp8_args
 from ..torch_ref_sparse import window_key_pool
-from ..triton._attn_kernels import _attend_tile
 
 
 @triton.jit
@@ -72,15 +71,10 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
                         mask=key_ok & (x >= prefix_len), other=0)
         slot = tl.where(in_prefix, s_pre, s_his).to(tl.int64)
         vis = key_ok[None, :] & head_ok[:, None]
-        if FMT == 0:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q, Pool + slot * stride_ps, Pool + slot * stride_ps, key_ok,
-                vis, sm_scale, logit_cap, D, 0, D, BLOCK_D, 16, BLOCK_D, True, USE_CAP,
-                DOT_PREC, DOT_F32)
-        else:
-            acc, m_i, l_i = _fp8_attend_tile(
-                acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, page_size, sm_scale, logit_cap,
-                D, 0, BLOCK_D, 16, FMT, D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC)
+        acc, m_i, l_i = _latent_tile(
+            acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, stride_ps, page_size, sm_scale,
+            logit_cap, D, 0, BLOCK_D, 16, FMT, D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC,
+            DOT_F32)
 
     LN2: tl.constexpr = 0.6931471805599453
     seen = l_i > 0.0

@@ -427,6 +427,26 @@ def _lse(m_i, l_i):
 
 
 @triton.jit
+def _load_latent(row, ok, off_a, off_b, D_HALF: tl.constexpr, D_PE: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Rows ``row [R, 1]`` (pointers; ``ok [R]``) of a latent layout ``[2 * D_HALF + D_PE]``
+    as ``(half at off_a, half at off_b, rope)``: the MLA kernel's keys and its queries
+    (fp32 on the interpreter, see ``_attend_tile``)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_pe = tl.arange(0, BLOCK_DPE)
+    hmask = ok[:, None] & (offs_h < D_HALF)[None, :]
+    a = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0)
+    b = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0)
+    pe = tl.load(row + 2 * D_HALF + offs_pe[None, :],
+                 mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        pe = pe.to(tl.float32)
+    return a, b, pe
+
+
+@triton.jit
 def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
               logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -438,17 +458,10 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     ``S = qa.ka + qb.kb + qpe.kpe``; ``acc_a += P.ka`` (and ``acc_b += P.kb`` when one
     program owns both halves). ``V_RELOAD`` reloads V instead of reusing the K tile."""
     offs_h = tl.arange(0, BLOCK_H)
-    offs_pe = tl.arange(0, BLOCK_DPE)
     row = rows[:, None]
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
-    ka = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0)
-    kb = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0)
-    kpe = tl.load(row + 2 * D_HALF + offs_pe[None, :],
-                  mask=key_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    if DOT_F32:
-        ka = ka.to(tl.float32)
-        kb = kb.to(tl.float32)
-        kpe = kpe.to(tl.float32)
+    ka, kb, kpe = _load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
+                               DOT_F32)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
@@ -514,16 +527,9 @@ def _mla_partial_kernel(
     off_a = half * D_HALF
     off_b = (1 - half) * D_HALF
     offs_h = tl.arange(0, BLOCK_H)
-    offs_pe = tl.arange(0, BLOCK_DPE)
     hmask = row_ok[:, None] & (offs_h < D_HALF)[None, :]
-    qa = tl.load(q_base + off_a + offs_h[None, :], mask=hmask, other=0.0)
-    qb = tl.load(q_base + off_b + offs_h[None, :], mask=hmask, other=0.0)
-    qpe = tl.load(q_base + 2 * D_HALF + offs_pe[None, :],
-                  mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    if DOT_F32:
-        qa = qa.to(tl.float32)
-        qb = qb.to(tl.float32)
-        qpe = qpe.to(tl.float32)
+    qa, qb, qpe = _load_latent(q_base, row_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
+                               DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
