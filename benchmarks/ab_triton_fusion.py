@@ -3,7 +3,11 @@
 programs or its first prefix split) and the partial merge in the last program of each tile
 (``fuse_merge``) vs its own launch, per standard case.
 
-Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]`` (CUDA only).
+Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]
+[--variants "kv-first; n32 s3 ps waves=2" --check]`` (CUDA only). A variant is a list of
+changes to each case's default config: ``mN nN wN sN`` (block_m, block_n, warps, stages),
+``kv-<write>``, ``fm`` (fused merge), ``ps`` (``p_scratch``), ``waves=X``; ``--check`` first
+compares each decode variant with ``torch_ref`` (``sweep_triton.check_decode``).
 Same timing as ``bench_triton.py`` (one forward at step 2, layers rotated past L2, CUDA-graph
 replay, do_bench median); the floor is from the same process.
 """
@@ -37,11 +41,38 @@ VARIANTS = [  # (kv_write, fuse_merge, waves or None for the default)
 EXTRA = {"extend": [("first", False, 1.0), ("first", True, 1.0), ("kernel", False, 1.0)]}
 
 
+_FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+
+
+def parse_variant(spec: str):
+    """``"n32 s3 ps kv-first waves=2"`` -> ``(config changes, waves or None, label)``."""
+    changes, waves = {}, None
+    for tok in spec.split():
+        if tok.startswith("waves="):
+            waves = float(tok[6:])
+        elif tok.startswith("kv-"):
+            changes["kv_write"] = tok[3:]
+        elif tok == "fm":
+            changes["fuse_merge"] = True
+        elif tok == "ps":
+            changes["p_scratch"] = True
+        elif tok[0] in _FIELDS and tok[1:].isdigit():
+            changes[_FIELDS[tok[0]]] = int(tok[1:])
+        else:
+            raise SystemExit(f"unknown variant token {tok!r} in {spec!r}")
+    return changes, waves, spec.strip() or "default"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="gqa-long,gqa-long-k1,gqa-paged,gqa-small,mla-long,"
                                        "mla-long-p64,extend")
+    ap.add_argument("--variants", default=None,
+                    help="';'-separated config changes (see the module docstring); default: "
+                         "the kv_write / fuse_merge set")
+    ap.add_argument("--check", action="store_true",
+                    help="compare each decode variant with torch_ref before timing it")
     args = ap.parse_args()
     bw = copy_bandwidth()
     text = (f"# Triton fusion A/B\n\n{run_line(bw)}\n\n"
@@ -53,13 +84,22 @@ def main() -> None:
         model, B, L, K, S, P = bt.CASES[name]
         extend = name == "extend"
         base = default_config(model, K, extend)
-        runs = VARIANTS + EXTRA.get(name, [])
+        if args.variants is not None:
+            runs = [parse_variant(v) for v in args.variants.split(";")]
+        else:
+            runs = [(dict(kv_write=kw, fuse_merge=fm), waves,
+                     f"kv_write={kw}" + (" + merge fused" if fm else ""))
+                    for kw, fm, waves in VARIANTS + EXTRA.get(name, [])]
         for ragged in (False,):
             lens = bt.lens_for(B, L, ragged, rng)
-            for kv_write, fm, waves in runs:
-                cfg = dataclasses.replace(base, kv_write=kv_write, fuse_merge=fm)
-                lab = f"kv_write={kv_write}" + (" + merge fused" if fm else "")
+            for changes, waves, lab in runs:
                 try:
+                    cfg = dataclasses.replace(base, **changes)
+                    if args.check and not extend:
+                        from sweep_triton import check_decode
+
+                        err = check_decode(model, cfg, K=K)
+                        lab += f" (err {err:.1e})"
                     if extend:
                         t, floor, info = bt.bench_extend(B, lens, S, bw, cfg, waves)
                     else:
