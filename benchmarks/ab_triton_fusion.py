@@ -6,8 +6,9 @@ programs or its first prefix split) and the partial merge in the last program of
 Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]
 [--variants "kv-first; n32 s3 ps waves=2" --check]`` (CUDA only). A variant is a list of
 changes to each case's default config: ``mN nN wN sN`` (block_m, block_n, warps, stages),
-``kv-<write>``, ``fm`` (fused merge), ``ps`` (``p_scratch``), ``waves=X``; ``--check`` first
-compares each decode variant with ``torch_ref`` (``sweep_triton.check_decode``).
+``kv-<write>``, ``fm`` (fused merge), ``waves=X``; ``--check`` first compares each decode
+variant with ``torch_ref`` (``sweep_triton.check_decode``); ``--ragged`` adds the ragged-length
+run of each case.
 Same timing as ``bench_triton.py`` (one forward at step 2, layers rotated past L2, CUDA-graph
 replay, do_bench median); the floor is from the same process.
 """
@@ -45,7 +46,7 @@ _FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
 
 
 def parse_variant(spec: str):
-    """``"n32 s3 ps kv-first waves=2"`` -> ``(config changes, waves or None, label)``."""
+    """``"n32 s3 kv-first waves=2"`` -> ``(config changes, waves or None, label)``."""
     changes, waves = {}, None
     for tok in spec.split():
         if tok.startswith("waves="):
@@ -54,8 +55,6 @@ def parse_variant(spec: str):
             changes["kv_write"] = tok[3:]
         elif tok == "fm":
             changes["fuse_merge"] = True
-        elif tok == "ps":
-            changes["p_scratch"] = True
         elif tok[0] in _FIELDS and tok[1:].isdigit():
             changes[_FIELDS[tok[0]]] = int(tok[1:])
         else:
@@ -73,6 +72,7 @@ def main() -> None:
                          "the kv_write / fuse_merge set")
     ap.add_argument("--check", action="store_true",
                     help="compare each decode variant with torch_ref before timing it")
+    ap.add_argument("--ragged", action="store_true", help="also time ragged lengths")
     args = ap.parse_args()
     bw = copy_bandwidth()
     text = (f"# Triton fusion A/B\n\n{run_line(bw)}\n\n"
@@ -90,7 +90,7 @@ def main() -> None:
             runs = [(dict(kv_write=kw, fuse_merge=fm), waves,
                      f"kv_write={kw}" + (" + merge fused" if fm else ""))
                     for kw, fm, waves in VARIANTS + EXTRA.get(name, [])]
-        for ragged in (False,):
+        for ragged in (False, True) if args.ragged else (False,):
             lens = bt.lens_for(B, L, ragged, rng)
             for changes, waves, lab in runs:
                 try:

@@ -103,11 +103,6 @@ MLA_VARIANTS = [
     (8, "path", [23, 40], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2)),
     (4, "lane", [40, 9], KernelConfig(16, 32, 4, 2, mla_v3=True, v_reload=True)),
     (2, "path", [31, 0], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2, v_reload=True)),
-    # P through the scratch columns: several prefix tiles + a tail tile (buffer parity across
-    # both loops), several row blocks, the in-kernel KV write.
-    (8, "path", [23, 70], KernelConfig(16, 16, 4, 2, mla_v3=True, p_scratch=True)),
-    (4, "lane", [40, 9], KernelConfig(16, 16, 4, 2, mla_v3=True, p_scratch=True,
-                                      kv_write="first")),
 ]
 
 
@@ -344,21 +339,6 @@ def test_fuse_merge_needs_one_output_program():
         KernelConfig(32, 32, 4, 2, dv_split=2)
     with pytest.raises(InvalidInputError, match="config.kv_write"):
         KernelConfig(32, 32, 4, 2, kv_write="later")
-    with pytest.raises(InvalidInputError, match="config.p_scratch"):
-        KernelConfig(32, 32, 4, 2, p_scratch=True)
-
-
-def test_p_scratch_needs_room_in_the_partial_rows():
-    """P and alpha use block_n + 2 of a program's partial-output columns (16 here: the test
-    model's latent half is 16 wide and the V halves are split)."""
-    runner, batch = make_decode("mla", torch.bfloat16, topk=4, steps=3, page=1,
-                                seq_lens=[20, 9])
-    cfg = KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2, p_scratch=True)
-    backend = TritonDecode(runner, 4, 3, config=cfg)
-    backend.init_forward_metadata(batch)
-    q, k, v = new_qkv(runner, 8, torch.bfloat16)
-    with pytest.raises(InvalidInputError, match="config.block_n"):
-        backend.forward(0, AttentionLayer(layer_id=0, scaling=0.2), q, k, v)
 
 
 def test_stage1_compiles_for_sm90_with_pipelined_loads():

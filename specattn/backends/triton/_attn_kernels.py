@@ -451,8 +451,7 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
               logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_DPE: tl.constexpr, DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr,
-              USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-              scr, row_ok, buf, P_SCRATCH: tl.constexpr):
+              USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """One MLA key tile, ``rows [BLOCK_N]``: pointers to each key's latent row (pool or new
     k). The latent row ``[2 * D_HALF + D_PE]`` is loaded as two halves
     (``off_a``: the half this program accumulates, ``off_b``: the other) and the rope part;
@@ -463,19 +462,10 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
     ka, kb, kpe = _load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
                                DOT_F32)
-    if P_SCRATCH:
-        # Three unchained dots (an accumulating chain counts as chained dots too); each is
-        # scaled before the sum so the compiler does not fuse the adds back into a chain.
-        s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC) * sm_scale + \
-            tl.dot(qb, tl.trans(kb), input_precision=DOT_PREC) * sm_scale + \
-            tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC) * sm_scale
-        p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, 1.0, logit_cap, USE_CAP)
-        p, alpha = _through_scratch(p, alpha, scr, row_ok, buf, p.shape[1], DOT_F32)
-    else:
-        s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
-        s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
-        p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
+    s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+    s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
+    s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
+    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_RELOAD:
         va = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0).to(ka.dtype)
     else:
@@ -492,36 +482,6 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
 
 
 @triton.jit
-def _through_scratch(p, alpha, scr, row_ok, buf, BLOCK_N: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """``(p [BLOCK_M, BLOCK_N] as bf16, alpha [BLOCK_M])`` stored to and reloaded from
-    ``scr`` ([BLOCK_M] fp32 row pointers with ``2 * BLOCK_N + 2`` free columns; two
-    buffers by ``buf`` parity, so one barrier per tile suffices).
-
-    Why: Triton lays out a dot whose result flows into another dot with all warps along M
-    (its chained-dot rule); at 64 rows and 8 warps both warpgroups then compute the whole S.
-    Cutting that data flow through memory lets S split over the warpgroups."""
-    offs_n = tl.arange(0, BLOCK_N)
-    p_rows = scr.to(tl.pointer_type(tl.bfloat16)) + buf * BLOCK_N
-    a_rows = scr + BLOCK_N + buf
-    tl.store(p_rows[:, None] + offs_n[None, :], p.to(tl.bfloat16), mask=row_ok[:, None])
-    tl.store(a_rows, alpha, mask=row_ok)
-    # A CTA barrier that the software pipeliner does not stop at (with tl.debug_barrier it
-    # leaves the loop unpipelined). Its result (0) enters the reload's address, so the
-    # reload cannot move ahead of it, and as an unknown stride it keeps the reload a plain
-    # 2-byte load (no asynchronous copy: no shared-memory stage for P).
-    if INTERPRET:  # sequential: no barrier needed (and no inline asm there)
-        zero = 0
-    else:
-        zero = tl.inline_asm_elementwise("bar.sync 1; mov.u32 $0, 0;", "=r", [],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    p = tl.load(p_rows[:, None] + offs_n[None, :] * (1 + zero), mask=row_ok[:, None],
-                other=0.0)
-    alpha = tl.load(a_rows + zero, mask=row_ok, other=1.0)
-    return p, alpha
-
-
-@triton.jit
 def _mla_partial_kernel(
         Q, KV, Kin, MidO, MidLse, Out, Counter, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
@@ -534,7 +494,7 @@ def _mla_partial_kernel(
         DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
         BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, P_SCRATCH: tl.constexpr = False):
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Stage 1 for MLA (v3). Grid ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -571,8 +531,6 @@ def _mla_partial_kernel(
     qa, qb, qpe = _load_latent(q_base, row_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
                                DOT_F32)
 
-    # P_SCRATCH: this program's own partial-output rows (it writes them only at its end).
-    scr = MidO + q_row * stride_mo_t + head * stride_mo_h + split * stride_mo_s + off_a
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
@@ -600,8 +558,7 @@ def _mla_partial_kernel(
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis, off_a,
             off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
-            USE_CAP, DOT_PREC, DOT_F32, scr, row_ok, ((n0 - start) // BLOCK_N) % 2, P_SCRATCH)
-    n_pref = tl.cdiv(end - start, BLOCK_N)  # prefix tiles: the tail continues the parity
+            USE_CAP, DOT_PREC, DOT_F32)
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
                                  BLOCK_M, MODE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -622,10 +579,8 @@ def _mla_partial_kernel(
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
             logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
-            DOT_PREC, DOT_F32, scr, row_ok, (n_pref + (n0 - n_lo) // BLOCK_N) % 2, P_SCRATCH)
+            DOT_PREC, DOT_F32)
 
-    if P_SCRATCH:  # every thread's last reload of P precedes the stores over it
-        tl.debug_barrier()
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h

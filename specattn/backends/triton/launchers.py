@@ -33,9 +33,7 @@ class KernelConfig:
     indexed copies), ``"kernel"`` (one Triton launch), ``"tail"`` / ``"first"`` (the
     attention kernel's tail programs / each tile's first prefix split; the tail then reads
     the new keys from k, v). ``fuse_merge``: the last program of each tile merges the
-    partials (no merge launch). ``p_scratch`` (MLA v3): the softmax weights reach the P.V
-    dots through the program's own partial-output rows, so the compiler splits S over both
-    warpgroups instead of computing it in each (``_attn_kernels._through_scratch``)."""
+    partials (no merge launch)."""
 
     block_m: int
     block_n: int
@@ -46,7 +44,6 @@ class KernelConfig:
     v_reload: bool = False
     kv_write: str = "kernel"
     fuse_merge: bool = False
-    p_scratch: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -56,8 +53,6 @@ class KernelConfig:
                                     repr(self.kv_write))
         if self.dv_split not in (1, 2) or (self.dv_split == 2 and not self.mla_v3):
             raise InvalidInputError("config.dv_split", "1, or 2 with mla_v3", self.dv_split)
-        if self.p_scratch and not self.mla_v3:
-            raise InvalidInputError("config.p_scratch", "only with mla_v3", True)
         if self.fuse_merge and self.dv_split != 1:
             raise InvalidInputError("config.fuse_merge", "False with dv_split=2 (the two "
                                     "halves' partials finish independently)", True)
@@ -66,7 +61,7 @@ class KernelConfig:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
-            (" fm" if self.fuse_merge else "") + (" ps" if self.p_scratch else "")
+            (" fm" if self.fuse_merge else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -285,12 +280,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             raise ValueError(f"mla_v3 needs an MLA shape with an even latent width, got {shape}")
         dv = cfg.dv_split
         half = shape.d_main // 2
-        if cfg.p_scratch and cfg.block_n + 2 > half * (2 // dv):
-            from ...errors import InvalidInputError
-
-            raise InvalidInputError(
-                "config.block_n", f"at most {half * (2 // dv) - 2} with p_scratch (P and "
-                "alpha use block_n + 2 of each program's partial-output columns)", cfg.block_n)
         grid = (triton.cdiv(rows_per_group, cfg.block_m) * dv, num_groups, num_splits)
         cnt = _counters(counter, grid[0] * grid[1], q.device) if cfg.fuse_merge else meta
         K._mla_partial_kernel[grid](
@@ -303,8 +292,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe),
             ACC_B_W=_pow2(half) if dv == 1 else 16, DV_SPLIT=dv, V_RELOAD=cfg.v_reload,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused,
-            DOT_PREC=dot_prec, DOT_F32=interp, P_SCRATCH=cfg.p_scratch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            DOT_PREC=dot_prec, DOT_F32=interp, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
