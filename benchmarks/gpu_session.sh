@@ -7,10 +7,11 @@
 #     unpacks fa4-first, installs the FlashMLA wheel, runs the GPU tests that need neither
 #     FlashInfer nor FA4 (triton incl. the stress loop, dsa/dsv4, flashmla).
 #   call 2, at once (the machine stays warm 30 s), carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh:
-#       bash benchmarks/gpu_session.sh second [--no-bench]
+#       bash benchmarks/gpu_session.sh second [--no-bench | --bench-only]
 #     runs the FlashInfer and FlashAttention GPU tests and the bench record (every standard
 #     case, uniform + ragged, then the quick prefix sweep; flashmla too, through the wheel
-#     that call 1 installed in /tmp/site) into $OUT/bench.tgz.
+#     that call 1 installed in /tmp/site) into $OUT/bench.tgz; --bench-only skips the
+#     FlashInfer / FlashAttention test suites and the FlashInfer parts A/B.
 #
 # Logs go to $OUT (one file per suite); the exit status is non-zero if any suite failed.
 # The device's copy of .git can be stale: pass the commit, `SPECATTN_COMMIT=<sha> bash ...`.
@@ -61,9 +62,11 @@ second() {
   export PYTHONPATH=$PWD:$PYTHONPATH
   [ -d /tmp/site/flash_mla ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # from 'first'
 
-  suite flashinfer-gpu-tests 240 tests/gpu/test_flashinfer_gpu.py
-  suite flash-attn-gpu-tests 180 tests/gpu/test_flash_attn_gpu.py
-  suite bench-gpu-test 120 tests/test_bench.py -k gpu
+  if [ "${1:-}" != "--bench-only" ]; then
+    suite flashinfer-gpu-tests 240 tests/gpu/test_flashinfer_gpu.py
+    suite flash-attn-gpu-tests 180 tests/gpu/test_flash_attn_gpu.py
+    suite bench-gpu-test 120 tests/test_bench.py -k gpu
+  fi
   [ "${1:-}" = "--no-bench" ] && return
   local bench=(python -c 'import sys; from specattn.cli import main; sys.exit(main(sys.argv[1:]))'
                bench --out /tmp/bench --backend triton flashinfer fa4 flashmla raw)
@@ -75,6 +78,10 @@ second() {
   timeout 110 "${bench[@]}" --only-sweep --quick --append >> "$OUT/bench.log" 2>&1 || status=1
   # One archive: the device returns a limited number of files per call.
   [ -d /tmp/bench ] && tar czf "$OUT/bench.tgz" -C /tmp bench
+  # MLA at K = 8 (not a standard case; issue #4's per-branch ratio), Triton only.
+  timeout 90 python benchmarks/bench_triton.py --cases mla-long-k8 --out /tmp/k8 \
+    > "$OUT/triton-mla-k8.log" 2>&1 || status=1
+  [ "${1:-}" = "--bench-only" ] && return
   # FlashInfer step parts in one run: write_kv + history kernel vs the kernel storing the KV.
   timeout 120 python benchmarks/bench_flashinfer.py --cases gqa-long,mla-long --out /tmp/fi \
     > "$OUT/flashinfer-parts.log" 2>&1 || status=1
@@ -84,6 +91,6 @@ second() {
 case "${1:-}" in
   first) first ;;
   second) shift; second "$@" ;;
-  *) echo "usage: $0 first | second [--no-bench]" >&2; exit 2 ;;
+  *) echo "usage: $0 first | second [--no-bench | --bench-only]" >&2; exit 2 ;;
 esac
 exit $status

@@ -1,0 +1,57 @@
+"""Eager forwards of one standard case for a profiler (Nsight Compute), on a CUDA GPU.
+
+Usage, e.g. the MLA stage-1 kernel's stall reasons at mla-long:
+``ncu --kernel-name regex:_mla_partial --launch-skip 2 --launch-count 1 --section
+WarpStateStats python benchmarks/ncu_triton.py mla-long``. Same inputs as ``bench_triton.py``
+(one layer, step 2), no CUDA graph (so the profiler sees each launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_triton as bt  # noqa: E402
+from specattn import metadata  # noqa: E402
+from specattn.data import AttentionLayer, DraftBatch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=[c for c in bt.CASES if c != "extend"])
+    ap.add_argument("--steps", type=int, default=5, help="forwards to run (draft steps)")
+    args = ap.parse_args()
+    from specattn.backends.triton import TritonDecode
+
+    model, B, L, K, S, P = bt.CASES[args.case]
+    lens = [L] * B
+    r, rpi, seq, slots, used = bt.build(model, B, lens, K, S, P, 1)
+    n_new = int(metadata.draft_extend_lens(seq, K, S, P).sum())
+    loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq,
+                                           slots[used:used + n_new].long(), K, S, P)
+    batch = DraftBatch(rpi, seq, loc, None)
+    be = TritonDecode(r, K, S)
+    be.init_forward_metadata(batch)
+    N, dev = B * K, bt.DEV
+    if model == "mha":
+        q = torch.randn(N, 32, 128, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(N, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        lay = AttentionLayer(0, 128 ** -0.5)
+    else:
+        q = torch.randn(N, 16, 576, device=dev, dtype=torch.bfloat16)
+        k, v = torch.randn(N, 576, device=dev, dtype=torch.bfloat16), None
+        lay = AttentionLayer(0, 576 ** -0.5)
+    for step in range(min(args.steps, S)):
+        be.forward(step, lay, q, k, v)
+    torch.cuda.synchronize()
+    print(f"{args.case}: {min(args.steps, S)} forwards, plan {be._plan['cfg'].label()}, "
+          f"{be._plan['num_splits']} splits")
+
+
+if __name__ == "__main__":
+    main()
