@@ -117,8 +117,9 @@ def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     # everywhere but the MLA kernel (its first split writes: 109 vs 128 us at mla-long), the
     # merge launched.
     if shape.mla_kernel and rows_per_group >= 64:
-        # v3: K*H rows of a request in one 64-row tile (the wgmma height), 8 warps.
-        return KernelConfig(64, 64, 8, 2, mla_v3=True, kv_write="first")
+        # v3: K*H rows of a request in one 64-row tile (the wgmma height), 8 warps; 3 stages:
+        # 102 vs 108 us at mla-long, ragged -0.4..3% (triton-ab-s4-mla-stages.md).
+        return KernelConfig(64, 64, 8, 3, mla_v3=True, kv_write="first")
     if shape.d_pe > 0 or shape.d_main > 256:  # wide rows, keep registers in check
         bm = min(_pow2(rows_per_group), 32)
         return KernelConfig(bm, 32, 4, 2)
