@@ -4,7 +4,7 @@ programs or its first prefix split) and the partial merge in the last program of
 (``fuse_merge``) vs its own launch, per standard case.
 
 Usage: ``python benchmarks/ab_triton_fusion.py [--out DIR] [--cases a,b]
-[--variants "kv-first; n32 s3 ps waves=2" --check]`` (CUDA only). A variant is a list of
+[--variants "kv-first; n32 s3 waves=2" --check --ragged]`` (CUDA only). A variant is a list of
 changes to each case's default config: ``mN nN wN sN`` (block_m, block_n, warps, stages),
 ``kv-<write>``, ``fm`` (fused merge), ``waves=X``; ``--check`` first compares each decode
 variant with ``torch_ref`` (``sweep_triton.check_decode``); ``--ragged`` adds the ragged-length

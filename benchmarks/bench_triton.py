@@ -93,30 +93,35 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=None, step=2):
-    from specattn.backends.triton import TritonDecode
-
-    per_layer = (sum(lens) + B * K * S) * (row_bytes_shape(model))
-    layers = max(2, min(12, triton_cdiv(3 * L2_BYTES, per_layer)))
+def decode_inputs(model, B, lens, K, S, P, layers):
+    """A draft round of a standard case: ``(runner, batch, q, k, v, scale)`` (bf16; ``v``
+    None for MLA), pools random, slots page-shuffled."""
     r, rpi, seq, slots, used = build(model, B, lens, K, S, P, layers)
     n_new = int(metadata.draft_extend_lens(seq, K, S, P).sum())
     # Idempotent: same slots written to the same rows on every call.
     loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq,
                                            slots[used:used + n_new].long(), K, S, P)
     batch = DraftBatch(rpi, seq, loc, None)
-    be = TritonDecode(r, K, S, mode=mode, config=config, split_waves=waves)
-    be.init_forward_metadata(batch)
     N = B * K
     if model == "mha":
         q = torch.randn(N, 32, 128, device=DEV, dtype=torch.bfloat16)
         k = torch.randn(N, 8, 128, device=DEV, dtype=torch.bfloat16)
         v = torch.randn(N, 8, 128, device=DEV, dtype=torch.bfloat16)
-        scale = 128 ** -0.5
-    else:
-        q = torch.randn(N, 16, 576, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(N, 576, device=DEV, dtype=torch.bfloat16)
-        v = None
-        scale = 576 ** -0.5
+        return r, batch, q, k, v, 128 ** -0.5
+    q = torch.randn(N, 16, 576, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(N, 576, device=DEV, dtype=torch.bfloat16)
+    return r, batch, q, k, None, 576 ** -0.5
+
+
+def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=None, step=2):
+    from specattn.backends.triton import TritonDecode
+
+    per_layer = (sum(lens) + B * K * S) * (row_bytes_shape(model))
+    layers = max(2, min(12, triton_cdiv(3 * L2_BYTES, per_layer)))
+    r, batch, q, k, v, scale = decode_inputs(model, B, lens, K, S, P, layers)
+    be = TritonDecode(r, K, S, mode=mode, config=config, split_waves=waves)
+    be.init_forward_metadata(batch)
+    N = B * K
     lyr = [AttentionLayer(i, scale) for i in range(layers)]
     for i in range(step):
         be.forward(i, lyr[0], q, k, v)

@@ -17,8 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_triton as bt  # noqa: E402
-from specattn import metadata  # noqa: E402
-from specattn.data import AttentionLayer, DraftBatch  # noqa: E402
+from specattn.data import AttentionLayer  # noqa: E402
 
 
 def main() -> None:
@@ -29,23 +28,10 @@ def main() -> None:
     from specattn.backends.triton import TritonDecode
 
     model, B, L, K, S, P = bt.CASES[args.case]
-    lens = [L] * B
-    r, rpi, seq, slots, used = bt.build(model, B, lens, K, S, P, 1)
-    n_new = int(metadata.draft_extend_lens(seq, K, S, P).sum())
-    loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq,
-                                           slots[used:used + n_new].long(), K, S, P)
-    batch = DraftBatch(rpi, seq, loc, None)
+    r, batch, q, k, v, scale = bt.decode_inputs(model, B, [L] * B, K, S, P, 1)
     be = TritonDecode(r, K, S)
     be.init_forward_metadata(batch)
-    N, dev = B * K, bt.DEV
-    if model == "mha":
-        q = torch.randn(N, 32, 128, device=dev, dtype=torch.bfloat16)
-        k, v = (torch.randn(N, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        lay = AttentionLayer(0, 128 ** -0.5)
-    else:
-        q = torch.randn(N, 16, 576, device=dev, dtype=torch.bfloat16)
-        k, v = torch.randn(N, 576, device=dev, dtype=torch.bfloat16), None
-        lay = AttentionLayer(0, 576 ** -0.5)
+    lay = AttentionLayer(0, scale)
     for step in range(min(args.steps, S)):
         be.forward(step, lay, q, k, v)
     torch.cuda.synchronize()

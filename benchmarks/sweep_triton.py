@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_triton import CASES, bench_decode, bench_extend, build, lens_for  # noqa: E402
+from bench_triton import CASES, bench_decode, bench_extend, decode_inputs, lens_for  # noqa: E402
 from _common import copy_bandwidth  # noqa: E402
-from specattn import metadata  # noqa: E402
 from specattn.backends.torch_ref import reference_decode  # noqa: E402
-from specattn.data import AttentionLayer, DraftBatch  # noqa: E402
+from specattn.data import AttentionLayer  # noqa: E402
 
 DEV = "cuda"
 
@@ -50,12 +49,7 @@ def check_decode(model, cfg, K=4, S=5, step=2, B=3, seed=0):
 
     rng = random.Random(seed)
     lens = [rng.randint(1500, 4500) for _ in range(B)]
-    P = 1
-    r, rpi, seq, slots, used = build(model, B, lens, K, S, P, 1)
-    n_new = int(metadata.draft_extend_lens(seq, K, S, P).sum())
-    loc = metadata.assign_draft_cache_locs(r.req_to_token, rpi, seq,
-                                           slots[used:used + n_new].long(), K, S, P)
-    batch = DraftBatch(rpi, seq, loc, None)
+    r, batch, *_ = decode_inputs(model, B, lens, K, S, 1, 1)
     be = TritonDecode(r, K, S, config=cfg)
     be.init_forward_metadata(batch)
     N, dt = B * K, torch.bfloat16
