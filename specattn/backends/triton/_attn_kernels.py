@@ -198,14 +198,9 @@ def _partial_attn_kernel(
                                   stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
                                   stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
                                   BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
-        start = split * split_len
-        end = tl.minimum(prefix_len, start + split_len)
-        end = tl.where(live, end, start)
+        start, end = _split_bounds(split, split_len, prefix_len, live)
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            key_ok = pos < end
-            slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
-            vis = key_ok[None, :] & row_ok[:, None]
+            slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok)
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
                 Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
@@ -256,6 +251,23 @@ def _partial_attn_kernel(
             _merge_rows(mo, ml, stride_mo_s, NUM_SPLITS + 1, row_ok,
                         Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh, offs_dv,
                         offs_dv < D_V, BLOCK_M, BLOCK_DV, BLOCK_P)
+
+
+@triton.jit
+def _split_bounds(split, split_len, prefix_len, live):
+    """Prefix positions ``[start, end)`` of prefix split ``split`` (empty when not ``live``)."""
+    start = split * split_len
+    end = tl.minimum(prefix_len, start + split_len)
+    return start, tl.where(live, end, start)
+
+
+@triton.jit
+def _prefix_keys(r2t_row, pos, end, row_ok):
+    """Prefix positions ``pos [BLOCK_N]`` -> ``(slot int64, key_ok [BLOCK_N], vis
+    [BLOCK_M, BLOCK_N])`` through the request's ``req_to_token`` row."""
+    key_ok = pos < end
+    slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
+    return slot, key_ok, key_ok[None, :] & row_ok[:, None]
 
 
 @triton.jit
@@ -547,14 +559,9 @@ def _mla_partial_kernel(
                 _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
                               stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
                               2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW, True)
-    start = split * split_len
-    end = tl.minimum(prefix_len, start + split_len)
-    end = tl.where(live, end, start)
+    start, end = _split_bounds(split, split_len, prefix_len, live)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        key_ok = pos < end
-        slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
-        vis = key_ok[None, :] & row_ok[:, None]
+        slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis, off_a,
             off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
