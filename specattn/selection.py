@@ -125,7 +125,7 @@ def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
         sel.steps.append(f"several flavours fit; highest priority wins: {best.flavour}")
     sel.backend = best
     sel.steps.append(f"selected {best.qualified_name()} (kernel library: "
-                     f"{best.kernel_library})")
+                     f"{best.kernel_library}){_note(best, platform)}")
     return sel
 
 
@@ -154,10 +154,17 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
     sel.steps.append("usable, best first: " + ", ".join(
         f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))
     sel.backend = ranked[0]
-    sel.steps.append(f"selected {ranked[0].name} ({ranked[0].qualified_name()})")
+    sel.steps.append(f"selected {ranked[0].name} ({ranked[0].qualified_name()})"
+                     f"{_note(ranked[0], platform)}")
     log.info("auto selected %s backend %s for %s on %s", kind, ranked[0].name, request,
              platform)
     return sel
+
+
+def _note(cls: type, platform: Platform) -> str:
+    """``"; <runtime note>"`` (e.g. which kernel runs here) when the class gives one."""
+    note = cls.runtime_note(platform) if hasattr(cls, "runtime_note") else ""
+    return f"; {note}" if note else ""
 
 
 def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError:

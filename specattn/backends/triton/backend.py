@@ -19,6 +19,7 @@ count depends only on the (padded) batch size, so capture and replay agree.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -100,13 +101,35 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         shape = L.AttnShape.of(self.runner)
         lanes = self.topk if self.mode == "shared" else 1
         rows_per_group = lanes * shape.group
-        cfg = self._config_override or L.choose_config(shape, rows_per_group)
+        cfg = self._config_override or self._gluon_config() or L.choose_config(
+            shape, rows_per_group)
         num_groups = bs * self.topk // lanes
         splits = self._num_splits_override or L.plan_splits(
             shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
             extend=False)
         return dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
                     num_groups=num_groups, num_splits=splits, bs=bs)
+
+    def _gluon_config(self):
+        """Shared-prefix MLA decode: the Gluon kernel's config where it runs (else None)."""
+        if self.mode != "shared" or not self.runner.use_mla_backend:
+            return None
+        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        return _launchers().gluon_config(self.runner, interpret)
+
+    @classmethod
+    def runtime_note(cls, platform) -> str:
+        """Which MLA decode kernel runs on ``platform`` (``specattn list`` / ``select``)."""
+        from importlib import metadata
+
+        from .gluon_mla import platform_note
+
+        try:
+            version: Optional[str] = metadata.version("triton")
+        except metadata.PackageNotFoundError:
+            version = None
+        return platform_note(platform.device, platform.capability, platform.triton_interpret,
+                             version)
 
     def _buffers_for(self, bs: int) -> _GraphBuffers:
         if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:

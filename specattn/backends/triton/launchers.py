@@ -33,7 +33,9 @@ class KernelConfig:
     indexed copies), ``"kernel"`` (one Triton launch), ``"tail"`` / ``"first"`` (the
     attention kernel's tail programs / each tile's first prefix split; the tail then reads
     the new keys from k, v). ``fuse_merge``: the last program of each tile merges the
-    partials (no merge launch)."""
+    partials (no merge launch). ``gluon``: the Gluon wgmma kernel (``gluon_mla``; MLA
+    shared-prefix decode on sm90; ``block_n`` / ``num_stages`` its key tile and ring depth,
+    ``gluon_overlap`` its softmax / P.V overlap)."""
 
     block_m: int
     block_n: int
@@ -44,6 +46,8 @@ class KernelConfig:
     v_reload: bool = False
     kv_write: str = "kernel"
     fuse_merge: bool = False
+    gluon: bool = False
+    gluon_overlap: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -56,12 +60,17 @@ class KernelConfig:
         if self.fuse_merge and self.dv_split != 1:
             raise InvalidInputError("config.fuse_merge", "False with dv_split=2 (the two "
                                     "halves' partials finish independently)", True)
+        if self.gluon and (self.mla_v3 or self.fuse_merge or self.kv_write == "tail"
+                           or self.block_m != 64 or self.num_warps != 8):
+            raise InvalidInputError("config.gluon", "block_m 64, 8 warps, no mla_v3 / "
+                                    "fuse_merge / kv_write='tail'", self.label())
 
     def label(self) -> str:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
-            (" fm" if self.fuse_merge else "")
+            (" fm" if self.fuse_merge else "") + \
+            ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -128,9 +137,21 @@ def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 3)
 
 
+def gluon_config(runner, interpret: bool) -> Optional[KernelConfig]:
+    """The Gluon MLA decode config when ``gluon_mla`` can serve ``runner`` here, else None
+    (the reason is logged once)."""
+    from . import gluon_mla
+
+    reason = gluon_mla.gluon_reason(runner, interpret)
+    if reason is not None:
+        gluon_mla.log_fallback(reason)
+        return None
+    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True)
+
+
 def default_waves(cfg: KernelConfig, extend: bool) -> float:
     """Programs per SM that the prefix split count aims at (H200 sweeps)."""
-    if cfg.mla_v3:
+    if cfg.mla_v3 or cfg.gluon:
         return 1.0  # ~200 KB of shared memory per program: one resident program per SM
     # Decode: 4 (3 splits at gqa-long): 161 vs 174 us at 6 (4 splits), gqa-long K 1 / paged
     # -5%, ragged +1-2%, gqa-small unchanged (triton-waves-s4.md).
@@ -157,7 +178,7 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
 
 def num_parts(cfg: KernelConfig, num_splits: int) -> int:
     """Partials per row: the generic kernel adds one tail program, MLA v3 fuses it."""
-    return num_splits if cfg.mla_v3 else num_splits + 1
+    return num_splits if cfg.mla_v3 or cfg.gluon else num_splits + 1
 
 
 def layer_pools(runner, layer_id: int):
@@ -262,6 +283,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     if parents is not None and parents.stride(2) != 1:
         raise ValueError("parents must have unit stride in its last dimension")
     write = kv_write_mode(runner, cfg) if new_kv is not None else None
+    if cfg.gluon and (write is None or mode == 2):
+        raise ValueError("the Gluon kernel serves decode with this call's keys (new_kv)")
     if write is not None and (hist is None or not hist.is_contiguous()):
         raise ValueError("a KV write needs the contiguous slot table `hist`")
     if write == "torch":
@@ -278,7 +301,18 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
-    if cfg.mla_v3:
+    if cfg.gluon:
+        from . import gluon_mla
+
+        direct = gluon_mla.attention(
+            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, hist, parents,
+            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
+            num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
+            block_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.gluon_overlap,
+            write_new=write == "first")
+        if direct:
+            return out
+    elif cfg.mla_v3:
         if not shape.mla_kernel:
             raise ValueError(f"mla_v3 needs an MLA shape with an even latent width, got {shape}")
         dv = cfg.dv_split

@@ -1,0 +1,300 @@
+"""The Gluon MLA decode kernel (Hopper: wgmma, cp.async). Imported only through
+``gluon_mla._kernels()``, after the Triton version and Gluon's Hopper ops were checked;
+``gluon_mla`` documents the algorithm."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+
+META_W = gl.constexpr(5)  # _metadata_kernels: [rpi, prefix_len, split_len, q_start, n_q]
+MODE_PATH = gl.constexpr(1)
+D_MAIN = gl.constexpr(512)
+D_PE = gl.constexpr(64)
+BLOCK_M = gl.constexpr(64)
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
+               TOPK, NUM_STEPS, MODE: gl.constexpr):
+    """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``) ->
+    ``(slot int64, new)``: its pool slot, and whether it is this call's key (read from
+    ``k``: the last slot of each lane). Path mode: the ancestor at that depth."""
+    key_lane = idx // hl
+    depth = idx % hl
+    new = ok & (depth == hl - 1)
+    a = key_lane
+    if MODE == MODE_PATH:
+        # a_step = j, a_{u-1} = parents[u, b, a_u]
+        for uu in range(0, step):
+            u = step - uu
+            par = gl.load(Parents + u * stride_par_s + b * stride_par_b + a,
+                          mask=ok & (depth < u), other=0)
+            a = gl.where(depth < u, par.to(gl.int32), a)
+    z = q_start + a
+    slot = gl.load(Hist + z * NUM_STEPS + depth, mask=ok & (depth < hl - 1), other=0)
+    return slot.to(gl.int64), new
+
+
+@gluon.jit
+def _issue_tile(t, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
+                start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                stride_par_b, TOPK, NUM_STEPS, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr, copy_layout: gl.constexpr):
+    """Start the ``cp.async`` gather of key tile ``t`` (prefix tiles, then tail tiles) into
+    stage ``t % NUM_STAGES``; keys past the end are zero-filled (masked copies)."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    if t < n_pref:
+        pos = start + t * BLOCK_N + offs_n
+        ok = pos < end
+        slot = gl.load(r2t_row + pos, mask=ok, other=0).to(gl.int64)
+        rows = KV + slot * stride_kvs
+    else:
+        idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
+        ok = idx < n_hi
+        slot, new = _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                               stride_par_b, TOPK, NUM_STEPS, MODE)
+        src = (q_start + idx // hl).to(gl.int64)
+        rows = gl.where(new, Kin + src * stride_kin_t, KV + slot * stride_kvs)
+    stage = t % NUM_STAGES
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(k_smem.index(stage),
+                                           rows[:, None] + offs_d[None, :], mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(kpe_smem.index(stage),
+                                           rows[:, None] + D_MAIN + offs_pe[None, :],
+                                           mask=ok[:, None])
+
+
+@gluon.jit
+def _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N: gl.constexpr,
+              s_layout: gl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` bool: which rows see which keys of tile ``t`` (prefix: every
+    row; tail: the rows of the key's lane)."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if t < n_pref:
+        ok = start + t * BLOCK_N + offs_n < end
+        key_lane = offs_n * 0 - 1
+    else:
+        idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
+        ok = idx < n_hi
+        key_lane = idx // hl
+    return ok[None, :] & ((key_lane[None, :] < 0) | (key_lane[None, :] == row_lane[:, None]))
+
+
+@gluon.jit
+def _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP: gl.constexpr):
+    """Online softmax on raw scores ``s``: ``(p, alpha, m_new, l_new)``, base 2."""
+    if USE_CAP:
+        # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        y = s * (qk_scale / LOG2E) / logit_cap
+        s = logit_cap * (1.0 - 2.0 / (gl.exp2(y * (2.0 * LOG2E)) + 1.0)) * LOG2E
+    else:
+        s = s * qk_scale
+    s = gl.where(vis, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # Rows that have seen no key keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, lane_hi, step,
+                    NUM_STEPS, layout: gl.constexpr):
+    """``KV[Hist[z, step]] = Kin[z]`` for the lanes ``z = q_start + [lane_lo, lane_hi)``."""
+    offs_l = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, 1024, layout=gl.SliceLayout(0, layout))
+    c_ok = offs_c < D_MAIN + D_PE
+    for l0 in range(lane_lo, lane_hi, 8):
+        lane = l0 + offs_l
+        ok = lane < lane_hi
+        z = (q_start + lane).to(gl.int64)
+        dst = gl.load(Hist + z * NUM_STEPS + step, mask=ok, other=0).to(gl.int64)
+        m = ok[:, None] & c_ok[None, :]
+        x = gl.load(Kin + z[:, None] * stride_kin_t + offs_c[None, :], mask=m, other=0.0)
+        gl.store(KV + dst[:, None] * stride_kvs + offs_c[None, :], x, mask=m)
+
+
+@gluon.jit
+def _gluon_mla_kernel(
+        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents,
+        step, sm_scale, logit_cap,
+        stride_qt, stride_qh, stride_kvs, stride_kin_t,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
+        stride_r2t, stride_par_s, stride_par_b, TOPK, NUM_STEPS, NUM_SPLITS,
+        H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr, USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr,
+        WRITE_NEW: gl.constexpr):
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
+    the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
+    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
+    dtype: gl.constexpr = KV.dtype.element_ty
+    # Both warpgroups split the columns: S [64, BLOCK_N] (BLOCK_N / 2 each), O [64, 512]
+    # (256 each); P goes to the P.V wgmma as a register operand of O's layout.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_MAIN // 2, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # 16-byte copies, 4 rows x 128 bytes per warp instruction.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    kv_write_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_MAIN], dtype)
+    qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], dtype)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
+    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
+
+    rt = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    rpi = gl.load(Meta + b * META_W).to(gl.int64)
+    prefix_len = gl.load(Meta + b * META_W + 1)
+    split_len = gl.load(Meta + b * META_W + 2)
+    q_start = b * TOPK
+    n_rows = TOPK * H
+    row_lo = rt * BLOCK_M
+    hl = step + 1
+    r2t_row = ReqToToken + rpi * stride_r2t
+
+    # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
+    lane_lo = row_lo // H
+    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
+    if WRITE_NEW:
+        if split == 0:
+            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
+                            lane_hi, step, NUM_STEPS, kv_write_layout)
+
+    start = split * split_len
+    end = gl.minimum(prefix_len, start + split_len)
+    n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    n_lo = lane_lo * hl
+    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
+    total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
+    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
+    kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
+
+    # Q rows (row m: lane m // H, head m % H), in the first copy group.
+    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q_ok = offs_qm < n_rows
+    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(q_smem, q_rows[:, None] + offs_d[None, :],
+                                           mask=q_ok[:, None])
+    async_copy.async_copy_global_to_shared(qpe_smem, q_rows[:, None] + D_MAIN + offs_pe[None, :],
+                                           mask=q_ok[:, None])
+    # Tiles in flight before the first MMA: OVERLAP refills a stage only after both of its
+    # reads (S and P.V) are done, so it starts with every stage issued.
+    PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
+    for i in gl.static_range(PRO):
+        _issue_tile(i, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
+                    start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                    stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N, NUM_STAGES, copy_layout)
+        async_copy.commit_group()
+
+    offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    row_lane = offs_sm // H
+    qk_scale = sm_scale * LOG2E
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    if OVERLAP:
+        # Prologue: S and P of tile 0.
+        async_copy.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), s_tok,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        vis = _tile_vis(0, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for t in range(total):
+            # Tile t + 1 has landed (its copy group; past the end: zeros, all masked).
+            async_copy.wait_group(NUM_STAGES - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            nxt = (t + 1) % NUM_STAGES
+            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), s_tok,
+                                  is_async=True)
+            o_tok = warpgroup_mma(p_op, k_smem.index(t % NUM_STAGES), acc, is_async=True)
+            # S(t + 1) completes first (wgmma groups retire in order); its softmax runs
+            # while P(t).V is in flight.
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            vis = _tile_vis(t + 1, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N,
+                            s_layout)
+            p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+            p_prev = p_op
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, p_prev = warpgroup_mma_wait(0, deps=[o_tok, p_prev])
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            # Every warp is done with stage t: refill it with tile t + NUM_STAGES.
+            gl.thread_barrier()
+            _issue_tile(t + NUM_STAGES, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
+                        r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                        Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N,
+                        NUM_STAGES, copy_layout)
+            async_copy.commit_group()
+    else:
+        for t in range(total):
+            # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
+            gl.thread_barrier()
+            _issue_tile(t + NUM_STAGES - 1, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                        stride_kin_t, r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
+                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE,
+                        BLOCK_N, NUM_STAGES, copy_layout)
+            async_copy.commit_group()
+            async_copy.wait_group(NUM_STAGES - 1)
+            fence_async_shared()
+            gl.thread_barrier()
+            stage = t % NUM_STAGES
+            k_s = k_smem.index(stage)
+            s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
+                                  is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N,
+                            s_layout)
+            p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+    async_copy.wait_group(0)
+
+    # Epilogue: normalise; one split writes Out, several write partials + LSE.
+    offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_oc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
+    o_ok = offs_om < n_rows
+    o_row = (q_start + offs_om // H).to(gl.int64)
+    o_head = offs_om % H
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    if DIRECT_OUT:
+        ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
+        gl.store(ptr, o.to(dtype), mask=o_ok[:, None])
+    else:
+        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
+            split * stride_mo_s + offs_oc[None, :]
+        gl.store(ptr, o, mask=o_ok[:, None])
+        seen = l_i > 0.0
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        s_row = (q_start + row_lane).to(gl.int64)
+        gl.store(MidLse + s_row * stride_ml_t + (offs_sm % H) * stride_ml_h + split,
+                 lse, mask=offs_sm < n_rows)

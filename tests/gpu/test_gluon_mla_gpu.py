@@ -1,0 +1,190 @@
+"""The Gluon MLA decode kernel (``triton`` backend, sm90) against ``torch_ref``: K 1/2/4/8,
+H 16/128, page 1/64, lane/path, ragged, prefixes from 0, logit cap, bf16/fp16, direct
+output (one split) and merged splits; CUDA-graph capture/replay of padded batches; a
+100-batch random stress loop. Outputs and partials are NaN-poisoned before each call. Every
+test asserts the Gluon kernel ran (``SPECATTN_GLUON_VARIANTS``: comma-separated variant names
+of ``VARIANTS`` to run; default all). Marked ``gpu``."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import zlib
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helpers import close, decode_sizes, place_decode_round, randn_qkv  # noqa: E402
+from specattn.backends.torch_ref import reference_decode  # noqa: E402
+from specattn.data import AttentionLayer, DraftBatch, DraftRunner  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _variants():
+    from specattn.backends.triton.launchers import KernelConfig
+
+    every = {
+        "default": None,  # launchers.gluon_config
+        "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
+                                      gluon_overlap=True),
+        "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True),
+    }
+    names = os.environ.get("SPECATTN_GLUON_VARIANTS")
+    return {n: every[n] for n in names.split(",")} if names else every
+
+
+VARIANT_NAMES = list(_variants()) if torch.cuda.is_available() else ["default"]
+
+
+def make_round(dtype, heads, topk, steps, page, lens, tree_mode):
+    """An MLA runner (random pool) and a decode round laid out by ``metadata``."""
+    slots, max_ctx = decode_sizes(lens, topk, steps, page)
+    r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=slots, max_reqs=len(lens) + 3,
+                        max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV)
+    r.kv_buffer[0].normal_()
+    return r, place_decode_round(r, lens, topk, steps, page, tree_mode)
+
+
+def make_backend(r, topk, steps, tree_mode, variant, num_splits=None):
+    from specattn.backends.triton import TritonDecode
+
+    return TritonDecode(r, topk, steps, tree_mode=tree_mode, num_splits=num_splits,
+                        config=_variants()[variant])
+
+
+def poisoned_forward(backend, step, layer, q, k):
+    """``forward`` with NaN in the partials and in the memory the output will reuse."""
+    bait = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype,
+                      device=DEV)
+    del bait  # the caching allocator hands this block to the output next
+    backend._active.mid_o.fill_(float("nan"))
+    backend._active.mid_lse.fill_(float("nan"))
+    return backend.forward(step, layer, q, k, None)
+
+
+def run_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
+    bs, topk, steps = batch.out_cache_loc.shape
+    backend.init_forward_metadata(batch)
+    assert backend._plan["cfg"].gluon, backend._plan["cfg"]
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        out = poisoned_forward(backend, step, layer, q, k)
+        slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
+        assert torch.equal(r.kv_buffer[0][slots], k), "the step's keys are not in the pool"
+        if check_steps is None or step in check_steps:
+            close(out, reference_decode(r, layer, q, batch, step, tree_mode), r.dtype)
+
+
+CASES = [
+    # dtype, H, lens, K, S, P, tree_mode, logit_cap, num_splits
+    (torch.bfloat16, 16, "ragged:4:4096", 4, 5, 1, "path", 30.0, None),
+    (torch.bfloat16, 16, "uniform:4:4096", 4, 5, 64, "lane", 0.0, None),
+    (torch.float16, 16, "ragged:3:2048", 1, 3, 1, "lane", 0.0, None),
+    (torch.bfloat16, 16, "ragged:3:1500", 2, 4, 64, "path", 0.0, None),
+    (torch.bfloat16, 16, "ragged:2:1024", 8, 3, 1, "path", 0.0, None),
+    (torch.bfloat16, 128, "ragged:2:1024", 2, 3, 1, "lane", 0.0, None),
+    (torch.float16, 128, "ragged:2:700", 1, 2, 64, "path", 0.0, None),
+    (torch.bfloat16, 16, "short", 4, 3, 1, "path", 0.0, None),
+    (torch.bfloat16, 16, "short", 8, 2, 64, "lane", 30.0, 16),
+    (torch.bfloat16, 16, "ragged:3:3000", 4, 3, 1, "lane", 0.0, 1),
+    (torch.float16, 128, "ragged:3:3000", 2, 3, 1, "path", 0.0, 16),
+]
+
+
+def lengths(spec: str) -> list[int]:
+    if spec == "short":
+        return [0, 1, 2, 63, 64, 65]
+    kind, b, L = spec.split(":")
+    b, L = int(b), int(L)
+    return [random.randint(L // 2, 3 * L // 2) if kind == "ragged" else L for _ in range(b)]
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("dtype,H,lens,K,S,P,tree_mode,cap,num_splits", CASES)
+def test_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, cap, num_splits):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((H, lens, K, S, P)).encode()))
+    r, batch = make_round(dtype, H, K, S, P, lengths(lens), tree_mode)
+    backend = make_backend(r, K, S, tree_mode, variant, num_splits)
+    big = lens.endswith("4096")
+    run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, cap), tree_mode, gen,
+              check_steps={0, S - 1} if big else None)
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("tree_mode", ["lane", "path"])
+def test_cuda_graph_capture_replay_padded(variant, tree_mode):
+    """Capture every step at bs=8; replay with new lengths, rows, slots (and parents) for
+    5 real requests padded to 8; the real lanes match torch_ref."""
+    dtype, K, S, max_bs = torch.bfloat16, 4, 4, 8
+    gen = torch.Generator().manual_seed(7)
+    r, batch = make_round(dtype, 16, K, S, 1, [1600] * max_bs, tree_mode)
+    backend = make_backend(r, K, S, tree_mode, variant)
+    backend.init_cuda_graph_state(max_bs, max_bs * K)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    assert backend._plan["cfg"].gluon
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in range(S):  # compiles outside the capture
+            backend.forward(step, layer, *qs[step], None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    outs = [None] * S
+    with torch.cuda.graph(graph):
+        for step in range(S):
+            outs[step] = backend.forward(step, layer, *qs[step], None)
+    # A new round: 5 real requests (another runner's layout copied in), padded to 8.
+    real = 5
+    r2, b2 = make_round(dtype, 16, K, S, 1, [random.randint(1, 1300) for _ in range(real)],
+                        tree_mode)
+    r.req_to_token.zero_()
+    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
+    r.kv_buffer[0][:r2.num_slots] = r2.kv_buffer[0]
+    batch.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())
+    batch.seq_lens[:real] = b2.seq_lens
+    batch.req_pool_indices.zero_()
+    batch.req_pool_indices[:real] = b2.req_pool_indices
+    batch.out_cache_loc.fill_(r.num_slots - 1)  # padded lanes: a slot no real lane reads
+    batch.out_cache_loc[:real] = b2.out_cache_loc
+    backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+    for q, k in qs:
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        k.copy_(torch.randn(k.shape, generator=gen).to(dtype))
+    if tree_mode == "path":
+        batch.parents.copy_(torch.randint(0, K, batch.parents.shape, device=DEV))
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    sub = DraftBatch(batch.req_pool_indices[:real], batch.seq_lens[:real],
+                     batch.out_cache_loc[:real],
+                     None if batch.parents is None else batch.parents[:, :real])
+    for step in range(S):
+        ref = reference_decode(r, layer, qs[step][0][:real * K], sub, step, tree_mode)
+        close(outs[step][:real * K], ref, dtype)
+
+
+def test_random_stress_100_batches():
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0), default variant."""
+    rng = random.Random(1234)
+    gen = torch.Generator().manual_seed(1234)
+    for it in range(100):
+        dtype = torch.bfloat16 if it % 2 else torch.float16
+        H = 128 if it % 5 == 0 else 16
+        K, S, P = rng.choice([1, 2, 4, 8]), rng.choice([2, 3, 5]), rng.choice([1, 16, 64])
+        tree_mode = rng.choice(["lane", "path"])
+        lens = [rng.randint(0, 2500) for _ in range(rng.randint(1, 12 if H == 16 else 3))]
+        r, batch = make_round(dtype, H, K, S, P, lens, tree_mode)
+        backend = make_backend(r, K, S, tree_mode, "default",
+                               rng.choice([None, None, 1, 3, 16]))
+        run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, rng.choice([0.0, 20.0])),
+                  tree_mode, gen, check_steps={rng.randrange(S)})

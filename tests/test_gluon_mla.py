@@ -1,0 +1,195 @@
+"""The Gluon MLA decode kernel's guards and the launcher's choice (CPU; the kernel itself runs
+only on an sm90 GPU: ``tests/gpu/test_gluon_mla_gpu.py``).
+
+- Off the GPU (and for FP8 pools, other dtypes or latent shapes, other Triton versions,
+  non-sm90 devices, per-branch mode) the ``triton`` backend runs the ``tl.dot`` kernel and
+  logs why once; what ``specattn list`` / ``select`` say.
+- Where the guards pass, the plan picks the Gluon config (64-row tiles, one program per SM)
+  and ``forward`` launches it with the contract ``gluon_mla.attention`` documents: a stand-in
+  kernel that writes ``torch_ref``'s answer shows the direct (one split) and merged (several)
+  outputs reach the caller, and the call's keys reach the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helpers import DEV, decode_sizes, place_decode_round, randn_qkv, require_triton_interpret
+from specattn.backends.torch_ref import reference_decode
+from specattn.data import AttentionLayer, DraftRunner
+
+require_triton_interpret()
+
+from specattn.backends.triton import TritonDecode, gluon_mla  # noqa: E402
+from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
+
+
+def mla_round(lens, topk=4, steps=3, dtype=torch.bfloat16, heads=16, kv_cache_dtype="auto"):
+    slots, max_ctx = decode_sizes(lens, topk, steps, 1)
+    r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=slots, max_reqs=len(lens) + 2,
+                        max_context_len=max_ctx, dtype=dtype, device=DEV,
+                        kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        r.kv_buffer[0].normal_()
+    return r, place_decode_round(r, lens, topk, steps, 1, "path")
+
+
+def test_cpu_runs_tl_dot_and_logs_why(caplog, monkeypatch):
+    monkeypatch.setattr(gluon_mla, "_LOGGED", set())
+    r, batch = mla_round([9, 20])
+    backend = TritonDecode(r, 4, 3, tree_mode="path")
+    with caplog.at_level(logging.INFO, logger="specattn.triton"):
+        backend.init_forward_metadata(batch)
+        backend.init_forward_metadata(batch)
+    assert not backend._plan["cfg"].gluon
+    lines = [m.getMessage() for m in caplog.records if "Gluon" in m.getMessage()]
+    assert len(lines) == 1 and "not a CUDA device" in lines[0]
+
+
+@pytest.mark.parametrize("args,expect", [
+    ((16, 512, 64, 512, torch.bfloat16, False), None),
+    ((128, 512, 64, 512, torch.float16, False), None),
+    ((16, 512, 64, 512, torch.bfloat16, True), "FP8"),
+    ((16, 512, 64, 512, torch.float32, False), "float32"),
+    ((16, 256, 64, 256, torch.bfloat16, False), "latent 256"),
+    ((16, 512, 32, 512, torch.bfloat16, False), "rope 32"),
+])
+def test_shape_reason(args, expect):
+    why = gluon_mla.shape_reason(*args)
+    assert why is None if expect is None else expect in why
+
+
+def test_gluon_reason_fp8_pool():
+    r, _ = mla_round([9], kv_cache_dtype="fp8_ds_mla")
+    assert "FP8" in gluon_mla.gluon_reason(r)
+
+
+@pytest.mark.parametrize("cap,kernels,expect", [
+    ((8, 0), (object(), ""), "needs sm90"),
+    ((10, 0), (object(), ""), "needs sm90"),
+    ((9, 0), (None, "triton 3.9.0: the Gluon MLA kernel was run with"), "triton 3.9.0"),
+    ((9, 0), (object(), ""), None),
+])
+def test_device_reason(monkeypatch, cap, kernels, expect):
+    monkeypatch.setattr(gluon_mla, "_capability", lambda index: cap)
+    monkeypatch.setattr(gluon_mla, "_kernels", lambda: kernels)
+    monkeypatch.setattr(torch.version, "hip", None)
+    why = gluon_mla.device_reason(torch.device("cuda", 0), interpret=False)
+    assert why is None if expect is None else expect in why
+    assert "CPU interpreter" in gluon_mla.device_reason(torch.device("cuda", 0), True)
+    assert "CUDA" in gluon_mla.device_reason(torch.device("cpu"), False)
+
+
+@pytest.mark.parametrize("version,ok", [("3.6.0", True), ("3.6.1", True), ("3.60.0", False),
+                                        ("3.5.1", False), ("3.9.0", False)])
+def test_version_guard(monkeypatch, version, ok):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    mod, why = gluon_mla._import_gluon()
+    if ok:  # then Gluon's Hopper ops must import: only triton 3.6 has this API
+        assert why == "" or "do not import" in why
+    else:
+        assert mod is None and f"triton {version}" in why
+
+
+@pytest.mark.parametrize("device,cap,interp,version,expect", [
+    ("cuda", (9, 0), False, "3.6.0", "Gluon wgmma kernel"),
+    ("cuda", (9, 0), False, "3.9.0", "tl.dot kernel (Gluon kernel off: triton 3.9.0"),
+    ("cuda", (8, 0), False, "3.6.0", "sm80, needs sm90"),
+    ("cpu", None, True, "3.6.0", "not a CUDA device"),
+    ("cuda", (9, 0), False, None, "triton not installed"),
+])
+def test_platform_note(device, cap, interp, version, expect):
+    assert expect in gluon_mla.platform_note(device, cap, interp, version)
+
+
+def test_list_and_select_say_which_kernel():
+    from specattn.platforms import Platform
+
+    note = TritonDecode.runtime_note(Platform(device="cuda", capability=(9, 0)))
+    assert note.startswith("MLA draft decode: ")
+    from specattn.keys import BackendRequest
+    from specattn.selection import select
+
+    sel = select("decode", "triton", BackendRequest(kind="decode", mla=True, topk=4,
+                                                   num_steps=3),
+                 Platform(device="cuda", capability=(8, 0), libraries=frozenset({"triton"})))
+    assert "tl.dot kernel (Gluon kernel off: sm80" in sel.explain()
+
+
+class _StandIn:
+    """A kernel module whose ``_gluon_mla_kernel[grid](...)`` writes ``torch_ref``'s answer
+    the way the Gluon kernel does (output, or equal partials with arbitrary LSEs; the call's
+    keys into the pool when ``WRITE_NEW``), recording each launch."""
+
+    def __init__(self, runner, batch, tree_mode):
+        self.runner, self.batch, self.tree_mode, self.launches = runner, batch, tree_mode, []
+        self._gluon_mla_kernel = self
+
+    def __getitem__(self, grid):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, step, scale, cap,
+                   *strides_and_ints, **const):
+            self.launches.append((grid, const))
+            if const["WRITE_NEW"]:
+                KV[Hist[:, step].long()] = Kin
+            ref = reference_decode(self.runner, AttentionLayer(0, scale, cap), Q, self.batch,
+                                   step, self.tree_mode)
+            if const["DIRECT_OUT"]:
+                Out.copy_(ref)
+            else:
+                splits = grid[2]
+                MidO[:, :, :splits] = ref.float()[:, :, None, :]
+                MidLse[:, :, :splits] = torch.randn(MidLse[:, :, :splits].shape)
+        return launch
+
+
+@pytest.mark.parametrize("num_splits,kv_write", [(1, "first"), (3, "first"), (2, "kernel")])
+def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_write):
+    r, batch = mla_round([7, 18], topk=2, steps=3)
+    stand_in = _StandIn(r, batch, "path")
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(gluon_mla, "_kernels", lambda: (stand_in, ""))
+    cfg = None if kv_write == "first" else KernelConfig(64, 64, 8, 2, kv_write=kv_write,
+                                                        gluon=True)
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, config=cfg)
+    backend.init_forward_metadata(batch)
+    plan = backend._plan
+    assert plan["cfg"].gluon and plan["cfg"].block_m == 64 and plan["num_splits"] == num_splits
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, 2, (2, 2), generator=gen)
+        q, k, _ = randn_qkv(r, 4, gen)
+        backend._active.mid_o.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, None)
+        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        grid, const = stand_in.launches[-1]
+        assert grid == (1, 2, num_splits)  # 2 lanes x 16 heads: one 64-row tile
+        assert const["MODE"] == 1 and const["H"] == 16 and const["num_warps"] == 8
+        assert const["WRITE_NEW"] == (kv_write == "first")
+        assert const["DIRECT_OUT"] == (num_splits == 1)
+
+
+def test_choice_logic(monkeypatch):
+    """The Gluon config only for shared-prefix MLA decode where the guards pass; its split
+    count aims at one program per SM (``num_row_tiles * B * splits``)."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    r, _ = mla_round([5, 6, 7], topk=8)
+    plan = TritonDecode(r, 8, 3)._make_plan(3)
+    assert plan["cfg"].gluon and plan["cfg"].label().endswith("gluon")
+    # 8 lanes x 16 heads = 2 row tiles x 3 requests = 6 programs; the interpreter's "SM
+    # count" is 4: one wave -> 1 split.
+    assert plan["num_splits"] == 1
+    assert not TritonDecode(r, 8, 3, mode="per-branch")._make_plan(3)["cfg"].gluon
+    mha = DraftRunner.mha(4, 2, 32, num_layers=1, num_slots=64, max_reqs=2,
+                          max_context_len=32, device=DEV)
+    assert not TritonDecode(mha, 2, 3)._make_plan(2)["cfg"].gluon
+    with pytest.raises(Exception, match="config.gluon"):
+        KernelConfig(64, 64, 8, 2, gluon=True, mla_v3=True)
