@@ -41,14 +41,12 @@ def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, strid
 
 
 @gluon.jit
-def _tile_rows(t, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref, start, end, n_lo, n_hi,
-               hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-               NUM_STEPS, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-               copy_layout: gl.constexpr):
-    """Key tile ``t`` (prefix tiles, then tail tiles) -> ``(rows, ok)``: each key's latent
-    row (pool, or ``k`` for this call's keys) and whether it exists. Its index loads are
-    issued a tile ahead of the copies (``_copy_tile``), so their latency hides behind the
-    MMAs."""
+def _issue_tile(t, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
+                start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                stride_par_b, TOPK, NUM_STEPS, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr, copy_layout: gl.constexpr):
+    """Start the ``cp.async`` gather of key tile ``t`` (prefix tiles, then tail tiles) into
+    stage ``t % NUM_STAGES``; keys past the end are zero-filled (masked copies)."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
     if t < n_pref:
         pos = start + t * BLOCK_N + offs_n
@@ -62,13 +60,7 @@ def _tile_rows(t, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref, start, end
                                stride_par_b, TOPK, NUM_STEPS, MODE)
         src = (q_start + idx // hl).to(gl.int64)
         rows = gl.where(new, Kin + src * stride_kin_t, KV + slot * stride_kvs)
-    return rows, ok
-
-
-@gluon.jit
-def _copy_tile(stage, rows, ok, k_smem, kpe_smem, copy_layout: gl.constexpr):
-    """Start the ``cp.async`` gather of one key tile (``_tile_rows``) into ``stage``; missing
-    keys are zero-filled (masked copies)."""
+    stage = t % NUM_STAGES
     offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
     offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
     async_copy.async_copy_global_to_shared(k_smem.index(stage),
@@ -204,15 +196,10 @@ def _gluon_mla_kernel(
     # reads (S and P.V) are done, so it starts with every stage issued.
     PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
     for i in gl.static_range(PRO):
-        rows, ok = _tile_rows(i, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref, start, end,
-                              n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                              stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N, copy_layout)
-        _copy_tile(i, rows, ok, k_smem, kpe_smem, copy_layout)
+        _issue_tile(i, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
+                    start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                    stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N, NUM_STAGES, copy_layout)
         async_copy.commit_group()
-    # The next tile to copy (PRO): its rows, loaded now.
-    rows, ok = _tile_rows(PRO, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref, start, end,
-                          n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                          stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N, copy_layout)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_lane = offs_sm // H
@@ -258,24 +245,20 @@ def _gluon_mla_kernel(
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             # Every warp is done with stage t: refill it with tile t + NUM_STAGES.
             gl.thread_barrier()
-            _copy_tile(t % NUM_STAGES, rows, ok, k_smem, kpe_smem, copy_layout)
+            _issue_tile(t + NUM_STAGES, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
+                        r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                        Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N,
+                        NUM_STAGES, copy_layout)
             async_copy.commit_group()
-            rows, ok = _tile_rows(t + NUM_STAGES + 1, KV, Kin, stride_kvs, stride_kin_t,
-                                  r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
-                                  step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                                  NUM_STEPS, MODE, BLOCK_N, copy_layout)
     else:
         for t in range(total):
-            # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1,
-            # then load the rows of the tile after it.
+            # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
             gl.thread_barrier()
-            _copy_tile((t + NUM_STAGES - 1) % NUM_STAGES, rows, ok, k_smem, kpe_smem,
-                       copy_layout)
+            _issue_tile(t + NUM_STAGES - 1, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                        stride_kin_t, r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
+                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE,
+                        BLOCK_N, NUM_STAGES, copy_layout)
             async_copy.commit_group()
-            rows, ok = _tile_rows(t + NUM_STAGES, KV, Kin, stride_kvs, stride_kin_t, r2t_row,
-                                  n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                                  Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE,
-                                  BLOCK_N, copy_layout)
             async_copy.wait_group(NUM_STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()
