@@ -193,3 +193,23 @@ def test_choice_logic(monkeypatch):
     assert not TritonDecode(mha, 2, 3)._make_plan(2)["cfg"].gluon
     with pytest.raises(Exception, match="config.gluon"):
         KernelConfig(64, 64, 8, 2, gluon=True, mla_v3=True)
+
+
+def test_issue_19_bench_cases():
+    """mla-k1 / mla-small / mla-wide(-p64) as the issue defines them; mla-wide reports
+    TFLOP/s against the matmul rate (73.1 GFLOP per step at B 32, L 4096, K 2, H 128)."""
+    from specattn.bench import cases as C
+    from specattn.bench.run import tflops_note
+
+    got = {c.name: c for c in C.STANDARD_CASES}
+    assert (got["mla-k1"].topk, got["mla-k1"].batch, got["mla-k1"].prefix) == (1, 32, 4096)
+    assert (got["mla-small"].batch, got["mla-small"].prefix, got["mla-small"].topk) == \
+        (4, 1024, 4)
+    wide = got["mla-wide"]
+    assert wide.shape == (128, 512, 64) and wide.topk == 2 and wide.compute_bound
+    assert got["mla-wide-p64"].page_size == 64 and not got["mla-long"].compute_bound
+    lens = wide.lengths()
+    assert wide.flops(lens) == 128 * 2 * (32 * 4096 + 32 * 3) * (2 * 576 + 2 * 512)
+    note = tflops_note(wide, lens, 0.2, 700.0)[0]
+    assert note.startswith("365 TFLOP/s (52% of the bf16 matmul rate 700 TFLOP/s")
+    assert tflops_note(got["mla-long"], lens, 0.2, 700.0) == []

@@ -26,13 +26,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # kv_lora_rank, rope dim).
 GQA_SHAPE = (32, 8, 128)
 MLA_SHAPE = (16, 512, 64)
+MLA_WIDE_SHAPE = (128, 512, 64)  # all heads on one GPU (DP attention)
 # Step timed by the per-step numbers: three history slots, as performance.md measures.
 TIMED_STEP = 2
 
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case. ``shape``: ``(H_q, H_kv, D)`` for MHA, ``(H, R, rope)`` for MLA."""
+    """One benchmark case. ``shape``: ``(H_q, H_kv, D)`` for MHA, ``(H, R, rope)`` for MLA.
+    ``compute_bound``: the rows also report TFLOP/s against the bf16 matmul rate."""
 
     name: str
     model: str
@@ -45,6 +47,7 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     ragged: bool = False
     shape: Optional[tuple[int, int, int]] = None
+    compute_bound: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in ("mha", "mla"):
@@ -115,6 +118,18 @@ class Case:
         step = self.timed_step if step is None else step
         return (sum(lengths) + self.batch * self.topk * (step + 1)) * self.row_bytes
 
+    def flops(self, lengths: list[int], step: Optional[int] = None) -> int:
+        """Attention FLOPs of one decode step (default the timed step): every query row
+        against its prefix and ``step + 1`` history keys, ``S = q.k`` and ``P.V``."""
+        a, b, c = self.shape
+        step = self.timed_step if step is None else step
+        if self.model == "mla":
+            rows, per_key = a, 2 * (b + c) + 2 * b
+        else:
+            rows, per_key = a, 2 * c + 2 * c
+        keys = sum(lengths) + self.batch * (step + 1)
+        return rows * self.topk * keys * per_key
+
     def describe(self) -> str:
         kind = "extend" if self.kind == "extend" else f"K={self.topk}"
         return (f"{self.name}: {self.model.upper()} B={self.batch} L={self.prefix} {kind} "
@@ -124,11 +139,12 @@ class Case:
         return dataclasses.replace(self, **changes)
 
 
-def _std(name, model, batch, prefix, topk, steps, page_size=1, kind="decode") -> Case:
-    return Case(name, model, batch, prefix, topk, steps, page_size, kind)
+def _std(name, model, batch, prefix, topk, steps, page_size=1, kind="decode", **kw) -> Case:
+    return Case(name, model, batch, prefix, topk, steps, page_size, kind, **kw)
 
 
-# performance.md, "Standard cases" (mla-long also at page size 64).
+# performance.md, "Standard cases" (mla-long and mla-wide also at page size 64); issue #19
+# added mla-k1 (plain MLA decode), mla-small (split prefix) and mla-wide (compute bound).
 STANDARD_CASES = (
     _std("gqa-long", "mha", 32, 4096, 8, 5),
     _std("gqa-chain", "mha", 64, 2048, 1, 4),
@@ -136,6 +152,11 @@ STANDARD_CASES = (
     _std("gqa-small", "mha", 4, 1024, 4, 5),
     _std("mla-long", "mla", 32, 4096, 4, 5),
     _std("mla-long-p64", "mla", 32, 4096, 4, 5, 64),
+    _std("mla-k1", "mla", 32, 4096, 1, 5),
+    _std("mla-small", "mla", 4, 1024, 4, 5),
+    _std("mla-wide", "mla", 32, 4096, 2, 5, shape=MLA_WIDE_SHAPE, compute_bound=True),
+    _std("mla-wide-p64", "mla", 32, 4096, 2, 5, 64, shape=MLA_WIDE_SHAPE,
+         compute_bound=True),
     _std("extend", "mha", 32, 4096, 1, 5, kind="extend"),
 )
 

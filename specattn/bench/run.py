@@ -13,7 +13,7 @@ from .harness import Result, Variant, build_setup, discover_variants, measure_va
 from .report import FLOOR
 
 __all__ = ["Progress", "Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
-           "result_row", "floor_row"]
+           "result_row", "floor_row", "matmul_tflops", "tflops_note"]
 
 
 class Progress:
@@ -66,8 +66,36 @@ def floor_row(case: Case, lengths: list[int], bandwidth: float) -> dict[str, Any
             "timing": "computed", "floor_us": floor_us, "copy_bw_gbs": bandwidth / 1e9}
 
 
+def matmul_tflops(device) -> Optional[float]:
+    """TFLOP/s of an 8192^3 bf16 torch matmul on random data, measured once per process
+    (CUDA only): the yardstick of ``compute_bound`` cases."""
+    if device.type != "cuda":
+        return None
+    if not hasattr(matmul_tflops, "rate"):
+        import triton
+
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+        matmul_tflops.rate = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    return matmul_tflops.rate
+
+
+def tflops_note(case: Case, lengths: list[int], step_ms: Optional[float],
+                matmul: Optional[float]) -> list[str]:
+    """``["N TFLOP/s (P% of the bf16 matmul rate M TFLOP/s, same process)"]`` for a
+    ``compute_bound`` case's timed row, else ``[]``."""
+    if not case.compute_bound or not step_ms:
+        return []
+    rate = case.flops(lengths) / (step_ms * 1e-3) / 1e12
+    if matmul is None:
+        return [f"{rate:,.0f} TFLOP/s"]
+    return [f"{rate:,.0f} TFLOP/s ({100 * rate / matmul:.0f}% of the bf16 matmul rate "
+            f"{matmul:,.0f} TFLOP/s, same process)"]
+
+
 def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
-               bandwidth: float) -> dict[str, Any]:
+               bandwidth: float, matmul: Optional[float] = None) -> dict[str, Any]:
     def us(ms):
         return None if ms is None else ms * 1e3
 
@@ -79,7 +107,7 @@ def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
             "round_layers": result.round_layers if result.round_eager_ms else "",
             "round_eager_us": us(result.round_eager_ms),
             "round_graph_us": us(result.round_graph_ms), "copy_bw_gbs": bandwidth / 1e9,
-            "notes": result.notes}
+            "notes": result.notes + tflops_note(case, lengths, result.step_ms, matmul)}
 
 
 class Plan:
@@ -143,7 +171,8 @@ def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: Prog
         for lengths, variant, result in _run_plan(plan, device, clock, bandwidth, progress,
                                                   seed=seed, rounds=rounds,
                                                   round_layers=round_layers):
-            rows.append(result_row(plan.case, lengths, variant, result, bandwidth))
+            matmul = matmul_tflops(device) if plan.case.compute_bound else None
+            rows.append(result_row(plan.case, lengths, variant, result, bandwidth, matmul))
         for name, reason in plan.skipped:
             rows.append({**case_fields(plan.case, lengths), "variant": name, "backend": name,
                          "mode": "", "kernel_library": "", "status": "unsupported",
