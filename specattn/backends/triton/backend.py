@@ -6,7 +6,9 @@ Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel 
 table + lane history table, all steps); per step and layer ``forward`` stores the new KV at
 the history table's step column (one Triton launch; the MLA kernel stores it in its first
 prefix split and reads it from ``k``: ``launchers.KernelConfig.kv_write``), then runs the
-split-KV attention kernel and the LSE merge. ``mode="shared"`` (default) reads each
+split-KV attention kernel and the LSE merge. Shared-prefix MLA decode on sm90 with Triton
+3.6.x runs the Gluon wgmma kernel instead (``gluon_mla``; ``docs/gluon-mla.md``), else the
+``tl.dot`` kernel with the reason logged once. ``mode="shared"`` (default) reads each
 request's prefix once per KV head for all ``K`` lanes; ``mode="per-branch"`` treats every
 lane as its own sequence (the upstream design: prefix read ``K`` times), kept for benchmarks
 and as a fallback.
