@@ -11,6 +11,8 @@ builders of ``test_flash_attn`` / ``test_flashinfer`` (also used by their GPU te
   ``randn_qkv`` the same unscaled, on the runner's device (FlashAttention/FlashInfer cases).
 - ``poison_pools``, ``fill_slots``, ``extend_lengths``: NaN pools with real values only where
   a case puts them, and the ragged/uniform extend lengths of a case.
+- ``check_replayed_lanes``: after a CUDA-graph replay of a padded batch, the real lanes of
+  every step's output against ``torch_ref``.
 """
 
 from __future__ import annotations
@@ -154,3 +156,20 @@ def randn_qkv(runner: DraftRunner, n: int, gen: torch.Generator):
     k = torch.randn(n, runner.num_kv_heads, runner.head_dim, generator=gen)
     v = torch.randn(n, runner.num_kv_heads, runner.v_head_dim, generator=gen)
     return q.to(dt).to(dev), k.to(dt).to(dev), v.to(dt).to(dev)
+
+
+def check_replayed_lanes(runner: DraftRunner, layer, batch: DraftBatch, real: int,
+                         qs: list, outs: list, tree_mode: str, dtype: torch.dtype) -> None:
+    """The first ``real`` requests of a replayed padded ``batch``: ``outs[step]`` (the graph's
+    outputs, ``[bs*K, H, D_v]``) against ``torch_ref`` for the queries ``qs[step][0]``."""
+    from specattn.backends.torch_ref import reference_decode
+
+    topk = batch.out_cache_loc.shape[1]
+    sub = DraftBatch(batch.req_pool_indices[:real], batch.seq_lens[:real],
+                     batch.out_cache_loc[:real],
+                     None if batch.parents is None else batch.parents[:, :real])
+    # Each step's reference reads the pool after the last step's writes: earlier steps only
+    # see slots written before them, which the replay wrote identically.
+    for step, out in enumerate(outs):
+        ref = reference_decode(runner, layer, qs[step][0][:real * topk], sub, step, tree_mode)
+        close(out[:real * topk], ref, dtype)

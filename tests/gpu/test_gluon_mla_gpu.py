@@ -17,9 +17,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import close, decode_sizes, place_decode_round, randn_qkv  # noqa: E402
+from helpers import (check_replayed_lanes, close, decode_sizes, place_decode_round,  # noqa: E402
+                     randn_qkv)
 from specattn.backends.torch_ref import reference_decode  # noqa: E402
-from specattn.data import AttentionLayer, DraftBatch, DraftRunner  # noqa: E402
+from specattn.data import AttentionLayer, DraftRunner  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -165,12 +166,7 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
         o.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    sub = DraftBatch(batch.req_pool_indices[:real], batch.seq_lens[:real],
-                     batch.out_cache_loc[:real],
-                     None if batch.parents is None else batch.parents[:, :real])
-    for step in range(S):
-        ref = reference_decode(r, layer, qs[step][0][:real * K], sub, step, tree_mode)
-        close(outs[step][:real * K], ref, dtype)
+    check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
 def test_random_stress_100_batches():

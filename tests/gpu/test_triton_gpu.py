@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from helpers import check_replayed_lanes
 from specattn import metadata
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -194,14 +195,7 @@ def test_cuda_graph_capture_replay_padded(tree_mode):
     # Real lanes' KV slots must be unique for the reference: the padded lanes write slot 0.
     graph.replay()
     torch.cuda.synchronize()
-    sub = DraftBatch(batch.req_pool_indices[:real], batch.seq_lens[:real],
-                     batch.out_cache_loc[:real],
-                     None if batch.parents is None else batch.parents[:, :real])
-    # The reference reads the pool after the last step's writes: check the last step only,
-    # and earlier steps only see slots written before them, which replay wrote identically.
-    for step in range(S):
-        ref = reference_decode(r, layer, qs[step][0][:real * K], sub, step, tree_mode)
-        _close(outs[step][:real * K], ref, dtype)
+    check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
 def test_metadata_capturable():
