@@ -9,8 +9,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
-META_W = gl.constexpr(5)  # _metadata_kernels: [rpi, prefix_len, split_len, q_start, n_q]
-MODE_PATH = gl.constexpr(1)
+# The metadata kernels' row layout and the tree-mode codes, shared with the tl.dot kernels.
+from ._attn_kernels import META_W, MODE_PATH
+
 D_MAIN = gl.constexpr(512)
 D_PE = gl.constexpr(64)
 BLOCK_M = gl.constexpr(64)
