@@ -1,7 +1,8 @@
 """A third-party backend: subclass, pass ``name=``, and the factory can select it by name.
 
 This one wraps the reference math (``specattn.backends.torch_ref``); a real one would launch
-its own kernels in ``forward``. Run:  python examples/custom_backend.py
+its own kernels in ``forward``. It ends by passing the conformance kit (``specattn.testing``).
+Run:  python examples/custom_backend.py
 """
 
 import torch
@@ -24,6 +25,7 @@ class MyDecode(DraftDecodeBackend, name="my_ref", aliases=("mine",), platforms=a
         self.batch = batch
 
     def forward(self, step, layer, q, k, v):      # q [B*K, H_q, D] -> o [B*K, H_q, D_v]
+        self._require_metadata(getattr(self, "batch", None))
         check_decode_forward(self.runner, self.batch.batch_size * self.topk, self.num_steps,
                              step, layer, q, k, v)
         check_parents_step(self.batch, step, self.topk)
@@ -38,7 +40,8 @@ class MyExtend(DraftExtendBackend, name="my_ref", aliases=("mine",), platforms=a
         self.batch = batch
 
     def forward(self, layer, q, k, v):            # q [sum(E), H_q, D], causal over the prefix
-        check_extend_forward(self.runner, q.shape[0], layer, q, k, v)
+        self._require_metadata(getattr(self, "batch", None))
+        check_extend_forward(self.runner, int(self.batch.extend_lens.sum()), layer, q, k, v)
         self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
         return reference_extend(self.runner, layer, q, self.batch)
 
@@ -64,6 +67,11 @@ def main() -> int:
     print(f"selected {type(decode).__name__} / {type(extend).__name__}; decode output "
           f"{tuple(o.shape)}, finite: {bool(torch.isfinite(o).all())}")
     print("topk=16 would be refused:", MyDecode.validate(runner.backend_request("decode", topk=16)))
+    # The conformance kit: the whole contract against the reference, from the declared
+    # capabilities (raises ConformanceError, with every failed case, if one fails).
+    from specattn.testing import check_backend
+
+    print(check_backend([MyDecode, MyExtend]).summary())
     return 0
 
 

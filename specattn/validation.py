@@ -166,10 +166,19 @@ def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
         raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
 
 
+def _check_batch_type(batch: object, expected: str) -> None:
+    """A decode backend takes a ``DraftBatch``, an extend backend a ``DraftExtendBatch``."""
+    from . import data
+
+    if not isinstance(batch, getattr(data, expected)):
+        raise InvalidInputError("batch", f"a specattn.{expected}", type(batch).__name__)
+
+
 def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
                        batch: "DraftBatch", *, debug: Optional[bool] = None,
                        max_bs: Optional[int] = None) -> None:
     """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
+    _check_batch_type(batch, "DraftBatch")
     dev = runner.device
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
                   ndim=1, device=dev)
@@ -220,6 +229,7 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
                        max_extend_len: Optional[int] = None) -> None:
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
     where values are scanned (CPU tensors or debug checks)."""
+    _check_batch_type(batch, "DraftExtendBatch")
     dev = runner.device
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
                   ndim=1, device=dev)

@@ -145,8 +145,9 @@ def test_graph_protocol_errors(calls):
     backend = _make(AiterDecode, runner, 2, 2)
     batch = paged_round(runner, [5, 9], 2, 2, gen)
     q, k, v = _qkv(runner, 4, gen)
-    with pytest.raises(RuntimeError, match=r"^aiter: forward\(\) called before "
-                       r"init_forward_metadata\(batch\)$"):
+    with pytest.raises(InvalidInputError,
+                       match=r"^forward: expected a call after init_forward_metadata\(batch\), "
+                             r"got a call before it \(aiter\)$"):
         backend.forward(0, AttentionLayer(0, 0.2), q, k, v)
     with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
         backend.init_forward_metadata_capture_cuda_graph(batch)

@@ -284,7 +284,7 @@ def test_errors():
         DSADecode(runner, 1, 1, index_k_buffer=pool[:1])
     backend = DSADecode(runner, 1, 1, index_topk=8, index_k_buffer=pool)
     q, k, idx = new_inputs(1, torch.float32)
-    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+    with pytest.raises(InvalidInputError, match="init_forward_metadata"):
         backend.forward(0, layer, q, k, None, **idx)
     backend.init_forward_metadata(batch)
     with pytest.raises(InvalidInputError, match="index_q.*index_topk=8"):

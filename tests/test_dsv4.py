@@ -226,7 +226,7 @@ def test_errors():
     backend = DSV4CudaDecode(runner, 1, 1)
     q, k, _ = new_qkv(runner, 1, torch.float32)
     layer = AttentionLayer(0, 1.0)
-    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+    with pytest.raises(InvalidInputError, match="init_forward_metadata"):
         backend.forward(0, layer, q, k, None)
     backend.init_forward_metadata(batch)
     with pytest.raises(InvalidInputError, match="attn_sink"):

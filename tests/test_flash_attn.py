@@ -350,7 +350,7 @@ def test_graph_state_required_before_capture():
         backend = cls(case.runner, 2, 3)
         with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
             backend.init_forward_metadata_capture_cuda_graph(case.batch)
-        with pytest.raises(RuntimeError, match="before init_forward_metadata"):
+        with pytest.raises(InvalidInputError, match="after init_forward_metadata"):
             q, k, v = qkv(case.runner, 6, torch.Generator())
             backend.forward(0, case.layer, q, k, v)
 

@@ -21,6 +21,8 @@ from specattn.errors import (
 from specattn.platforms import Platform
 from specattn.registry import default_registry
 
+import oracle
+
 CPU = Platform("cpu", libraries=frozenset())
 CPU_AMX = Platform("cpu", cpu_has_amx=True, libraries=frozenset())
 CPU_INTERP = Platform("cpu", triton_interpret=True, libraries={"triton"})
@@ -276,8 +278,41 @@ def test_rule16_auto(platform, expected, name):
         assert isinstance(got, type) and got.name == expected, got
 
 
+@pytest.mark.parametrize("device", sorted(oracle.AUTO_DESIGN_ORDER))
+def test_rule16_auto_order_is_the_design(device):
+    """The declared priorities put the built-in names in the designed order for `auto`."""
+    platform = Platform(device, (9, 0) if device == "cuda" else None)
+    design = oracle.AUTO_DESIGN_ORDER[device]
+    best = {}
+    for kind in ("decode", "extend"):
+        for cls in default_registry.classes(kind):
+            if cls.name in design:
+                best[cls.name] = max(best.get(cls.name, -10**9), cls.priority_on(platform))
+    ranked = sorted(design, key=lambda n: (-best[n], n))
+    assert tuple(ranked) == design
+
+
 def test_rule16_auto_never_picks_model_specific_backends():
     for kind in ("decode", "extend"):
         for cls in default_registry.classes(kind):
             if cls.name in ("dsa", "dsv4"):
                 assert cls.auto_eligible is False
+
+
+def test_rule16_auto_oracle_needs_no_edit_for_a_new_backend(scoped_registry):
+    """A backend the documents do not list takes part in `auto` through its declaration."""
+    from specattn import DraftDecodeBackend
+    from specattn.platforms import any_platform
+
+    class BrandNew(DraftDecodeBackend, name="brand_new", platforms=any_platform,
+                   priority=1000):
+        def init_forward_metadata(self, batch): ...
+
+        def forward(self, step, layer, q, k, v): ...
+
+    config = SpecConfig(attention_backend="auto")
+    for platform in (CPU, Platform("cuda", (9, 0), libraries={"flashinfer"})):
+        want = oracle.expected("decode", config, False, 3, 2, platform)
+        got = oracle.factory_outcome("decode", config, False, 3, 2, platform)
+        oracle.assert_matches(want, got)
+        assert got is BrandNew

@@ -16,6 +16,7 @@ from specattn.backends.torch_ref import (
     reference_decode,
     reference_extend,
 )
+from specattn.errors import InvalidInputError
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 MODELS = {
@@ -259,7 +260,7 @@ def test_forward_before_metadata_raises():
     runner = _runner("mha", torch.float32, 1)
     backend = TorchRefDecode(runner, 1, 2)
     q, k, v = _qkv(runner, 1)
-    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+    with pytest.raises(InvalidInputError, match="init_forward_metadata"):
         backend.forward(0, AttentionLayer(0, 1.0), q, k, v)
 
 

@@ -260,7 +260,7 @@ def test_bad_mode_and_order():
         TritonDecode(runner, 1, 1, mode="cascade")
     backend = TritonDecode(runner, 1, 1)
     q, k, v = new_qkv(runner, 1, torch.float32)
-    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+    with pytest.raises(InvalidInputError, match="init_forward_metadata"):
         backend.forward(0, AttentionLayer(layer_id=0, scaling=1.0), q, k, v)
     with pytest.raises(InvalidInputError):
         backend.init_forward_metadata_replay_cuda_graph(batch, 1)

@@ -300,12 +300,19 @@ def _dsv4_window(window: int) -> int:
     return _check_window(window)
 
 
+# As dsv4's CUDA flavour: the conformance kit's dense reference is not this math for MHA.
+_DSV4_KIT_LIMITS = {"*/mha/*": "dsv4's MHA form reads each slot's key as its value (the v "
+                               "pool is unread): not dense attention; tests/test_ascend.py "
+                               "checks it against its own reference"}
+
+
 class DSV4NpuDecode(_NpuDecode, name="dsv4", flavour="npu", **_DECL):
     """DeepSeek V4 draft decode, Ascend flavour: sliding window + sink through FIA.
 
     ``window`` (default 128); ``forward(..., attn_sink=None)`` or a ``SinkAttentionLayer``."""
 
     auto_eligible = False
+    known_limits = _DSV4_KIT_LIMITS
     dtypes = (torch.bfloat16, torch.float16)
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
@@ -325,6 +332,7 @@ class DSV4NpuExtend(_NpuExtend, name="dsv4", flavour="npu", **_DECL):
     """DeepSeek V4 draft extend, Ascend flavour (token ``p`` sees ``R_b[p+1-window : p+1]``)."""
 
     auto_eligible = False
+    known_limits = _DSV4_KIT_LIMITS
     dtypes = (torch.bfloat16, torch.float16)
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1,

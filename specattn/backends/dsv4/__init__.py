@@ -61,6 +61,11 @@ log = logging.getLogger("specattn.dsv4")
 DEFAULT_WINDOW = 128
 # "auto": the pool's own dtype; "fp8_ds_v4": V4's 584-byte FP8 layout (backends/_fp8_kv).
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_v4")
+# The conformance kit compares with dense attention; dsv4's MHA form reads keys as values (one
+# vector per slot, the runner's v pool is never read), so it is not that math.
+KIT_LIMITS = {"*/mha/*": "dsv4's MHA form reads each slot's key as its value (the v pool is "
+                         "unread): not dense attention; tests/test_dsv4.py checks it against "
+                         "its own reference"}
 _TRITON = (("triton", "triton"),)
 _TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay and the FP8 KV pools + CPU "
               "interpreter")
@@ -169,6 +174,7 @@ class _DSV4Decode(DraftDecodeBackend):
     kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
+    known_limits = KIT_LIMITS
     auto_eligible = False
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
@@ -239,6 +245,7 @@ class _DSV4Extend(DraftExtendBackend):
     kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
+    known_limits = KIT_LIMITS
     auto_eligible = False
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1,

@@ -183,9 +183,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
     def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         rnd = self._active
-        if rnd is None:
-            raise RuntimeError(f"{type(self).name}: forward() called before "
-                               "init_forward_metadata()")
+        self._require_metadata(rnd)
         lanes = rnd.bs * self.topk
         check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
         if self.tree_mode == "path":

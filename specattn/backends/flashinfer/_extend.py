@@ -69,9 +69,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._pass is None or self._loc is None:
-            raise RuntimeError(f"{type(self).name}: forward() called before "
-                               "init_forward_metadata()")
+        self._require_metadata(None if self._loc is None else self._pass)
         check_extend_forward(self.runner, self._num_tokens, layer, q, k, v)
         want = self._check_layer_params(layer)
         if want != self.params:

@@ -1,0 +1,558 @@
+"""The bodies of the kit's cases: numerics, pool writes, engine-style inputs, CUDA graphs,
+determinism and refusals.
+
+Every body takes a ``Session`` (the backend under test, device, seeds, shape choice) and a
+``Case`` and returns a short detail string, or raises ``CaseFailed`` / ``CaseSkipped``. The
+expected result is always the reference (``torch_ref``'s ``reference_decode`` /
+``reference_extend``) over the kit's own copy of the pools, into which the kit writes each
+call's new KV itself: a backend that forgets the write, writes elsewhere or reads a stale slot
+differs from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .. import metadata
+from ..backends.torch_ref import reference_decode, reference_extend
+from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from ..errors import SpecAttnError
+from .compare import output_mismatch, pool_mismatch
+from .rounds import (DecodeRound, EngineStyle, ExtendRound, ModelShape, RoundMaker, pools_of,
+                     random_qkv, shadow_runner)
+from .target import Target
+
+__all__ = ["Case", "Session", "CaseFailed", "CaseSkipped"]
+
+NUM_STEPS = 3
+
+
+class CaseFailed(Exception):
+    """The backend broke the contract; the message says where and how."""
+
+
+class CaseSkipped(Exception):
+    """The case does not apply (capability not declared, feature refused clearly)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planned case. ``id`` is what reports and ``known_limits`` patterns use."""
+
+    id: str
+    kind: str
+    model: str
+    body: Callable[["Session", "Case"], str]
+    dtype: torch.dtype = torch.float32
+    topk: int = 1
+    page_size: int = 1
+    tree_mode: str = "lane"
+    kv_cache_dtype: str = "auto"
+    params: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def _shape_candidates(model: str, device: torch.device, one_kv: bool) -> list[ModelShape]:
+    if model == "mha":
+        q, kv = (4, 1) if one_kv else (4, 2)
+        dims = (16, 64, 128) if device.type == "cpu" else (64, 128)
+        if device.type != "cpu":
+            q = 8
+        return [ModelShape("mha", (q, kv, d)) for d in dims]
+    small = [(4, 32, 16), (4, 32, 0)]
+    big = [(16, 512, 64), (16, 512, 0)]
+    order = small + big if device.type == "cpu" else big + small
+    return [ModelShape("mla", h) for h in order]
+
+
+class Session:
+    """The backend under test plus what the cases share: device, seeds, chosen shapes."""
+
+    def __init__(self, target: Target, seed: int = 0, level: str = "quick"):
+        self.target = target
+        self.device = target.device
+        self.seed = seed
+        self.level = level
+        self._shapes: dict[tuple, ModelShape] = {}
+
+    # --- helpers for the bodies ----------------------------------------------------------------
+
+    def generator(self, case: Case, salt: str = "") -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003
+                                             + zlib.crc32((case.id + salt).encode()))
+
+    def cls(self, case: Case) -> type:
+        found = self.target.class_for(case.kind, case.model)
+        if isinstance(found, str):
+            raise CaseSkipped(found)
+        return found
+
+    def construct(self, case: Case, runner: DraftRunner, *, topk: Optional[int] = None,
+                  num_steps: int = NUM_STEPS):
+        return self.target.construct(self.cls(case), runner, case.kind,
+                                     case.topk if topk is None else topk, num_steps,
+                                     case.tree_mode)
+
+    def shape(self, case: Case, *, one_kv: bool = False) -> ModelShape:
+        """The first candidate shape the class accepts for ``case`` (probed by building it on
+        a tiny runner), cached per request."""
+        key = (case.kind, case.model, case.dtype, case.page_size, case.topk, case.tree_mode,
+               case.kv_cache_dtype, one_kv)
+        if key in self._shapes:
+            return self._shapes[key]
+        reasons = []
+        for shape in _shape_candidates(case.model, self.device, one_kv):
+            try:
+                maker = self.maker(case, shape, max_tokens=4, max_reqs=2)
+                self.construct(case, maker.runner)
+            except SpecAttnError as exc:
+                reasons.append(f"{shape.label()}: {exc}")
+                continue
+            self._shapes[key] = shape
+            return shape
+        raise CaseSkipped("the backend accepts none of the kit's shapes: "
+                          + " | ".join(reasons[-2:]))
+
+    def maker(self, case: Case, shape: ModelShape, *, max_tokens: int, max_reqs: int = 5,
+              style: EngineStyle = EngineStyle(), gen: Optional[torch.Generator] = None,
+              ) -> RoundMaker:
+        return RoundMaker(shape, case.dtype, self.device, case.page_size, max_tokens,
+                          max_reqs, gen or self.generator(case, "pools"),
+                          kv_cache_dtype=case.kv_cache_dtype, style=style)
+
+    @contextlib.contextmanager
+    def value_checks(self) -> Iterator[None]:
+        """Checks of tensor values run on the CPU always; on a device, only in debug mode."""
+        if self.device.type == "cpu":
+            yield
+            return
+        old = os.environ.get("SPECATTN_DEBUG_CHECKS")
+        os.environ["SPECATTN_DEBUG_CHECKS"] = "1"
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("SPECATTN_DEBUG_CHECKS", None)
+            else:
+                os.environ["SPECATTN_DEBUG_CHECKS"] = old
+
+
+# --- expected pools and references ---------------------------------------------------------------
+
+
+def _dense(shadow: DraftRunner) -> DraftRunner:
+    """The runner the reference reads: ``shadow`` itself, or for an FP8 layout its pools
+    dequantized to float32 (the reference is "dequantize, then exact attention")."""
+    layout = shadow.kv_layout
+    if layout is None:
+        return shadow
+    return DraftRunner(use_mla_backend=True, dtype=torch.float32, device=shadow.device,
+                       page_size=shadow.page_size, num_layers=shadow.num_layers,
+                       req_to_token=shadow.req_to_token, num_heads=shadow.num_heads,
+                       kv_lora_rank=shadow.kv_lora_rank,
+                       qk_rope_head_dim=shadow.qk_rope_head_dim,
+                       kv_buffer=[layout.read_all(p) for p in shadow.kv_buffer])
+
+
+def _check_pools(runner: DraftRunner, shadow: DraftRunner, written: torch.Tensor, where: str,
+                 exempt: Optional[torch.Tensor] = None) -> None:
+    for (name, got), (_, want) in zip(pools_of(runner), pools_of(shadow)):
+        msg = pool_mismatch(name, got, want, written, exempt)
+        if msg:
+            raise CaseFailed(f"{where}: {msg}")
+
+
+def _layers(shape: ModelShape, logit_cap: float = 0.0, both: bool = False
+            ) -> list[AttentionLayer]:
+    """Layer 1 (a backend that ignores ``layer_id`` reads layer 0's pool and differs); with
+    ``both``, layer 1 then layer 0 at every step (pools of one layer must not leak into the
+    other)."""
+    return [AttentionLayer(i, shape.scaling, logit_cap) for i in ((1, 0) if both else (1,))]
+
+
+def _forward(fn: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+    try:
+        out = fn()
+    except SpecAttnError as exc:
+        if "logit_cap" in str(exc):
+            raise CaseSkipped(f"refuses a logit soft-cap: {exc}") from exc
+        raise CaseFailed(f"{what}: refused a valid input: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, torch.Tensor):
+        raise CaseFailed(f"{what}: returned {type(out).__name__}, expected a tensor")
+    return out.clone()  # graph backends may return a static buffer
+
+
+# --- decode ------------------------------------------------------------------------------------------
+
+
+def decode_lengths(page_size: int, ragged: bool) -> list[int]:
+    """Prefix lengths spanning several pages: ragged (with ``L = 1``) or uniform."""
+    if page_size > 16:
+        return [1, page_size + 5, 2 * page_size + 9] if ragged else [page_size + 8] * 2
+    return [1, 13, 40] if ragged else [24, 24]
+
+
+def _decode_maker(s: Session, case: Case, shape: ModelShape, lens_sets: list[list[int]],
+                  style: EngineStyle = EngineStyle(), max_reqs: int = 5) -> RoundMaker:
+    extra = metadata.max_draft_extend_len(case.topk, NUM_STEPS, case.page_size)
+    longest = max(max(lens) for lens in lens_sets)
+    return s.maker(case, shape, max_tokens=longest + extra, max_reqs=max_reqs, style=style)
+
+
+def _fill_parents(rnd: DecodeRound, step: int, rows: slice = slice(None)) -> None:
+    if rnd.parents_plan is not None and step > 0:
+        rnd.batch.parents[step, rows] = rnd.parents_plan[step].to(rnd.batch.parents.device)
+
+
+def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: ModelShape,
+                     gen: torch.Generator, *, logit_cap: float = 0.0,
+                     fused_qkv: bool = False, both_layers: bool = False) -> str:
+    """``init_forward_metadata`` then every step and layer, each checked against the
+    reference and the expected pools."""
+    runner, dtype = rnd.runner, case.dtype
+    shadow = shadow_runner(runner)
+    backend.init_forward_metadata(rnd.batch)
+    worst = 0.0
+    for step in range(rnd.num_steps):
+        _fill_parents(rnd, step)
+        loc = rnd.batch.out_cache_loc[:, :, step].reshape(-1)
+        layers = _layers(shape, logit_cap, both_layers)
+        for layer in layers:
+            where = f"step {step}, layer {layer.layer_id}"
+            q, k, v = random_qkv(runner, rnd.lanes, gen, fused=fused_qkv)
+            out = _forward(lambda: backend.forward(step, layer, q, k, v), where)
+            shadow.write_kv(layer.layer_id, loc, k, v)
+            _check_pools(runner, shadow, loc, where)  # first: it names a missing write
+            ref = reference_decode(_dense(shadow), layer, q, rnd.batch, step, rnd.tree_mode)
+            msg = output_mismatch(out, ref, dtype, topk=rnd.topk)
+            if msg:
+                raise CaseFailed(f"{where}: {msg}")
+            worst = max(worst, float((out.float() - ref.float()).abs().max()))
+    return f"{rnd.batch.batch_size} requests x {rnd.num_steps} steps x {len(layers)} " \
+           f"layer(s); max abs error {worst:.2g}"
+
+
+def decode_numerics(s: Session, case: Case) -> str:
+    p = case.params
+    shape = s.shape(case, one_kv=p.get("one_kv", False))
+    lens = p.get("lens") or decode_lengths(case.page_size, p.get("ragged", True))
+    style = p.get("style", EngineStyle())
+    maker = _decode_maker(s, case, shape, [lens], style)
+    rnd = maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode)
+    backend = s.construct(case, maker.runner)
+    return shape.label() + ", " + run_decode_round(
+        s, case, backend, rnd, shape, s.generator(case, "qkv"),
+        logit_cap=p.get("logit_cap", 0.0), fused_qkv=style.fused_qkv,
+        both_layers=p.get("both_layers", False))
+
+
+def decode_determinism(s: Session, case: Case) -> str:
+    shape = s.shape(case)
+    lens = decode_lengths(case.page_size, True)
+    outs = []
+    for _ in range(2):
+        maker = _decode_maker(s, case, shape, [lens])  # same seeds: the same round
+        rnd = maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode)
+        backend = s.construct(case, maker.runner)
+        gen = s.generator(case, "qkv")
+        backend.init_forward_metadata(rnd.batch)
+        run = []
+        for step in range(NUM_STEPS):
+            _fill_parents(rnd, step)
+            for layer in _layers(shape):
+                q, k, v = random_qkv(maker.runner, rnd.lanes, gen)
+                run.append(_forward(lambda: backend.forward(step, layer, q, k, v),
+                                    f"step {step}"))
+        outs.append(run)
+    for i, (a, b) in enumerate(zip(*outs)):
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            raise CaseFailed(f"call {i} (step {i // 2}) gave different outputs on identical "
+                             f"inputs (max difference {diff:.3g})")
+    return f"{len(outs[0])} calls bitwise identical"
+
+
+class _GraphRunner:
+    """Runs a list of calls as one captured CUDA graph (on CUDA), or eagerly (elsewhere:
+    the graph protocol's buffer handling is still exercised, only the capture is not)."""
+
+    def __init__(self, device: torch.device, calls: Callable[[], list[torch.Tensor]]):
+        self.calls = calls
+        self.graph = None
+        self.outs: list[torch.Tensor] = []
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                calls()  # warm-up: compiles kernels, allocates workspaces
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outs = calls()
+
+    def replay(self) -> list[torch.Tensor]:
+        if self.graph is None:
+            return [o.clone() for o in self.calls()]
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return [o.clone() for o in self.outs]
+
+
+@dataclass
+class _Static:
+    """Fixed index buffers, as an engine keeps them for a captured graph."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def load(self, values: dict[str, torch.Tensor], pad: dict[str, Any]) -> None:
+        for name, buf in self.tensors.items():
+            src = values[name]
+            if name == "parents":
+                buf.zero_()
+                buf[:, :src.shape[1]] = src
+                continue
+            n = src.shape[0]
+            buf[:n] = src.to(buf.dtype)
+            buf[n:] = pad[name]
+
+
+def decode_graph(s: Session, case: Case) -> str:
+    cls = s.cls(case)
+    if not cls.supports_cuda_graph:
+        raise CaseSkipped("declares supports_cuda_graph = False")
+    shape = s.shape(case)
+    max_bs, topk = 3, case.topk
+    rounds_lens = [decode_lengths(case.page_size, True),              # capture
+                   decode_lengths(case.page_size, False),             # replay: 2 of 3 padded
+                   list(reversed(decode_lengths(case.page_size, True)))]
+    maker = _decode_maker(s, case, shape, rounds_lens)
+    runner, dev = maker.runner, s.device
+    static = _Static({"req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "seq_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "out_cache_loc": torch.zeros(max_bs, topk, NUM_STEPS, dtype=torch.int64,
+                                                   device=dev)})
+    if case.tree_mode == "path":
+        static.tensors["parents"] = torch.zeros(NUM_STEPS, max_bs, topk, dtype=torch.int64,
+                                                device=dev)
+    t = static.tensors
+    batch = DraftBatch(t["req_pool_indices"], t["seq_lens"], t["out_cache_loc"],
+                       t.get("parents"))
+    backend = s.construct(case, runner)
+    backend.init_cuda_graph_state(max_bs, max_bs * topk)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    # Padded requests use request row 0 (page 0 only), their draft slots laid out like any
+    # request's (metadata.draft_slot_positions), so they all land in page 0.
+    pos = metadata.draft_slot_positions(torch.tensor([fill]), topk, NUM_STEPS,
+                                        case.page_size)[0].to(dev)
+    pad = {"req_pool_indices": 0, "seq_lens": fill}
+    layers = _layers(shape)
+    gen = s.generator(case, "qkv")
+    inputs = [[random_qkv(runner, max_bs * topk, gen) for _ in layers] for _ in range(NUM_STEPS)]
+
+    def place(lens: list[int]) -> DecodeRound:
+        rnd = maker.decode(lens, topk, NUM_STEPS, case.tree_mode)
+        values = {"req_pool_indices": rnd.batch.req_pool_indices,
+                  "seq_lens": rnd.batch.seq_lens, "out_cache_loc": rnd.batch.out_cache_loc}
+        if rnd.parents_plan is not None:
+            values["parents"] = rnd.parents_plan.to(dev)
+        pad["out_cache_loc"] = runner.req_to_token[0, pos].long()
+        static.load(values, pad)
+        return rnd
+
+    def calls() -> list[torch.Tensor]:
+        return [backend.forward(step, layer, *inputs[step][i])
+                for step in range(NUM_STEPS) for i, layer in enumerate(layers)]
+
+    place(rounds_lens[0])
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    graph = _GraphRunner(dev, calls)
+    details = []
+    for n, lens in enumerate(rounds_lens):
+        rnd = place(lens)
+        bs_real = len(lens)
+        backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+        shadow = shadow_runner(runner)
+        for q_k_v in inputs:  # fresh inputs, written into the static tensors in place
+            for qkv in q_k_v:
+                for tensor in qkv:
+                    if tensor is not None:
+                        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+        outs = graph.replay()
+        real = bs_real * topk
+        # The round's own view of the batch (unpadded) for the reference.
+        ref_batch = DraftBatch(t["req_pool_indices"][:bs_real], t["seq_lens"][:bs_real],
+                               t["out_cache_loc"][:bs_real],
+                               None if rnd.parents_plan is None else t["parents"][:, :bs_real])
+        written = []
+        for step in range(NUM_STEPS):
+            loc = t["out_cache_loc"][:, :, step].reshape(-1)
+            written.append(loc)
+            for i, layer in enumerate(layers):
+                shadow.write_kv(layer.layer_id, loc, inputs[step][i][1], inputs[step][i][2])
+        exempt = torch.arange(case.page_size)  # page 0: the padding lanes' slots
+        for step in range(NUM_STEPS):
+            for i, layer in enumerate(layers):
+                q = inputs[step][i][0][:real]
+                ref = reference_decode(_dense(shadow), layer, q, ref_batch, step, case.tree_mode)
+                msg = output_mismatch(outs[step * len(layers) + i][:real], ref, case.dtype,
+                                      topk=topk)
+                if msg:
+                    what = "capture batch" if n == 0 else f"replay {n} ({bs_real} requests " \
+                        f"padded to {max_bs})" if bs_real < max_bs else f"replay {n}"
+                    raise CaseFailed(f"{what}, step {step}, layer {layer.layer_id}: {msg}")
+        _check_pools(runner, shadow, torch.cat(written), f"after replay {n}", exempt)
+        details.append(f"{bs_real}/{max_bs}")
+    mode = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
+    return f"{mode}; rounds of {', '.join(details)} requests match the reference"
+
+
+# --- extend ------------------------------------------------------------------------------------------
+
+
+def extend_lengths(page_size: int, ragged: bool) -> tuple[list[int], list[int]]:
+    """``(seq_lens, extend_lens)``: ragged includes a request with no prefix (L' = E)."""
+    big = page_size > 16
+    if ragged:
+        ext = [3, 1, 4]
+        prefix = [0, page_size + 3, 2 * page_size + 1] if big else [0, 17, 29]
+    else:
+        ext = [4, 4]
+        prefix = [page_size + 4] * 2 if big else [20, 20]
+    return [a + b for a, b in zip(prefix, ext)], ext
+
+
+def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelShape,
+               gen: torch.Generator, *, logit_cap: float = 0.0, fused_qkv: bool = False,
+               both_layers: bool = False) -> str:
+    runner = rnd.runner
+    shadow = shadow_runner(runner)
+    backend.init_forward_metadata(rnd.batch)
+    loc = rnd.batch.out_cache_loc
+    worst = 0.0
+    layers = _layers(shape, logit_cap, both_layers)
+    for layer in layers:
+        where = f"layer {layer.layer_id}"
+        q, k, v = random_qkv(runner, rnd.num_tokens, gen, fused=fused_qkv)
+        out = _forward(lambda: backend.forward(layer, q, k, v), where)
+        shadow.write_kv(layer.layer_id, loc, k, v)
+        _check_pools(runner, shadow, loc, where)
+        ref = reference_extend(_dense(shadow), layer, q, rnd.batch)
+        msg = output_mismatch(out, ref, case.dtype, rows_are="token")
+        if msg:
+            raise CaseFailed(f"{where}: {msg}")
+        worst = max(worst, float((out.float() - ref.float()).abs().max()))
+    return f"{rnd.batch.batch_size} requests, {rnd.num_tokens} tokens x {len(layers)} " \
+           f"layer(s); max abs error {worst:.2g}"
+
+
+def extend_numerics(s: Session, case: Case) -> str:
+    p = case.params
+    shape = s.shape(case)
+    seq, ext = extend_lengths(case.page_size, p.get("ragged", True))
+    style = p.get("style", EngineStyle())
+    maker = s.maker(case, shape, max_tokens=max(seq), style=style)
+    rnd = maker.extend(seq, ext)
+    backend = s.construct(case, maker.runner)
+    return shape.label() + ", " + run_extend(s, case, backend, rnd, shape,
+                                             s.generator(case, "qkv"),
+                                             logit_cap=p.get("logit_cap", 0.0),
+                                             fused_qkv=style.fused_qkv,
+                                             both_layers=p.get("both_layers", False))
+
+
+def extend_determinism(s: Session, case: Case) -> str:
+    shape = s.shape(case)
+    seq, ext = extend_lengths(case.page_size, True)
+    outs = []
+    for _ in range(2):
+        maker = s.maker(case, shape, max_tokens=max(seq))
+        rnd = maker.extend(seq, ext)
+        backend = s.construct(case, maker.runner)
+        backend.init_forward_metadata(rnd.batch)
+        gen = s.generator(case, "qkv")
+        run = []
+        for layer in _layers(shape):
+            q, k, v = random_qkv(maker.runner, rnd.num_tokens, gen)
+            run.append(_forward(lambda: backend.forward(layer, q, k, v), "forward"))
+        outs.append(run)
+    for i, (a, b) in enumerate(zip(*outs)):
+        if not torch.equal(a, b):
+            raise CaseFailed(f"call {i} gave different outputs on identical inputs (max "
+                             f"difference {(a.float() - b.float()).abs().max().item():.3g})")
+    return f"{len(outs[0])} calls bitwise identical"
+
+
+def extend_graph(s: Session, case: Case) -> str:
+    cls = s.cls(case)
+    if not cls.supports_cuda_graph:
+        raise CaseSkipped("declares supports_cuda_graph = False")
+    shape = s.shape(case)
+    big = case.page_size > 16
+    base = case.page_size + 2 if big else 11
+    # Three rounds of 8 new tokens: capture, a replay with 2 real requests + 1 padding
+    # request (3 tokens in page 0, row 0), a replay with another split.
+    plans = [([base, 5 + base, 2 * base], [3, 1, 4]),
+             ([2 + base, 3], [2, 3]),
+             ([1, base + 4, 3 + base], [1, 4, 3])]
+    total, max_bs = 8, 3
+    maker = s.maker(case, shape, max_tokens=max(max(p[0]) for p in plans))
+    runner, dev = maker.runner, s.device
+    static = _Static({"req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "seq_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "extend_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "out_cache_loc": torch.zeros(total, dtype=torch.int64, device=dev)})
+    t = static.tensors
+    batch = DraftExtendBatch(t["req_pool_indices"], t["seq_lens"], t["extend_lens"],
+                             t["out_cache_loc"])
+    backend = s.construct(case, runner)
+    backend.init_cuda_graph_state(max_bs, total)
+    layers = _layers(shape)
+    gen = s.generator(case, "qkv")
+    inputs = [random_qkv(runner, total, gen) for _ in layers]
+
+    def place(seq: list[int], ext: list[int]) -> int:
+        rnd = maker.extend(seq, ext)
+        pad_tokens = total - sum(ext)
+        values = {"req_pool_indices": rnd.batch.req_pool_indices,
+                  "seq_lens": rnd.batch.seq_lens, "extend_lens": rnd.batch.extend_lens,
+                  "out_cache_loc": rnd.batch.out_cache_loc}
+        static.load(values, {"req_pool_indices": 0, "seq_lens": pad_tokens,
+                             "extend_lens": pad_tokens,
+                             "out_cache_loc": torch.arange(pad_tokens, device=dev)})
+        return len(seq)
+
+    def calls() -> list[torch.Tensor]:
+        return [backend.forward(layer, *inputs[i]) for i, layer in enumerate(layers)]
+
+    place(*plans[0])
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    graph = _GraphRunner(dev, calls)
+    for n, (seq, ext) in enumerate(plans):
+        bs_real = place(seq, ext)
+        backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+        for qkv in inputs:
+            for tensor in qkv:
+                if tensor is not None:
+                    tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+        shadow = shadow_runner(runner)
+        outs = graph.replay()
+        real = sum(ext)
+        ref_batch = DraftExtendBatch(t["req_pool_indices"][:bs_real], t["seq_lens"][:bs_real],
+                                     t["extend_lens"][:bs_real], t["out_cache_loc"][:real])
+        for i, layer in enumerate(layers):
+            shadow.write_kv(layer.layer_id, t["out_cache_loc"], inputs[i][1], inputs[i][2])
+        for i, layer in enumerate(layers):
+            ref = reference_extend(_dense(shadow), layer, inputs[i][0][:real], ref_batch)
+            msg = output_mismatch(outs[i][:real], ref, case.dtype)
+            if msg:
+                raise CaseFailed(f"round {n} ({bs_real} requests in a graph of {max_bs}), "
+                                 f"layer {layer.layer_id}: {msg}")
+        _check_pools(runner, shadow, t["out_cache_loc"], f"after round {n}",
+                     torch.arange(case.page_size))
+    mode = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
+    return f"{mode}; 3 rounds (one padded) match the reference"

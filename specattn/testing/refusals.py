@@ -1,0 +1,205 @@
+"""Bad inputs every backend must refuse with a ``specattn`` error that names the argument.
+
+Each refusal builds a valid round, breaks one thing, and expects a ``SpecAttnError`` whose
+message contains the argument's name. Checks that need tensor values (lengths, slots) run on
+the CPU always and on a device in debug mode (``SPECATTN_DEBUG_CHECKS=1``), which the kit turns
+on around those cases: on a device they are never paid for in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from ..data import AttentionLayer, DraftBatch, DraftExtendBatch
+from ..errors import SpecAttnError
+from .checks import (NUM_STEPS, Case, CaseFailed, CaseSkipped, Session, _decode_maker,
+                     _layers, decode_lengths, extend_lengths)
+from .rounds import random_qkv
+
+__all__ = ["Refusal", "DECODE_REFUSALS", "EXTEND_REFUSALS", "run_refusal"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """``act(fixture)`` must raise a ``SpecAttnError`` mentioning ``argument``.
+    ``values``: the check reads tensor values (debug mode on a device). ``path``: only for
+    backends that serve ``tree_mode='path'``."""
+
+    name: str
+    argument: str
+    act: Callable[["_Fixture"], object]
+    values: bool = False
+    path: bool = False
+
+
+@dataclass
+class _Fixture:
+    session: Session
+    case: Case
+    runner: object
+    batch: object
+    backend: object
+    layer: AttentionLayer
+    rows: int
+    gen: torch.Generator
+
+    def qkv(self, rows=None):
+        return random_qkv(self.runner, self.rows if rows is None else rows, self.gen)
+
+    def construct(self, **kw):
+        return self.session.construct(self.case, self.runner, **kw)
+
+    def forward(self, *args):
+        if self.case.kind == "decode":
+            step = args[0] if args else 0
+            q, k, v = args[1:] if len(args) > 1 else self.qkv()
+            return self.backend.forward(step, self.layer, q, k, v)
+        q, k, v = args if args else self.qkv()
+        return self.backend.forward(self.layer, q, k, v)
+
+    def init(self, batch=None):
+        return self.backend.init_forward_metadata(self.batch if batch is None else batch)
+
+
+def _with(batch, **changes):
+    return replace(batch, **changes)
+
+
+def _bump(t: torch.Tensor, value) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = value
+    return t
+
+
+def _wrong_dtype(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16 if t.dtype != torch.float16 else torch.float32)
+
+
+def _other_extend_batch(f: _Fixture) -> DraftExtendBatch:
+    b = f.batch
+    return DraftExtendBatch(b.req_pool_indices, b.seq_lens, torch.ones_like(b.seq_lens),
+                            b.out_cache_loc[:, 0, 0])
+
+
+def _other_decode_batch(f: _Fixture) -> DraftBatch:
+    b = f.batch
+    loc = b.out_cache_loc[: b.batch_size].reshape(-1, 1, 1).expand(-1, 1, NUM_STEPS)
+    return DraftBatch(b.req_pool_indices, b.seq_lens, loc[: b.batch_size].contiguous())
+
+
+def _then_forward(f: _Fixture, batch) -> object:
+    f.init(batch)
+    return f.forward()
+
+
+def _bad_parents(f: _Fixture) -> object:
+    f.init()
+    f.batch.parents[1] = f.case.topk  # lane index out of [0, topk)
+    f.forward()
+    return f.forward(1)
+
+
+DECODE_REFUSALS = (
+    Refusal("forward_before_metadata", "init_forward_metadata", lambda f: f.forward()),
+    Refusal("step_out_of_range", "step", lambda f: (f.init(), f.forward(NUM_STEPS))),
+    Refusal("negative_step", "step", lambda f: (f.init(), f.forward(-1))),
+    Refusal("q_wrong_rows", "q", lambda f: (f.init(), f.forward(0, *f.qkv(f.rows + 1)[:1],
+                                                               *f.qkv()[1:]))),
+    Refusal("q_wrong_dtype", "q", lambda f: (f.init(), f.forward(
+        0, _wrong_dtype(f.qkv()[0]), *f.qkv()[1:]))),
+    Refusal("k_wrong_rows", "k", lambda f: (f.init(), f.forward(
+        0, f.qkv()[0], f.qkv(f.rows + 1)[1], f.qkv(f.rows + 1)[2]))),
+    Refusal("layer_out_of_range", "layer", lambda f: (f.init(), f.backend.forward(
+        0, AttentionLayer(f.runner.num_layers, 0.1), *f.qkv()))),
+    Refusal("seq_lens_beyond_context", "seq_lens", lambda f: _then_forward(
+        f, _with(f.batch, seq_lens=_bump(f.batch.seq_lens, f.runner.max_context_len + 1))),
+        values=True),
+    Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
+        values=True),
+    Refusal("req_pool_indices_outside", "req_pool_indices", lambda f: _then_forward(
+        f, _with(f.batch, req_pool_indices=_bump(f.batch.req_pool_indices,
+                                                 f.runner.max_reqs))), values=True),
+    Refusal("extend_batch_given", "batch", lambda f: _then_forward(f, _other_extend_batch(f))),
+    Refusal("topk_zero", "topk", lambda f: f.construct(topk=0)),
+    Refusal("num_steps_zero", "num_steps", lambda f: f.construct(num_steps=0)),
+    Refusal("path_without_parents", "parents", lambda f: _then_forward(
+        f, _with(f.batch, parents=None)), path=True),
+    Refusal("parents_out_of_range", "parents", _bad_parents, values=True, path=True),
+)
+
+EXTEND_REFUSALS = (
+    Refusal("forward_before_metadata", "init_forward_metadata", lambda f: f.forward()),
+    Refusal("q_wrong_rows", "q", lambda f: (f.init(), f.forward(
+        *f.qkv(f.rows + 1)[:1], *f.qkv()[1:]))),
+    Refusal("layer_out_of_range", "layer", lambda f: (f.init(), f.backend.forward(
+        AttentionLayer(f.runner.num_layers, 0.1), *f.qkv()))),
+    Refusal("decode_batch_given", "batch", lambda f: _then_forward(f, _other_decode_batch(f))),
+    Refusal("seq_lens_below_extend_lens", "seq_lens", lambda f: _then_forward(
+        f, _with(f.batch, seq_lens=_bump(f.batch.seq_lens,
+                                         int(f.batch.extend_lens.view(-1)[0]) - 1))),
+        values=True),
+    Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
+        values=True),
+    Refusal("out_cache_loc_wrong_length", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=f.batch.out_cache_loc[1:])), values=True),
+)
+
+
+def _fixture(s: Session, case: Case) -> _Fixture:
+    """A valid round for ``case``; refusals are model-independent, so when the kit has no
+    shape for ``case.model`` (say dsv4's MHA form) the other model of the backend serves."""
+    try:
+        return _fixture_for(s, case)
+    except CaseSkipped:
+        for model in ("mha", "mla"):
+            other = replace(case, model=model)
+            if model != case.model and isinstance(s.target.class_for(case.kind, model), type):
+                with contextlib.suppress(CaseSkipped):
+                    return _fixture_for(s, other)
+        raise
+
+
+def _fixture_for(s: Session, case: Case) -> _Fixture:
+    shape = s.shape(case)
+    gen = s.generator(case, "qkv")
+    if case.kind == "decode":
+        lens = decode_lengths(case.page_size, True)
+        maker = _decode_maker(s, case, shape, [lens])
+        rnd = maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode)
+        batch, rows = rnd.batch, rnd.lanes
+        if rnd.parents_plan is not None:
+            batch.parents.copy_(rnd.parents_plan.to(batch.parents.device))
+    else:
+        seq, ext = extend_lengths(case.page_size, True)
+        maker = s.maker(case, shape, max_tokens=max(seq))
+        rnd = maker.extend(seq, ext)
+        batch, rows = rnd.batch, rnd.num_tokens
+    backend = s.construct(case, maker.runner)
+    return _Fixture(s, case, maker.runner, batch, backend, _layers(shape)[0], rows, gen)
+
+
+def run_refusal(s: Session, case: Case) -> str:
+    refusal: Refusal = case.params["refusal"]
+    fixture = _fixture(s, case)
+    try:
+        if refusal.values:
+            with s.value_checks():
+                refusal.act(fixture)
+        else:
+            refusal.act(fixture)
+    except SpecAttnError as exc:
+        if refusal.argument not in str(exc):
+            raise CaseFailed(f"refused with {type(exc).__name__}, but the message does not "
+                             f"name {refusal.argument!r}: {exc}") from exc
+        return f"{type(exc).__name__}: {exc}"[:160]
+    except Exception as exc:  # noqa: BLE001 - the point is to report what was raised
+        raise CaseFailed(f"raised {type(exc).__name__} instead of a specattn error naming "
+                         f"{refusal.argument!r}: {exc}") from exc
+    raise CaseFailed(f"accepted the bad input silently (expected a specattn error naming "
+                     f"{refusal.argument!r})")

@@ -1,0 +1,188 @@
+"""Where each built-in backend runs the conformance kit.
+
+On a machine where a backend's own platform and library are present (the H200 for triton,
+flashinfer, fa4, fa3-through-FA4, flashmla, dsa, dsv4), ``native`` environments run it for
+real. Everywhere, backends for hardware this machine lacks run on the CPU against the
+stand-in vendor modules of ``tests/standins`` (documented signatures, answers computed with
+torch from exactly the arguments they receive) under a platform that has the library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from specattn.platforms import Platform, current_platform
+from standins import aiter as aiter_standin
+from standins import fa_cute, fa_interface, fa_mate
+from standins import flash_mla as fm_standin
+from standins import flashinfer as fi_standin
+from standins import tokenspeed_mla as ts_standin
+from standins import torch_npu as npu_standin
+from standins import trtllm_flashinfer as trt_standin
+
+
+@contextlib.contextmanager
+def _modules(table: dict[str, types.ModuleType]) -> Iterator[None]:
+    saved = {name: sys.modules.get(name) for name in table}
+    sys.modules.update(table)
+    try:
+        yield
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
+@contextlib.contextmanager
+def _patched(obj, **attrs) -> Iterator[None]:
+    old = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+@contextlib.contextmanager
+def _flashinfer() -> Iterator[None]:
+    from specattn.backends import flashinfer as fi_backends
+    from specattn.backends.flashinfer import _passes
+
+    classes = (fi_backends.FlashInferDecode, fi_backends.FlashInferExtend,
+               fi_backends.FlashInferMLADecode, fi_backends.FlashInferMLAExtend)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_modules({"flashinfer": fi_standin.make()}))
+        # The stand-in computes in float32, so the glue is checked at fp32 tolerance too.
+        for cls in classes:
+            stack.enter_context(_patched(cls, dtypes=cls.dtypes + (torch.float32,)))
+        stack.enter_context(_patched(_passes, _WORKSPACE_BYTES=16, _WORKSPACES={}))
+        yield
+
+
+@contextlib.contextmanager
+def _flash_attn() -> Iterator[None]:
+    parent = types.ModuleType("flash_attn")
+    parent.cute = fa_cute
+    with _modules({"flash_attn": parent, "flash_attn.cute": fa_cute,
+                   "flash_attn_interface": fa_interface, "mate": fa_mate}):
+        yield
+
+
+def _installer(make: Callable[[], dict[str, types.ModuleType]]):
+    @contextlib.contextmanager
+    def setup() -> Iterator[None]:
+        with _modules(make()):
+            yield
+    return setup
+
+
+def _trtllm_modules() -> dict[str, types.ModuleType]:
+    root, _ = trt_standin.make()
+    return {"flashinfer": root, "flashinfer.decode": root.decode, "flashinfer.mla": root.mla}
+
+
+def _aiter_modules() -> dict[str, types.ModuleType]:
+    aiter, mla, _ = aiter_standin.make()
+    return {"aiter": aiter, "aiter.mla": mla}
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One way to run ``name``: ``platform`` (None: this machine), ``setup`` (stand-ins)."""
+
+    label: str
+    name: str
+    platform: Optional[Platform] = None
+    setup: Optional[Callable] = None
+    device: Optional[str] = None
+    covers: tuple[str, ...] = field(default=())  # "name[flavour]" of the classes it runs
+    # Known bugs the kit found, fixed by a named issue: strict xfails until then.
+    xfail: tuple[tuple[str, str], ...] = field(default=())
+
+    def options(self) -> dict:
+        return {"platform": self.platform, "setup": self.setup, "device": self.device,
+                "expected_failures": dict(self.xfail)}
+
+
+def _lib(device: str, capability=None, *libs: str) -> Platform:
+    return Platform(device, capability, libraries=frozenset(libs))
+
+
+HOPPER_FA4 = _lib("cuda", (9, 0), "flash_attn.cute")
+# Padded extend reads keys past the sequence end (issue #17, points 2-3).
+_PADDED_EXTEND_READS = (("extend/*/numerics/*/ragged", "issue #17: the padded extend reads slots past "
+                         "L' (a NaN there leaks into real rows)"),
+                        ("extend/*/engine/*", "issue #17: as above"),
+                        ("extend/*/determinism/*", "issue #17: as above (NaN != NaN)"))
+STANDIN = (
+    Environment("flashinfer", "flashinfer", _lib("cuda", (9, 0), "flashinfer"), _flashinfer,
+                "cpu", ("flashinfer[mha]", "flashinfer[mla]")),
+    Environment("fa4", "fa4", HOPPER_FA4, _flash_attn, "cpu", ("fa4[cuda]",)),
+    Environment("fa3-sm90", "fa3", _lib("cuda", (9, 0), "flash_attn_interface"), _flash_attn,
+                "cpu", ("fa3[sm90]",)),
+    Environment("fa3-sm8x", "fa3", _lib("cuda", (8, 0), "flash_attn_interface"), _flash_attn,
+                "cpu", ("fa3[sm8x]",)),
+    Environment("fa-musa", "fa4", _lib("musa", None, "mate"), _flash_attn, "cpu",
+                ("fa4[musa]", "fa3[musa]")),
+    Environment("flashmla", "flashmla", _lib("cuda", (9, 0), "flash_mla"),
+                _installer(lambda: {"flash_mla": fm_standin.make()[0]}), "cpu",
+                ("flashmla[default]",)),
+    Environment("trtllm_mha", "trtllm_mha", _lib("cuda", (10, 0), "flashinfer"),
+                _installer(_trtllm_modules), "cpu", ("trtllm_mha[default]",),
+                _PADDED_EXTEND_READS),
+    Environment("trtllm_mla", "trtllm_mla", _lib("cuda", (10, 0), "flashinfer"),
+                _installer(_trtllm_modules), "cpu", ("trtllm_mla[default]",),
+                _PADDED_EXTEND_READS),
+    Environment("cutedsl_mla", "cutedsl_mla", _lib("cuda", (10, 0), "flashinfer"),
+                _installer(_trtllm_modules), "cpu", ("cutedsl_mla[default]",),
+                _PADDED_EXTEND_READS),
+    Environment("tokenspeed_mla", "tokenspeed_mla", _lib("cuda", (10, 0), "tokenspeed_mla"),
+                _installer(lambda: {"tokenspeed_mla": ts_standin.make()[0]}), "cpu",
+                ("tokenspeed_mla[default]",)),
+    Environment("aiter", "aiter", _lib("hip", None, "aiter"), _installer(_aiter_modules),
+                "cpu", ("aiter[default]",)),
+    Environment("ascend", "ascend", _lib("npu", None, "torch_npu"),
+                _installer(lambda: {"torch_npu": npu_standin.make()[0]}), "cpu",
+                ("ascend[default]",)),
+    Environment("dsv4-npu", "dsv4", _lib("npu", None, "torch_npu"),
+                _installer(lambda: {"torch_npu": npu_standin.make()[0]}), "cpu",
+                ("dsv4[npu]",)),
+    Environment("dsv4-hip", "dsv4", _lib("hip", None, "triton"), None, "cpu",
+                ("dsv4[hip]",)),
+)
+# Backends whose kernels run on this machine's own platform (CPU: torch, or Triton under
+# TRITON_INTERPRET=1; on the H200 the same names run their CUDA kernels).
+NATIVE = (
+    Environment("torch_ref", "torch_ref", covers=("torch_ref[default]",)),
+    Environment("intel_amx", "intel_amx", covers=("intel_amx[default]",)),
+    Environment("triton", "triton", covers=("triton[default]",),
+                xfail=(("*/engine/strided_index/*", "issue #17 point 1: the metadata kernels "
+                        "read index tensors as contiguous"),)),
+    Environment("dsa", "dsa", covers=("dsa[default]",)),
+    Environment("dsv4", "dsv4", covers=("dsv4[cuda]",)),
+)
+# On a GPU with the libraries installed, the vendor backends also run natively.
+GPU_NATIVE = (
+    Environment("flashinfer-gpu", "flashinfer", covers=("flashinfer[mha]", "flashinfer[mla]")),
+    Environment("fa4-gpu", "fa4", covers=("fa4[cuda]",)),
+    Environment("fa3-gpu", "fa3", covers=("fa3[sm90]",)),
+    Environment("flashmla-gpu", "flashmla", covers=("flashmla[default]",)),
+)
+
+
+def environments() -> tuple[Environment, ...]:
+    """The environments to run on this machine: native, stand-ins, and the vendor libraries
+    for real where ``current_platform()`` has them (GPU)."""
+    platform = current_platform()
+    gpu = tuple(e for e in GPU_NATIVE if platform.device == "cuda")
+    return NATIVE + gpu + STANDIN

@@ -1,0 +1,224 @@
+"""The conformance kit itself: a one-file backend passes it, broken ones fail it with a message
+that says what broke, and the kit's own plumbing (reports, plans, declared limits, pytest
+entry) behaves as documented."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import pytest
+import torch
+
+from specattn import DraftDecodeBackend, DraftExtendBackend
+from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.data import DraftBatch, DraftExtendBatch
+from specattn.errors import InvalidInputError
+from specattn.platforms import any_platform
+from specattn.testing import ConformanceError, check_backend, conformance_tests
+from specattn.testing.plan import plan_cases
+from specattn.testing.target import Target
+from specattn.validation import (check_decode_batch, check_decode_forward, check_extend_batch,
+                                 check_extend_forward, check_parents_step)
+
+# --- a backend as a user writes it, with the graph protocol on fixed buffers ----------------
+
+
+class _Decode(DraftDecodeBackend):
+    """Reference math; graph metadata copied into buffers sized at init_cuda_graph_state.
+    The class attributes switch on one mistake each (the kit must catch every one)."""
+
+    supports_cuda_graph = True
+    path_as_lane = False      # computes path trees as lanes
+    skip_kv_write = False     # never stores the step's new KV
+    stale_padding = False     # a replay refreshes only the requests that are not padding
+    batch: Optional[DraftBatch] = None
+
+    def init_forward_metadata(self, batch):
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+        self.batch = batch
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        dev = self.runner.device
+        self.bufs = DraftBatch(torch.zeros(max_bs, dtype=torch.long, device=dev),
+                               torch.zeros(max_bs, dtype=torch.long, device=dev),
+                               torch.zeros(max_bs, self.topk, self.num_steps, dtype=torch.long,
+                                           device=dev))
+
+    def _copy(self, batch, rows):
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+            getattr(self.bufs, name)[rows] = getattr(batch, name)[rows]
+        bs = batch.batch_size
+        self.batch = DraftBatch(self.bufs.req_pool_indices[:bs], self.bufs.seq_lens[:bs],
+                                self.bufs.out_cache_loc[:bs], batch.parents)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch):
+        self._check_graph_batch(batch, None, ready=hasattr(self, "bufs"))
+        self._copy(batch, slice(None, batch.batch_size))
+
+    def init_forward_metadata_replay_cuda_graph(self, batch, bs):
+        self._check_graph_batch(batch, bs, ready=hasattr(self, "bufs"))
+        real = int((batch.req_pool_indices != 0).sum())  # engines pad with request row 0
+        self._copy(batch, slice(None, real if self.stale_padding else bs))
+
+    def forward(self, step, layer, q, k, v):
+        self._require_metadata(self.batch)
+        batch = self.batch
+        check_decode_forward(self.runner, batch.batch_size * self.topk, self.num_steps, step,
+                             layer, q, k, v)
+        check_parents_step(batch, step, self.topk)
+        if not self.skip_kv_write:
+            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v)
+        mode = "lane" if self.path_as_lane else self.tree_mode
+        return reference_decode(self.runner, layer, q, batch, step, mode)
+
+
+class _Extend(DraftExtendBackend):
+    scale_output = 1.0  # != 1: an extend off by a few percent
+    batch: Optional[DraftExtendBatch] = None
+
+    def init_forward_metadata(self, batch):
+        check_extend_batch(self.runner, batch)
+        self.batch = batch
+
+    def forward(self, layer, q, k, v):
+        self._require_metadata(self.batch)
+        check_extend_forward(self.runner, int(self.batch.extend_lens.sum()), layer, q, k, v)
+        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+        return reference_extend(self.runner, layer, q, self.batch) * self.scale_output
+
+
+def _register(scoped_registry, decode_attrs=None, extend_attrs=None):
+    """A registered decode + extend pair named ``mine`` with the given mistakes switched on."""
+
+    class MyDecode(_Decode, name="mine", platforms=any_platform, priority=-5):
+        pass
+
+    class MyExtend(_Extend, name="mine", platforms=any_platform, priority=-5):
+        pass
+
+    for cls, attrs in ((MyDecode, decode_attrs), (MyExtend, extend_attrs)):
+        for key, value in (attrs or {}).items():
+            setattr(cls, key, value)
+    return MyDecode, MyExtend
+
+
+def _failures(report) -> dict[str, str]:
+    return {r.case: r.detail for r in report.failures}
+
+
+def test_a_correct_one_file_backend_passes(scoped_registry):
+    _register(scoped_registry)
+    report = check_backend("mine", models=("mha", "mla"))
+    assert report.ok and report.failed == 0
+    assert report.passed >= 60, str(report)
+    graph = [r for r in report.results if r.case.startswith("decode/") and "/graph/" in r.case]
+    assert graph and all(r.status == "passed" for r in graph), str(report)
+
+
+def test_path_trees_computed_as_lanes_fail(scoped_registry):
+    _register(scoped_registry, {"path_as_lane": True})
+    with pytest.raises(ConformanceError) as info:
+        check_backend("mine", kinds=("decode",), models=("mha",))
+    failed = _failures(info.value.report)
+    assert failed and all("/path/" in case or "/path" in case for case in failed), failed
+    assert not any("/lane/" in case for case in failed), failed
+    detail = next(iter(failed.values()))
+    assert detail.startswith("step 1") or detail.startswith("step 2"), detail
+    assert "first difference at lane" in detail and "(request" in detail, detail
+
+
+def test_a_missing_kv_write_fails_and_says_so(scoped_registry):
+    _register(scoped_registry, {"skip_kv_write": True})
+    report = check_backend("mine", kinds=("decode",), models=("mla",),
+                           raise_on_failure=False, select="numerics")
+    assert report.failed and report.passed == 0
+    for detail in _failures(report).values():
+        assert "was never written (still poisoned)" in detail, detail
+        assert detail.startswith("step 0, layer 1: pool kv_buffer[1]"), detail
+
+
+def test_an_extend_off_by_three_percent_fails(scoped_registry):
+    _register(scoped_registry, extend_attrs={"scale_output": 1.03})
+    report = check_backend("mine", kinds=("extend",), models=("mha",), raise_on_failure=False,
+                           select="numerics")
+    failed = _failures(report)
+    # Every dtype fails, bf16 included, through the relative error norm.
+    assert {c.split("/")[3] for c in failed} == {"fp32", "bf16", "fp16"}, failed
+    bf16 = next(d for c, d in failed.items() if "/bf16/" in c)
+    assert "relative error norm" in bf16, bf16
+
+
+def test_padding_rows_left_stale_fail(scoped_registry):
+    _register(scoped_registry, {"stale_padding": True})
+    report = check_backend("mine", kinds=("decode",), models=("mha",),
+                           raise_on_failure=False, select="graph")
+    (case, detail), = _failures(report).items()
+    assert "replay 1" in detail and "no token writes it" in detail, detail
+
+
+def test_known_limits_are_reported_not_run(scoped_registry):
+    dec, _ = _register(scoped_registry, {"path_as_lane": True})
+    dec.known_limits = {"decode/*/path/*": "paths computed as lanes (on purpose, for a test)",
+                        "decode/*/*/path": "as above", "decode/*/*/*/path": "as above",
+                        "decode/*/*/*/*/*/path/*": "as above"}
+    report = check_backend("mine", kinds=("decode",), models=("mha",))
+    limited = [r for r in report.results if r.status == "declared limit"]
+    assert limited and all("path" in r.case for r in limited)
+    assert "declared limits" in report.summary()
+
+
+def test_plan_reads_capabilities(scoped_registry):
+    dec, _ = _register(scoped_registry)
+    dec.max_topk = 1
+    dec.tree_modes = frozenset({"lane"})
+    dec.page_sizes = frozenset({1})
+    dec.dtypes = (torch.bfloat16,)
+    ids = [c.id for c, why in plan_cases(Target.build("mine"), kinds=("decode",),
+                                         models=("mha",)) if why is None]
+    assert ids and all("/k1/" in i or "/refuses/" in i for i in ids), ids
+    assert not any("/path" in i or "/p16/" in i or "/fp16/" in i for i in ids), ids
+
+
+def test_an_unregistered_class_pair_can_be_checked(empty_registry):
+    class Dec(_Decode):
+        pass
+
+    class Ext(_Extend):
+        pass
+
+    report = check_backend([Dec, Ext], models=("mha",), select="numerics/fp32")
+    assert report.ok and report.passed >= 6
+
+
+def test_unknown_names_and_bad_levels_are_refused():
+    with pytest.raises(ValueError, match="Did you mean 'triton'"):
+        check_backend("tritn")
+    with pytest.raises(InvalidInputError, match="level"):
+        check_backend("torch_ref", level="everything")
+
+
+def test_report_text_lists_failures_first(scoped_registry):
+    _register(scoped_registry, extend_attrs={"scale_output": 1.03})
+    report = check_backend("mine", kinds=("extend",), models=("mha",), raise_on_failure=False,
+                           select="extend/mha/numerics/fp32/p1/ragged")
+    lines = str(report).splitlines()
+    assert lines[0].startswith("specattn conformance of mine on cpu")
+    assert lines[1].lstrip().startswith("FAIL  extend/mha/numerics/fp32/p1/ragged: layer 1:")
+
+
+# The one-line pytest entry, as a third-party package uses it (torch_ref: fast, exact).
+test_torch_ref_through_the_pytest_entry = conformance_tests(
+    "torch_ref", models=("mla",), kinds=("extend",))
+
+
+def test_pytest_entry_rejects_unknown_options():
+    with pytest.raises(TypeError, match="unexpected options"):
+        conformance_tests("torch_ref", colour="blue")
+
+
+def test_cases_are_frozen_values():
+    case = plan_cases(Target.build("torch_ref"))[0][0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        case.id = "x"
