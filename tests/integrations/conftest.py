@@ -39,6 +39,9 @@ def sglang_cpu(monkeypatch):
     """SGLang on the CPU: no torch.compile (SGLang compiles its top-k selection), float32."""
     import torch
 
+    import sglang_stubs
+
+    sglang_stubs.install()
     monkeypatch.setattr(torch._dynamo.config, "disable", True)
     with torch.no_grad():
         yield

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_harness as H
-from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+pytest.importorskip("sglang", reason="SGLang is not installed (see docs/sglang.md)")
 
-from specattn.integrations.sglang.backends import SpecattnMultiStepDraftBackend
+import sglang_harness as H  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend  # noqa: E402
+
+from specattn.integrations.sglang.backends import SpecattnMultiStepDraftBackend  # noqa: E402
 
 STEPS = 3
 TOL = dict(atol=2e-5, rtol=2e-5)
