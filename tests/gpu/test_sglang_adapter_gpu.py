@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specattn import DraftBackendFactory, SpecConfig
-from specattn.errors import BackendUnavailableError
+from specattn.errors import BackendUnavailableError, ModelMismatchError
 from specattn.integrations.sglang.adapter import DecodeAdapter, ExtendAdapter, wrap_pools
 
 pytestmark = pytest.mark.gpu
@@ -87,7 +87,7 @@ def _adapters(name: str, model: str, dtype: torch.dtype, device: str = DEV):
     try:
         return mr, DecodeAdapter(factory.create_decode_backend()), ExtendAdapter(
             factory.create_draft_extend_backend())
-    except BackendUnavailableError as err:
+    except (BackendUnavailableError, ModelMismatchError) as err:
         pytest.skip(f"{name} cannot run here: {err}")
 
 

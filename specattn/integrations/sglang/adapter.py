@@ -137,6 +137,43 @@ class _Adapter:
         return (k.reshape(rows, r.num_kv_heads, r.head_dim),
                 v.reshape(rows, r.num_kv_heads, r.v_head_dim))
 
+    def _batch_of(self, forward_batch: Any):
+        """The specattn batch of ``forward_batch`` (views of its tensors)."""
+        raise NotImplementedError
+
+    def begin(self, forward_batch: Any) -> None:
+        """Eager: prepare the batch (every step of a draft round)."""
+        self.batch = self._batch_of(forward_batch)
+        self.backend.init_forward_metadata(self.batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def capture(self, forward_batch: Any) -> None:
+        """Before a CUDA-graph capture (outside the graph)."""
+        self.batch = self._batch_of(forward_batch)
+        self.backend.init_forward_metadata_capture_cuda_graph(self.batch)
+
+    def replay(self, forward_batch: Any) -> None:
+        """Before a replay: ``forward_batch`` holds the graph's (padded) batch size."""
+        self.batch = self._batch_of(forward_batch)
+        self.backend.init_forward_metadata_replay_cuda_graph(self.batch,
+                                                             int(forward_batch.batch_size))
+
+    def _require_batch(self) -> None:
+        if self.batch is None:
+            raise RuntimeError(f"specattn SGLang adapter ({type(self).__name__}): a forward "
+                               "before init_forward_metadata")
+
+    def _attend(self, call, slots: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor],
+                v: Optional[torch.Tensor], layer: Any, save_kv_cache: bool,
+                k_rope: Optional[torch.Tensor]) -> torch.Tensor:
+        """``call(layer, q, k, v)`` in specattn's shapes; ``o`` back as ``[rows, H * D_v]``."""
+        spec_layer = self.layers.require(layer)
+        rows = q.shape[0]
+        k, v = self._new_kv(spec_layer.layer_id, rows, k, v, save_kv_cache, slots, k_rope)
+        return call(spec_layer, self._query(q), k, v).reshape(rows, -1)
+
     def _query(self, q: torch.Tensor) -> torch.Tensor:
         r = self.runner
         if r.use_mla_backend:
@@ -185,40 +222,24 @@ class DecodeAdapter(_Adapter):
         if self.parents is not None and step >= 1:
             self.parents[step, :parent_lanes.shape[0]].copy_(parent_lanes)
 
-    def begin(self, forward_batch: Any) -> None:
-        self.batch = self.draft_batch(forward_batch)
-        self.backend.init_forward_metadata(self.batch)
+    _batch_of = draft_batch
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
-        if self.backend.tree_mode == "path":
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        if self.backend.tree_mode == "path":  # fixed, so the graph's parents stay put
             device = self.runner.req_to_token.device
             self.parents = torch.zeros(self.num_steps, max_bs, self.topk, dtype=torch.int64,
                                        device=device)
-
-    def capture(self, forward_batch: Any) -> None:
-        self.batch = self.draft_batch(forward_batch)
-        self.backend.init_forward_metadata_capture_cuda_graph(self.batch)
-
-    def replay(self, forward_batch: Any) -> None:
-        self.batch = self.draft_batch(forward_batch)
-        self.backend.init_forward_metadata_replay_cuda_graph(self.batch,
-                                                             int(forward_batch.batch_size))
 
     def forward(self, step: int, q: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], layer: Any, save_kv_cache: bool = True,
                 k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Step ``step`` of one layer: ``q [B*K, H_q * D]`` (or ``[B*K, H_q, D]``) →
         ``o [B*K, H_q * D_v]``, as SGLang's backends return it."""
-        if self.batch is None:
-            raise RuntimeError("specattn SGLang adapter: forward_decode before the draft "
-                               "container's init_forward_metadata")
-        spec_layer = self.layers.require(layer)
-        rows = q.shape[0]
-        k, v = self._new_kv(spec_layer.layer_id, rows, k, v, save_kv_cache,
-                            self.batch.out_cache_loc[:, :, step], k_rope)
-        o = self.backend.forward(step, spec_layer, self._query(q), k, v)
-        return o.reshape(rows, -1)
+        self._require_batch()
+        return self._attend(lambda *args: self.backend.forward(step, *args),
+                            self.batch.out_cache_loc[:, :, step], q, k, v, layer,
+                            save_kv_cache, k_rope)
 
 
 class ExtendAdapter(_Adapter):
@@ -247,32 +268,12 @@ class ExtendAdapter(_Adapter):
         return DraftExtendBatch(forward_batch.req_pool_indices, seq_lens, extend_lens,
                                 forward_batch.out_cache_loc)
 
-    def begin(self, forward_batch: Any) -> None:
-        self.batch = self.extend_batch(forward_batch)
-        self.backend.init_forward_metadata(self.batch)
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
-
-    def capture(self, forward_batch: Any) -> None:
-        self.batch = self.extend_batch(forward_batch)
-        self.backend.init_forward_metadata_capture_cuda_graph(self.batch)
-
-    def replay(self, forward_batch: Any) -> None:
-        self.batch = self.extend_batch(forward_batch)
-        self.backend.init_forward_metadata_replay_cuda_graph(self.batch,
-                                                             int(forward_batch.batch_size))
+    _batch_of = extend_batch
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 layer: Any, save_kv_cache: bool = True,
                 k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [T, H_q * D]`` → ``o [T, H_q * D_v]`` (``T = sum(extend_seq_lens)``)."""
-        if self.batch is None:
-            raise RuntimeError("specattn SGLang adapter: forward_extend before "
-                               "init_forward_metadata")
-        spec_layer = self.layers.require(layer)
-        rows = q.shape[0]
-        k, v = self._new_kv(spec_layer.layer_id, rows, k, v, save_kv_cache,
-                            self.batch.out_cache_loc, k_rope)
-        o = self.backend.forward(spec_layer, self._query(q), k, v)
-        return o.reshape(rows, -1)
+        self._require_batch()
+        return self._attend(self.backend.forward, self.batch.out_cache_loc, q, k, v, layer,
+                            save_kv_cache, k_rope)

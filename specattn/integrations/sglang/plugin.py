@@ -101,23 +101,33 @@ def _stamp(backend: Any, name: str) -> None:
     backend.decode_attention_backend_str = name
 
 
+def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name: str,
+           settings: Optional[Settings], wrap):
+    settings = read_settings() if settings is None else settings
+    factory = _specattn_factory(model_runner, topk, num_steps, settings, sglang_name)
+    create, explain = ((factory.create_decode_backend, factory.explain_decode_backend)
+                       if kind == "decode" else
+                       (factory.create_draft_extend_backend,
+                        factory.explain_draft_extend_backend))
+    backend = create()
+    if backend is None:
+        return None
+    _explain_once(explain(), kind, sglang_name, settings)
+    wrapped = wrap(backend, _start_layer(model_runner))
+    for b in (wrapped, *getattr(wrapped, "attn_backends", ())):
+        _stamp(b, sglang_name)
+    return wrapped
+
+
 def build_decode_backend(model_runner: Any, topk: int, num_steps: int, sglang_name: str,
                          settings: Optional[Settings] = None):
     """The SGLang-protocol multi-step draft container over specattn (``None`` for
     ``num_steps <= 1``), stamped with ``sglang_name``."""
     from .backends import SpecattnMultiStepDraftBackend
 
-    settings = read_settings() if settings is None else settings
-    factory = _specattn_factory(model_runner, topk, num_steps, settings, sglang_name)
-    backend = factory.create_decode_backend()
-    if backend is None:
-        return None
-    _explain_once(factory.explain_decode_backend(), "decode", sglang_name, settings)
-    container = SpecattnMultiStepDraftBackend(model_runner, topk, num_steps, backend,
-                                              start_layer=_start_layer(model_runner))
-    for b in (container, *container.attn_backends):
-        _stamp(b, sglang_name)
-    return container
+    return _build("decode", model_runner, topk, num_steps, sglang_name, settings,
+                  lambda backend, start: SpecattnMultiStepDraftBackend(
+                      model_runner, topk, num_steps, backend, start_layer=start))
 
 
 def build_draft_extend_backend(model_runner: Any, topk: int, num_steps: int,
@@ -127,16 +137,9 @@ def build_draft_extend_backend(model_runner: Any, topk: int, num_steps: int,
     ``sglang_name``; ``fallback`` serves what specattn cannot (see ``backends``)."""
     from .backends import SpecattnDraftExtendBackend
 
-    settings = read_settings() if settings is None else settings
-    factory = _specattn_factory(model_runner, topk, num_steps, settings, sglang_name)
-    backend = factory.create_draft_extend_backend()
-    if backend is None:
-        return None
-    _explain_once(factory.explain_draft_extend_backend(), "extend", sglang_name, settings)
-    wrapped = SpecattnDraftExtendBackend(model_runner, backend, fallback=fallback,
-                                         start_layer=_start_layer(model_runner))
-    _stamp(wrapped, sglang_name)
-    return wrapped
+    return _build("extend", model_runner, topk, num_steps, sglang_name, settings,
+                  lambda backend, start: SpecattnDraftExtendBackend(
+                      model_runner, backend, fallback=fallback, start_layer=start))
 
 
 def _unknown(kind: str, name: str, err: UnknownBackendError) -> None:
