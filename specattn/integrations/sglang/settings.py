@@ -1,0 +1,48 @@
+"""The user's opt-in: environment variables read when SGLang builds its draft backends.
+
+- ``SPECATTN_SGLANG=1``: serve SGLang's draft attention with the specattn backend of the
+  same name as the one SGLang resolved (``--attention-backend``,
+  ``--decode-attention-backend`` / ``--prefill-attention-backend``,
+  ``--speculative-draft-attention-backend``). Unset or ``0``: SGLang is unchanged.
+- ``SPECATTN_SGLANG_BACKEND=NAME``: serve it with specattn backend ``NAME`` (any specattn
+  name, ``auto`` included) whatever SGLang resolved; implies ``SPECATTN_SGLANG=1``.
+- ``SPECATTN_SGLANG_TREE_MODE=lane|path``: ``lane`` (default) attends exactly as SGLang's own
+  backends do; ``path`` attends each draft token to its real tree ancestors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ...errors import InvalidInputError
+
+__all__ = ["ENABLE_ENV", "BACKEND_ENV", "TREE_MODE_ENV", "Settings", "read_settings"]
+
+ENABLE_ENV = "SPECATTN_SGLANG"
+BACKEND_ENV = "SPECATTN_SGLANG_BACKEND"
+TREE_MODE_ENV = "SPECATTN_SGLANG_TREE_MODE"
+
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool
+    backend: Optional[str] = None  # a specattn name forced for every draft backend
+    tree_mode: str = "lane"
+
+    def specattn_name(self, sglang_name: str) -> str:
+        """The specattn backend name that serves SGLang's resolved ``sglang_name``."""
+        return self.backend or sglang_name
+
+
+def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
+    env = os.environ if environ is None else environ
+    backend = env.get(BACKEND_ENV, "").strip().lower() or None
+    enabled = backend is not None or env.get(ENABLE_ENV, "").strip().lower() not in _FALSE
+    tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
+    if tree_mode not in ("lane", "path"):
+        raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(tree_mode))
+    return Settings(enabled=enabled, backend=backend, tree_mode=tree_mode)

@@ -1,0 +1,69 @@
+"""SGLang's draft-extend backend served by specattn through the plugin equals SGLang's own
+``TritonAttnBackend`` (Triton interpreter) on the modes SGLang runs on the draft model's
+backend: the prefill extend, spec-v2 draft extend (``DRAFT_EXTEND_V2``), decode batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="SGLang is not installed (see docs/sglang.md)")
+
+import sglang_harness as H  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from specattn.integrations.sglang.backends import SpecattnDraftExtendBackend  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("model,page,mode,extend_lens", [
+    ("mha", 1, ForwardMode.EXTEND, (3, 1, 4)),
+    ("mha", 4, ForwardMode.DRAFT_EXTEND_V2, (4, 4, 4)),
+    ("mha", 4, ForwardMode.DECODE, (1, 1, 1)),
+    ("mla", 4, ForwardMode.DRAFT_EXTEND_V2, (4, 4, 4)),
+    ("mla", 1, ForwardMode.EXTEND, (2, 5, 1)),
+])
+def test_extend_matches_sglang_triton(specattn_plugin, model, page, mode, extend_lens):
+    fx = H.build_fixture(H.Shape(model=model, page_size=page, prefix_lens=(5, 11, 2)))
+    H.configure_draft(fx, topk=1, steps=3)
+    hidden = torch.randn(sum(extend_lens), H.HIDDEN, generator=torch.Generator().manual_seed(3))
+    saved = fx.snapshot()
+    reference = H.create_extend_backend(fx, 1, 3)
+    assert isinstance(reference, TritonAttnBackend)
+    expected = H.run_extend(fx, reference, H.extend_batch(fx, mode, extend_lens), hidden)
+    pools_after = fx.snapshot()
+    fx.restore(saved)
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    backend = H.create_extend_backend(fx, 1, 3)
+    assert isinstance(backend, SpecattnDraftExtendBackend)
+    assert backend.decode_attention_backend_str == "triton"
+    # MLA keeps SGLang's backend for the non-absorbed prefill form only.
+    assert (backend.fallback is not None) == (model == "mla")
+    with H.record_outputs(fx) as outputs:
+        got = H.run_extend(fx, backend, H.extend_batch(fx, mode, extend_lens), hidden)
+    assert len(outputs) == 1 and not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, **TOL)
+    for ours, theirs in zip(fx.snapshot(), pools_after):
+        torch.testing.assert_close(ours, theirs, **TOL)
+
+
+def test_extend_graph_metadata_calls_give_the_eager_result(specattn_plugin):
+    fx = H.build_fixture(H.Shape(page_size=4))
+    H.configure_draft(fx, topk=1, steps=3)
+    lens = (4, 4, 4)
+    hidden = torch.randn(sum(lens), H.HIDDEN, generator=torch.Generator().manual_seed(4))
+    specattn_plugin({"SPECATTN_SGLANG": "1"})
+    saved = fx.snapshot()
+    backend = H.create_extend_backend(fx, 1, 3)
+    eager = H.run_extend(fx, backend, H.extend_batch(fx, ForwardMode.DRAFT_EXTEND_V2, lens),
+                         hidden)
+    fx.restore(saved)
+    backend.init_cuda_graph_state(4, 16)
+    fb = H.extend_batch(fx, ForwardMode.DRAFT_EXTEND_V2, lens)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    backend.init_forward_metadata = lambda batch: None  # already prepared, as in a replay
+    captured = H.run_extend(fx, backend, fb, hidden)
+    torch.testing.assert_close(captured, eager, **TOL)

@@ -1,0 +1,132 @@
+"""The plugin as SGLang loads it: entry point, opt-in, name stamps, the explanation, fallbacks,
+``path`` tree mode, refusals; and that ``import specattn`` never imports SGLang."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specattn.errors import InvalidInputError
+from specattn.integrations.sglang.settings import read_settings
+
+
+@pytest.mark.no_sglang
+def test_import_specattn_does_not_import_sglang():
+    code = ("import sys, specattn, specattn.integrations.sglang, "
+            "specattn.integrations.sglang.plugin; assert 'sglang' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.no_sglang
+def test_settings_opt_in():
+    assert not read_settings({}).enabled
+    assert not read_settings({"SPECATTN_SGLANG": "0"}).enabled
+    on = read_settings({"SPECATTN_SGLANG": "1"})
+    assert on.enabled and on.specattn_name("fa3") == "fa3" and on.tree_mode == "lane"
+    forced = read_settings({"SPECATTN_SGLANG_BACKEND": "Auto", "SPECATTN_SGLANG_TREE_MODE": "path"})
+    assert forced.enabled and forced.specattn_name("fa3") == "auto" and forced.tree_mode == "path"
+    with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_TREE_MODE"):
+        read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "tree"})
+
+
+def _load_through_entry_point(monkeypatch, env):
+    """SGLang's own plugin loader, restricted to this plugin, run afresh."""
+    import sglang.srt.plugins as plugins
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SGLANG_PLUGINS", "specattn")
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    plugins.load_plugins()
+
+
+def test_entry_point_without_opt_in_changes_nothing(specattn_plugin, monkeypatch):
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    before = DraftBackendFactory.__dict__["create_decode_backend"]
+    monkeypatch.delenv("SPECATTN_SGLANG", raising=False)
+    monkeypatch.delenv("SPECATTN_SGLANG_BACKEND", raising=False)
+    _load_through_entry_point(monkeypatch, {})
+    assert DraftBackendFactory.__dict__["create_decode_backend"] is before
+
+
+def test_entry_point_with_opt_in_routes_to_specattn(specattn_plugin, monkeypatch, caplog):
+    import sglang_harness as H
+    from specattn.integrations.sglang import plugin
+
+    _load_through_entry_point(monkeypatch, {"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    monkeypatch.setattr(plugin, "_explained", set())
+    fx = H.build_fixture(H.Shape(page_size=4))
+    H.configure_draft(fx, topk=2, steps=3)
+    with caplog.at_level(logging.INFO, logger=plugin.__name__):
+        first = H.create_decode_container(fx, 2, 3)
+        second = H.create_decode_container(fx, 2, 3)
+    assert type(first.specattn_backend).name == "torch_ref"
+    for b in (first, *first.attn_backends, second):  # the names SGLang's models dispatch on
+        assert b.prefill_attention_backend_str == b.decode_attention_backend_str == "triton"
+    explained = [r for r in caplog.records if "serves SGLang's draft decode" in r.message]
+    assert len(explained) == 1 and "torch_ref" in explained[0].message
+    assert H.create_decode_container(fx, 2, 1) is None  # one step: no decode backend
+
+
+def test_unknown_name_keeps_sglang_backend(specattn_plugin, caplog):
+    import sglang_harness as H
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "no_such_backend"})
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    with caplog.at_level(logging.WARNING):
+        container = H.create_decode_container(fx, 1, 3)
+    assert isinstance(container, TritonMultiStepDraftBackend)
+    assert "no draft decode backend named 'no_such_backend'" in caplog.text
+
+
+def test_refuses_what_it_cannot_serve(specattn_plugin):
+    import sglang_harness as H
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    container = H.create_decode_container(fx, 1, 3)
+    layer = fx.layer
+    layer.sliding_window_size = 8
+    with pytest.raises(InvalidInputError, match="layer.sliding_window_size"):
+        container.adapter.layers.require(layer)
+    fx.runner.kv_index_translator.is_translating = True
+    with pytest.raises(InvalidInputError, match="kv_index_translator"):
+        H.create_decode_container(fx, 1, 3)
+
+
+def test_path_tree_mode_attends_to_ancestors(specattn_plugin):
+    """``path``: step 1 of lane j attends to its parent's step-0 slot (recorded from SGLang's
+    own top-k selection); specattn's Triton kernel agrees with torch_ref; ``lane`` differs."""
+    import sglang_harness as H
+    import test_sglang_draft as D
+
+    topk = 3
+    fx, settings, model, make_batch = D._setup(H.Shape(page_size=1), topk)
+    saved = fx.snapshot()
+    results = {}
+    for env in ({"SPECATTN_SGLANG_BACKEND": "torch_ref", "SPECATTN_SGLANG_TREE_MODE": "path"},
+                {"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "path"},
+                {"SPECATTN_SGLANG_BACKEND": "torch_ref"}):
+        fx.restore(saved)
+        specattn_plugin(env)
+        container = H.create_decode_container(fx, topk, D.STEPS)
+        results[tuple(env.values())] = (H.run_draft(fx, container, topk, D.STEPS, settings,
+                                                    model, make_batch), container)
+    (ref, ref_c), (tri, _), (lane, _) = results.values()
+    D._assert_same_draft(tri, ref)
+    parents = ref_c.adapter.parents[1]
+    lanes = torch.arange(topk).expand_as(parents)
+    assert ((parents >= 0) & (parents < topk)).all() and (parents != lanes).any()
+    (_, path_out), (_, lane_out) = ref, lane
+    torch.testing.assert_close(path_out[0], lane_out[0], **D.TOL)  # step 0: no history yet
+    moved = (parents != lanes).reshape(-1)
+    assert not torch.allclose(path_out[1][moved], lane_out[1][moved])
+    torch.testing.assert_close(path_out[1][~moved], lane_out[1][~moved], **D.TOL)
