@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .errors import InvalidInputError
-from .keys import TREE_MODES
+from .keys import check_draft_params
+
+from .layer import AttentionLayer
 
 if TYPE_CHECKING:
-    from .data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from .data import DraftBatch, DraftExtendBatch, DraftRunner
 
 __all__ = [
-    "check_draft_params", "check_runner", "check_decode_batch", "check_decode_forward",
+    "check_draft_params", "check_tensor", "check_runner", "check_decode_batch", "check_decode_forward",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
 ]
 
@@ -43,15 +45,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_draft_params(topk: int, num_steps: int, tree_mode: str = "lane") -> None:
-    if not _is_int(topk) or topk < 1:
-        raise InvalidInputError("topk", "an int >= 1", repr(topk))
-    if not _is_int(num_steps) or num_steps < 1:
-        raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
-    if tree_mode not in TREE_MODES:
-        raise InvalidInputError("tree_mode", f"one of {TREE_MODES}", repr(tree_mode))
-
-
 def _tensor(name: str, t: object, *, dtypes: tuple, ndim: int,
             device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -71,14 +64,29 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise InvalidInputError(name, f"shape {tuple(expected)}", f"shape {tuple(t.shape)}")
+    if len(t.shape) != len(expected) or any(
+            e is not None and n != e for n, e in zip(t.shape, expected)):
+        want = tuple("*" if e is None else e for e in expected)
+        raise InvalidInputError(name, f"shape {want}".replace("'", ""),
+                                f"shape {tuple(t.shape)}")
 
 
 def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise InvalidInputError(name, "unit stride in the last dimension",
                                 f"strides {tuple(t.stride())}")
+
+
+def check_tensor(name: str, t: object, *, dtypes: tuple, shape: tuple,
+                 device: Optional[torch.device] = None, unit_last_stride: bool = True,
+                 ) -> torch.Tensor:
+    """A backend's extra input (index keys, sinks, ...): a tensor of one of ``dtypes`` and
+    ``shape`` (``None`` entries: any size) on ``device``, with a unit last stride."""
+    t = _tensor(name, t, dtypes=dtypes, ndim=len(shape), device=device)
+    _shape(name, t, shape)
+    if unit_last_stride:
+        _last_dim_contiguous(name, t)
+    return t
 
 
 def check_runner(runner: "DraftRunner") -> None:
@@ -101,7 +109,7 @@ def check_runner(runner: "DraftRunner") -> None:
         width = runner.kv_lora_rank + runner.qk_rope_head_dim
         expected = {"runner.kv_buffer": (width,)}
         layout = getattr(runner, "kv_layout", None)
-        if layout is not None:  # FP8 byte layout (backends/_fp8_kv): uint8 pools
+        if layout is not None:  # FP8 byte layout (specattn.kv_layouts): uint8 pools
             _check_layout_pools(runner, layout)
             return
     else:
@@ -206,7 +214,7 @@ def check_parents_step(batch: "DraftBatch", step: int, topk: int,
 
 
 def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, step: int,
-                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     """One ``forward(step, layer, q, k, v)`` call's arguments."""
     if not _is_int(step) or not 0 <= step < num_steps:
@@ -256,15 +264,13 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
 
 
 def check_extend_forward(runner: "DraftRunner", num_tokens: Optional[int],
-                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     _check_layer(runner, layer)
     _check_qkv(runner, num_tokens, q, k, v)
 
 
-def _check_layer(runner: "DraftRunner", layer: "AttentionLayer") -> None:
-    from .data import AttentionLayer
-
+def _check_layer(runner: "DraftRunner", layer: AttentionLayer) -> None:
     if not isinstance(layer, AttentionLayer):
         raise InvalidInputError("layer", "a specattn.AttentionLayer", type(layer).__name__)
     if layer.layer_id >= runner.num_layers:

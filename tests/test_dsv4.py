@@ -256,7 +256,7 @@ def test_declaration():
         DSV4CudaDecode(runner, 1, 2)
 
 
-# --- FP8 KV ("fp8_ds_v4": V4's 584-byte page-blocked layout, backends/_fp8_kv) ----------------
+# --- FP8 KV ("fp8_ds_v4": V4's 584-byte page-blocked layout, specattn.kv_layouts) ----------------
 
 D8 = 128  # 64 e4m3 values (one ue8m0 block) + the 64 bf16 RoPE values: the smallest V4 row
 

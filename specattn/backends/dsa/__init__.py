@@ -39,7 +39,7 @@ by token through ``req_to_token``; 64 and 1 are what upstream uses).
 KV: bf16/fp16/fp32 latent pools (``kv_cache_dtype="auto"``), or V3.2's FP8 "with scale" layout
 (``kv_cache_dtype="fp8_ds_mla"`` on the runner: ``DraftRunner.mla(..., kv_cache_dtype=
 "fp8_ds_mla")`` allocates uint8 ``[slots, 656]`` pools for rank 512 + rope 64, ``write_kv``
-quantizes, the kernel dequantizes; layout in ``backends/_fp8_kv``; ``kv_lora_rank`` a multiple
+quantizes, the kernel dequantizes; layout in ``specattn.kv_layouts``; ``kv_lora_rank`` a multiple
 of 128). Its reference is "dequantize, then exact attention" (``torch_ref_sparse``). The
 index keys stay in their own bf16/fp16/fp32 pool (upstream's 132-byte FP8 index-K cache is
 not built).
@@ -52,20 +52,22 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from ... import metadata, validation
+from ... import validation
 from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
+from ...metadata import history_slots
 from ...platforms import is_cpu, is_cuda, is_hip, triton_interpret
 
 if TYPE_CHECKING:
-    from ...data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from ...data import DraftBatch, DraftExtendBatch, DraftRunner
+    from ...layer import AttentionLayer
 
 __all__ = ["DSADecode", "DSAExtend", "make_index_k_buffer", "DEFAULT_INDEX_TOPK"]
 
 log = logging.getLogger("specattn.dsa")
 
 DEFAULT_INDEX_TOPK = 2048
-# "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (backends/_fp8_kv).
+# "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (specattn.kv_layouts).
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 _TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay and the FP8 KV pools + CPU "
               "interpreter")
@@ -73,7 +75,7 @@ _NEG_INF = float("-inf")
 
 
 def _k():
-    from . import _kernels
+    from . import _kernels  # Triton is imported on first use
 
     return _kernels
 
@@ -94,13 +96,11 @@ def _check_pool(runner: "DraftRunner", pool: Optional[Sequence[torch.Tensor]]):
     if len(pool) != runner.num_layers:
         raise InvalidInputError("index_k_buffer", f"{runner.num_layers} tensors (one per "
                                 "layer)", f"{len(pool)} tensors")
+    width = None  # every layer's index keys as wide as layer 0's
     for i, t in enumerate(pool):
-        validation._tensor(f"index_k_buffer[{i}]", t, dtypes=validation.ACT_DTYPES, ndim=2,
-                           device=runner.device)
-        if t.shape[0] != runner.num_slots or t.shape[1] != pool[0].shape[1]:
-            raise InvalidInputError(f"index_k_buffer[{i}]", f"shape [{runner.num_slots}, "
-                                    f"{pool[0].shape[1]}]", f"shape {tuple(t.shape)}")
-        validation._last_dim_contiguous(f"index_k_buffer[{i}]", t)
+        t = validation.check_tensor(f"index_k_buffer[{i}]", t, dtypes=validation.ACT_DTYPES,
+                                    shape=(runner.num_slots, width), device=runner.device)
+        width = t.shape[1]
     return pool
 
 
@@ -111,18 +111,16 @@ def _check_topk(index_topk: int) -> int:
 
 
 class _Meta:
-    """Fixed metadata buffers.
+    """Metadata buffers (fixed in graph rounds).
 
     row: ``[rows, 2]`` int32 (req row, candidate count); group: ``[groups, 4]`` int32 (req
-    row, first row, rows, key length); loc: draft slots ``[bs, K, S]`` (decode) or
-    ``[T]`` (extend) int64; scores: ``[rows, width]`` fp32 (indexer only); mid: flat fp32
-    split partials."""
+    row, first row, rows, key length); scores: ``[rows, width]`` fp32 (indexer only); mid:
+    flat fp32 split partials."""
 
-    def __init__(self, rows: int, groups: int, loc_shape: tuple, width: int, scores: bool,
-                 heads: int, rank: int, device: torch.device) -> None:
+    def __init__(self, rows: int, groups: int, width: int, scores: bool, heads: int,
+                 rank: int, device: torch.device) -> None:
         self.row = torch.zeros(max(1, rows), 2, dtype=torch.int32, device=device)
         self.group = torch.zeros(max(1, groups), 4, dtype=torch.int32, device=device)
-        self.loc = torch.zeros(loc_shape, dtype=torch.int64, device=device)
         self.scores = (torch.empty(max(1, rows), width, dtype=torch.float32, device=device)
                        if scores else None)
         parts = _k().MAX_SPLITS + 1
@@ -132,10 +130,8 @@ class _Meta:
                                 device=device))
         self.dense_sel: Optional[torch.Tensor] = None
 
-    def fits(self, rows: int, groups: int, loc_shape: tuple, width: int, scores: bool) -> bool:
+    def fits(self, rows: int, groups: int, width: int, scores: bool) -> bool:
         return (self.row.shape[0] >= rows and self.group.shape[0] >= groups
-                and tuple(self.loc.shape[1:]) == tuple(loc_shape[1:])
-                and self.loc.shape[0] >= loc_shape[0]
                 and (not scores or (self.scores is not None and self.scores.shape[1] >= width)))
 
 
@@ -147,11 +143,20 @@ def _flat_slots(req_to_token: torch.Tensor, rpi: torch.Tensor,
 
 
 class _DSAMixin:
-    """What decode and extend share: pool, selection and the sparse-attention launch."""
+    """What decode and extend share: the index-key pool, the candidate rows, selection and
+    the sparse-attention launch. Subclasses fill ``_meta.row`` / ``_meta.group`` for their
+    rows (``_rows()``) and groups (``_groups``)."""
 
     runner: "DraftRunner"
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
+    supports_cuda_graph = True
+    tested_on = _TESTED_ON
+    auto_eligible = False
+    # Upstream's page sizes (64 CUDA, 1 ROCm); the kernels read slots token by token.
+    page_sizes = frozenset({1, 64})
 
-    def _setup(self, index_topk: int, index_k_buffer) -> None:
+    def _open(self, index_topk: int, index_k_buffer) -> None:
         if not self.runner.use_mla_backend:  # the registry refuses MHA first; be explicit
             raise InvalidInputError("runner", "an MLA runner for dsa", "an MHA runner")
         self.index_topk = _check_topk(index_topk)
@@ -161,20 +166,36 @@ class _DSAMixin:
         self._meta: Optional[_Meta] = None
         self._graph_meta: Optional[_Meta] = None
         self._active: Optional[_Meta] = None
-        self._width = 0
+        self._width = self._groups = 0
 
-    def _meta_for(self, rows: int, groups: int, loc_shape: tuple, width: int,
-                  graph: bool) -> _Meta:
+    def _new_meta(self, rows: int, groups: int, width: int) -> _Meta:
+        return _Meta(rows, groups, width, width > self.index_topk and
+                     self.index_k_buffer is not None, self.runner.num_heads,
+                     self.runner.kv_lora_rank, self.runner.device)
+
+    def _meta_for(self, rows: int, groups: int, width: int, graph: bool) -> _Meta:
         scores = width > self.index_topk and self.index_k_buffer is not None
         cached = self._graph_meta if graph else self._meta
-        if cached is not None and cached.fits(rows, groups, loc_shape, width, scores):
+        if cached is not None and cached.fits(rows, groups, width, scores):
             return cached
         if graph:
             raise InvalidInputError("batch", "a batch within init_cuda_graph_state's sizes",
                                     f"{rows} rows, {groups} requests")
-        self._meta = _Meta(rows, groups, loc_shape, width, scores, self.runner.num_heads,
-                           self.runner.kv_lora_rank, self.runner.device)
+        self._meta = self._new_meta(rows, groups, width)
         return self._meta
+
+    def _plan(self, batch) -> None:
+        """One host read of ``max(seq_lens)`` (the candidate-list bound)."""
+        self._fill(batch, max(1, int(batch.seq_lens.max())), graph=False)
+
+    def _plan_graph(self, batch, *, capture: bool) -> None:
+        """Candidate lists up to the static ``runner.max_context_len``."""
+        self._fill(batch, self.runner.max_context_len, graph=True)
+
+    def _activate(self, meta: _Meta, width: int, groups: int) -> None:
+        self._active, self._width, self._groups = meta, width, groups
+        if width <= self.index_topk:
+            self._dense_selection(meta, self._rows(), width)
 
     def _dense_selection(self, meta: _Meta, rows: int, width: int) -> None:
         """Every candidate: ``sel[r, x] = R[rpi, x]`` for ``x < count[r]``, else -1."""
@@ -188,8 +209,12 @@ class _DSAMixin:
         else:
             meta.dense_sel.copy_(sel)
 
-    def _check_index_inputs(self, rows: int, index_q, index_weights, index_k) -> None:
-        pool = self.index_k_buffer
+    def _forward_options(self, layer: "AttentionLayer", *,
+                         index_q: Optional[torch.Tensor] = None,
+                         index_weights: Optional[torch.Tensor] = None,
+                         index_k: Optional[torch.Tensor] = None) -> dict:
+        """The index inputs of a call, checked before anything is written."""
+        rows, pool = self._rows(), self.index_k_buffer
         given = [n for n, t in (("index_q", index_q), ("index_weights", index_weights),
                                 ("index_k", index_k)) if t is not None]
         if given and pool is None:
@@ -203,17 +228,17 @@ class _DSAMixin:
         if pool is not None:
             d, dt = pool[0].shape[1], pool[0].dtype
         if index_q is not None:
-            validation._tensor("index_q", index_q, dtypes=(dt,), ndim=3, device=dev)
-            nh = index_q.shape[1]
-            validation._shape("index_q", index_q, (rows, nh, d))
-            validation._last_dim_contiguous("index_q", index_q)
-            validation._tensor("index_weights", index_weights, dtypes=validation.ACT_DTYPES,
-                               ndim=2, device=dev)
-            validation._shape("index_weights", index_weights, (rows, nh))
-            validation._last_dim_contiguous("index_weights", index_weights)
+            nh = index_q.shape[1] if isinstance(index_q, torch.Tensor) and \
+                index_q.dim() == 3 else None
+            validation.check_tensor("index_q", index_q, dtypes=(dt,), shape=(rows, nh, d),
+                                    device=dev)
+            validation.check_tensor("index_weights", index_weights,
+                                    dtypes=validation.ACT_DTYPES, shape=(rows, nh),
+                                    device=dev)
         if index_k is not None:
-            validation._tensor("index_k", index_k, dtypes=(dt,), ndim=2, device=dev)
-            validation._shape("index_k", index_k, (rows, d))
+            validation.check_tensor("index_k", index_k, dtypes=(dt,), shape=(rows, d),
+                                    device=dev, unit_last_stride=False)
+        return dict(index_q=index_q, index_weights=index_weights, index_k=index_k)
 
     def _selection(self, layer_id: int, rows: int, index_q, index_weights) -> torch.Tensor:
         """``[rows, W]`` int32 slot lists (``-1`` = none) for this layer and step."""
@@ -237,13 +262,18 @@ class _DSAMixin:
         """The prefix slot lists ``[rows, W]`` int32 (``-1`` = none, order not semantic) that a
         ``forward`` with these index inputs selects, for tests and debugging. Reads the
         index-key pool as it is now (``forward`` writes the new tokens' keys first)."""
-        if self._active is None:
-            raise RuntimeError("dsa: selected_slots() called before init_forward_metadata")
-        rows = self._rows()
-        self._check_index_inputs(rows, index_q, index_weights, None)
-        return self._selection(layer.layer_id, rows, index_q, index_weights)
+        self._require_round("selected_slots()")
+        opts = self._forward_options(layer, index_q=index_q, index_weights=index_weights)
+        return self._selection(layer.layer_id, self._rows(), opts["index_q"],
+                               opts["index_weights"])
 
-    def _attend(self, layer, q, sel, hist, hl) -> torch.Tensor:
+    def _sparse_attend(self, layer, q, new_slots, index_q, index_weights, index_k, hist,
+                       hl) -> torch.Tensor:
+        """Store the new index keys at ``new_slots``, select, then sparse MLA over the
+        selection plus ``hist [rows, hl]``."""
+        if index_k is not None:
+            self.index_k_buffer[layer.layer_id][new_slots] = index_k
+        sel = self._selection(layer.layer_id, self._rows(), index_q, index_weights)
         kernels = _k()
         splits = kernels.choose_num_splits(sel.shape[1], q.device)
         return kernels.sparse_mla(q, self.runner.kv_buffer[layer.layer_id], layer, sel, hist,
@@ -255,36 +285,18 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
     """DSA draft decode (see the module doc). ``index_topk`` (default 2048),
     ``index_k_buffer`` (per-layer index-key pools)."""
 
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = _KV_CACHE_DTYPES
-    supports_cuda_graph = True
-    tested_on = _TESTED_ON
-    auto_eligible = False
-    # Upstream's page sizes (64 CUDA, 1 ROCm); the kernels read slots token by token.
-    page_sizes = frozenset({1, 64})
-
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane", index_topk: int = DEFAULT_INDEX_TOPK,
                  index_k_buffer: Optional[Sequence[torch.Tensor]] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
-        self._setup(index_topk, index_k_buffer)
-        self._batch: Optional["DraftBatch"] = None
-        self._bs = self._groups = 0
+        self._open(index_topk, index_k_buffer)
 
     def _rows(self) -> int:
-        return self._bs * self.topk
-
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        """Row tables and slot lists for all steps; one host read of ``max(seq_lens)``."""
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        width = max(1, int(batch.seq_lens.max()))
-        self._fill(batch, width, graph=False)
+        return self.num_lanes
 
     def _fill(self, batch: "DraftBatch", width: int, graph: bool) -> None:
-        bs, topk = batch.batch_size, self.topk
-        rows = bs * topk
-        meta = self._meta_for(rows, bs, (bs, topk, self.num_steps), width, graph)
+        bs, topk, rows = batch.batch_size, self.topk, self.num_lanes
+        meta = self._meta_for(rows, bs, width, graph)
         rpi, seq = batch.req_pool_indices, batch.seq_lens
         meta.row[:rows, 0].copy_(rpi.repeat_interleave(topk))
         meta.row[:rows, 1].copy_(seq.repeat_interleave(topk))
@@ -292,86 +304,40 @@ class _DSADecode(_DSAMixin, DraftDecodeBackend):
         meta.group[:bs, 1].copy_(torch.arange(bs, device=rpi.device) * topk)
         meta.group[:bs, 2] = topk
         meta.group[:bs, 3].copy_(seq)
-        meta.loc[:bs].copy_(batch.out_cache_loc)
-        self._active, self._width, self._batch, self._bs, self._groups = (
-            meta, width, batch, bs, bs)
-        if width <= self.index_topk:
-            self._dense_selection(meta, rows, width)
+        self._activate(meta, width, bs)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs * topk`` lanes; candidate lists up to
         ``runner.max_context_len`` (the indexer's scores buffer when that exceeds
         ``index_topk``)."""
-        self.cuda_graph_max_bs = max_bs
-        width = self.runner.max_context_len
-        self._graph_meta = _Meta(max_bs * self.topk, max_bs, (max_bs, self.topk,
-                                 self.num_steps), width, width > self.index_topk
-                                 and self.index_k_buffer is not None, self.runner.num_heads,
-                                 self.runner.kv_lora_rank, self.runner.device)
+        self._graph_meta = self._new_meta(max_bs * self.topk, max_bs,
+                                          self.runner.max_context_len)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._graph_fill(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """Refill the fixed buffers; ``batch`` holds ``bs`` (padded) requests."""
-        self._graph_fill(batch, bs)
-
-    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
-        self._check_graph_batch(batch, bs, ready=self._graph_meta is not None)
-        self._fill(batch, self.runner.max_context_len, graph=True)
-
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor], *, index_q: Optional[torch.Tensor] = None,
-                index_weights: Optional[torch.Tensor] = None,
-                index_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], **index) -> torch.Tensor:
         """q: ``[B*K, H, R + rope]``, k: ``[B*K, R + rope]`` → ``[B*K, H, R]``."""
-        self._require_metadata(self._batch)
-        rows = self._bs * self.topk
-        validation.check_decode_forward(self.runner, rows, self.num_steps, step, layer, q, k, v)
-        if self.tree_mode == "path":
-            validation.check_parents_step(self._batch, step, self.topk)
-        self._check_index_inputs(rows, index_q, index_weights, index_k)
-        loc = self._active.loc[:self._bs]
-        new = loc[:, :, step].reshape(-1)
-        self.runner.write_kv(layer.layer_id, new, k, None)
-        if index_k is not None:
-            self.index_k_buffer[layer.layer_id][new] = index_k
-        sel = self._selection(layer.layer_id, rows, index_q, index_weights)
-        hist = metadata.history_slots(loc, self._batch.parents, step, self.tree_mode)
-        hist = hist.reshape(rows, step + 1).to(torch.int32)
-        return self._attend(layer, q, sel, hist, step + 1)
+        loc = self.batch.out_cache_loc
+        hist = history_slots(loc, self.batch.parents, step, self.tree_mode)
+        hist = hist.reshape(self.num_lanes, step + 1).to(torch.int32)
+        return self._sparse_attend(layer, q, loc[:, :, step].reshape(-1), **index, hist=hist,
+                                   hl=step + 1)
 
 
 class _DSAExtend(_DSAMixin, DraftExtendBackend):
     """DSA draft extend (see the module doc)."""
 
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = _KV_CACHE_DTYPES
-    supports_cuda_graph = True
-    tested_on = _TESTED_ON
-    auto_eligible = False
-    # Upstream's page sizes (64 CUDA, 1 ROCm); the kernels read slots token by token.
-    page_sizes = frozenset({1, 64})
-
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1,
                  index_topk: int = DEFAULT_INDEX_TOPK,
                  index_k_buffer: Optional[Sequence[torch.Tensor]] = None) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        self._setup(index_topk, index_k_buffer)
-        self._batch = None
-        self._n = self._groups = 0
+        self._open(index_topk, index_k_buffer)
 
     def _rows(self) -> int:
-        return self._n
-
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
-        """One host read of ``max(seq_lens)`` (the candidate-list bound)."""
-        validation.check_extend_batch(self.runner, batch)
-        self._fill(batch, max(1, int(batch.seq_lens.max())), graph=False)
+        return self.num_tokens
 
     def _fill(self, batch: "DraftExtendBatch", width: int, graph: bool) -> None:
-        bs, n = batch.batch_size, int(batch.out_cache_loc.shape[0])
-        meta = self._meta_for(n, bs, (n,), width, graph)
+        bs, n = batch.batch_size, self.num_tokens
+        meta = self._meta_for(n, bs, width, graph)
         ext = batch.extend_lens.long()
         start = torch.cumsum(ext, 0) - ext
         req = torch.repeat_interleave(torch.arange(bs, device=ext.device), ext, output_size=n)
@@ -383,45 +349,16 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
         meta.group[:bs, 1].copy_(start)
         meta.group[:bs, 2].copy_(ext)
         meta.group[:bs, 3].copy_(seq)
-        meta.loc[:n].copy_(batch.out_cache_loc)
-        self._active, self._width, self._batch, self._n, self._groups = meta, width, batch, n, bs
-        if width <= self.index_topk:
-            self._dense_selection(meta, n, width)
+        self._activate(meta, width, bs)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.cuda_graph_max_bs = max_bs
-        width = self.runner.max_context_len
-        self._graph_meta = _Meta(max_num_tokens, max_bs, (max_num_tokens,), width,
-                                 width > self.index_topk and self.index_k_buffer is not None,
-                                 self.runner.num_heads, self.runner.kv_lora_rank,
-                                 self.runner.device)
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph_meta = self._new_meta(max_num_tokens, max_bs, self.runner.max_context_len)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
-        self._graph_fill(batch)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
-                                                bs: int) -> None:
-        self._graph_fill(batch)
-
-    def _graph_fill(self, batch: "DraftExtendBatch") -> None:
-        self._check_graph_batch(batch, ready=self._graph_meta is not None)
-        self._fill(batch, self.runner.max_context_len, graph=True)
-
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor], *, index_q: Optional[torch.Tensor] = None,
-                index_weights: Optional[torch.Tensor] = None,
-                index_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], **index) -> torch.Tensor:
         """q: ``[T, H, R + rope]``, k: ``[T, R + rope]`` → ``[T, H, R]``."""
-        self._require_metadata(self._batch)
-        n = self._n
-        validation.check_extend_forward(self.runner, n, layer, q, k, v)
-        self._check_index_inputs(n, index_q, index_weights, index_k)
-        new = self._active.loc[:n]
-        self.runner.write_kv(layer.layer_id, new, k, None)
-        if index_k is not None:
-            self.index_k_buffer[layer.layer_id][new] = index_k
-        sel = self._selection(layer.layer_id, n, index_q, index_weights)
-        return self._attend(layer, q, sel, self._active.row, 0)
+        return self._sparse_attend(layer, q, self.batch.out_cache_loc, **index,
+                                   hist=self._active.row, hl=0)
 
 
 _DECL = dict(deprecated_aliases=("nsa",), platforms=is_cuda | is_hip | (is_cpu & triton_interpret),

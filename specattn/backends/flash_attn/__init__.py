@@ -39,11 +39,11 @@ import torch
 from ...platforms import Platform, cuda_capability, is_musa
 from ._decode import MODES, FlashAttnDecodeGlue
 from ._extend import FlashAttnExtendGlue
-from ._kernels import FA3_INSTALL_HINT, merge_states
+from ._library import FA3_INSTALL_HINT
 
 __all__ = ["FA3DecodeSM8x", "FA3DecodeSM90", "FA3DecodeMUSA", "FA4Decode", "FA4DecodeMUSA",
            "FA3ExtendSM8x", "FA3ExtendSM90", "FA3ExtendMUSA", "FA4Extend", "FA4ExtendMUSA",
-           "MODES", "merge_states"]
+           "MODES"]
 
 _MUSA = (("mate", "mate"),)
 _FA4_REQ = (("flash_attn.cute", "flash-attn-4"),)

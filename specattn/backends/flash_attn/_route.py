@@ -26,12 +26,9 @@ change between replays of one captured graph.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
-import torch
-
-__all__ = ["Route", "choose_route", "route_cost", "SPLITS", "device_sm_count"]
+__all__ = ["Route", "choose_route", "route_cost", "SPLITS"]
 
 T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), us
 T_BW_US = 0.016  # the same key at the chip's copy bandwidth per SM (512 B / (4.25 TB/s/132))
@@ -78,14 +75,3 @@ def choose_route(*, bs: int, topk: int, prefix_len: int, num_kv_heads: int,
     # min keeps the first of equal costs: shared before split before per-branch.
     return min(options, key=lambda r: route_cost(r, **kw))
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> Optional[int]:
-    """SMs of a CUDA device; None elsewhere (routing then keeps ``shared``)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

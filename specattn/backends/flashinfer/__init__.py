@@ -14,7 +14,8 @@ page size > 1 with ``topk > 1``). Layout of this package:
 
 - ``_slots.py``: pure-torch CSR slot lists (device-built, no host sync);
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
-- ``.._history_merge``: the fused history pass + merge (Triton, shared with ``flashmla``);
+- ``specattn.kernels.history_merge``: the fused history pass + merge (Triton, shared with
+  ``flashmla`` and ``fa4``);
 - ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;
 - this module: the four registered classes.
 
@@ -30,7 +31,6 @@ import math
 
 import torch
 
-from ...errors import InvalidInputError
 from ...platforms import is_cuda
 from ._decode import MODES, FlashInferDecodeGlue
 from ._extend import FlashInferExtendGlue
@@ -106,10 +106,7 @@ def _mla_params(runner) -> Params:
 
 
 def _mla_layer_params(layer) -> Params:
-    if layer.logit_cap > 0:
-        raise InvalidInputError("layer.logit_cap", "0 (FlashInfer MLA has no soft cap)",
-                                layer.logit_cap)
-    return Params(float(layer.scaling), 0.0)
+    return Params(float(layer.scaling), 0.0)  # no soft cap (soft_cap_models refuses one)
 
 
 class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla",
@@ -124,6 +121,7 @@ class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla"
 
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graph = True
+    soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
     tested_on = _TESTED
 
     def _default_params(self) -> Params:
@@ -152,6 +150,7 @@ class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla"
 
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graph = True
+    soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
     tested_on = _TESTED
 
     def _default_params(self) -> Params:

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
+from ...errors import InvalidInputError
+from ...util import sm_count
+
 if TYPE_CHECKING:
     from ...data import DraftRunner
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
-           "flashinfer_module"]
+           "flashinfer_module", "capturing"]
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -37,6 +40,11 @@ def flashinfer_module():
     import flashinfer
 
     return flashinfer
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured (FlashInfer's plans are host code: none may run)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def workspace(device: torch.device) -> torch.Tensor:
@@ -82,8 +90,6 @@ class Pass:
         """The indices buffer, grown (eager) to hold ``total`` entries."""
         if total > self.indices.numel():
             if self.graph:
-                from ...errors import InvalidInputError
-
                 raise InvalidInputError("batch", f"at most {self.indices.numel()} KV slots in "
                                         "this pass (init_cuda_graph_state sizes)", total)
             self.indices = torch.zeros(int(total * 1.25) + 1, dtype=torch.int32,
@@ -139,11 +145,9 @@ def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -
     kw = {}
     if rows:
         kw["uniform_q_len"] = rows
-    dev = torch.device(runner.device)
-    if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        if seqs * runner.num_kv_heads >= sms:
-            kw["disable_split_kv"] = True
+    sms = sm_count(runner.device)
+    if sms is not None and seqs * runner.num_kv_heads >= sms:
+        kw["disable_split_kv"] = True
     return kw
 
 
