@@ -28,14 +28,14 @@ from .errors import InvalidInputError
 from .util import ceil_div
 
 if TYPE_CHECKING:
-    from .data import DraftRunner
+    from .data import DraftBatch, DraftRunner
 
 __all__ = [
     "lane_history_slots", "path_history_slots", "history_slots", "prefix_token_slots",
     "ExtendSlots", "extend_token_slots", "draft_slot_positions", "draft_kv_indices",
     "prefix_page_table", "history_page_table", "draft_extend_lens", "max_draft_extend_len",
     "assign_draft_cache_locs", "duplicate_last_page_copies", "copy_kv_slots",
-    "uses_duplicated_pages", "lane_block_table",
+    "uses_duplicated_pages", "lane_block_table", "lane_rows",
 ]
 
 
@@ -383,6 +383,18 @@ def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
     table = torch.where(valid[:, None, :], table, torch.zeros_like(table))
     out.copy_(table.reshape(bs * topk, width))
     return out
+
+
+def lane_rows(table: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
+              batch: "DraftBatch", step: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel row per lane at draft step ``step`` (``lane`` tree mode), written into
+    ``table [B*K, width]`` (``lane_block_table``) and ``lens [B*K]`` (``L_b + step + 1``).
+    No host sync; returns ``(table, lens)``."""
+    topk = batch.out_cache_loc.shape[1]
+    lane_block_table(table, req_to_token, batch.req_pool_indices, batch.seq_lens,
+                     batch.out_cache_loc, None, step, "lane", page_size)
+    lens.copy_(batch.seq_lens.repeat_interleave(topk) + step + 1)
+    return table, lens
 
 
 def history_page_table(out_cache_loc: torch.Tensor, parents: Optional[torch.Tensor],

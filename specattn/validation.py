@@ -174,21 +174,29 @@ def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
         raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
 
 
-def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
-                       batch: "DraftBatch", *, debug: Optional[bool] = None,
-                       max_bs: Optional[int] = None) -> None:
-    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
-    dev = runner.device
+def _requests(batch, device: torch.device,
+              max_bs: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
-                  ndim=1, device=dev)
+                  ndim=1, device=device)
     bs = rpi.shape[0]
     if bs < 1:
         raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
     if max_bs is not None and bs > max_bs:
         raise InvalidInputError("batch.req_pool_indices",
                                 f"at most max_bs={max_bs} requests (init_cuda_graph_state)", bs)
-    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=device)
     _shape("batch.seq_lens", seq, (bs,))
+    return rpi, seq
+
+
+def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
+                       batch: "DraftBatch", *, debug: Optional[bool] = None,
+                       max_bs: Optional[int] = None) -> None:
+    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
+    dev = runner.device
+    rpi, seq = _requests(batch, dev, max_bs)
+    bs = rpi.shape[0]
     loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=3,
                   device=dev)
     _shape("batch.out_cache_loc", loc, (bs, topk, num_steps))
@@ -229,13 +237,8 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
     where values are scanned (CPU tensors or debug checks)."""
     dev = runner.device
-    rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
-                  ndim=1, device=dev)
+    rpi, seq = _requests(batch, dev, None)
     bs = rpi.shape[0]
-    if bs < 1:
-        raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
-    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
-    _shape("batch.seq_lens", seq, (bs,))
     ext = _tensor("batch.extend_lens", batch.extend_lens, dtypes=INDEX_DTYPES, ndim=1,
                   device=dev)
     _shape("batch.extend_lens", ext, (bs,))

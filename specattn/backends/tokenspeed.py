@@ -14,7 +14,7 @@ Call (per layer; TRT-LLM-MLA semantics, as SGLang's ``TokenspeedMLABackend``)::
 ``seq_len - q_len + j + 1`` keys. ``k_scale`` is 1 (the pool stores unscaled values).
 
 - Draft decode: one row per lane (``q_len = 1``), ``L_b + i + 1`` keys through the lane's
-  page table (``metadata.lane_block_table``: shared full prefix pages, then the lane's own
+  page table (``metadata.lane_rows``: shared full prefix pages, then the lane's own
   pages of the serving engine's draft allocation; ``lane`` tree mode). The 2.0.4 API returns
   no LSE, so the shared-prefix split of ``flashmla`` is not available; upstream refuses
   ``topk > 1``, the per-lane tables lift that.
@@ -40,7 +40,7 @@ import torch
 from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..buffers import Buffers
 from ..errors import InvalidInputError
-from ..metadata import extend_token_slots, lane_block_table, prefix_page_table
+from ..metadata import extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
 from ..util import ceil_div, sm_count, vendor_module
 
@@ -65,13 +65,15 @@ class _Tokenspeed:
     tested_on = _TESTED
     soft_cap_models = frozenset()  # tokenspeed-mla has no soft cap
 
-    def _open_library(self, runner: "DraftRunner") -> None:
+    def _open_library(self, runner: "DraftRunner", max_keys: int) -> None:
+        """The library, buffers and the block-table width for rows of ``max_keys`` keys."""
         if runner.num_slots % runner.page_size:
             raise InvalidInputError("runner.kv_buffer", "a slot count that is a multiple of "
                                     f"the page size {runner.page_size}", runner.num_slots)
         self._ts = vendor_module("tokenspeed_mla", "tokenspeed-mla", "tokenspeed_mla")
         self._bufs = Buffers(runner.device)
         self._num_sms = sm_count(runner.device) or 1
+        self._width = ceil_div(max_keys, runner.page_size)
 
     def _workspace(self, q_len: int) -> torch.Tensor:
         r = self.runner
@@ -103,8 +105,7 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
-        self._open_library(runner)
-        self._width = ceil_div(runner.max_context_len + num_steps, runner.page_size)
+        self._open_library(runner, runner.max_context_len + num_steps)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         b, n = self._bufs, max_bs * self.topk
@@ -115,12 +116,9 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        r, b, batch, n = self.runner, self._bufs, self.batch, self.num_lanes
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token,
-                                 batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                                 None, step, "lane", r.page_size)
-        lens = b.get("lens", (n,))
-        lens.copy_(batch.seq_lens.repeat_interleave(self.topk) + step + 1)
+        r, b, n = self.runner, self._bufs, self.num_lanes
+        table, lens = lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
+                                r.req_to_token, self.batch, step, r.page_size)
         out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
                          r.max_context_len + self.num_steps)
         return out.view(n, r.num_heads, r.kv_lora_rank)
@@ -133,8 +131,7 @@ class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla"
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        self._open_library(runner)
-        self._width = ceil_div(runner.max_context_len, runner.page_size)
+        self._open_library(runner, runner.max_context_len)
 
     def _plan(self, batch: "DraftExtendBatch") -> None:
         r = self.runner

@@ -27,7 +27,7 @@ the trtllm-gen counters of a shared one); its draft extend is ``TRTLLMMLAExtend`
 (``return_lse`` exists only on newer main, base unverified), so the prefix/history split of
 ``flashmla`` cannot be merged. Each lane ``z = b*K + j`` is instead one kernel row
 (``q_len = 1``) over ``L_b + i + 1`` keys whose block table is the shared full prefix pages
-followed by the lane's own pages (``metadata.lane_block_table``). This needs the serving
+followed by the lane's own pages (``metadata.lane_rows``). This needs the serving
 engine's draft layout (``metadata.draft_slot_positions``: the lane's draft slots sit
 page-aligned right after its copy of the partial last page, which the serving code
 duplicates per lane when ``P > 1 and K > 1``): ``out_cache_loc[b, j, t] ==
@@ -67,8 +67,7 @@ from .. import validation
 from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..buffers import Buffers
 from ..errors import BackendUnavailableError, InvalidInputError
-from ..metadata import (draft_slot_positions, extend_token_slots, lane_block_table,
-                        prefix_page_table)
+from ..metadata import draft_slot_positions, extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
 from ..util import ceil_div, vendor_module
 
@@ -249,13 +248,9 @@ class _LaneDecode(DraftDecodeBackend):
 
     def _lane_metadata(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Lane table ``[B*K, width]`` int32 and lane lengths ``[B*K]`` int32 for ``step``."""
-        r, b, batch, n = self.runner, self._bufs, self.batch, self.num_lanes
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token,
-                                 batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                                 None, step, "lane", r.page_size)
-        lens = b.get("lens", (n,))
-        lens.copy_(batch.seq_lens.repeat_interleave(self.topk) + step + 1)
-        return table, lens
+        b, n = self._bufs, self.num_lanes
+        return lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
+                         self.runner.req_to_token, self.batch, step, self.runner.page_size)
 
 
 class TRTLLMMHADecode(_MHA, _LaneDecode, name="trtllm_mha", platforms=_SM10X,

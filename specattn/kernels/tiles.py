@@ -6,6 +6,7 @@ fp32), ``m_i [BLOCK_M]`` (running max of the scores, base 2) and ``l_i [BLOCK_M]
 sum). ``lse(m_i, l_i)`` turns a finished state into its natural-log LSE (``-inf`` for rows that
 saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.py``).
 
+- ``load_q``: a block of query rows (and their rope part);
 - ``attend_tile``: load one key tile through per-key row pointers and fold it in;
 - ``load_kv`` / ``attend_kv``: the same in two halves, for callers that edit the loaded tile
   (the Triton backend's tail swaps in this call's new keys);
@@ -29,6 +30,27 @@ def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
     interp = device.type == "cpu"  # the Triton CPU interpreter
     return dict(DOT_PREC="ieee" if dtype == torch.float32 or interp else "tf32",
                 DOT_F32=interp)
+
+
+@triton.jit
+def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
+           BLOCK_DPE: tl.constexpr, F32: tl.constexpr):
+    """Query rows ``rows [BLOCK_M, 1]`` (pointers; ``row_ok [BLOCK_M]``) as ``(q [BLOCK_M,
+    BLOCK_D], qpe [BLOCK_M, BLOCK_DPE])``: columns ``[0, D_MAIN)`` and ``[D_MAIN, D_MAIN +
+    D_PE)`` (``qpe = q`` when ``D_PE == 0``), 0 where masked, fp32 when ``F32``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
+                other=0.0)
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(rows + D_MAIN + offs_pe[None, :],
+                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    else:
+        qpe = q
+    if F32:
+        q = q.to(tl.float32)
+        qpe = qpe.to(tl.float32)
+    return q, qpe
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
 from ...kernels.merge import merge_kernel
-from ...kernels.tiles import dot_args
+from ...kernels.tiles import dot_args, load_q
 from ...util import next_pow2
 
 MAX_SPLITS = 8
@@ -101,19 +101,9 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
     split = tl.program_id(2)
     head = hb * BLOCK_M + tl.arange(0, BLOCK_M)
     head_ok = head < NUM_HEADS
-    q_base = Q + r * stride_qt + head[:, None] * stride_qh
+    q, qpe = load_q(Q + r * stride_qt + head[:, None] * stride_qh, head_ok, D_MAIN, D_PE,
+                    BLOCK_D, BLOCK_DPE, DOT_F32 or FMT != 0)
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + offs_d[None, :], mask=head_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
-                      mask=head_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    else:
-        qpe = q
-    if DOT_F32 or FMT != 0:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
-from ...kernels.tiles import dot_args
+from ...kernels.tiles import dot_args, load_q
 from ...sink_window import window_key_pool
 
 
@@ -53,10 +53,8 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
     head_ok = head < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32 or FMT != 0:
-        q = q.to(tl.float32)
+    q, _ = load_q(Q + r * stride_qt + head[:, None] * stride_qh, head_ok, D, 0, BLOCK_D, 16,
+                  DOT_F32 or FMT != 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -36,7 +36,6 @@ write and read slot 0 (``out_cache_loc`` padded with 0), like upstream's padding
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -44,10 +43,8 @@ import torch
 from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
 from ...metadata import path_history_slots
-from ._passes import Params, Pass, capturing
+from ._passes import Params, Pass, captured, capturing, replan
 from ._slots import fill_ragged_slots, history_positions, host_indptr
-
-log = logging.getLogger("specattn.backends.flashinfer")
 
 MODES = ("shared", "per-branch")
 
@@ -213,20 +210,11 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
 
     def _sync_params(self, rnd: _Round, layer) -> None:
         want = self._check_layer_params(layer)
-        if want == self.params:
-            return
-        if capturing():
-            raise InvalidInputError(
-                "layer", f"scaling={self.params.scale} and logit_cap={self.params.cap} "
-                "under CUDA graph capture (FlashInfer plans them; run one eager round or the "
-                "warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
-        log.debug("re-planning for scaling=%s logit_cap=%s", want.scale, want.cap)
-        self.params = want
-        for p, done in zip(rnd.steps, rnd.planned):
-            if done:
-                p.replan(want)
-        if rnd.prefix is not None:
-            rnd.prefix.replan(want)
+        if want != self.params:
+            planned = [p for p, done in zip(rnd.steps, rnd.planned) if done]
+            replan(planned + ([rnd.prefix] if rnd.prefix is not None else []), self.params,
+                   want)
+            self.params = want
 
     # --- CUDA graphs -------------------------------------------------------------------------
 
@@ -239,10 +227,5 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
-        rnd = self._graphs.get(bs)
-        if rnd is None:
-            if not capture:
-                raise InvalidInputError("bs", f"a captured batch size {sorted(self._graphs)}",
-                                        bs)
-            rnd = self._graphs[bs] = self._new_round(graph_bs=bs)
+        rnd = captured(self._graphs, bs, capture, lambda: self._new_round(graph_bs=bs))
         self._prepare(rnd, batch.req_pool_indices, batch.seq_lens)

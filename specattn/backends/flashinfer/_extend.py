@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 
 from ...base import DraftExtendBackend
-from ...errors import InvalidInputError
-from ._passes import Params, Pass, capturing
+from ._passes import Params, Pass, captured, replan
 from ._slots import fill_ragged_slots, host_indptr
 
 
@@ -65,13 +64,8 @@ class FlashInferExtendGlue(DraftExtendBackend):
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         want = self._check_layer_params(layer)
         if want != self.params:
-            if capturing():
-                raise InvalidInputError(
-                    "layer", f"scaling={self.params.scale} and logit_cap={self.params.cap} "
-                    "under CUDA graph capture (FlashInfer plans them; run one eager batch or "
-                    "the warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
+            replan([self._pass], self.params, want)
             self.params = want
-            self._pass.replan(want)
         q = q if q.is_contiguous() else q.contiguous()
         o, _ = self._pass.run(q, layer.layer_id)
         return o
@@ -84,10 +78,6 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
-        p = self._graphs.get(bs)
-        if p is None:
-            if not capture:
-                raise InvalidInputError("batch size", f"a captured one {sorted(self._graphs)}",
-                                        bs)
-            p = self._graphs[bs] = self._new_pass(bs, bs * self.runner.max_context_len)
-        self._prepare(p, batch)
+        self._prepare(captured(self._graphs, bs, capture,
+                               lambda: self._new_pass(bs, bs * self.runner.max_context_len)),
+                      batch)

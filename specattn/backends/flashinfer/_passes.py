@@ -17,6 +17,7 @@ Vendor imports happen only inside these functions.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
     from ...data import DraftRunner
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
-           "flashinfer_module", "capturing"]
+           "flashinfer_module", "capturing", "captured", "replan"]
+
+log = logging.getLogger("specattn.backends.flashinfer")
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -45,6 +48,30 @@ def flashinfer_module():
 def capturing() -> bool:
     """A CUDA graph is being captured (FlashInfer's plans are host code: none may run)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def replan(passes: list["Pass"], old: "Params", new: "Params") -> None:
+    """Re-plan ``passes`` for a layer whose softmax scale / soft cap (``new``) differ from
+    the planned ones (``old``): FlashInfer plans them. Eager only: a plan is host code."""
+    if capturing():
+        raise InvalidInputError(
+            "layer", f"scaling={old.scale} and logit_cap={old.cap} under CUDA graph capture "
+            "(FlashInfer plans them; run one eager call or the warm-up first)",
+            f"scaling={new.scale}, logit_cap={new.cap}")
+    log.debug("re-planning for scaling=%s logit_cap=%s", new.scale, new.cap)
+    for p in passes:
+        p.replan(new)
+
+
+def captured(table: dict, bs: int, capture: bool, make):
+    """The passes of captured batch size ``bs`` in ``table``: made by ``make()`` at capture;
+    a replay of a size that was never captured is an error."""
+    entry = table.get(bs)
+    if entry is None:
+        if not capture:
+            raise InvalidInputError("bs", f"a captured batch size {sorted(table)}", bs)
+        entry = table[bs] = make()
+    return entry
 
 
 def workspace(device: torch.device) -> torch.Tensor:
@@ -151,7 +178,17 @@ def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -
     return kw
 
 
-class PrefillPass(Pass):
+class _MHAPass(Pass):
+    """A pass over the MHA token pools (NHD pages of one token)."""
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        kv = _mha_kv(self.runner, layer_id)
+        if self.with_lse:
+            return self.wrapper.run(q, kv, return_lse=True)
+        return self.wrapper.run(q, kv), None
+
+
+class PrefillPass(_MHAPass):
     """``BatchPrefillWithPagedKVCacheWrapper``: any number of query rows per sequence
     (prefix pass with ``K`` rows per request; causal draft extend).
 
@@ -190,14 +227,8 @@ class PrefillPass(Pass):
                           logits_soft_cap=params.cap if params.cap > 0 else None,
                           q_data_type=r.dtype, kv_data_type=r.dtype, **extra)
 
-    def run(self, q: torch.Tensor, layer_id: int):
-        kv = _mha_kv(self.runner, layer_id)
-        if self.with_lse:
-            return self.wrapper.run(q, kv, return_lse=True)
-        return self.wrapper.run(q, kv), None
 
-
-class DecodePass(Pass):
+class DecodePass(_MHAPass):
     """``BatchDecodeWithPagedKVCacheWrapper`` on tensor cores: one query row per sequence
     (history pass, ``topk == 1`` and ``per-branch`` full sequences)."""
 
@@ -220,12 +251,6 @@ class DecodePass(Pass):
                           r.head_dim, 1, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
                           q_data_type=r.dtype, kv_data_type=r.dtype)
-
-    def run(self, q: torch.Tensor, layer_id: int):
-        kv = _mha_kv(self.runner, layer_id)
-        if self.with_lse:
-            return self.wrapper.run(q, kv, return_lse=True)
-        return self.wrapper.run(q, kv), None
 
 
 class MLAPass(Pass):

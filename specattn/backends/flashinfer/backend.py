@@ -21,7 +21,34 @@ _PRIORITY = {"cuda": 70}
 _TESTED = "H200 (sm90)"
 
 
-class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
+class _MHA:
+    """Capabilities and plan parameters of the MHA flavour (decode and extend)."""
+
+    dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = True
+    tested_on = _TESTED
+
+    def _default_params(self) -> Params:
+        return default_params(self.runner.head_dim)
+
+
+class _MLA:
+    """Capabilities and plan parameters of the MLA flavour (decode and extend)."""
+
+    dtypes = (torch.bfloat16, torch.float16)
+    supports_cuda_graph = True
+    soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
+    tested_on = _TESTED
+
+    def _default_params(self) -> Params:
+        r = self.runner
+        return Params(1.0 / math.sqrt(r.kv_lora_rank + r.qk_rope_head_dim), 0.0)
+
+    def _check_layer_params(self, layer) -> Params:
+        return Params(float(layer.scaling), 0.0)  # no soft cap (soft_cap_models refuses one)
+
+
+class FlashInferDecode(_MHA, FlashInferDecodeGlue, name="flashinfer", flavour="mha",
                        platforms=is_cuda, models=("mha",), requires=_REQUIRES,
                        kernel_library="flashinfer", priority=_PRIORITY):
     """Shared-prefix draft decode for MHA/GQA (``mode="per-branch"``: upstream design).
@@ -35,14 +62,8 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
     H200 with page-size-1 gathers (``benchmarks/results/2026-11-29-h200/flashinfer-bench.md``).
     """
 
-    dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = True
-    tested_on = _TESTED
     prefix_backend = "auto"
     prefix_plan_kwargs: dict = {}
-
-    def _default_params(self) -> Params:
-        return default_params(self.runner.head_dim)
 
     def _new_pass(self, role, graph_rows, capacity):
         kw = dict(graph_rows=graph_rows, capacity=capacity)
@@ -58,7 +79,7 @@ class FlashInferDecode(FlashInferDecodeGlue, name="flashinfer", flavour="mha",
         return self.runner.k_buffer[layer_id], self.runner.v_buffer[layer_id]
 
 
-class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
+class FlashInferExtend(_MHA, FlashInferExtendGlue, name="flashinfer", flavour="mha",
                        platforms=is_cuda, models=("mha",), requires=_REQUIRES,
                        kernel_library="flashinfer", priority=_PRIORITY):
     """Draft extend for MHA/GQA: causal paged prefill over ragged requests.
@@ -66,27 +87,12 @@ class FlashInferExtend(FlashInferExtendGlue, name="flashinfer", flavour="mha",
     q: ``[T, H_q, D]``, k: ``[T, H_kv, D]``, v: ``[T, H_kv, D_v]`` → ``[T, H_q, D_v]``.
     """
 
-    dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = True
-    tested_on = _TESTED
-
-    def _default_params(self) -> Params:
-        return default_params(self.runner.head_dim)
-
     def _new_pass(self, graph_rows=None, capacity=0):
         return PrefillPass(self.runner, with_lse=False, graph_rows=graph_rows,
                            capacity=capacity)
 
 
-def _mla_params(runner) -> Params:
-    return Params(1.0 / math.sqrt(runner.kv_lora_rank + runner.qk_rope_head_dim), 0.0)
-
-
-def _mla_layer_params(layer) -> Params:
-    return Params(float(layer.scaling), 0.0)  # no soft cap (soft_cap_models refuses one)
-
-
-class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla",
+class FlashInferMLADecode(_MLA, FlashInferDecodeGlue, name="flashinfer", flavour="mla",
                           platforms=is_cuda, models=("mla",), requires=_REQUIRES,
                           kernel_library="flashinfer", priority=_PRIORITY):
     """MLA draft decode through ``BatchMLAPagedAttentionWrapper``, ``topk > 1`` included.
@@ -95,17 +101,6 @@ class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla"
     ``[B*K, H, R]``. The plan reads the index range back from the device (FlashInfer's MLA
     planner validates it), one sync per planned pass.
     """
-
-    dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = True
-    soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
-    tested_on = _TESTED
-
-    def _default_params(self) -> Params:
-        return _mla_params(self.runner)
-
-    def _check_layer_params(self, layer) -> Params:
-        return _mla_layer_params(layer)
 
     def _new_pass(self, role, graph_rows, capacity):
         return MLAPass(self.runner, with_lse=role != "full", graph_rows=graph_rows,
@@ -117,24 +112,13 @@ class FlashInferMLADecode(FlashInferDecodeGlue, name="flashinfer", flavour="mla"
         return kv.unsqueeze(1), kv[:, :self.runner.kv_lora_rank].unsqueeze(1)
 
 
-class FlashInferMLAExtend(FlashInferExtendGlue, name="flashinfer", flavour="mla",
+class FlashInferMLAExtend(_MLA, FlashInferExtendGlue, name="flashinfer", flavour="mla",
                           platforms=is_cuda, models=("mla",), requires=_REQUIRES,
                           kernel_library="flashinfer", priority=_PRIORITY):
     """MLA draft extend: one causal ``BatchMLAPagedAttentionWrapper`` pass.
 
     q: ``[T, H, R + rope]``, k: ``[T, R + rope]``, v: ``None`` → ``[T, H, R]``.
     """
-
-    dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graph = True
-    soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
-    tested_on = _TESTED
-
-    def _default_params(self) -> Params:
-        return _mla_params(self.runner)
-
-    def _check_layer_params(self, layer) -> Params:
-        return _mla_layer_params(layer)
 
     def _new_pass(self, graph_rows=None, capacity=0):
         return MLAPass(self.runner, with_lse=False, graph_rows=graph_rows, capacity=capacity)

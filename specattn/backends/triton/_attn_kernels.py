@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ...kernels.latent import load_latent
 from ...kernels.merge import arrived_last, merge_rows
-from ...kernels.tiles import attend_kv, attend_tile, load_kv, lse, softmax_update
+from ...kernels.tiles import attend_kv, attend_tile, load_kv, load_q, lse, softmax_update
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
@@ -111,19 +111,8 @@ def _partial_attn_kernel(
     q_local = offs_m // GROUP  # lane (decode) or new-token index (extend) within the group
     head = kvh * GROUP + offs_m % GROUP
     q_row = (q_start + q_local).to(tl.int64)
-    q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
-                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    else:
-        qpe = q
-    if DOT_F32:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
+    q, qpe = load_q(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh, row_ok,
+                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -153,12 +142,10 @@ def _partial_attn_kernel(
     else:
         n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            idx = n0 + offs_n
-            key_ok = idx < n_hi
-            slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
-                                   prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                                   NUM_STEPS, MODE)
-            vis = vis & key_ok[None, :] & row_ok[:, None]
+            idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
+                                                b, step, r2t_row, prefix_len, Hist, Parents,
+                                                stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                                                MODE)
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
             k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
@@ -288,13 +275,15 @@ def _tail_range(row_lo, n_q, live, is_tail, step, GROUP: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, Hist,
+def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, Hist,
                Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE: tl.constexpr):
-    """Tail key ``idx [BLOCK_N]`` -> ``(slot int64 [BLOCK_N], vis [BLOCK_M, BLOCK_N])``.
+    """Tail keys ``idx [BLOCK_N]`` (those ``< n_hi`` exist) -> ``(idx, key_ok, slot int64
+    [BLOCK_N], vis [BLOCK_M, BLOCK_N])`` for the rows ``row_ok``.
 
     decode: key ``idx`` is lane ``idx // hl``'s history slot ``t = idx % hl`` (path mode: of
     its ancestor at depth ``t``, followed through ``parents``), visible to that lane's rows;
     extend: new token ``idx``, visible to rows ``t >= idx`` (causal)."""
+    key_ok = idx < n_hi
     if MODE == MODE_EXTEND:
         slot = tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0)
         vis = idx[None, :] <= q_local[:, None]
@@ -313,7 +302,7 @@ def _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, 
             z = b * TOPK + a
         slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
         vis = key_lane[None, :] == q_local[:, None]
-    return slot.to(tl.int64), vis
+    return idx, key_ok, slot.to(tl.int64), vis & key_ok[None, :] & row_ok[:, None]
 
 
 @triton.jit
@@ -427,12 +416,9 @@ def _mla_partial_kernel(
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
                                  BLOCK_M, MODE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        idx = n0 + offs_n
-        key_ok = idx < n_hi
-        slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
-                               prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                               NUM_STEPS, MODE)
-        vis = vis & key_ok[None, :] & row_ok[:, None]
+        idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start, b,
+                                            step, r2t_row, prefix_len, Hist, Parents,
+                                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE)
         rows = KV + slot * stride_kvs
         if NEW_KV != NEW_KV_POOL:
             new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
