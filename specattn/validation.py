@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .data import DraftBatch, DraftExtendBatch, DraftRunner
 
 __all__ = [
-    "check_draft_params", "check_tensor", "check_runner", "check_decode_batch", "check_decode_forward",
+    "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
+    "check_decode_forward",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
 ]
 

@@ -32,7 +32,8 @@ Ops (torch_npu API reference):
   ``H_kv = 1``) with ``softmax_lse_flag=True`` and, for the sliding window, a boolean
   ``atten_mask [rows, width * P]`` (``True`` = masked) hiding positions before
   ``len - window``; the sink is applied to the output with the returned natural-log LSE:
-  ``o * sigmoid(lse - sink)``. Same key sets as ``specattn.backends.dsv4`` (``specattn.sink_window``).
+  ``o * sigmoid(lse - sink)``. Same key sets as ``specattn.backends.dsv4``
+  (``specattn.sink_window``).
 
 Page sizes: multiples of 16 up to 512 (FIA's page attention needs 16-aligned blocks for
 fp16/bf16); pools must hold whole pages. No logit soft-cap (neither op has one).

@@ -16,13 +16,13 @@ Algorithm (draft step ``i``, ``N = B*K`` lanes), per layer:
    so each request's prefix is read once for all its lanes. Returns ``out [B, K, H, 512]`` and
    ``softmax_lse [B, H, K]`` (natural log, FlashMLA's reference definition);
 3. *history pass + merge*, default where Triton runs (``fused_history = True``): one Triton
-   kernel (``specattn.kernels.history_merge``, shared with ``flashinfer`` and ``fa4``) continues each lane's
-   online softmax from the prefix state over its ``i + 1`` history slots (``lane`` or
-   ``path`` tree mode) and stores the step's latent rows itself (the prefix pass never reads
-   them). Otherwise (``fused_history = False``, or no Triton): write first, a torch fp32
-   history pass, then ``kernels.lse.merge_states``. Both ran on the H200
-   (``tests/gpu/test_flashmla_gpu.py``, 8 passed); at mla-long-p64 the fused pass made the
-   step 89.6 us instead of 163.2 (same run, ``benchmarks/results/2026-11-29-h200/
+   kernel (``specattn.kernels.history_merge``, shared with ``flashinfer`` and ``fa4``)
+   continues each lane's online softmax from the prefix state over its ``i + 1`` history
+   slots (``lane`` or ``path`` tree mode) and stores the step's latent rows itself (the
+   prefix pass never reads them). Otherwise (``fused_history = False``, or no Triton):
+   write first, a torch fp32 history pass, then ``kernels.lse.merge_states``. Both ran on
+   the H200 (``tests/gpu/test_flashmla_gpu.py``, 8 passed); at mla-long-p64 the fused pass
+   made the step 89.6 us instead of 163.2 (same run, ``benchmarks/results/2026-11-29-h200/
    flashmla-fused-ab-s4.md``).
 
 Upstream refuses ``topk > 1`` ("Currently FlashMLA only supports topk=1 for speculative

@@ -29,7 +29,7 @@ output columns.
 Draft extend: one masked call per layer over the batch padded to the longest extend and the
 longest total length; query ``t`` of request ``b`` sees ``R_b[0 : L'_b - E_b + t + 1]``.
 
-Limits: CPU tensors only; no CUDA graphs (the graph methods run eagerly).
+Limits: CPU tensors only; no CUDA graphs (the graph methods fill a round like an eager one).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from ..platforms import cuda_capability
 from ..util import ceil_div, sm_count, vendor_module
 
 if TYPE_CHECKING:
-    from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from ..data import AttentionLayer, DraftExtendBatch, DraftRunner
 
 __all__ = ["TokenspeedMLADecode", "TokenspeedMLAExtend"]
 

@@ -18,9 +18,10 @@ natural-log LSE, which ``kernels.merge.merge_kernel`` combines.
 
 FP8 pools (``kv_cache_dtype="fp8_ds_mla"``, ``specattn.kv_layouts``): the sparse-MLA kernel
 loads each key's bytes (e4m3 codes, fp32 block scales, bf16 RoPE) and dequantizes them in
-registers with integer/float ops (``kernels.latent.fp8_load``; no fp8 bitcast, so the interpreter runs it
-too), then runs the same online softmax on fp32 operands. The indexer keeps its own
-bf16/fp16/fp32 index-key pool (upstream's 132-byte FP8 index-K cache is not built).
+registers with integer/float ops (``kernels.latent.fp8_load``; no fp8 bitcast, so the
+interpreter runs it too), then runs the same online softmax on fp32 operands. The indexer
+keeps its own bf16/fp16/fp32 index-key pool (upstream's 132-byte FP8 index-K cache is not
+built).
 
 Limits: ``BLOCK_* >= 16`` (``tl.dot``); fp32 partials.
 """
@@ -177,7 +178,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
                layout=None) -> torch.Tensor:
     """Sparse MLA + merge. q: ``[rows, H, R + rope]`` → ``[rows, H, R]`` in ``q.dtype``.
 
-    kv: the latent pool ``[slots, R + rope]``, or with ``layout`` (``_fp8_kv.KVLayout``) its
+    kv: the latent pool ``[slots, R + rope]``, or with ``layout`` (``kv_layouts.KVLayout``) its
     uint8 FP8 pool ``[slots, bytes_per_token]`` (dequantized in the kernel). sel: ``[rows, W]``
     int32 slots (``-1`` = none); hist: ``[rows, hl]`` int32; mid: flat fp32 scratch ``(o,
     lse)`` to reuse (fixed CUDA-graph buffers), else allocated."""

@@ -10,8 +10,8 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   view of the pool (``page_table[z] = `` the lane's slots, ``seqused_k = n``).
 - ``K == 1``, or ``per-branch`` mode (upstream's design; also the auto route for small
   batches with short prefixes): one pass per step, each lane one query over a page-size-1
-  table ``[prefix slots | history slots]`` (``seqused_k = L_b + n``). Page-size-1 because the history slots need not continue the
-  prefix's pages.
+  table ``[prefix slots | history slots]`` (``seqused_k = L_b + n``). Page-size-1 because
+  the history slots need not continue the prefix's pages.
 - ``split_prefix = C > 1``: FA4 has no split-KV on sm90, so small batches with long
   prefixes leave SMs idle. The prefix pass then runs each request's prefix as ``C`` chunks of
   whole pages, each chunk an extra "request" with the request's ``K`` query rows (``q``
