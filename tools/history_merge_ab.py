@@ -1,40 +1,43 @@
-"""One Triton kernel per draft step after the prefix pass: history attention + LSE merge.
+"""Same-run A/B of the two history + merge kernels on the H200 (issue #16), then delete
+the loser.
 
-The two-pass decode used to run the history pass as a second FlashAttention call (one query
-per lane over ``i + 1`` slots) and merge the two states with ~15 small torch kernels. Both
-are tiny next to the prefix pass, but at ``gqa-long`` they cost more than half of a step
-(profile in ``benchmarks/results/2026-11-29-h200/flash-attn-bench-v2.md``). Here one program
-per (lane, kv head) reads the lane's ``n <= S`` history keys itself, and merges the result
-with the prefix pass's ``C`` chunk states, read in place (FA's head-major LSE through its
-strides, no transpose or copy).
+``specattn.kernels.history_merge`` is now the one history + merge kernel (flashinfer,
+flashmla and fa3/fa4 use it). fa3/fa4 used to run their own (``flash_attn/_fused.py``,
+parked below unchanged as ``legacy_history_merge``): H200 notes measured the shared one at
+7.9 us (flashinfer, gqa-long) and the old one at 18.8 us (fa4, gqa-long), in different runs
+and at different call sites. This script times both at the fa4 call site in one process:
 
-Shapes (``N`` lanes, ``K`` lanes per request, ``C`` prefix chunks per request):
-q ``[N, H_q, D]``; k/v pools ``[num_slots, H_kv, D | D_v]``; hist_pt ``[N, >= n]`` slots;
-prefix_o ``[B*C*K, H_q, D_v]`` rows ordered ``(b, c, k)``; prefix_lse indexed
-``(row, head)`` through strides (natural log; ``+-inf`` = a chunk with no keys, weight 0).
-Returns ``[N, H_q, D_v]`` in q's dtype.
+1. kernel alone (graph-timed, rotating input sets so each call reads past L2), on fa4's
+   inputs: natural-log head-major LSE, ``C`` prefix chunk states, no fused KV write;
+2. (with flash-attn-4) the whole fa4 decode step ``FA4Decode.forward``, once per kernel.
+
+Cases: gqa-long (B 32, K 8, 32/8 heads, d 128, step 2: 3 history keys, C 1) and gqa-small
+split 4 (B 4, K 4, C 4). Every output is checked against a torch fp32 reference first.
+
+Run on the H200 (repo root):  python tools/history_merge_ab.py [--out results.md]
+CPU smoke test (tiny shapes, Triton interpreter, no timing):
+    TRITON_INTERPRET=1 python tools/history_merge_ab.py --smoke
+
+After the A/B: keep the faster kernel. If the shared one wins (expected), delete this file;
+otherwise port the old kernel's whole-tile history read into ``kernels/history_merge.py``.
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
 import os
+import statistics
+import sys
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["fused_available", "history_merge"]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from specattn.kernels.history_merge import history_merge  # noqa: E402
 
 
-def fused_available(device: torch.device) -> bool:
-    """Triton runs on this device: a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if not (device.type == "cuda" or (device.type == "cpu" and interpret)):
-        return False
-    try:
-        importlib.import_module("triton")
-    except Exception:  # no (working) Triton here: the torch merge path stays
-        return False
-    return True
+# --- the old fa3/fa4 kernel (flash_attn/_fused.py at 15e7525), unchanged --------------------
 
 
 def _pow2(x: int, lo: int = 1) -> int:
@@ -114,11 +117,12 @@ def _kernel():
     return _KERNEL
 
 
-def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+def legacy_history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   hist_pt: torch.Tensor, n_hist: int, prefix_o: torch.Tensor,
                   prefix_lse: torch.Tensor, *, topk: int, chunks: int, scale: float,
                   softcap: float) -> torch.Tensor:
-    """Attend each lane's ``n_hist`` history slots and merge with the prefix states.
+    """The old FA kernel's launcher (unchanged): attend each lane's ``n_hist`` history slots
+    and merge with the prefix states.
 
     q: ``[N, H_q, D]``; k_pool/v_pool: ``[num_slots, H_kv, D | D_v]``; hist_pt: ``[N, >= n]``
     int; prefix_o: ``[N * C, H_q, D_v]``; prefix_lse: ``[N * C, H_q]`` (any strides).
@@ -142,3 +146,201 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         GROUP=group, D=d, D_V=dv, BLOCK_G=_pow2(group), BLOCK_S=_pow2(hist_pt.shape[1]),
         BLOCK_D=_pow2(d, 16), BLOCK_DV=_pow2(dv, 16), USE_CAP=softcap > 0, num_warps=4)
     return out
+
+
+# --- inputs, reference, timing ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    bs: int
+    topk: int
+    hq: int
+    hkv: int
+    d: int
+    n_hist: int
+    chunks: int
+
+
+CASES = [Case("gqa-long", 32, 8, 32, 8, 128, 3, 1),
+         Case("gqa-small-split4", 4, 4, 32, 8, 128, 3, 4)]
+SMOKE = [Case("smoke", 2, 3, 4, 2, 16, 3, 1), Case("smoke-split2", 2, 3, 4, 2, 16, 2, 2)]
+
+
+def make_inputs(case: Case, dev: str, gen: torch.Generator, slots: int = 1 << 16):
+    """One call's inputs as fa4 passes them: q ``[N, H_q, D]``, pools ``[slots, H_kv, D]``,
+    hist ``[N, S]`` (first ``n_hist`` columns used), prefix o ``[N*C, H_q, D]`` and its LSE
+    as a token-major view of a head-major ``[H_q, N*C]`` tensor (one chunk in five empty:
+    -inf, one +inf as FA3 marks it)."""
+    lanes, rows = case.bs * case.topk, case.bs * case.topk * case.chunks
+    bf = torch.bfloat16
+    q = torch.randn(lanes, case.hq, case.d, generator=gen).to(bf).to(dev)
+    k = torch.randn(slots, case.hkv, case.d, generator=gen).to(bf).to(dev)
+    v = torch.randn(slots, case.hkv, case.d, generator=gen).to(bf).to(dev)
+    hist = torch.randint(0, slots, (lanes, 5), generator=gen, dtype=torch.int32).to(dev)
+    po = torch.randn(rows, case.hq, case.d, generator=gen).to(bf).to(dev)
+    lse_hm = (torch.randn(case.hq, rows, generator=gen) * 3 + 4).to(dev)
+    if case.chunks > 1:
+        lse_hm[:, ::5] = float("-inf")
+        lse_hm[:, 1] = float("inf")
+    return q, k, v, hist, po, lse_hm.t()
+
+
+def reference(case: Case, q, k, v, hist, po, lse, scale) -> torch.Tensor:
+    """fp32: softmax over the chunk states (by LSE) and the history keys together."""
+    lanes = q.shape[0]
+    group = case.hq // case.hkv
+    b, j = torch.arange(lanes) // case.topk, torch.arange(lanes) % case.topk
+    slots = hist[:, :case.n_hist].long()
+    kk = k[slots].float().repeat_interleave(group, 2)  # [N, n, H_q, D]
+    vv = v[slots].float().repeat_interleave(group, 2)
+    s = torch.einsum("nhd,nthd->nht", q.float(), kk) * scale
+    lse_h = torch.logsumexp(s, -1)
+    o_h = torch.einsum("nht,nthd->nhd", torch.softmax(s, -1), vv)
+    outs, lses = [o_h], [lse_h]
+    for c in range(case.chunks):
+        row = ((b * case.chunks + c) * case.topk + j).to(q.device)
+        lc = lse[row].float()
+        outs.append(torch.where(torch.isfinite(lc)[..., None], po[row].float(), 0.0))
+        lses.append(torch.where(torch.isfinite(lc), lc, float("-inf")))
+    w = torch.softmax(torch.stack(lses), 0)
+    return sum(w[i][..., None] * o for i, o in enumerate(outs))
+
+
+def run_shared(case, q, k, v, hist, po, lse, scale):
+    return history_merge(q, k, v, hist[:, :case.n_hist], po, lse, scale, 0.0, lse_base="e",
+                         chunks=case.chunks, topk=case.topk, inf_is_empty=True)
+
+
+def run_legacy(case, q, k, v, hist, po, lse, scale):
+    return legacy_history_merge(q, k, v, hist, case.n_hist, po, lse, topk=case.topk,
+                                chunks=case.chunks, scale=scale, softcap=0.0)
+
+
+KERNELS = {"shared (kernels/history_merge.py)": run_shared,
+           "legacy (flash_attn/_fused.py)": run_legacy}
+
+
+def graph_us(fn, sets) -> float:
+    """Median us of one call: a CUDA graph calls ``fn`` once per input set (together more
+    than L2), replayed; median of ``triton.testing.do_bench``."""
+    import triton
+
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for s in sets:
+            fn(*s)
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200,
+                                   return_mode="median") * 1e3 / len(sets)
+
+
+def kernel_ab(cases, dev, timing: bool, rounds: int = 3) -> list[str]:
+    lines = ["| case | kernel | max abs err vs fp32 ref | us per call (median of rounds) |",
+             "|---|---|---|---|"]
+    for case in cases:
+        gen = torch.Generator().manual_seed(16)
+        scale = case.d ** -0.5
+        sets = [make_inputs(case, dev, gen) for _ in range(8 if timing else 1)]
+        want = reference(case, *sets[0], scale)
+        times = {name: [] for name in KERNELS}
+        errs = {}
+        for name, run in KERNELS.items():
+            got = run(case, *sets[0], scale).float()
+            assert torch.isfinite(got).all(), name
+            errs[name] = (got - want).abs().max().item()
+            assert errs[name] < 3e-2, f"{case.name} {name}: max abs err {errs[name]}"
+        for _ in range(rounds if timing else 0):  # interleaved: A B A B ...
+            for name, run in KERNELS.items():
+                times[name].append(graph_us(lambda *s, r=run: r(case, *s, scale), sets))
+        for name in KERNELS:
+            t = f"{statistics.median(times[name]):.1f}" if times[name] else "-"
+            lines.append(f"| {case.name} | {name} | {errs[name]:.2e} | {t} |")
+    return lines
+
+
+def fa4_step_ab(rounds: int = 3) -> list[str]:
+    """The whole fa4 decode step at gqa-long with each kernel (needs flash-attn-4)."""
+    try:
+        __import__("flash_attn.cute")
+    except Exception as exc:  # noqa: BLE001
+        return [f"fa4 step A/B skipped: flash_attn.cute does not import ({exc})"]
+    import specattn.kernels.history_merge as shared_module
+    from specattn import metadata
+    from specattn.backends.flash_attn import FA4Decode
+    from specattn.data import AttentionLayer, DraftRunner
+
+    bs, topk, steps, ctx, layers = 32, 8, 5, 4096, 8
+    slots = bs * (ctx + topk * steps) + 64
+    runner = DraftRunner.mha(32, 8, 128, num_layers=layers, num_slots=slots, max_reqs=bs,
+                             max_context_len=ctx + topk * steps, device="cuda")
+    for p in runner.k_buffer + runner.v_buffer:
+        p.normal_()
+    seq = torch.full((bs,), ctx, device="cuda")
+    rpi = torch.arange(bs, device="cuda")
+    runner.req_to_token[:, :ctx] = (torch.arange(bs * ctx, device="cuda").view(bs, ctx)
+                                    .to(torch.int32))
+    new = torch.arange(bs * ctx, bs * ctx + bs * topk * steps, device="cuda")
+    loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq, new, topk, steps, 1)
+    from specattn.data import DraftBatch
+
+    backend = FA4Decode(runner, topk, steps, mode="shared")
+    backend.init_forward_metadata(DraftBatch(rpi, seq, loc))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(bs * topk, 32, 128, generator=gen).bfloat16().cuda()
+    k = torch.randn(bs * topk, 8, 128, generator=gen).bfloat16().cuda()
+    v = torch.randn(bs * topk, 8, 128, generator=gen).bfloat16().cuda()
+    lyr = [(AttentionLayer(i, 128 ** -0.5),) for i in range(layers)]
+
+    def legacy_adapter(q, k_pool, v_pool, hist, o_p, lse_p, scale, cap, lse_base="e", *,
+                       chunks=1, topk=1, inf_is_empty=True, **_):
+        return legacy_history_merge(q, k_pool, v_pool, hist, hist.shape[1], o_p, lse_p,
+                                    topk=topk, chunks=chunks, scale=scale, softcap=cap)
+
+    variants = {"shared (kernels/history_merge.py)": shared_module.history_merge,
+                "legacy (flash_attn/_fused.py)": legacy_adapter}
+    outs, times = {}, {name: [] for name in variants}
+    original = shared_module.history_merge
+    try:
+        for name, fn in variants.items():
+            shared_module.history_merge = fn
+            outs[name] = backend.forward(2, lyr[0][0], q, k, v).float()
+        diff = (outs[list(variants)[0]] - outs[list(variants)[1]]).abs().max().item()
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                shared_module.history_merge = fn
+                times[name].append(graph_us(lambda lay: backend.forward(2, lay, q, k, v), lyr))
+    finally:
+        shared_module.history_merge = original
+    lines = ["", f"fa4 decode step, gqa-long, step 2 (both outputs agree to {diff:.2e}):", "",
+             "| kernel | us per step (median of rounds) |", "|---|---|"]
+    lines += [f"| {n} | {statistics.median(t):.1f} |" for n, t in times.items()]
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--out", help="also write the tables to this markdown file")
+    args = ap.parse_args()
+    if args.smoke:
+        lines = kernel_ab(SMOKE, "cpu", timing=False)
+    else:
+        if not torch.cuda.is_available():
+            print("needs a CUDA GPU (or --smoke)", file=sys.stderr)
+            return 2
+        lines = [f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", ""]
+        lines += kernel_ab(CASES, "cuda", timing=True) + fa4_step_ab()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
