@@ -175,9 +175,19 @@ def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
         raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
 
 
-def _requests(batch, device: torch.device,
+_BATCH_FIELDS = {"DraftBatch": ("req_pool_indices", "seq_lens", "out_cache_loc", "parents"),
+                 "DraftExtendBatch": ("req_pool_indices", "seq_lens", "extend_lens",
+                                      "out_cache_loc")}
+
+
+def _requests(batch, kind: str, device: torch.device,
               max_bs: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
+    """A batch of type ``kind`` (by its fields: ``data`` imports this module): its
+    ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
+    fields = _BATCH_FIELDS[kind]
+    if not all(hasattr(batch, f) for f in fields):
+        raise InvalidInputError("batch", f"a specattn.{kind} ({', '.join(fields)})",
+                                type(batch).__name__)
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
                   ndim=1, device=device)
     bs = rpi.shape[0]
@@ -196,7 +206,7 @@ def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mo
                        max_bs: Optional[int] = None) -> None:
     """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
     dev = runner.device
-    rpi, seq = _requests(batch, dev, max_bs)
+    rpi, seq = _requests(batch, "DraftBatch", dev, max_bs)
     bs = rpi.shape[0]
     loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=3,
                   device=dev)
@@ -238,7 +248,7 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
     where values are scanned (CPU tensors or debug checks)."""
     dev = runner.device
-    rpi, seq = _requests(batch, dev, None)
+    rpi, seq = _requests(batch, "DraftExtendBatch", dev, None)
     bs = rpi.shape[0]
     ext = _tensor("batch.extend_lens", batch.extend_lens, dtypes=INDEX_DTYPES, ndim=1,
                   device=dev)

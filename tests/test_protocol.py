@@ -156,3 +156,13 @@ def test_extend_graph_round_bounds():
     backend.init_forward_metadata_capture_cuda_graph(ok)
     assert backend.num_tokens == 3 and torch.equal(backend.batch.out_cache_loc,
                                                    torch.arange(4, 7))
+
+
+def test_a_batch_of_the_other_kind_is_refused_by_name():
+    runner, batch = _decode_case([5, 7])
+    ext = DraftExtendBatch(batch.req_pool_indices, batch.seq_lens, torch.tensor([1, 1]),
+                           batch.out_cache_loc[:, 0, 0])
+    with pytest.raises(InvalidInputError, match=r"^batch: expected a specattn\.DraftBatch"):
+        TorchRefDecode(runner, 2, 3).init_forward_metadata(ext)
+    with pytest.raises(InvalidInputError, match=r"^batch: expected a specattn\.DraftExtendBatch"):
+        TorchRefExtend(runner).init_forward_metadata(batch)

@@ -94,9 +94,9 @@ class _Meta:
 
 def _flat_slots(req_to_token: torch.Tensor, rpi: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:
-    """``R[rpi[r], pos[r, c]]`` without copying whole rows. rpi: ``[rows]``; pos ``[rows, c]``."""
-    flat = rpi.long()[:, None] * req_to_token.stride(0) + pos.clamp(0, req_to_token.shape[1] - 1)
-    return req_to_token.reshape(-1)[flat]
+    """``R[rpi[r], pos[r, c]]`` without copying whole rows (any strides: an engine may pass a
+    slice of a wider table). rpi: ``[rows]``; pos ``[rows, c]``."""
+    return req_to_token[rpi.long()[:, None], pos.clamp(0, req_to_token.shape[1] - 1)]
 
 
 class _DSAMixin:
