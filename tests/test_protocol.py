@@ -164,5 +164,6 @@ def test_a_batch_of_the_other_kind_is_refused_by_name():
                            batch.out_cache_loc[:, 0, 0])
     with pytest.raises(InvalidInputError, match=r"^batch: expected a specattn\.DraftBatch"):
         TorchRefDecode(runner, 2, 3).init_forward_metadata(ext)
-    with pytest.raises(InvalidInputError, match=r"^batch: expected a specattn\.DraftExtendBatch"):
+    with pytest.raises(InvalidInputError,
+                       match=r"^batch: expected a specattn\.DraftExtendBatch"):
         TorchRefExtend(runner).init_forward_metadata(batch)
