@@ -262,8 +262,10 @@ def kernel_ab(cases, dev, timing: bool, rounds: int = 3) -> list[str]:
     return lines
 
 
-def fa4_step_ab(rounds: int = 3) -> list[str]:
-    """The whole fa4 decode step at gqa-long with each kernel (needs flash-attn-4)."""
+def fa4_step_ab(dev: str = "cuda", bs: int = 32, topk: int = 8, ctx: int = 4096,
+                layers: int = 8, rounds: int = 3, timing: bool = True) -> list[str]:
+    """The whole fa4 decode step (gqa-long: 32/8 heads, d 128, step 2 of 5) with each kernel
+    (needs flash-attn-4: ``flash_attn.cute``)."""
     try:
         __import__("flash_attn.cute")
     except Exception as exc:  # noqa: BLE001
@@ -271,32 +273,28 @@ def fa4_step_ab(rounds: int = 3) -> list[str]:
     import specattn.kernels.history_merge as shared_module
     from specattn import metadata
     from specattn.backends.flash_attn import FA4Decode
-    from specattn.data import AttentionLayer, DraftRunner
+    from specattn.data import AttentionLayer, DraftBatch, DraftRunner
 
-    bs, topk, steps, ctx, layers = 32, 8, 5, 4096, 8
-    slots = bs * (ctx + topk * steps) + 64
-    runner = DraftRunner.mha(32, 8, 128, num_layers=layers, num_slots=slots, max_reqs=bs,
-                             max_context_len=ctx + topk * steps, device="cuda")
+    steps = 5
+    runner = DraftRunner.mha(32, 8, 128, num_layers=layers,
+                             num_slots=bs * (ctx + topk * steps) + 64, max_reqs=bs,
+                             max_context_len=ctx + topk * steps, device=dev)
     for p in runner.k_buffer + runner.v_buffer:
         p.normal_()
-    seq = torch.full((bs,), ctx, device="cuda")
-    rpi = torch.arange(bs, device="cuda")
-    runner.req_to_token[:, :ctx] = (torch.arange(bs * ctx, device="cuda").view(bs, ctx)
-                                    .to(torch.int32))
-    new = torch.arange(bs * ctx, bs * ctx + bs * topk * steps, device="cuda")
+    seq = torch.full((bs,), ctx, device=dev)
+    rpi = torch.arange(bs, device=dev)
+    runner.req_to_token[:, :ctx] = torch.arange(bs * ctx, device=dev).view(bs, ctx).int()
+    new = torch.arange(bs * ctx, bs * (ctx + topk * steps), device=dev)
     loc = metadata.assign_draft_cache_locs(runner.req_to_token, rpi, seq, new, topk, steps, 1)
-    from specattn.data import DraftBatch
-
     backend = FA4Decode(runner, topk, steps, mode="shared")
     backend.init_forward_metadata(DraftBatch(rpi, seq, loc))
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(bs * topk, 32, 128, generator=gen).bfloat16().cuda()
-    k = torch.randn(bs * topk, 8, 128, generator=gen).bfloat16().cuda()
-    v = torch.randn(bs * topk, 8, 128, generator=gen).bfloat16().cuda()
+    q, k, v = (torch.randn(bs * topk, h, 128, generator=gen).bfloat16().to(dev)
+               for h in (32, 8, 8))
     lyr = [(AttentionLayer(i, 128 ** -0.5),) for i in range(layers)]
 
     def legacy_adapter(q, k_pool, v_pool, hist, o_p, lse_p, scale, cap, lse_base="e", *,
-                       chunks=1, topk=1, inf_is_empty=True, **_):
+                       chunks=1, topk=1, inf_is_empty=True):
         return legacy_history_merge(q, k_pool, v_pool, hist, hist.shape[1], o_p, lse_p,
                                     topk=topk, chunks=chunks, scale=scale, softcap=cap)
 
@@ -306,18 +304,21 @@ def fa4_step_ab(rounds: int = 3) -> list[str]:
     original = shared_module.history_merge
     try:
         for name, fn in variants.items():
-            shared_module.history_merge = fn
-            outs[name] = backend.forward(2, lyr[0][0], q, k, v).float()
-        diff = (outs[list(variants)[0]] - outs[list(variants)[1]]).abs().max().item()
-        for _ in range(rounds):
+            shared_module.history_merge = fn  # fa4 imports it at each call
+            for step in range(3):
+                outs[name] = backend.forward(step, lyr[0][0], q, k, v).float()
+        for _ in range(rounds if timing else 0):
             for name, fn in variants.items():
                 shared_module.history_merge = fn
                 times[name].append(graph_us(lambda lay: backend.forward(2, lay, q, k, v), lyr))
     finally:
         shared_module.history_merge = original
-    lines = ["", f"fa4 decode step, gqa-long, step 2 (both outputs agree to {diff:.2e}):", "",
+    a, b = outs.values()
+    lines = ["", f"fa4 decode step (B {bs}, K {topk}, L {ctx}), step 2: outputs agree to "
+             f"{(a - b).abs().max().item():.2e}", "",
              "| kernel | us per step (median of rounds) |", "|---|---|"]
-    lines += [f"| {n} | {statistics.median(t):.1f} |" for n, t in times.items()]
+    lines += [f"| {n} | {statistics.median(t):.1f} |" if t else f"| {n} | - |"
+              for n, t in times.items()]
     return lines
 
 
