@@ -443,10 +443,8 @@ class DraftDecodeBackend(DraftBackend):
         captured = graph.parents.get(bs)
         if self.tree_mode == "path" and captured is not None and (
                 batch.parents.data_ptr() != captured.data_ptr()):
-            # The graph reads the tensor given at capture; this batch's values go into it.
-            if raw > captured.shape[1]:
-                raise InvalidInputError("batch.parents", "at most the captured batch size "
-                                        f"({captured.shape[1]} requests)", f"{raw} requests")
+            # The graph reads the tensor given at capture ([S, bs, K], validated then); this
+            # batch's values go into it.
             captured[:, :raw].copy_(batch.parents)
         self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
         self._plan_graph(self.batch, capture=False)
@@ -582,8 +580,11 @@ class _FixedRound:
                               (self.loc, batch.out_cache_loc, 0)):
             buf[:raw].copy_(src)
             buf[raw:bs].fill_(pad)
-        return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs],
-                          self.parents.get(bs, batch.parents))
+        parents = self.parents.get(bs, batch.parents)
+        if parents is not None and parents.shape[1] < bs:  # no capture at this size: pad
+            parents = torch.cat([parents, parents.new_zeros(
+                (parents.shape[0], bs - raw, parents.shape[2]))], dim=1)
+        return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs], parents)
 
 
 def _is_int(x: object) -> bool:

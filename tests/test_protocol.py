@@ -167,3 +167,16 @@ def test_a_batch_of_the_other_kind_is_refused_by_name():
     with pytest.raises(InvalidInputError,
                        match=r"^batch: expected a specattn\.DraftExtendBatch"):
         TorchRefExtend(runner).init_forward_metadata(batch)
+
+
+def test_a_path_replay_at_a_size_never_captured_pads_the_parents():
+    runner, batch = _decode_case([5, 8], tree_mode="path", seed=6)
+    batch.parents[1:] = torch.tensor([[1, 0], [0, 1]])
+    backend = TorchRefDecode(runner, 2, 3, tree_mode="path")
+    backend.init_cuda_graph_state(max_bs=3, max_num_tokens=6)
+    backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    assert tuple(backend.batch.parents.shape) == (3, 3, 2)
+    q, k, v = random_qkv(runner, 6)
+    out = backend.forward(2, LAYER, q, k, v)
+    runner.write_kv(0, batch.out_cache_loc[:, :, 2], k[:4], v[:4])
+    torch.testing.assert_close(out[:4], reference_decode(runner, LAYER, q[:4], batch, 2, "path"))
