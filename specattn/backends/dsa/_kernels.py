@@ -212,6 +212,6 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
     merge_kernel[(rows, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=kv_lora_rank,
+        NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=kv_lora_rank,
         BLOCK_DV=block_d, num_warps=4 if kv_lora_rank >= 256 else 2)
     return out

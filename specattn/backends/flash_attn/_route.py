@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...util import ceil_div
+
 __all__ = ["Route", "choose_route", "route_cost", "SPLITS"]
 
 T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), us
@@ -40,7 +42,7 @@ Route = tuple
 
 
 def _pass_us(ctas: int, keys: int, sms: int, scale: float) -> float:
-    waves = -(-ctas // sms)
+    waves = ceil_div(ctas, sms)
     return max(waves * keys * T_CTA_US, ctas / sms * keys * T_BW_US) * scale
 
 
@@ -52,7 +54,7 @@ def route_cost(route: Route, *, bs: int, topk: int, prefix_len: int, num_kv_head
     scale = head_dim / 128
     if mode == "per-branch":
         return _pass_us(bs * topk * num_kv_heads, prefix_len, num_sms, scale)
-    keys = -(-prefix_len // chunks)
+    keys = ceil_div(prefix_len, chunks)
     cost = _pass_us(bs * chunks * num_kv_heads, keys, num_sms, scale)
     if chunks > 1:
         return cost + HIST_US + COPY_US

@@ -174,7 +174,7 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     _decode_metadata_kernel[(bs * topk,)](
         req_pool_indices, seq_lens, out_cache_loc, meta, hist,
         out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2),
-        TOPK=topk, NUM_STEPS=steps, BLOCK_S=triton.next_power_of_2(steps),
+        TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
 
 
@@ -185,7 +185,7 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     bs = req_pool_indices.shape[0]
     _extend_metadata_kernel[(1,)](
         req_pool_indices, seq_lens, extend_lens, meta, bs,
-        BLOCK_B=triton.next_power_of_2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
         num_warps=4)
 
 
@@ -314,6 +314,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         merge_kernel[(rows, shape.num_q_heads)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=shape.d_v,
+            NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=shape.d_v,
             BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
     return out
