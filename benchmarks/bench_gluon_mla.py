@@ -119,7 +119,7 @@ def measure(name, cfg, r, batch, q, k, layers, K, S, timing=True):
         label = "flashinfer"
     else:
         be.init_forward_metadata(batch)
-        label = be._plan["cfg"].label() + f" splits {be._plan['num_splits']}"
+        label = be._round_plan["cfg"].label() + f" splits {be._round_plan['num_splits']}"
     for i in range(STEP):
         be.forward(i, lyr[0], q, k, None)
     out = be.forward(STEP, lyr[0], q, k, None)

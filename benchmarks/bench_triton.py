@@ -129,7 +129,7 @@ def bench_decode(model, B, lens, K, S, P, mode, bw, config=None, waves=None, ste
     kv_bytes = (sum(lens) + N * (step + 1)) * row_bytes(r)
     io_bytes = q.numel() * 2 + N * r.num_q_heads * r.v_head_dim * 2
     floor = (kv_bytes + io_bytes) / bw * 1e3
-    plan = be._plan
+    plan = be._round_plan
     return t, floor, dict(splits=plan["num_splits"], cfg=plan["cfg"])
 
 
@@ -155,7 +155,7 @@ def bench_extend(B, lens, S, bw, config=None, waves=None):
     t = _graph_time(lambda lay: be.forward(lay, q, k, v),
                     [AttentionLayer(i, 128 ** -0.5) for i in range(layers)])
     floor = (sum(lens) * row_bytes(r) + 2 * q.numel() * 2) / bw * 1e3
-    return t, floor, dict(splits=be._plan["num_splits"], cfg=be._plan["cfg"])
+    return t, floor, dict(splits=be._round_plan["num_splits"], cfg=be._round_plan["cfg"])
 
 
 def _graph_time(fn, layers) -> float:

@@ -35,8 +35,8 @@ def main() -> None:
     for step in range(min(args.steps, S)):
         be.forward(step, lay, q, k, v)
     torch.cuda.synchronize()
-    print(f"{args.case}: {min(args.steps, S)} forwards, plan {be._plan['cfg'].label()}, "
-          f"{be._plan['num_splits']} splits")
+    print(f"{args.case}: {min(args.steps, S)} forwards, plan {be._round_plan['cfg'].label()}, "
+          f"{be._round_plan['num_splits']} splits")
 
 
 if __name__ == "__main__":

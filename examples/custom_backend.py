@@ -1,8 +1,7 @@
 """A third-party backend: subclass, pass ``name=``, and the factory can select it by name.
 
 This one wraps the reference math (``specattn.backends.torch_ref``); a real one would launch
-its own kernels in ``forward``. It ends by passing the conformance kit (``specattn.testing``).
-Run:  python examples/custom_backend.py
+its own kernels in ``forward``. Run:  python examples/custom_backend.py
 """
 
 import torch
@@ -11,8 +10,6 @@ import specattn
 from specattn import DraftDecodeBackend, DraftExtendBackend
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.platforms import any_platform
-from specattn.validation import (check_decode_batch, check_decode_forward, check_extend_batch,
-                                 check_extend_forward, check_parents_step)
 
 
 class MyDecode(DraftDecodeBackend, name="my_ref", aliases=("mine",), platforms=any_platform,
@@ -20,29 +17,15 @@ class MyDecode(DraftDecodeBackend, name="my_ref", aliases=("mine",), platforms=a
     max_topk = 8                                  # capabilities are data: validate() turns
     dtypes = (torch.bfloat16, torch.float32)      # them into readable rejection reasons
 
-    def init_forward_metadata(self, batch):       # once per round, every step
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
-        self.batch = batch
-
-    def forward(self, step, layer, q, k, v):      # q [B*K, H_q, D] -> o [B*K, H_q, D_v]
-        self._require_metadata(getattr(self, "batch", None))
-        check_decode_forward(self.runner, self.batch.batch_size * self.topk, self.num_steps,
-                             step, layer, q, k, v)
-        check_parents_step(self.batch, step, self.topk)
-        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc[:, :, step], k, v)
+    # The base class runs the protocol (checks, the KV write, CUDA-graph buffers) and calls
+    # the hooks: _plan(batch) once per round (nothing to prepare here), then per layer:
+    def _attend(self, step, layer, q, k, v):      # q [B*K, H_q, D] -> o [B*K, H_q, D_v]
         return reference_decode(self.runner, layer, q, self.batch, step, self.tree_mode)
 
 
 class MyExtend(DraftExtendBackend, name="my_ref", aliases=("mine",), platforms=any_platform,
                models=("mha",), kernel_library="torch", priority=-1):
-    def init_forward_metadata(self, batch):
-        check_extend_batch(self.runner, batch)
-        self.batch = batch
-
-    def forward(self, layer, q, k, v):            # q [sum(E), H_q, D], causal over the prefix
-        self._require_metadata(getattr(self, "batch", None))
-        check_extend_forward(self.runner, int(self.batch.extend_lens.sum()), layer, q, k, v)
-        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+    def _attend(self, layer, q, k, v):            # q [sum(E), H_q, D], causal over the prefix
         return reference_extend(self.runner, layer, q, self.batch)
 
 

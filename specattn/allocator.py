@@ -24,6 +24,7 @@ import torch
 
 from . import metadata
 from .errors import InvalidInputError
+from .util import ceil_div
 
 if TYPE_CHECKING:
     from .data import DraftRunner
@@ -201,7 +202,7 @@ class PagedKVAllocator:
                 raise InvalidInputError("n", f"a length within max_context_len="
                                         f"{self.runner.max_context_len}",
                                         f"request {r} would reach {t}")
-            need[r] = max(0, -(-t // self.page_size) - len(self._pages[r]))
+            need[r] = max(0, ceil_div(t, self.page_size) - len(self._pages[r]))
         total = sum(need.values())
         if total > len(self._free_pages):
             raise RuntimeError(f"out of KV slots: need {total} more pages of "
@@ -222,7 +223,7 @@ class PagedKVAllocator:
         return slots.to(self.runner.device)
 
     def _shrink(self, req: int, new_len: int) -> None:
-        keep = -(-new_len // self.page_size)
+        keep = ceil_div(new_len, self.page_size)
         freed = self._pages[req][keep:]
         del self._pages[req][keep:]
         self._free_pages.extend(reversed(freed))

@@ -7,8 +7,11 @@ A backend is a subclass of ``DraftDecodeBackend`` (multi-step draft decode) or
                    platforms=is_cuda, models=("mha",), requires=(("mylib", "mylib"),),
                    kernel_library="mylib", priority={"cuda": 40}):
         dtypes = (torch.bfloat16, torch.float16)
-        def init_forward_metadata(self, batch): ...
-        def forward(self, step, layer, q, k, v): ...
+        def _plan(self, batch): ...                        # the round's metadata
+        def _attend(self, step, layer, q, k, v): ...       # one layer at one step
+
+The public methods (``init_forward_metadata``, ``forward``, the CUDA-graph methods) run the
+call protocol around these hooks (``DraftDecodeBackend`` lists them all).
 
 ``__init_subclass__`` only records and checks the declaration (PEP 487): it imports no vendor
 library, touches no device and decides nothing. Classes without ``name=`` (intermediate bases)
@@ -18,18 +21,22 @@ per-class settings are read from ``cls.__dict__``.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
-from .errors import BackendUnavailableError, InvalidInputError, RegistrationError
-from .keys import BackendRequest
+from .data import DraftBatch, DraftExtendBatch
+from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
+from .keys import BackendRequest, check_draft_params
 from .platforms import Platform, Predicate, any_platform, current_platform
+from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
+                         check_extend_forward, check_parents_step)
 
 if TYPE_CHECKING:
-    from .data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from .data import DraftRunner
+    from .layer import AttentionLayer
 
 __all__ = ["DraftBackend", "DraftDecodeBackend", "DraftExtendBackend", "MODELS"]
 
@@ -70,6 +77,8 @@ class DraftBackend(ABC):
     tree_modes: ClassVar[frozenset[str]] = frozenset({"lane", "path"})
     head_dims: ClassVar[Optional[frozenset[int]]] = None  # None: any head dim
     supports_cuda_graph: ClassVar[bool] = False
+    # Models whose kernels apply a logit soft cap (``layer.logit_cap > 0``); others refuse it.
+    soft_cap_models: ClassVar[frozenset[str]] = MODELS
     # Where the code was actually run, for `specattn list` ("CPU", "H200", "not run on hardware").
     tested_on: ClassVar[str] = "not run on hardware"
     # Non-empty while the kernels are not written yet: the reason, naming the issue.
@@ -195,30 +204,77 @@ class DraftBackend(ABC):
             "tested_on": cls.tested_on, "class": cls.qualified_name(),
         }
 
-    # --- protocol checks shared by the backends -----------------------------------------------
-
-    def _require_metadata(self, prepared: object) -> None:
-        """``forward`` before ``init_forward_metadata``: ``prepared`` (the backend's round
-        state) is still ``None``."""
-        if prepared is None:
-            raise InvalidInputError("forward", "a call after init_forward_metadata(batch)",
-                                    f"a call before it ({type(self).name})")
-
-    @staticmethod
-    def _require_graph_state(ready: bool) -> None:
-        """Capture/replay before ``init_cuda_graph_state`` (``ready`` False)."""
-        if not ready:
-            raise InvalidInputError("init_cuda_graph_state", "a call before capture/replay",
-                                    "no call")
-
     # --- construction ------------------------------------------------------------------------
 
-    def _check_constructible(self, request: BackendRequest) -> None:
-        reasons = type(self).validate(request)
+    def _construct(self, runner: "DraftRunner", request: BackendRequest) -> None:
+        """What every constructor does: keep the runner, refuse a pending class, then check
+        ``request`` (the runner's full request) against the declared capabilities."""
+        cls = type(self)
+        self.runner = runner
+        self.page_size = runner.page_size
+        self.cuda_graph_max_bs = 0
+        self.batch = None  # the round forward() reads (see the subclasses)
+        self._graph: Optional[_FixedRound] = None
+        if cls.pending:
+            raise BackendUnavailableError(f"{cls.name}: {cls.pending}", cls.name,
+                                          {cls.qualified_name(): [cls.pending]})
+        reasons = cls.validate(request)
         if reasons:
             raise BackendUnavailableError(
-                f"{type(self).name} ({type(self).qualified_name()}) cannot serve {request}: "
-                + "; ".join(reasons), type(self).name, {type(self).qualified_name(): reasons})
+                f"{cls.name} ({cls.qualified_name()}) cannot serve {request}: "
+                + "; ".join(reasons), cls.name, {cls.qualified_name(): reasons})
+
+    # --- the protocol's checks (one place, one error type per mistake) ----------------------
+
+    def _require_round(self, call: str = "forward()") -> None:
+        """``forward`` (or another per-round ``call``) before any ``init_forward_metadata``
+        (or capture/replay)."""
+        if self.batch is None:
+            raise CallOrderError("init_forward_metadata", f"a call before {call}",
+                                 f"{type(self).name}.{call} first")
+
+    def _require_graph_state(self) -> "_FixedRound":
+        """Capture/replay before ``init_cuda_graph_state``."""
+        if self._graph is None:
+            raise CallOrderError("init_cuda_graph_state", "a call before capture/replay",
+                                 f"{type(self).name}: no call")
+        return self._graph
+
+    def _check_layer(self, layer: "AttentionLayer") -> None:
+        """A soft cap the kernels cannot apply is refused, not ignored."""
+        model = self.runner.model
+        if layer.logit_cap > 0 and model not in type(self).soft_cap_models:
+            raise InvalidInputError("layer.logit_cap", f"0 ({type(self).name} has no logit "
+                                    f"soft cap for {model.upper()})", layer.logit_cap)
+
+    # --- hooks (defaults) ---------------------------------------------------------------------
+
+    def _check_batch(self, batch: Any, debug: Optional[bool]) -> None:
+        """Rules of this backend beyond ``validation.check_*_batch`` (``debug`` as there)."""
+
+    def _forward_options(self, layer: "AttentionLayer", **options: Any) -> dict[str, Any]:
+        """Check this backend's extra ``forward`` keywords (``attn_sink=``, ``index_q=``...)
+        before anything is written; returns the keywords ``_attend`` receives."""
+        if options:
+            raise TypeError(f"{type(self).name}.forward() got unexpected keyword argument(s) "
+                            f"{sorted(options)}")
+        return {}
+
+    def _kernel_writes_kv(self) -> bool:
+        """True when ``_attend`` stores the call's new KV itself (fused into its kernel);
+        otherwise ``forward`` writes it with ``runner.write_kv`` first."""
+        return False
+
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed buffers a captured graph reads (``init_cuda_graph_state``)."""
+
+    def _plan(self, batch: Any) -> None:
+        """Build the round's metadata (``init_forward_metadata``); default: nothing."""
+
+    def _plan_graph(self, batch: Any, *, capture: bool) -> None:
+        """Build the round's metadata into the fixed buffers, outside the graph (capture
+        and replay); default: ``_plan``."""
+        self._plan(batch)
 
 
 def _apply_declaration(cls: type, name: str, decl: dict[str, Any]) -> None:
@@ -264,6 +320,12 @@ def _apply_declaration(cls: type, name: str, decl: dict[str, Any]) -> None:
     if mla_name is not None and models != frozenset({"mla"}):
         raise bad("mla_required_name= only makes sense with models=('mla',)", mla_name)
     cls.mla_required_name = mla_name
+    kind_base = next((b for b in cls.__mro__ if b.__dict__.get("kind") in ("decode", "extend")),
+                     None)
+    if kind_base is not None and cls._attend is kind_base._attend and \
+            cls.forward is kind_base.forward:
+        raise RegistrationError(f"{where}: implements neither _attend (the hook the protocol "
+                                "calls) nor forward")
     cls._registered = True
 
 
@@ -286,75 +348,121 @@ class DraftDecodeBackend(DraftBackend):
     ``forward`` first writes ``k``/``v`` to ``batch.out_cache_loc[:, :, step]``, then attends
     each lane to its request's prefix and its draft history (``tree_mode`` ``"lane"`` or
     ``"path"``).
+
+    **Writing a backend.** The public methods are template methods: they run the protocol
+    (validation, metadata before forward, step bounds, ``parents`` checks, the KV write, the
+    CUDA-graph buffers and padding) and call these hooks:
+
+    - ``_attend(step, layer, q, k, v, **options) -> o`` (required): one layer at one step.
+      The call is valid and the new KV is in the pool (unless ``_kernel_writes_kv()``);
+      ``self.batch`` is the round.
+    - ``_plan(batch)``: the round's metadata (eager); ``_plan_graph(batch, capture=...)``:
+      the same into fixed buffers (default ``_plan``); ``_alloc_graph_buffers(max_bs,
+      max_num_tokens)``: those buffers.
+    - ``_check_batch(batch, debug)``, ``_forward_options(layer, **options)``,
+      ``_kernel_writes_kv()``: extra batch rules, extra ``forward`` keywords, the KV-write
+      policy.
+
+    ``self.batch`` is the ``DraftBatch`` forward reads: the caller's batch in an eager round;
+    in a captured/replayed round, views of fixed buffers (``req_pool_indices``,
+    ``seq_lens``, ``out_cache_loc``; padded requests get request 0, ``seq_lens = 1`` and slot
+    0) and the ``parents`` tensor given at capture, which every replay refills.
     """
 
     kind = "decode"
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
-        from .validation import check_draft_params
-
         check_draft_params(topk, num_steps, tree_mode)
-        self.runner = runner
         self.topk = topk
         self.num_steps = num_steps
         self.tree_mode = tree_mode
-        self.page_size = runner.page_size
-        if type(self).pending:
-            raise BackendUnavailableError(f"{type(self).name}: {type(self).pending}",
-                                          type(self).name,
-                                          {type(self).qualified_name(): [type(self).pending]})
-        self._check_constructible(runner.backend_request("decode", topk=topk,
-                                                         num_steps=num_steps,
-                                                         tree_mode=tree_mode))
-        self.cuda_graph_max_bs = 0
+        self._construct(runner, runner.backend_request(
+            "decode", topk=topk, num_steps=num_steps, tree_mode=tree_mode))
+        self.num_lanes = 0
 
-    @abstractmethod
+    # --- the protocol (template methods) ----------------------------------------------------
+
     def init_forward_metadata(self, batch: "DraftBatch") -> None:
         """Prepare every step's metadata for one draft round (no per-step host work)."""
+        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+        self._check_batch(batch, None)
+        self._begin(batch)
+        self._plan(batch)
 
-    @abstractmethod
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor]) -> torch.Tensor:
+                v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
         """Write ``k``/``v`` for ``step``, then attend; returns ``o`` (see the class doc)."""
+        self._require_round()
+        batch = self.batch
+        check_decode_forward(self.runner, self.num_lanes, self.num_steps, step, layer, q, k, v)
+        if self.tree_mode == "path":
+            check_parents_step(batch, step, self.topk)
+        self._check_layer(layer)
+        options = self._forward_options(layer, **options)
+        if not self._kernel_writes_kv():
+            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v)
+        return self._attend(step, layer, q, k, v, **options)
 
-    # CUDA graph protocol (semantics.md). Defaults run eagerly, which is right for CPU
-    # backends; GPU backends override all three with fixed buffers.
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
+        """Attention of one layer at draft step ``step`` (see the class doc)."""
+        raise NotImplementedError(f"{type(self).qualified_name()} implements no _attend")
+
+    def _begin(self, batch: "DraftBatch") -> None:
+        self.batch = batch
+        self.num_lanes = batch.batch_size * self.topk
+
+    # --- CUDA graphs ------------------------------------------------------------------------
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
+        if not _is_int(max_bs) or max_bs < 1:
+            raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
         self.cuda_graph_max_bs = max_bs
+        self._graph = _FixedRound(max_bs, (max_bs, self.topk, self.num_steps),
+                                  self.runner.device, with_requests=True)
+        self._alloc_graph_buffers(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        """Fill the fixed buffers before capture (called outside the graph)."""
-        self.init_forward_metadata(batch)
+        """Fill the fixed buffers before capture (called outside the graph). In ``path``
+        mode the graph reads ``batch.parents`` live: the draft loop fills it per step."""
+        graph = self._require_graph_state()
+        self._check_graph_batch(batch)
+        bs = batch.batch_size
+        if self.tree_mode == "path":
+            graph.parents[bs] = batch.parents
+        self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+        self._plan_graph(self.batch, capture=True)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """Refill the fixed buffers for a replay with ``bs`` (padded) requests."""
-        self.init_forward_metadata(batch)
+        """Refill the fixed buffers for a replay of the graph captured with ``bs`` requests;
+        a batch of fewer requests is padded (request 0, ``seq_lens = 1``, slot 0)."""
+        graph = self._require_graph_state()
+        self._check_graph_batch(batch)
+        raw = batch.batch_size
+        if not _is_int(bs) or not raw <= bs <= self.cuda_graph_max_bs:
+            raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] (the "
+                                    "captured batch size)", repr(bs))
+        captured = graph.parents.get(bs)
+        if self.tree_mode == "path" and captured is not None and (
+                batch.parents.data_ptr() != captured.data_ptr()):
+            # The graph reads the tensor given at capture ([S, bs, K], validated then); this
+            # batch's values go into it.
+            captured[:, :raw].copy_(batch.parents)
+        self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+        self._plan_graph(self.batch, capture=False)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value for padded requests in a captured batch."""
         return 1
 
-    @staticmethod
-    def _check_padded(batch: "DraftBatch", bs: int) -> None:
-        """A replayed batch holds exactly the ``bs`` (padded) requests of the graph."""
-        if batch.batch_size != bs:
-            raise InvalidInputError("batch", f"a batch padded to bs={bs} requests",
-                                    f"{batch.batch_size} requests")
-
-    def _check_graph_batch(self, batch: "DraftBatch", bs: Optional[int], *,
-                           ready: bool) -> None:
-        """Capture/replay checks, in this order: ``init_cuda_graph_state`` ran (``ready``),
-        ``batch`` is padded to ``bs`` requests (skipped for ``bs=None``), and the batch is
-        valid within ``cuda_graph_max_bs`` (no debug pass: capture must not sync)."""
-        from .validation import check_decode_batch
-
-        self._require_graph_state(ready)
-        if bs is not None:
-            self._check_padded(batch, bs)
+    def _check_graph_batch(self, batch: "DraftBatch") -> None:
+        """A graph round's batch is valid within ``cuda_graph_max_bs`` (no debug pass:
+        capture must not sync)."""
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
                            max_bs=self.cuda_graph_max_bs, debug=False)
+        self._check_batch(batch, False)
 
 
 class DraftExtendBackend(DraftBackend):
@@ -366,50 +474,122 @@ class DraftExtendBackend(DraftBackend):
     ``k [T, kv_lora_rank + rope]``, ``v = None`` → ``o [T, H, kv_lora_rank]``. Query ``t`` of
     request ``b`` attends to ``R_b[0 : seq_lens[b] - extend_lens[b] + t + 1]`` (``seq_lens``
     already includes the new tokens, whose KV ``forward`` writes to ``out_cache_loc`` first).
+
+    Hooks as in ``DraftDecodeBackend``, with ``_attend(layer, q, k, v, **options)``.
+    ``self.batch`` is the caller's batch, its ``out_cache_loc`` in a fixed buffer in graph
+    rounds; ``self.num_tokens`` is ``T``. ``max_extend_len`` (set by a backend whose graph
+    grid needs it) bounds ``extend_lens`` in graph rounds.
     """
 
     kind = "extend"
+    max_extend_len: Optional[int] = None
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
-        self.runner = runner
         self.topk = topk
         self.num_steps = num_steps
-        self.page_size = runner.page_size
-        if type(self).pending:
-            raise BackendUnavailableError(f"{type(self).name}: {type(self).pending}",
-                                          type(self).name,
-                                          {type(self).qualified_name(): [type(self).pending]})
-        self._check_constructible(runner.backend_request("extend", topk=topk,
-                                                         num_steps=num_steps))
-        self.cuda_graph_max_bs = 0
+        self._construct(runner, runner.backend_request("extend", topk=topk,
+                                                       num_steps=num_steps))
+        self.num_tokens = 0
 
-    @abstractmethod
     def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
         """Prepare the metadata of one draft-extend batch."""
+        check_extend_batch(self.runner, batch)
+        self._check_batch(batch, None)
+        self._begin(batch)
+        self._plan(batch)
 
-    @abstractmethod
     def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor]) -> torch.Tensor:
+                v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
         """Write the new tokens' KV, then attend causally (see the class doc)."""
+        self._require_round()
+        check_extend_forward(self.runner, self.num_tokens, layer, q, k, v)
+        self._check_layer(layer)
+        options = self._forward_options(layer, **options)
+        if not self._kernel_writes_kv():
+            self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+        return self._attend(layer, q, k, v, **options)
+
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
+        """Causal attention of the batch's new tokens (see the class doc)."""
+        raise NotImplementedError(f"{type(self).qualified_name()} implements no _attend")
+
+    def _begin(self, batch: "DraftExtendBatch") -> None:
+        self.batch = batch
+        self.num_tokens = int(batch.out_cache_loc.shape[0])
+
+    # --- CUDA graphs ------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed buffers for up to ``max_bs`` requests and ``max_num_tokens`` new tokens."""
+        if not _is_int(max_bs) or max_bs < 1:
+            raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
+        if not _is_int(max_num_tokens) or max_num_tokens < max_bs:
+            raise InvalidInputError("max_num_tokens", f"an int >= max_bs={max_bs}",
+                                    repr(max_num_tokens))
         self.cuda_graph_max_bs = max_bs
+        self._graph = _FixedRound(max_bs, (max_num_tokens,), self.runner.device,
+                                  with_requests=False)
+        self._alloc_graph_buffers(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
-        self.init_forward_metadata(batch)
+        self._graph_round(batch, capture=True)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
                                                 bs: int) -> None:
-        self.init_forward_metadata(batch)
+        """Refill the fixed buffers from ``batch`` (its own size; ``bs`` is the captured
+        one)."""
+        self._graph_round(batch, capture=False)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def _check_graph_batch(self, batch: "DraftExtendBatch", *, ready: bool) -> None:
-        """Capture/replay checks: ``init_cuda_graph_state`` ran (``ready``), then the batch
-        is valid (no debug pass: capture must not sync)."""
-        from .validation import check_extend_batch
+    def _graph_round(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
+        """Graph-round checks (no debug pass: capture must not sync), then the new tokens'
+        slots into the fixed buffer and ``_plan_graph``."""
+        graph = self._require_graph_state()
+        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len)
+        self._check_batch(batch, False)
+        bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
+        capacity = graph.loc.shape[0]
+        if bs > self.cuda_graph_max_bs or tokens > capacity:
+            raise InvalidInputError("batch", f"at most {self.cuda_graph_max_bs} requests and "
+                                    f"{capacity} tokens (init_cuda_graph_state)",
+                                    f"{bs} requests, {tokens} tokens")
+        loc = graph.loc[:tokens]
+        loc.copy_(batch.out_cache_loc)
+        self._begin(DraftExtendBatch(batch.req_pool_indices, batch.seq_lens,
+                                     batch.extend_lens, loc))
+        self._plan_graph(self.batch, capture=capture)
 
-        self._require_graph_state(ready)
-        check_extend_batch(self.runner, batch, debug=False)
 
+class _FixedRound:
+    """The round tensors a captured graph reads, at fixed addresses: ``out_cache_loc``
+    (``loc_shape``, int64) and, for decode, ``req_pool_indices`` / ``seq_lens`` ``[max_bs]``
+    int64 and the ``parents`` tensor given at each captured batch size."""
+
+    def __init__(self, max_bs: int, loc_shape: tuple[int, ...], device: torch.device, *,
+                 with_requests: bool) -> None:
+        self.loc = torch.zeros(loc_shape, dtype=torch.int64, device=device)
+        if with_requests:
+            self.rpi = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.seq = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.parents: dict[int, torch.Tensor] = {}
+
+    def round(self, batch: "DraftBatch", bs: int, seq_fill: int) -> "DraftBatch":
+        """``batch`` copied in and padded to ``bs`` requests; returns the fixed views."""
+        raw = batch.batch_size
+        for buf, src, pad in ((self.rpi, batch.req_pool_indices, 0),
+                              (self.seq, batch.seq_lens, seq_fill),
+                              (self.loc, batch.out_cache_loc, 0)):
+            buf[:raw].copy_(src)
+            buf[raw:bs].fill_(pad)
+        parents = self.parents.get(bs, batch.parents)
+        if parents is not None and parents.shape[1] < bs:  # no capture at this size: pad
+            parents = torch.cat([parents, parents.new_zeros(
+                (parents.shape[0], bs - raw, parents.shape[2]))], dim=1)
+        return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs], parents)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -11,30 +11,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import InvalidInputError
 from .keys import BackendRequest
+from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
+from .layer import AttentionLayer
+from .validation import check_runner
 
 __all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch"]
-
-
-@dataclass(frozen=True)
-class AttentionLayer:
-    """One attention layer as a backend sees it: pool index, softmax scale, soft cap.
-
-    ``logit_cap > 0`` applies ``cap * tanh(score / cap)`` to ``scaling * q . k``."""
-
-    layer_id: int
-    scaling: float
-    logit_cap: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.layer_id, int) or self.layer_id < 0:
-            raise InvalidInputError("layer.layer_id", "an int >= 0", repr(self.layer_id))
-        if not self.scaling > 0:
-            raise InvalidInputError("layer.scaling", "a float > 0", repr(self.scaling))
-        if not self.logit_cap >= 0:
-            raise InvalidInputError("layer.logit_cap", "a float >= 0 (0 = off)",
-                                    repr(self.logit_cap))
 
 
 @dataclass
@@ -98,7 +80,7 @@ class DraftRunner:
     request's token positions to slots. Slot ``s`` lies in page ``s // page_size``.
     ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"`` (MLA only): ``kv_buffer[layer]`` is a
     uint8 ``[num_slots, bytes_per_token]`` pool in that FP8 layout (``runner.kv_layout``,
-    ``backends/_fp8_kv``); ``write_kv`` quantizes into it.
+    ``specattn.kv_layouts``); ``write_kv`` quantizes into it.
 
     Build one with ``DraftRunner.mha(...)`` / ``DraftRunner.mla(...)`` (allocates zeroed
     pools) or ``DraftRunner.wrap_mha(...)`` / ``wrap_mla(...)`` (uses an engine's tensors,
@@ -123,9 +105,7 @@ class DraftRunner:
         self.num_layers = num_layers
         self.req_to_token = req_to_token
         self.kv_cache_dtype = kv_cache_dtype
-        from .backends._fp8_kv import layout_for
-
-        # An FP8 byte layout (``backends/_fp8_kv``) or None: plain pools of the pool's dtype.
+        # An FP8 byte layout (``specattn.kv_layouts``) or None: plain pools of the pool's dtype.
         self.kv_layout = layout_for(kv_cache_dtype, use_mla_backend=self.use_mla_backend,
                                     kv_lora_rank=kv_lora_rank,
                                     qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
@@ -148,8 +128,6 @@ class DraftRunner:
             self.v_buffer = list(v_buffer) if v_buffer is not None else None
             self.num_heads = self.kv_lora_rank = self.qk_rope_head_dim = None
             self.kv_buffer = None
-        from .validation import check_runner
-
         check_runner(self)
 
     # --- constructors ----------------------------------------------------------------------
@@ -181,9 +159,7 @@ class DraftRunner:
         """Allocate zeroed MLA latent pools and an all-zero ``req_to_token``.
 
         ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"``: uint8 pools in that FP8 layout
-        (``backends/_fp8_kv``; ``dtype`` stays the activation dtype)."""
-        from .backends._fp8_kv import layout_for
-
+        (``specattn.kv_layouts``; ``dtype`` stays the activation dtype)."""
         layout = layout_for(kv_cache_dtype, use_mla_backend=True, kv_lora_rank=kv_lora_rank,
                             qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
         if layout is not None:
@@ -216,8 +192,6 @@ class DraftRunner:
                  dtype: Optional[torch.dtype] = None) -> "DraftRunner":
         """Wrap an engine's MLA latent pools (no copy). FP8 layouts (uint8 pools): the rope
         width is solved from the byte width; ``dtype`` (activations) defaults to bfloat16."""
-        from .backends._fp8_kv import LAYOUT_NAMES, rope_for_width
-
         kv0 = kv_buffer[0]
         if kv_cache_dtype in LAYOUT_NAMES:
             rope = rope_for_width(kv_cache_dtype, kv_lora_rank, int(kv0.shape[1]))

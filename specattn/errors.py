@@ -17,6 +17,7 @@ __all__ = [
     "RegistrationError",
     "DuplicateBackendError",
     "InvalidInputError",
+    "CallOrderError",
 ]
 
 
@@ -75,3 +76,10 @@ class InvalidInputError(SpecAttnError, ValueError):
         self.argument = argument
         self.expected = expected
         self.got = got
+
+
+class CallOrderError(InvalidInputError, RuntimeError):
+    """A backend method called out of protocol order: ``forward`` before
+    ``init_forward_metadata``, or a CUDA-graph capture/replay before ``init_cuda_graph_state``.
+    ``argument`` names the call that has to come first. Also a ``RuntimeError``: code that
+    caught the plain ``RuntimeError`` some backends raised for this keeps working."""

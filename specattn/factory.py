@@ -8,7 +8,7 @@ from ._logging import get_logger
 from .base import DraftDecodeBackend, DraftExtendBackend
 from .config import SpecConfig
 from .errors import InvalidInputError
-from .keys import BackendRequest
+from .keys import BackendRequest, check_draft_params
 from .platforms import Platform
 from .plugins import load_plugins
 from .registry import Registry
@@ -33,10 +33,7 @@ class DraftBackendFactory:
                  registry: Optional[Registry] = None) -> None:
         if not isinstance(config, SpecConfig):
             raise InvalidInputError("config", "a specattn.SpecConfig", type(config).__name__)
-        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
-            raise InvalidInputError("topk", "an int >= 1", repr(topk))
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
-            raise InvalidInputError("num_steps", "an int >= 0", repr(num_steps))
+        check_draft_params(topk, num_steps, tree_mode, min_steps=0)
         if not hasattr(runner, "use_mla_backend"):
             raise InvalidInputError("runner", "an object with a use_mla_backend attribute",
                                     type(runner).__name__)

@@ -13,7 +13,24 @@ Kind = Literal["decode", "extend"]
 KINDS: tuple[str, str] = ("decode", "extend")
 TREE_MODES: tuple[str, str] = ("lane", "path")
 
-__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES"]
+__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "check_draft_params"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_draft_params(topk: object, num_steps: object, tree_mode: object = "lane", *,
+                       min_steps: int = 1) -> None:
+    """The one check of ``topk`` (an int >= 1), ``num_steps`` (an int >= ``min_steps``) and
+    ``tree_mode``. A request or a factory may ask for no draft steps (``min_steps=0``: the
+    decode backend is then ``None``); a decode backend serves at least one."""
+    if not _is_int(topk) or topk < 1:
+        raise InvalidInputError("topk", "an int >= 1", repr(topk))
+    if not _is_int(num_steps) or num_steps < min_steps:
+        raise InvalidInputError("num_steps", f"an int >= {min_steps}", repr(num_steps))
+    if tree_mode not in TREE_MODES:
+        raise InvalidInputError("tree_mode", "'lane' or 'path'", repr(tree_mode))
 
 
 @dataclass(frozen=True)
@@ -38,14 +55,9 @@ class BackendRequest:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidInputError("kind", "'decode' or 'extend'", repr(self.kind))
-        if self.tree_mode not in TREE_MODES:
-            raise InvalidInputError("tree_mode", "'lane' or 'path'", repr(self.tree_mode))
-        for name in ("topk", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidInputError(name, "an int >= 1", repr(value))
-        if not isinstance(self.num_steps, int) or self.num_steps < 0:
-            raise InvalidInputError("num_steps", "an int >= 0", repr(self.num_steps))
+        check_draft_params(self.topk, self.num_steps, self.tree_mode, min_steps=0)
+        if not _is_int(self.page_size) or self.page_size < 1:
+            raise InvalidInputError("page_size", "an int >= 1", repr(self.page_size))
 
     @property
     def model(self) -> str:

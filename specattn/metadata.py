@@ -25,21 +25,18 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from .errors import InvalidInputError
+from .util import ceil_div
 
 if TYPE_CHECKING:
-    from .data import DraftRunner
+    from .data import DraftBatch, DraftRunner
 
 __all__ = [
     "lane_history_slots", "path_history_slots", "history_slots", "prefix_token_slots",
     "ExtendSlots", "extend_token_slots", "draft_slot_positions", "draft_kv_indices",
     "prefix_page_table", "history_page_table", "draft_extend_lens", "max_draft_extend_len",
     "assign_draft_cache_locs", "duplicate_last_page_copies", "copy_kv_slots",
-    "uses_duplicated_pages",
+    "uses_duplicated_pages", "lane_block_table", "lane_rows",
 ]
-
-
-def _ceil_div(a, b):
-    return (a + b - 1) // b
 
 
 def uses_duplicated_pages(topk: int, page_size: int) -> bool:
@@ -168,7 +165,7 @@ def draft_slot_positions(seq_lens: torch.Tensor, topk: int, num_steps: int,
     if not uses_duplicated_pages(topk, page_size):
         return L + j * num_steps + t
     last = L % page_size
-    npp = _ceil_div(last + num_steps, page_size)
+    npp = ceil_div(last + num_steps, page_size)
     return (L - last) + j * npp * page_size + last + t
 
 
@@ -180,14 +177,14 @@ def draft_extend_lens(seq_lens: torch.Tensor, topk: int, num_steps: int,
     if not uses_duplicated_pages(topk, page_size):
         return torch.full_like(L, topk * num_steps)
     last = L % page_size
-    return topk * _ceil_div(last + num_steps, page_size) * page_size - last
+    return topk * ceil_div(last + num_steps, page_size) * page_size - last
 
 
 def max_draft_extend_len(topk: int, num_steps: int, page_size: int) -> int:
     """Upper bound of ``draft_extend_lens`` over any ``seq_lens`` (a static size)."""
     if not uses_duplicated_pages(topk, page_size):
         return topk * num_steps
-    return topk * _ceil_div(page_size - 1 + num_steps, page_size) * page_size
+    return topk * ceil_div(page_size - 1 + num_steps, page_size) * page_size
 
 
 def assign_draft_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -235,7 +232,7 @@ def duplicate_last_page_copies(req_to_token: torch.Tensor, req_pool_indices: tor
     L = seq_lens.long()
     last = (L % page_size)[:, None, None]
     base = L[:, None, None] - last
-    npp = _ceil_div(last + num_steps, page_size)
+    npp = ceil_div(last + num_steps, page_size)
     j = torch.arange(1, topk, device=dev)[None, :, None]
     t = torch.arange(page_size, device=dev)[None, None, :].expand(bs, topk - 1, page_size)
     keep = t < last
@@ -326,12 +323,78 @@ def prefix_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     """Page ids of each prefix: ``[B, max_pages]`` int32, entry ``p`` = ``R_b[p*P] // P`` for
     ``p < ceil(L_b / P)``, 0 past the end. ``max_pages`` defaults to ``ceil(max(L) / P)``."""
     if max_pages is None:
-        max_pages = _ceil_div(int(seq_lens.max()), page_size) if seq_lens.numel() else 0
+        max_pages = ceil_div(int(seq_lens.max()), page_size) if seq_lens.numel() else 0
     bs = seq_lens.shape[0]
     p = torch.arange(max_pages, device=seq_lens.device).expand(bs, max_pages)
-    valid = p < _ceil_div(seq_lens.long(), page_size)[:, None]
+    valid = p < ceil_div(seq_lens.long(), page_size)[:, None]
     pages = _request_rows(req_to_token, req_pool_indices, p * page_size) // page_size
     return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)
+
+
+def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     out_cache_loc: torch.Tensor, parents: Optional[torch.Tensor], step: int,
+                     tree_mode: str, page_size: int) -> torch.Tensor:
+    """Block table of every lane at draft step ``step``, written into ``out [B*K, width]``.
+
+    Lane ``z = b*K + j`` sees ``L_b + step + 1`` positions, the prefix then its history:
+
+    - ``page_size == 1``: entries are slots: ``R_b[0 : L_b]`` then the lane's history
+      (``lane`` or ``path`` tree mode), so any slot list is expressible;
+    - ``page_size > 1``: entries are page ids: the full prefix pages ``R_b[p*P] // P`` for
+      ``p*P < base_b`` (``base_b = L_b - L_b % P``), then the lane's own pages at positions
+      ``base_b + j*npp_b*P + p'*P`` (``npp_b = ceil((L_b % P + S) / P)``). This is the serving
+      engine's draft allocation (``metadata.draft_slot_positions``; ``K == 1`` is its special
+      case): the partial last page is duplicated into each lane's first page, so the lane's
+      history sits right after the prefix in its own pages. ``lane`` tree mode only.
+
+    Entries past a lane's length are 0. No host sync.
+    """
+    bs, topk, num_steps = out_cache_loc.shape
+    width = out.shape[1]
+    dev = out.device
+    L = seq_lens.long()
+    rows = req_to_token[req_pool_indices.long()]  # [B, ctx]
+    x = torch.arange(width, device=dev)
+    ctx = req_to_token.shape[1]
+    if page_size == 1:
+        hist = history_slots(out_cache_loc, parents, step, tree_mode).long()  # [B, K, n]
+        pre = torch.gather(rows, 1, x.clamp(max=ctx - 1).expand(bs, width)).long()
+        n = step + 1
+        hcol = (x[None, :] - L[:, None]).clamp(0, n - 1)  # [B, width]
+        his = torch.gather(hist, 2, hcol[:, None, :].expand(bs, topk, width))
+        table = torch.where((x[None, :] < L[:, None])[:, None, :], pre[:, None, :], his)
+        valid = x[None, :] < (L[:, None] + n)
+    else:
+        P = page_size
+        last = L % P
+        base = L - last
+        npp = ceil_div(last + num_steps, P)
+        j = torch.arange(topk, device=dev)
+        pos_pre = x * P  # [width]
+        own = base[:, None, None] + j[None, :, None] * npp[:, None, None] * P + (
+            x[None, None, :] * P - base[:, None, None])  # [B, K, width]
+        pos = torch.where(pos_pre[None, None, :] < base[:, None, None],
+                          pos_pre[None, None, :].expand(bs, topk, width), own)
+        slots = torch.gather(rows[:, None, :].expand(bs, topk, ctx), 2,
+                             pos.clamp(0, ctx - 1)).long()
+        table = slots // P
+        valid = x[None, :] < ceil_div(L[:, None] + step + 1, P)
+    table = torch.where(valid[:, None, :], table, torch.zeros_like(table))
+    out.copy_(table.reshape(bs * topk, width))
+    return out
+
+
+def lane_rows(table: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
+              batch: "DraftBatch", step: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel row per lane at draft step ``step`` (``lane`` tree mode), written into
+    ``table [B*K, width]`` (``lane_block_table``) and ``lens [B*K]`` (``L_b + step + 1``).
+    No host sync; returns ``(table, lens)``."""
+    topk = batch.out_cache_loc.shape[1]
+    lane_block_table(table, req_to_token, batch.req_pool_indices, batch.seq_lens,
+                     batch.out_cache_loc, None, step, "lane", page_size)
+    lens.copy_(batch.seq_lens.repeat_interleave(topk) + step + 1)
+    return table, lens
 
 
 def history_page_table(out_cache_loc: torch.Tensor, parents: Optional[torch.Tensor],

@@ -59,7 +59,6 @@ class Registry:
         self._classes: dict[str, dict[str, dict[str, type]]] = {k: {} for k in KINDS}
         self._aliases: dict[str, dict[str, tuple[str, bool]]] = {k: {} for k in KINDS}
         self._dispatchers: dict[str, dict[str, Dispatcher]] = {k: {} for k in KINDS}
-        self.version = 0
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -84,7 +83,6 @@ class Registry:
                         cls.qualified_name(), old.qualified_name())
         self._classes[kind].setdefault(name, {})[flavour] = cls
         self._reindex_aliases(kind)
-        self.version += 1
 
     def _reindex_aliases(self, kind: str) -> None:
         """Aliases live while a registered class declares them (one table, rebuilt)."""
@@ -124,7 +122,6 @@ class Registry:
                 or dispatcher.name in self._dispatchers[kind]):
             raise DuplicateBackendError(f"{kind} name {dispatcher.name!r} is already taken")
         self._dispatchers[kind][dispatcher.name] = dispatcher
-        self.version += 1
 
     def unregister(self, cls: type) -> None:
         """Remove ``cls`` (and the aliases no remaining class declares)."""
@@ -135,7 +132,6 @@ class Registry:
         if not flavours:
             del self._classes[cls.kind][cls.name]
         self._reindex_aliases(cls.kind)
-        self.version += 1
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -180,7 +176,6 @@ class Registry:
             new._classes[kind] = {n: dict(f) for n, f in self._classes[kind].items()}
             new._aliases[kind] = dict(self._aliases[kind])
             new._dispatchers[kind] = dict(self._dispatchers[kind])
-        new.version = self.version
         return new
 
 

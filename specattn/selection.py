@@ -19,7 +19,7 @@ from .registry import Registry, active_registry
 
 log = get_logger("selection")
 
-__all__ = ["Selection", "select", "UNKNOWN_NAME_MESSAGES", "AUTO"]
+__all__ = ["Selection", "select", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow", "auto_order"]
 
 AUTO = "auto"
 # The original factory's messages (selection.md rule 3), kept verbatim as prefixes.
@@ -149,8 +149,7 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
         raise BackendUnavailableError(
             f"auto: no {kind} backend can serve {request} on {platform}. "
             f"Candidates: {detail}", AUTO, sel.rejected)
-    ranked = sorted(usable, key=lambda c: (-c.priority_on(platform), c.name,
-                                           c.qualified_name()))
+    ranked = sorted(usable, key=lambda c: _auto_rank(c, platform))
     sel.steps.append("usable, best first: " + ", ".join(
         f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))
     sel.backend = ranked[0]
@@ -165,6 +164,45 @@ def _note(cls: type, platform: Platform) -> str:
     """``"; <runtime note>"`` (e.g. which kernel runs here) when the class gives one."""
     note = cls.runtime_note(platform) if hasattr(cls, "runtime_note") else ""
     return f"; {note}" if note else ""
+
+
+def _auto_rank(cls: type, platform: Platform) -> tuple:
+    """``auto``'s order: highest priority on the platform first, then by name."""
+    return (-cls.priority_on(platform), cls.name, cls.qualified_name())
+
+
+@dataclass(frozen=True)
+class AutoRow:
+    """One backend class in ``auto``'s order on a platform (``auto_order``)."""
+
+    kind: str
+    rank: int  # 1 = tried first
+    name: str
+    flavour: str
+    priority: int
+    models: tuple[str, ...]
+    runs_here: bool  # the platform and library predicates hold
+    reason: str  # why not, when it does not run here
+    qualified_name: str
+
+
+def auto_order(platform: Optional[Platform] = None, kind: Optional[str] = None,
+               registry: Optional[Registry] = None) -> list[AutoRow]:
+    """The order in which ``auto`` tries the backends on ``platform`` (default: this one),
+    as one table: per kind, every class ``auto`` may pick, best first. ``auto`` takes the
+    first row that runs here and accepts the request (model, topk, page size, dtype, ...).
+    Model-specific classes (``auto_eligible = False``) are never picked and not listed."""
+    platform = current_platform() if platform is None else platform
+    registry = active_registry() if registry is None else registry
+    rows = []
+    for k in (("decode", "extend") if kind is None else (kind,)):
+        eligible = [c for c in registry.classes(k) if c.auto_eligible]
+        for rank, cls in enumerate(sorted(eligible, key=lambda c: _auto_rank(c, platform)), 1):
+            reasons = cls.platform_reasons(platform) + ([cls.pending] if cls.pending else [])
+            rows.append(AutoRow(k, rank, cls.name, cls.flavour, cls.priority_on(platform),
+                                tuple(sorted(cls.models)), not reasons, "; ".join(reasons),
+                                cls.qualified_name()))
+    return rows
 
 
 def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError:

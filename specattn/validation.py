@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .errors import InvalidInputError
-from .keys import TREE_MODES
+from .keys import check_draft_params
+
+from .layer import AttentionLayer
 
 if TYPE_CHECKING:
-    from .data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from .data import DraftBatch, DraftExtendBatch, DraftRunner
 
 __all__ = [
-    "check_draft_params", "check_runner", "check_decode_batch", "check_decode_forward",
+    "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
+    "check_decode_forward",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
 ]
 
@@ -43,15 +46,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_draft_params(topk: int, num_steps: int, tree_mode: str = "lane") -> None:
-    if not _is_int(topk) or topk < 1:
-        raise InvalidInputError("topk", "an int >= 1", repr(topk))
-    if not _is_int(num_steps) or num_steps < 1:
-        raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
-    if tree_mode not in TREE_MODES:
-        raise InvalidInputError("tree_mode", f"one of {TREE_MODES}", repr(tree_mode))
-
-
 def _tensor(name: str, t: object, *, dtypes: tuple, ndim: int,
             device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -71,14 +65,29 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise InvalidInputError(name, f"shape {tuple(expected)}", f"shape {tuple(t.shape)}")
+    if len(t.shape) != len(expected) or any(
+            e is not None and n != e for n, e in zip(t.shape, expected)):
+        want = tuple("*" if e is None else e for e in expected)
+        raise InvalidInputError(name, f"shape {want}".replace("'", ""),
+                                f"shape {tuple(t.shape)}")
 
 
 def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise InvalidInputError(name, "unit stride in the last dimension",
                                 f"strides {tuple(t.stride())}")
+
+
+def check_tensor(name: str, t: object, *, dtypes: tuple, shape: tuple,
+                 device: Optional[torch.device] = None, unit_last_stride: bool = True,
+                 ) -> torch.Tensor:
+    """A backend's extra input (index keys, sinks, ...): a tensor of one of ``dtypes`` and
+    ``shape`` (``None`` entries: any size) on ``device``, with a unit last stride."""
+    t = _tensor(name, t, dtypes=dtypes, ndim=len(shape), device=device)
+    _shape(name, t, shape)
+    if unit_last_stride:
+        _last_dim_contiguous(name, t)
+    return t
 
 
 def check_runner(runner: "DraftRunner") -> None:
@@ -92,6 +101,7 @@ def check_runner(runner: "DraftRunner") -> None:
         raise InvalidInputError("runner.num_layers", "an int >= 1", repr(runner.num_layers))
     _tensor("runner.req_to_token", runner.req_to_token, dtypes=INDEX_DTYPES, ndim=2,
             device=runner.device)
+    _last_dim_contiguous("runner.req_to_token", runner.req_to_token)  # rows by stride
     if runner.use_mla_backend:
         for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim"):
             value = getattr(runner, field)
@@ -101,7 +111,7 @@ def check_runner(runner: "DraftRunner") -> None:
         width = runner.kv_lora_rank + runner.qk_rope_head_dim
         expected = {"runner.kv_buffer": (width,)}
         layout = getattr(runner, "kv_layout", None)
-        if layout is not None:  # FP8 byte layout (backends/_fp8_kv): uint8 pools
+        if layout is not None:  # FP8 byte layout (specattn.kv_layouts): uint8 pools
             _check_layout_pools(runner, layout)
             return
     else:
@@ -166,30 +176,39 @@ def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
         raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
 
 
-def _check_batch_type(batch: object, expected: str) -> None:
-    """A decode backend takes a ``DraftBatch``, an extend backend a ``DraftExtendBatch``."""
-    from . import data
-
-    if not isinstance(batch, getattr(data, expected)):
-        raise InvalidInputError("batch", f"a specattn.{expected}", type(batch).__name__)
+_BATCH_FIELDS = {"DraftBatch": ("req_pool_indices", "seq_lens", "out_cache_loc", "parents"),
+                 "DraftExtendBatch": ("req_pool_indices", "seq_lens", "extend_lens",
+                                      "out_cache_loc")}
 
 
-def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
-                       batch: "DraftBatch", *, debug: Optional[bool] = None,
-                       max_bs: Optional[int] = None) -> None:
-    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
-    _check_batch_type(batch, "DraftBatch")
-    dev = runner.device
+def _requests(batch, kind: str, device: torch.device,
+              max_bs: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of type ``kind`` (by its fields: ``data`` imports this module): its
+    ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
+    fields = _BATCH_FIELDS[kind]
+    if not all(hasattr(batch, f) for f in fields):
+        raise InvalidInputError("batch", f"a specattn.{kind} ({', '.join(fields)})",
+                                type(batch).__name__)
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
-                  ndim=1, device=dev)
+                  ndim=1, device=device)
     bs = rpi.shape[0]
     if bs < 1:
         raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
     if max_bs is not None and bs > max_bs:
         raise InvalidInputError("batch.req_pool_indices",
                                 f"at most max_bs={max_bs} requests (init_cuda_graph_state)", bs)
-    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=device)
     _shape("batch.seq_lens", seq, (bs,))
+    return rpi, seq
+
+
+def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
+                       batch: "DraftBatch", *, debug: Optional[bool] = None,
+                       max_bs: Optional[int] = None) -> None:
+    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
+    dev = runner.device
+    rpi, seq = _requests(batch, "DraftBatch", dev, max_bs)
+    bs = rpi.shape[0]
     loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=3,
                   device=dev)
     _shape("batch.out_cache_loc", loc, (bs, topk, num_steps))
@@ -199,6 +218,7 @@ def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mo
                                     "tree_mode='path'", None)
         par = _tensor("batch.parents", batch.parents, dtypes=INDEX_DTYPES, ndim=3, device=dev)
         _shape("batch.parents", par, (num_steps, bs, topk))
+        _last_dim_contiguous("batch.parents", par)  # kernels step through lanes by 1
     _check_index_values("batch.req_pool_indices", rpi, 0, runner.max_reqs, debug)
     _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
     # Lane histories need up to num_steps extra positions past the prefix.
@@ -215,7 +235,7 @@ def check_parents_step(batch: "DraftBatch", step: int, topk: int,
 
 
 def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, step: int,
-                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     """One ``forward(step, layer, q, k, v)`` call's arguments."""
     if not _is_int(step) or not 0 <= step < num_steps:
@@ -229,15 +249,9 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
                        max_extend_len: Optional[int] = None) -> None:
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
     where values are scanned (CPU tensors or debug checks)."""
-    _check_batch_type(batch, "DraftExtendBatch")
     dev = runner.device
-    rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
-                  ndim=1, device=dev)
+    rpi, seq = _requests(batch, "DraftExtendBatch", dev, None)
     bs = rpi.shape[0]
-    if bs < 1:
-        raise InvalidInputError("batch.req_pool_indices", "at least one request", "0")
-    seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
-    _shape("batch.seq_lens", seq, (bs,))
     ext = _tensor("batch.extend_lens", batch.extend_lens, dtypes=INDEX_DTYPES, ndim=1,
                   device=dev)
     _shape("batch.extend_lens", ext, (bs,))
@@ -266,15 +280,13 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
 
 
 def check_extend_forward(runner: "DraftRunner", num_tokens: Optional[int],
-                         layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                         layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     _check_layer(runner, layer)
     _check_qkv(runner, num_tokens, q, k, v)
 
 
-def _check_layer(runner: "DraftRunner", layer: "AttentionLayer") -> None:
-    from .data import AttentionLayer
-
+def _check_layer(runner: "DraftRunner", layer: AttentionLayer) -> None:
     if not isinstance(layer, AttentionLayer):
         raise InvalidInputError("layer", "a specattn.AttentionLayer", type(layer).__name__)
     if layer.layer_id >= runner.num_layers:

@@ -17,7 +17,6 @@ builders of ``test_flash_attn`` / ``test_flashinfer`` (also used by their GPU te
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
@@ -25,6 +24,7 @@ import torch
 
 from specattn import metadata
 from specattn.data import DraftBatch, DraftExtendBatch, DraftRunner
+from specattn.platforms import triton_interpret_enabled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
@@ -33,7 +33,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 def require_triton_interpret() -> None:
     """Call at module level, before importing a Triton backend."""
     pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpret_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 without a GPU",  # pragma: no cover
                     allow_module_level=True)
 

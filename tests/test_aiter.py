@@ -11,7 +11,7 @@ from helpers import random_qkv as _qkv
 from specattn.backends.aiter import AiterDecode, AiterExtend
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftRunner
-from specattn.errors import BackendUnavailableError, InvalidInputError
+from specattn.errors import BackendUnavailableError, CallOrderError, InvalidInputError
 from specattn.metadata import draft_kv_indices
 from specattn.platforms import Platform, use_platform
 from standins import aiter as aiter_standin
@@ -139,20 +139,19 @@ def test_errors(monkeypatch, calls):
 
 
 def test_graph_protocol_errors(calls):
-    """The shared protocol checks (``base``/``_standin``), pinned with their messages."""
+    """The base class's protocol checks through a vendor class, pinned with their messages."""
     gen = torch.Generator().manual_seed(25)
     runner = _runner("mha", torch.float16)
     backend = _make(AiterDecode, runner, 2, 2)
     batch = paged_round(runner, [5, 9], 2, 2, gen)
     q, k, v = _qkv(runner, 4, gen)
-    with pytest.raises(InvalidInputError,
-                       match=r"^forward: expected a call after init_forward_metadata\(batch\), "
-                             r"got a call before it \(aiter\)$"):
+    with pytest.raises(CallOrderError, match=r"^init_forward_metadata: expected a call before "
+                       r"forward\(\), got aiter\.forward\(\) first$"):
         backend.forward(0, AttentionLayer(0, 0.2), q, k, v)
-    with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
+    with pytest.raises(CallOrderError, match="^init_cuda_graph_state: "):
         backend.init_forward_metadata_capture_cuda_graph(batch)
     backend.init_cuda_graph_state(max_bs=2, max_num_tokens=4)
-    with pytest.raises(InvalidInputError, match="padded to bs=3"):
+    with pytest.raises(InvalidInputError, match=r"^bs: expected an int in \[2, 2\]"):
         backend.init_forward_metadata_replay_cuda_graph(batch, 3)
     backend.init_cuda_graph_state(max_bs=1, max_num_tokens=2)
     with pytest.raises(InvalidInputError, match="max_bs"):

@@ -312,7 +312,7 @@ def test_declaration():
         assert cls.deprecated_aliases == ("nsa",)
 
 
-# --- FP8 KV ("fp8_ds_mla": V3.2's 656-byte layout, backends/_fp8_kv) --------------------------
+# --- FP8 KV ("fp8_ds_mla": V3.2's 656-byte layout, specattn.kv_layouts) --------------------------
 
 R8 = 128  # the FP8 layout scales blocks of 128: the smallest rank it holds
 

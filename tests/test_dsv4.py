@@ -256,7 +256,7 @@ def test_declaration():
         DSV4CudaDecode(runner, 1, 2)
 
 
-# --- FP8 KV ("fp8_ds_v4": V4's 584-byte page-blocked layout, backends/_fp8_kv) ----------------
+# --- FP8 KV ("fp8_ds_v4": V4's 584-byte page-blocked layout, specattn.kv_layouts) ----------------
 
 D8 = 128  # 64 e4m3 values (one ue8m0 block) + the 64 bf16 RoPE values: the smallest V4 row
 
@@ -328,8 +328,9 @@ def test_fp8_ds_v4_pool_width_and_page_blocked_bytes():
 
 
 def test_fp8_ds_v4_round_trip():
-    """Write then read: ue8m0 scales are powers of two >= amax / 448, RoPE is bf16-exact, the
-    e4m3 part within half an ulp (2^-4 relative, 2^-10 of the scale for subnormals)."""
+    """Write then read: ue8m0 scales are powers of two >= amax / 448 (floored), RoPE is
+    bf16-exact, the e4m3 part within half an ulp (2^-4 relative, 2^-10 of the scale for
+    subnormals)."""
     runner = make_fp8_runner(torch.bfloat16, page=16, num_slots=48, max_reqs=1, max_ctx=4,
                              dim=256)
     x = torch.randn(48, 256, device=DEV) * torch.rand(48, 1, device=DEV) * 10
@@ -342,8 +343,11 @@ def test_fp8_ds_v4_round_trip():
     e = runner.kv_buffer[0].view(-1)[scale_off[:, None] + torch.arange(3, device=DEV)]
     scale = torch.exp2(e.float() - 127)[..., None]
     blocks = x[:, :192].reshape(48, 3, 64)
-    assert (scale >= blocks.abs().amax(-1, keepdim=True) / 448).all()
-    assert (scale < blocks.abs().amax(-1, keepdim=True) / 224).all()
+    amax = blocks.abs().amax(-1, keepdim=True)
+    assert (scale >= amax / 448).all()
+    # A power of two below twice its argument, amax / 448 floored at 1e-4 (FlashMLA's margin:
+    # a nearly-zero block, about 5% of runs here, gets the floor).
+    assert (scale < 2 * (amax / 448).clamp_min(1e-4)).all()
     err = (got[:, :192].reshape(48, 3, 64) - blocks).abs()
     assert (err <= torch.maximum(blocks.abs() * 2 ** -4, scale * 2 ** -10) * 1.0001).all()
 

@@ -24,11 +24,12 @@ from helpers import extend_lengths, fill_slots, poison_pools
 from helpers import randn_qkv as qkv
 from specattn import metadata
 from specattn.backends import flash_attn as fa
-from specattn.backends.flash_attn import _kernels
+from specattn.backends.flash_attn import _library
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
-from specattn.errors import BackendUnavailableError, InvalidInputError
+from specattn.errors import BackendUnavailableError, CallOrderError, InvalidInputError
 from specattn.keys import BackendRequest
+from specattn.kernels.lse import merge_states
 from specattn.listing import list_backends
 from specattn.platforms import Platform, use_platform
 from specattn.selection import select
@@ -350,7 +351,7 @@ def test_graph_state_required_before_capture():
         backend = cls(case.runner, 2, 3)
         with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
             backend.init_forward_metadata_capture_cuda_graph(case.batch)
-        with pytest.raises(InvalidInputError, match="after init_forward_metadata"):
+        with pytest.raises(CallOrderError, match="^init_forward_metadata: "):
             q, k, v = qkv(case.runner, 6, torch.Generator())
             backend.forward(0, case.layer, q, k, v)
 
@@ -402,13 +403,13 @@ def test_extend_graph_protocol():
 def test_wrong_lse_layout_is_caught(monkeypatch):
     """If the glue read FA's head-major LSE as token-major, the merge would be wrong."""
     cls, _, platform, _ = LIBS["fa4"]
-    real = _kernels.FA4Kernel.__call__
+    real = _library.FA4Kernel.__call__
 
     def no_transpose(self, *args, **kw):
         out, lse = real(self, *args, **kw)
         return out, (None if lse is None else lse.t().reshape(lse.shape))
 
-    monkeypatch.setattr(_kernels.FA4Kernel, "__call__", no_transpose)
+    monkeypatch.setattr(_library.FA4Kernel, "__call__", no_transpose)
     case = make_decode_case(topk=4, page_size=16, heads=(4, 4, 16), bs=1)
     with installed(platform):
         with pytest.raises(AssertionError, match="max abs err"):
@@ -444,13 +445,13 @@ def test_stand_in_rejects_undocumented_arguments():
 
 
 def test_fa3_falls_back_to_fa4_and_says_so(monkeypatch, caplog):
-    monkeypatch.setattr(_kernels, "_fallback_logged", False)
+    monkeypatch.setattr(_library, "_fallback_logged", False)
     case = make_decode_case(topk=2)
     with installed(HOPPER_FA4, modules=("flash_attn.cute",)):
         with caplog.at_level(logging.WARNING, logger="specattn.backends.flash_attn"):
             first = fa.FA3DecodeSM90(case.runner, 2, 3)
             fa.FA3ExtendSM90(case.runner)
-        assert isinstance(first.kernel, _kernels.FA4Kernel)
+        assert isinstance(first.kernel, _library.FA4Kernel)
         lines = [r.getMessage() for r in caplog.records if "sm90 kernel" in r.getMessage()]
         assert len(lines) == 1 and "FlashAttention-3" in lines[0]
         run_decode_round(first, case)
@@ -464,7 +465,7 @@ def test_fa3_prefers_fa3_when_both_are_installed():
     case = make_decode_case(topk=2)
     with installed(both):
         backend = fa.FA3DecodeSM90(case.runner, 2, 3)
-        assert isinstance(backend.kernel, _kernels.FA3Kernel)
+        assert isinstance(backend.kernel, _library.FA3Kernel)
         assert "flash_attn_interface" in backend.kernel.label
 
 
@@ -517,12 +518,12 @@ def test_merge_states_weights_and_empty_parts():
     gen = torch.Generator().manual_seed(0)
     o1, o2 = torch.randn(5, 3, 4, generator=gen), torch.randn(5, 3, 4, generator=gen)
     l1, l2 = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    got = fa.merge_states([o1, o2], [l1, l2], torch.float32)
+    got = merge_states([o1, o2], [l1, l2], torch.float32)
     w1 = torch.sigmoid(l1 - l2)[..., None]  # e^l1 / (e^l1 + e^l2)
     torch.testing.assert_close(got, w1 * o1 + (1 - w1) * o2)
     nan = torch.full_like(o1, float("nan"))
     for empty in (float("inf"), float("-inf")):
-        got = fa.merge_states([nan, o2], [torch.full_like(l1, empty), l2], torch.float32)
+        got = merge_states([nan, o2], [torch.full_like(l1, empty), l2], torch.float32)
         torch.testing.assert_close(got, o2)
 
 
@@ -544,10 +545,11 @@ def _history_case(gen, lanes=6, topk=3, chunks=2, hq=4, hkv=2, d=16, steps=4):
 @pytest.mark.parametrize("cap", [0.0, 2.5])
 @pytest.mark.parametrize("n_hist", [1, 3])
 def test_history_merge_kernel_matches_torch(n_hist, cap):
-    """Rows ``(b, c, k)`` of the prefix states, head-major LSE read through strides, empty
-    chunks (+-inf LSE, NaN output) with no weight; history attention with soft cap."""
-    from specattn.backends.flash_attn._fused import history_merge
+    """The shared history + merge kernel as FA calls it: rows ``(b, c, k)`` of the prefix
+    states, head-major natural-log LSE read through strides, empty chunks (+-inf LSE, NaN
+    output) with no weight; history attention with soft cap."""
     from specattn.backends.torch_ref import attend
+    from specattn.kernels.history_merge import history_merge
 
     gen = torch.Generator().manual_seed(n_hist)
     topk, chunks, lanes = 3, 2, 6
@@ -556,8 +558,8 @@ def test_history_merge_kernel_matches_torch(n_hist, cap):
     lse_hm[:, 3] = float("-inf")  # row (b0, c1, k0): FA4's
     po[1], po[3] = float("nan"), float("nan")
     scale = 0.3
-    got = history_merge(q, kc, vc, hist, n_hist, po, lse_hm.t(), topk=topk, chunks=chunks,
-                        scale=scale, softcap=cap)
+    got = history_merge(q, kc, vc, hist[:, :n_hist], po, lse_hm.t(), scale, cap,
+                        lse_base="e", chunks=chunks, topk=topk, inf_is_empty=True)
     # Torch: history state per lane, then merge_states with the chunk states.
     group = q.shape[1] // kc.shape[1]
     o_h, lse_h = [], []
@@ -574,11 +576,11 @@ def test_history_merge_kernel_matches_torch(n_hist, cap):
     b, j = torch.arange(lanes) // topk, torch.arange(lanes) % topk
     outs = [po[(b * chunks + c) * topk + j].float() for c in range(chunks)]
     lses = [lse_hm.t()[(b * chunks + c) * topk + j] for c in range(chunks)]
-    want = fa.merge_states(outs + [o_h], lses + [lse_h], torch.float32)
+    want = merge_states(outs + [o_h], lses + [lse_h], torch.float32)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     # Not a trivial pass: the history changes the answer.
-    assert (want - fa.merge_states(outs, lses, torch.float32)).abs().max() > 0.05
+    assert (want - merge_states(outs, lses, torch.float32)).abs().max() > 0.05
 
 
 def test_route_rule_is_a_pure_function_of_shapes():
@@ -603,7 +605,7 @@ def test_route_rule_is_a_pure_function_of_shapes():
 def test_auto_mode_routes_small_batches_and_logs_once(monkeypatch, caplog):
     from specattn.backends.flash_attn import _decode, _route
 
-    monkeypatch.setattr(_decode, "device_sm_count", lambda device: 132)
+    monkeypatch.setattr(_decode, "sm_count", lambda device: 132)
     cls, _, platform, rec = LIBS["fa4"]
     case = make_decode_case(bs=2, topk=4, page_size=16, seed=31, max_len=60)
     want = _route.choose_route(bs=2, topk=4, prefix_len=case.runner.max_context_len,

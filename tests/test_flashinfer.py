@@ -27,7 +27,6 @@ import torch
 from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
-from specattn.backends._history_merge import history_merge
 from specattn.backends.flashinfer._passes import _graph_split_kwargs
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
                                                  host_indptr)
@@ -35,6 +34,7 @@ from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from specattn.errors import BackendUnavailableError, InvalidInputError
 from specattn.keys import BackendRequest
+from specattn.kernels.history_merge import history_merge
 from specattn.platforms import Platform, use_platform
 from specattn.selection import select
 from standins import flashinfer as fi_standin

@@ -44,7 +44,7 @@ def test_cpu_runs_tl_dot_and_logs_why(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="specattn.triton"):
         backend.init_forward_metadata(batch)
         backend.init_forward_metadata(batch)
-    assert not backend._plan["cfg"].gluon
+    assert not backend._round_plan["cfg"].gluon
     lines = [m.getMessage() for m in caplog.records if "Gluon" in m.getMessage()]
     assert len(lines) == 1 and "not a CUDA device" in lines[0]
 
@@ -157,7 +157,7 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
                                                         gluon=True)
     backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, config=cfg)
     backend.init_forward_metadata(batch)
-    plan = backend._plan
+    plan = backend._round_plan
     assert plan["cfg"].gluon and plan["cfg"].block_m == 64 and plan["num_splits"] == num_splits
     gen = torch.Generator().manual_seed(0)
     layer = AttentionLayer(0, 576 ** -0.5)

@@ -5,87 +5,60 @@ entry) behaves as documented."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 import pytest
 import torch
 
 from specattn import DraftDecodeBackend, DraftExtendBackend
 from specattn.backends.torch_ref import reference_decode, reference_extend
-from specattn.data import DraftBatch, DraftExtendBatch
+from specattn.data import DraftBatch
 from specattn.errors import InvalidInputError
 from specattn.platforms import any_platform
 from specattn.testing import ConformanceError, check_backend, conformance_tests
 from specattn.testing.plan import plan_cases
 from specattn.testing.target import Target
-from specattn.validation import (check_decode_batch, check_decode_forward, check_extend_batch,
-                                 check_extend_forward, check_parents_step)
 
 # --- a backend as a user writes it, with the graph protocol on fixed buffers ----------------
 
 
 class _Decode(DraftDecodeBackend):
-    """Reference math; graph metadata copied into buffers sized at init_cuda_graph_state.
-    The class attributes switch on one mistake each (the kit must catch every one)."""
+    """Reference math on the base class's protocol; the graph path keeps its own copy of the
+    round (as a backend with kernel-side buffers does). The class attributes switch on one
+    mistake each (the kit must catch every one)."""
 
     supports_cuda_graph = True
     path_as_lane = False      # computes path trees as lanes
-    skip_kv_write = False     # never stores the step's new KV
+    skip_kv_write = False     # claims its kernel stores the new KV, then never does
     stale_padding = False     # a replay refreshes only the requests that are not padding
-    batch: Optional[DraftBatch] = None
 
-    def init_forward_metadata(self, batch):
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
-        self.batch = batch
+    def _kernel_writes_kv(self):
+        return self.skip_kv_write
 
-    def init_cuda_graph_state(self, max_bs, max_num_tokens):
-        super().init_cuda_graph_state(max_bs, max_num_tokens)
+    def _alloc_graph_buffers(self, max_bs, max_num_tokens):
         dev = self.runner.device
-        self.bufs = DraftBatch(torch.zeros(max_bs, dtype=torch.long, device=dev),
+        self.mine = DraftBatch(torch.zeros(max_bs, dtype=torch.long, device=dev),
                                torch.zeros(max_bs, dtype=torch.long, device=dev),
                                torch.zeros(max_bs, self.topk, self.num_steps, dtype=torch.long,
                                            device=dev))
 
-    def _copy(self, batch, rows):
+    def _plan_graph(self, batch, *, capture):
+        rows = batch.batch_size
+        if self.stale_padding and not capture:
+            rows = int((batch.req_pool_indices != 0).sum())  # engines pad with request 0
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
-            getattr(self.bufs, name)[rows] = getattr(batch, name)[rows]
+            getattr(self.mine, name)[:rows] = getattr(batch, name)[:rows]
         bs = batch.batch_size
-        self.batch = DraftBatch(self.bufs.req_pool_indices[:bs], self.bufs.seq_lens[:bs],
-                                self.bufs.out_cache_loc[:bs], batch.parents)
+        self.batch = DraftBatch(self.mine.req_pool_indices[:bs], self.mine.seq_lens[:bs],
+                                self.mine.out_cache_loc[:bs], batch.parents)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch):
-        self._check_graph_batch(batch, None, ready=hasattr(self, "bufs"))
-        self._copy(batch, slice(None, batch.batch_size))
-
-    def init_forward_metadata_replay_cuda_graph(self, batch, bs):
-        self._check_graph_batch(batch, bs, ready=hasattr(self, "bufs"))
-        real = int((batch.req_pool_indices != 0).sum())  # engines pad with request row 0
-        self._copy(batch, slice(None, real if self.stale_padding else bs))
-
-    def forward(self, step, layer, q, k, v):
-        self._require_metadata(self.batch)
-        batch = self.batch
-        check_decode_forward(self.runner, batch.batch_size * self.topk, self.num_steps, step,
-                             layer, q, k, v)
-        check_parents_step(batch, step, self.topk)
-        if not self.skip_kv_write:
-            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v)
+    def _attend(self, step, layer, q, k, v):
         mode = "lane" if self.path_as_lane else self.tree_mode
-        return reference_decode(self.runner, layer, q, batch, step, mode)
+        return reference_decode(self.runner, layer, q, self.batch, step, mode)
 
 
 class _Extend(DraftExtendBackend):
     scale_output = 1.0  # != 1: an extend off by a few percent
-    batch: Optional[DraftExtendBatch] = None
 
-    def init_forward_metadata(self, batch):
-        check_extend_batch(self.runner, batch)
-        self.batch = batch
-
-    def forward(self, layer, q, k, v):
-        self._require_metadata(self.batch)
-        check_extend_forward(self.runner, int(self.batch.extend_lens.sum()), layer, q, k, v)
-        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+    def _attend(self, layer, q, k, v):
         return reference_extend(self.runner, layer, q, self.batch) * self.scale_output
 
 

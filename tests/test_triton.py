@@ -236,7 +236,7 @@ def test_extend_graph_grid_bounded_by_max_extend_len(ext_lens):
     for backend in (loose, tight):
         backend.init_cuda_graph_state(max_bs=3, max_num_tokens=n)
         backend.init_forward_metadata_capture_cuda_graph(batch)
-    assert tight._plan["rows_per_group"] < loose._plan["rows_per_group"]
+    assert tight._round_plan["rows_per_group"] < loose._round_plan["rows_per_group"]
     layer = AttentionLayer(layer_id=0, scaling=0.2)
     q, k, v = new_qkv(runner, n, torch.float32)
     _poison(tight)

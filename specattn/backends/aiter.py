@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import validation
 from ..base import DraftDecodeBackend, DraftExtendBackend
-from ..errors import BackendUnavailableError, InvalidInputError
+from ..buffers import Buffers
+from ..errors import BackendUnavailableError
 from ..metadata import draft_kv_indices, extend_token_slots, history_slots
 from ..platforms import is_hip
-from ._standin import BufferedDecode, Buffers, ceil_div, vendor_module
+from ..util import ceil_div, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -58,6 +58,7 @@ PARTITION_SIZE = 256  # _AITER_PARTITION_SIZE_ROCM
 _PIP = "amd-aiter"
 _DECL = dict(platforms=is_hip, requires=(("aiter", _PIP),), kernel_library="aiter",
              priority={"hip": 70})
+_SOFT_CAP = frozenset({"mha"})  # aiter's MLA kernel asserts logit_cap <= 0
 _TESTED = "not run on hardware (stand-in tested)"
 
 
@@ -71,18 +72,12 @@ def _modules(runner: "DraftRunner"):
     return aiter, mla
 
 
-def _mla_cap(layer: "AttentionLayer") -> None:
-    if layer.logit_cap > 0:
-        raise InvalidInputError("layer.logit_cap", "0 (aiter's MLA kernel asserts "
-                                "logit_cap <= 0)", layer.logit_cap)
-
-
 def _latent(runner: "DraftRunner", layer_id: int) -> torch.Tensor:
     kv = runner.kv_buffer[layer_id]
     return kv.view(-1, 1, 1, kv.shape[-1])
 
 
-class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
+class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
     """Per-lane ragged paged decode (see the module doc).
 
     MHA: q ``[B*K, H_q, D]`` → ``[B*K, H_q, D]``; MLA: q ``[B*K, H, R + rope]`` →
@@ -91,6 +86,7 @@ class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graph = True
     tested_on = _TESTED
+    soft_cap_models = _SOFT_CAP
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
@@ -98,7 +94,6 @@ class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
         self._aiter, self._mla = _modules(runner)
         self._bufs = Buffers(runner.device)
         self._parts = ceil_div(runner.max_context_len + num_steps, PARTITION_SIZE)
-        self._batch: Optional["DraftBatch"] = None
         one = torch.ones(1, dtype=torch.float32, device=runner.device)
         self._k_scale, self._v_scale = one, one.clone()
 
@@ -108,8 +103,10 @@ class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
         nbytes = lanes * heads * parts * r.head_dim * 4 + 2 * lanes * heads * parts * 4
         return self._bufs.get("workspace", (nbytes,), torch.uint8)
 
-    def _fill(self, batch: "DraftBatch", bs: int, row_width: Optional[int] = None) -> None:
+    def _plan(self, batch: "DraftBatch", row_width: Optional[int] = None) -> None:
+        """The flat index layout of every step (graph rounds: at the fixed bound)."""
         r, b, topk, steps = self.runner, self._bufs, self.topk, self.num_steps
+        bs = batch.batch_size
         max_len = r.max_context_len if b.fixed else None
         indptr, indices = draft_kv_indices(r.req_to_token, batch.req_pool_indices,
                                            batch.seq_lens, topk, steps, r.page_size,
@@ -118,53 +115,42 @@ class AiterDecode(BufferedDecode, DraftDecodeBackend, name="aiter", **_DECL):
         n = bs * topk
         b.get("kv_indptr", (steps, n + 1)).copy_(indptr)
         b.get("kv_indices", (steps, indices.shape[1])).copy_(indices)
-        b.get("seq_lens", (bs,), torch.int64).copy_(batch.seq_lens)
-        b.get("out_cache_loc", (bs, topk, steps), torch.int64).copy_(batch.out_cache_loc)
         b.get("kv_last_page_lens", (n,)).fill_(1)
         qo = b.get("qo_indptr", (n + 1,))
         qo.copy_(torch.arange(n + 1, device=r.device, dtype=torch.int32))
         self._width = indices.shape[1]
-        self._batch, self._bs = batch, bs
 
     def _graph_width(self, bs: int) -> int:
         return bs * self.topk * (self.runner.max_context_len + self.num_steps)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed indptr/index/length buffers and workspace for ``max_bs * topk`` lanes."""
-        self.cuda_graph_max_bs = max_bs
         b, n, steps = self._bufs, max_bs * self.topk, self.num_steps
         b.get("kv_indptr", (steps, n + 1))
         b.get("kv_indices", (steps, self._graph_width(max_bs)))
-        b.get("seq_lens", (max_bs,), torch.int64)
-        b.get("out_cache_loc", (max_bs, self.topk, steps), torch.int64)
         b.get("kv_last_page_lens", (n,))
         b.get("qo_indptr", (n + 1,))
         self._workspace(n)
         b.freeze()
 
-    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
-        self._fill(batch, bs, self._graph_width(bs))
+    def _plan_graph(self, batch: "DraftBatch", *, capture: bool) -> None:
+        self._plan(batch, self._graph_width(batch.batch_size))
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        r, b, bs, topk = self.runner, self._bufs, self._bs, self.topk
-        n = bs * topk
-        validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
-        loc = b.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
-        r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
+        r, b, batch, topk = self.runner, self._bufs, self.batch, self.topk
+        n = self.num_lanes
         indptr = b.get("kv_indptr", (self.num_steps, n + 1))[step]
         indices = b.get("kv_indices", (self.num_steps, self._width))[step]
         if self.tree_mode == "path":
-            validation.check_parents_step(self._batch, step, topk)
-            hist = history_slots(loc, self._batch.parents, step, "path").reshape(n, step + 1)
-            lens = b.get("seq_lens", (bs,), torch.int64).repeat_interleave(topk)
+            hist = history_slots(batch.out_cache_loc, batch.parents, step, "path")
+            hist = hist.reshape(n, step + 1)
+            lens = batch.seq_lens.long().repeat_interleave(topk)
             pos = indptr[:-1].long()[:, None] + lens[:, None] + torch.arange(
                 step + 1, device=r.device)
             indices[pos.reshape(-1)] = hist.reshape(-1).to(indices.dtype)
         last = b.get("kv_last_page_lens", (n,))
         if r.use_mla_backend:
-            _mla_cap(layer)
             o = torch.empty(n, r.num_heads, r.kv_lora_rank, dtype=q.dtype, device=q.device)
             self._mla.mla_decode_fwd(q, _latent(r, layer.layer_id), o,
                                      b.get("qo_indptr", (n + 1,)), indptr, indices, last, 1,
@@ -187,16 +173,15 @@ class AiterExtend(DraftExtendBackend, name="aiter", **_DECL):
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graph = False  # max_q_len / max_kv_len are host values read per batch
     tested_on = _TESTED
+    soft_cap_models = _SOFT_CAP
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         self._aiter, self._mla = _modules(runner)
-        self._batch: Optional["DraftExtendBatch"] = None
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+    def _plan(self, batch: "DraftExtendBatch") -> None:
         """CSR lists of ``R_b[0 : L'_b]`` and the query indptr; reads the max lengths."""
         r = self.runner
-        validation.check_extend_batch(r, batch)
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   batch.extend_lens)
         lens = batch.seq_lens.long()
@@ -208,18 +193,12 @@ class AiterExtend(DraftExtendBackend, name="aiter", **_DECL):
         self._last = torch.ones(lens.shape[0], dtype=torch.int32, device=r.device)
         self._max_q = int(batch.extend_lens.max())
         self._max_kv = int(lens.max())
-        self._n = int(meta.token_req.shape[0])
-        self._batch = batch
 
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
         r = self.runner
-        validation.check_extend_forward(r, self._n, layer, q, k, v)
-        r.write_kv(layer.layer_id, self._batch.out_cache_loc, k, v)
         if r.use_mla_backend:
-            _mla_cap(layer)
-            o = torch.empty(self._n, r.num_heads, r.kv_lora_rank, dtype=q.dtype,
+            o = torch.empty(self.num_tokens, r.num_heads, r.kv_lora_rank, dtype=q.dtype,
                             device=q.device)
             self._mla.mla_decode_fwd(q, _latent(r, layer.layer_id), o, self._qo_indptr,
                                      self._kv_indptr, self._kv_indices, self._last,

@@ -8,7 +8,7 @@ page-level block table (``block_table [rows, width]`` int32, page ids ``slot // 
 visible length (a host list / CPU tensor, as the NPU ops take it; read once per round):
 
 - draft decode: row = lane ``z = b*K + j`` at step ``i``, ``L_b + i + 1`` keys, the table from
-  ``_standin.lane_block_table`` (shared full prefix pages, then the lane's own pages: the
+  ``metadata.lane_block_table`` (shared full prefix pages, then the lane's own pages: the
   serving engine's draft allocation, ``lane`` tree mode). Upstream Ascend has no lane
   expansion (``topk == 1``); the per-lane tables lift that. Step ``i`` sees the prefix plus its
   ``i + 1`` drafts (the newer upstream revision's ``speculative_step_id + 1``).
@@ -32,7 +32,8 @@ Ops (torch_npu API reference):
   ``H_kv = 1``) with ``softmax_lse_flag=True`` and, for the sliding window, a boolean
   ``atten_mask [rows, width * P]`` (``True`` = masked) hiding positions before
   ``len - window``; the sink is applied to the output with the returned natural-log LSE:
-  ``o * sigmoid(lse - sink)``. Same key sets as ``specattn.backends.dsv4`` (module doc there).
+  ``o * sigmoid(lse - sink)``. Same key sets as ``specattn.backends.dsv4``
+  (``specattn.sink_window``).
 
 Page sizes: multiples of 16 up to 512 (FIA's page attention needs 16-aligned blocks for
 fp16/bf16); pools must hold whole pages. No logit soft-cap (neither op has one).
@@ -48,12 +49,14 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import validation
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..buffers import Buffers
 from ..errors import InvalidInputError
-from ..metadata import extend_token_slots, prefix_page_table
+from ..metadata import extend_token_slots, lane_block_table, prefix_page_table
 from ..platforms import is_npu
-from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
+from ..sink_window import (DEFAULT_WINDOW, KIT_LIMITS, check_window, check_window_runner,
+                           layer_sink)
+from ..util import ceil_div, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -70,12 +73,6 @@ def _check_pools(runner: "DraftRunner", name: str) -> None:
         raise InvalidInputError("runner pools", f"a slot count that is a multiple of the "
                                 f"page size {runner.page_size} ({name} pages the pool)",
                                 runner.num_slots)
-
-
-def _no_cap(layer: "AttentionLayer") -> None:
-    if layer.logit_cap > 0:
-        raise InvalidInputError("layer.logit_cap", "0 (the torch_npu attention ops have no "
-                                "soft cap)", layer.logit_cap)
 
 
 class _Rows:
@@ -132,139 +129,100 @@ class _Rows:
         return (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
 
 
-class _NpuDecode(BufferedDecode, DraftDecodeBackend):
-    """Per-lane paged decode on torch_npu (see the module doc)."""
+class _NpuBackend:
+    """What the four classes share: the pool check, the op wrapper, the sink keyword."""
 
     page_sizes = PAGE_SIZES
-    tree_modes = frozenset({"lane"})
     dtypes = (torch.bfloat16, torch.float16)
     tested_on = _TESTED
-    _kind = ""
+    soft_cap_models = frozenset()  # neither op has a soft cap
     _window: Optional[int] = None
 
-    def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
-                 tree_mode: str = "lane", **kw) -> None:
-        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+    def _open_ops(self, runner: "DraftRunner") -> None:
         _check_pools(runner, type(self).name)
         self._rows = _Rows(runner, self._kind_for(runner), type(self).name, self._window)
         self._bufs = Buffers(runner.device)
-        self._batch: Optional["DraftBatch"] = None
 
     def _kind_for(self, runner: "DraftRunner") -> str:
         return "mla" if runner.use_mla_backend else "mha"
 
-    def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
-        # Host lengths for the ops' length arguments: one read per round.
-        self._host_lens = [int(x) for x in batch.seq_lens.tolist() for _ in range(self.topk)]
-        self._batch, self._bs = batch, bs
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed metadata and table buffers for ``max_bs * topk`` lanes."""
-        self.cuda_graph_max_bs = max_bs
-        b = self._bufs
-        b.round_fields(max_bs, self.topk, self.num_steps)
-        b.get("table", (max_bs * self.topk, self._rows.width))
-        b.freeze()
-
-    def _graph(self, batch: "DraftBatch", bs: int) -> None:
-        if self._rows.kind == "mla":
-            raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
-                                    "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
-        super()._graph(batch, bs)
-
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
-                ) -> torch.Tensor:
-        """q: ``[B*K, H, W]`` → ``[B*K, H, D_v]`` (see ``DraftDecodeBackend``)."""
-        self._require_metadata(self._batch)
-        r, bs, topk, b = self.runner, self._bs, self.topk, self._bufs
-        n = bs * topk
-        validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
-        _no_cap(layer)
-        sink = self._sink(layer, attn_sink)
-        rpi, seq, loc = b.round_fields(bs, topk, self.num_steps)
-        r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
-        table = lane_block_table(b.get("table", (n, self._rows.width)), r.req_to_token, rpi,
-                                 seq, loc, None, step, "lane", r.page_size)
-        lens = [x + step + 1 for x in self._host_lens]
-        return self._rows.run(q, layer, table, lens, sink)
-
-    def _sink(self, layer, attn_sink) -> Optional[torch.Tensor]:
+    def _forward_options(self, layer: "AttentionLayer", *,
+                         attn_sink: Optional[torch.Tensor] = None) -> dict:
         if attn_sink is not None:
             raise InvalidInputError("attn_sink", f"None ({self.name} has no attention sink)",
                                     "a tensor")
-        return None
+        return {"sink": None}
+
+    def _refuse_mla_graph(self) -> None:
+        if self._rows.kind == "mla":
+            raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
+                                    "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
 
 
-class _NpuExtend(DraftExtendBackend):
+class _NpuDecode(_NpuBackend, DraftDecodeBackend):
+    """Per-lane paged decode on torch_npu (see the module doc)."""
+
+    tree_modes = frozenset({"lane"})
+
+    def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
+                 tree_mode: str = "lane") -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        self._open_ops(runner)
+
+    def _plan(self, batch: "DraftBatch") -> None:
+        # Host lengths for the ops' length arguments: one read per round.
+        self._host_lens = [int(x) for x in batch.seq_lens.tolist() for _ in range(self.topk)]
+
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """A fixed table buffer for ``max_bs * topk`` lanes."""
+        self._bufs.get("table", (max_bs * self.topk, self._rows.width))
+        self._bufs.freeze()
+
+    def _plan_graph(self, batch: "DraftBatch", *, capture: bool) -> None:
+        self._refuse_mla_graph()
+        self._plan(batch)
+
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], *, sink: Optional[torch.Tensor]) -> torch.Tensor:
+        """q: ``[B*K, H, W]`` → ``[B*K, H, D_v]`` (see ``DraftDecodeBackend``)."""
+        r, batch, n = self.runner, self.batch, self.num_lanes
+        table = lane_block_table(self._bufs.get("table", (n, self._rows.width)), r.req_to_token,
+                                 batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                                 None, step, "lane", r.page_size)
+        lens = [x + step + 1 for x in self._host_lens]
+        return self._rows.run(q, layer, table, lens, sink)
+
+
+class _NpuExtend(_NpuBackend, DraftExtendBackend):
     """Draft extend: every new token is one row of the paged decode op."""
 
-    page_sizes = PAGE_SIZES
-    dtypes = (torch.bfloat16, torch.float16)
-    tested_on = _TESTED
-    _window: Optional[int] = None
-
-    def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1,
-                 **kw) -> None:
+    def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        _check_pools(runner, type(self).name)
-        self._rows = _Rows(runner, self._kind_for(runner), type(self).name, self._window)
-        self._bufs = Buffers(runner.device)
-        self._batch: Optional["DraftExtendBatch"] = None
+        self._open_ops(runner)
 
-    _kind_for = _NpuDecode._kind_for
-    _sink = _NpuDecode._sink
-
-    def _fill(self, batch: "DraftExtendBatch") -> None:
-        r, b = self.runner, self._bufs
-        n = int(batch.out_cache_loc.shape[0])
+    def _plan(self, batch: "DraftExtendBatch") -> None:
+        r, n = self.runner, self.num_tokens
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   batch.extend_lens, max_len=1, num_tokens=n)
         width = self._rows.width
         pages = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   r.page_size, width)
-        b.get("table", (n, width)).copy_(pages[meta.token_req])
-        b.get("out_cache_loc", (n,), torch.int64).copy_(batch.out_cache_loc)
+        self._bufs.get("table", (n, width)).copy_(pages[meta.token_req])
         self._host_lens = [int(x) for x in meta.token_visible.tolist()]
-        self._batch, self._n = batch, n
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
-        validation.check_extend_batch(self.runner, batch)
-        self._fill(batch)
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         self._bufs.get("table", (max_num_tokens, self._rows.width))
-        self._bufs.get("out_cache_loc", (max_num_tokens,), torch.int64)
         self._bufs.freeze()
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
-        self._graph(batch)
+    def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
+        self._refuse_mla_graph()
+        self._plan(batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
-                                                bs: int) -> None:
-        self._graph(batch)
-
-    def _graph(self, batch: "DraftExtendBatch") -> None:
-        if self._rows.kind == "mla":
-            raise InvalidInputError("CUDA/NPU graph", "an MHA model (the MLA op "
-                                    "_npu_paged_attention_mla runs eagerly only)", "an MLA model")
-        self._check_graph_batch(batch, ready=self._bufs.fixed)
-        self._fill(batch)
-
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor], *, attn_sink: Optional[torch.Tensor] = None,
-                ) -> torch.Tensor:
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor], *, sink: Optional[torch.Tensor]) -> torch.Tensor:
         """q: ``[T, H, W]`` → ``[T, H, D_v]`` (see ``DraftExtendBackend``)."""
-        self._require_metadata(self._batch)
-        n, b = self._n, self._bufs
-        validation.check_extend_forward(self.runner, n, layer, q, k, v)
-        _no_cap(layer)
-        sink = self._sink(layer, attn_sink)
-        self.runner.write_kv(layer.layer_id, b.get("out_cache_loc", (n,), torch.int64), k, v)
-        return self._rows.run(q, layer, b.get("table", (n, self._rows.width)),
-                              self._host_lens, sink)
+        table = self._bufs.get("table", (self.num_tokens, self._rows.width))
+        return self._rows.run(q, layer, table, self._host_lens, sink)
 
 
 _DECL = dict(platforms=is_npu, requires=_NPU, kernel_library="torch_npu")
@@ -281,69 +239,41 @@ class AscendExtend(_NpuExtend, name="ascend", priority={"npu": 70}, **_DECL):
 # --- dsv4, NPU flavour -----------------------------------------------------------------------
 
 
-def _dsv4_kind(self, runner: "DraftRunner") -> str:
-    from .dsv4 import _check_runner
+class _DSV4Npu:
+    """The dsv4 rules (``specattn.sink_window``) on the Ascend classes: window kind, the
+    ``window`` keyword, the sink."""
 
-    _check_runner(runner)
-    return "window"
+    auto_eligible = False
+    known_limits = KIT_LIMITS
 
+    def _kind_for(self, runner: "DraftRunner") -> str:
+        check_window_runner(runner)
+        return "window"
 
-def _dsv4_sink(self, layer, attn_sink):
-    from .dsv4 import _sink
+    @property
+    def window(self) -> int:
+        return self._window
 
-    return _sink(self.runner, layer, attn_sink)
-
-
-def _dsv4_window(window: int) -> int:
-    from .dsv4 import _check_window
-
-    return _check_window(window)
-
-
-# As dsv4's CUDA flavour: the conformance kit's dense reference is not this math for MHA.
-_DSV4_KIT_LIMITS = {"*/mha/*": "dsv4's MHA form reads each slot's key as its value (the v "
-                               "pool is unread): not dense attention; tests/test_ascend.py "
-                               "checks it against its own reference"}
+    def _forward_options(self, layer: "AttentionLayer", *,
+                         attn_sink: Optional[torch.Tensor] = None) -> dict:
+        return {"sink": layer_sink(self.runner, layer, attn_sink)}
 
 
-class DSV4NpuDecode(_NpuDecode, name="dsv4", flavour="npu", **_DECL):
+class DSV4NpuDecode(_DSV4Npu, _NpuDecode, name="dsv4", flavour="npu", **_DECL):
     """DeepSeek V4 draft decode, Ascend flavour: sliding window + sink through FIA.
 
     ``window`` (default 128); ``forward(..., attn_sink=None)`` or a ``SinkAttentionLayer``."""
 
-    auto_eligible = False
-    known_limits = _DSV4_KIT_LIMITS
-    dtypes = (torch.bfloat16, torch.float16)
-
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
-                 tree_mode: str = "lane", window: int = 128) -> None:
-        self._window = _dsv4_window(window)
+                 tree_mode: str = "lane", window: int = DEFAULT_WINDOW) -> None:
+        self._window = check_window(window)
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
 
-    @property
-    def window(self) -> int:
-        return self._window
 
-    _kind_for = _dsv4_kind
-    _sink = _dsv4_sink
-
-
-class DSV4NpuExtend(_NpuExtend, name="dsv4", flavour="npu", **_DECL):
+class DSV4NpuExtend(_DSV4Npu, _NpuExtend, name="dsv4", flavour="npu", **_DECL):
     """DeepSeek V4 draft extend, Ascend flavour (token ``p`` sees ``R_b[p+1-window : p+1]``)."""
 
-    auto_eligible = False
-    known_limits = _DSV4_KIT_LIMITS
-    dtypes = (torch.bfloat16, torch.float16)
-
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1,
-                 window: int = 128) -> None:
-        self._window = _dsv4_window(window)
+                 window: int = DEFAULT_WINDOW) -> None:
+        self._window = check_window(window)
         super().__init__(runner, topk=topk, num_steps=num_steps)
-
-    @property
-    def window(self) -> int:
-        return self._window
-
-    _kind_for = _dsv4_kind
-    _sink = _dsv4_sink
-

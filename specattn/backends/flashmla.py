@@ -16,13 +16,13 @@ Algorithm (draft step ``i``, ``N = B*K`` lanes), per layer:
    so each request's prefix is read once for all its lanes. Returns ``out [B, K, H, 512]`` and
    ``softmax_lse [B, H, K]`` (natural log, FlashMLA's reference definition);
 3. *history pass + merge*, default where Triton runs (``fused_history = True``): one Triton
-   kernel (``backends/_history_merge.py``, shared with ``flashinfer``) continues each lane's
-   online softmax from the prefix state over its ``i + 1`` history slots (``lane`` or
-   ``path`` tree mode) and stores the step's latent rows itself (the prefix pass never reads
-   them). Otherwise (``fused_history = False``, or no Triton): write first, a torch fp32
-   history pass, then ``_standin.merge_lse``. Both ran on the H200
-   (``tests/gpu/test_flashmla_gpu.py``, 8 passed); at mla-long-p64 the fused pass made the
-   step 89.6 us instead of 163.2 (same run, ``benchmarks/results/2026-11-29-h200/
+   kernel (``specattn.kernels.history_merge``, shared with ``flashinfer`` and ``fa4``)
+   continues each lane's online softmax from the prefix state over its ``i + 1`` history
+   slots (``lane`` or ``path`` tree mode) and stores the step's latent rows itself (the
+   prefix pass never reads them). Otherwise (``fused_history = False``, or no Triton):
+   write first, a torch fp32 history pass, then ``kernels.lse.merge_states``. Both ran on
+   the H200 (``tests/gpu/test_flashmla_gpu.py``, 8 passed); at mla-long-p64 the fused pass
+   made the step 89.6 us instead of 163.2 (same run, ``benchmarks/results/2026-11-29-h200/
    flashmla-fused-ab-s4.md``).
 
 Upstream refuses ``topk > 1`` ("Currently FlashMLA only supports topk=1 for speculative
@@ -50,18 +50,18 @@ logit soft-cap; the pool's slot count must be a multiple of 64; every ``L_b >= 1
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import validation
 from ..base import DraftDecodeBackend
+from ..buffers import Buffers
 from ..errors import BackendUnavailableError, InvalidInputError
+from ..kernels.lse import merge_states
 from ..metadata import history_slots, prefix_page_table
 from ..platforms import any_platform, cuda_capability
 from ..registry import Dispatcher, Route, default_registry
-from ._standin import BufferedDecode, Buffers, ceil_div, merge_lse, vendor_module
+from ..util import ceil_div, triton_runs, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftRunner
@@ -72,15 +72,6 @@ EXTEND_WARNING = "flashmla prefill backend is not yet supported for draft extend
 PAGE_SIZE = 64
 _HEAD_DIM, _HEAD_DIM_V = 576, 512
 _PIP = "sgl-flash-mla"
-
-
-def _triton_runs(device: torch.device) -> bool:
-    """Whether the Triton history kernel can run on ``device`` (CUDA, or the interpreter)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _latent_history(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
@@ -96,7 +87,7 @@ def _latent_history(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Ten
     return o, lse
 
 
-class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
+class FlashMLADecode(DraftDecodeBackend, name="flashmla",
                      platforms=cuda_capability(9, 10), models=("mla",),
                      requires=(("flash_mla", _PIP),), kernel_library="flash_mla",
                      priority={"cuda": 65}):
@@ -109,6 +100,7 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
     page_sizes = frozenset({PAGE_SIZE})
     head_dims = frozenset({_HEAD_DIM})
     supports_cuda_graph = True
+    soft_cap_models = frozenset()  # FlashMLA has no soft cap
     tested_on = ("H200 (sm90) GPU tests with the sgl-flash-mla wheel's legacy dense decode, "
                  "incl. CUDA-graph replay; stand-in tested on CPU")
     # The Triton history + merge kernel where Triton runs (H200: 89.6 vs 163.2 us per step).
@@ -131,21 +123,18 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
         self._dense_kwargs = {"use_legacy": True} if has_legacy and has_legacy() else {}
         self._bufs = Buffers(runner.device)
         self._width = ceil_div(runner.max_context_len, PAGE_SIZE)
-        self._batch: Optional["DraftBatch"] = None
         self._sched = None  # (tile_scheduler_metadata, num_splits) for this round
 
     # --- metadata ------------------------------------------------------------------------
 
-    def _fill(self, batch: "DraftBatch", bs: int) -> None:
+    def _plan(self, batch: "DraftBatch") -> None:
         """Round metadata into the buffers (no host sync)."""
-        r, bufs = self.runner, self._bufs
+        r, bufs, bs = self.runner, self._bufs, batch.batch_size
         table = bufs.get("block_table", (bs, self._width))
         table.copy_(prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                       PAGE_SIZE, self._width))
         seqlens = bufs.get("cache_seqlens", (bs,))
         seqlens.copy_(batch.seq_lens)
-        loc = bufs.get("out_cache_loc", (bs, self.topk, self.num_steps), torch.int64)
-        loc.copy_(batch.out_cache_loc)
         tile, splits = self._fm.get_mla_metadata(seqlens, self.topk * r.num_heads, 1)
         if splits is not None and bufs.fixed:
             # Old interface under CUDA graphs: scheduler output into the fixed buffers.
@@ -155,56 +144,33 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
             fixed_splits.copy_(splits)
             tile, splits = fixed_tile, fixed_splits
         self._sched = (tile, splits)
-        self._batch, self._bs = batch, bs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed block table, lengths, slots and scheduler buffers for ``max_bs`` requests."""
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed block table, lengths and scheduler buffers for ``max_bs`` requests."""
         bufs = self._bufs
         bufs.get("block_table", (max_bs, self._width))
         seqlens = bufs.get("cache_seqlens", (max_bs,))
         seqlens.fill_(1)
-        bufs.get("out_cache_loc", (max_bs, self.topk, self.num_steps), torch.int64)
         tile, splits = self._fm.get_mla_metadata(seqlens, self.topk * self.runner.num_heads, 1)
         if splits is not None:
             bufs.get("tile_scheduler_metadata", tuple(tile.shape))
             bufs.get("num_splits", (max_bs + 1,))
         bufs.freeze()
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._check_graph_batch(batch, None, ready=self._bufs.fixed)
-        self._captured_parents = batch.parents
-        self._fill(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """``batch`` holds ``bs`` (padded) requests; refills the fixed buffers in place."""
-        self._check_graph_batch(batch, None, ready=self._bufs.fixed)
-        self._check_padded(batch, bs)
-        captured = getattr(self, "_captured_parents", None)
-        if self.tree_mode == "path" and captured is not None and batch.parents is not captured:
-            captured[:, :bs].copy_(batch.parents)
-        self._fill(batch, bs)
-
     # --- forward -------------------------------------------------------------------------
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        r, bs, topk = self.runner, self._bs, self.topk
-        validation.check_decode_forward(r, bs * topk, self.num_steps, step, layer, q, k, v)
-        if layer.logit_cap > 0:
-            raise InvalidInputError("layer.logit_cap", "0 (FlashMLA has no soft cap)",
-                                    layer.logit_cap)
-        parents = None
-        if self.tree_mode == "path":
-            validation.check_parents_step(self._batch, step, topk)
-            parents = getattr(self, "_captured_parents", None) if self._bufs.fixed else None
-            parents = parents if parents is not None else self._batch.parents
-        loc = self._bufs.get("out_cache_loc", (bs, topk, self.num_steps), torch.int64)
-        fused = self.fused_history and _triton_runs(q.device)
-        if not fused:
-            r.write_kv(layer.layer_id, loc[:, :, step], k, None)
+    def _fused(self) -> bool:
+        return self.fused_history and triton_runs(self.runner.device)
 
+    def _kernel_writes_kv(self) -> bool:
+        # The fused history kernel stores the step's latent rows (the prefix pass never
+        # reads them).
+        return self._fused()
+
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+                v: Optional[torch.Tensor]) -> torch.Tensor:
+        r, batch, topk = self.runner, self.batch, self.topk
+        bs = batch.batch_size
         tile, splits = self._sched
         if splits is None and self._bufs.fixed:
             # New interface: the scheduler runs inside the first flash_mla_with_kvcache call on
@@ -221,14 +187,15 @@ class FlashMLADecode(BufferedDecode, DraftDecodeBackend, name="flashmla",
         o_pre = o_pre.reshape(bs * topk, r.num_heads, _HEAD_DIM_V)
         lse_pre = lse_pre.transpose(1, 2).reshape(bs * topk, r.num_heads)
 
-        hist = history_slots(loc, parents, step, self.tree_mode).reshape(bs * topk, step + 1)
-        if fused:  # stores k at hist[:, -1] (this step's slots) and merges in one launch
-            from ._history_merge import history_merge
+        hist = history_slots(batch.out_cache_loc, batch.parents, step, self.tree_mode)
+        hist = hist.reshape(bs * topk, step + 1)
+        if self._fused():  # stores k at hist[:, -1] (this step's slots) and merges in one launch
+            from ..kernels.history_merge import history_merge
 
             return history_merge(q, kv.unsqueeze(1), kv[:, :_HEAD_DIM_V].unsqueeze(1), hist,
                                  o_pre, lse_pre, layer.scaling, 0.0, k_new=k, lse_base="e")
         o_his, lse_his = _latent_history(r, layer, q, hist)
-        return merge_lse(o_pre, lse_pre.float(), o_his, lse_his, r.dtype)
+        return merge_states([o_pre, o_his], [lse_pre, lse_his], r.dtype)
 
 
 default_registry.add_dispatcher(Dispatcher(

@@ -29,7 +29,7 @@ output columns.
 Draft extend: one masked call per layer over the batch padded to the longest extend and the
 longest total length; query ``t`` of request ``b`` sees ``R_b[0 : L'_b - E_b + t + 1]``.
 
-Limits: CPU tensors only; no CUDA graphs (the graph methods run eagerly).
+Limits: CPU tensors only; no CUDA graphs (the graph methods fill a round like an eager one).
 """
 
 from __future__ import annotations
@@ -42,16 +42,8 @@ import torch.nn.functional as F
 
 from .._logging import get_logger
 from ..base import DraftDecodeBackend, DraftExtendBackend
-from ..errors import InvalidInputError
 from ..metadata import extend_token_slots, history_slots, prefix_token_slots
 from ..platforms import Platform, is_cpu
-from ..validation import (
-    check_decode_batch,
-    check_decode_forward,
-    check_extend_batch,
-    check_extend_forward,
-    check_parents_step,
-)
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -188,7 +180,6 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         self.cache_prefix = cache_prefix
         self._pools = _Pools(runner)
-        self._batch: Optional["DraftBatch"] = None
         # Layers whose key/value buffers [B, H_kv, Lmax + K*S, E] hold this round's prefix.
         self._filled: set[int] = set()
         self._masks: dict[int, torch.Tensor] = {}
@@ -197,10 +188,8 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
     def runtime_note(cls, platform: Platform) -> str:
         return _runtime_note(platform)
 
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+    def _plan(self, batch: "DraftBatch") -> None:
         """Padded prefix slot table and mask for the round (history is per step)."""
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
-        self._batch = batch
         # Padded entries hold slot 0: they index the pool and are masked out of the scores.
         self._prefix_slots, self._prefix_mask = prefix_token_slots(
             self.runner.req_to_token, batch.req_pool_indices, batch.seq_lens)
@@ -248,22 +237,12 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
             self._filled.add(layer_id)
         return keys, values
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        """q: ``[B*K, H_q, E]``, k/v: the new KV of each lane (see ``DraftDecodeBackend``).
-        Returns ``[B*K, H_q, Ev]`` (MLA: ``[B*K, H, kv_lora_rank]``)."""
-        batch = self._batch
-        if batch is None:
-            raise InvalidInputError("init_forward_metadata", "to be called before forward",
-                                    "forward without metadata")
-        topk, steps, pools = self.topk, self.num_steps, self._pools
+        """q: ``[B*K, H_q, E]`` → ``[B*K, H_q, Ev]`` (MLA: ``[B*K, H, kv_lora_rank]``)."""
+        batch, topk, steps, pools = self.batch, self.topk, self.num_steps, self._pools
         bs = self._prefix_slots.shape[0]
-        check_decode_forward(self.runner, bs * topk, steps, step, layer, q, k, v)
-        if self.tree_mode == "path":
-            check_parents_step(batch, step, topk)
         lid = layer.layer_id
-        self.runner.write_kv(lid, batch.out_cache_loc[:, :, step], k, v)
-
         keys, values = self._kv(lid)
         # History block j of request b: keys Lmax + j*S + t, filled for t <= step.
         hist = history_slots(batch.out_cache_loc, batch.parents, step, self.tree_mode).long()
@@ -289,17 +268,14 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         self._pools = _Pools(runner)
-        self._batch: Optional["DraftExtendBatch"] = None
 
     @classmethod
     def runtime_note(cls, platform: Platform) -> str:
         return _runtime_note(platform)
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+    def _plan(self, batch: "DraftExtendBatch") -> None:
         """Padded key slots/mask ``[B, Lmax]``, causal mask ``[B, 1, Emax*G, Lmax]`` and the
         padded row of every token."""
-        check_extend_batch(self.runner, batch)
-        self._batch = batch
         meta = extend_token_slots(self.runner.req_to_token, batch.req_pool_indices,
                                   batch.seq_lens, batch.extend_lens)
         max_ext = int(batch.extend_lens.max())
@@ -317,18 +293,10 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
         self._slots = meta.slots
         self._pad = (~meta.valid).nonzero(as_tuple=True)
 
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         """q: ``[T, H_q, E]`` (``T = sum(extend_lens)``); returns ``[T, H_q, Ev]``."""
-        batch = self._batch
-        if batch is None:
-            raise InvalidInputError("init_forward_metadata", "to be called before forward",
-                                    "forward without metadata")
-        num_tokens = self._rows.shape[0]
-        check_extend_forward(self.runner, num_tokens, layer, q, k, v)
         lid = layer.layer_id
-        self.runner.write_kv(lid, batch.out_cache_loc, k, v)
-
         pools = self._pools
         bs, max_len = self._slots.shape
         # Keys in the pool's own layout [B, Lmax, H_kv, E], gathered straight into the

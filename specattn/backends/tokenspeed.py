@@ -14,7 +14,7 @@ Call (per layer; TRT-LLM-MLA semantics, as SGLang's ``TokenspeedMLABackend``)::
 ``seq_len - q_len + j + 1`` keys. ``k_scale`` is 1 (the pool stores unscaled values).
 
 - Draft decode: one row per lane (``q_len = 1``), ``L_b + i + 1`` keys through the lane's
-  page table (``_standin.lane_block_table``: shared full prefix pages, then the lane's own
+  page table (``metadata.lane_rows``: shared full prefix pages, then the lane's own
   pages of the serving engine's draft allocation; ``lane`` tree mode). The 2.0.4 API returns
   no LSE, so the shared-prefix split of ``flashmla`` is not available; upstream refuses
   ``topk > 1``, the per-lane tables lift that.
@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import validation
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..buffers import Buffers
 from ..errors import InvalidInputError
-from ..metadata import extend_token_slots, prefix_page_table
+from ..metadata import extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
-from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
+from ..util import ceil_div, sm_count, vendor_module
 
 if TYPE_CHECKING:
-    from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+    from ..data import AttentionLayer, DraftExtendBatch, DraftRunner
 
 __all__ = ["TokenspeedMLADecode", "TokenspeedMLAExtend"]
 
@@ -63,16 +63,17 @@ class _Tokenspeed:
     dtypes = (torch.bfloat16,)
     kv_cache_dtypes = ("auto", "fp8_e4m3")
     tested_on = _TESTED
+    soft_cap_models = frozenset()  # tokenspeed-mla has no soft cap
 
-    def _setup(self, runner: "DraftRunner") -> None:
+    def _open_library(self, runner: "DraftRunner", max_keys: int) -> None:
+        """The library, buffers and the block-table width for rows of ``max_keys`` keys."""
         if runner.num_slots % runner.page_size:
             raise InvalidInputError("runner.kv_buffer", "a slot count that is a multiple of "
                                     f"the page size {runner.page_size}", runner.num_slots)
         self._ts = vendor_module("tokenspeed_mla", "tokenspeed-mla", "tokenspeed_mla")
         self._bufs = Buffers(runner.device)
-        dev = runner.device
-        self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-                         if dev.type == "cuda" else 1)
+        self._num_sms = sm_count(runner.device) or 1
+        self._width = ceil_div(max_keys, runner.page_size)
 
     def _workspace(self, q_len: int) -> torch.Tensor:
         r = self.runner
@@ -83,9 +84,6 @@ class _Tokenspeed:
               lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """q: ``[rows, q_len, H, R + rope]`` → ``[rows, q_len, H, R]`` (runner dtype)."""
         r = self.runner
-        if layer.logit_cap > 0:
-            raise InvalidInputError("layer.logit_cap", "0 (tokenspeed-mla has no soft cap)",
-                                    layer.logit_cap)
         kv = r.kv_buffer[layer.layer_id]
         if q.dtype != kv.dtype:  # fp8 KV: the kernel wants the query in the KV dtype
             q = q.to(kv.dtype)
@@ -98,8 +96,7 @@ class _Tokenspeed:
         return out.to(r.dtype)
 
 
-class TokenspeedMLADecode(_Tokenspeed, BufferedDecode, DraftDecodeBackend, name="tokenspeed_mla",
-                          **_DECL):
+class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla", **_DECL):
     """Per-lane dense paged MLA decode. q ``[B*K, H, R + rope]`` → ``[B*K, H, R]``."""
 
     tree_modes = frozenset({"lane"})
@@ -108,35 +105,20 @@ class TokenspeedMLADecode(_Tokenspeed, BufferedDecode, DraftDecodeBackend, name=
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
-        self._setup(runner)
-        self._width = ceil_div(runner.max_context_len + num_steps, runner.page_size)
-        self._batch: Optional["DraftBatch"] = None
+        self._open_library(runner, runner.max_context_len + num_steps)
 
-    def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
-        self._batch, self._bs = batch, bs
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         b, n = self._bufs, max_bs * self.topk
-        b.round_fields(max_bs, self.topk, self.num_steps)
         b.get("table", (n, self._width))
         b.get("lens", (n,))
         self._workspace(1)
         b.freeze()
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        r, b, bs, topk = self.runner, self._bufs, self._bs, self.topk
-        n = bs * topk
-        validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
-        rpi, seq, loc = b.round_fields(bs, topk, self.num_steps)
-        r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, None)
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token, rpi, seq,
-                                 loc, None, step, "lane", r.page_size)
-        lens = b.get("lens", (n,))
-        lens.copy_(seq.repeat_interleave(topk) + step + 1)
+        r, b, n = self.runner, self._bufs, self.num_lanes
+        table, lens = lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
+                                r.req_to_token, self.batch, step, r.page_size)
         out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
                          r.max_context_len + self.num_steps)
         return out.view(n, r.num_heads, r.kv_lora_rank)
@@ -149,13 +131,10 @@ class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla"
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        self._setup(runner)
-        self._width = ceil_div(runner.max_context_len, runner.page_size)
-        self._batch: Optional["DraftExtendBatch"] = None
+        self._open_library(runner, runner.max_context_len)
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+    def _plan(self, batch: "DraftExtendBatch") -> None:
         r = self.runner
-        validation.check_extend_batch(r, batch)
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   batch.extend_lens, max_len=1)
         self._q_len = int(batch.extend_lens.max())
@@ -166,16 +145,10 @@ class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla"
         self._table = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                         r.page_size, self._width)
         self._lens = batch.seq_lens.to(torch.int32)
-        self._n = int(meta.token_req.shape[0])
-        self._batch = batch
 
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        r = self.runner
-        validation.check_extend_forward(r, self._n, layer, q, k, v)
-        r.write_kv(layer.layer_id, self._batch.out_cache_loc, k, None)
-        bs = self._batch.batch_size
+        r, bs = self.runner, self.batch.batch_size
         q_pad = q.new_zeros(bs * self._q_len, r.num_heads, q.shape[-1])
         q_pad[self._rows] = q
         out = self._call(q_pad.view(bs, self._q_len, r.num_heads, q.shape[-1]), layer,

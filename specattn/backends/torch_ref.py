@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import metadata, validation
+from .. import metadata
 from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..platforms import any_platform
 
@@ -116,23 +116,10 @@ class TorchRefDecode(DraftDecodeBackend, name="torch_ref", platforms=any_platfor
 
     tested_on = "CPU"
     supports_cuda_graph = False
-    batch: Optional["DraftBatch"] = None
 
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self.batch = batch
-
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self.batch)
-        batch = self.batch
-        validation.check_decode_forward(self.runner, batch.batch_size * self.topk,
-                                        self.num_steps, step, layer, q, k, v)
-        if self.tree_mode == "path":
-            validation.check_parents_step(batch, step, self.topk)
-        self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step].reshape(-1), k, v)
-        return reference_decode(self.runner, layer, q, batch, step, self.tree_mode)
+        return reference_decode(self.runner, layer, q, self.batch, step, self.tree_mode)
 
 
 class TorchRefExtend(DraftExtendBackend, name="torch_ref", platforms=any_platform,
@@ -141,16 +128,7 @@ class TorchRefExtend(DraftExtendBackend, name="torch_ref", platforms=any_platfor
 
     tested_on = "CPU"
     supports_cuda_graph = False
-    batch: Optional["DraftExtendBatch"] = None
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
-        validation.check_extend_batch(self.runner, batch)
-        self.batch = batch
-        self.num_tokens = int(batch.extend_lens.sum())
-
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self.batch)
-        validation.check_extend_forward(self.runner, self.num_tokens, layer, q, k, v)
-        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
         return reference_extend(self.runner, layer, q, self.batch)

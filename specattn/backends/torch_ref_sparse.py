@@ -39,7 +39,7 @@ Key pool for ``dsv4``: MLA runner with ``qk_rope_head_dim == 0`` (``kv_buffer [s
 or MHA runner with one KV head (``k_buffer [slots, 1, D]``; ``v_buffer`` is not read).
 
 FP8 pools (``runner.kv_layout``: ``fp8_ds_mla`` for ``dsa``, ``fp8_ds_v4`` for ``dsv4``;
-``backends/_fp8_kv``): the reference is "dequantize, then exact attention": every key row is
+``specattn.kv_layouts``): the reference is "dequantize, then exact attention": every key row is
 read through the layout's ``read`` (float32) and the math above runs unchanged.
 """
 
@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .. import metadata
+from ..sink_window import window_key_pool
 from .torch_ref import _gather_kv, _out_shape, attend
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ __all__ = [
 
 def latent_rows(runner: "DraftRunner", layer_id: int, slots: torch.Tensor) -> torch.Tensor:
     """The MLA pool's rows ``[n, R + rope]`` float32 of ``slots [n]``; an FP8 pool
-    (``runner.kv_layout``) is dequantized (``backends/_fp8_kv``)."""
+    (``runner.kv_layout``) is dequantized (``specattn.kv_layouts``)."""
     pool = runner.kv_buffer[layer_id]
     if getattr(runner, "kv_layout", None) is not None:
         return runner.kv_layout.read(pool, slots)
@@ -187,14 +188,6 @@ def reference_dsa_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torc
 
 
 # --- dsv4 -------------------------------------------------------------------------------------
-
-
-def window_key_pool(runner: "DraftRunner", layer_id: int) -> torch.Tensor:
-    """The layer's one-vector-per-slot pool ``[num_slots, D]`` (keys = values), as stored:
-    an FP8 pool is uint8 ``[num_slots, bytes_per_token]`` (``window_rows`` decodes it)."""
-    if runner.use_mla_backend:
-        return runner.kv_buffer[layer_id]
-    return runner.k_buffer[layer_id][:, 0, :]
 
 
 def window_rows(runner: "DraftRunner", layer_id: int, slots: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ the trtllm-gen counters of a shared one); its draft extend is ``TRTLLMMLAExtend`
 (``return_lse`` exists only on newer main, base unverified), so the prefix/history split of
 ``flashmla`` cannot be merged. Each lane ``z = b*K + j`` is instead one kernel row
 (``q_len = 1``) over ``L_b + i + 1`` keys whose block table is the shared full prefix pages
-followed by the lane's own pages (``_standin.lane_block_table``). This needs the serving
+followed by the lane's own pages (``metadata.lane_rows``). This needs the serving
 engine's draft layout (``metadata.draft_slot_positions``: the lane's draft slots sit
 page-aligned right after its copy of the partial last page, which the serving code
 duplicates per lane when ``P > 1 and K > 1``): ``out_cache_loc[b, j, t] ==
@@ -65,10 +65,11 @@ import torch
 
 from .. import validation
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..buffers import Buffers
 from ..errors import BackendUnavailableError, InvalidInputError
-from ..metadata import draft_slot_positions, extend_token_slots, prefix_page_table
+from ..metadata import draft_slot_positions, extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
-from ._standin import BufferedDecode, Buffers, ceil_div, lane_block_table, vendor_module
+from ..util import ceil_div, vendor_module
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -134,14 +135,15 @@ def check_draft_layout(runner: "DraftRunner", batch: "DraftBatch", topk: int,
 
 
 class _TRTLLM:
-    """Shared setup: vendor function, workspace, checks."""
+    """Shared setup: vendor function, workspace."""
 
     tested_on = _TESTED
     kv_cache_dtypes = ("auto",)
+    soft_cap_models = frozenset()  # trtllm-gen has no soft cap
     _fn_name = _MHA_FN
     _vendor_backend: Optional[str] = None  # MLA: the ``backend=`` argument, if any
 
-    def _setup(self, runner: "DraftRunner") -> None:
+    def _open_library(self, runner: "DraftRunner") -> None:
         if runner.num_slots % runner.page_size:
             raise InvalidInputError("runner.k_buffer/kv_buffer", "a slot count that is a "
                                     f"multiple of the page size {runner.page_size}",
@@ -153,27 +155,21 @@ class _TRTLLM:
         nbytes = _WORKSPACE_BYTES.get(self.runner.device.type, 4096)
         return self._bufs.get("workspace", (nbytes,), torch.int8)  # zeros when created
 
-    def _check_layer(self, layer: "AttentionLayer") -> None:
-        if layer.logit_cap > 0:
-            raise InvalidInputError("layer.logit_cap", f"0 ({self.name}: trtllm-gen has no "
-                                    "soft cap)", layer.logit_cap)
-
 
 class _MHA(_TRTLLM):
     page_sizes = frozenset({16, 32, 64})
     dtypes = (torch.bfloat16, torch.float16)
 
-    def _setup(self, runner: "DraftRunner") -> None:
+    def _open_library(self, runner: "DraftRunner") -> None:
         if runner.v_head_dim != runner.head_dim:
             raise BackendUnavailableError(
                 f"{self.name}: trtllm-gen MHA needs v_head_dim == head_dim, the model has "
                 f"{runner.v_head_dim} and {runner.head_dim}", self.name)
-        super()._setup(runner)
+        super()._open_library(runner)
 
     def _call(self, q: torch.Tensor, layer: "AttentionLayer", table: torch.Tensor,
               lens: torch.Tensor, max_seq_len: int, q_len: int) -> torch.Tensor:
         """q: ``[rows * q_len, H_q, D]`` → ``[rows * q_len, H_q, D]``."""
-        self._check_layer(layer)
         r = self.runner
         P, hkv = r.page_size, r.num_kv_heads
         # HND views of the token-major pool (SGLang's permute): no copy.
@@ -191,13 +187,13 @@ class _MLA(_TRTLLM):
     head_dims = frozenset({_KV_LORA_RANK + _ROPE})
     _fn_name = _MLA_FN
 
-    def _setup(self, runner: "DraftRunner") -> None:
+    def _open_library(self, runner: "DraftRunner") -> None:
         if (runner.kv_lora_rank, runner.qk_rope_head_dim) != (_KV_LORA_RANK, _ROPE):
             raise BackendUnavailableError(
                 f"{self.name}: trtllm-gen MLA needs kv_lora_rank {_KV_LORA_RANK} and rope "
                 f"{_ROPE}, the model has {runner.kv_lora_rank} and {runner.qk_rope_head_dim}",
                 self.name)
-        super()._setup(runner)
+        super()._open_library(runner)
 
     @staticmethod
     def _padded_width(num_tokens: int, page_size: int) -> int:
@@ -207,7 +203,6 @@ class _MLA(_TRTLLM):
     def _call(self, q: torch.Tensor, layer: "AttentionLayer", table: torch.Tensor,
               lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """q: ``[rows, q_len, H, 576]`` → ``[rows, q_len, H, 512]`` (runner dtype)."""
-        self._check_layer(layer)
         r = self.runner
         kv = r.kv_buffer[layer.layer_id]
         extra = {} if self._vendor_backend is None else {"backend": self._vendor_backend}
@@ -223,9 +218,8 @@ class _MLA(_TRTLLM):
 
 # --- draft decode ----------------------------------------------------------------------------
 
-class _LaneDecode(BufferedDecode, DraftDecodeBackend):
-    """Per-lane rows (module doc). Subclasses provide ``_call`` and ``_width``; capture and
-    replay go through ``BufferedDecode`` (graph-protocol checks, then ``_graph_fill``)."""
+class _LaneDecode(DraftDecodeBackend):
+    """Per-lane rows (module doc). Subclasses provide ``_call`` and ``_table_width``."""
 
     tree_modes = frozenset({"lane"})
     supports_cuda_graph = True
@@ -233,62 +227,30 @@ class _LaneDecode(BufferedDecode, DraftDecodeBackend):
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
-        self._setup(runner)
+        self._open_library(runner)
         self._width = self._table_width(runner.max_context_len + num_steps, runner.page_size)
         self._max_seq_len = runner.max_context_len + num_steps
-        self._batch: Optional["DraftBatch"] = None
 
     @staticmethod
     def _table_width(num_tokens: int, page_size: int) -> int:
         return ceil_div(num_tokens, page_size)
 
-    def _fill(self, batch: "DraftBatch", bs: int) -> None:
-        self._bufs.round_fields(bs, self.topk, self.num_steps, batch)
-        self._batch, self._bs = batch, bs
+    def _check_batch(self, batch: "DraftBatch", debug: Optional[bool]) -> None:
+        check_draft_layout(self.runner, batch, self.topk, self.num_steps, self.name, debug)
 
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        check_draft_layout(self.runner, batch, self.topk, self.num_steps, self.name)
-        self._fill(batch, batch.batch_size)
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed buffers for ``max_bs * K`` lanes (table, lengths, slots, workspace)."""
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed buffers for ``max_bs * K`` lanes (table, lengths, workspace)."""
         b, n = self._bufs, max_bs * self.topk
-        b.round_fields(max_bs, self.topk, self.num_steps)
         b.get("table", (n, self._width))
         b.get("lens", (n,))
         self._workspace()
         b.freeze()
 
-    def _graph_fill(self, batch: "DraftBatch", bs: int) -> None:
-        """After ``BufferedDecode``'s graph-protocol checks: the layout (no debug pass)."""
-        check_draft_layout(self.runner, batch, self.topk, self.num_steps, self.name,
-                           debug=False)
-        self._fill(batch, bs)
-
     def _lane_metadata(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Lane table ``[B*K, width]`` int32 and lane lengths ``[B*K]`` int32 for ``step``."""
-        r, b, bs = self.runner, self._bufs, self._bs
-        n = bs * self.topk
-        rpi, seq, loc = b.round_fields(bs, self.topk, self.num_steps)
-        table = lane_block_table(b.get("table", (n, self._width)), r.req_to_token, rpi, seq,
-                                 loc, None, step, "lane", r.page_size)
-        lens = b.get("lens", (n,))
-        lens.copy_(seq.repeat_interleave(self.topk) + step + 1)
-        return table, lens
-
-    def _write(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-               v: Optional[torch.Tensor]) -> int:
-        self._require_metadata(self._batch)
-        r, bs, topk = self.runner, self._bs, self.topk
-        n = bs * topk
-        validation.check_decode_forward(r, n, self.num_steps, step, layer, q, k, v)
-        self._check_layer(layer)
-        _, _, loc = self._bufs.round_fields(bs, topk, self.num_steps)
-        r.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
-        return n
+        b, n = self._bufs, self.num_lanes
+        return lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
+                         self.runner.req_to_token, self.batch, step, self.runner.page_size)
 
 
 class TRTLLMMHADecode(_MHA, _LaneDecode, name="trtllm_mha", platforms=_SM10X,
@@ -297,9 +259,8 @@ class TRTLLMMHADecode(_MHA, _LaneDecode, name="trtllm_mha", platforms=_SM10X,
     """Per-lane trtllm-gen MHA decode. q ``[B*K, H_q, D]``, k/v ``[B*K, H_kv, D]`` →
     ``[B*K, H_q, D]``."""
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._write(step, layer, q, k, v)
         table, lens = self._lane_metadata(step)
         return self._call(q, layer, table, lens, self._max_seq_len, 1)
 
@@ -314,11 +275,10 @@ class TRTLLMMLADecode(_MLA, _LaneDecode, name="trtllm_mla", platforms=_SM10X,
     def _table_width(num_tokens: int, page_size: int) -> int:
         return _MLA._padded_width(num_tokens, page_size)
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        n = self._write(step, layer, q, k, v)
         table, lens = self._lane_metadata(step)
-        r = self.runner
+        r, n = self.runner, self.num_lanes
         out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
                          self._max_seq_len)
         return out.view(n, r.num_heads, r.kv_lora_rank)
@@ -336,22 +296,20 @@ class CuteDSLMLADecode(TRTLLMMLADecode, name="cutedsl_mla", platforms=_SM10X,
 # --- draft extend ----------------------------------------------------------------------------
 
 class _PaddedExtend(DraftExtendBackend):
-    """Right-aligned padded queries through the decode kernel (module doc)."""
+    """Left-aligned padded queries through the decode kernel (module doc)."""
 
     supports_cuda_graph = False  # max(E) sizes q_len on the host per batch
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        self._setup(runner)
-        self._batch: Optional["DraftExtendBatch"] = None
+        self._open_library(runner)
 
     @staticmethod
     def _table_width(num_tokens: int, page_size: int) -> int:
         return ceil_div(num_tokens, page_size)
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+    def _plan(self, batch: "DraftExtendBatch") -> None:
         r = self.runner
-        validation.check_extend_batch(r, batch)
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   batch.extend_lens, max_len=1)
         q_len = self._q_len = int(batch.extend_lens.max())
@@ -363,18 +321,10 @@ class _PaddedExtend(DraftExtendBackend):
         self._table = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                         r.page_size, width)
         self._lens = (batch.seq_lens - batch.extend_lens + q_len).to(torch.int32)
-        self._n = int(meta.token_req.shape[0])
-        self._batch = batch
 
-    def _prepare(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
-                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        """Writes the new KV; returns the padded query ``[B * q_len, H, D]``."""
-        self._require_metadata(self._batch)
-        r = self.runner
-        validation.check_extend_forward(r, self._n, layer, q, k, v)
-        self._check_layer(layer)
-        r.write_kv(layer.layer_id, self._batch.out_cache_loc, k, v)
-        q_pad = q.new_zeros(self._batch.batch_size * self._q_len, *q.shape[1:])
+    def _padded_query(self, q: torch.Tensor) -> torch.Tensor:
+        """The padded query ``[B * q_len, H, D]``."""
+        q_pad = q.new_zeros(self.batch.batch_size * self._q_len, *q.shape[1:])
         q_pad[self._rows] = q
         return q_pad
 
@@ -384,9 +334,9 @@ class TRTLLMMHAExtend(_MHA, _PaddedExtend, name="trtllm_mha", platforms=_SM10X,
                       kernel_library="flashinfer (trtllm-gen)", priority=_PRIORITY):
     """Draft extend: q ``[sum(E), H_q, D]`` → ``[sum(E), H_q, D]``."""
 
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        q_pad = self._prepare(layer, q, k, v)
+        q_pad = self._padded_query(q)
         out = self._call(q_pad, layer, self._table, self._lens, self._max_seq_len,
                          self._q_len)
         return out[self._rows]
@@ -403,10 +353,10 @@ class TRTLLMMLAExtend(_MLA, _PaddedExtend, name="trtllm_mla", aliases=("cutedsl_
     def _table_width(num_tokens: int, page_size: int) -> int:
         return _MLA._padded_width(num_tokens, page_size)
 
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        q_pad = self._prepare(layer, q, k, v)
-        r, bs = self.runner, self._batch.batch_size
+        q_pad = self._padded_query(q)
+        r, bs = self.runner, self.batch.batch_size
         out = self._call(q_pad.view(bs, self._q_len, r.num_heads, q.shape[-1]), layer,
                          self._table, self._lens, self._max_seq_len)
         return out.reshape(bs * self._q_len, r.num_heads, r.kv_lora_rank)[self._rows]

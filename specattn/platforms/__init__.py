@@ -6,7 +6,8 @@
 True
 """
 
-from .detect import current_platform, detect, torch_device_type, use_platform
+from .detect import (current_platform, detect, torch_device_type, triton_interpret_enabled,
+                     use_platform)
 from .interface import DEVICE_TYPES, DeviceType, Platform
 from .predicates import (
     Predicate,
@@ -29,5 +30,5 @@ __all__ = [
     "Platform", "DeviceType", "DEVICE_TYPES", "current_platform", "detect", "use_platform",
     "torch_device_type", "Predicate", "any_platform", "cpu_has_amx", "cuda_capability",
     "has_library", "is_blackwell", "is_cpu", "is_cuda", "is_hip", "is_hopper", "is_musa",
-    "is_npu", "is_xpu", "triton_interpret",
+    "is_npu", "is_xpu", "triton_interpret", "triton_interpret_enabled",
 ]

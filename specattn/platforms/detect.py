@@ -33,7 +33,9 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def _triton_interpret() -> bool:
+def triton_interpret_enabled() -> bool:
+    """``TRITON_INTERPRET`` is set to something other than ``""``/``"0"``: Triton kernels run
+    on the CPU interpreter. The one place that reads the variable (read at each call)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -43,7 +45,7 @@ def detect() -> Platform:
     import torch
 
     amx = _cpu_has_amx()
-    interp = _triton_interpret()
+    interp = triton_interpret_enabled()
     if module_available("torch_npu"):
         try:
             import torch_npu  # noqa: F401  (registers torch.npu)
@@ -95,4 +97,4 @@ def torch_device_type(platform: Platform) -> str:
 
 
 __all__ = ["detect", "current_platform", "use_platform", "module_available",
-           "torch_device_type"]
+           "torch_device_type", "triton_interpret_enabled"]

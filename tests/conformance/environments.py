@@ -165,9 +165,7 @@ STANDIN = (
 NATIVE = (
     Environment("torch_ref", "torch_ref", covers=("torch_ref[default]",)),
     Environment("intel_amx", "intel_amx", covers=("intel_amx[default]",)),
-    Environment("triton", "triton", covers=("triton[default]",),
-                xfail=(("*/engine/strided_index/*", "issue #17 point 1: the metadata kernels "
-                        "read index tensors as contiguous"),)),
+    Environment("triton", "triton", covers=("triton[default]",)),
     Environment("dsa", "dsa", covers=("dsa[default]",)),
     Environment("dsv4", "dsv4", covers=("dsv4[cuda]",)),
 )

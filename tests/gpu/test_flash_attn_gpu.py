@@ -24,7 +24,7 @@ from test_flash_attn import (assert_close_rel, make_case_on, make_decode_case,  
                              make_extend_case, qkv, run_decode_round, run_extend)
 
 from specattn.backends import flash_attn as fa  # noqa: E402
-from specattn.backends.flash_attn import _kernels  # noqa: E402
+from specattn.backends.flash_attn import _library  # noqa: E402
 from specattn.backends.torch_ref import reference_decode  # noqa: E402
 from specattn.data import DraftBatch  # noqa: E402
 from specattn.platforms._probes import module_available  # noqa: E402
@@ -124,8 +124,8 @@ def test_fa3_runs_here():
     case = make_decode_case(bs=4, topk=4, steps=3, page_size=16, device="cuda", seed=5,
                             max_len=200, heads=GQA)
     backend = fa.FA3DecodeSM90(case.runner, 4, 3, tree_mode="path")
-    expected = _kernels.FA3Kernel if module_available("flash_attn_interface") \
-        else _kernels.FA4Kernel
+    expected = _library.FA3Kernel if module_available("flash_attn_interface") \
+        else _library.FA4Kernel
     assert isinstance(backend.kernel, expected)
     run_decode_round(backend, case)
     ext = make_extend_case(bs=4, page_size=16, device="cuda", seed=6, max_len=200, heads=GQA)

@@ -71,7 +71,7 @@ def poisoned_forward(backend, step, layer, q, k):
 def run_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
     bs, topk, steps = batch.out_cache_loc.shape
     backend.init_forward_metadata(batch)
-    assert backend._plan["cfg"].gluon, backend._plan["cfg"]
+    assert backend._round_plan["cfg"].gluon, backend._round_plan["cfg"]
     for step in range(steps):
         if tree_mode == "path" and step:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
@@ -131,7 +131,7 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     layer = AttentionLayer(0, 576 ** -0.5)
     qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
     backend.init_forward_metadata_capture_cuda_graph(batch)
-    assert backend._plan["cfg"].gluon
+    assert backend._round_plan["cfg"].gluon
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -13,14 +13,15 @@ and ``-inf`` past the row's visible length. Top-k is ``torch.topk`` on the score
 Sparse MLA, grid ``(rows, head_blocks, NUM_SPLITS + 1)``: split ``s < NUM_SPLITS`` walks one
 slice of the row's slot list ``Sel[row, :]`` (``-1`` = nothing), split ``NUM_SPLITS`` walks
 the row's draft history (decode; extend has none). MLA scores ``q . [c | k_pe]``, value ``c``
-(the triton backend's ``_attend_tile``); each split writes a normalised partial and its
-natural-log LSE, which the triton backend's ``_merge_kernel`` combines.
+(``kernels.latent.latent_tile``); each split writes a normalised partial and its
+natural-log LSE, which ``kernels.merge.merge_kernel`` combines.
 
-FP8 pools (``kv_cache_dtype="fp8_ds_mla"``, ``backends/_fp8_kv``): the sparse-MLA kernel
+FP8 pools (``kv_cache_dtype="fp8_ds_mla"``, ``specattn.kv_layouts``): the sparse-MLA kernel
 loads each key's bytes (e4m3 codes, fp32 block scales, bf16 RoPE) and dequantizes them in
-registers with integer/float ops (``_fp8_load``; no fp8 bitcast, so the interpreter runs it
-too), then runs the same online softmax on fp32 operands. The indexer keeps its own
-bf16/fp16/fp32 index-key pool (upstream's 132-byte FP8 index-K cache is not built).
+registers with integer/float ops (``kernels.latent.fp8_load``; no fp8 bitcast, so the
+interpreter runs it too), then runs the same online softmax on fp32 operands. The indexer
+keeps its own bf16/fp16/fp32 index-key pool (upstream's 132-byte FP8 index-K cache is not
+built).
 
 Limits: ``BLOCK_* >= 16`` (``tl.dot``); fp32 partials.
 """
@@ -33,119 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton._attn_kernels import _attend_tile, _merge_kernel, _softmax_update
+from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
+from ...kernels.merge import merge_kernel
+from ...kernels.tiles import dot_args, load_q
+from ...util import next_pow2
 
 MAX_SPLITS = 8
-
-
-# --- FP8 pools (``backends/_fp8_kv``): byte loads dequantized with integer/float ops -------
-# The e4m3 codes are decoded arithmetically (no ``tl.float8e4nv`` bitcast), so the same code
-# runs on a GPU and under TRITON_INTERPRET=1; fp32 scales and bf16 RoPE values are assembled
-# from their little-endian bytes and bitcast.
-
-
-@triton.jit
-def _e4m3_to_f32(b):
-    """uint8 e4m3fn codes (as int32) → float32: sign, 4-bit exponent (bias 7), 3-bit mantissa;
-    exponent 0 is subnormal (``m * 2^-9``), ``0x7F``/``0xFF`` are NaN."""
-    e = (b >> 3) & 15
-    m = (b & 7).to(tl.float32)
-    mag = (tl.where(e > 0, 8.0, 0.0) + m) * tl.exp2((tl.maximum(e, 1) - 10).to(tl.float32))
-    val = tl.where((b & 128) != 0, -mag, mag)
-    return tl.where((b & 127) == 127, float("nan"), val)
-
-
-@triton.jit
-def _fp8_offsets(slot, page_size, FMT: tl.constexpr, D_NOPE: tl.constexpr,
-                 D_ROPE: tl.constexpr, NUM_TILES: tl.constexpr):
-    """Byte offsets ``(nope, scale, rope)`` of tokens ``slot [BLOCK_N]`` (int64) in a pool of
-    layout FMT (1 = fp8_ds_mla, inline fp32 scales; 2 = fp8_ds_v4, page-blocked ue8m0)."""
-    if FMT == 1:
-        nope = slot * (D_NOPE + 4 * NUM_TILES + 2 * D_ROPE)
-        scale = nope + D_NOPE
-        rope = scale + 4 * NUM_TILES
-    else:
-        row = D_NOPE + 2 * D_ROPE
-        page = slot // page_size
-        within = slot - page * page_size
-        base = page * page_size * (row + NUM_TILES + 1)
-        nope = base + within * row
-        scale = base + page_size * row + within * (NUM_TILES + 1)
-        rope = nope + D_NOPE
-    return nope, scale, rope
-
-
-@triton.jit
-def _fp8_load(Pool, nope_off, scale_off, rope_off, key_ok, cols, col_ok,
-              FMT: tl.constexpr, D_NOPE: tl.constexpr, TILE: tl.constexpr):
-    """Dequantized values ``[BLOCK_N, len(cols)]`` fp32 of vector columns ``cols`` (``< D_NOPE``:
-    e4m3 * block scale; above: the bf16 RoPE part); 0 where masked."""
-    is_nope = col_ok & (cols < D_NOPE)
-    is_rope = col_ok & (cols >= D_NOPE)
-    mn = key_ok[:, None] & is_nope[None, :]
-    mr = key_ok[:, None] & is_rope[None, :]
-    b = tl.load(Pool + nope_off[:, None] + cols[None, :], mask=mn, other=0).to(tl.int32)
-    tile = cols // TILE
-    if FMT == 1:
-        sp = Pool + scale_off[:, None] + 4 * tile[None, :]
-        bits = tl.load(sp, mask=mn, other=0).to(tl.uint32)
-        bits |= tl.load(sp + 1, mask=mn, other=0).to(tl.uint32) << 8
-        bits |= tl.load(sp + 2, mask=mn, other=0).to(tl.uint32) << 16
-        bits |= tl.load(sp + 3, mask=mn, other=0).to(tl.uint32) << 24
-        scale = bits.to(tl.float32, bitcast=True)
-    else:
-        e = tl.load(Pool + scale_off[:, None] + tile[None, :], mask=mn, other=127)
-        scale = tl.exp2(e.to(tl.float32) - 127.0)
-    nope = _e4m3_to_f32(b) * scale
-    rp = Pool + rope_off[:, None] + 2 * (cols[None, :] - D_NOPE)
-    lo = tl.load(rp, mask=mr, other=0).to(tl.uint32)
-    hi = tl.load(rp + 1, mask=mr, other=0).to(tl.uint32)
-    rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
-    return tl.where(is_nope[None, :], nope, tl.where(is_rope[None, :], rope, 0.0))
-
-
-@triton.jit
-def _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Pool, page_size, sm_scale,
-                     logit_cap, D_MAIN: tl.constexpr, D_PE: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, FMT: tl.constexpr,
-                     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
-                     USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``_attend_tile`` over an FP8 pool (fp32 operands; ``q``/``qpe`` already fp32): keys
-    are vector columns ``[0, D_MAIN)`` (+ ``[D_MAIN, D_MAIN + D_PE)`` scored by ``qpe``),
-    values are columns ``[0, D_MAIN)``."""
-    nope_off, scale_off, rope_off = _fp8_offsets(slot, page_size, FMT, D_NOPE, D_ROPE,
-                                                 D_NOPE // TILE)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _fp8_load(Pool, nope_off, scale_off, rope_off, key_ok, offs_d, offs_d < D_MAIN,
-                  FMT, D_NOPE, TILE)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        kpe = _fp8_load(Pool, nope_off, scale_off, rope_off, key_ok, D_MAIN + offs_pe,
-                        offs_pe < D_PE, FMT, D_NOPE, TILE)
-        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
-    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
-    acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=DOT_PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _latent_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
-                 logit_cap, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DPE: tl.constexpr, FMT: tl.constexpr, D_NOPE: tl.constexpr,
-                 D_ROPE: tl.constexpr, TILE: tl.constexpr, USE_CAP: tl.constexpr,
-                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """One key tile of the latent pool in its layout: plain rows (``FMT == 0``, the triton
-    backend's ``_attend_tile``, V = the first D_MAIN columns) or an FP8 byte layout."""
-    if FMT == 0:
-        rows = Kv + slot * stride_ks
-        return _attend_tile(acc, m_i, l_i, q, qpe, rows, rows, key_ok, vis, sm_scale,
-                            logit_cap, D_MAIN, D_PE, D_MAIN, BLOCK_D, BLOCK_DPE, BLOCK_D, True,
-                            USE_CAP, DOT_PREC, DOT_F32)
-    else:
-        return _fp8_attend_tile(acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, page_size,
-                                sm_scale, logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT,
-                                D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC)
 
 
 @triton.jit
@@ -208,19 +102,9 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
     split = tl.program_id(2)
     head = hb * BLOCK_M + tl.arange(0, BLOCK_M)
     head_ok = head < NUM_HEADS
-    q_base = Q + r * stride_qt + head[:, None] * stride_qh
+    q, qpe = load_q(Q + r * stride_qt + head[:, None] * stride_qh, head_ok, D_MAIN, D_PE,
+                    BLOCK_D, BLOCK_DPE, DOT_F32 or FMT != 0)
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + offs_d[None, :], mask=head_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
-                      mask=head_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    else:
-        qpe = q
-    if DOT_F32 or FMT != 0:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -235,7 +119,7 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             key_ok = in_list & (slot >= 0)
             vis = key_ok[None, :] & head_ok[:, None]
             slot = tl.maximum(slot, 0).to(tl.int64)
-            acc, m_i, l_i = _latent_tile(
+            acc, m_i, l_i = latent_tile(
                 acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
                 logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
                 USE_CAP, DOT_PREC, DOT_F32)
@@ -245,7 +129,7 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             key_ok = e < HL
             slot = tl.load(Hist + r * stride_hist + e, mask=key_ok, other=0).to(tl.int64)
             vis = key_ok[None, :] & head_ok[:, None]
-            acc, m_i, l_i = _latent_tile(
+            acc, m_i, l_i = latent_tile(
                 acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
                 logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
                 USE_CAP, DOT_PREC, DOT_F32)
@@ -260,16 +144,6 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
 
 
 # --- launchers (run step: tensors only, graph-safe) -----------------------------------------
-
-
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(1, x)))
-
-
-def _dot_args(dtype: torch.dtype, device: torch.device) -> dict:
-    interp = device.type == "cpu"  # the Triton CPU interpreter
-    return dict(DOT_PREC="ieee" if dtype == torch.float32 or interp else "tf32",
-                DOT_F32=interp)
 
 
 def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_pool: torch.Tensor,
@@ -287,8 +161,8 @@ def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_pool:
         index_q, index_weights, index_pool, scores, req_to_token, row_meta, group_meta,
         index_q.stride(0), index_q.stride(1), index_weights.stride(0), index_pool.stride(0),
         scores.stride(0), req_to_token.stride(0), width, nh, d,
-        BLOCK_H=_pow2(nh), BLOCK_D=_pow2(d), BLOCK_N=block_n,
-        **_dot_args(index_q.dtype, index_q.device), num_warps=4)
+        BLOCK_H=next_pow2(nh, 16), BLOCK_D=next_pow2(d, 16), BLOCK_N=block_n,
+        **dot_args(index_q.dtype, index_q.device), num_warps=4)
     return scores
 
 
@@ -298,20 +172,13 @@ def choose_num_splits(sel_width: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(sel_width, per)))
 
 
-def fp8_args(layout) -> dict:
-    """The FP8 constexprs of a pool layout (``backends/_fp8_kv.KVLayout`` or None = plain)."""
-    if layout is None:
-        return dict(FMT=0, D_NOPE=0, D_ROPE=0, TILE=1)
-    return dict(FMT=layout.fmt, D_NOPE=layout.d_nope, D_ROPE=layout.d_rope, TILE=layout.tile)
-
-
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist: torch.Tensor,
                hl: int, kv_lora_rank: int, num_splits: int,
                mid: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                layout=None) -> torch.Tensor:
     """Sparse MLA + merge. q: ``[rows, H, R + rope]`` → ``[rows, H, R]`` in ``q.dtype``.
 
-    kv: the latent pool ``[slots, R + rope]``, or with ``layout`` (``_fp8_kv.KVLayout``) its
+    kv: the latent pool ``[slots, R + rope]``, or with ``layout`` (``kv_layouts.KVLayout``) its
     uint8 FP8 pool ``[slots, bytes_per_token]`` (dequantized in the kernel). sel: ``[rows, W]``
     int32 slots (``-1`` = none); hist: ``[rows, hl]`` int32; mid: flat fp32 scratch ``(o,
     lse)`` to reuse (fixed CUDA-graph buffers), else allocated."""
@@ -327,11 +194,8 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
     out = torch.empty(rows, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out
-    block_d = _pow2(kv_lora_rank)
-    block_m = min(_pow2(heads), 16 if block_d >= 256 else 32)
-    block_n = 32 if block_d >= 256 else 64
-    if layout is not None and block_d >= 256 and q.device.type != "cpu":
-        block_n = 16  # fp32 key tiles after dequantization: keep the registers in bounds
+    block_d, block_m, block_n, warps = head_tile_sizes(kv_lora_rank, heads, layout is not None,
+                                                       q.device)
     sel_width = sel.shape[1]
     split_len = triton.cdiv(triton.cdiv(max(1, sel_width), num_splits), block_n) * block_n
     grid = (rows, triton.cdiv(heads, block_m), parts)
@@ -341,13 +205,13 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
         q.stride(0), q.stride(1), kv.stride(0), sel.stride(0),
         hist.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), heads, num_splits,
-        D_MAIN=kv_lora_rank, D_PE=rope, BLOCK_D=block_d, BLOCK_DPE=_pow2(rope),
+        D_MAIN=kv_lora_rank, D_PE=rope, BLOCK_D=block_d, BLOCK_DPE=next_pow2(rope, 16),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_CAP=layer.logit_cap > 0,
-        **_dot_args(q.dtype, q.device), **fp8_args(layout),
-        num_warps=4 if block_d <= 128 else 8, num_stages=2)
-    _merge_kernel[(rows, heads)](
+        **dot_args(q.dtype, q.device), **fp8_args(layout),
+        num_warps=warps, num_stages=2)
+    merge_kernel[(rows, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=kv_lora_rank,
+        NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=kv_lora_rank,
         BLOCK_DV=block_d, num_warps=4 if kv_lora_rank >= 256 else 2)
     return out

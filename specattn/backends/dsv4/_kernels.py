@@ -8,8 +8,8 @@ logical key ``x < prefix_len`` is ``req_to_token[rpi, x]``, key ``x >= prefix_le
 normalised output by ``1 / (1 + exp(sink_h - lse_h))`` (natural-log LSE).
 
 FP8 pools (``kv_cache_dtype="fp8_ds_v4"``, V4's page-blocked 584-byte layout in
-``backends/_fp8_kv``): each key tile is loaded as bytes (e4m3 codes with ue8m0 block exponents,
-then the bf16 RoPE tail) and dequantized in registers by the ``dsa`` kernels' ``_fp8_load``
+``specattn.kv_layouts``): each key tile is loaded as bytes (e4m3 codes with ue8m0 block exponents,
+then the bf16 RoPE tail) and dequantized in registers by the ``dsa`` kernels' ``fp8_load``
 (integer/float ops, interpreter-safe); the whole ``D`` vector (e4m3 part and RoPE part) is
 both key and value.
 
@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dsa._kernels import _latent_tile, fp8_args
-from ..torch_ref_sparse import window_key_pool
+from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
+from ...kernels.tiles import dot_args, load_q
+from ...sink_window import window_key_pool
 
 
 @triton.jit
@@ -52,10 +53,8 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
     head_ok = head < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32 or FMT != 0:
-        q = q.to(tl.float32)
+    q, _ = load_q(Q + r * stride_qt + head[:, None] * stride_qh, head_ok, D, 0, BLOCK_D, 16,
+                  DOT_F32 or FMT != 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -71,7 +70,7 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
                         mask=key_ok & (x >= prefix_len), other=0)
         slot = tl.where(in_prefix, s_pre, s_his).to(tl.int64)
         vis = key_ok[None, :] & head_ok[:, None]
-        acc, m_i, l_i = _latent_tile(
+        acc, m_i, l_i = latent_tile(
             acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, stride_ps, page_size, sm_scale,
             logit_cap, D, 0, BLOCK_D, 16, FMT, D_NOPE, D_ROPE, TILE, USE_CAP, DOT_PREC,
             DOT_F32)
@@ -89,10 +88,6 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
              o.to(Out.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
 
 
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(1, x)))
-
-
 def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: torch.Tensor,
                      hl: int, window: int, sink: Optional[torch.Tensor]) -> torch.Tensor:
     """Run step (graph-safe: launches only). q: ``[rows, H, D]`` → ``[rows, H, D]``.
@@ -105,12 +100,8 @@ def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: t
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    interp = q.device.type == "cpu"  # the Triton CPU interpreter
-    block_d = _pow2(dim)
-    block_m = min(_pow2(heads), 16 if block_d >= 256 else 32)
-    block_n = 32 if block_d >= 256 else 64
-    if layout is not None and block_d >= 256 and not interp:
-        block_n = 16  # fp32 key tiles after dequantization: keep the registers in bounds
+    block_d, block_m, block_n, warps = head_tile_sizes(dim, heads, layout is not None,
+                                                       q.device)
     grid = (rows, triton.cdiv(heads, block_m))
     _window_kernel[grid](
         q, pool, out, runner.req_to_token, meta, hist, sink if sink is not None else q,
@@ -120,7 +111,5 @@ def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: t
         runner.req_to_token.stride(0), hist.stride(0), heads,
         D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SINK=sink is not None, USE_CAP=layer.logit_cap > 0,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or interp else "tf32", DOT_F32=interp,
-        **fp8_args(layout),
-        num_warps=4 if block_d <= 128 else 8, num_stages=2)
+        **dot_args(q.dtype, q.device), **fp8_args(layout), num_warps=warps, num_stages=2)
     return out

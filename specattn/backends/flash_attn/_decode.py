@@ -9,9 +9,9 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   *history pass*: each lane one query over its ``n`` history slots, through a page-size-1
   view of the pool (``page_table[z] = `` the lane's slots, ``seqused_k = n``).
 - ``K == 1``, or ``per-branch`` mode (upstream's design; also the auto route for small
-  batches with short prefixes): one pass per step, each lane one query over a page-size-1 table ``[prefix slots | history slots]``
-  (``seqused_k = L_b + n``). Page-size-1 because the history slots need not continue the
-  prefix's pages.
+  batches with short prefixes): one pass per step, each lane one query over a page-size-1
+  table ``[prefix slots | history slots]`` (``seqused_k = L_b + n``). Page-size-1 because
+  the history slots need not continue the prefix's pages.
 - ``split_prefix = C > 1``: FA4 has no split-KV on sm90, so small batches with long
   prefixes leave SMs idle. The prefix pass then runs each request's prefix as ``C`` chunks of
   whole pages, each chunk an extra "request" with the request's ``K`` query rows (``q``
@@ -22,9 +22,10 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   so one captured graph keeps its route); a route other than ``shared`` is logged once.
 
 History + merge: where Triton runs (a CUDA GPU, or the CPU interpreter), the history pass and
-the LSE merge are one Triton kernel (``_fused.history_merge``) reading the prefix pass's
-output and head-major LSE in place; elsewhere (MUSA) the history is a second FlashAttention
-call and the merge is ``merge_states`` in torch.
+the LSE merge are one Triton kernel (``specattn.kernels.history_merge``, shared with
+``flashinfer`` and ``flashmla``) reading the prefix pass's output and head-major LSE in
+place; elsewhere (MUSA) the history is a second FlashAttention call and the merge is
+``kernels.lse.merge_states`` in torch.
 
 Metadata (``init_forward_metadata``): device ops only, no host sync, for all steps at once.
 The tables are full width (``max_context_len``), so one table serves every step: step ``i``
@@ -32,10 +33,10 @@ differs only in its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode re
 history columns from ``parents`` at the start of each step (device ops, graph-safe).
 
 CUDA graphs: ``init_cuda_graph_state(max_bs, ...)``; the buffers of each route a captured
-batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and replay refill them in place (replay pads the
-batch to the captured size with request 0, ``seq_lens = 1`` and slot 0), so a captured graph
-reads the same addresses every replay. ``path`` mode reads the ``parents`` tensor given at
-capture; a replay batch's own tensor is copied into it.
+batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and
+replay refill them in place (the base class pads a replayed batch to the captured size and
+keeps the ``parents`` tensor given at capture), so a captured graph reads the same addresses
+every replay.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ import torch
 
 from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
+from ...kernels.lse import merge_states
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
-from ...validation import check_decode_batch, check_decode_forward, check_parents_step
-from ._fused import fused_available, history_merge
-from ._kernels import merge_states, resolve_kernel
-from ._route import choose_route, device_sm_count
-from ._tables import ceil_div, check_page_aligned, paged_pools
+from ...util import ceil_div, sm_count, triton_runs
+from ._library import resolve_kernel
+from ._route import choose_route
+from ._tables import check_page_aligned, paged_pools
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
@@ -63,7 +64,6 @@ MODES = ("auto", "shared", "per-branch")
 class _Buffers:
     """Every per-round tensor, sized for ``bs`` requests (fixed under CUDA graphs).
 
-    loc: ``[bs, K, S]`` int64 draft slots. seq: ``[bs]`` int32 ``L_b``.
     cu_req: ``[bs*C + 1]`` int32, ``K`` rows per (chunk of a) request; cu_lane: ``[N + 1]``.
     Two-pass: prefix_pt ``[bs, C * cp]`` int32 page ids (chunk ``c`` = columns
     ``c*cp : (c+1)*cp``), chunk_used ``[bs * C]``, hist_pt ``[N, S]`` slots,
@@ -77,8 +77,6 @@ class _Buffers:
         lanes = bs * topk
         self.bs = bs
         self.chunks = chunks
-        self.loc = torch.zeros(bs, topk, steps, dtype=torch.int64, device=device)
-        self.seq = torch.zeros(bs, **i32)
         self.cu_req = torch.arange(bs * chunks + 1, **i32) * topk
         self.cu_lane = torch.arange(lanes + 1, **i32)
         self.two_pass = two_pass
@@ -122,19 +120,16 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         self.kernel = resolve_kernel(self.library, current_platform(), type(self).name)
         self.mode = mode
         self.chunks = split_prefix
-        can_fuse = fused_available(runner.device)
+        can_fuse = triton_runs(runner.device)
         if fused_merge and not can_fuse:
             raise InvalidInputError("fused_merge", "False or None here (Triton cannot run on "
                                     f"{runner.device})", fused_merge)
         self.fused = can_fuse if fused_merge is None else fused_merge
         self._bufs: dict = {}  # route -> _Buffers (eager rounds)
-        self._graph_bufs: Optional[dict] = None  # route -> _Buffers for cuda_graph_max_bs
+        self._graph_bufs: dict = {}  # route -> _Buffers for cuda_graph_max_bs
         self._active: Optional[_Buffers] = None
         self._route = self._fixed_route()
         self._logged_routes: set = set()
-        self._bs = 0
-        self._batch = None
-        self._captured_parents: Optional[torch.Tensor] = None
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -149,7 +144,7 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             return self._fixed_route()
         r = self.runner
         route = choose_route(bs=bs, topk=self.topk, prefix_len=r.max_context_len,
-                             num_kv_heads=r.num_kv_heads, num_sms=device_sm_count(r.device),
+                             num_kv_heads=r.num_kv_heads, num_sms=sm_count(r.device),
                              head_dim=r.head_dim)
         if route != ("shared", 1) and route not in self._logged_routes:
             self._logged_routes.add(route)
@@ -171,27 +166,24 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
 
     # --- metadata ----------------------------------------------------------------------------
 
-    def init_forward_metadata(self, batch) -> None:
+    def _plan(self, batch) -> None:
         """Fill this round's tables on the device (no host sync on a GPU)."""
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
         bs = batch.batch_size
         route = self.route_for(bs)
         bufs = self._bufs.get(route)
         if bufs is None or bufs.bs < bs:
             bufs = self._bufs[route] = self._new_buffers(bs, route)
-        self._fill(bufs, route, batch, bs, batch.req_pool_indices, batch.seq_lens,
-                   batch.out_cache_loc)
+        self._fill(bufs, route, batch)
 
-    def _fill(self, bufs: _Buffers, route: tuple, batch, bs: int, rpi: torch.Tensor,
-              seq: torch.Tensor, loc: torch.Tensor) -> None:
+    def _fill(self, bufs: _Buffers, route: tuple, batch) -> None:
+        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
+        bs = batch.batch_size
         two_pass, chunks = self._two_pass(route), route[1]
         if two_pass:
             check_page_aligned(self.runner, rpi, seq, "prefixes")
         k, s, p = self.topk, self.num_steps, self.page_size
         lanes = bs * k
         r2t = self.runner.req_to_token
-        bufs.loc[:bs].copy_(loc)
-        bufs.seq[:bs].copy_(seq)
         if two_pass:
             width = bufs.prefix_pt.shape[1]
             bufs.prefix_pt[:bs].copy_(prefix_page_table(r2t, rpi, seq, p, max_pages=width))
@@ -212,23 +204,16 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             table.scatter_(1, cols, loc.reshape(lanes, s).to(torch.int32))
             bufs.full_used[:, :lanes].copy_(
                 lane_len[None, :] + torch.arange(1, s + 1, device=seq.device)[:, None])
-        self._active, self._route, self._bs, self._batch = bufs, route, bs, batch
+        self._active, self._route = bufs, route
 
     # --- forward -----------------------------------------------------------------------------
 
-    def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        bufs = self._active
-        self._require_metadata(bufs)
-        bs, lanes = self._bs, self._bs * self.topk
-        check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
-        if self.tree_mode == "path":
-            check_parents_step(self._batch, step, self.topk)
-        loc = bufs.loc[:bs]
-        self.runner.write_kv(layer.layer_id, loc[:, :, step].reshape(-1), k, v)
+        bufs, bs, lanes = self._active, self.batch.batch_size, self.num_lanes
         two_pass = self.two_pass
         if self.tree_mode == "path" and self.topk > 1:
-            self._refresh_path(bufs, loc, step, two_pass)
+            self._refresh_path(bufs, step, two_pass)
         q = q if q.is_contiguous() else q.contiguous()
         common = dict(scale=float(layer.scaling), softcap=float(layer.logit_cap))
         if not two_pass:
@@ -240,10 +225,13 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             return o
         o_p, lse_p = self.prefix_pass(bufs, bs, layer.layer_id, q, common)
         if self.fused:
+            from ...kernels.history_merge import history_merge
+
             lid = layer.layer_id
             return history_merge(q, self.runner.k_buffer[lid], self.runner.v_buffer[lid],
-                                 bufs.hist_pt, step + 1, o_p, lse_p, topk=self.topk,
-                                 chunks=bufs.chunks, **common)
+                                 bufs.hist_pt[:lanes, :step + 1], o_p, lse_p,
+                                 common["scale"], common["softcap"], lse_base="e",
+                                 chunks=bufs.chunks, topk=self.topk, inf_is_empty=True)
         k1, v1 = paged_pools(self.runner, layer.layer_id, 1)
         o_h, lse_h = self.kernel(q, k1, v1, page_table=bufs.hist_pt[:lanes],
                                  seqused=bufs.hist_used[step, :lanes],
@@ -277,71 +265,27 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         return ([o[:, i].reshape(lanes, *o.shape[3:]) for i in range(c)],
                 [lse[:, i].reshape(lanes, -1) for i in range(c)])
 
-    def _refresh_path(self, bufs: _Buffers, loc: torch.Tensor, step: int,
-                      two_pass: bool) -> None:
+    def _refresh_path(self, bufs: _Buffers, step: int, two_pass: bool) -> None:
         """Rewrite step ``step``'s history columns from ``parents`` (device ops)."""
-        graph = self._graph_bufs is not None and bufs in self._graph_bufs.values()
-        parents = self._captured_parents if graph else None
-        parents = self._batch.parents if parents is None else parents
-        lanes = self._bs * self.topk
-        hist = path_history_slots(loc, parents, step).reshape(lanes, step + 1)
-        hist = hist.to(torch.int32)
+        batch, lanes = self.batch, self.num_lanes
+        hist = path_history_slots(batch.out_cache_loc, batch.parents, step)
+        hist = hist.reshape(lanes, step + 1).to(torch.int32)
         if two_pass:
             bufs.hist_pt[:lanes, :step + 1].copy_(hist)
         else:
-            cols = bufs.lane_len[:lanes, None] + torch.arange(step + 1, device=loc.device)
+            cols = bufs.lane_len[:lanes, None] + torch.arange(step + 1, device=hist.device)
             bufs.full_pt[:lanes].scatter_(1, cols, hist)
 
     # --- CUDA graphs -------------------------------------------------------------------------
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes), one set per
-        route the captured sizes take (made at capture, reused by every replay)."""
-        if not isinstance(max_bs, int) or max_bs < 1:
-            raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """One set of fixed buffers per route the captured sizes take (made at capture,
+        reused by every replay), each for ``max_bs`` requests / ``max_bs * topk`` lanes."""
         self._graph_bufs = {}
-        self._captured_parents = None
 
-    def _graph_state(self, bs: int) -> tuple:
-        self._require_graph_state(self._graph_bufs is not None)
-        route = self.route_for(bs)
+    def _plan_graph(self, batch, *, capture: bool) -> None:
+        route = self.route_for(batch.batch_size)  # the captured size's route
         bufs = self._graph_bufs.get(route)
         if bufs is None:
             bufs = self._graph_bufs[route] = self._new_buffers(self.cuda_graph_max_bs, route)
-        return bufs, route
-
-    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        self._require_graph_state(self._graph_bufs is not None)
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
-                           max_bs=self.cuda_graph_max_bs)
-        bufs, route = self._graph_state(batch.batch_size)
-        self._captured_parents = batch.parents if self.tree_mode == "path" else None
-        self._fill(bufs, route, batch, batch.batch_size, batch.req_pool_indices,
-                   batch.seq_lens, batch.out_cache_loc)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
-        """Refill the fixed buffers; a batch of fewer than ``bs`` requests is padded."""
-        self._require_graph_state(self._graph_bufs is not None)
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
-                           max_bs=self.cuda_graph_max_bs)
-        raw = batch.batch_size
-        if not isinstance(bs, int) or not raw <= bs <= self.cuda_graph_max_bs:
-            raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] "
-                                    "(the captured batch size)", repr(bs))
-        bufs, route = self._graph_state(bs)  # the captured size's route
-        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        if raw < bs:
-            pad = bs - raw
-            rpi = torch.cat([rpi, rpi.new_zeros(pad)])
-            seq = torch.cat([seq, seq.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
-            loc = torch.cat([loc, loc.new_zeros((pad,) + tuple(loc.shape[1:]))])
-        captured = self._captured_parents
-        if self.tree_mode == "path" and captured is not None and (
-                batch.parents.data_ptr() != captured.data_ptr()):
-            # The graph reads `parents` live; a replay batch's own tensor is copied in.
-            if raw > captured.shape[1]:
-                raise InvalidInputError("batch.parents", "at most the captured batch size",
-                                        f"{raw} requests")
-            captured[:, :raw].copy_(batch.parents)
-        self._fill(bufs, route, batch, bs, rpi, seq, loc)
+        self._fill(bufs, route, batch)

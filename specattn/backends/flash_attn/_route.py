@@ -26,12 +26,11 @@ change between replays of one captured graph.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
-import torch
+from ...util import ceil_div
 
-__all__ = ["Route", "choose_route", "route_cost", "SPLITS", "device_sm_count"]
+__all__ = ["Route", "choose_route", "route_cost", "SPLITS"]
 
 T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), us
 T_BW_US = 0.016  # the same key at the chip's copy bandwidth per SM (512 B / (4.25 TB/s/132))
@@ -43,7 +42,7 @@ Route = tuple
 
 
 def _pass_us(ctas: int, keys: int, sms: int, scale: float) -> float:
-    waves = -(-ctas // sms)
+    waves = ceil_div(ctas, sms)
     return max(waves * keys * T_CTA_US, ctas / sms * keys * T_BW_US) * scale
 
 
@@ -55,7 +54,7 @@ def route_cost(route: Route, *, bs: int, topk: int, prefix_len: int, num_kv_head
     scale = head_dim / 128
     if mode == "per-branch":
         return _pass_us(bs * topk * num_kv_heads, prefix_len, num_sms, scale)
-    keys = -(-prefix_len // chunks)
+    keys = ceil_div(prefix_len, chunks)
     cost = _pass_us(bs * chunks * num_kv_heads, keys, num_sms, scale)
     if chunks > 1:
         return cost + HIST_US + COPY_US
@@ -78,14 +77,3 @@ def choose_route(*, bs: int, topk: int, prefix_len: int, num_kv_heads: int,
     # min keeps the first of equal costs: shared before split before per-branch.
     return min(options, key=lambda r: route_cost(r, **kw))
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> Optional[int]:
-    """SMs of a CUDA device; None elsewhere (routing then keeps ``shared``)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -12,16 +12,13 @@ import torch
 
 from ...errors import InvalidInputError
 from ...metadata import prefix_page_table, prefix_token_slots
+from ...util import ceil_div
 from ...validation import debug_checks_enabled
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
 
-__all__ = ["paged_pools", "check_page_aligned", "ceil_div"]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["paged_pools", "check_page_aligned"]
 
 
 def paged_pools(runner: "DraftRunner", layer_id: int,

@@ -4,8 +4,9 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
 
 - ``shared`` mode, ``K > 1``: a *prefix* pass (FlashInfer) attends the ``K`` query rows of
   each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
-  times); one Triton kernel (``backends/_history_merge.py``) then attends each lane to its
-  ``n`` history slots and merges with the prefix result by its base-2 LSE. The prefix pass
+  times); one Triton kernel then attends each lane to its
+  ``n`` history slots and merges with the prefix result by its base-2 LSE
+  (``specattn.kernels.history_merge``). The prefix pass
   is planned once per round and serves every step (its KV set does not change within a
   round); the history kernel needs no plan (it reads the slots from ``out_cache_loc`` /
   ``parents`` on the device).
@@ -35,7 +36,6 @@ write and read slot 0 (``out_cache_loc`` padded with 0), like upstream's padding
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -43,18 +43,10 @@ import torch
 from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
 from ...metadata import path_history_slots
-from ...validation import check_decode_batch, check_decode_forward, check_parents_step
-from .._history_merge import history_merge
-from ._passes import Params, Pass
+from ._passes import Params, Pass, captured, capturing, replan
 from ._slots import fill_ragged_slots, history_positions, host_indptr
 
-log = logging.getLogger("specattn.backends.flashinfer")
-
 MODES = ("shared", "per-branch")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _Round:
@@ -66,7 +58,6 @@ class _Round:
         self.planned = [False] * len(steps)
         self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
         self.rows = self.plen = self.seq_host = None
-        self.parents: Optional[torch.Tensor] = None  # graph: the captured parents tensor
         self.bs = 0
 
 
@@ -88,10 +79,6 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self._eager: Optional[_Round] = None
         self._graphs: dict[int, _Round] = {}
         self._active: Optional[_Round] = None
-        self._batch = None
-        self._loc: Optional[torch.Tensor] = None
-        self._parents: Optional[torch.Tensor] = None
-        self._graph_loc: Optional[torch.Tensor] = None
         self._graph_caps: Optional[tuple[int, int]] = None
 
     # --- flavour hooks -----------------------------------------------------------------------
@@ -128,11 +115,9 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
                  else self._new_pass("full", None, 0) for i in range(self.num_steps)]
         return _Round(None, steps)
 
-    def init_forward_metadata(self, batch) -> None:
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch)
+    def _plan(self, batch) -> None:
         if self._eager is None:
             self._eager = self._new_round()
-        self._batch, self._loc, self._parents = batch, batch.out_cache_loc, batch.parents
         self._prepare(self._eager, batch.req_pool_indices, batch.seq_lens)
 
     def _prepare(self, rnd: _Round, rpi: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -162,7 +147,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         n = step + 1
         lanes = rnd.bs * self.topk
         # Lane histories; in path mode a placeholder until forward() reads `parents`.
-        hist = self._loc[:, :, :n].reshape(lanes, n)
+        hist = self.batch.out_cache_loc[:, :, :n].reshape(lanes, n)
         p = rnd.steps[step]
         total = int(rnd.seq_host.sum()) + lanes * n
         fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
@@ -180,25 +165,21 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
 
     # --- forward -----------------------------------------------------------------------------
 
-    def forward(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
+    def _kernel_writes_kv(self) -> bool:
+        # The shared path's history kernel stores the new KV itself (plain pools only).
+        return self.shared and self.runner.kv_layout is None
+
+    def _attend(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         rnd = self._active
-        self._require_metadata(rnd)
         lanes = rnd.bs * self.topk
-        check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
-        if self.tree_mode == "path":
-            check_parents_step(self._batch, step, self.topk)
         self._sync_params(rnd, layer)
         if not self.shared and not rnd.planned[step]:
-            if _capturing():
+            if capturing():
                 raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
                                         "graph capture (the serving loop runs steps "
                                         "0 .. num_steps-2)", step)
             self._plan_step(rnd, step)
-        # The shared path's history kernel stores the new KV itself (plain pools only).
-        fuse_write = self.shared and getattr(self.runner, "kv_layout", None) is None
-        if not fuse_write:
-            self.runner.write_kv(layer.layer_id, self._loc[:, :, step].reshape(-1), k, v)
         q = q if q.is_contiguous() else q.contiguous()
         if not self.shared:
             if self._needs_path_refresh:
@@ -207,97 +188,44 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
             return o
         o_p, lse_p = rnd.prefix.run(q, layer.layer_id)
         k_pool, v_pool = self._history_pools(layer.layer_id)
+        new_kv = dict(k_new=k, v_new=v) if self._kernel_writes_kv() else {}
+        from ...kernels.history_merge import history_merge
+
         return history_merge(q, k_pool, v_pool, self._history(step, lanes), o_p, lse_p,
-                             self.params.scale, self.params.cap, k_new=k, v_new=v)
+                             self.params.scale, self.params.cap, **new_kv)
 
     def _history(self, step: int, lanes: int) -> torch.Tensor:
         """``[lanes, step + 1]`` history slots of every lane (device ops, graph-safe)."""
+        loc = self.batch.out_cache_loc
         if self._needs_path_refresh:
-            return path_history_slots(self._loc, self._parents, step).reshape(lanes, step + 1)
-        return self._loc[:, :, :step + 1].reshape(lanes, step + 1)
+            return path_history_slots(loc, self.batch.parents, step).reshape(lanes, step + 1)
+        return loc[:, :, :step + 1].reshape(lanes, step + 1)
 
     def _refresh_path(self, rnd: _Round, step: int) -> None:
         """Rewrite step ``step``'s history slots in its full pass from ``parents`` (device
         ops, graph-safe)."""
-        hist = path_history_slots(self._loc, self._parents, step).reshape(-1).to(torch.int32)
+        hist = path_history_slots(self.batch.out_cache_loc, self.batch.parents, step)
+        hist = hist.reshape(-1).to(torch.int32)
         rnd.steps[step].indices.index_copy_(0, rnd.hist_pos[step], hist)
 
     def _sync_params(self, rnd: _Round, layer) -> None:
         want = self._check_layer_params(layer)
-        if want == self.params:
-            return
-        if _capturing():
-            raise InvalidInputError(
-                "layer", f"scaling={self.params.scale} and logit_cap={self.params.cap} "
-                "under CUDA graph capture (FlashInfer plans them; run one eager round or the "
-                "warm-up first)", f"scaling={want.scale}, logit_cap={want.cap}")
-        log.debug("re-planning for scaling=%s logit_cap=%s", want.scale, want.cap)
-        self.params = want
-        for p, done in zip(rnd.steps, rnd.planned):
-            if done:
-                p.replan(want)
-        if rnd.prefix is not None:
-            rnd.prefix.replan(want)
+        if want != self.params:
+            planned = [p for p, done in zip(rnd.steps, rnd.planned) if done]
+            replan(planned + ([rnd.prefix] if rnd.prefix is not None else []), self.params,
+                   want)
+            self.params = want
 
     # --- CUDA graphs -------------------------------------------------------------------------
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
-        if max_bs < 1:
-            raise InvalidInputError("max_bs", "an int >= 1", max_bs)
-        self.cuda_graph_max_bs = max_bs
-        k, s, ctx = self.topk, self.num_steps, self.runner.max_context_len
-        lanes = max_bs * k
-        self._graph_caps = (max_bs * ctx, lanes * (ctx + s))  # prefix, full pass
-        self._graph_loc = torch.zeros(max_bs, k, s, dtype=torch.int64,
-                                      device=self.runner.device)
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """Pass capacities for up to ``max_bs`` requests (``max_bs * topk`` lanes); the passes
+        of each captured batch size are made at capture."""
+        ctx = self.runner.max_context_len
+        self._graph_caps = (max_bs * ctx, max_bs * self.topk * (ctx + self.num_steps))
         self._graphs.clear()
 
-    def _graph_batch(self, batch, bs: int):
-        """Pad ``batch`` to ``bs`` requests into the fixed ``out_cache_loc`` buffer."""
-        check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
-                           max_bs=self.cuda_graph_max_bs)
-        raw = batch.batch_size
-        if raw > bs:
-            raise InvalidInputError("bs", f">= batch size {raw}", bs)
-        rpi, seq = batch.req_pool_indices, batch.seq_lens
-        if raw < bs:
-            pad = bs - raw
-            rpi = torch.cat([rpi, rpi.new_zeros(pad)])
-            seq = torch.cat([seq, seq.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
-        loc = self._graph_loc[:bs]
-        loc.zero_()
-        loc[:raw].copy_(batch.out_cache_loc)
-        self._batch, self._loc = batch, loc
-        return rpi, seq
-
-    def _graph_parents(self, rnd: _Round, batch) -> None:
-        """``path`` mode reads the ``parents`` tensor given at capture (the draft loop inside
-        the graph fills it); a replay batch's own tensor is copied into it."""
-        if batch.parents is None or self.tree_mode != "path":
-            return
-        if rnd.parents is None:
-            rnd.parents = batch.parents
-        elif batch.parents.data_ptr() != rnd.parents.data_ptr():
-            rnd.parents[:, :batch.batch_size].copy_(batch.parents)
-        self._parents = rnd.parents
-
-    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        if self._graph_caps is None:
-            raise RuntimeError(f"{type(self).name}: init_cuda_graph_state() first")
+    def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
-        rpi, seq = self._graph_batch(batch, bs)
-        rnd = self._graphs.get(bs)
-        if rnd is None:
-            rnd = self._graphs[bs] = self._new_round(graph_bs=bs)
-        rnd.parents = None
-        self._graph_parents(rnd, batch)
-        self._prepare(rnd, rpi, seq)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
-        rnd = self._graphs.get(bs)
-        if rnd is None:
-            raise InvalidInputError("bs", f"a captured batch size {sorted(self._graphs)}", bs)
-        rpi, seq = self._graph_batch(batch, bs)
-        self._graph_parents(rnd, batch)
-        self._prepare(rnd, rpi, seq)
+        rnd = captured(self._graphs, bs, capture, lambda: self._new_round(graph_bs=bs))
+        self._prepare(rnd, batch.req_pool_indices, batch.seq_lens)

@@ -17,16 +17,22 @@ Vendor imports happen only inside these functions.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
+from ...errors import InvalidInputError
+from ...util import sm_count
+
 if TYPE_CHECKING:
     from ...data import DraftRunner
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
-           "flashinfer_module"]
+           "flashinfer_module", "capturing", "captured", "replan"]
+
+log = logging.getLogger("specattn.backends.flashinfer")
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -37,6 +43,35 @@ def flashinfer_module():
     import flashinfer
 
     return flashinfer
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured (FlashInfer's plans are host code: none may run)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def replan(passes: list["Pass"], old: "Params", new: "Params") -> None:
+    """Re-plan ``passes`` for a layer whose softmax scale / soft cap (``new``) differ from
+    the planned ones (``old``): FlashInfer plans them. Eager only: a plan is host code."""
+    if capturing():
+        raise InvalidInputError(
+            "layer", f"scaling={old.scale} and logit_cap={old.cap} under CUDA graph capture "
+            "(FlashInfer plans them; run one eager call or the warm-up first)",
+            f"scaling={new.scale}, logit_cap={new.cap}")
+    log.debug("re-planning for scaling=%s logit_cap=%s", new.scale, new.cap)
+    for p in passes:
+        p.replan(new)
+
+
+def captured(table: dict, bs: int, capture: bool, make):
+    """The passes of captured batch size ``bs`` in ``table``: made by ``make()`` at capture;
+    a replay of a size that was never captured is an error."""
+    entry = table.get(bs)
+    if entry is None:
+        if not capture:
+            raise InvalidInputError("bs", f"a captured batch size {sorted(table)}", bs)
+        entry = table[bs] = make()
+    return entry
 
 
 def workspace(device: torch.device) -> torch.Tensor:
@@ -82,8 +117,6 @@ class Pass:
         """The indices buffer, grown (eager) to hold ``total`` entries."""
         if total > self.indices.numel():
             if self.graph:
-                from ...errors import InvalidInputError
-
                 raise InvalidInputError("batch", f"at most {self.indices.numel()} KV slots in "
                                         "this pass (init_cuda_graph_state sizes)", total)
             self.indices = torch.zeros(int(total * 1.25) + 1, dtype=torch.int32,
@@ -139,15 +172,23 @@ def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -
     kw = {}
     if rows:
         kw["uniform_q_len"] = rows
-    dev = torch.device(runner.device)
-    if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        if seqs * runner.num_kv_heads >= sms:
-            kw["disable_split_kv"] = True
+    sms = sm_count(runner.device)
+    if sms is not None and seqs * runner.num_kv_heads >= sms:
+        kw["disable_split_kv"] = True
     return kw
 
 
-class PrefillPass(Pass):
+class _MHAPass(Pass):
+    """A pass over the MHA token pools (NHD pages of one token)."""
+
+    def run(self, q: torch.Tensor, layer_id: int):
+        kv = _mha_kv(self.runner, layer_id)
+        if self.with_lse:
+            return self.wrapper.run(q, kv, return_lse=True)
+        return self.wrapper.run(q, kv), None
+
+
+class PrefillPass(_MHAPass):
     """``BatchPrefillWithPagedKVCacheWrapper``: any number of query rows per sequence
     (prefix pass with ``K`` rows per request; causal draft extend).
 
@@ -186,14 +227,8 @@ class PrefillPass(Pass):
                           logits_soft_cap=params.cap if params.cap > 0 else None,
                           q_data_type=r.dtype, kv_data_type=r.dtype, **extra)
 
-    def run(self, q: torch.Tensor, layer_id: int):
-        kv = _mha_kv(self.runner, layer_id)
-        if self.with_lse:
-            return self.wrapper.run(q, kv, return_lse=True)
-        return self.wrapper.run(q, kv), None
 
-
-class DecodePass(Pass):
+class DecodePass(_MHAPass):
     """``BatchDecodeWithPagedKVCacheWrapper`` on tensor cores: one query row per sequence
     (history pass, ``topk == 1`` and ``per-branch`` full sequences)."""
 
@@ -216,12 +251,6 @@ class DecodePass(Pass):
                           r.head_dim, 1, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
                           q_data_type=r.dtype, kv_data_type=r.dtype)
-
-    def run(self, q: torch.Tensor, layer_id: int):
-        kv = _mha_kv(self.runner, layer_id)
-        if self.with_lse:
-            return self.wrapper.run(q, kv, return_lse=True)
-        return self.wrapper.run(q, kv), None
 
 
 class MLAPass(Pass):

@@ -41,6 +41,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...kernels.latent import load_latent
+from ...kernels.merge import arrived_last, merge_rows
+from ...kernels.tiles import attend_kv, attend_tile, load_kv, load_q, lse, softmax_update
+
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
 
@@ -54,66 +58,6 @@ MODE_EXTEND = tl.constexpr(2)
 NEW_KV_POOL = tl.constexpr(0)
 NEW_KV_TAIL = tl.constexpr(1)
 NEW_KV_FIRST = tl.constexpr(2)
-
-
-@triton.jit
-def _attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
-                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
-    head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
-
-    DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
-    so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
-    k, kpe, v = _load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
-                         BLOCK_DV, V_IS_K)
-    return _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
-                      V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
-
-
-@triton.jit
-def _load_kv(k_rows, v_rows, ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-             V_IS_K: tl.constexpr):
-    """K [BLOCK_N, BLOCK_D], its rope part [BLOCK_N, BLOCK_DPE] (D_PE > 0) and V
-    [BLOCK_N, BLOCK_DV] (V_IS_K: K itself) of the rows ``ok`` (others 0)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    k = tl.load(k_rows[:, None] + offs_d[None, :],
-                mask=ok[:, None] & (offs_d < D_MAIN)[None, :], other=0.0)
-    kpe = k
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        kpe = tl.load(k_rows[:, None] + D_MAIN + offs_pe[None, :],
-                      mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    v = k
-    if not V_IS_K:
-        offs_dv = tl.arange(0, BLOCK_DV)
-        v = tl.load(v_rows[:, None] + offs_dv[None, :],
-                    mask=ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
-    return k, kpe, v
-
-
-@triton.jit
-def _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
-               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    """The online-softmax update of ``_attend_tile`` on loaded tiles (``_load_kv``)."""
-    if DOT_F32:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if D_PE > 0:
-        if DOT_F32:
-            kpe = kpe.to(tl.float32)
-        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
-    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
-    if V_IS_K:
-        v = k
-    elif DOT_F32:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -167,19 +111,8 @@ def _partial_attn_kernel(
     q_local = offs_m // GROUP  # lane (decode) or new-token index (extend) within the group
     head = kvh * GROUP + offs_m % GROUP
     q_row = (q_start + q_local).to(tl.int64)
-    q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
-                other=0.0)
-    if D_PE > 0:
-        offs_pe = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(q_base + D_MAIN + offs_pe[None, :],
-                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    else:
-        qpe = q
-    if DOT_F32:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
+    q, qpe = load_q(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh, row_ok,
+                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -201,7 +134,7 @@ def _partial_attn_kernel(
         start, end = _split_bounds(split, split_len, prefix_len, live)
         for n0 in range(start, end, BLOCK_N):
             slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok)
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
                 Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
@@ -209,16 +142,14 @@ def _partial_attn_kernel(
     else:
         n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            idx = n0 + offs_n
-            key_ok = idx < n_hi
-            slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
-                                   prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                                   NUM_STEPS, MODE)
-            vis = vis & key_ok[None, :] & row_ok[:, None]
+            idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
+                                                b, step, r2t_row, prefix_len, Hist, Parents,
+                                                stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                                                MODE)
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
-            k, kpe, v = _load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
-                                 BLOCK_DPE, BLOCK_DV, V_IS_K)
+            k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
+                                BLOCK_DPE, BLOCK_DV, V_IS_K)
             if NEW_KV != NEW_KV_POOL:
                 new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
                 if NEW_KV == NEW_KV_TAIL:
@@ -228,15 +159,15 @@ def _partial_attn_kernel(
                                   BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
                 # This call's keys from k / v: select on loaded tiles, not on row pointers
                 # (a pointer select unpipelines the loop, triton_ir_stats.py).
-                k_n, kpe_n, v_n = _load_kv(Kin + src * stride_kin_t + kvh * stride_kin_h,
-                                           Vin + src * stride_vin_t + kvh * stride_vin_h,
-                                           new, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
-                                           BLOCK_DV, V_IS_K)
+                k_n, kpe_n, v_n = load_kv(Kin + src * stride_kin_t + kvh * stride_kin_h,
+                                          Vin + src * stride_vin_t + kvh * stride_vin_h,
+                                          new, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
+                                          BLOCK_DV, V_IS_K)
                 k = tl.where(new[:, None], k_n, k)
                 kpe = tl.where(new[:, None], kpe_n, kpe)
                 v = tl.where(new[:, None], v_n, v)
-            acc, m_i, l_i = _attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
-                                       logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+            acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
+                                      logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -245,12 +176,12 @@ def _partial_attn_kernel(
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
     ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
     tl.store(mo + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
-    tl.store(ml + split, _lse(m_i, l_i), mask=row_ok)
+    tl.store(ml + split, lse(m_i, l_i), mask=row_ok)
     if FUSE_MERGE:
-        if _arrived_last(Counter + rb * tl.num_programs(1) + gh, NUM_SPLITS + 1):
-            _merge_rows(mo, ml, stride_mo_s, NUM_SPLITS + 1, row_ok,
-                        Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh, offs_dv,
-                        offs_dv < D_V, BLOCK_M, BLOCK_DV, BLOCK_P)
+        if arrived_last(Counter + rb * tl.num_programs(1) + gh, NUM_SPLITS + 1):
+            merge_rows(mo, ml, stride_mo_s, NUM_SPLITS + 1, row_ok,
+                       Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh, offs_dv,
+                       offs_dv < D_V, BLOCK_M, BLOCK_DV, BLOCK_P)
 
 
 @triton.jit
@@ -310,64 +241,6 @@ def _copy_rows(src_rows, dst_rows, ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexp
 
 
 @triton.jit
-def _arrived_last(counter, num_parts):
-    """Called by every program of a tile once its partial is stored: True for the last of
-    the ``num_parts`` to arrive, which re-arms ``counter`` (int32, 0) for the next launch."""
-    # All threads' partial stores precede the program's single (release) increment; the last
-    # arriver's increment (acquire) orders its reads of the others' partials after them.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    last = arrived == num_parts - 1
-    if last:
-        tl.store(counter, 0)
-    return last
-
-
-@triton.jit
-def _merge_rows(mo, ml, stride_mo_s, num_parts, row_ok, out, offs_c, c_ok,
-                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``out[r, c] = sum_p w_p mo[r, p, c]``, ``w = softmax_p(ml[r, p])`` (natural log) for
-    the columns ``offs_c [BLOCK_C]`` (``c_ok``) of rows ``row_ok [BLOCK_M]``. mo / out:
-    [BLOCK_M, 1] row pointers; ml: [BLOCK_M] LSE row pointers. Loads bypass L1 (``.cg``):
-    the partials were written by other programs."""
-    offs_p = tl.arange(0, BLOCK_P)
-    lse = tl.load(ml[:, None] + offs_p[None, :],
-                  mask=row_ok[:, None] & (offs_p < num_parts)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m[:, None])
-    den = tl.sum(w, 1)
-    mask = row_ok[:, None] & c_ok[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    for p in range(0, num_parts):
-        w_p = tl.sum(tl.where(offs_p[None, :] == p, w, 0.0), 1)
-        part = tl.load(mo + p * stride_mo_s + offs_c[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
-        acc += part * w_p[:, None]
-    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out + offs_c[None, :], o.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP: tl.constexpr):
-    """Online-softmax step on raw scores ``s [BLOCK_M, BLOCK_N]``: returns ``(p, alpha,
-    m_new, l_new)`` in base 2 (``p`` unnormalised, ``alpha`` rescales the old state)."""
-    LOG2E: tl.constexpr = 1.4426950408889634
-    s = s * sm_scale
-    if USE_CAP:
-        # cap * tanh(s / cap), tanh via the sigmoid (portable to the interpreter).
-        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
-    s = tl.where(vis, s * LOG2E, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # Rows that have seen no key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _group_of(gi, Meta, TOPK, LANES_PER_GROUP, MODE: tl.constexpr):
     """Group ``gi`` -> ``(b, q_start, n_q, rpi, prefix_len, split_len)`` from ``Meta``."""
     if MODE == MODE_EXTEND:
@@ -402,13 +275,15 @@ def _tail_range(row_lo, n_q, live, is_tail, step, GROUP: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, Hist,
+def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, Hist,
                Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE: tl.constexpr):
-    """Tail key ``idx [BLOCK_N]`` -> ``(slot int64 [BLOCK_N], vis [BLOCK_M, BLOCK_N])``.
+    """Tail keys ``idx [BLOCK_N]`` (those ``< n_hi`` exist) -> ``(idx, key_ok, slot int64
+    [BLOCK_N], vis [BLOCK_M, BLOCK_N])`` for the rows ``row_ok``.
 
     decode: key ``idx`` is lane ``idx // hl``'s history slot ``t = idx % hl`` (path mode: of
     its ancestor at depth ``t``, followed through ``parents``), visible to that lane's rows;
     extend: new token ``idx``, visible to rows ``t >= idx`` (causal)."""
+    key_ok = idx < n_hi
     if MODE == MODE_EXTEND:
         slot = tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0)
         vis = idx[None, :] <= q_local[:, None]
@@ -427,35 +302,7 @@ def _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, 
             z = b * TOPK + a
         slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
         vis = key_lane[None, :] == q_local[:, None]
-    return slot.to(tl.int64), vis
-
-
-@triton.jit
-def _lse(m_i, l_i):
-    """Natural-log LSE from the base-2 running max and sum; ``-inf`` for rows with no key."""
-    LN2: tl.constexpr = 0.6931471805599453
-    seen = l_i > 0.0
-    return tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-
-
-@triton.jit
-def _load_latent(row, ok, off_a, off_b, D_HALF: tl.constexpr, D_PE: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Rows ``row [R, 1]`` (pointers; ``ok [R]``) of a latent layout ``[2 * D_HALF + D_PE]``
-    as ``(half at off_a, half at off_b, rope)``: the MLA kernel's keys and its queries
-    (fp32 on the interpreter, see ``_attend_tile``)."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_pe = tl.arange(0, BLOCK_DPE)
-    hmask = ok[:, None] & (offs_h < D_HALF)[None, :]
-    a = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0)
-    b = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0)
-    pe = tl.load(row + 2 * D_HALF + offs_pe[None, :],
-                 mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    if DOT_F32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        pe = pe.to(tl.float32)
-    return a, b, pe
+    return idx, key_ok, slot.to(tl.int64), vis & key_ok[None, :] & row_ok[:, None]
 
 
 @triton.jit
@@ -472,12 +319,12 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     offs_h = tl.arange(0, BLOCK_H)
     row = rows[:, None]
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
-    ka, kb, kpe = _load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
-                               DOT_F32)
+    ka, kb, kpe = load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
+                              DOT_F32)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
-    p, alpha, m_new, l_i = _softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
+    p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_RELOAD:
         va = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0).to(ka.dtype)
     else:
@@ -540,8 +387,8 @@ def _mla_partial_kernel(
     off_b = (1 - half) * D_HALF
     offs_h = tl.arange(0, BLOCK_H)
     hmask = row_ok[:, None] & (offs_h < D_HALF)[None, :]
-    qa, qb, qpe = _load_latent(q_base, row_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
-                               DOT_F32)
+    qa, qb, qpe = load_latent(q_base, row_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
+                              DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -569,12 +416,9 @@ def _mla_partial_kernel(
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
                                  BLOCK_M, MODE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        idx = n0 + offs_n
-        key_ok = idx < n_hi
-        slot, vis = _tail_keys(idx, key_ok, hl, q_local, q_start, b, step, r2t_row,
-                               prefix_len, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                               NUM_STEPS, MODE)
-        vis = vis & key_ok[None, :] & row_ok[:, None]
+        idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start, b,
+                                            step, r2t_row, prefix_len, Hist, Parents,
+                                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE)
         rows = KV + slot * stride_kvs
         if NEW_KV != NEW_KV_POOL:
             new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
@@ -596,37 +440,13 @@ def _mla_partial_kernel(
     if DV_SPLIT == 1:
         tl.store(mo_split + off_b + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
     ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
-    tl.store(ml + split, _lse(m_i, l_i), mask=row_ok & (offs_m * 0 + half == 0))
+    tl.store(ml + split, lse(m_i, l_i), mask=row_ok & (offs_m * 0 + half == 0))
     if FUSE_MERGE:  # DV_SPLIT == 1 (the launcher checks)
-        if _arrived_last(Counter + rb * tl.num_programs(1) + gi, NUM_SPLITS):
+        if arrived_last(Counter + rb * tl.num_programs(1) + gi, NUM_SPLITS):
             out = Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh
             for c in range(0, 2):  # one 256-wide half at a time: bounded registers
-                _merge_rows(mo, ml, stride_mo_s, NUM_SPLITS, row_ok, out, c * D_HALF + offs_h,
-                            offs_h < D_HALF, BLOCK_M, BLOCK_H, BLOCK_P)
-
-
-@triton.jit
-def _merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t,
-                  stride_ml_h, stride_ot, stride_oh,
-                  NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, D_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):
-    """Stage 2: Out[t, h] = sum_s w_s MidO[t, h, s] with w = softmax(MidLse[t, h, :])."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    p_ok = offs_p < NUM_PARTS
-    lse = tl.load(MidLse + t * stride_ml_t + h * stride_ml_h + offs_p, mask=p_ok,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    parts = tl.load(MidO + t * stride_mo_t + h * stride_mo_h + offs_p[:, None] * stride_mo_s
-                    + offs_dv[None, :], mask=p_ok[:, None] & (offs_dv < D_V)[None, :],
-                    other=0.0)
-    o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + t * stride_ot + h * stride_oh + offs_dv, o.to(Out.dtype.element_ty),
-             mask=offs_dv < D_V)
+                merge_rows(mo, ml, stride_mo_s, NUM_SPLITS, row_ok, out, c * D_HALF + offs_h,
+                           offs_h < D_HALF, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 @triton.jit

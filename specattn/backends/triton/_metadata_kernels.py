@@ -1,7 +1,8 @@
 """Triton kernels that build the attention kernels' metadata on the device (no host sync).
 
 One launch per draft round (decode, all steps) or per extend batch, writing into buffers
-that the caller may keep fixed for CUDA graphs:
+that the caller may keep fixed for CUDA graphs. Index tensors are read through their strides
+(engines pass slices and columns of larger tensors):
 
 - ``Meta [B, 5]`` int32 per request: ``req_pool_index, prefix_len, split_len, q_start, n_q``
   (``split_len`` = the prefix slice of one split, a multiple of ``BLOCK_N``).
@@ -20,7 +21,7 @@ from ._attn_kernels import META_W
 
 @triton.jit
 def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
-                            stride_loc_b, stride_loc_k, stride_loc_s,
+                            stride_rpi, stride_seq, stride_loc_b, stride_loc_k, stride_loc_s,
                             TOPK: tl.constexpr, NUM_STEPS: tl.constexpr,
                             BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
                             BLOCK_N: tl.constexpr):
@@ -33,10 +34,10 @@ def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
                   mask=offs_s < NUM_STEPS, other=0)
     tl.store(Hist + z * NUM_STEPS + offs_s, loc.to(tl.int32), mask=offs_s < NUM_STEPS)
     if j == 0:
-        seq = tl.load(SeqLens + b).to(tl.int32)
+        seq = tl.load(SeqLens + b * stride_seq).to(tl.int32)
         per = (seq + NUM_SPLITS - 1) // NUM_SPLITS
         split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        tl.store(Meta + b * META_W, tl.load(ReqPoolIdx + b).to(tl.int32))
+        tl.store(Meta + b * META_W, tl.load(ReqPoolIdx + b * stride_rpi).to(tl.int32))
         tl.store(Meta + b * META_W + 1, seq)
         tl.store(Meta + b * META_W + 2, split_len)
         tl.store(Meta + b * META_W + 3, b * TOPK)
@@ -45,14 +46,15 @@ def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
 
 @triton.jit
 def _extend_metadata_kernel(ReqPoolIdx, SeqLens, ExtLens, Meta, bs,
+                            stride_rpi, stride_seq, stride_ext,
                             BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
                             BLOCK_N: tl.constexpr):
     """Grid ``(1,)``: per request the prefix ``L' - E``, its split length and ``cumsum(E)``."""
     offs = tl.arange(0, BLOCK_B)
     ok = offs < bs
-    ext = tl.load(ExtLens + offs, mask=ok, other=0).to(tl.int32)
-    seq = tl.load(SeqLens + offs, mask=ok, other=0).to(tl.int32)
-    rpi = tl.load(ReqPoolIdx + offs, mask=ok, other=0).to(tl.int32)
+    ext = tl.load(ExtLens + offs * stride_ext, mask=ok, other=0).to(tl.int32)
+    seq = tl.load(SeqLens + offs * stride_seq, mask=ok, other=0).to(tl.int32)
+    rpi = tl.load(ReqPoolIdx + offs * stride_rpi, mask=ok, other=0).to(tl.int32)
     prefix = seq - ext
     per = (prefix + NUM_SPLITS - 1) // NUM_SPLITS
     split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ... import validation
 from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
 from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
@@ -93,8 +92,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         self._split_waves = split_waves
         self._bufs: Optional[_GraphBuffers] = None
         self._graph_bufs: Optional[_GraphBuffers] = None
-        self._batch: Optional["DraftBatch"] = None
-        self._plan = None
+        self._round_plan = None
 
     # --- planning (host ints only) -------------------------------------------------------
 
@@ -146,59 +144,31 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     # --- metadata ------------------------------------------------------------------------
 
-    def init_forward_metadata(self, batch: "DraftBatch") -> None:
+    def _plan(self, batch: "DraftBatch") -> None:
         """One metadata launch for all steps of the round (no host sync on a GPU)."""
-        validation.check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode,
-                                      batch)
-        self._fill(batch, batch.batch_size)
-
-    def _fill(self, batch: "DraftBatch", bs: int) -> None:
+        bs = batch.batch_size
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs)
         _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.out_cache_loc, bufs.meta, bufs.hist,
                                      plan["num_splits"], plan["cfg"].block_n)
-        self._batch, self._plan, self._active = batch, plan, bufs
+        self._round_plan, self._active = plan, bufs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
-        self.cuda_graph_max_bs = max_bs
         shape = _launchers().AttnShape.of(self.runner)
         self._graph_bufs = _GraphBuffers(max_bs, max_bs * self.topk, self.num_steps,
                                          shape.num_q_heads, shape.d_v, self.runner.device, 16)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        self._check_graph_batch(batch, None, ready=self._graph_bufs is not None)
-        self._captured_parents = batch.parents
-        self._fill(batch, batch.batch_size)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """Refill the fixed buffers for ``bs`` (padded) requests; ``batch`` holds ``bs``."""
-        self._check_graph_batch(batch, bs, ready=self._graph_bufs is not None)
-        captured = getattr(self, "_captured_parents", None)
-        if self.tree_mode == "path" and captured is not None and (
-                batch.parents.data_ptr() != captured.data_ptr()):
-            # The graph reads parents live; the caller must fill the captured tensor in place.
-            if batch.parents.shape[1] > captured.shape[1]:
-                raise InvalidInputError("batch.parents", "the tensor used at capture",
-                                        "a different, larger tensor")
-            captured[:, :bs].copy_(batch.parents)
-        self._fill(batch, bs)
-
     # --- forward -------------------------------------------------------------------------
 
-    def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _kernel_writes_kv(self) -> bool:
+        return True  # the launcher stores it (launchers.KernelConfig.kv_write)
+
+    def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        plan, bufs = self._plan, self._active
-        lanes = plan["bs"] * self.topk
-        validation.check_decode_forward(self.runner, lanes, self.num_steps, step, layer, q, k, v)
-        parents = None
-        if self.tree_mode == "path":
-            validation.check_parents_step(self._batch, step, self.topk)
-            parents = getattr(self, "_captured_parents", None) if bufs is self._graph_bufs \
-                else None
-            parents = parents if parents is not None else self._batch.parents
+        plan, bufs, lanes = self._round_plan, self._active, self.num_lanes
+        parents = self.batch.parents if self.tree_mode == "path" else None
         L = _launchers()
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(plan["cfg"], plan["num_splits"]),
@@ -241,10 +211,10 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         self._num_splits_override = num_splits
         self._config_override = config
         self._split_waves = split_waves
-        self._max_extend_len = max_extend_len
+        self.max_extend_len = max_extend_len  # checked by the base class in graph rounds
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._bufs: Optional[_GraphBuffers] = None
-        self._batch = None
+        self._round_plan = None
 
     def _plan_for(self, bs: int, num_tokens: int, max_extend: int):
         L = _launchers()
@@ -256,15 +226,12 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         return dict(shape=shape, cfg=cfg, rows_per_group=rows_per_group, num_splits=splits,
                     bs=bs, num_tokens=num_tokens)
 
-    def init_forward_metadata(self, batch: "DraftExtendBatch") -> None:
+    def _plan(self, batch: "DraftExtendBatch") -> None:
         """Eager: reads ``max(extend_lens)`` to size the grid (one host sync, as upstream)."""
-        validation.check_extend_batch(self.runner, batch)
-        max_extend = int(batch.extend_lens.max())
-        self._fill(batch, max_extend)
+        self._fill(batch, int(batch.extend_lens.max()))
 
     def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
-        bs = batch.batch_size
-        num_tokens = int(batch.out_cache_loc.shape[0])
+        bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
         bufs = self._graph_bufs
         if bufs is None or bufs.meta.shape[0] < bs or bufs.hist.shape[0] < num_tokens:
@@ -278,34 +245,26 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                                      plan["cfg"].block_n)
         # Slots of the new tokens in a fixed buffer, so a replayed graph writes the new ones.
         bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
-        self._batch, self._plan, self._active = batch, plan, bufs
+        self._round_plan, self._active = plan, bufs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.cuda_graph_max_bs = max_bs
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         shape = _launchers().AttnShape.of(self.runner)
         self._graph_bufs = _GraphBuffers(max_bs, max_num_tokens, 1, shape.num_q_heads,
                                          shape.d_v, self.runner.device, 16)
 
-    def _graph_max_extend(self, batch: "DraftExtendBatch") -> int:
+    def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
         ``max E <= T - B + 1``; ``max_extend_len`` bounds it further."""
-        validation.check_extend_batch(self.runner, batch, debug=False,
-                                      max_extend_len=self._max_extend_len)
-        bound = int(batch.out_cache_loc.shape[0]) - batch.batch_size + 1
-        return bound if self._max_extend_len is None else min(bound, self._max_extend_len)
+        bound = self.num_tokens - batch.batch_size + 1
+        self._fill(batch, bound if self.max_extend_len is None
+                   else min(bound, self.max_extend_len))
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
-        self._fill(batch, self._graph_max_extend(batch))
+    def _kernel_writes_kv(self) -> bool:
+        return True  # the launcher stores it (launchers.KernelConfig.kv_write)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
-                                                bs: int) -> None:
-        self._fill(batch, self._graph_max_extend(batch))
-
-    def forward(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
+    def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self._require_metadata(self._batch)
-        plan, bufs = self._plan, self._active
-        validation.check_extend_forward(self.runner, plan["num_tokens"], layer, q, k, v)
+        plan, bufs = self._round_plan, self._active
         L = _launchers()
         slots = bufs.hist[:plan["num_tokens"]]  # [T, 1]: out_cache_loc (fixed buffer)
         shape = plan["shape"]

@@ -25,7 +25,7 @@ Kernel (one program per (64-row tile, request, prefix split); 8 warps = two warp
   or ``path`` mode, masked to the key's own lane); the call's new key is read from ``k``
   (``NEW_KV_FIRST``: split 0 stores it in the pool, so no program waits on another).
 - One split: the program normalises and writes the output directly (no merge launch);
-  several: fp32 partials + natural-log LSE, merged by ``_attn_kernels._merge_kernel``.
+  several: fp32 partials + natural-log LSE, merged by ``specattn.kernels.merge.merge_kernel``.
 
 Run on: H200, torch 2.11 + cu130, Triton 3.6.0 (see ``docs/gluon-mla.md`` and
 ``benchmarks/results/2026-11-30-h200/gluon-*.md``).

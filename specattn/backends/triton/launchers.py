@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 import triton
 
+from ...kernels.merge import merge_kernel
+from ...kernels.tiles import dot_args
+from ...util import next_pow2, sm_count
 from . import _attn_kernels as K
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 
@@ -104,19 +107,11 @@ class AttnShape:
                    runner.v_head_dim, False)
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: small, so tests see several splits
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device) or 4  # interpreter: small, so tests see several splits
 
 
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(1, x)))
+_pow2 = functools.partial(next_pow2, lo=16)
 
 
 def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
@@ -199,8 +194,9 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     bs, topk, steps = out_cache_loc.shape
     _decode_metadata_kernel[(bs * topk,)](
         req_pool_indices, seq_lens, out_cache_loc, meta, hist,
+        req_pool_indices.stride(0), seq_lens.stride(0),
         out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2),
-        TOPK=topk, NUM_STEPS=steps, BLOCK_S=triton.next_power_of_2(steps),
+        TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
 
 
@@ -211,7 +207,8 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     bs = req_pool_indices.shape[0]
     _extend_metadata_kernel[(1,)](
         req_pool_indices, seq_lens, extend_lens, meta, bs,
-        BLOCK_B=triton.next_power_of_2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
+        BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
         num_warps=4)
 
 
@@ -274,7 +271,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     way ``kv_write_mode`` says; None: the caller has written them.
     counter: int32 zeros, the fixed buffer for ``cfg.fuse_merge``'s arrival counters."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
-    interp = q.device.type == "cpu"  # the Triton CPU interpreter
     rows = q.shape[0]
     hist_t = hist if hist is not None else meta
     par = parents if parents is not None else meta
@@ -295,7 +291,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     k_in, v_in = new_kv if in_kernel else (kb, vb)
     if v_in is None:
         v_in = k_in
-    dot_prec = "ieee" if q.dtype == torch.float32 or interp else "tf32"
+    dots = dot_args(q.dtype, q.device)
     common = (step, float(layer.scaling), float(layer.logit_cap))
     out = torch.empty(rows, shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
     parts = num_parts(cfg, num_splits)
@@ -329,7 +325,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe),
             ACC_B_W=_pow2(half) if dv == 1 else 16, DV_SPLIT=dv, V_RELOAD=cfg.v_reload,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused,
-            DOT_PREC=dot_prec, DOT_F32=interp, num_warps=cfg.num_warps,
+            **dots, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(rows_per_group, cfg.block_m), num_groups * shape.num_kv_heads,
@@ -348,12 +344,12 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused, DOT_PREC=dot_prec,
-            DOT_F32=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused, **dots,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not cfg.fuse_merge:
-        K._merge_kernel[(rows, shape.num_q_heads)](
+        merge_kernel[(rows, shape.num_q_heads)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), D_V=shape.d_v,
+            NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=shape.d_v,
             BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
     return out

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import InvalidInputError
+from .errors import InvalidInputError
 
 __all__ = ["KVLayout", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
            "rope_for_width", "e4m3_decode", "E4M3_MAX"]

@@ -1,4 +1,5 @@
-"""One FlashAttention call over a page table, whatever the library: a *kernel*.
+"""The FlashAttention libraries' entry points: one varlen, paged call, whatever the library
+(a *kernel* object per backend, resolved at construction).
 
 ``Kernel.__call__`` runs one varlen, paged attention call and returns the output and, when
 asked, the natural-log LSE **token-major** ``[total_q, H_q]`` (both libraries return it
@@ -16,9 +17,7 @@ Arguments common to both: q ``[total_q, H_q, D]``; k/v ``[num_pages, page_size, 
 (views of the token pool); page_table int32 ``[batch, max_pages]`` (unit last stride);
 seqused int32 ``[batch]`` (keys per sequence); cu_seqlens_q int32 ``[batch + 1]``.
 
-``merge_states`` combines partial results by their natural-log LSE in torch: the decode
-glue's fallback where Triton cannot run (else ``_fused.history_merge``). Vendor modules
-are imported only in ``resolve_kernel`` (construction time), never at import.
+Vendor modules are imported only in ``resolve_kernel`` (construction time), never at import.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ from ...platforms import Platform, cuda_capability
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
-__all__ = ["Kernel", "FA4Kernel", "FA3Kernel", "resolve_kernel", "merge_states",
-           "FA3_INSTALL_HINT"]
+__all__ = ["Kernel", "FA4Kernel", "FA3Kernel", "resolve_kernel", "FA3_INSTALL_HINT"]
 
 FA3_INSTALL_HINT = ("install FlashAttention-3 ('flash_attn_interface', built from "
                     "flash-attention's hopper/ directory) or, on a Hopper GPU, "
@@ -120,22 +118,3 @@ def resolve_kernel(library: str, platform: Platform, backend: str) -> Kernel:
     raise BackendUnavailableError(f"{backend}: no FlashAttention library here; "
                                   f"{FA3_INSTALL_HINT}", backend)
 
-
-def merge_states(outs: list[torch.Tensor], lses: list[torch.Tensor],
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Merge partial attention results by natural-log LSE.
-
-    outs: each ``[N, H, D_v]``; lses: each ``[N, H]`` (natural log). A part with no keys may
-    carry LSE ``-inf`` or ``+inf`` (FA2/FA3 convention) and any output: it gets weight 0.
-    Returns ``[N, H, D_v]`` in ``dtype``. Device ops only (CUDA-graph safe).
-    """
-    lse = torch.stack([x.float() for x in lses])  # [n, N, H]
-    lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse)
-    m = lse.amax(dim=0, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m)  # 0 for empty parts
-    acc = torch.zeros_like(outs[0], dtype=torch.float32)
-    for i, o in enumerate(outs):
-        wi = w[i].unsqueeze(-1)
-        acc += torch.where(wi > 0, o.float() * wi, torch.zeros_like(acc))
-    return (acc / w.sum(dim=0).unsqueeze(-1).clamp_min(1e-30)).to(dtype)

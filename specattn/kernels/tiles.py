@@ -1,0 +1,139 @@
+"""Triton building blocks of every specattn attention kernel: one key tile of an online
+softmax, from loading the tile to updating the running state.
+
+State of a block of ``BLOCK_M`` query rows: ``acc [BLOCK_M, BLOCK_DV]`` (unnormalised output,
+fp32), ``m_i [BLOCK_M]`` (running max of the scores, base 2) and ``l_i [BLOCK_M]`` (running
+sum). ``lse(m_i, l_i)`` turns a finished state into its natural-log LSE (``-inf`` for rows that
+saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.py``).
+
+- ``load_q``: a block of query rows (and their rope part);
+- ``attend_tile``: load one key tile through per-key row pointers and fold it in;
+- ``load_kv`` / ``attend_kv``: the same in two halves, for callers that edit the loaded tile
+  (the Triton backend's tail swaps in this call's new keys);
+- ``softmax_update``: the online-softmax step on raw scores (scale, soft cap, mask);
+- ``dot_args``: the launch-time precision constexprs of these tiles.
+
+Latent (MLA) and FP8 tiles: ``latent.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
+    """The ``DOT_PREC`` / ``DOT_F32`` constexprs of a launch: exact fp32 dots for fp32 inputs
+    and on the CPU interpreter (whose low-precision ``tl.dot`` is wrong, triton 3.9, so
+    operands are upcast there), tf32 otherwise."""
+    interp = device.type == "cpu"  # the Triton CPU interpreter
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 or interp else "tf32",
+                DOT_F32=interp)
+
+
+@triton.jit
+def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
+           BLOCK_DPE: tl.constexpr, F32: tl.constexpr):
+    """Query rows ``rows [BLOCK_M, 1]`` (pointers; ``row_ok [BLOCK_M]``) as ``(q [BLOCK_M,
+    BLOCK_D], qpe [BLOCK_M, BLOCK_DPE])``: columns ``[0, D_MAIN)`` and ``[D_MAIN, D_MAIN +
+    D_PE)`` (``qpe = q`` when ``D_PE == 0``), 0 where masked, fp32 when ``F32``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
+                other=0.0)
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(rows + D_MAIN + offs_pe[None, :],
+                      mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    else:
+        qpe = q
+    if F32:
+        q = q.to(tl.float32)
+        qpe = qpe.to(tl.float32)
+    return q, qpe
+
+
+@triton.jit
+def attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, logit_cap,
+                D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+                V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
+    head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
+
+    DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
+    so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
+    k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
+                        BLOCK_DV, V_IS_K)
+    return attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
+                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+
+
+@triton.jit
+def load_kv(k_rows, v_rows, ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+            V_IS_K: tl.constexpr):
+    """K [BLOCK_N, BLOCK_D], its rope part [BLOCK_N, BLOCK_DPE] (D_PE > 0) and V
+    [BLOCK_N, BLOCK_DV] (V_IS_K: K itself) of the rows ``ok`` (others 0)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_rows[:, None] + offs_d[None, :],
+                mask=ok[:, None] & (offs_d < D_MAIN)[None, :], other=0.0)
+    kpe = k
+    if D_PE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        kpe = tl.load(k_rows[:, None] + D_MAIN + offs_pe[None, :],
+                      mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
+    v = k
+    if not V_IS_K:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :],
+                    mask=ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
+    return k, kpe, v
+
+
+@triton.jit
+def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
+              V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``)."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if D_PE > 0:
+        if DOT_F32:
+            kpe = kpe.to(tl.float32)
+        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
+    p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
+    if V_IS_K:
+        v = k
+    elif DOT_F32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP: tl.constexpr):
+    """Online-softmax step on raw scores ``s [BLOCK_M, BLOCK_N]``: returns ``(p, alpha,
+    m_new, l_new)`` in base 2 (``p`` unnormalised, ``alpha`` rescales the old state)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    s = s * sm_scale
+    if USE_CAP:
+        # cap * tanh(s / cap), tanh via the sigmoid (portable to the interpreter).
+        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
+    s = tl.where(vis, s * LOG2E, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def lse(m_i, l_i):
+    """Natural-log LSE from the base-2 running max and sum; ``-inf`` for rows with no key."""
+    LN2: tl.constexpr = 0.6931471805599453
+    seen = l_i > 0.0
+    return tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))

@@ -1,0 +1,154 @@
+"""A random-batch soak: many random rounds through a backend, each checked like a kit case.
+
+Each round draws the model (as declared), dtype, topk, page size, tree mode, ragged lengths
+from 1, and an engine-style layout; one in ``graph_every`` rounds replays a captured graph
+with a padded batch instead. Every step is compared with the reference and every pool with
+the kit's copy (``checks``). A failure prints its seed; ``python -m specattn.testing.soak
+--backend NAME --seed S --rounds 1`` replays exactly that round.
+
+    python -m specattn.testing.soak --backend triton --rounds 1500 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .checks import Case, CaseFailed, CaseSkipped, Session, decode_graph, decode_numerics, \
+    extend_graph, extend_numerics
+from .plan import _DTYPE_NAMES, _dtypes, _pages
+from .rounds import EngineStyle
+from .target import BackendSpec, Target
+
+__all__ = ["SoakResult", "soak"]
+
+
+@dataclass
+class SoakResult:
+    backend: str
+    rounds: int = 0
+    passed: int = 0
+    skipped: int = 0
+    failures: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, case, why)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (f"soak {self.backend}: {self.rounds} random rounds, {self.passed} passed, "
+                f"{len(self.failures)} mismatches, {self.skipped} not applicable "
+                f"({self.seconds:.0f} s)")
+
+
+def _draw_case(rng: random.Random, target: Target, seed: int, max_len: int) -> Optional[Case]:
+    kind = rng.choice(("decode", "extend"))
+    models = [m for m in ("mha", "mla") if isinstance(target.class_for(kind, m), type)]
+    if not models:
+        return None
+    model = rng.choice(models)
+    cls = target.class_for(kind, model)
+    main, others = _dtypes(cls)
+    dtype = rng.choice([main] + others)
+    p1, pbig = _pages(cls)
+    page = rng.choice([p for p in (p1, pbig) if p])
+    kv = rng.choice(cls.kv_cache_dtypes) if model == "mla" else "auto"
+    if kv != "auto" and dtype == torch.float32:
+        dtype = (others or [torch.bfloat16])[0]
+    style = EngineStyle(strided_index=rng.random() < 0.3, fused_qkv=rng.random() < 0.3,
+                        sliced_req_to_token=rng.random() < 0.3,
+                        shared_kv_buffer=model == "mha" and rng.random() < 0.3)
+    params = {"style": style}
+    if kind == "decode":
+        topk = rng.randint(1, min(8, cls.max_topk or 8))
+        tree = rng.choice(sorted(cls.tree_modes)) if topk > 1 else "lane"
+        params["lens"] = [rng.randint(1, max_len) for _ in range(rng.randint(1, 6))]
+        body = decode_numerics
+    else:
+        topk, tree = 1, "lane"
+        new = [rng.randint(1, 8) for _ in range(rng.randint(1, 6))]
+        params["lens"] = ([n + rng.randint(0, max_len) for n in new], new)
+        body = extend_numerics
+    cid = (f"soak/{seed}/{kind}/{model}/{_DTYPE_NAMES[dtype]}/k{topk}/p{page}/{tree}/"
+           f"kv-{kv}/{style.label()}")
+    return Case(cid, kind, model, body, dtype, topk, page, tree, kv, params)
+
+
+def _graph_case(rng: random.Random, target: Target, seed: int) -> Optional[Case]:
+    kind = rng.choice(("decode", "extend"))
+    models = [m for m in ("mha", "mla") if isinstance(target.class_for(kind, m), type)
+              and target.class_for(kind, m).supports_cuda_graph]
+    if not models:
+        return None
+    model = rng.choice(models)
+    cls = target.class_for(kind, model)
+    main, _ = _dtypes(cls)
+    p1, pbig = _pages(cls)
+    page = rng.choice([p for p in (p1, pbig) if p])
+    if kind == "decode":
+        topk = rng.randint(1, min(8, cls.max_topk or 8))
+        tree = rng.choice(sorted(cls.tree_modes)) if topk > 1 else "lane"
+        return Case(f"soak/{seed}/graph/decode/{model}/k{topk}/p{page}/{tree}", kind, model,
+                    decode_graph, main, topk, page, tree)
+    return Case(f"soak/{seed}/graph/extend/{model}/p{page}", kind, model, extend_graph, main,
+                page_size=page)
+
+
+def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int = 20,
+         max_len: int = 300, device=None, platform=None, setup=None,
+         log=print) -> SoakResult:
+    """Run ``rounds`` random rounds; round ``i`` uses seed ``seed + i``."""
+    target = Target.build(backend, platform=platform, device=device, setup=setup)
+    result = SoakResult(target.label)
+    start = time.perf_counter()
+    for i in range(rounds):
+        s = seed + i
+        rng = random.Random(s)
+        graph = graph_every and rng.randrange(graph_every) == 0
+        case = _graph_case(rng, target, s) if graph else _draw_case(rng, target, s, max_len)
+        result.rounds += 1
+        if case is None:
+            result.skipped += 1
+            continue
+        session = Session(target, seed=s)
+        try:
+            with target.environment():
+                case.body(session, case)
+            result.passed += 1
+        except CaseSkipped:
+            result.skipped += 1
+        except CaseFailed as exc:
+            result.failures.append((s, case.id, str(exc)))
+            log(f"MISMATCH seed {s}: {case.id}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a crash is a failure with its seed
+            result.failures.append((s, case.id, f"{type(exc).__name__}: {exc}"))
+            log(f"CRASH seed {s}: {case.id}: {type(exc).__name__}: {exc}")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specattn.testing.soak",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", action="append", required=True,
+                        help="registered backend name (repeat for several)")
+    parser.add_argument("--rounds", type=int, default=1000, help="random rounds per backend")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first round")
+    parser.add_argument("--graph-every", type=int, default=20,
+                        help="about one round in N replays a captured graph (0: never)")
+    parser.add_argument("--max-len", type=int, default=300, help="longest prefix drawn")
+    args = parser.parse_args(argv)
+    failed = 0
+    for name in args.backend:
+        result = soak(name, rounds=args.rounds, seed=args.seed, graph_every=args.graph_every,
+                      max_len=args.max_len)
+        print(result.summary(), flush=True)
+        failed += len(result.failures)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
