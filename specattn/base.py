@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 
 from .errors import BackendUnavailableError, InvalidInputError, RegistrationError
+from .install import install_hint
 from .keys import BackendRequest
 from .platforms import Platform, Predicate, any_platform, current_platform
 
@@ -121,7 +122,7 @@ class DraftBackend(ABC):
         for module, pip_name in cls.requires:
             if not platform.has_library(module):
                 reasons.append(f"needs the '{module}' package, which is not installed "
-                               f"(pip install {pip_name})")
+                               f"({install_hint(pip_name)})")
         return reasons
 
     @classmethod

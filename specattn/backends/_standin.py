@@ -22,6 +22,7 @@ import torch
 
 from .. import validation
 from ..errors import BackendUnavailableError, InvalidInputError
+from ..install import install_hint
 from ..metadata import history_slots
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ def vendor_module(name: str, pip_name: str, backend: str) -> ModuleType:
     except ImportError as exc:
         raise BackendUnavailableError(
             f"{backend}: needs the '{name}' package, which cannot be imported here ({exc}); "
-            f"install it with: pip install {pip_name}", backend,
-            {backend: [f"needs the '{name}' package (pip install {pip_name})"]}) from exc
+            f"install it with: {install_hint(pip_name)}", backend,
+            {backend: [f"needs the '{name}' package ({install_hint(pip_name)})"]}) from exc
 
 
 class Buffers:

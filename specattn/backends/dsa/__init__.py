@@ -425,7 +425,7 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
 
 
 _DECL = dict(deprecated_aliases=("nsa",), platforms=is_cuda | is_hip | (is_cpu & triton_interpret),
-             models=("mla",), requires=(("triton", "triton"),),
+             models=("mla",), requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)")
 
 

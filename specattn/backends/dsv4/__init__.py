@@ -61,7 +61,7 @@ log = logging.getLogger("specattn.dsv4")
 DEFAULT_WINDOW = 128
 # "auto": the pool's own dtype; "fp8_ds_v4": V4's 584-byte FP8 layout (backends/_fp8_kv).
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_v4")
-_TRITON = (("triton", "triton"),)
+_TRITON = (("triton", "triton>=3.2"),)
 _TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay and the FP8 KV pools + CPU "
               "interpreter")
 _HIP_TESTED_ON = "not run on hardware (the CUDA flavour's kernels, CPU interpreter tested)"

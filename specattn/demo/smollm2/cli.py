@@ -17,6 +17,7 @@ import torch
 from ...config import SpecConfig
 from ...errors import SpecAttnError
 from ...factory import DraftBackendFactory
+from ...selection import describe_error
 from ...platforms import Platform, current_platform, torch_device_type, use_platform
 from ..cli import _positive
 from ..render import render_tree
@@ -106,7 +107,7 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
         with use_platform(platform):
             return _run(args, model, load_s, out)
     except SpecAttnError as exc:
-        print(f"specattn demo --model smollm2: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"specattn demo --model smollm2: error: {describe_error(exc)}", file=sys.stderr)
         return 1
 
 
