@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DSADecode", "DSAExtend", "make_index_k_buffer", "DEFAULT_INDEX_TOPK"]
 
-log = logging.getLogger("specattn.dsa")
+log = logging.getLogger(__name__)
 
 DEFAULT_INDEX_TOPK = 2048
 # "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (backends/_fp8_kv).

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["SinkAttentionLayer", "DSV4CudaDecode", "DSV4CudaExtend", "DSV4HipDecode",
            "DSV4HipExtend", "DEFAULT_WINDOW"]
 
-log = logging.getLogger("specattn.dsv4")
+log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 128
 # "auto": the pool's own dtype; "fp8_ds_v4": V4's 584-byte FP8 layout (backends/_fp8_kv).

@@ -31,7 +31,7 @@ from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
 
-log = logging.getLogger("specattn.triton")
+log = logging.getLogger(__name__)
 
 _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
