@@ -186,7 +186,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     from ..platforms import current_platform
     from . import cases as C
     from . import report, run
-    from .._console import ItemProgress
+    from .._console import ItemProgress, make_console
     from .harness import CudaClock, WallClock, copy_bandwidth
 
     parser = build_parser()
@@ -252,21 +252,22 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     report.write_versions(info, os.path.join(out, "versions.json"))
     title = info["gpu"] or "CPU"
     pngs, png_note = report.write_pngs(rows, sweep_rows, out, title)
-    text = _header(info, bandwidth, clock.name, on_gpu, rows) + "\n\n"
-    text += report.render_table(rows, cpu=not on_gpu) + "\n"
+    header = _header(info, bandwidth, clock.name, on_gpu, rows)
+    notes = ""
     if sweep_rows:
-        text += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
-        text += ", `prefix-sweep.png`.\n" if pngs else ".\n"
+        notes += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
+        notes += ", `prefix-sweep.png`.\n" if pngs else ".\n"
     if png_note:
-        text += f"\n{png_note}.\n"
+        notes += f"\n{png_note}.\n"
     noise = report.noise_warning(rows)
     if noise:
-        text += f"\n{noise}.\n"
+        notes += f"\n{noise}.\n"
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(text)
-    print(text)
-    if noise:
-        print(f"specattn bench: {noise}", file=sys.stderr)
+        f.write(header + "\n\n" + report.render_table(rows, cpu=not on_gpu) + "\n" + notes)
+    console = make_console()
+    console.print(header + "\n")
+    report.print_table(rows, console, cpu=not on_gpu)
+    console.print(notes)
     print(f"wrote {out}/ (bench.csv, table.md, versions.json"
           + (", sweep.csv" if sweep_rows else "")
           + (f", {len(pngs)} PNG" if pngs else "") + ")")
