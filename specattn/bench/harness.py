@@ -1,7 +1,7 @@
 """Timing, the copy-bandwidth floor and the correctness gate of ``specattn bench``.
 
-Protocol (``docs/performance.md``): the copy bandwidth is measured in the same process a moment
-before the cases; every variant is first checked against ``torch_ref`` on a sample of
+Protocol (``docs/performance.md``): the copy bandwidth is measured in the same process a
+moment before the cases; every variant is first checked against ``torch_ref`` on a sample of
 requests (a variant that fails is reported as failed and not timed); times are medians of
 ``triton.testing.do_bench`` over a CUDA graph that runs the call once per layer, the layers'
 pools rotating so the KV read per call is larger than L2 (GPU), or the median of several

@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PIP_HINT", "MODEL_READERS_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig", "LlamaWeights",
-           "find_gguf", "read_gguf", "load_weights"]
+__all__ = ["PIP_HINT", "MODEL_READERS_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig",
+           "LlamaWeights", "find_gguf", "read_gguf", "load_weights"]
 
 logger = logging.getLogger("specattn.demo.smollm2")
 
