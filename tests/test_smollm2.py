@@ -353,6 +353,9 @@ def test_cli_smollm2(smol):
     assert "mean accepted length per round: " in text and "tokens/s" in text
     assert "speculative output equals plain greedy token for token" in text
     assert "req 0: prefix" in text  # one draft tree printed
+    assert "  round 0 (" in text and "): accepted " in text  # live, one line per round
+    assert "torch threads: " in text and "(--threads)" in text
+    assert "What the numbers mean:" in text and "docs/demos.md" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
