@@ -428,15 +428,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (not when it was made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def _set_log_level(level: str) -> None:
-    """Print the package's log records at ``level`` and above on stderr (once per process)."""
+    """Print the package's log records at ``level`` and above on stderr (one handler per
+    process, however often it is called)."""
     log = logging.getLogger("specattn")
     log.setLevel(level.upper())
-    if not any(getattr(h, "_specattn_cli", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._specattn_cli = True  # type: ignore[attr-defined]
-        log.addHandler(handler)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        log.addHandler(_StderrHandler())
 
 
 def _pop_log_level(argv: list[str]) -> tuple[Optional[str], list[str]]:

@@ -279,6 +279,46 @@ def test_demo_missing_is_a_clear_message(capsys, monkeypatch):
     assert code == 2 and "specattn.demo" in err and "not available" in err
 
 
+@pytest.fixture
+def restore_log_level():
+    import logging
+
+    log = logging.getLogger("specattn")
+    level, handlers = log.level, list(log.handlers)
+    yield
+    log.setLevel(level)
+    log.handlers[:] = handlers
+
+
+def test_log_level_prints_the_packages_records(capsys, restore_log_level):
+    code, out, err = run(capsys, "--log-level", "info", "select", "--platform", "cpu",
+                         "--with-library", "none")
+    assert code == 0 and "INFO specattn.selection: auto selected decode backend" in err
+    code, out, err = run(capsys, "select", "--platform", "cpu", "--log-level", "error")
+    assert code == 0 and "auto selected" not in err  # anywhere on the line; error hides info
+    code, _, err = run(capsys, "--log-level", "loud", "list")
+    assert code == 2 and "--log-level" in err
+
+
+def test_every_select_option_has_help_and_a_default(capsys):
+    from specattn.cli import build_parser
+
+    select = build_parser()._subparsers._group_actions[0].choices["select"]
+    for action in select._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.dest
+        if action.dest not in {"platform", "with_library"} and not action.dest.endswith(
+                "_backend"):
+            assert "default" in action.help, action.dest
+
+
+def test_python_dash_m_specattn():
+    proc = subprocess.run([sys.executable, "-m", "specattn", "--version"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"specattn {specattn.__version__}"
+
+
 def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "specattn.cli", "--version"],
                           capture_output=True, text=True)
