@@ -1,15 +1,18 @@
-"""The ``specattn`` command: which draft backends run here, and why.
+"""The ``specattn`` command (also ``python -m specattn``): which draft backends run here,
+and why.
 
+    specattn [--log-level LEVEL] COMMAND ...
     specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
         --with-library flashinfer
     specattn demo ...         (the main job: ``specattn.demo.cli_main``)
-    specattn bench ...        (issue #8)
+    specattn bench ...        (``specattn.bench.cli_main``)
 
 ``list`` and ``select`` accept ``--platform`` (``cuda:9.0``, ``cpu``, ``cpu+amx``, ``hip``,
 ``npu``, ``musa``, ``xpu``; ``+interpret`` adds ``TRITON_INTERPRET=1``) and
 ``--with-library NAME ...`` to answer for another machine; without ``--with-library`` the
-vendor libraries are probed on this one (never imported).
+vendor libraries are probed on this one (never imported). Tables go through ``rich``
+(``specattn._console``); the commands are described in ``docs/commands.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
-import textwrap
 import warnings
 from collections.abc import Sequence
 from types import SimpleNamespace
