@@ -43,12 +43,13 @@ What the numbers mean:
   tokens/s: new tokens of all requests over wall time, drafting and verification included.
   equals plain greedy: the target decides every token, so the output must be exactly the
     target's own greedy output; the draft only changes how many tokens one forward yields.
-  speed ({speed}): this demo is usually slower than plain greedy, and that is expected. Its
-    draft is the model's own first {draft} of {total} layers, so drafting S={steps} steps costs
-    several target forwards per round, while the target accepts about {accepted:.1f} draft
-    tokens per round. A real EAGLE draft is one small layer, many times cheaper than the
-    target; then the same rounds save time. The demo checks that specattn's draft attention
-    is exact on a real model, not its speed (docs/demos.md)."""
+  speed: {speed}.
+    This demo is usually slower than plain greedy, and that is expected: its draft is the
+    model's own first {draft} of {total} layers, so drafting S={steps} steps costs several
+    target forwards per round, while the target accepts about {accepted:.1f} draft tokens per
+    round. A real EAGLE draft is one small layer, many times cheaper than the target; then
+    the same rounds save time. The demo checks that specattn's draft attention is exact on a
+    real model, not its speed (docs/demos.md)."""
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -240,7 +241,7 @@ def _run(args: argparse.Namespace, model, load_s: float, out: TextIO,
     if args.no_check:
         say("plain greedy comparison skipped (--no-check)")
         say()
-        say(explanation(speed=f"speculative {spec.tokens_per_second:.2f} tokens/s"))
+        say(explanation(speed=f"{spec.tokens_per_second:.2f} tokens/s speculative"))
         return 0
     say("checking against plain greedy decoding of the target (one forward per token)...")
     with ItemProgress(args.max_new_tokens, "plain greedy") as bar:
@@ -251,8 +252,8 @@ def _run(args: argparse.Namespace, model, load_s: float, out: TextIO,
         f"speculative output {'equals' if same else 'DIFFERS FROM'} plain greedy "
         f"token for token (smallest fp64 top-1/top-2 logit gap {plain.min_margin:.2e})")
     say()
-    say(explanation(speed=f"here {spec.tokens_per_second:.2f} tokens/s speculative, "
-                          f"{plain.tokens_per_second:.2f} plain"))
+    say(explanation(speed=f"{spec.tokens_per_second:.2f} tokens/s speculative, "
+                          f"{plain.tokens_per_second:.2f} plain greedy"))
     return 0 if same else 1
 
 
