@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 from .base import DraftBackend, DraftDecodeBackend, DraftExtendBackend
 from .config import SpecConfig
 from .data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -27,7 +29,10 @@ from .registry import Registry, default_registry, scoped_registry
 from .selection import Selection, select
 from . import backends  # noqa: E402,F401  (registers the built-in backends)
 
-__version__ = "0.1.0"
+try:  # one version source: pyproject.toml, through the installed metadata
+    __version__ = _metadata.version("specattn")
+except _metadata.PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AttentionLayer", "BackendInfo", "BackendRequest", "BackendUnavailableError",

@@ -29,6 +29,7 @@ import torch
 
 from .data import DraftBatch, DraftExtendBatch
 from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
+from .install import install_hint
 from .keys import BackendRequest, check_draft_params
 from .platforms import Platform, Predicate, any_platform, current_platform
 from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
@@ -134,7 +135,7 @@ class DraftBackend(ABC):
         for module, pip_name in cls.requires:
             if not platform.has_library(module):
                 reasons.append(f"needs the '{module}' package, which is not installed "
-                               f"(pip install {pip_name})")
+                               f"({install_hint(pip_name)})")
         return reasons
 
     @classmethod

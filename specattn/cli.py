@@ -1,15 +1,18 @@
-"""The ``specattn`` command: which draft backends run here, and why.
+"""The ``specattn`` command (also ``python -m specattn``): which draft backends run here,
+and why.
 
+    specattn [--log-level LEVEL] COMMAND ...
     specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
         --with-library flashinfer
     specattn demo ...         (the main job: ``specattn.demo.cli_main``)
-    specattn bench ...        (issue #8)
+    specattn bench ...        (``specattn.bench.cli_main``)
 
 ``list`` and ``select`` accept ``--platform`` (``cuda:9.0``, ``cpu``, ``cpu+amx``, ``hip``,
 ``npu``, ``musa``, ``xpu``; ``+interpret`` adds ``TRITON_INTERPRET=1``) and
 ``--with-library NAME ...`` to answer for another machine; without ``--with-library`` the
-vendor libraries are probed on this one (never imported).
+vendor libraries are probed on this one (never imported). Tables go through ``rich``
+(``specattn._console``); the commands are described in ``docs/commands.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
-import textwrap
 import warnings
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from typing import Any, Optional
 
 __all__ = ["main", "parse_platform"]
 
-_DEFAULT_WIDTH = 120
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _PLATFORM_HELP = ("cuda:MAJOR.MINOR (e.g. cuda:9.0), cpu, cpu+amx, hip, npu, musa or xpu; "
                   "append +interpret for TRITON_INTERPRET=1 (on the CPU it follows the "
                   "environment by default)")
@@ -126,47 +127,67 @@ def _alias_text(entry: dict[str, Any]) -> str:
     return ", ".join(parts) or "-"
 
 
-def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+def _runs_text(r) -> str:
+    if r.flavour == "dispatcher":
+        target = r.reason.split(",")[0][len("here -> "):] if r.reason.startswith("here -> ") \
+            else "none"
+        return f"-> {target}" + ("" if r.runs_here else " (no)")
+    return "yes" if r.runs_here else "no"
 
 
-def _render_list(rows: list, platform, width: int) -> str:
-    cols = (("NAME", 18), ("KIND", 13), ("FLAVOUR", 10), ("MODELS", 7),
-            ("KERNEL LIBRARY", 27), ("RUNS HERE?", 10))
-    indent = " " * 4
-    lines = [f"platform: {platform}"]
-    lines += textwrap.wrap(_libraries_line(platform, _known_libraries()), width,
-                           subsequent_indent="  ", break_on_hyphens=False)
-    lines.append("")
-    lines.append(_fit("  ".join(h.ljust(w) for h, w in cols).rstrip(), width))
-    for entry in _merge_rows(rows):
+def _compact_sizes(capability: str) -> str:
+    """``page 16/32/.../512`` -> ``page 16-512 (multiples of 16)``: a long list of numbers
+    would be folded mid-number by any table."""
+    label, _, values = capability.rpartition(" ")
+    parts = values.split("/")
+    if len(parts) < 5 or not all(v.isdigit() for v in parts):
+        return capability
+    nums = [int(v) for v in parts]
+    step = nums[1] - nums[0]
+    if step <= 0 or any(b - a != step for a, b in zip(nums, nums[1:])) or nums[0] % step:
+        return capability
+    return f"{label} {nums[0]}-{nums[-1]} (multiples of {step})"
+
+
+def _details(entry: dict[str, Any]) -> str:
+    r = entry["row"]
+    parts = [f"{'+'.join(entry['kinds'])}, {r.flavour}, {'/'.join(r.models)}"]
+    if entry["aliases"]:
+        parts.append(f"aliases: {_alias_text(entry)}")
+    parts.append(f"platforms: {r.platforms}")
+    if r.flavour != "dispatcher":
+        parts += [f"kernels: {r.kernel_library}",
+                  "capabilities: " + (", ".join(_compact_sizes(c) for c in entry["capabilities"])
+                                   or "-"),
+                  f"tested on: {r.tested_on}"]
+    if r.reason:
+        label = ("here" if r.flavour == "dispatcher"
+                 else "note" if r.runs_here else "why not")
+        text = r.reason[len("here "):] if r.reason.startswith("here -> ") else r.reason
+        parts.append(f"{label}: {text}")
+    return "; ".join(parts)
+
+
+def _render_list(rows: list, platform, console) -> None:
+    """The ``list`` table: one row per name and flavour (decode and extend merged when their
+    declarations agree), then how many there are and how many run here."""
+    from ._console import make_table
+
+    console.print(f"platform: {platform}")
+    console.print(_libraries_line(platform, _known_libraries()))
+    entries = _merge_rows(rows)
+    table = make_table("NAME", "RUNS HERE?", "KINDS, FLAVOUR, MODELS; DETAILS",
+                       no_wrap=("NAME", "RUNS HERE?"))
+    for entry in entries:
         r = entry["row"]
-        if r.flavour == "dispatcher":
-            runs = "dispatches"
-        else:
-            runs = "yes" if r.runs_here else "no"
-        cells = (r.name, "+".join(entry["kinds"]), r.flavour, "/".join(r.models),
-                 r.kernel_library, runs)
-        lines.append(_fit("  ".join(_fit(c, w).ljust(w) for c, (_, w) in zip(cells, cols))
-                          .rstrip(), width))
-        details = [f"aliases: {_alias_text(entry)}"] if entry["aliases"] else []
-        details.append(f"platforms: {r.platforms}")
-        if r.flavour != "dispatcher":
-            details += [f"capabilities: {', '.join(entry['capabilities']) or '-'}",
-                        f"tested on: {r.tested_on}"]
-        lines += textwrap.wrap("; ".join(details), width, initial_indent=indent,
-                               subsequent_indent=indent + "  ", break_on_hyphens=False)
-        if r.reason:
-            label = ("here" if r.flavour == "dispatcher"
-                     else "note" if r.runs_here else "why not")
-            text = r.reason[len("here "):] if r.reason.startswith("here -> ") else r.reason
-            lines += textwrap.wrap(f"{label}: {text}", width, initial_indent=indent,
-                                   subsequent_indent=indent + "  ", break_on_hyphens=False)
-    total = len(rows)
-    usable = sum(1 for r in rows if r.runs_here and r.flavour != "dispatcher")
-    lines += ["", f"{total} rows ({usable} backend classes run here); "
-                  "`specattn list --json` gives every field"]
-    return "\n".join(lines)
+        table.add_row(r.name, _runs_text(r), _details(entry), end_section=True)
+    console.print(table)
+    classes = [r for r in rows if r.flavour != "dispatcher"]
+    usable = sum(1 for r in classes if r.runs_here)
+    dispatchers = len(rows) - len(classes)
+    console.print(f"{len(entries)} entries: {len(classes)} backend classes ({usable} run here) "
+                  f"and {dispatchers} dispatchers, decode and extend counted apart; "
+                  "`specattn list --json` gives every field")
 
 
 def _platform_json(platform) -> dict[str, Any]:
@@ -194,8 +215,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps({"platform": _platform_json(platform),
                           "backends": [_row_json(r) for r in rows]}, indent=2))
         return 0
-    width = shutil.get_terminal_size((_DEFAULT_WIDTH, 24)).columns
-    print(_render_list(rows, platform, max(width, 80)))
+    from ._console import make_console
+
+    _render_list(rows, platform, make_console())
     return 0
 
 
@@ -233,6 +255,7 @@ def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
                 sel = explain()
             except Exception as exc:  # every selection error is reported, not raised
                 from .errors import SpecAttnError
+                from .selection import describe_error
 
                 if not isinstance(exc, (SpecAttnError, ValueError)):
                     raise
@@ -243,7 +266,7 @@ def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
                 steps += _ERROR_STEPS.get(type(exc).__name__, [])
                 lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
                 lines.append(f"  => {type(exc).__name__} (message below)")
-                return False, f"error: {type(exc).__name__}: {exc}", _with_notes(
+                return False, f"error: {describe_error(exc)}", _with_notes(
                     lines, handler.messages, caught)
     finally:
         log.removeHandler(handler)
@@ -331,35 +354,72 @@ def _add_platform_args(p: argparse.ArgumentParser) -> None:
                         "flash_attn.cute); 'none' for none; default: probe this machine")
 
 
+_NAME_HELP = {
+    "attention-backend": "the engine's attention backend; used for both kinds unless a field "
+                         "below overrides it (rule 2)",
+    "decode-attention-backend": "backend of decode; also of extend with "
+                                "--speculative-attention-mode decode",
+    "prefill-attention-backend": "backend of draft extend in the default 'prefill' mode",
+    "speculative-draft-attention-backend": "the draft model's backend: overrides the three "
+                                           "above for both kinds",
+}
+
+
+def _add_select_args(p: argparse.ArgumentParser) -> None:
+    names = p.add_argument_group("backend names (precedence: rule 2 of docs/selection.md; "
+                                 "none set or 'auto': specattn chooses)")
+    for field, text in _NAME_HELP.items():
+        names.add_argument(f"--{field}", metavar="NAME", help=text)
+    p.add_argument("--speculative-attention-mode", choices=("prefill", "decode"),
+                   default="prefill", help="which field names the draft-extend backend: "
+                   "prefill-attention-backend or decode-attention-backend (default: prefill)")
+    p.add_argument("--page-size", type=int, default=1, metavar="P",
+                   help="KV cache page size in tokens (default: 1)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache dtype: auto (the model's), fp8_ds_mla or fp8_ds_v4 for the "
+                        "DeepSeek FP8 layouts (default: auto)")
+    p.add_argument("--topk", type=int, default=1, metavar="K",
+                   help="draft branches (lanes) per request (default: 1)")
+    p.add_argument("--num-steps", type=int, default=3, metavar="S",
+                   help="draft steps; 1 or less needs no decode backend (rule 1) (default: 3)")
+    p.add_argument("--mla", action="store_true", help="the draft model uses MLA "
+                   "(use_mla_backend=True) (default: MHA/GQA)")
+    p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
+                   help="lane: each lane attends to its own history, as upstream engines do; "
+                        "path: the exact EAGLE ancestry (default: lane)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser = argparse.ArgumentParser(
         prog="specattn", description="Attention backends for the draft phase of "
-        "speculative decoding: list them, explain a selection, run the demo.")
+        "speculative decoding: list them, explain a selection, run the demo or the "
+        "benchmark. Docs: docs/index.md in the repository.")
     parser.add_argument("--version", action="version", version=f"specattn {__version__}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="level of the 'specattn' loggers printed on stderr "
+                             "(default: warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("list", help="every backend, its declaration and whether it runs here")
-    p.add_argument("--kind", choices=("decode", "extend"))
-    p.add_argument("--pattern", metavar="GLOB", help="fnmatch pattern on names and aliases")
-    p.add_argument("--available", action="store_true", help="only what runs here")
+    p = sub.add_parser("list", help="every backend, its declaration and whether it runs here",
+                       description="Every registered backend and dispatcher: kinds, models, "
+                       "platforms, kernel library, capabilities, where it was tested, and "
+                       "whether it runs here (and why not).")
+    p.add_argument("--kind", choices=("decode", "extend"),
+                   help="only this kind (default: both)")
+    p.add_argument("--pattern", metavar="GLOB",
+                   help="fnmatch pattern on names and aliases, e.g. 'fa*' (default: all)")
+    p.add_argument("--available", action="store_true",
+                   help="only what runs here (dispatchers: only when their target does)")
     p.add_argument("--json", action="store_true", help="every field, as JSON")
     _add_platform_args(p)
 
-    p = sub.add_parser("select", help="explain which backends a configuration gets")
-    for field in ("attention-backend", "decode-attention-backend",
-                  "prefill-attention-backend", "speculative-draft-attention-backend"):
-        p.add_argument(f"--{field}", metavar="NAME")
-    p.add_argument("--speculative-attention-mode", choices=("prefill", "decode"),
-                   default="prefill")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--topk", type=int, default=1)
-    p.add_argument("--num-steps", type=int, default=3)
-    p.add_argument("--mla", action="store_true", help="the draft model uses MLA "
-                   "(use_mla_backend=True)")
-    p.add_argument("--tree-mode", choices=("lane", "path"), default="lane")
+    p = sub.add_parser("select", help="explain which backends a configuration gets",
+                       description="Resolve a SpecConfig for draft decode and draft extend "
+                       "and explain every step (rule numbers: docs/selection.md). Exit "
+                       "status 1 when a kind has no backend because of an error.")
+    _add_select_args(p)
     _add_platform_args(p)
 
     sub.add_parser("demo", help="run the draft-model demo (specattn demo --help)",
@@ -369,9 +429,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (not when it was made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
+def _set_log_level(level: str) -> None:
+    """Print the package's log records at ``level`` and above on stderr (one handler per
+    process, however often it is called)."""
+    log = logging.getLogger("specattn")
+    log.setLevel(level.upper())
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        log.addHandler(_StderrHandler())
+
+
+def _pop_log_level(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """``--log-level L`` anywhere on the line (so it works for demo and bench too)."""
+    for i, arg in enumerate(argv):
+        if arg == "--log-level" and i + 1 < len(argv) and argv[i + 1] in LOG_LEVELS:
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith("--log-level=") and arg.split("=", 1)[1] in LOG_LEVELS:
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``specattn`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    level, argv = _pop_log_level(argv)
+    if level is not None:
+        _set_log_level(level)
     if argv and argv[0] == "demo":
         return _cmd_demo(argv[1:])
     if argv and argv[0] == "bench":

@@ -14,7 +14,7 @@ __all__ = ["SpecConfig"]
 class SpecConfig:
     """Backend names and cache settings, named as the serving engines name them.
 
-    Name precedence (``selection.md`` rule 2), decided separately for decode and extend:
+    Name precedence (``docs/selection.md`` rule 2), decided separately for decode and extend:
     ``speculative_draft_attention_backend`` if set, else the mode field, else
     ``attention_backend``. The mode field is ``decode_attention_backend`` for decode; for
     extend it is ``decode_attention_backend`` when ``speculative_attention_mode == "decode"``

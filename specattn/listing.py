@@ -41,6 +41,25 @@ def _runs_here(cls: type, platform: Platform) -> tuple[bool, str]:
     return (not reasons, "; ".join(reasons) if reasons else note)
 
 
+def _dispatch_here(registry: Registry, kind: str, name: str, platform: Platform,
+                   depth: int = 0) -> tuple[bool, str]:
+    """(the target here runs here?, "here -> target" and why it cannot run) of a dispatcher.
+
+    A dispatcher "runs here" only when the backend it routes to on ``platform`` does: one of
+    the target's classes of ``kind`` (or, for a dispatcher target, its own target) runs."""
+    disp = registry.dispatcher(kind, name)
+    route = next((r for r in disp.routes if r.when(platform)), None)
+    target = route.target if route else None
+    if target is None:
+        return False, disp.warning or "here -> no backend"
+    if registry.dispatcher(kind, target) is not None and depth < 8:
+        ok, why = _dispatch_here(registry, kind, target, platform, depth + 1)
+        return ok, f"here -> {target}, {why}"
+    if any(_runs_here(cls, platform)[0] for cls in registry.classes(kind, target)):
+        return True, f"here -> {target}"
+    return False, f"here -> {target}, which cannot run here (see {target}'s rows)"
+
+
 def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
                   available_only: bool = False, platform: Optional[Platform] = None,
                   registry: Optional[Registry] = None) -> list[BackendInfo]:
@@ -48,7 +67,8 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
 
     kind: ``"decode"``, ``"extend"`` or ``None`` for both. pattern: ``fnmatch`` pattern on
     names and aliases (``"fa*"``). available_only: only those whose platform and library
-    predicates hold here (capabilities such as page size are per request and not checked).
+    predicates hold here, and dispatchers whose target here does (capabilities such as page
+    size are per request and not checked).
     """
     registry = active_registry() if registry is None else registry
     if registry is default_registry:
@@ -64,13 +84,11 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
                                     tuple(d["capabilities"]), d["tested_on"], d["class"], ok,
                                     reason, cls))
         for disp in registry.dispatchers(k):
-            route = next((r for r in disp.routes if r.when(platform)), None)
-            target = route.target if route else None
+            ok, reason = _dispatch_here(registry, k, disp.name, platform)
             rows.append(BackendInfo(
                 disp.name, k, "dispatcher", (), ("mha", "mla"),
                 "; ".join(f"{r.when.description} -> {r.target or 'none'}" for r in disp.routes),
-                "-", (), "-", "dispatcher", True,
-                f"here -> {target}" if target else (disp.warning or "here -> no backend")))
+                "-", (), "-", "dispatcher", ok, reason))
     if pattern:
         rows = [r for r in rows if fnmatch.fnmatch(r.name, pattern)
                 or any(fnmatch.fnmatch(a, pattern) for a in r.aliases)]

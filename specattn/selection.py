@@ -1,6 +1,6 @@
 """Selection: from a requested name, a request and a platform to a backend class.
 
-One generic lookup over the registry; rules 4-10 of ``selection.md`` live in the backends'
+One generic lookup over the registry; rules 4-10 of ``docs/selection.md`` live in the backends'
 declarations (flavours, aliases, dispatchers), not here. Every decision is recorded in a
 ``Selection`` so ``specattn select`` can explain it.
 """
@@ -19,10 +19,11 @@ from .registry import Registry, active_registry
 
 log = get_logger("selection")
 
-__all__ = ["Selection", "select", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow", "auto_order"]
+__all__ = ["Selection", "select", "describe_error", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow",
+           "auto_order"]
 
 AUTO = "auto"
-# The original factory's messages (selection.md rule 3), kept verbatim as prefixes.
+# The original factory's messages (docs/selection.md rule 3), kept verbatim as prefixes.
 UNKNOWN_NAME_MESSAGES = {
     "decode": "EAGLE is not supported in decode attention backend {name}",
     "extend": "EAGLE is not supported in attention backend {name}",
@@ -44,7 +45,7 @@ class Selection:
 
     def explain(self) -> str:
         lines = [f"{self.kind}: requested {self.requested!r} for {self.request} "
-                 f"on {self.platform}"]
+                 f"on {self.platform} (rule numbers: docs/selection.md)"]
         lines += [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
         return "\n".join(lines)
 
@@ -213,3 +214,13 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
                + f". Valid {kind} backend names: {', '.join(sorted(valid))}."
                + (f" Did you mean {hint!r}?" if hint else ""))
     return UnknownBackendError(message, name, sorted(valid), hint)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a person: for an unknown name, ``unknown backend 'flashinfr'; did you mean
+    'flashinfer'?`` first, then the exception's own message (which keeps the original
+    factory's sentence first, for code that matches it); else ``Type: message``."""
+    if isinstance(exc, UnknownBackendError):
+        hint = f"; did you mean {exc.closest!r}?" if exc.closest else ""
+        return f"unknown backend {exc.name!r}{hint} ({type(exc).__name__}: {exc})"
+    return f"{type(exc).__name__}: {exc}"

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .errors import BackendUnavailableError
+from .install import install_hint
 from .platforms import triton_interpret_enabled
 
 __all__ = ["ceil_div", "next_pow2", "prev_pow2", "sm_count", "triton_runs", "vendor_module"]
@@ -61,5 +62,5 @@ def vendor_module(name: str, pip_name: str, backend: str) -> ModuleType:
     except ImportError as exc:
         raise BackendUnavailableError(
             f"{backend}: needs the '{name}' package, which cannot be imported here ({exc}); "
-            f"install it with: pip install {pip_name}", backend,
-            {backend: [f"needs the '{name}' package (pip install {pip_name})"]}) from exc
+            f"install it with: {install_hint(pip_name)}", backend,
+            {backend: [f"needs the '{name}' package ({install_hint(pip_name)})"]}) from exc

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import sys
 
 import pytest
@@ -25,7 +26,8 @@ from specattn.bench.baselines import SDPAPerLane, per_lane_table
 from specattn.bench.harness import (
     Variant, WallClock, build_setup, discover_variants, measure_variant, relative_error,
 )
-from specattn.bench.run import Progress, floor_row
+from specattn._console import ItemProgress
+from specattn.bench.run import floor_row
 from specattn.metadata import history_slots
 from specattn.platforms import current_platform
 
@@ -385,16 +387,15 @@ def test_append_merges_by_case(tmp_path):
 # --- progress, CLI, README ---------------------------------------------------------------------
 
 def test_progress_plain_text():
+    """Not a terminal (a log): one line per item as it starts, nothing redrawn."""
     buf = io.StringIO()
-    p = Progress(4, buf, width=8)
-    p.update("a")
-    p.advance()
-    p.advance()
-    p.update("b")
-    p.close()
-    lines = buf.getvalue().splitlines()
-    assert lines[0].startswith("[........] 0/4") and lines[0].endswith(" a")
-    assert lines[1].startswith("[####....] 2/4") and len(lines) == 2
+    with ItemProgress(4, "bench", buf) as p:
+        p.start("a")
+        p.advance()
+        p.advance()
+        p.start("b")
+        p.advance()
+    assert buf.getvalue().splitlines() == ["[1/4] a", "[3/4] b"]
 
 
 def test_cli_errors(capsys):
@@ -405,28 +406,70 @@ def test_cli_errors(capsys):
     assert cli_main(["--case", "extend", "--steps"]) == 2
 
 
-def test_default_out_dir_keeps_an_earlier_record(tmp_path, monkeypatch):
-    """A default results folder that holds a run (a committed record) is not overwritten:
-    the new run gets ``-2``, then ``-3``; ``--append`` merges into the folder itself."""
+def test_default_out_dir_is_a_cache_folder_that_keeps_an_earlier_run(tmp_path, monkeypatch):
+    """Without --out, results go to the user's cache folder, not the working directory; a
+    folder that holds a run is not overwritten: the new run gets ``-2``, then ``-3``;
+    ``--append`` merges into the folder itself."""
     import argparse
     import datetime
 
     from specattn.bench import _out_dir
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     info = {"gpu": None, "cpu": "x"}
     fresh = argparse.Namespace(out=None, append=False)
     base = _out_dir(fresh, info)
-    assert base.startswith(os.path.join("benchmarks", "results",
-                                        datetime.date.today().isoformat()))
+    assert base == str(tmp_path / "cache" / "specattn" / "bench"
+                       / f"{datetime.date.today().isoformat()}-cpu")
     os.makedirs(base)
     assert _out_dir(fresh, info) == base  # an empty folder holds no run
     for folder, following in ((base, base + "-2"), (base + "-2", base + "-3")):
         os.makedirs(folder, exist_ok=True)
-        (tmp_path / folder / "bench.csv").write_text("case\n")
+        (pathlib.Path(folder) / "bench.csv").write_text("case\n")
         assert _out_dir(fresh, info) == following
     assert _out_dir(argparse.Namespace(out=None, append=True), info) == base
     assert _out_dir(argparse.Namespace(out="mine", append=False), info) == "mine"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _out_dir(fresh, info).startswith(str(tmp_path / "home" / ".cache" / "specattn"))
+    assert not any(tmp_path.glob("benchmarks"))
+
+
+def test_wall_clock_reports_median_and_spread():
+    """torch.utils.benchmark medians: a run that alternates fast and slow calls has a wide
+    spread, a steady one a narrow one."""
+    import time as _time
+
+    calls = []
+
+    def jittery():
+        calls.append(1)
+        _time.sleep(0.002 if len(calls) % 2 else 0.008)
+
+    clock = WallClock(8)
+    ms = clock.time(jittery)
+    # A warm-up and an estimate, then at least four blocks: ~8 warm-ups' time, up to 3x that
+    # while the spread stays above 10%.
+    assert 6 <= len(calls) <= 40
+    assert 1.5 < ms < 20 and clock.last_spread > report.NOISY_SPREAD
+    noisy = clock.last_spread
+    clock.time(lambda: _time.sleep(0.005))
+    assert clock.last_spread < noisy
+
+
+def test_noise_warning_names_the_worst_timing():
+    rows = [{"case": "c", "variant": "a", "status": "ok", "spread": 0.02},
+            {"case": "c", "variant": "b", "status": "ok", "spread": 0.35},
+            {"case": "c", "variant": "floor", "status": "floor"}]
+    text = report.noise_warning(rows)
+    assert text.startswith("warning: 1 of 2 timings spread more than 10%")
+    assert "worst 35%, c b" in text and "--clock cpu" in text
+    assert report.noise_warning(rows[:1]) == ""
+    table = report.render_table(report.add_ratios([dict(r, lengths="uniform", time_us=5.0,
+                                                        kind="decode", lanes=4, backend="x")
+                                                   for r in rows[:2]]), cpu=True)
+    assert "| c | uniform | b | 5.0 | 35% |" in table
 
 
 def test_cli_end_to_end_and_readme(tmp_path, capsys):
@@ -450,7 +493,10 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     info = json.loads((out / "versions.json").read_text())
     assert info["torch"] == torch.__version__ and info["copy_bandwidth_gbs"] > 0
     table = (out / "table.md").read_text()
-    assert "| custom | uniform | intel_amx |" in table and table.strip() in stdout
+    assert "| custom | uniform | intel_amx |" in table
+    assert f"wrote {out}/" in stdout  # and the same table, fitted to the terminal
+    printed = [line.split() for line in stdout.splitlines()]
+    assert any(cells[:3] == ["custom", "uniform", "intel_amx"] for cells in printed)
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
     if HAS_MPL:
         assert "case-custom-uniform.png" in pngs

@@ -38,9 +38,44 @@ def test_list_table(capsys, monkeypatch):
         for name in default_registry.names(kind):
             assert any(line.startswith(name + " ") for line in lines), name
     ref = next(line for line in lines if line.startswith("torch_ref "))
-    assert "decode+extend" in ref and ref.rstrip().endswith("yes")
+    assert ref.split()[1:5] == ["yes", "decode+extend,", "default,", "mha/mla;"]
     assert "aliases: nsa" in out  # dsa's deprecated alias
     assert "cutedsl_mla (extend)" in out  # trtllm_mla's extend-only alias
+
+
+def test_list_counts_what_it_shows_and_splits_no_number(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # the narrowest table: the most wrapping
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    lines = out.splitlines()
+    rows = specattn.list_backends()
+    shown = [line for line in lines if line.split() and line.split()[0] in {r.name for r in rows}
+             and not line.startswith(" ")]
+    classes = [r for r in rows if r.flavour != "dispatcher"]
+    summary = " ".join(" ".join(lines[-3:]).split())
+    assert f"{len(shown)} entries: {len(classes)} backend classes" in summary
+    assert f"and {len(rows) - len(classes)} dispatchers" in summary
+    # Long lists of numbers are written as ranges; a wrapped cell never splits a number.
+    start = next(line for line in lines if line.startswith("NAME ")).index("KINDS")
+    details = [line[start:].rstrip() for line in lines if len(line) > start]
+    assert "page 16-512 (multiples of 16)" in " ".join(" ".join(details).split())
+    from specattn.cli import _details, _merge_rows
+
+    for entry in _merge_rows(rows):
+        for word in _details(entry).split():
+            if any(ch.isdigit() for ch in word):
+                assert any(word in line for line in details), word
+
+
+def test_available_lists_no_dispatcher_whose_target_cannot_run(capsys):
+    cpu = Platform("cpu", None, cpu_has_amx=False, libraries=frozenset())
+    rows = specattn.list_backends(available_only=True, platform=cpu)
+    assert "hybrid_linear_attn" not in {r.name for r in rows}  # -> fa3 on a plain CPU
+    amx = Platform("cpu", None, cpu_has_amx=True, libraries=frozenset())
+    hybrid = [r for r in specattn.list_backends(available_only=True, platform=amx)
+              if r.name == "hybrid_linear_attn"]
+    assert {r.kind for r in hybrid} == {"decode", "extend"}  # -> intel_amx, which runs
+    assert all(r.reason == "here -> intel_amx" for r in hybrid)
 
 
 def test_list_json_has_every_field(capsys):
@@ -82,7 +117,9 @@ def test_list_for_another_platform(capsys):
     rows = {(r["name"], r["kind"], r["flavour"]): r for r in data["backends"]}
     assert "needs CUDA" not in rows[("flashinfer", "decode", "mha")]["reason"]
     hybrid = rows[("hybrid_linear_attn", "decode", "dispatcher")]
-    assert hybrid["reason"] == "here -> triton"  # Blackwell (rule 6)
+    # Blackwell (rule 6); triton is not among the given libraries, so it cannot run.
+    assert hybrid["reason"].startswith("here -> triton, which cannot run here")
+    assert hybrid["runs_here"] is False
     code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
                        "flashinfer")
     assert out.splitlines()[0] == "platform: cuda 10.0"
@@ -130,6 +167,11 @@ def test_select_unknown_name_exits_1(capsys):
     assert "EAGLE is not supported in attention backend flashinfr." in out
     assert "Did you mean 'flashinfer'?" in out
     assert "not a known name, alias or dispatcher (rule 3)" in out
+    answers = _answers(out)
+    for kind in ("decode", "extend"):  # the friendly line first, the original sentence next
+        assert answers[kind].startswith("error: unknown backend 'flashinfr'; did you mean "
+                                        "'flashinfer'? (UnknownBackendError: EAGLE is not "
+                                        "supported in ")
 
 
 def test_select_mla_only_name_for_mha(capsys):
@@ -235,6 +277,46 @@ def test_demo_missing_is_a_clear_message(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "specattn.demo", None)
     code, _, err = run(capsys, "demo")
     assert code == 2 and "specattn.demo" in err and "not available" in err
+
+
+@pytest.fixture
+def restore_log_level():
+    import logging
+
+    log = logging.getLogger("specattn")
+    level, handlers = log.level, list(log.handlers)
+    yield
+    log.setLevel(level)
+    log.handlers[:] = handlers
+
+
+def test_log_level_prints_the_packages_records(capsys, restore_log_level):
+    code, out, err = run(capsys, "--log-level", "info", "select", "--platform", "cpu",
+                         "--with-library", "none")
+    assert code == 0 and "INFO specattn.selection: auto selected decode backend" in err
+    code, out, err = run(capsys, "select", "--platform", "cpu", "--log-level", "error")
+    assert code == 0 and "auto selected" not in err  # anywhere on the line; error hides info
+    code, _, err = run(capsys, "--log-level", "loud", "list")
+    assert code == 2 and "--log-level" in err
+
+
+def test_every_select_option_has_help_and_a_default(capsys):
+    from specattn.cli import build_parser
+
+    select = build_parser()._subparsers._group_actions[0].choices["select"]
+    for action in select._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.dest
+        if action.dest not in {"platform", "with_library"} and not action.dest.endswith(
+                "_backend"):
+            assert "default" in action.help, action.dest
+
+
+def test_python_dash_m_specattn():
+    proc = subprocess.run([sys.executable, "-m", "specattn", "--version"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"specattn {specattn.__version__}"
 
 
 def test_module_entry_point():

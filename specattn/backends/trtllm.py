@@ -78,7 +78,7 @@ __all__ = ["TRTLLMMHADecode", "TRTLLMMHAExtend", "TRTLLMMLADecode", "CuteDSLMLAD
            "TRTLLMMLAExtend"]
 
 _SM10X = cuda_capability(10)
-_REQUIRES = (("flashinfer", "flashinfer-python"),)
+_REQUIRES = (("flashinfer", "flashinfer-python~=0.7.0"),)
 _PRIORITY = {"cuda": 85}
 _TESTED = "not run on hardware (Blackwell only; stand-in tested)"
 _MHA_FN = "trtllm_batch_decode_with_kv_cache"

@@ -7,9 +7,10 @@
 Per case (``cases.py``): the copy-bandwidth floor, then every variant (each backend in its
 shared-prefix and ``per-branch`` modes where it has both, and raw-library per-lane baselines)
 checked against ``torch_ref`` and timed (``harness.py``); a table, CSV, PNG charts and the
-versions go to ``benchmarks/results/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the
-small cases run for ``torch_ref`` and ``intel_amx`` (wall clock, tokens/s, ratio to
-``torch_ref``).
+versions go to ``--out``, by default ``~/.cache/specattn/bench/<date>-<gpu or cpu>/``
+(``report.py``). On a CPU the small cases run for ``torch_ref`` and ``intel_amx``
+(``torch.utils.benchmark`` medians with their spread, tokens/s, ratio to ``torch_ref``). The
+protocol: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
-        "copy-bandwidth floor and the per-branch baselines (performance.md).")
+        "copy-bandwidth floor and the per-branch baselines. The protocol, the cases and how "
+        "to read the table: docs/performance.md in the repository.")
     p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
                    help="standard cases to run (default: all for this device; "
                    "--list-cases shows them)")
@@ -50,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--mla", action="store_true", help="MLA shape (16 heads, rank 512, "
                        "rope 64) instead of GQA (32/8 heads, head dim 128)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--out", metavar="DIR", help="results folder (default "
-                   "benchmarks/results/<date>-<gpu or cpu>, or its first free -2, -3... "
-                   "when it already holds a run and --append is not given)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default: "
+                   f"{_default_root()}/<date>-<gpu or cpu>, or its first free -2, -3... "
+                   "when it already holds a run and --append is not given; "
+                   "$XDG_CACHE_HOME moves it)")
     p.add_argument("--append", action="store_true", help="merge into the CSVs already in "
                    "--out (rows of the cases run now are replaced): split a long run into "
                    "several commands")
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-round", action="store_true", help="skip whole-round timing")
     p.add_argument("--no-raw", action="store_true", help="skip raw-library baselines")
     p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
-    p.add_argument("--reps", type=int, default=5, help="CPU: timed runs (best is kept)")
+    p.add_argument("--reps", type=int, default=7, help="CPU: timed runs per measurement; the "
+                   "median is reported with the spread (default: 7; --quick: 5)")
     p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="CPU: wall time, or this process's CPU time (steadier on a shared "
@@ -103,15 +107,23 @@ def _select_cases(args, on_gpu: bool):
     return [c.with_(ragged=r) for c in chosen for r in lengths], custom
 
 
+def _default_root() -> str:
+    """Where results go without ``--out``: a cache folder of the user, never the directory
+    the command happens to run in."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                               ".cache")
+    return os.path.join(cache, "specattn", "bench")
+
+
 def _out_dir(args, info) -> str:
-    """``--out``, else ``benchmarks/results/<date>-<device>``. Without ``--append`` a default
-    folder that already holds a run is kept (it may be a committed record): the new run goes
-    to the first free ``...-2``, ``...-3``."""
+    """``--out``, else ``<cache>/specattn/bench/<date>-<device>``. Without ``--append`` a
+    default folder that already holds a run is kept: the new run goes to the first free
+    ``...-2``, ``...-3``."""
     from .report import device_slug
 
     if args.out:
         return args.out
-    base = os.path.join("benchmarks", "results",
+    base = os.path.join(_default_root(),
                         f"{datetime.date.today().isoformat()}-{device_slug(info)}")
     out, n = base, 1
     while not args.append and os.path.exists(os.path.join(out, "bench.csv")):
@@ -174,6 +186,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     from ..platforms import current_platform
     from . import cases as C
     from . import report, run
+    from .._console import ItemProgress, make_console
     from .harness import CudaClock, WallClock, copy_bandwidth
 
     parser = build_parser()
@@ -203,8 +216,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     platform = current_platform()
     if args.threads:
         torch.set_num_threads(args.threads)
+    reps = min(args.reps, 5) if args.quick else args.reps
     clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
-        max(1, args.reps - 2) if args.quick else args.reps, cpu_time=args.clock == "cpu")
+        reps, cpu_time=args.clock == "cpu")
     plans = [] if args.only_sweep else run.plan_cases(cases, platform, args.backend,
                                                       raw=not args.no_raw, on_gpu=on_gpu)
     no_sweep = args.no_sweep or custom or args.case or (args.extend and not args.steps)
@@ -212,16 +226,15 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
                             platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
     total = sum(len(p.variants) for p in plans + sweep)
-    print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
-          f"{device.type}", file=sys.stderr)
     info = report.versions(device)
-    bandwidth = copy_bandwidth(device, clock)
-    progress = run.Progress(total)
-    rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
-                         rounds=not args.no_round, round_layers=args.round_layers)
-    sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
-    progress.close()
     out = _out_dir(args, info)
+    print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
+          f"{device.type}; results will be written to {out}/", file=sys.stderr)
+    bandwidth = copy_bandwidth(device, clock)
+    with ItemProgress(total, "bench") as progress:
+        rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
+                             rounds=not args.no_round, round_layers=args.round_layers)
+        sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
     os.makedirs(out, exist_ok=True)
     if args.append:
         rows, sweep_rows = _merge(out, rows, sweep_rows)
@@ -239,16 +252,22 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     report.write_versions(info, os.path.join(out, "versions.json"))
     title = info["gpu"] or "CPU"
     pngs, png_note = report.write_pngs(rows, sweep_rows, out, title)
-    text = _header(info, bandwidth, clock.name, on_gpu, rows) + "\n\n"
-    text += report.render_table(rows, cpu=not on_gpu) + "\n"
+    header = _header(info, bandwidth, clock.name, on_gpu, rows)
+    notes = ""
     if sweep_rows:
-        text += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
-        text += ", `prefix-sweep.png`.\n" if pngs else ".\n"
+        notes += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
+        notes += ", `prefix-sweep.png`.\n" if pngs else ".\n"
     if png_note:
-        text += f"\n{png_note}.\n"
+        notes += f"\n{png_note}.\n"
+    noise = report.noise_warning(rows)
+    if noise:
+        notes += f"\n{noise}.\n"
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(text)
-    print(text)
+        f.write(header + "\n\n" + report.render_table(rows, cpu=not on_gpu) + "\n" + notes)
+    console = make_console()
+    console.print(header + "\n")
+    report.print_table(rows, console, cpu=not on_gpu)
+    console.print(notes)
     print(f"wrote {out}/ (bench.csv, table.md, versions.json"
           + (", sweep.csv" if sweep_rows else "")
           + (f", {len(pngs)} PNG" if pngs else "") + ")")

@@ -1,4 +1,5 @@
-"""Benchmark cases: the standard table of ``performance.md``, small CPU cases, custom shapes.
+"""Benchmark cases: the standard table of ``docs/performance.md``, small CPU cases, custom
+shapes.
 
 A ``Case`` is one model shape and batch: ``B`` requests of prefix ``L`` (uniform, or ragged
 in ``[L/2, 3L/2]``), ``K`` lanes, ``S`` draft steps, page size ``P``. Decode cases time one
@@ -22,12 +23,12 @@ __all__ = ["Case", "STANDARD_CASES", "SMALL_CASES", "SWEEP_PREFIXES", "SWEEP_TOP
            "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Per-layer shapes of performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
+# Per-layer shapes of docs/performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
 # kv_lora_rank, rope dim).
 GQA_SHAPE = (32, 8, 128)
 MLA_SHAPE = (16, 512, 64)
 MLA_WIDE_SHAPE = (128, 512, 64)  # all heads on one GPU (DP attention)
-# Step timed by the per-step numbers: three history slots, as performance.md measures.
+# Step timed by the per-step numbers: three history slots, as docs/performance.md measures.
 TIMED_STEP = 2
 
 
@@ -143,8 +144,9 @@ def _std(name, model, batch, prefix, topk, steps, page_size=1, kind="decode", **
     return Case(name, model, batch, prefix, topk, steps, page_size, kind, **kw)
 
 
-# performance.md, "Standard cases" (mla-long and mla-wide also at page size 64); issue #19
-# added mla-k1 (plain MLA decode), mla-small (split prefix) and mla-wide (compute bound).
+# docs/performance.md, "Standard cases" (mla-long and mla-wide also at page size 64): mla-k1
+# (plain MLA decode), mla-small (split prefix) and mla-wide (compute bound) with the Gluon
+# MLA kernel's work.
 STANDARD_CASES = (
     _std("gqa-long", "mha", 32, 4096, 8, 5),
     _std("gqa-chain", "mha", 64, 2048, 1, 4),
@@ -195,7 +197,7 @@ def find_cases(names: list[str]) -> list[Case]:
 def custom_case(*, batch: int = 4, prefix: int = 1024, topk: int = 4, steps: int = 5,
                 page_size: int = 1, mla: bool = False, extend: bool = False,
                 dtype: torch.dtype = torch.bfloat16) -> Case:
-    """A case from the command line's shape flags (model shapes of performance.md)."""
+    """A case from the command line's shape flags (model shapes of docs/performance.md)."""
     return Case("custom-extend" if extend else "custom", "mla" if mla else "mha", batch,
                 prefix, 1 if extend else topk, steps, page_size,
                 "extend" if extend else "decode", dtype)

@@ -1,11 +1,11 @@
 """Timing, the copy-bandwidth floor and the correctness gate of ``specattn bench``.
 
-Protocol (``performance.md``): the copy bandwidth is measured in the same process a moment
-before the cases; every variant is first checked against ``torch_ref`` on a sample of
+Protocol (``docs/performance.md``): the copy bandwidth is measured in the same process a
+moment before the cases; every variant is first checked against ``torch_ref`` on a sample of
 requests (a variant that fails is reported as failed and not timed); times are medians of
 ``triton.testing.do_bench`` over a CUDA graph that runs the call once per layer, the layers'
-pools rotating so the KV read per call is larger than L2 (GPU), or the best of a few wall-clock
-runs (CPU). Inputs are random, never zeros.
+pools rotating so the KV read per call is larger than L2 (GPU), or the median of several
+``torch.utils.benchmark`` runs, with their spread (CPU). Inputs are random, never zeros.
 
 Per variant and case:
 
@@ -55,27 +55,37 @@ def tolerance(dtype: torch.dtype) -> float:
 # --- clocks --------------------------------------------------------------------------------
 
 class WallClock:
-    """Host clock: best of ``reps`` runs after one warm-up (on a shared CPU the minimum is the
-    run least disturbed by other processes). ``cpu_time=True`` counts this process's CPU time
-    instead of wall time (steadier on a loaded machine; use with one torch thread). No
-    graphs."""
+    """Host clock through ``torch.utils.benchmark``: after one warm-up call, at least four
+    blocks of calls for about ``reps`` times the warm-up's duration, longer (up to three
+    times that) while the blocks still spread more than 10% (``adaptive_autorange``); the
+    median per call and the spread of the blocks (interquartile range over the median,
+    ``last_spread``), so a run on a busy machine shows as noisy instead of passing for a
+    measurement.
+    ``cpu_time=True`` counts this process's CPU time instead of wall time (steadier on a
+    loaded machine; use with one torch thread). No graphs."""
 
     graphs = False
 
-    def __init__(self, reps: int = 5, cpu_time: bool = False) -> None:
-        self.reps = reps
-        self.name = "process CPU time" if cpu_time else "wall"
+    def __init__(self, reps: int = 7, cpu_time: bool = False) -> None:
+        self.reps = max(1, reps)
+        self.name = "process CPU time, median" if cpu_time else "wall, median"
         self._now = time.process_time if cpu_time else time.perf_counter
+        self.last_spread: Optional[float] = None
 
     def time(self, fn: Callable[[], Any]) -> float:
-        """Milliseconds of one ``fn()``."""
+        """Milliseconds of one ``fn()`` (median); sets ``last_spread``."""
+        from torch.utils.benchmark import Timer
+
+        timer = Timer(stmt="fn()", globals={"fn": fn}, timer=self._now,
+                      num_threads=torch.get_num_threads())
+        t0 = self._now()
         fn()
-        best = math.inf
-        for _ in range(self.reps):
-            t0 = self._now()
-            fn()
-            best = min(best, self._now() - t0)
-        return best * 1e3
+        warm = self._now() - t0
+        budget = max(self.reps * warm, 1e-3)
+        runs = timer.adaptive_autorange(threshold=0.1, min_run_time=budget,
+                                        max_run_time=3 * budget)
+        self.last_spread = runs.iqr / runs.median if runs.median > 0 else None
+        return runs.median * 1e3
 
     def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         raise RuntimeError("graphs need a CUDA device")
@@ -87,6 +97,7 @@ class CudaClock:
 
     name = "do_bench median"
     graphs = True
+    last_spread: Optional[float] = None  # do_bench's median only
 
     def __init__(self, warmup_ms: int = 25, rep_ms: int = 200) -> None:
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
@@ -384,6 +395,7 @@ class Result:
     error: str = ""
     max_err: Optional[float] = None
     step_ms: Optional[float] = None
+    step_spread: Optional[float] = None  # interquartile range / median of the step's runs
     step_timing: str = ""
     round_eager_ms: Optional[float] = None
     round_graph_ms: Optional[float] = None
@@ -503,6 +515,7 @@ def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True
         return res
     try:
         res.step_ms, res.step_timing, notes = time_step(variant, setup, clock)
+        res.step_spread = getattr(clock, "last_spread", None)
         res.notes += notes
         if rounds and not variant.raw:
             res.round_eager_ms, res.round_graph_ms, notes = time_round(

@@ -21,14 +21,17 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "SWEEP_COLUMNS", "FLOOR", "add_ratios", "render_table", "write_csv",
-           "read_csv", "write_pngs", "versions", "device_slug"]
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios", "render_table",
+           "print_table",
+           "noise_warning", "write_csv", "read_csv", "write_pngs", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
+# A timing whose runs spread more than this (interquartile range over the median) is noisy.
+NOISY_SPREAD = 0.10
 COLUMNS = [
     "case", "lengths", "kind", "model", "batch", "prefix", "topk", "steps", "page_size",
     "dtype", "lanes", "variant", "backend", "mode", "kernel_library", "status", "error", "max_err",
-    "time_us", "timing", "floor_us", "x_floor", "kv_bytes", "bandwidth_gbs", "per_branch",
+    "time_us", "spread", "timing", "floor_us", "x_floor", "kv_bytes", "bandwidth_gbs", "per_branch",
     "x_vs_per_branch", "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us",
     "round_graph_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
@@ -99,23 +102,26 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
-def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
-    """The markdown table printed at the end (one line per row; failed rows say why)."""
-    head = ["case", "lengths", "variant", "time us", "x floor", "x vs per-branch", "GB/s"]
+def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the results table (one line per row; failed rows say why)."""
+    head = ["case", "lengths", "variant", "time us"] + (["spread"] if cpu else [])
+    head += ["x floor", "x vs per-branch", "GB/s"]
     head += ["tokens/s", "x vs torch_ref"] if cpu else []
     head += ["round eager us", "round graph us" if not cpu else "round tokens/s", "check"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         status = r.get("status")
         cells = [r["case"], r["lengths"], r["variant"]]
         if status in ("failed", "unsupported"):
             word = "FAILED" if status == "failed" else "not run"
-            cells += [f"{word}: {r.get('error', '')}".replace("|", "/")]
+            cells += [f"{word}: {r.get('error', '')}"]
             cells += [""] * (len(head) - len(cells))
         else:
             vs_pb = _fmt(r.get("x_vs_per_branch"), ".2f", "x")
-            cells += [_fmt(r.get("time_us"), ",.1f"), _fmt(r.get("x_floor"), ".2f"),
-                      vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
+            cells.append(_fmt(r.get("time_us"), ",.1f"))
+            if cpu:
+                cells.append(_fmt(r.get("spread"), ".0%"))
+            cells += [_fmt(r.get("x_floor"), ".2f"), vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
             if cpu:
                 cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
                           _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
@@ -130,8 +136,61 @@ def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
                 cells.append("reference (not timed)")
             else:
                 cells.append(_fmt(r.get("max_err"), ".1e"))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        body.append([str(c) for c in cells])
+    return head, body
+
+
+def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
+    """The markdown table of ``table.md``."""
+    head, body = _table_cells(rows, cpu)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in body]
     return "\n".join(lines)
+
+
+def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> None:
+    """The same table on a terminal, fitted by ``rich``: headers and text wrap at spaces, a
+    number is never folded; when the columns do not fit the width, they are printed in
+    several tables, each starting with case, lengths and variant."""
+    from .._console import make_table
+
+    head, body = _table_cells(rows, cpu)
+    widths = [max(len(word) for cells in body + [head]
+                  for word in (cells[i].split() or [""])) for i in range(len(head))]
+    key, groups, group = 3, [], []
+    room = console.width - sum(widths[:key]) - 2 * key
+    for i in range(key, len(head)):
+        if group and room < widths[i] + 2:
+            groups.append(group)
+            group, room = [], console.width - sum(widths[:key]) - 2 * key
+        group.append(i)
+        room -= widths[i] + 2
+    groups.append(group)
+    for n, group in enumerate(groups):
+        columns = list(range(key)) + group
+        table = make_table(*(head[i] for i in columns))
+        table.padding = (0, 1)
+        for column, i in zip(table.columns, columns):
+            column.min_width = widths[i]
+        for cells in body:
+            table.add_row(*(cells[i] for i in columns))
+        if n:
+            console.print()
+        console.print(table)
+
+
+def noise_warning(rows: list[dict[str, Any]], limit: float = NOISY_SPREAD) -> str:
+    """'' or a warning naming the timings whose runs spread more than ``limit`` (the
+    interquartile range over the median): their ratios are not to be trusted."""
+    noisy = [r for r in rows if (_num(r.get("spread")) or 0.0) > limit]
+    if not noisy:
+        return ""
+    worst = max(noisy, key=lambda r: _num(r["spread"]))
+    return (f"warning: {len(noisy)} of {sum(1 for r in rows if r.get('status') == 'ok')} "
+            f"timings spread more than {limit:.0%} between runs (interquartile range over "
+            f"the median; worst {_num(worst['spread']):.0%}, {worst['case']} "
+            f"{worst['variant']}): this machine is busy, so the ratios are noisy. Rerun on an "
+            "idle machine, or with --threads 1 --clock cpu, or with more --reps")
 
 
 # --- CSV -------------------------------------------------------------------------------------

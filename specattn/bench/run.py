@@ -1,53 +1,18 @@
-"""The benchmark loop: cases x variants, with a progress line, into report rows."""
+"""The benchmark loop: cases x variants, with a progress bar, into report rows."""
 
 from __future__ import annotations
 
-import sys
-import time
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import torch
 
+from .._console import ItemProgress
 from .cases import Case
 from .harness import Result, Variant, build_setup, discover_variants, measure_variant
 from .report import FLOOR
 
-__all__ = ["Progress", "Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
+__all__ = ["Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
            "result_row", "floor_row", "matmul_tflops", "tflops_note"]
-
-
-class Progress:
-    """A plain-text progress bar on ``stream`` (redrawn in place on a terminal, one line per
-    item otherwise)."""
-
-    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24) -> None:
-        self.total, self.done, self.width = max(total, 1), 0, width
-        self.stream = sys.stderr if stream is None else stream
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
-
-    def line(self, label: str) -> str:
-        filled = round(self.width * self.done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.perf_counter() - self.start
-        return f"[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
-
-    def update(self, label: str) -> None:
-        """Show ``label`` as the item now running (call before it runs)."""
-        text = self.line(label)
-        if self.tty:
-            self.stream.write("\r\033[K" + text[:160])
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def advance(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K" + self.line("done") + "\n")
-            self.stream.flush()
 
 
 def case_fields(case: Case, lengths: list[int]) -> dict[str, Any]:
@@ -103,7 +68,8 @@ def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
             "backend": variant.backend, "mode": variant.mode,
             "kernel_library": variant.kernel_library, "status": result.status,
             "error": result.error, "max_err": result.max_err, "time_us": us(result.step_ms),
-            "timing": result.step_timing, "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6,
+            "spread": result.step_spread, "timing": result.step_timing,
+            "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6,
             "round_layers": result.round_layers if result.round_eager_ms else "",
             "round_eager_us": us(result.round_eager_ms),
             "round_graph_us": us(result.round_graph_ms), "copy_bw_gbs": bandwidth / 1e9,
@@ -134,7 +100,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: Progress, *, seed: int,
+def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: ItemProgress, *, seed: int,
               rounds: bool, round_layers: int) -> list[tuple[list[int], Variant, Result]]:
     case = plan.case
     try:
@@ -148,7 +114,7 @@ def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: Progress, *
         return [(lengths, v, err) for v in plan.variants]
     out = []
     for variant in plan.variants:
-        progress.update(f"{case.label} | {variant.label}")
+        progress.start(f"{case.label} | {variant.label}")
         result = measure_variant(variant, setup, clock, rounds=rounds,
                                  round_layers=round_layers)
         out.append((setup.lengths, variant, result))
@@ -159,7 +125,7 @@ def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: Progress, *
     return out
 
 
-def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: Progress, *,
+def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: ItemProgress, *,
               seed: int = 0, rounds: bool = True, round_layers: int = 4,
               ) -> list[dict[str, Any]]:
     """Rows of every planned case: its floor, then one row per variant (skipped variants of a
@@ -180,7 +146,7 @@ def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: Prog
     return rows
 
 
-def run_sweep(plans: list[Plan], device, clock, bandwidth: float, progress: Progress, *,
+def run_sweep(plans: list[Plan], device, clock, bandwidth: float, progress: ItemProgress, *,
               seed: int = 0) -> list[dict[str, Any]]:
     """Rows of the prefix-length sweep (one step per variant; no rounds)."""
     rows = []

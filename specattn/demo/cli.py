@@ -14,6 +14,7 @@ from ..config import SpecConfig
 from ..data import DraftRunner
 from ..errors import SpecAttnError
 from ..factory import DraftBackendFactory
+from ..selection import describe_error
 from ..platforms import Platform, current_platform, torch_device_type, use_platform
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
@@ -240,5 +241,5 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
     try:
         return run_demo(args, out)
     except SpecAttnError as exc:
-        print(f"specattn demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"specattn demo: error: {describe_error(exc)}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..install import install_hint
 from .interface import Platform
 
 __all__ = [
@@ -83,5 +84,5 @@ triton_interpret = Predicate(lambda p: p.triton_interpret, "TRITON_INTERPRET=1")
 
 def has_library(module: str, pip_name: str | None = None) -> Predicate:
     """The vendor module is importable here (probed without importing)."""
-    hint = f" (pip install {pip_name})" if pip_name else ""
+    hint = f" ({install_hint(pip_name)})" if pip_name else ""
     return Predicate(lambda p: p.has_library(module), f"the '{module}' package{hint}")

@@ -31,7 +31,7 @@ from specattn.platforms._probes import module_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not module_available("flash_attn.cute"),
-                                 reason="needs flash-attn-4 (pip install flash-attn-4)")]
+                                 reason="needs flash-attn-4 (pip install -e '.[fa]')")]
 
 GQA = (32, 8, 128)
 DTYPES = [torch.bfloat16, torch.float16]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DSADecode", "DSAExtend", "make_index_k_buffer", "DEFAULT_INDEX_TOPK"]
 
-log = logging.getLogger("specattn.dsa")
+log = logging.getLogger(__name__)
 
 DEFAULT_INDEX_TOPK = 2048
 # "auto": the pool's own dtype; "fp8_ds_mla": V3.2's 656-byte FP8 layout (specattn.kv_layouts).
@@ -319,7 +319,7 @@ class _DSAExtend(_DSAMixin, DraftExtendBackend):
 
 
 _DECL = dict(deprecated_aliases=("nsa",), platforms=is_cuda | is_hip | (is_cpu & triton_interpret),
-             models=("mla",), requires=(("triton", "triton"),),
+             models=("mla",), requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)")
 
 

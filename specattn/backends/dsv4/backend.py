@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 __all__ = ["SinkAttentionLayer", "DSV4CudaDecode", "DSV4CudaExtend", "DSV4HipDecode",
            "DSV4HipExtend", "DEFAULT_WINDOW"]
 
-log = logging.getLogger("specattn.dsv4")
+log = logging.getLogger(__name__)
 
 # "auto": the pool's own dtype; "fp8_ds_v4": V4's 584-byte FP8 layout (specattn.kv_layouts).
 _KV_CACHE_DTYPES = ("auto", "fp8_ds_v4")
-_TRITON = (("triton", "triton"),)
+_TRITON = (("triton", "triton>=3.2"),)
 _TESTED_ON = ("H200 (sm90) GPU tests incl. CUDA-graph replay and the FP8 KV pools + CPU "
               "interpreter")
 _HIP_TESTED_ON = "not run on hardware (the CUDA flavour's kernels, CPU interpreter tested)"

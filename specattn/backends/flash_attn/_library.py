@@ -29,15 +29,18 @@ from typing import Optional
 import torch
 
 from ...errors import BackendUnavailableError
+from ...install import install_hint
 from ...platforms import Platform, cuda_capability
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
-__all__ = ["Kernel", "FA4Kernel", "FA3Kernel", "resolve_kernel", "FA3_INSTALL_HINT"]
+__all__ = ["Kernel", "FA4Kernel", "FA3Kernel", "resolve_kernel", "FA3_INSTALL_HINT",
+           "FA4_REQUIREMENT"]
 
+FA4_REQUIREMENT = "flash-attn-4~=4.0.0b36"  # only pre-releases exist; the one run on the H200
 FA3_INSTALL_HINT = ("install FlashAttention-3 ('flash_attn_interface', built from "
                     "flash-attention's hopper/ directory) or, on a Hopper GPU, "
-                    "FlashAttention-4 (pip install flash-attn-4)")
+                    f"FlashAttention-4 ({install_hint(FA4_REQUIREMENT)})")
 _fallback_logged = False
 
 
@@ -101,9 +104,9 @@ def resolve_kernel(library: str, platform: Platform, backend: str) -> Kernel:
     FA4's sm90 kernel (logged once per process); else ``BackendUnavailableError``."""
     global _fallback_logged
     if library == "fa4":
-        return FA4Kernel(_import("flash_attn.cute", backend, "pip install flash-attn-4"))
+        return FA4Kernel(_import("flash_attn.cute", backend, install_hint(FA4_REQUIREMENT)))
     if library == "mate":
-        mod = _import("mate", backend, "install the MUSA FlashAttention port (mate)")
+        mod = _import("mate", backend, install_hint("mate"))
         return FA3Kernel(mod, "mate.flash_attn_with_kvcache")
     if platform.has_library("flash_attn_interface"):
         mod = _import("flash_attn_interface", backend, FA3_INSTALL_HINT)

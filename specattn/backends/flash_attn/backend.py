@@ -9,14 +9,14 @@ import torch
 from ...platforms import Platform, cuda_capability, is_musa
 from ._decode import MODES, FlashAttnDecodeGlue
 from ._extend import FlashAttnExtendGlue
-from ._library import FA3_INSTALL_HINT
+from ._library import FA3_INSTALL_HINT, FA4_REQUIREMENT
 
 __all__ = ["FA3DecodeSM8x", "FA3DecodeSM90", "FA3DecodeMUSA", "FA4Decode", "FA4DecodeMUSA",
            "FA3ExtendSM8x", "FA3ExtendSM90", "FA3ExtendMUSA", "FA4Extend", "FA4ExtendMUSA",
            "MODES"]
 
 _MUSA = (("mate", "mate"),)
-_FA4_REQ = (("flash_attn.cute", "flash-attn-4"),)
+_FA4_REQ = (("flash_attn.cute", FA4_REQUIREMENT),)
 _TESTED = "not run on hardware (FA3 library path)"
 _TESTED_FA4 = "H200 (sm90, FA4 4.0.0b36): GPU tests incl. CUDA-graph replay"
 _TESTED_FA3_VIA_FA4 = "H200 through FA4's sm90 kernel; FA3 library path untested"

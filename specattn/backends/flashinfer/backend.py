@@ -16,7 +16,7 @@ from ._passes import DecodePass, MLAPass, Params, PrefillPass, default_params
 __all__ = ["FlashInferDecode", "FlashInferMLADecode", "FlashInferExtend",
            "FlashInferMLAExtend", "MODES"]
 
-_REQUIRES = (("flashinfer", "flashinfer-python"),)
+_REQUIRES = (("flashinfer", "flashinfer-python~=0.7.0"),)
 _PRIORITY = {"cuda": 70}
 _TESTED = "H200 (sm90)"
 

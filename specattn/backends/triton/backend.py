@@ -33,11 +33,11 @@ from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
 
-log = logging.getLogger("specattn.triton")
+log = logging.getLogger(__name__)
 
 _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
-_DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton"),),
+_DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
 _TESTED_ON = "H200 (sm90) + CPU interpreter"
 DECODE_MODES = ("shared", "per-branch")

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-log = logging.getLogger("specattn.triton")
+log = logging.getLogger(__name__)
 
 # Triton releases whose Gluon API this kernel was written against and run with.
 TESTED_TRITON = ("3.6",)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -186,8 +186,11 @@ class _Outputs:
 
 @torch.inference_mode()
 def greedy_generate(target: Llama, prompts: list[torch.Tensor], max_new_tokens: int,
-                    stop_ids: Sequence[int] = ()) -> Generation:
-    """Plain greedy decoding of the target: one row per request per forward."""
+                    stop_ids: Sequence[int] = (),
+                    on_step: Optional[Callable[[int], None]] = None) -> Generation:
+    """Plain greedy decoding of the target: one row per request per forward.
+
+    on_step(forwards): called after each forward (a progress bar)."""
     _sync(target.device)
     t0 = time.perf_counter()
     cache = TargetCache(target, len(prompts), max(int(p.numel()) for p in prompts)
@@ -205,6 +208,8 @@ def greedy_generate(target: Llama, prompts: list[torch.Tensor], max_new_tokens: 
             cache.commit(b, [0])
             roots[b] = int(lg[0].argmax())
             out.add(b, [roots[b]], [float(_margins(lg)[0])])
+        if on_step is not None:
+            on_step(forwards)
     _sync(target.device)
     return Generation(out.tokens, time.perf_counter() - t0, forwards, min_margin=out.min_margin)
 
@@ -228,11 +233,13 @@ class SelfSpeculativeDecoder:
 
     @torch.inference_mode()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int,
-                 stop_ids: Sequence[int] = ()) -> Generation:
+                 stop_ids: Sequence[int] = (),
+                 on_round: Optional[Callable[[int, "Generation"], None]] = None) -> Generation:
         """Generate up to ``max_new_tokens`` per prompt (``[L_b]`` int tokens, ``L_b >= 1``).
 
         Requests that are done keep running until every request is (a fixed batch), but
-        their tokens and acceptance are no longer recorded."""
+        their tokens and acceptance are no longer recorded. on_round(round, generation):
+        called after each round's acceptance, with the tokens so far (live output)."""
         from ...allocator import PagedKVAllocator
 
         _sync(self.target.device)
@@ -267,6 +274,9 @@ class SelfSpeculativeDecoder:
                 new_tokens.append(torch.tensor(acc_toks + [bonus], dtype=torch.long))
             gen.accepted.append(accepted)
             gen.trees.append(tree)
+            if on_round is not None:
+                gen.seconds = time.perf_counter() - t0
+                on_round(gen.target_forwards - 1, gen)
             if not out.all_done:
                 drafter.extend(new_tokens)
         _sync(self.target.device)

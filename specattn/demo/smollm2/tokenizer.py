@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .weights import ModelMissingError, field_value
+from .weights import MODEL_READERS_HINT, ModelMissingError, field_value
 
 __all__ = ["SmolTokenizer", "build_tokenizer", "CONTROL"]
 
@@ -23,8 +23,7 @@ def _tokenizers():
         import tokenizers
     except ImportError as exc:
         raise ModelMissingError("rebuilding the tokenizer needs the 'tokenizers' package: "
-                                "pip install gguf tokenizers (or pip install "
-                                "'specattn[model]')") from exc
+                                f"{MODEL_READERS_HINT}") from exc
     return tokenizers
 
 

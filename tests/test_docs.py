@@ -1,0 +1,89 @@
+"""The user docs: they build strictly (no broken link, no missing reference, no page left
+out of the navigation), every backend gets its generated page, and every docs file the
+package's messages, the README or the changelog cite exists in the repository."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specattn.registry import default_registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# A path ending in .md, not part of a longer path or URL.
+MD_REF = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w.-]+\.md)\b")
+# Files that `specattn bench` writes (named in its messages, not documents to read).
+OUTPUT_FILES = {"table.md"}
+
+
+def _resolves(ref: str, where: pathlib.Path) -> bool:
+    if ref in OUTPUT_FILES:
+        return True
+    return any(p.is_file() for p in (ROOT / ref, ROOT / "docs" / ref, where.parent / ref))
+
+
+def _message_strings(path: pathlib.Path) -> list[str]:
+    """String constants of a module that are not docstrings: what it prints or raises."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
+                                                                     ast.Constant):
+                docstrings.add(id(body[0].value))
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_every_docs_file_the_package_cites_exists():
+    missing = []
+    for path in sorted((ROOT / "specattn").rglob("*.py")):
+        text = path.read_text()
+        # Anything that names docs/ (messages and docstrings alike) must exist.
+        missing += [(path, ref) for ref in MD_REF.findall(text)
+                    if ref.startswith("docs/") and not (ROOT / ref).is_file()]
+        # What the tools print must point to a file of the repository.
+        for string in _message_strings(path):
+            missing += [(path, ref) for ref in MD_REF.findall(string)
+                        if not _resolves(ref, path)]
+    for name in ("README.md", "CHANGELOG.md", "pyproject.toml"):  # mkdocs.yml: the build
+        path = ROOT / name
+        missing += [(path, ref) for ref in MD_REF.findall(path.read_text())
+                    if not _resolves(ref, path)]
+    assert not missing, [(str(p.relative_to(ROOT)), ref) for p, ref in missing]
+
+
+def test_the_tools_cite_the_repositorys_docs_not_the_spec():
+    """selection.md / performance.md in a message: written as docs/..., which exists."""
+    for path in sorted((ROOT / "specattn").rglob("*.py")):
+        for string in _message_strings(path):
+            for ref in MD_REF.findall(string):
+                if ref.split("/")[-1] in {"selection.md", "performance.md", "semantics.md"}:
+                    assert ref.startswith("docs/"), (str(path.relative_to(ROOT)), string)
+
+
+def test_docs_build_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                           "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = set(default_registry.names("decode")) | set(default_registry.names("extend"))
+    for name in names:
+        page = (site / "backends" / name / "index.html").read_text()
+        assert f"<code>{name}</code>" in page
+        for cls in default_registry.classes("decode", name) + default_registry.classes(
+                "extend", name):
+            assert cls.qualified_name() in page  # the page comes from the registry
+    api = (site / "api" / "factory" / "index.html").read_text()
+    assert "create_decode_backend" in api and "explain_decode_backend" in api
+    assert (site / "changelog" / "index.html").is_file()
