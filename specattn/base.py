@@ -462,7 +462,7 @@ class DraftDecodeBackend(DraftBackend):
         """A graph round's batch is valid within ``cuda_graph_max_bs`` (no debug pass:
         capture must not sync)."""
         check_decode_batch(self.runner, self.topk, self.num_steps, self.tree_mode, batch,
-                           max_bs=self.cuda_graph_max_bs, debug=False)
+                           max_bs=self.cuda_graph_max_bs, debug=False, graph=True)
         self._check_batch(batch, False)
 
 
@@ -549,7 +549,8 @@ class DraftExtendBackend(DraftBackend):
         """Graph-round checks (no debug pass: capture must not sync), then the new tokens'
         slots into the fixed buffer and ``_plan_graph``."""
         graph = self._require_graph_state()
-        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len)
+        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len,
+                           graph=True)
         self._check_batch(batch, False)
         bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
         capacity = graph.loc.shape[0]

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .errors import InvalidInputError
 from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
@@ -178,7 +179,8 @@ class DraftRunner:
                  v_buffer: Sequence[torch.Tensor], num_q_heads: int, *, page_size: int = 1,
                  kv_cache_dtype: str = "auto") -> "DraftRunner":
         """Wrap an engine's MHA pools (no copy); shapes are read from the tensors."""
-        k0 = k_buffer[0]
+        k0 = _first_pool("k_buffer", k_buffer, 3, "[num_slots, num_kv_heads, head_dim]")
+        _first_pool("v_buffer", v_buffer, 3, "[num_slots, num_kv_heads, v_head_dim]")
         return cls(use_mla_backend=False, dtype=k0.dtype, device=k0.device,
                    page_size=page_size, num_layers=len(k_buffer), req_to_token=req_to_token,
                    num_q_heads=num_q_heads, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
@@ -192,7 +194,12 @@ class DraftRunner:
                  dtype: Optional[torch.dtype] = None) -> "DraftRunner":
         """Wrap an engine's MLA latent pools (no copy). FP8 layouts (uint8 pools): the rope
         width is solved from the byte width; ``dtype`` (activations) defaults to bfloat16."""
-        kv0 = kv_buffer[0]
+        kv0 = _first_pool("kv_buffer", kv_buffer, 2,
+                          "[num_slots, kv_lora_rank + qk_rope_head_dim]")
+        if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or (
+                kv_cache_dtype not in LAYOUT_NAMES and not 0 < kv_lora_rank <= kv0.shape[1]):
+            raise InvalidInputError("kv_lora_rank", f"an int in [1, {int(kv0.shape[1])}] (the "
+                                    "latent pool's width)", repr(kv_lora_rank))
         if kv_cache_dtype in LAYOUT_NAMES:
             rope = rope_for_width(kv_cache_dtype, kv_lora_rank, int(kv0.shape[1]))
             dtype = dtype or torch.bfloat16
@@ -255,3 +262,19 @@ class DraftRunner:
         return (f"DraftRunner({shape}, layers={self.num_layers}, slots={self.num_slots}, "
                 f"page_size={self.page_size}, dtype={str(self.dtype).replace('torch.', '')}, "
                 f"device={self.device})")
+
+
+def _first_pool(name: str, pools: Sequence[torch.Tensor], ndim: int,
+                shape: str) -> torch.Tensor:
+    """Layer 0's pool of an engine's per-layer list: the shapes are read from it."""
+    if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence) or not pools:
+        got = (f"a tensor of shape {tuple(pools.shape)}" if isinstance(pools, torch.Tensor)
+               else repr(pools) if not pools else type(pools).__name__)
+        raise InvalidInputError(name, f"a non-empty list of per-layer tensors {shape}", got)
+    first = pools[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != ndim:
+        got = (f"shape {tuple(first.shape)}" if isinstance(first, torch.Tensor)
+               else type(first).__name__)
+        raise InvalidInputError(f"{name}[0]", f"a {ndim}-D tensor {shape}", got)
+    return first
+

@@ -3,6 +3,7 @@ soft cap). Its own module so that ``validation`` can check it without importing 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import InvalidInputError
@@ -21,10 +22,16 @@ class AttentionLayer:
     logit_cap: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_id, int) or self.layer_id < 0:
+        if (not isinstance(self.layer_id, int) or isinstance(self.layer_id, bool)
+                or self.layer_id < 0):
             raise InvalidInputError("layer.layer_id", "an int >= 0", repr(self.layer_id))
-        if not self.scaling > 0:
-            raise InvalidInputError("layer.scaling", "a float > 0", repr(self.scaling))
-        if not self.logit_cap >= 0:
-            raise InvalidInputError("layer.logit_cap", "a float >= 0 (0 = off)",
+        if not (_is_real(self.scaling) and 0 < self.scaling < math.inf):
+            raise InvalidInputError("layer.scaling", "a finite float > 0", repr(self.scaling))
+        if not (_is_real(self.logit_cap) and 0 <= self.logit_cap < math.inf):
+            raise InvalidInputError("layer.logit_cap", "a finite float >= 0 (0 = off)",
                                     repr(self.logit_cap))
+
+
+def _is_real(x: object) -> bool:
+    """An int or float (not a bool, a string or a tensor): the kernels take a Python scalar."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -87,28 +87,37 @@ def history_slots(out_cache_loc: torch.Tensor, parents: Optional[torch.Tensor], 
 # --- prefix and extend slot lists ----------------------------------------------------------
 
 
+def in_pool(slots: torch.Tensor, num_slots: Optional[int]) -> torch.Tensor:
+    """``slots`` clamped into ``[0, num_slots)`` (``None``: unchanged). The slot lists built
+    for vendor kernels go through this, so no kernel reads outside the pool whatever
+    ``req_to_token`` holds; ``validation`` refuses such entries where values are checked."""
+    return slots if num_slots is None else slots.clamp(0, num_slots - 1)
+
+
 def _request_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, num_slots: Optional[int] = None) -> torch.Tensor:
     """``R_b[positions[b, ...]]`` as int64. positions: ``[B, ...]`` (clamped into the row so
-    padded entries gather safely; callers mask them)."""
+    padded entries gather safely; callers mask them); slots clamped into the pool when
+    ``num_slots`` is given."""
     rows = req_to_token[req_pool_indices.long()]
     flat = positions.reshape(positions.shape[0], -1).clamp(0, req_to_token.shape[1] - 1)
-    return torch.gather(rows, 1, flat.long()).long().reshape(positions.shape)
+    slots = torch.gather(rows, 1, flat.long()).long().reshape(positions.shape)
+    return in_pool(slots, num_slots)
 
 
 def prefix_token_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                       seq_lens: torch.Tensor, max_len: Optional[int] = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       seq_lens: torch.Tensor, max_len: Optional[int] = None, *,
+                       num_slots: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefix slots ``R_b[0 : L_b]`` padded to ``Lmax`` (pad slot 0) and their mask.
 
     Returns ``slots [B, Lmax]`` int64 and ``valid [B, Lmax]`` bool. ``Lmax = max_len`` when
-    given (no host sync), else ``max(seq_lens)``.
+    given (no host sync), else ``max(seq_lens)``. ``num_slots``: clamp into the pool.
     """
     if max_len is None:
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     pos = torch.arange(max_len, device=seq_lens.device).expand(seq_lens.shape[0], max_len)
     valid = pos < seq_lens.long()[:, None]
-    slots = _request_rows(req_to_token, req_pool_indices, pos)
+    slots = _request_rows(req_to_token, req_pool_indices, pos, num_slots)
     return torch.where(valid, slots, torch.zeros_like(slots)), valid
 
 
@@ -136,10 +145,13 @@ class ExtendSlots(NamedTuple):
 def extend_token_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                        seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                        max_len: Optional[int] = None,
-                       num_tokens: Optional[int] = None) -> ExtendSlots:
+                       num_tokens: Optional[int] = None, *,
+                       num_slots: Optional[int] = None) -> ExtendSlots:
     """Slot lists of a draft-extend batch. seq_lens (``L'``, new tokens included) and
-    extend_lens (``E``): ``[B]``. ``num_tokens = sum(E)`` given = no host sync for it."""
-    slots, valid = prefix_token_slots(req_to_token, req_pool_indices, seq_lens, max_len)
+    extend_lens (``E``): ``[B]``. ``num_tokens = sum(E)`` given = no host sync for it.
+    ``num_slots``: clamp the slots into the pool."""
+    slots, valid = prefix_token_slots(req_to_token, req_pool_indices, seq_lens, max_len,
+                                      num_slots=num_slots)
     ext = extend_lens.long()
     qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.long, device=ext.device)
     qo_indptr[1:] = torch.cumsum(ext, 0)
@@ -266,7 +278,7 @@ def draft_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      out_cache_loc: Optional[torch.Tensor] = None,
                      index_dtype: torch.dtype = torch.int32, *,
                      max_len: Optional[int] = None, row_width: Optional[int] = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_slots: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream ``generate_draft_decode_kv_indices`` for every step at once.
 
     Returns ``kv_indptr [S, B*K + 1]`` int32 (as upstream) and ``kv_indices [S, row_width]``
@@ -279,18 +291,21 @@ def draft_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     The draft slots come from ``out_cache_loc [B, K, S]`` when given, else from
     ``req_to_token`` at ``draft_slot_positions`` (the upstream kernel's reading).
     ``row_width`` defaults to ``K * sum(L) + B*K*S``; with ``max_len`` and ``row_width``
-    given nothing is read back from the device.
+    given nothing is read back from the device. ``num_slots``: clamp every entry into the
+    pool.
     """
     bs, dev = seq_lens.shape[0], seq_lens.device
     L = seq_lens.long()
     if row_width is None:
         row_width = topk * int(L.sum()) + bs * topk * num_steps
-    prefix, pmask = prefix_token_slots(req_to_token, req_pool_indices, seq_lens, max_len)
+    prefix, pmask = prefix_token_slots(req_to_token, req_pool_indices, seq_lens, max_len,
+                                       num_slots=num_slots)
     if out_cache_loc is None:
         hist = _request_rows(req_to_token, req_pool_indices,
-                             draft_slot_positions(seq_lens, topk, num_steps, page_size))
+                             draft_slot_positions(seq_lens, topk, num_steps, page_size),
+                             num_slots)
     else:
-        hist = out_cache_loc.long()
+        hist = in_pool(out_cache_loc.long(), num_slots)
     lmax = prefix.shape[1]
     cum = torch.cumsum(L, 0) - L
     j = torch.arange(topk, device=dev)
@@ -319,23 +334,27 @@ def draft_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
 def prefix_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                       seq_lens: torch.Tensor, page_size: int,
-                      max_pages: Optional[int] = None) -> torch.Tensor:
+                      max_pages: Optional[int] = None, *,
+                      num_slots: Optional[int] = None) -> torch.Tensor:
     """Page ids of each prefix: ``[B, max_pages]`` int32, entry ``p`` = ``R_b[p*P] // P`` for
-    ``p < ceil(L_b / P)``, 0 past the end. ``max_pages`` defaults to ``ceil(max(L) / P)``."""
+    ``p < ceil(L_b / P)``, 0 past the end. ``max_pages`` defaults to ``ceil(max(L) / P)``.
+    ``num_slots``: slots clamped into the pool first (so pages are pool pages)."""
     if max_pages is None:
         max_pages = ceil_div(int(seq_lens.max()), page_size) if seq_lens.numel() else 0
     bs = seq_lens.shape[0]
     p = torch.arange(max_pages, device=seq_lens.device).expand(bs, max_pages)
     valid = p < ceil_div(seq_lens.long(), page_size)[:, None]
-    pages = _request_rows(req_to_token, req_pool_indices, p * page_size) // page_size
+    pages = _request_rows(req_to_token, req_pool_indices, p * page_size, num_slots) // page_size
     return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)
 
 
 def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      out_cache_loc: torch.Tensor, parents: Optional[torch.Tensor], step: int,
-                     tree_mode: str, page_size: int) -> torch.Tensor:
-    """Block table of every lane at draft step ``step``, written into ``out [B*K, width]``.
+                     tree_mode: str, page_size: int, *,
+                     num_slots: Optional[int] = None) -> torch.Tensor:
+    """Block table of every lane at draft step ``step``, written into ``out [B*K, width]``
+    (``num_slots``: slots clamped into the pool first).
 
     Lane ``z = b*K + j`` sees ``L_b + step + 1`` positions, the prefix then its history:
 
@@ -363,7 +382,8 @@ def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
         n = step + 1
         hcol = (x[None, :] - L[:, None]).clamp(0, n - 1)  # [B, width]
         his = torch.gather(hist, 2, hcol[:, None, :].expand(bs, topk, width))
-        table = torch.where((x[None, :] < L[:, None])[:, None, :], pre[:, None, :], his)
+        table = in_pool(torch.where((x[None, :] < L[:, None])[:, None, :], pre[:, None, :],
+                                    his), num_slots)
         valid = x[None, :] < (L[:, None] + n)
     else:
         P = page_size
@@ -378,7 +398,7 @@ def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
                           pos_pre[None, None, :].expand(bs, topk, width), own)
         slots = torch.gather(rows[:, None, :].expand(bs, topk, ctx), 2,
                              pos.clamp(0, ctx - 1)).long()
-        table = slots // P
+        table = in_pool(slots, num_slots) // P
         valid = x[None, :] < ceil_div(L[:, None] + step + 1, P)
     table = torch.where(valid[:, None, :], table, torch.zeros_like(table))
     out.copy_(table.reshape(bs * topk, width))
@@ -386,13 +406,14 @@ def lane_block_table(out: torch.Tensor, req_to_token: torch.Tensor,
 
 
 def lane_rows(table: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
-              batch: "DraftBatch", step: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+              batch: "DraftBatch", step: int, page_size: int, *,
+              num_slots: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel row per lane at draft step ``step`` (``lane`` tree mode), written into
     ``table [B*K, width]`` (``lane_block_table``) and ``lens [B*K]`` (``L_b + step + 1``).
     No host sync; returns ``(table, lens)``."""
     topk = batch.out_cache_loc.shape[1]
     lane_block_table(table, req_to_token, batch.req_pool_indices, batch.seq_lens,
-                     batch.out_cache_loc, None, step, "lane", page_size)
+                     batch.out_cache_loc, None, step, "lane", page_size, num_slots=num_slots)
     lens.copy_(batch.seq_lens.repeat_interleave(topk) + step + 1)
     return table, lens
 

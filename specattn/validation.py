@@ -202,10 +202,47 @@ def _requests(batch, kind: str, device: torch.device,
     return rpi, seq
 
 
+def _check_distinct(name: str, loc: torch.Tensor, debug: Optional[bool]) -> None:
+    """Every token gets its own slot: two tokens in one slot lose one's KV and make the
+    result depend on write order."""
+    if loc.numel() < 2 or not _scan_values(loc, debug):
+        return
+    flat = loc.reshape(-1)
+    ordered = flat.sort().values
+    same = (ordered[1:] == ordered[:-1]).nonzero()
+    if same.numel():
+        slot = int(ordered[int(same[0, 0])])
+        raise InvalidInputError(name, "a distinct slot for every token",
+                                f"slot {slot} given to {int((flat == slot).sum())} tokens")
+
+
+def _check_prefix_slots(runner: "DraftRunner", rpi: torch.Tensor, lengths: torch.Tensor,
+                        debug: Optional[bool]) -> None:
+    """``req_to_token[req_pool_indices[b], 0 : lengths[b]]`` are slots of the pool: a kernel
+    gathers every one of them. Call after ``rpi`` and ``lengths`` are known in range."""
+    if rpi.numel() == 0 or not _scan_values(rpi, debug):
+        return
+    longest = int(lengths.max())
+    if longest <= 0:
+        return
+    rows = runner.req_to_token[rpi.long(), :longest]
+    live = torch.arange(longest, device=rows.device)[None, :] < lengths.to(rows.device)[:, None]
+    bad = live & ((rows < 0) | (rows >= runner.num_slots))
+    if bool(bad.any()):
+        b, x = (int(i) for i in bad.nonzero()[0])
+        raise InvalidInputError(
+            "runner.req_to_token", f"slots in [0, {runner.num_slots}) at every position a "
+            "request's prefix covers", f"req_to_token[{int(rpi[b])}, {x}] = {int(rows[b, x])} "
+            f"(request {b}, seq_lens {int(lengths[b])})")
+
+
 def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
                        batch: "DraftBatch", *, debug: Optional[bool] = None,
-                       max_bs: Optional[int] = None) -> None:
-    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``)."""
+                       max_bs: Optional[int] = None, graph: bool = False) -> None:
+    """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``).
+
+    ``graph``: a captured/replayed round, whose padded lanes share the padding slot (the
+    distinct-slot rule is not checked there)."""
     dev = runner.device
     rpi, seq = _requests(batch, "DraftBatch", dev, max_bs)
     bs = rpi.shape[0]
@@ -223,6 +260,9 @@ def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mo
     _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
     # Lane histories need up to num_steps extra positions past the prefix.
     _check_index_values("batch.seq_lens", seq, 0, runner.max_context_len + 1, debug)
+    if not graph:
+        _check_distinct("batch.out_cache_loc", loc, debug)
+    _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
 
 
 def check_parents_step(batch: "DraftBatch", step: int, topk: int,
@@ -246,9 +286,10 @@ def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, 
 
 def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
                        debug: Optional[bool] = None,
-                       max_extend_len: Optional[int] = None) -> None:
+                       max_extend_len: Optional[int] = None, graph: bool = False) -> None:
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
-    where values are scanned (CPU tensors or debug checks)."""
+    where values are scanned (CPU tensors or debug checks). ``graph``: a captured/replayed
+    batch, whose padding tokens may share a slot."""
     dev = runner.device
     rpi, seq = _requests(batch, "DraftExtendBatch", dev, None)
     bs = rpi.shape[0]
@@ -277,6 +318,9 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
                                     "includes the new tokens)",
                                     f"seq_lens[{b}]={int(seq[b])} < extend_lens[{b}]="
                                     f"{int(ext[b])}")
+        if not graph:
+            _check_distinct("batch.out_cache_loc", loc, debug)
+        _check_prefix_slots(runner, rpi, seq, debug)
 
 
 def check_extend_forward(runner: "DraftRunner", num_tokens: Optional[int],

@@ -111,7 +111,7 @@ class AiterDecode(DraftDecodeBackend, name="aiter", **_DECL):
         indptr, indices = draft_kv_indices(r.req_to_token, batch.req_pool_indices,
                                            batch.seq_lens, topk, steps, r.page_size,
                                            batch.out_cache_loc, max_len=max_len,
-                                           row_width=row_width)
+                                           row_width=row_width, num_slots=r.num_slots)
         n = bs * topk
         b.get("kv_indptr", (steps, n + 1)).copy_(indptr)
         b.get("kv_indices", (steps, indices.shape[1])).copy_(indices)
@@ -183,7 +183,7 @@ class AiterExtend(DraftExtendBackend, name="aiter", **_DECL):
         """CSR lists of ``R_b[0 : L'_b]`` and the query indptr; reads the max lengths."""
         r = self.runner
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  batch.extend_lens)
+                                  batch.extend_lens, num_slots=r.num_slots)
         lens = batch.seq_lens.long()
         kv_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=r.device)
         kv_indptr[1:] = torch.cumsum(lens, 0).to(torch.int32)

@@ -188,7 +188,7 @@ class _NpuDecode(_NpuBackend, DraftDecodeBackend):
         r, batch, n = self.runner, self.batch, self.num_lanes
         table = lane_block_table(self._bufs.get("table", (n, self._rows.width)), r.req_to_token,
                                  batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                                 None, step, "lane", r.page_size)
+                                 None, step, "lane", r.page_size, num_slots=r.num_slots)
         lens = [x + step + 1 for x in self._host_lens]
         return self._rows.run(q, layer, table, lens, sink)
 
@@ -203,10 +203,11 @@ class _NpuExtend(_NpuBackend, DraftExtendBackend):
     def _plan(self, batch: "DraftExtendBatch") -> None:
         r, n = self.runner, self.num_tokens
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  batch.extend_lens, max_len=1, num_tokens=n)
+                                  batch.extend_lens, max_len=1, num_tokens=n,
+                                  num_slots=r.num_slots)
         width = self._rows.width
         pages = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  r.page_size, width)
+                                  r.page_size, width, num_slots=r.num_slots)
         self._bufs.get("table", (n, width)).copy_(pages[meta.token_req])
         self._host_lens = [int(x) for x in meta.token_visible.tolist()]
 

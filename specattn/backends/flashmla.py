@@ -132,7 +132,7 @@ class FlashMLADecode(DraftDecodeBackend, name="flashmla",
         r, bufs, bs = self.runner, self._bufs, batch.batch_size
         table = bufs.get("block_table", (bs, self._width))
         table.copy_(prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                      PAGE_SIZE, self._width))
+                                      PAGE_SIZE, self._width, num_slots=r.num_slots))
         seqlens = bufs.get("cache_seqlens", (bs,))
         seqlens.copy_(batch.seq_lens)
         tile, splits = self._fm.get_mla_metadata(seqlens, self.topk * r.num_heads, 1)

@@ -70,21 +70,35 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # --- attention ------------------------------------------------------------------------------
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float, logit_cap: float) -> torch.Tensor:
+            scale: float, logit_cap: float, check_from: int = 0) -> torch.Tensor:
     """Masked attention, one call for the whole batch.
 
     q: ``[B, H_kv, M, E]``; keys: ``[B, H_kv, Lk, E]``; values: ``[B, H_kv, Lk, Ev]``;
     mask: ``[B, 1, M, Lk]`` bool (True = attend; every row has at least one True).
-    Returns ``[B, H_kv, M, Ev]`` in ``q``'s dtype.
+    ``check_from``: the first key column some row does not see (columns before it are seen
+    by every row, or hold zeros). Returns ``[B, H_kv, M, Ev]`` in ``q``'s dtype.
+
+    A key a row does not see must not reach it, but SDPA adds the mask to the scores and
+    ``0 * NaN`` is NaN: non-finite keys/values from ``check_from`` on are zeroed first and the
+    rows that do see one come out NaN, as in the reference.
     """
+    seen_bad = None
+    tail_k, tail_v = keys[:, :, check_from:], values[:, :, check_from:]
+    bad = ~(torch.isfinite(tail_k).all(-1) & torch.isfinite(tail_v).all(-1))  # [B, H, n]
+    if bool(bad.any()):
+        keys, values = keys.clone(), values.clone()
+        keys[:, :, check_from:].masked_fill_(bad[..., None], 0)
+        values[:, :, check_from:].masked_fill_(bad[..., None], 0)
+        seen_bad = (mask[..., check_from:] & bad[:, :, None, :]).any(-1)  # [B, H, M]
     if logit_cap <= 0:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    # SDPA has no soft-cap: explicit fp32 scores.
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
-    scores = torch.tanh(scores.div_(logit_cap)).mul_(logit_cap)
-    scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values.float()).to(q.dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:  # SDPA has no soft-cap: explicit fp32 scores.
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
+        scores = torch.tanh(scores.div_(logit_cap)).mul_(logit_cap)
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.float()).to(q.dtype)
+    return out if seen_bad is None else out.masked_fill(seen_bad[..., None], float("nan"))
 
 
 def _group_queries(q: torch.Tensor, bs: int, rows: int, num_kv_heads: int,
@@ -192,7 +206,8 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
         """Padded prefix slot table and mask for the round (history is per step)."""
         # Padded entries hold slot 0: they index the pool and are masked out of the scores.
         self._prefix_slots, self._prefix_mask = prefix_token_slots(
-            self.runner.req_to_token, batch.req_pool_indices, batch.seq_lens)
+            self.runner.req_to_token, batch.req_pool_indices, batch.seq_lens,
+            num_slots=self.runner.num_slots)
         self._pad = (~self._prefix_mask).nonzero(as_tuple=True)
         self._filled = set()
         self._masks = {}
@@ -252,7 +267,8 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
             _copy_grouped(tail, pool.index_select(0, hist.reshape(-1)), tuple(hist.shape))
 
         qg = _group_queries(q, bs, topk, pools.num_kv_heads, pools.dtype)
-        o = _attend(qg, keys, values, self._mask(step), layer.scaling, layer.logit_cap)
+        o = _attend(qg, keys, values, self._mask(step), layer.scaling, layer.logit_cap,
+                    check_from=max_len)  # the prefix is seen by every row of its request
         return _ungroup(o[..., :pools.v_width], topk, self.runner.dtype)
 
 
@@ -277,7 +293,8 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
         """Padded key slots/mask ``[B, Lmax]``, causal mask ``[B, 1, Emax*G, Lmax]`` and the
         padded row of every token."""
         meta = extend_token_slots(self.runner.req_to_token, batch.req_pool_indices,
-                                  batch.seq_lens, batch.extend_lens)
+                                  batch.seq_lens, batch.extend_lens,
+                                  num_slots=self.runner.num_slots)
         max_ext = int(batch.extend_lens.max())
         dev = meta.slots.device
         # Token i (query t of request b) sits in padded row b * Emax + t.

@@ -118,7 +118,8 @@ class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla"
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         r, b, n = self.runner, self._bufs, self.num_lanes
         table, lens = lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
-                                r.req_to_token, self.batch, step, r.page_size)
+                                r.req_to_token, self.batch, step, r.page_size,
+                                num_slots=r.num_slots)
         out = self._call(q.view(n, 1, r.num_heads, q.shape[-1]), layer, table, lens,
                          r.max_context_len + self.num_steps)
         return out.view(n, r.num_heads, r.kv_lora_rank)
@@ -136,14 +137,14 @@ class TokenspeedMLAExtend(_Tokenspeed, DraftExtendBackend, name="tokenspeed_mla"
     def _plan(self, batch: "DraftExtendBatch") -> None:
         r = self.runner
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  batch.extend_lens, max_len=1)
+                                  batch.extend_lens, max_len=1, num_slots=r.num_slots)
         self._q_len = int(batch.extend_lens.max())
         ext = batch.extend_lens.long()
         # Token t of request b sits in padded row b * q_len + (q_len - E_b + t).
         self._rows = meta.token_req * self._q_len + (self._q_len - ext[meta.token_req]
                                                      + meta.token_pos)
         self._table = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                        r.page_size, self._width)
+                                        r.page_size, self._width, num_slots=r.num_slots)
         self._lens = batch.seq_lens.to(torch.int32)
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,

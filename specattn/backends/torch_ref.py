@@ -57,7 +57,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
     if mask is not None:
         s = s.masked_fill(~mask[None], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("hmn,nhd->mhd", p, v.expand(-1, q.shape[1], -1))
+    vv = v.expand(-1, q.shape[1], -1)
+    if mask is None:
+        return torch.einsum("hmn,nhd->mhd", p, vv)
+    # A key a query does not see must not reach it, not even as 0 * NaN: non-finite values
+    # are left out of the sum and reach exactly the queries that see them.
+    finite = torch.isfinite(vv)
+    out = torch.einsum("hmn,nhd->mhd", p, torch.where(finite, vv, 0.0))
+    seen = torch.einsum("mn,nhd->mhd", mask.float(), (~finite).float()) > 0
+    return out.masked_fill(seen, float("nan"))
 
 
 def _out_shape(runner: "DraftRunner", rows: int) -> tuple[int, int, int]:

@@ -250,7 +250,8 @@ class _LaneDecode(DraftDecodeBackend):
         """Lane table ``[B*K, width]`` int32 and lane lengths ``[B*K]`` int32 for ``step``."""
         b, n = self._bufs, self.num_lanes
         return lane_rows(b.get("table", (n, self._width)), b.get("lens", (n,)),
-                         self.runner.req_to_token, self.batch, step, self.runner.page_size)
+                         self.runner.req_to_token, self.batch, step, self.runner.page_size,
+                         num_slots=self.runner.num_slots)
 
 
 class TRTLLMMHADecode(_MHA, _LaneDecode, name="trtllm_mha", platforms=_SM10X,
@@ -311,7 +312,7 @@ class _PaddedExtend(DraftExtendBackend):
     def _plan(self, batch: "DraftExtendBatch") -> None:
         r = self.runner
         meta = extend_token_slots(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  batch.extend_lens, max_len=1)
+                                  batch.extend_lens, max_len=1, num_slots=r.num_slots)
         q_len = self._q_len = int(batch.extend_lens.max())
         # Token t of request b sits in padded row b * q_len + t; the row's keys run to
         # L' - E + q_len so that query t sees L' - E + t + 1 of them (module doc).
@@ -319,7 +320,7 @@ class _PaddedExtend(DraftExtendBackend):
         self._max_seq_len = r.max_context_len + q_len
         width = self._table_width(self._max_seq_len, r.page_size)
         self._table = prefix_page_table(r.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                        r.page_size, width)
+                                        r.page_size, width, num_slots=r.num_slots)
         self._lens = (batch.seq_lens - batch.extend_lens + q_len).to(torch.int32)
 
     def _padded_query(self, q: torch.Tensor) -> torch.Tensor:

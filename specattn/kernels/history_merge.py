@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2, prev_pow2
+from .tiles import in_pool
 
 __all__ = ["history_merge"]
 
@@ -37,7 +38,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr,
-                         kn_ptr, vn_ptr, n_hist, scale, cap, topk,
+                         kn_ptr, vn_ptr, n_hist, scale, cap, topk, num_slots,
                          sq_l, sq_h, sk_s, sk_h, sv_s, sv_h, sh_l, sh_t,
                          so_l, so_h, sl_l, sl_h, sout_l, sout_h, skn_l, skn_h, svn_l, svn_h,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -98,19 +99,22 @@ def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr
         acc = acc * alpha[:, None] + w[:, None] * o_c
         l_sum = l_sum * alpha + w
         m = m_new
-    if NEW_KV:  # this step's key: from k/v, stored at the lane's last slot
+    if NEW_KV:  # this step's key: from k/v, stored at the lane's last slot (if in the pool)
         slot = tl.load(hist_ptr + lane * sh_l + (n_hist - 1) * sh_t).to(tl.int64)
         kn_row = kn_ptr + lane * skn_l + kvh * skn_h
         vn_row = vn_ptr + lane * svn_l + kvh * svn_h
-        tl.store(k_ptr + slot * sk_s + kvh * sk_h + dm, tl.load(kn_row + dm))
+        ok_m = (dm * 0 + slot >= 0) & (dm * 0 + slot < num_slots)  # masks are blocks
+        tl.store(k_ptr + slot * sk_s + kvh * sk_h + dm, tl.load(kn_row + dm), mask=ok_m)
         if BLOCK_TAIL > 0:
+            ok_t = tm & (dt * 0 + slot >= 0) & (dt * 0 + slot < num_slots)
             tl.store(k_ptr + slot * sk_s + kvh * sk_h + dt,
-                     tl.load(kn_row + dt, mask=tm, other=0.0), mask=tm)
+                     tl.load(kn_row + dt, mask=tm, other=0.0), mask=ok_t)
         if WRITE_V:  # (MLA: V is a view of the K rows just stored)
+            ok_v = vm & (dv * 0 + slot >= 0) & (dv * 0 + slot < num_slots)
             tl.store(v_ptr + slot * sv_s + kvh * sv_h + dv,
-                     tl.load(vn_row + dv, mask=vm, other=0.0), mask=vm)
+                     tl.load(vn_row + dv, mask=vm, other=0.0), mask=ok_v)
     for t in range(0, n_hist):
-        slot = tl.load(hist_ptr + lane * sh_l + t * sh_t).to(tl.int64)
+        slot = in_pool(tl.load(hist_ptr + lane * sh_l + t * sh_t).to(tl.int64), num_slots)
         k_row = k_ptr + slot * sk_s + kvh * sk_h
         v_row = v_ptr + slot * sv_s + kvh * sv_h
         if NEW_KV:
@@ -187,6 +191,7 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         write_v = False
     history_merge_kernel[(lanes, hkv)](
         q, k_pool, v_pool, hist, o_prefix, lse_prefix, out, k_new, v_new, n, scale, cap, topk,
+        k_pool.shape[0],
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), hist.stride(0), hist.stride(1),
         o_prefix.stride(0), o_prefix.stride(1), lse_prefix.stride(0), lse_prefix.stride(1),

@@ -93,6 +93,23 @@ def load_kv(k_rows, v_rows, ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: t
 
 
 @triton.jit
+def in_pool(slot, num_slots):
+    """A gathered slot clamped into ``[0, num_slots)``: no kernel reads outside the pool,
+    whatever ``req_to_token`` or ``out_cache_loc`` hold (value checks that refuse such
+    entries run on the CPU and in debug mode: ``validation``)."""
+    return tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+
+
+@triton.jit
+def finite(x):
+    """``x`` with NaN / inf replaced by 0. For tiles whose keys not every row sees (history
+    tails, causal new tokens): a masked key gets probability 0, but ``0 * NaN`` is NaN in
+    ``P.V``. A row that does see the key scores it from the same zeroed tile (garbage in,
+    garbage out); the others stay exact."""
+    return tl.where((x - x) == 0, x, tl.zeros_like(x))
+
+
+@triton.jit
 def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
               DOT_F32: tl.constexpr):

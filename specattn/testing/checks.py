@@ -209,11 +209,25 @@ def _fill_parents(rnd: DecodeRound, step: int, rows: slice = slice(None)) -> Non
         rnd.batch.parents[step, rows] = rnd.parents_plan[step].to(rnd.batch.parents.device)
 
 
+def _poison_row(k: torch.Tensor, v: Optional[torch.Tensor], row: int) -> None:
+    """A non-finite new key (and value) in ``row``: only queries that attend it may see it."""
+    k[row] = float("nan")
+    if v is not None:
+        v[row] = float("nan")
+
+
+def _free_rows(ref: torch.Tensor) -> torch.Tensor:
+    """Rows whose reference is non-finite: they attend a poisoned key on purpose."""
+    return ~torch.isfinite(ref.float()).reshape(ref.shape[0], -1).all(-1)
+
+
 def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: ModelShape,
                      gen: torch.Generator, *, logit_cap: float = 0.0,
-                     fused_qkv: bool = False, both_layers: bool = False) -> str:
+                     fused_qkv: bool = False, both_layers: bool = False,
+                     poison: bool = False) -> str:
     """``init_forward_metadata`` then every step and layer, each checked against the
-    reference and the expected pools."""
+    reference and the expected pools. ``poison``: lane 0's new key at step 0 is NaN; the
+    lanes that do not attend it must come out exactly as the reference."""
     runner, dtype = rnd.runner, case.dtype
     shadow = shadow_runner(runner)
     backend.init_forward_metadata(rnd.batch)
@@ -225,11 +239,14 @@ def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: M
         for layer in layers:
             where = f"step {step}, layer {layer.layer_id}"
             q, k, v = random_qkv(runner, rnd.lanes, gen, fused=fused_qkv)
+            if poison and step == 0:
+                _poison_row(k, v, 0)
             out = _forward(lambda: backend.forward(step, layer, q, k, v), where)
             shadow.write_kv(layer.layer_id, loc, k, v)
             _check_pools(runner, shadow, loc, where)  # first: it names a missing write
             ref = reference_decode(_dense(shadow), layer, q, rnd.batch, step, rnd.tree_mode)
-            msg = output_mismatch(out, ref, dtype, topk=rnd.topk)
+            msg = output_mismatch(out, ref, dtype, topk=rnd.topk,
+                                  free_rows=_free_rows(ref) if poison else None)
             if msg:
                 raise CaseFailed(f"{where}: {msg}")
             worst = max(worst, float((out.float() - ref.float()).abs().max()))
@@ -242,13 +259,13 @@ def decode_numerics(s: Session, case: Case) -> str:
     shape = s.shape(case, one_kv=p.get("one_kv", False))
     lens = p.get("lens") or decode_lengths(case.page_size, p.get("ragged", True))
     style = p.get("style", EngineStyle())
-    maker = _decode_maker(s, case, shape, [lens], style)
+    maker = _decode_maker(s, case, shape, [lens], style, max_reqs=max(5, len(lens) + 1))
     rnd = maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode)
     backend = s.construct(case, maker.runner)
     return shape.label() + ", " + run_decode_round(
         s, case, backend, rnd, shape, s.generator(case, "qkv"),
         logit_cap=p.get("logit_cap", 0.0), fused_qkv=style.fused_qkv,
-        both_layers=p.get("both_layers", False))
+        both_layers=p.get("both_layers", False), poison=p.get("poison", False))
 
 
 def decode_determinism(s: Session, case: Case) -> str:
@@ -428,7 +445,10 @@ def extend_lengths(page_size: int, ragged: bool) -> tuple[list[int], list[int]]:
 
 def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelShape,
                gen: torch.Generator, *, logit_cap: float = 0.0, fused_qkv: bool = False,
-               both_layers: bool = False) -> str:
+               both_layers: bool = False, poison: bool = False) -> str:
+    """``poison``: the third new token of the first request with three or more has a NaN
+    key; the tokens before it (and other requests) must come out exactly as the
+    reference."""
     runner = rnd.runner
     shadow = shadow_runner(runner)
     backend.init_forward_metadata(rnd.batch)
@@ -438,11 +458,16 @@ def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelSh
     for layer in layers:
         where = f"layer {layer.layer_id}"
         q, k, v = random_qkv(runner, rnd.num_tokens, gen, fused=fused_qkv)
+        if poison:
+            ext = rnd.batch.extend_lens.tolist()
+            b = next(i for i, e in enumerate(ext) if e >= 3)
+            _poison_row(k, v, sum(ext[:b]) + 2)
         out = _forward(lambda: backend.forward(layer, q, k, v), where)
         shadow.write_kv(layer.layer_id, loc, k, v)
         _check_pools(runner, shadow, loc, where)
         ref = reference_extend(_dense(shadow), layer, q, rnd.batch)
-        msg = output_mismatch(out, ref, case.dtype, rows_are="token")
+        msg = output_mismatch(out, ref, case.dtype, rows_are="token",
+                              free_rows=_free_rows(ref) if poison else None)
         if msg:
             raise CaseFailed(f"{where}: {msg}")
         worst = max(worst, float((out.float() - ref.float()).abs().max()))
@@ -453,16 +478,18 @@ def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelSh
 def extend_numerics(s: Session, case: Case) -> str:
     p = case.params
     shape = s.shape(case)
-    seq, ext = extend_lengths(case.page_size, p.get("ragged", True))
+    seq, ext = p.get("lens") or extend_lengths(case.page_size, p.get("ragged", True))
     style = p.get("style", EngineStyle())
-    maker = s.maker(case, shape, max_tokens=max(seq), style=style)
+    maker = s.maker(case, shape, max_tokens=max(seq), style=style,
+                    max_reqs=max(5, len(seq) + 1))
     rnd = maker.extend(seq, ext)
     backend = s.construct(case, maker.runner)
     return shape.label() + ", " + run_extend(s, case, backend, rnd, shape,
                                              s.generator(case, "qkv"),
                                              logit_cap=p.get("logit_cap", 0.0),
                                              fused_qkv=style.fused_qkv,
-                                             both_layers=p.get("both_layers", False))
+                                             both_layers=p.get("both_layers", False),
+                                             poison=p.get("poison", False))
 
 
 def extend_determinism(s: Session, case: Case) -> str:

@@ -32,14 +32,19 @@ def _row_name(row: int, topk: Optional[int], rows_are: str) -> str:
 
 
 def output_mismatch(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *,
-                    topk: Optional[int] = None, rows_are: str = "token") -> Optional[str]:
+                    topk: Optional[int] = None, rows_are: str = "token",
+                    free_rows: Optional[torch.Tensor] = None) -> Optional[str]:
     """``out``, ``ref``: ``[rows, heads, dim]``. ``topk``: rows are lanes ``b * topk + j``
-    (decode); else rows are ``rows_are`` (extend tokens)."""
+    (decode); else rows are ``rows_are`` (extend tokens). ``free_rows [rows]`` bool: rows
+    not compared (they attend a non-finite key on purpose)."""
     if tuple(out.shape) != tuple(ref.shape):
         return f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
     if out.dtype != ref.dtype:
         return f"output dtype {out.dtype}, expected {ref.dtype}"
-    o, r = out.detach().float().cpu(), ref.detach().float().cpu()
+    o, r = out.detach().float().cpu().clone(), ref.detach().float().cpu().clone()
+    if free_rows is not None:
+        o[free_rows.cpu()] = 0.0
+        r[free_rows.cpu()] = 0.0
     bad = ~torch.isfinite(o)
     if bad.any():
         row, head, col = (int(i) for i in bad.nonzero()[0])

@@ -107,6 +107,7 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         if name == "shared_kv_buffer" and model == "mla":
             continue
         yield _case("decode", model, f"engine/{name}", num, main, k2, p1, path, style=style)
+    yield _case("decode", model, "isolation", num, main, k, p1, path, poison=True)
     yield _case("decode", model, "graph", checks.decode_graph, main, k2, pbig or p1, path)
     yield _case("decode", model, "determinism", checks.decode_determinism, main, k2, p1, path)
     if level == "full":
@@ -140,6 +141,7 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         if name == "shared_kv_buffer" and model == "mla":
             continue
         yield _case("extend", model, f"engine/{name}", num, main, page=p1, style=style)
+    yield _case("extend", model, "isolation", num, main, page=p1, poison=True)
     yield _case("extend", model, "graph", checks.extend_graph, main, page=pbig or p1)
     yield _case("extend", model, "determinism", checks.extend_determinism, main, page=p1)
     if level == "full":

@@ -91,6 +91,22 @@ def _other_decode_batch(f: _Fixture) -> DraftBatch:
     return DraftBatch(b.req_pool_indices, b.seq_lens, loc[: b.batch_size].contiguous())
 
 
+def _duplicate_loc(loc: torch.Tensor) -> torch.Tensor:
+    """Two tokens (two lanes of one step, or two extend tokens) given one slot."""
+    loc = loc.clone()
+    flat = loc.view(-1)
+    flat[1] = flat[0]
+    return loc
+
+
+def _req_to_token_entry(f: _Fixture, value: int) -> object:
+    """A prefix entry of ``req_to_token`` outside ``[0, num_slots)``."""
+    b = int(torch.argmax(f.batch.seq_lens.cpu()))  # a request with a prefix
+    row = int(f.batch.req_pool_indices.view(-1)[b])
+    f.runner.req_to_token[row, 0] = value
+    return _then_forward(f, f.batch)
+
+
 def _then_forward(f: _Fixture, batch) -> object:
     f.init(batch)
     return f.forward()
@@ -124,6 +140,12 @@ DECODE_REFUSALS = (
     Refusal("req_pool_indices_outside", "req_pool_indices", lambda f: _then_forward(
         f, _with(f.batch, req_pool_indices=_bump(f.batch.req_pool_indices,
                                                  f.runner.max_reqs))), values=True),
+    Refusal("duplicate_out_cache_loc", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_duplicate_loc(f.batch.out_cache_loc))), values=True),
+    Refusal("req_to_token_outside_pool", "req_to_token", lambda f: _req_to_token_entry(
+        f, f.runner.num_slots), values=True),
+    Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
+            values=True),
     Refusal("extend_batch_given", "batch", lambda f: _then_forward(f, _other_extend_batch(f))),
     Refusal("topk_zero", "topk", lambda f: f.construct(topk=0)),
     Refusal("num_steps_zero", "num_steps", lambda f: f.construct(num_steps=0)),
@@ -146,6 +168,12 @@ EXTEND_REFUSALS = (
     Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
         f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
         values=True),
+    Refusal("duplicate_out_cache_loc", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_duplicate_loc(f.batch.out_cache_loc))), values=True),
+    Refusal("req_to_token_outside_pool", "req_to_token", lambda f: _req_to_token_entry(
+        f, f.runner.num_slots), values=True),
+    Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
+            values=True),
     Refusal("out_cache_loc_wrong_length", "out_cache_loc", lambda f: _then_forward(
         f, _with(f.batch, out_cache_loc=f.batch.out_cache_loc[1:])), values=True),
 )

@@ -106,12 +106,9 @@ class Environment:
     setup: Optional[Callable] = None
     device: Optional[str] = None
     covers: tuple[str, ...] = field(default=())  # "name[flavour]" of the classes it runs
-    # Known bugs the kit found, fixed by a named issue: strict xfails until then.
-    xfail: tuple[tuple[str, str], ...] = field(default=())
 
     def options(self) -> dict:
-        return {"platform": self.platform, "setup": self.setup, "device": self.device,
-                "expected_failures": dict(self.xfail)}
+        return {"platform": self.platform, "setup": self.setup, "device": self.device}
 
 
 def _lib(device: str, capability=None, *libs: str) -> Platform:
@@ -119,11 +116,6 @@ def _lib(device: str, capability=None, *libs: str) -> Platform:
 
 
 HOPPER_FA4 = _lib("cuda", (9, 0), "flash_attn.cute")
-# Padded extend reads keys past the sequence end (issue #17, points 2-3).
-_PADDED_EXTEND_READS = (("extend/*/numerics/*/ragged", "issue #17: the padded extend reads slots past "
-                         "L' (a NaN there leaks into real rows)"),
-                        ("extend/*/engine/*", "issue #17: as above"),
-                        ("extend/*/determinism/*", "issue #17: as above (NaN != NaN)"))
 STANDIN = (
     Environment("flashinfer", "flashinfer", _lib("cuda", (9, 0), "flashinfer"), _flashinfer,
                 "cpu", ("flashinfer[mha]", "flashinfer[mla]")),
@@ -138,14 +130,11 @@ STANDIN = (
                 _installer(lambda: {"flash_mla": fm_standin.make()[0]}), "cpu",
                 ("flashmla[default]",)),
     Environment("trtllm_mha", "trtllm_mha", _lib("cuda", (10, 0), "flashinfer"),
-                _installer(_trtllm_modules), "cpu", ("trtllm_mha[default]",),
-                _PADDED_EXTEND_READS),
+                _installer(_trtllm_modules), "cpu", ("trtllm_mha[default]",)),
     Environment("trtllm_mla", "trtllm_mla", _lib("cuda", (10, 0), "flashinfer"),
-                _installer(_trtllm_modules), "cpu", ("trtllm_mla[default]",),
-                _PADDED_EXTEND_READS),
+                _installer(_trtllm_modules), "cpu", ("trtllm_mla[default]",)),
     Environment("cutedsl_mla", "cutedsl_mla", _lib("cuda", (10, 0), "flashinfer"),
-                _installer(_trtllm_modules), "cpu", ("cutedsl_mla[default]",),
-                _PADDED_EXTEND_READS),
+                _installer(_trtllm_modules), "cpu", ("cutedsl_mla[default]",)),
     Environment("tokenspeed_mla", "tokenspeed_mla", _lib("cuda", (10, 0), "tokenspeed_mla"),
                 _installer(lambda: {"tokenspeed_mla": ts_standin.make()[0]}), "cpu",
                 ("tokenspeed_mla[default]",)),

@@ -83,6 +83,20 @@ def expect_tensor(name: str, t: Any, *, ndim: Optional[int] = None,
                    f"{name}: expected shape {shape}, got {tuple(t.shape)} (dim {i})")
 
 
+def masked_pv(p: torch.Tensor, v: torch.Tensor, visible: Optional[torch.Tensor],
+              spec: str) -> torch.Tensor:
+    """``einsum(spec, p, v)`` as the kernels document it: a key a query does not see adds
+    nothing to that query, not even ``0 * NaN`` (the masked probabilities are 0). ``visible``:
+    bool, shaped like ``p``, or None (every key seen). Non-finite values reach exactly the
+    rows that see them."""
+    if visible is None:
+        return torch.einsum(spec, p, v)
+    finite = torch.isfinite(v)
+    out = torch.einsum(spec, p, torch.where(finite, v, torch.zeros_like(v)))
+    seen = torch.einsum(spec, visible.to(p.dtype).expand_as(p), (~finite).to(p.dtype)) > 0
+    return out.masked_fill(seen, float("nan"))
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   visible: Optional[torch.Tensor] = None, cap: float = 0.0,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,13 +113,15 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     s = torch.einsum("mhd,nhd->mhn", q.float(), kf) * scale
     if cap > 0:
         s = cap * torch.tanh(s / cap)
+    seen = None
     if visible is not None:
         mask = torch.arange(k.shape[0])[None, :] < visible[:, None].cpu()
-        s = s.masked_fill(~mask.to(s.device)[:, None, :], float("-inf"))
+        seen = mask.to(s.device)[:, None, :]
+        s = s.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
     p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros_like(p))
-    return torch.einsum("mhn,nhd->mhd", p, vf), lse
+    return masked_pv(p, vf, seen, "mhn,nhd->mhd"), lse
 
 
 # --- test data -----------------------------------------------------------------------------

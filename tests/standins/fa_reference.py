@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._common import masked_pv
+
 ACT = (torch.float16, torch.bfloat16)
 
 
@@ -119,13 +121,14 @@ def check_and_attend(api: str, rec: Recorder, q, k, v, *, page_table, seqused, c
         sc = torch.einsum("mhd,nhd->hmn", q[s:e].float(), kb) * scale
         if softcap > 0:
             sc = softcap * torch.tanh(sc / softcap)
+        vis = None
         if causal:  # bottom-right: row r sees keys 0 .. n - m + r
-            vis = torch.arange(n, device=q.device)[None, :] <= (
-                n - m + torch.arange(m, device=q.device))[:, None]
-            sc = sc.masked_fill(~vis[None], float("-inf"))
+            vis = (torch.arange(n, device=q.device)[None, :] <= (
+                n - m + torch.arange(m, device=q.device))[:, None])[None]
+            sc = sc.masked_fill(~vis, float("-inf"))
         row_lse = torch.logsumexp(sc, dim=-1)  # [H, m]
         p = torch.exp(sc - row_lse[..., None]).nan_to_num(0.0)
-        out[s:e] = torch.einsum("hmn,nhd->mhd", p, vb)
+        out[s:e] = masked_pv(p, vb, vis, "hmn,nhd->mhd")
         empty = torch.isinf(row_lse) & (row_lse < 0)
         lse[:, s:e] = torch.where(empty, torch.full_like(row_lse, empty_lse), row_lse)
     return out.to(q.dtype), lse

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from ._common import masked_pv
+
 
 def _attend_csr(q, k, v, qo, kv, indices, causal, scale, cap):
     """Per sequence: rows ``q[qo[m]:qo[m+1]]`` over slots ``indices[kv[m]:kv[m+1]]``.
@@ -32,11 +34,12 @@ def _attend_csr(q, k, v, qo, kv, indices, causal, scale, cap):
         s = torch.einsum("mhd,nhd->hmn", q[a:b].float(), kk) * scale
         if cap:
             s = cap * torch.tanh(s / cap)
+        vis = None
         if causal:
             n_kv, n_q = slots.numel(), b - a
-            vis = (torch.arange(n_kv)[None, :] <= torch.arange(n_q)[:, None] + n_kv - n_q)
-            s = s.masked_fill(~vis[None], float("-inf"))
-        out[a:b] = torch.einsum("hmn,nhd->mhd", torch.softmax(s, -1), vv).to(q.dtype)
+            vis = (torch.arange(n_kv)[None, :] <= torch.arange(n_q)[:, None] + n_kv - n_q)[None]
+            s = s.masked_fill(~vis, float("-inf"))
+        out[a:b] = masked_pv(torch.softmax(s, -1), vv, vis, "hmn,nhd->mhd").to(q.dtype)
         lse[a:b] = (torch.logsumexp(s, -1) / math.log(2)).T
     return out, lse
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
 from ...kernels.merge import merge_kernel
-from ...kernels.tiles import dot_args, load_q
+from ...kernels.tiles import dot_args, in_pool, load_q
 from ...util import next_pow2
 
 MAX_SPLITS = 8
@@ -45,7 +45,7 @@ MAX_SPLITS = 8
 @triton.jit
 def _index_score_kernel(IdxQ, IdxW, IdxPool, Scores, ReqToToken, RowMeta, GroupMeta,
                         stride_qt, stride_qh, stride_wt, stride_ps, stride_st, stride_r2t,
-                        key_width, NUM_IDX_HEADS, IDX_DIM,
+                        key_width, num_slots, NUM_IDX_HEADS, IDX_DIM,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """IdxQ: [rows, nh, d]; IdxW: [rows, nh]; IdxPool: [slots, d]; Scores: [rows, width]
@@ -62,7 +62,8 @@ def _index_score_kernel(IdxQ, IdxW, IdxPool, Scores, ReqToToken, RowMeta, GroupM
     offs_h = tl.arange(0, BLOCK_H)
     in_width = offs_n < key_width
     key_ok = offs_n < key_len
-    slot = tl.load(ReqToToken + rpi * stride_r2t + offs_n, mask=key_ok, other=0).to(tl.int64)
+    slot = in_pool(tl.load(ReqToToken + rpi * stride_r2t + offs_n, mask=key_ok,
+                           other=0).to(tl.int64), num_slots)
     k = tl.load(IdxPool + slot[:, None] * stride_ps + offs_d[None, :],
                 mask=key_ok[:, None] & (offs_d < IDX_DIM)[None, :], other=0.0)
     if DOT_F32:
@@ -84,7 +85,7 @@ def _index_score_kernel(IdxQ, IdxW, IdxPool, Scores, ReqToToken, RowMeta, GroupM
 
 @triton.jit
 def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
-                       sm_scale, logit_cap, sel_width, split_len, HL, page_size,
+                       sm_scale, logit_cap, sel_width, split_len, HL, page_size, num_slots,
                        stride_qt, stride_qh, stride_ks, stride_sel, stride_hist,
                        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
                        NUM_HEADS, NUM_SPLITS,
@@ -118,7 +119,7 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
             slot = tl.load(Sel + r * stride_sel + e, mask=in_list, other=-1)
             key_ok = in_list & (slot >= 0)
             vis = key_ok[None, :] & head_ok[:, None]
-            slot = tl.maximum(slot, 0).to(tl.int64)
+            slot = in_pool(slot.to(tl.int64), num_slots)
             acc, m_i, l_i = latent_tile(
                 acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
                 logit_cap, D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, FMT, D_NOPE, D_ROPE, TILE,
@@ -127,7 +128,8 @@ def _sparse_mla_kernel(Q, Kv, MidO, MidLse, Sel, Hist,
         for n0 in range(0, HL, BLOCK_N):
             e = n0 + offs_n
             key_ok = e < HL
-            slot = tl.load(Hist + r * stride_hist + e, mask=key_ok, other=0).to(tl.int64)
+            slot = in_pool(tl.load(Hist + r * stride_hist + e, mask=key_ok, other=0).to(tl.int64),
+                           num_slots)
             vis = key_ok[None, :] & head_ok[:, None]
             acc, m_i, l_i = latent_tile(
                 acc, m_i, l_i, q, qpe, slot, key_ok, vis, Kv, stride_ks, page_size, sm_scale,
@@ -160,7 +162,7 @@ def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_pool:
     _index_score_kernel[grid](
         index_q, index_weights, index_pool, scores, req_to_token, row_meta, group_meta,
         index_q.stride(0), index_q.stride(1), index_weights.stride(0), index_pool.stride(0),
-        scores.stride(0), req_to_token.stride(0), width, nh, d,
+        scores.stride(0), req_to_token.stride(0), width, index_pool.shape[0], nh, d,
         BLOCK_H=next_pow2(nh, 16), BLOCK_D=next_pow2(d, 16), BLOCK_N=block_n,
         **dot_args(index_q.dtype, index_q.device), num_warps=4)
     return scores
@@ -201,7 +203,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
     grid = (rows, triton.cdiv(heads, block_m), parts)
     _sparse_mla_kernel[grid](
         q, kv, mid_o, mid_lse, sel, hist, float(layer.scaling), float(layer.logit_cap),
-        sel_width, split_len, hl, layout.page_size if layout is not None else 1,
+        sel_width, split_len, hl, layout.page_size if layout is not None else 1, kv.shape[0],
         q.stride(0), q.stride(1), kv.stride(0), sel.stride(0),
         hist.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), heads, num_splits,

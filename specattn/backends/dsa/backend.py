@@ -12,7 +12,7 @@ import torch
 from ... import validation
 from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
-from ...metadata import history_slots
+from ...metadata import history_slots, in_pool
 from ...platforms import is_cpu, is_cuda, is_hip, triton_interpret
 
 if TYPE_CHECKING:
@@ -92,11 +92,12 @@ class _Meta:
                 and (not scores or (self.scores is not None and self.scores.shape[1] >= width)))
 
 
-def _flat_slots(req_to_token: torch.Tensor, rpi: torch.Tensor,
-                pos: torch.Tensor) -> torch.Tensor:
+def _flat_slots(req_to_token: torch.Tensor, rpi: torch.Tensor, pos: torch.Tensor,
+                num_slots: int) -> torch.Tensor:
     """``R[rpi[r], pos[r, c]]`` without copying whole rows (any strides: an engine may pass a
-    slice of a wider table). rpi: ``[rows]``; pos ``[rows, c]``."""
-    return req_to_token[rpi.long()[:, None], pos.clamp(0, req_to_token.shape[1] - 1)]
+    slice of a wider table), clamped into the pool. rpi: ``[rows]``; pos ``[rows, c]``."""
+    return in_pool(req_to_token[rpi.long()[:, None], pos.clamp(0, req_to_token.shape[1] - 1)],
+                   num_slots)
 
 
 class _DSAMixin:
@@ -157,7 +158,8 @@ class _DSAMixin:
     def _dense_selection(self, meta: _Meta, rows: int, width: int) -> None:
         """Every candidate: ``sel[r, x] = R[rpi, x]`` for ``x < count[r]``, else -1."""
         x = torch.arange(width, device=self.runner.device).expand(rows, width)
-        slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], x)
+        slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], x,
+                            self.runner.num_slots)
         ok = x < meta.row[:rows, 1:2].long()
         sel = torch.where(ok, slots, -1).to(torch.int32)
         # Refill in place: a captured graph holds the buffer's address.
@@ -211,7 +213,8 @@ class _DSAMixin:
                           self.runner.req_to_token, meta.row, meta.group[:self._groups],
                           scores)
         vals, pos = torch.topk(scores, self.index_topk, dim=1)
-        slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], pos)
+        slots = _flat_slots(self.runner.req_to_token, meta.row[:rows, 0], pos,
+                            self.runner.num_slots)
         return torch.where(vals > _NEG_INF, slots, -1).to(torch.int32)
 
     def selected_slots(self, layer: "AttentionLayer", index_q: Optional[torch.Tensor] = None,

@@ -26,13 +26,13 @@ import triton
 import triton.language as tl
 
 from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
-from ...kernels.tiles import dot_args, load_q
+from ...kernels.tiles import dot_args, in_pool, load_q
 from ...sink_window import window_key_pool
 
 
 @triton.jit
 def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
-                   sm_scale, logit_cap, HL, WINDOW, page_size,
+                   sm_scale, logit_cap, HL, WINDOW, page_size, num_slots,
                    stride_qt, stride_qh, stride_ps, stride_ot, stride_oh, stride_r2t,
                    stride_hist, NUM_HEADS,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -68,7 +68,7 @@ def _window_kernel(Q, Pool, Out, ReqToToken, Meta, Hist, Sink,
         s_pre = tl.load(r2t_row + x, mask=key_ok & in_prefix, other=0)
         s_his = tl.load(Hist + r * stride_hist + (x - prefix_len),
                         mask=key_ok & (x >= prefix_len), other=0)
-        slot = tl.where(in_prefix, s_pre, s_his).to(tl.int64)
+        slot = in_pool(tl.where(in_prefix, s_pre, s_his).to(tl.int64), num_slots)
         vis = key_ok[None, :] & head_ok[:, None]
         acc, m_i, l_i = latent_tile(
             acc, m_i, l_i, q, q, slot, key_ok, vis, Pool, stride_ps, page_size, sm_scale,
@@ -106,7 +106,7 @@ def window_attention(q: torch.Tensor, runner, layer, meta: torch.Tensor, hist: t
     _window_kernel[grid](
         q, pool, out, runner.req_to_token, meta, hist, sink if sink is not None else q,
         float(layer.scaling), float(layer.logit_cap), hl, window,
-        layout.page_size if layout is not None else 1,
+        layout.page_size if layout is not None else 1, pool.shape[0],
         q.stride(0), q.stride(1), pool.stride(0), out.stride(0), out.stride(1),
         runner.req_to_token.stride(0), hist.stride(0), heads,
         D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,

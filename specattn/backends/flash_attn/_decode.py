@@ -186,7 +186,8 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         r2t = self.runner.req_to_token
         if two_pass:
             width = bufs.prefix_pt.shape[1]
-            bufs.prefix_pt[:bs].copy_(prefix_page_table(r2t, rpi, seq, p, max_pages=width))
+            bufs.prefix_pt[:bs].copy_(prefix_page_table(r2t, rpi, seq, p, max_pages=width,
+                                                        num_slots=self.runner.num_slots))
             span = bufs.chunk_pages * p  # keys per full chunk
             start = torch.arange(chunks, device=seq.device) * span
             used = (seq.long()[:, None] - start[None, :]).clamp(0, span)
@@ -196,7 +197,8 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             ctx = self.runner.max_context_len
             lane_len = seq.long().repeat_interleave(k)
             bufs.lane_len[:lanes].copy_(lane_len)
-            slots, _ = prefix_token_slots(r2t, rpi, seq, max_len=ctx)
+            slots, _ = prefix_token_slots(r2t, rpi, seq, max_len=ctx,
+                                          num_slots=self.runner.num_slots)
             table = bufs.full_pt[:lanes]
             table[:, :ctx].copy_(slots.repeat_interleave(k, dim=0))
             table[:, ctx:].zero_()

@@ -67,7 +67,8 @@ class FlashAttnExtendGlue(DraftExtendBackend):
         bufs.cu[1:bs + 1].copy_(torch.cumsum(batch.extend_lens, 0))
         bufs.pt[:bs].copy_(prefix_page_table(self.runner.req_to_token, batch.req_pool_indices,
                                              batch.seq_lens, self.page_size,
-                                             max_pages=self._pages))
+                                             max_pages=self._pages,
+                                             num_slots=self.runner.num_slots))
         self._active, self._max_q = bufs, max_q
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,

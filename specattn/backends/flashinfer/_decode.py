@@ -131,7 +131,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if self.shared:
             total = int(rnd.seq_host.sum())
             fill_ragged_slots(rnd.prefix.reserve(total), total, self.runner.req_to_token,
-                              rnd.rows, rnd.plen)
+                              rnd.rows, rnd.plen, num_slots=self.runner.num_slots)
             qo = torch.arange(rnd.bs + 1, dtype=torch.int32) * k
             rnd.prefix.plan(qo, host_indptr(rnd.seq_host), total, False, self.params)
         else:
@@ -151,7 +151,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         p = rnd.steps[step]
         total = int(rnd.seq_host.sum()) + lanes * n
         fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
-                          rnd.plen, hist)
+                          rnd.plen, hist, num_slots=self.runner.num_slots)
         if self._needs_path_refresh:
             rnd.hist_pos[step] = history_positions(rnd.plen, n)
         qo = torch.arange(lanes + 1, dtype=torch.int32)

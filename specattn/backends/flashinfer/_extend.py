@@ -56,7 +56,8 @@ class FlashInferExtendGlue(DraftExtendBackend):
         seq_host, ext_host = lens[0], lens[1]
         total = int(seq_host.sum())
         fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token,
-                          batch.req_pool_indices, batch.seq_lens)
+                          batch.req_pool_indices, batch.seq_lens,
+                          num_slots=self.runner.num_slots)
         p.plan(host_indptr(ext_host), host_indptr(seq_host), total, True, self.params)
         self._pass = p
 

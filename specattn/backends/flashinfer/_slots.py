@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from ...metadata import in_pool
+
 __all__ = ["csr_indptr", "fill_ragged_slots", "history_positions", "host_indptr"]
 
 
@@ -43,7 +45,8 @@ def csr_indptr(lens: torch.Tensor) -> torch.Tensor:
 
 def fill_ragged_slots(out: torch.Tensor, total: int, req_to_token: torch.Tensor,
                       rows: torch.Tensor, prefix_lens: torch.Tensor,
-                      history: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      history: Optional[torch.Tensor] = None, *,
+                      num_slots: Optional[int] = None) -> torch.Tensor:
     """Write the concatenated slot lists of ``M`` sequences into ``out[:total]``.
 
     Sequence ``m`` is ``req_to_token[rows[m], 0 : prefix_lens[m]]`` followed by
@@ -53,6 +56,7 @@ def fill_ragged_slots(out: torch.Tensor, total: int, req_to_token: torch.Tensor,
     req_to_token: ``[max_reqs, max_context_len]``. rows, prefix_lens: ``[M]`` int.
     history: ``[M, n]`` int or ``None``.
     ``total`` comes from the host (the plan needs it anyway), so nothing is read back.
+    ``num_slots``: every slot clamped into the pool (no read outside it).
     """
     dev = out.device
     m = rows.shape[0]
@@ -69,7 +73,7 @@ def fill_ragged_slots(out: torch.Tensor, total: int, req_to_token: torch.Tensor,
     if history is not None:
         h = history.to(torch.int64)[seq, (t - plen[seq]).clamp(0, n - 1)]
         slots = torch.where(t < plen[seq], slots, h)
-    out[:total] = slots.to(out.dtype)
+    out[:total] = in_pool(slots, num_slots).to(out.dtype)
     return out[:total]
 
 

@@ -43,7 +43,8 @@ import triton.language as tl
 
 from ...kernels.latent import load_latent
 from ...kernels.merge import arrived_last, merge_rows
-from ...kernels.tiles import attend_kv, attend_tile, load_kv, load_q, lse, softmax_update
+from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, load_q, lse,
+                              softmax_update)
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
@@ -67,7 +68,7 @@ def _partial_attn_kernel(
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
-        stride_r2t, stride_par_s, stride_par_b,
+        stride_r2t, stride_par_s, stride_par_b, num_slots,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
         D_MAIN: tl.constexpr, D_PE: tl.constexpr,
@@ -129,11 +130,11 @@ def _partial_attn_kernel(
                     new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
                     _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
                                   stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
-                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
-                                  BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
+                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, num_slots,
+                                  D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
         start, end = _split_bounds(split, split_len, prefix_len, live)
         for n0 in range(start, end, BLOCK_N):
-            slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok)
+            slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
                 Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
@@ -145,7 +146,7 @@ def _partial_attn_kernel(
             idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
                                                 b, step, r2t_row, prefix_len, Hist, Parents,
                                                 stride_par_s, stride_par_b, TOPK, NUM_STEPS,
-                                                MODE)
+                                                num_slots, MODE)
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
             k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
@@ -155,8 +156,8 @@ def _partial_attn_kernel(
                 if NEW_KV == NEW_KV_TAIL:
                     _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
                                   stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
-                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, D_MAIN + D_PE,
-                                  BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
+                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, num_slots,
+                                  D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
                 # This call's keys from k / v: select on loaded tiles, not on row pointers
                 # (a pointer select unpipelines the loop, triton_ir_stats.py).
                 k_n, kpe_n, v_n = load_kv(Kin + src * stride_kin_t + kvh * stride_kin_h,
@@ -166,6 +167,9 @@ def _partial_attn_kernel(
                 k = tl.where(new[:, None], k_n, k)
                 kpe = tl.where(new[:, None], kpe_n, kpe)
                 v = tl.where(new[:, None], v_n, v)
+            # Tail tiles mix keys that only some rows see (other lanes' histories, later
+            # tokens): a non-finite one must not reach the others through P.V.
+            k, v = finite(k), finite(v)
             acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
                                       logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
@@ -193,11 +197,12 @@ def _split_bounds(split, split_len, prefix_len, live):
 
 
 @triton.jit
-def _prefix_keys(r2t_row, pos, end, row_ok):
+def _prefix_keys(r2t_row, pos, end, row_ok, num_slots):
     """Prefix positions ``pos [BLOCK_N]`` -> ``(slot int64, key_ok [BLOCK_N], vis
-    [BLOCK_M, BLOCK_N])`` through the request's ``req_to_token`` row."""
+    [BLOCK_M, BLOCK_N])`` through the request's ``req_to_token`` row (clamped into the
+    pool)."""
     key_ok = pos < end
-    slot = tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64)
+    slot = in_pool(tl.load(r2t_row + pos, mask=key_ok, other=0).to(tl.int64), num_slots)
     return slot, key_ok, key_ok[None, :] & row_ok[:, None]
 
 
@@ -218,11 +223,13 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
 @triton.jit
 def _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t, stride_kin_h,
                   stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
-                  NUM_STEPS, KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
+                  NUM_STEPS, num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr,
+                  D_V: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
     """Store the new keys ``new [BLOCK_N]`` (rows ``src`` of Kin / Vin, KV head ``kvh``) at
-    their slots ``Hist[src, step]`` (``KW`` = key width; V_IS_K: the latent row only)."""
+    their slots ``Hist[src, step]`` (``KW`` = key width; V_IS_K: the latent row only); a slot
+    outside the pool is not written."""
     dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
+    new = new & (dst >= 0) & (dst < num_slots)
     _copy_rows(Kin + src * stride_kin_t + kvh * stride_kin_h, Kb + dst * stride_ks +
                kvh * stride_kh, new, KW, BLOCK_KW)
     if not V_IS_K:
@@ -276,7 +283,8 @@ def _tail_range(row_lo, n_q, live, is_tail, step, GROUP: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix_len, Hist,
-               Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE: tl.constexpr):
+               Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
+               MODE: tl.constexpr):
     """Tail keys ``idx [BLOCK_N]`` (those ``< n_hi`` exist) -> ``(idx, key_ok, slot int64
     [BLOCK_N], vis [BLOCK_M, BLOCK_N])`` for the rows ``row_ok``.
 
@@ -302,7 +310,8 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
             z = b * TOPK + a
         slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
         vis = key_lane[None, :] == q_local[:, None]
-    return idx, key_ok, slot.to(tl.int64), vis & key_ok[None, :] & row_ok[:, None]
+    return (idx, key_ok, in_pool(slot.to(tl.int64), num_slots),
+            vis & key_ok[None, :] & row_ok[:, None])
 
 
 @triton.jit
@@ -310,7 +319,8 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
               logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_DPE: tl.constexpr, DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr,
-              USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+              USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+              FINITE: tl.constexpr = False):
     """One MLA key tile, ``rows [BLOCK_N]``: pointers to each key's latent row (pool or new
     k). The latent row ``[2 * D_HALF + D_PE]`` is loaded as two halves
     (``off_a``: the half this program accumulates, ``off_b``: the other) and the rope part;
@@ -321,12 +331,16 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
     ka, kb, kpe = load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
                               DOT_F32)
+    if FINITE:  # a tail tile: keys only some rows see (``finite``)
+        ka, kb = finite(ka), finite(kb)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_RELOAD:
         va = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0).to(ka.dtype)
+        if FINITE:
+            va = finite(va)
     else:
         va = ka
     p = p.to(ka.dtype)
@@ -334,6 +348,8 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     if DV_SPLIT == 1:
         if V_RELOAD:
             vb = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0).to(kb.dtype)
+            if FINITE:
+                vb = finite(vb)
         else:
             vb = kb
         acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PREC)
@@ -346,7 +362,7 @@ def _mla_partial_kernel(
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
-        stride_r2t, stride_par_s, stride_par_b,
+        stride_r2t, stride_par_s, stride_par_b, num_slots,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         GROUP: tl.constexpr, MODE: tl.constexpr, D_HALF: tl.constexpr, D_PE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, ACC_B_W: tl.constexpr,
@@ -405,10 +421,11 @@ def _mla_partial_kernel(
                 new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
                 _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
                               stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
-                              2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW, True)
+                              num_slots, 2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW,
+                              True)
     start, end = _split_bounds(split, split_len, prefix_len, live)
     for n0 in range(start, end, BLOCK_N):
-        slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok)
+        slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis, off_a,
             off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
@@ -418,19 +435,21 @@ def _mla_partial_kernel(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start, b,
                                             step, r2t_row, prefix_len, Hist, Parents,
-                                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE)
+                                            stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                                            num_slots, MODE)
         rows = KV + slot * stride_kvs
         if NEW_KV != NEW_KV_POOL:
             new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
             if NEW_KV == NEW_KV_TAIL:
                 _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
                               stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
-                              2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW, True)
+                              num_slots, 2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW,
+                              True)
             rows = tl.where(new, Kin + src * stride_kin_t, rows)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
             logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
-            DOT_PREC, DOT_F32)
+            DOT_PREC, DOT_F32, True)
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
@@ -452,19 +471,22 @@ def _mla_partial_kernel(
 @triton.jit
 def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h,
                      stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
-                     KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
+                     num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
                      BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr):
     """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
-    call's new KV in one launch (``kv_write="kernel"``)."""
+    call's new KV in one launch (``kv_write="kernel"``); a slot outside the pool is not
+    written."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dst = tl.load(Slots + r * stride_slots).to(tl.int64)
     offs = tl.arange(0, BLOCK_KW)
+    dst_k = dst + offs * 0  # a block, not a scalar: masks are blocks (and the interpreter's)
     x = tl.load(Kin + r * stride_kin_t + h * stride_kin_h + offs, mask=offs < KW)
     tl.store(Kb + dst * stride_ks + h * stride_kh + offs, x.to(Kb.dtype.element_ty),
-             mask=offs < KW)
+             mask=(offs < KW) & (dst_k >= 0) & (dst_k < num_slots))
     if WRITE_V:
         offs_v = tl.arange(0, BLOCK_DV)
+        dst_v = dst + offs_v * 0
         y = tl.load(Vin + r * stride_vin_t + h * stride_vin_h + offs_v, mask=offs_v < D_V)
         tl.store(Vb + dst * stride_vs + h * stride_vh + offs_v, y.to(Vb.dtype.element_ty),
-                 mask=offs_v < D_V)
+                 mask=(offs_v < D_V) & (dst_v >= 0) & (dst_v < num_slots))

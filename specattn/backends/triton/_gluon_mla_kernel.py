@@ -21,7 +21,7 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-               TOPK, NUM_STEPS, MODE: gl.constexpr):
+               TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr):
     """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``) ->
     ``(slot int64, new)``: its pool slot, and whether it is this call's key (read from
     ``k``: the last slot of each lane). Path mode: the ancestor at that depth."""
@@ -38,27 +38,33 @@ def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, strid
             a = gl.where(depth < u, par.to(gl.int32), a)
     z = q_start + a
     slot = gl.load(Hist + z * NUM_STEPS + depth, mask=ok & (depth < hl - 1), other=0)
-    return slot.to(gl.int64), new
+    return _in_pool(slot.to(gl.int64), num_slots), new
+
+
+@gluon.jit
+def _in_pool(slot, num_slots):
+    """A gathered slot clamped into ``[0, num_slots)``: no read outside the pool."""
+    return gl.minimum(gl.maximum(slot, 0), num_slots - 1)
 
 
 @gluon.jit
 def _issue_tile(t, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
                 start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                stride_par_b, TOPK, NUM_STEPS, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr, copy_layout: gl.constexpr):
+                stride_par_b, TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, copy_layout: gl.constexpr):
     """Start the ``cp.async`` gather of key tile ``t`` (prefix tiles, then tail tiles) into
     stage ``t % NUM_STAGES``; keys past the end are zero-filled (masked copies)."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
     if t < n_pref:
         pos = start + t * BLOCK_N + offs_n
         ok = pos < end
-        slot = gl.load(r2t_row + pos, mask=ok, other=0).to(gl.int64)
+        slot = _in_pool(gl.load(r2t_row + pos, mask=ok, other=0).to(gl.int64), num_slots)
         rows = KV + slot * stride_kvs
     else:
         idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
         ok = idx < n_hi
         slot, new = _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                               stride_par_b, TOPK, NUM_STEPS, MODE)
+                               stride_par_b, TOPK, NUM_STEPS, num_slots, MODE)
         src = (q_start + idx // hl).to(gl.int64)
         rows = gl.where(new, Kin + src * stride_kin_t, KV + slot * stride_kvs)
     stage = t % NUM_STAGES
@@ -69,6 +75,19 @@ def _issue_tile(t, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row,
     async_copy.async_copy_global_to_shared(kpe_smem.index(stage),
                                            rows[:, None] + D_MAIN + offs_pe[None, :],
                                            mask=ok[:, None])
+
+
+@gluon.jit
+def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr):
+    """Tail tiles hold history keys that only their lane's rows see: a non-finite value there
+    must not reach a sibling lane through P.V (``0 * NaN`` is NaN), so it is zeroed in shared
+    memory before any MMA reads the tile (the lane that does see it scores garbage either
+    way). Prefix tiles, seen by every row, are left as they are."""
+    if t >= n_pref:
+        x = k_tile.load(layout)
+        k_tile.store(gl.where((x - x) == 0, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
 
 
 @gluon.jit
@@ -107,8 +126,9 @@ def _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP: gl.constexpr):
 
 @gluon.jit
 def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, lane_hi, step,
-                    NUM_STEPS, layout: gl.constexpr):
-    """``KV[Hist[z, step]] = Kin[z]`` for the lanes ``z = q_start + [lane_lo, lane_hi)``."""
+                    NUM_STEPS, num_slots, layout: gl.constexpr):
+    """``KV[Hist[z, step]] = Kin[z]`` for the lanes ``z = q_start + [lane_lo, lane_hi)`` (a
+    slot outside the pool is not written)."""
     offs_l = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, 1024, layout=gl.SliceLayout(0, layout))
     c_ok = offs_c < D_MAIN + D_PE
@@ -117,6 +137,7 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
         ok = lane < lane_hi
         z = (q_start + lane).to(gl.int64)
         dst = gl.load(Hist + z * NUM_STEPS + step, mask=ok, other=0).to(gl.int64)
+        ok = ok & (dst >= 0) & (dst < num_slots)
         m = ok[:, None] & c_ok[None, :]
         x = gl.load(Kin + z[:, None] * stride_kin_t + offs_c[None, :], mask=m, other=0.0)
         gl.store(KV + dst[:, None] * stride_kvs + offs_c[None, :], x, mask=m)
@@ -128,7 +149,7 @@ def _gluon_mla_kernel(
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
-        stride_r2t, stride_par_s, stride_par_b, TOPK, NUM_STEPS, NUM_SPLITS,
+        stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         OVERLAP: gl.constexpr, USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr,
         WRITE_NEW: gl.constexpr):
@@ -169,7 +190,7 @@ def _gluon_mla_kernel(
     if WRITE_NEW:
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
-                            lane_hi, step, NUM_STEPS, kv_write_layout)
+                            lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
 
     start = split * split_len
     end = gl.minimum(prefix_len, start + split_len)
@@ -199,7 +220,8 @@ def _gluon_mla_kernel(
     for i in gl.static_range(PRO):
         _issue_tile(i, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
                     start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N, NUM_STAGES, copy_layout)
+                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
+                    copy_layout)
         async_copy.commit_group()
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -215,6 +237,7 @@ def _gluon_mla_kernel(
         async_copy.wait_group(NUM_STAGES - 1)
         fence_async_shared()
         gl.thread_barrier()
+        _finite_tail(k_smem.index(0), 0, n_pref, copy_layout)
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), s_tok,
@@ -229,6 +252,7 @@ def _gluon_mla_kernel(
             fence_async_shared()
             gl.thread_barrier()
             nxt = (t + 1) % NUM_STAGES
+            _finite_tail(k_smem.index(nxt), t + 1, n_pref, copy_layout)
             s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), s_tok,
@@ -248,8 +272,8 @@ def _gluon_mla_kernel(
             gl.thread_barrier()
             _issue_tile(t + NUM_STAGES, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
                         r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                        Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE, BLOCK_N,
-                        NUM_STAGES, copy_layout)
+                        Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
+                        BLOCK_N, NUM_STAGES, copy_layout)
             async_copy.commit_group()
     else:
         for t in range(total):
@@ -257,14 +281,15 @@ def _gluon_mla_kernel(
             gl.thread_barrier()
             _issue_tile(t + NUM_STAGES - 1, k_smem, kpe_smem, KV, Kin, stride_kvs,
                         stride_kin_t, r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
-                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, MODE,
-                        BLOCK_N, NUM_STAGES, copy_layout)
+                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                        num_slots, MODE, BLOCK_N, NUM_STAGES, copy_layout)
             async_copy.commit_group()
             async_copy.wait_group(NUM_STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()
             stage = t % NUM_STAGES
             k_s = k_smem.index(stage)
+            _finite_tail(k_s, t, n_pref, copy_layout)
             s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,

@@ -189,7 +189,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
         q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        par_s, par_b, topk, num_steps, num_splits,
+        par_s, par_b, kv.shape[0], topk, num_steps, num_splits,
         H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, OVERLAP=overlap,
         USE_CAP=logit_cap > 0, DIRECT_OUT=direct, WRITE_NEW=write_new,
         num_warps=NUM_WARPS)

@@ -245,7 +245,7 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
     v3 = k3 if v is None else v
     K._write_kv_kernel[(rows, k3.shape[1])](
         slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0),
-        v3.stride(1), sks, skh, svs, svh, KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
+        v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
         D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1)
 
 
@@ -320,7 +320,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             q.stride(0), q.stride(1), sks, k_in.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), par_s,
-            par_b, topk, num_steps, lanes_per_group, num_splits,
+            par_b, kb.shape[0], topk, num_steps, lanes_per_group, num_splits,
             GROUP=shape.group, MODE=mode, D_HALF=half, D_PE=shape.d_pe,
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe),
             ACC_B_W=_pow2(half) if dv == 1 else 16, DV_SPLIT=dv, V_RELOAD=cfg.v_reload,
@@ -339,7 +339,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             k_in.stride(0), kin_h, v_in.stride(0), vin_h,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), par_s,
-            par_b, topk, num_steps, lanes_per_group, num_splits,
+            par_b, kb.shape[0], topk, num_steps, lanes_per_group, num_splits,
             NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, MODE=mode,
             D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
