@@ -253,24 +253,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
     platform = parse_platform(args.platform, args.with_library)
     if args.order:
-        order = _order_rows(args, platform)
-        if args.json:
-            print(json.dumps({"platform": _platform_json(platform),
-                              "order": [_row_json(r) for r in order]}, indent=2))
-            return 0
-        from ._console import make_console
-
-        _render_order(order, platform, make_console())
-        return 0
-    rows = list_backends(kind=args.kind, pattern=args.pattern,
-                         available_only=args.available, platform=platform)
+        rows, key, render = _order_rows(args, platform), "order", _render_order
+    else:
+        rows = list_backends(kind=args.kind, pattern=args.pattern,
+                             available_only=args.available, platform=platform)
+        key, render = "backends", _render_list
     if args.json:
         print(json.dumps({"platform": _platform_json(platform),
-                          "backends": [_row_json(r) for r in rows]}, indent=2))
+                          key: [_row_json(r) for r in rows]}, indent=2))
         return 0
     from ._console import make_console
 
-    _render_list(rows, platform, make_console())
+    render(rows, platform, make_console())
     return 0
 
 

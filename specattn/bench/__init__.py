@@ -259,9 +259,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     plans = [] if args.only_sweep else run.plan_cases(cases, platform, args.backend,
                                                       raw=not args.no_raw, on_gpu=on_gpu,
                                                       options=options)
-    no_sweep = (args.no_sweep or custom or args.case or args.check_only
-                or (args.extend and not args.steps))
-    sweep = [] if no_sweep and not args.only_sweep \
+    no_sweep = args.no_sweep or custom or args.case or (args.extend and not args.steps)
+    sweep = [] if (no_sweep and not args.only_sweep) or args.check_only \
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
                             platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu,
                             options=options)

@@ -39,7 +39,7 @@ from .options import BackendOption
 
 __all__ = ["WallClock", "CudaClock", "Setup", "Variant", "Result", "build_setup",
            "copy_bandwidth", "discover_variants", "check_variant", "measure_variant",
-           "tolerance", "CPU_DEFAULT_BACKENDS"]
+           "timed_step_fn", "short_error", "tolerance", "CPU_DEFAULT_BACKENDS"]
 
 log = logging.getLogger("specattn.bench")
 
