@@ -3,6 +3,7 @@ and why.
 
     specattn [--log-level LEVEL] COMMAND ...
     specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
+    specattn list --order [--kind ...] [--platform P] [--with-library NAME ...] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
         --with-library flashinfer
     specattn demo ...         (the main job: ``specattn.demo.cli_main``)
@@ -27,6 +28,8 @@ import warnings
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, Optional
+
+from .listing import known_libraries
 
 __all__ = ["main", "parse_platform"]
 
@@ -85,15 +88,6 @@ def _libraries_line(platform, registry_libs: Sequence[str]) -> str:
             f"not found: {', '.join(missing) or 'none'}")
 
 
-def _known_libraries() -> list[str]:
-    from .registry import active_registry
-
-    mods = {"flash_attn_interface", "flash_attn.cute"}
-    registry = active_registry()
-    for kind in ("decode", "extend"):
-        for cls in registry.classes(kind):
-            mods.update(m for m, _ in cls.requires)
-    return sorted(mods)
 
 
 # --- list --------------------------------------------------------------------------------------
@@ -174,7 +168,7 @@ def _render_list(rows: list, platform, console) -> None:
     from ._console import make_table
 
     console.print(f"platform: {platform}")
-    console.print(_libraries_line(platform, _known_libraries()))
+    console.print(_libraries_line(platform, known_libraries()))
     entries = _merge_rows(rows)
     table = make_table("NAME", "RUNS HERE?", "KINDS, FLAVOUR, MODELS; DETAILS",
                        no_wrap=("NAME", "RUNS HERE?"))
@@ -196,7 +190,7 @@ def _platform_json(platform) -> dict[str, Any]:
             "cpu_has_amx": platform.cpu_has_amx,
             "triton_interpret": platform.triton_interpret,
             "libraries": sorted(platform.libraries) if platform.libraries is not None else None,
-            "libraries_found": [m for m in _known_libraries() if platform.has_library(m)],
+            "libraries_found": [m for m in known_libraries() if platform.has_library(m)],
             "description": str(platform)}
 
 
@@ -205,19 +199,72 @@ def _row_json(r) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
+def _order_rows(args: argparse.Namespace, platform) -> list:
+    """``auto``'s order on ``platform`` (``selection.auto_order``), filtered like ``list``
+    (``--kind``, ``--pattern``, ``--available``); ranks stay ``auto``'s."""
+    import fnmatch
+
+    from .selection import auto_order
+
+    rows = auto_order(platform, args.kind)
+    if args.pattern:
+        rows = [r for r in rows if fnmatch.fnmatch(r.name, args.pattern)]
+    if args.available:
+        rows = [r for r in rows if r.runs_here]
+    return rows
+
+
+def _render_order(rows: list, platform, console) -> None:
+    """One table per kind: rank, name, flavour, priority, models, runs here or why not."""
+    from ._console import make_table
+
+    console.print(f"platform: {platform}")
+    console.print(_libraries_line(platform, known_libraries()))
+    for kind in ("decode", "extend"):
+        of_kind = [r for r in rows if r.kind == kind]
+        if not of_kind:
+            continue
+        console.print()
+        console.print(f"{kind}: auto tries these in this order")
+        table = make_table("RANK", "NAME", "FLAVOUR", "PRIORITY", "MODELS", "RUNS HERE?",
+                           no_wrap=("RANK", "NAME", "FLAVOUR", "PRIORITY", "MODELS"))
+        for r in of_kind:
+            table.add_row(str(r.rank), r.name, r.flavour, str(r.priority), "/".join(r.models),
+                          "yes" if r.runs_here else f"no: {r.reason}")
+        console.print(table)
+    console.print()
+    console.print("auto takes the first row that runs here and accepts the request (model, "
+                  "topk, page size, dtype, ...)" + _by_name_only_note()
+                  + ". `specattn select` explains one request.")
+
+
+def _by_name_only_note() -> str:
+    """``"; dsa and dsv4 ... by name only"``: the classes ``auto`` never picks."""
+    from .registry import active_registry
+
+    registry = active_registry()
+    names = sorted({c.name for kind in ("decode", "extend") for c in registry.classes(kind)
+                    if not c.auto_eligible})
+    return f"; {', '.join(names)}: model-specific, chosen by name only" if names else ""
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_backends
 
     platform = parse_platform(args.platform, args.with_library)
-    rows = list_backends(kind=args.kind, pattern=args.pattern,
-                         available_only=args.available, platform=platform)
+    if args.order:
+        rows, key, render = _order_rows(args, platform), "order", _render_order
+    else:
+        rows = list_backends(kind=args.kind, pattern=args.pattern,
+                             available_only=args.available, platform=platform)
+        key, render = "backends", _render_list
     if args.json:
         print(json.dumps({"platform": _platform_json(platform),
-                          "backends": [_row_json(r) for r in rows]}, indent=2))
+                          key: [_row_json(r) for r in rows]}, indent=2))
         return 0
     from ._console import make_console
 
-    _render_list(rows, platform, make_console())
+    render(rows, platform, make_console())
     return 0
 
 
@@ -308,7 +355,7 @@ def _cmd_select(args: argparse.Namespace) -> int:
     set_fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                   if getattr(config, f.name) != f.default}
     print(f"platform: {platform}")
-    print(_libraries_line(platform, _known_libraries()))
+    print(_libraries_line(platform, known_libraries()))
     print(f"model: {'MLA' if args.mla else 'MHA'}; topk={args.topk} num_steps={args.num_steps} "
           f"tree_mode={args.tree_mode}")
     print("config: SpecConfig(" + ", ".join(f"{k}={v!r}" for k, v in set_fields.items()) + ")")
@@ -412,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fnmatch pattern on names and aliases, e.g. 'fa*' (default: all)")
     p.add_argument("--available", action="store_true",
                    help="only what runs here (dispatchers: only when their target does)")
+    p.add_argument("--order", action="store_true",
+                   help="the order in which auto tries the backends here (or on --platform), "
+                        "one table per kind: rank, priority, runs here or why not")
     p.add_argument("--json", action="store_true", help="every field, as JSON")
     _add_platform_args(p)
 

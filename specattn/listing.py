@@ -11,7 +11,11 @@ from .platforms import Platform, current_platform
 from .plugins import load_plugins
 from .registry import Registry, active_registry, default_registry
 
-__all__ = ["BackendInfo", "list_backends"]
+__all__ = ["BackendInfo", "list_backends", "known_libraries"]
+
+# Vendor modules a class looks for in its own platform rule rather than in ``requires``
+# (fa3: FlashAttention-3, or FlashAttention-4's sm90 kernel).
+_RULE_LIBRARIES = ("flash_attn_interface", "flash_attn.cute")
 
 
 @dataclass(frozen=True)
@@ -95,3 +99,14 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
     if available_only:
         rows = [r for r in rows if r.runs_here]
     return sorted(rows, key=lambda r: (r.name, r.kind, r.flavour))
+
+
+def known_libraries(registry: Optional[Registry] = None) -> list[str]:
+    """Every vendor module a registered class may need (sorted): what ``--with-library``
+    can name."""
+    registry = active_registry() if registry is None else registry
+    mods = set(_RULE_LIBRARIES)
+    for kind in KINDS:
+        for cls in registry.classes(kind):
+            mods.update(m for m, _ in cls.requires)
+    return sorted(mods)

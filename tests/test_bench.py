@@ -12,6 +12,8 @@ import json
 import math
 import os
 import pathlib
+import re
+import subprocess
 import sys
 
 import pytest
@@ -289,6 +291,125 @@ def test_relative_error():
         relative_error(ref[:1], ref)
 
 
+# --- --option, --parts, --check-only ------------------------------------------------------------
+
+def test_option_parsing_and_kernel_config_labels():
+    from specattn.backends.triton.launchers import KernelConfig
+    from specattn.bench.options import check_options, kernel_config, parse_option
+    from specattn.errors import InvalidInputError
+    from specattn.registry import default_registry
+
+    opt = parse_option("triton:split_waves=2.5,mode=per-branch,num_splits=None")
+    assert opt.label == "triton[split_waves=2.5,mode=per-branch,num_splits=None]"
+    assert dict(opt.kwargs) == {"split_waves": 2.5, "mode": "per-branch", "num_splits": None}
+    check_options([opt, parse_option("fa4:split_prefix=2"),
+                   parse_option("intel_amx:cache_prefix=False")], default_registry)
+    for cfg in (KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True),
+                KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True, gluon_overlap=True),
+                KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, v_reload=True),
+                KernelConfig(32, 64, 4, 3, kv_write="torch", fuse_merge=True)):
+        assert kernel_config(cfg.label()) == cfg  # the table's label, pasted back
+    from specattn.backends.triton import TritonDecode
+
+    got = parse_option("triton:config=m32 n64 w4 s3,split_waves=6").kwargs_for(TritonDecode)
+    assert got == {"config": KernelConfig(32, 64, 4, 3), "split_waves": 6}
+    bad = ["triton", "triton:", "triton:=2", "no_such:x=1", "triton:blocks=2",
+           "triton:topk=2", "triton:config=m64 n32", "triton:config=m64 n32 w8 s3 big",
+           "fa4:split_prefix=2,cache_prefix=True"]
+    for text in bad:
+        with pytest.raises(InvalidInputError, match="--option"):
+            check_options([parse_option(text)], default_registry)
+
+
+def test_option_variants_join_the_backends_own(scoped_registry):
+    """An option adds a variant (mode 'option') for the classes of its backend that take its
+    keywords, whether or not the backend's own variants run; it is checked and timed like
+    them and compared with the backend's own per-branch mode."""
+    from specattn.bench.options import parse_option
+
+    plat = current_platform()
+    opts = [parse_option("intel_amx:cache_prefix=False")]
+    variants, _ = discover_variants(tiny(), plat, options=opts)
+    assert [(v.label, v.mode) for v in variants] == [
+        ("intel_amx", "default"), ("intel_amx[cache_prefix=False]", "option"),
+        ("torch_ref", "default"), (SDPAPerLane.label, "raw")]
+    only, _ = discover_variants(tiny(), plat, ["torch_ref"], raw=False, options=opts)
+    assert [v.label for v in only] == ["intel_amx[cache_prefix=False]", "torch_ref"]
+    ext, _ = discover_variants(tiny(kind="extend"), plat, ["torch_ref"], options=opts)
+    assert [v.label for v in ext] == ["torch_ref"]  # IntelAMXExtend takes no cache_prefix
+    setup = build_setup(tiny(), "cpu")
+    res = measure_variant(variants[1], setup, WallClock(1), round_layers=1)
+    assert res.status == "ok" and res.step_ms > 0
+    assert not variants[1].make(setup).cache_prefix
+
+
+def test_parts_of_a_cpu_step_and_of_a_triton_step():
+    """--parts on the CPU: the metadata call's host time, then the step's torch ops (self
+    time per step); Triton (interpreter) at a tiny size too."""
+    from specattn.bench.options import parse_option
+    from specattn.bench.parts import measure_parts
+
+    setup = build_setup(tiny(), "cpu")
+    variants, _ = discover_variants(tiny(), current_platform(), ["torch_ref", "triton"],
+                                    raw=False, options=[parse_option("triton:split_waves=2")])
+    assert [v.label for v in variants] == ["torch_ref", "triton", "triton/per-branch",
+                                           "triton[split_waves=2]"]
+    for variant in variants[::3]:
+        parts = measure_parts(variant, setup, WallClock(1), reps=1)
+        assert parts[0]["part"] == "init_forward_metadata" and parts[0]["kind"] == "host"
+        ops = parts[1:]
+        assert ops and all(p["kind"] == "op" and p["us"] > 0 and p["calls"] > 0 for p in ops)
+        assert len(ops) <= 11 and not any(p["part"].startswith("ProfilerStep") for p in ops)
+    ref_ops = {p["part"] for p in measure_parts(variants[0], setup, WallClock(1), reps=1)}
+    assert "aten::bmm" in ref_ops or "aten::einsum" in ref_ops  # the reference's attention
+
+
+def test_profile_parts_keeps_gpu_kernels_and_sums_the_tail():
+    """The GPU branch, on fake profiler events: kernels only (CUDA device type), per call,
+    names without their templates, the smallest summed as '(other ...)'."""
+    from types import SimpleNamespace
+
+    from specattn.bench.parts import profile_parts
+
+    def ev(key, us, count, device="DeviceType.CUDA"):
+        return SimpleNamespace(key=key, device_time_total=us, count=count, device_type=device,
+                               self_cpu_time_total=1.0)
+
+    events = [ev("aten::mm", 500.0, 4, "DeviceType.CPU"),
+              ev("void flashinfer::PrefillKernel<128, true>(Params)", 400.0, 4),
+              ev("_history_merge_kernel", 80.0, 4), ev("Memcpy HtoD (Pageable -> Device)", 8.0, 4)]
+    events += [ev(f"k{i}", 1.0, 4) for i in range(3)]
+    rows = profile_parts(events, on_gpu=True, calls=4, top=3)
+    assert [(r["part"], r["us"], r["calls"]) for r in rows] == [
+        ("flashinfer::PrefillKernel", 100.0, 1.0), ("_history_merge_kernel", 20.0, 1.0),
+        ("Memcpy HtoD", 2.0, 1.0), ("(other: 3 more)", 0.75, 3.0)]
+    assert {r["kind"] for r in rows} == {"kernel"}
+
+
+def test_check_only_and_extra_cases(tmp_path, capsys):
+    """--check-only checks Triton (interpreter) and an --option variant against torch_ref
+    and times nothing: no floor, no sweep, no chart; mla-long-k8 runs only when named."""
+    assert "mla-long-k8" in {c.name for c in C.all_cases()}
+    assert "mla-long-k8" not in {c.name for c in C.default_cases(True)}
+    out = tmp_path / "check"
+    code = cli_main(["--batch", "2", "--prefix", "24", "--topk", "2", "--num-steps", "3",
+                     "--mla", "--steps", "--quick", "--backend", "triton", "--option",
+                     "triton:config=m16 n16 w4 s2,num_splits=2", "--check-only", "--out",
+                     str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    rows = report.read_csv(str(out / "bench.csv"))
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        ("triton", "checked"), ("triton/per-branch", "checked"),
+        ("triton[config=m16 n16 w4 s2,num_splits=2]", "checked")]
+    assert all(float(r["max_err"]) < 2e-2 and not r["time_us"] for r in rows)
+    table = (out / "table.md").read_text()
+    assert "--check-only" in table and "(not timed)" in table
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "table.md", "versions.json"]
+    assert cli_main(["--option", "triton:nope=1", "--check-only"]) == 2
+    assert "--option" in capsys.readouterr().err
+
+
 # --- the GPU control flow with a fake clock ---------------------------------------------------
 
 class FakeGraphClock:
@@ -377,11 +498,15 @@ def test_append_merges_by_case(tmp_path):
     report.write_csv(old, str(tmp_path / "bench.csv"))
     report.write_csv([{"topk": 1, "prefix": 512, "variant": "x", "time_us": 3.0}],
                      str(tmp_path / "sweep.csv"), report.SWEEP_COLUMNS)
+    report.write_csv([{"case": c, "lengths": "uniform", "variant": "x", "part": "p", "us": 1}
+                      for c in "ab"], str(tmp_path / "parts.csv"), report.PARTS_COLUMNS)
     new = [_row("y", "y", "shared", 9.0, case="b")]
-    rows, sweep = _merge(str(tmp_path), new, [{"topk": 1, "prefix": 1024}])
+    new_parts = [{"case": "b", "lengths": "uniform", "variant": "y", "part": "q", "us": 2}]
+    rows, sweep, parts = _merge(str(tmp_path), new, [{"topk": 1, "prefix": 1024}], new_parts)
     assert [(r["case"], r["variant"]) for r in rows] == [("a", "x"), ("b", "y")]
     assert [int(r["prefix"]) for r in sweep] == [512, 1024]
-    assert _merge(str(tmp_path / "missing"), new, []) == (new, [])
+    assert [(r["case"], r["part"]) for r in parts] == [("a", "p"), ("b", "q")]
+    assert _merge(str(tmp_path / "missing"), new, []) == (new, [], [])
 
 
 # --- progress, CLI, README ---------------------------------------------------------------------
@@ -478,7 +603,7 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     try:
         code = cli_main(["--batch", "2", "--prefix", "40", "--topk", "2", "--num-steps", "4",
                          "--quick", "--reps", "2", "--round-layers", "1", "--threads", "1",
-                         "--out", str(out)])
+                         "--parts", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     stdout = capsys.readouterr().out
@@ -494,6 +619,11 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     assert info["torch"] == torch.__version__ and info["copy_bandwidth_gbs"] > 0
     table = (out / "table.md").read_text()
     assert "| custom | uniform | intel_amx |" in table
+    parts = report.read_csv(str(out / "parts.csv"))  # --parts: every timed variant's parts
+    timed = {(r["case"], r["variant"]) for r in rows if r["status"] == "ok"}
+    assert {(p["case"], p["variant"]) for p in parts} == timed
+    assert "## Step parts" in table and "| custom | uniform | intel_amx | init_forward_metadata" \
+        " | host |" in table
     assert f"wrote {out}/" in stdout  # and the same table, fitted to the terminal
     printed = [line.split() for line in stdout.splitlines()]
     assert any(cells[:3] == ["custom", "uniform", "intel_amx"] for cells in printed)
@@ -503,7 +633,7 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     else:
         assert not pngs and "matplotlib is not installed" in table
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         import make_readme_performance as mrp
     finally:
@@ -519,6 +649,18 @@ def test_cli_end_to_end_and_readme(tmp_path, capsys):
     assert mrp.main([str(out), "--readme", str(readme), "--check"]) == 0
     readme.write_text("no markers\n")
     assert mrp.main([str(out), "--readme", str(readme)]) == 1
+
+
+def test_readme_performance_section_is_generated():
+    """The README's Performance section is what ``tools/make_readme_performance.py`` makes
+    from the committed results folder it names (nothing typed by hand)."""
+    readme = pathlib.Path(ROOT, "README.md").read_text()
+    found = re.search(r"generated by `python (tools/make_readme_performance\.py) (\S+)`",
+                      readme)
+    assert found, "the README names the command that generated its Performance section"
+    res = subprocess.run([sys.executable, found.group(1), found.group(2), "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
 
 
 @pytest.mark.gpu

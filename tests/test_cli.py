@@ -126,6 +126,40 @@ def test_list_for_another_platform(capsys):
     assert "libraries: flashinfer (given with --with-library)" in out
 
 
+def test_list_order_is_autos_order_per_kind(capsys, monkeypatch):
+    """``list --order``: one table per kind, ranked as ``auto`` tries them, with why a row
+    cannot run; its JSON rows are ``selection.auto_order``'s."""
+    from specattn.selection import auto_order
+
+    monkeypatch.setenv("COLUMNS", "120")
+    argv = ["list", "--order", "--platform", "cuda:9.0", "--with-library", "triton",
+            "flashinfer"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "platform: cuda 9.0"
+    heads = [i for i, line in enumerate(lines) if line.endswith("auto tries these in this order")]
+    assert [lines[i].split(":")[0] for i in heads] == ["decode", "extend"]
+    want = auto_order(Platform("cuda", (9, 0), libraries={"triton", "flashinfer"}))
+    decode = [line.split() for line in lines[heads[0]:heads[1]] if line[:1].isdigit()]
+    assert [(int(c[0]), c[1], c[2]) for c in decode] == \
+        [(r.rank, r.name, r.flavour) for r in want if r.kind == "decode"]
+    rows = {(c[1], c[2]): " ".join(c[5:]) for c in decode}
+    assert rows[("flashinfer", "mha")] == "yes" and rows[("triton", "default")] == "yes"
+    assert rows[("fa4", "cuda")].startswith("no: needs the 'flash_attn.cute' package")
+    assert rows[("trtllm_mha", "default")].startswith("no: needs CUDA compute capability 10")
+    assert all(len(line) <= 120 for line in lines)
+    assert "dsa, dsv4: model-specific, chosen by name only" in " ".join(out.split())
+
+    code, out, _ = run(capsys, *argv, "--json", "--kind", "extend", "--available")
+    data = json.loads(out)
+    assert code == 0 and data["platform"]["capability"] == [9, 0]
+    got = [(r["kind"], r["rank"], r["qualified_name"], r["runs_here"]) for r in data["order"]]
+    assert got == [(r.kind, r.rank, r.qualified_name, True) for r in want
+                   if r.kind == "extend" and r.runs_here]
+    assert got[0][2].endswith("FlashInferExtend")
+
+
 # --- select ------------------------------------------------------------------------------------
 
 def _answers(out):

@@ -69,6 +69,34 @@ def test_the_tools_cite_the_repositorys_docs_not_the_spec():
                     assert ref.startswith("docs/"), (str(path.relative_to(ROOT)), string)
 
 
+def test_auto_order_page_is_auto_order_on_each_device():
+    """The generated page: per device type and kind, the classes that run there with every
+    library installed, in ``auto``'s order; independent of the build's TRITON_INTERPRET."""
+    import dataclasses
+
+    from specattn.cli import parse_platform
+    from specattn.listing import known_libraries
+    from specattn.selection import auto_order
+
+    sys.path.insert(0, str(ROOT / "docs" / "_hooks"))
+    try:
+        import backend_pages
+    finally:
+        sys.path.pop(0)
+    page = backend_pages.auto_order_page()
+    sections = page.split("\n## ")[1:]
+    assert [s.splitlines()[0] for s in sections] == [h for h, _ in backend_pages.ORDER_PLATFORMS]
+    for section, (_, text) in zip(sections, backend_pages.ORDER_PLATFORMS):
+        plat = dataclasses.replace(parse_platform(text, known_libraries()),
+                                   triton_interpret=False)
+        for kind, table in zip(("decode", "extend"), section.split("**")[2::2]):
+            names = re.findall(r"^\| \d+ \| \[`(\w+)`\]\(\w+\.md\) \| (\w+) \|", table, re.M)
+            assert names == [(r.name, r.flavour) for r in auto_order(plat, kind) if r.runs_here]
+    hopper = sections[1]
+    assert hopper.index("[`fa4`]") < hopper.index("[`flashinfer`]") < hopper.index("[`triton`]")
+    assert "[`triton`]" not in sections[-1]  # a plain CPU: no Triton without the interpreter
+
+
 def test_docs_build_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")
@@ -84,6 +112,8 @@ def test_docs_build_strictly(tmp_path):
         for cls in default_registry.classes("decode", name) + default_registry.classes(
                 "extend", name):
             assert cls.qualified_name() in page  # the page comes from the registry
+    order = (site / "backends" / "auto-order" / "index.html").read_text()
+    assert "NVIDIA Hopper" in order and "CPU with Intel AMX" in order
     api = (site / "api" / "factory" / "index.html").read_text()
     assert "create_decode_backend" in api and "explain_decode_backend" in api
     assert (site / "changelog" / "index.html").is_file()

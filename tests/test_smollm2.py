@@ -378,13 +378,13 @@ def test_cli_model_synthetic_is_default_and_selectable():
     assert cli_main(["--model", "nonesuch"], out=io.StringIO()) == 2
 
 
-# --- GPU hand-off script (benchmarks/smollm2_gpu.sh) ---------------------------------------------
+# --- GPU hand-off script (tools/smollm2_gpu.sh) ---------------------------------------------
 
 def _gpu_sh(tmp_path, *args, **env):
     import os
     import subprocess
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "smollm2_gpu.sh")
+    script = os.path.join(os.path.dirname(__file__), "..", "tools", "smollm2_gpu.sh")
     return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "SMOLLM2_ROOT": str(tmp_path / "root"),
                                "OUT": str(tmp_path / "out"), **env})

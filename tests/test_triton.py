@@ -345,7 +345,7 @@ def test_stage1_compiles_for_sm90_with_pipelined_loads():
     """The generic stage-1 kernel at the gqa-long shape, compiled for sm90 on this machine (no
     GPU; outside the interpreter, so in a subprocess): its key loads are asynchronous copies
     (software-pipelined), what makes it memory- rather than latency-bound
-    (``benchmarks/triton_ir_stats.py``)."""
+    (``tools/triton_ir_stats.py``)."""
     import os
     import re
     import subprocess
@@ -354,7 +354,7 @@ def test_stage1_compiles_for_sm90_with_pipelined_loads():
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_ir_stats.py"),
+    run = subprocess.run([sys.executable, os.path.join(root, "tools", "triton_ir_stats.py"),
                           "--new-kv", "0"], capture_output=True, text=True, env=env, timeout=240)
     if run.returncode != 0:
         tail = (run.stderr or run.stdout).strip().splitlines()[-1:]

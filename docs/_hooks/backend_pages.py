@@ -1,5 +1,5 @@
-"""MkDocs hook: one page per backend, generated from the registry at build time, and the
-repository's CHANGELOG.md as ``changelog.md``.
+"""MkDocs hook: one page per backend and the ``auto`` order on each device type, generated
+from the registry at build time, and the repository's CHANGELOG.md as ``changelog.md``.
 
 The pages say what each backend declares (kinds, flavours, models, platforms, libraries and
 their install commands, capabilities) and where it was run; nothing on them is written by
@@ -9,6 +9,7 @@ hand, so they cannot drift from the code. ``on_config`` puts them into the nav u
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 from collections import defaultdict
@@ -101,17 +102,70 @@ def backend_pages() -> dict[str, str]:
     return pages
 
 
+ORDER_PAGE = "backends/auto-order.md"
+# (heading, --platform string) of each device type the order page shows.
+ORDER_PLATFORMS = (
+    ("NVIDIA Ampere (A100): CUDA 8.0", "cuda:8.0"),
+    ("NVIDIA Hopper (H100, H200): CUDA 9.0", "cuda:9.0"),
+    ("NVIDIA Blackwell (B200): CUDA 10.0", "cuda:10.0"),
+    ("AMD (ROCm)", "hip"),
+    ("Huawei Ascend NPU", "npu"),
+    ("Moore Threads (MUSA)", "musa"),
+    ("Intel GPU (XPU)", "xpu"),
+    ("CPU with Intel AMX", "cpu+amx"),
+    ("CPU without AMX", "cpu"),
+)
+
+
+def auto_order_page() -> str:
+    """The ``auto`` order on each device type (``selection.auto_order``), with every vendor
+    library installed: per kind, the classes that run on that device, first tried first."""
+    from specattn.cli import parse_platform
+    from specattn.listing import known_libraries
+    from specattn.selection import auto_order
+
+    registry = _registry()
+    libraries = known_libraries(registry)
+    kernels = {c.qualified_name(): c.kernel_library
+               for kind in ("decode", "extend") for c in registry.classes(kind)}
+    lines = ["# The `auto` order", "",
+             "*Generated from the registry when the docs are built.* With no backend name "
+             "(or `auto`), specattn tries the classes below in this order and takes the first "
+             "that runs on the machine and accepts the request (model, `topk`, page size, "
+             "dtype, ...); model-specific backends (`auto_eligible = False`) are chosen by "
+             "name only and are not listed. Each table assumes every vendor library is "
+             "installed; classes made for other devices are left out. "
+             "`specattn list --order` shows the order on your machine, with what is missing "
+             "there, and `specattn select` explains one request "
+             "([How selection works](../selection.md)).", ""]
+    for heading, text in ORDER_PLATFORMS:
+        # Not the environment's TRITON_INTERPRET: the page must not depend on the build.
+        platform = dataclasses.replace(parse_platform(text, libraries), triton_interpret=False)
+        lines += [f"## {heading}", "", f"`specattn list --order --platform {text}`", ""]
+        for kind in ("decode", "extend"):
+            rows = [r for r in auto_order(platform, kind, registry) if r.runs_here]
+            lines += [f"**{kind}**", "", "| order | name | flavour | priority | models | "
+                      "kernel library |", "|---|---|---|---|---|---|"]
+            lines += [f"| {n} | [`{r.name}`]({r.name}.md) | {r.flavour} | {r.priority} | "
+                      f"{'/'.join(r.models)} | {_cell(kernels[r.qualified_name])} |"
+                      for n, r in enumerate(rows, 1)]
+            lines.append("")
+    return "\n".join(lines)
+
+
 _PAGES: dict[str, str] = {}
 
 
 def on_config(config, **kwargs):
     _PAGES.clear()
+    _PAGES[ORDER_PAGE] = auto_order_page()
     _PAGES.update(backend_pages())
     for item in config["nav"]:
         if isinstance(item, dict) and NAV_SECTION in item:
             section = item[NAV_SECTION]
+            section.append({"auto order": ORDER_PAGE})
             section += [{page.split("/")[-1][:-3]: page} for page in sorted(_PAGES)
-                        if page not in section]
+                        if page != ORDER_PAGE and page not in section]
     return config
 
 

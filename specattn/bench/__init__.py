@@ -2,15 +2,17 @@
 
     specattn bench [--case NAME ...] [--backend NAME ...] [--steps] [--extend]
                    [--batch B --prefix L --topk K --num-steps S --page-size P --mla]
+                   [--option BACKEND:KEY=VALUE ...] [--parts] [--check-only]
                    [--dtype bf16] [--out DIR] [--quick]
 
 Per case (``cases.py``): the copy-bandwidth floor, then every variant (each backend in its
-shared-prefix and ``per-branch`` modes where it has both, and raw-library per-lane baselines)
-checked against ``torch_ref`` and timed (``harness.py``); a table, CSV, PNG charts and the
-versions go to ``--out``, by default ``~/.cache/specattn/bench/<date>-<gpu or cpu>/``
-(``report.py``). On a CPU the small cases run for ``torch_ref`` and ``intel_amx``
-(``torch.utils.benchmark`` medians with their spread, tokens/s, ratio to ``torch_ref``). The
-protocol: ``docs/performance.md``.
+shared-prefix and ``per-branch`` modes where it has both, ``--option`` variants built with
+constructor keywords (``options.py``), and raw-library per-lane baselines) checked against
+``torch_ref`` and timed (``harness.py``); ``--parts`` adds where each step's time goes
+(``parts.py``); a table, CSV, PNG charts and the versions go to ``--out``, by default
+``~/.cache/specattn/bench/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the small cases
+run for ``torch_ref`` and ``intel_amx`` (``torch.utils.benchmark`` medians with their
+spread, tokens/s, ratio to ``torch_ref``). The protocol: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", metavar="NAME", nargs="+", action="extend",
                    help="backends to run (names or aliases; flashinfer-raw, fa4-raw, "
                    "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
+    p.add_argument("--option", metavar="BACKEND:KEY=VALUE", nargs="+", action="extend",
+                   help="one more variant of BACKEND built with these constructor keywords "
+                   "(comma-separated; e.g. triton:split_waves=2, fa4:split_prefix=2, "
+                   "intel_amx:cache_prefix=False, 'triton:config=m64 n32 w8 s3 kv-first "
+                   "gluon'); docs/performance.md lists them")
+    p.add_argument("--parts", action="store_true", help="also where each step's time goes: "
+                   "the metadata call's host time and the kernels (CPU: ops) of one step, "
+                   "from torch.profiler (parts.csv, and a table)")
+    p.add_argument("--check-only", action="store_true", help="check every variant against "
+                   "torch_ref and time nothing (no floor, sweep or charts): e.g. under "
+                   "compute-sanitizer or ncu")
     p.add_argument("--steps", action="store_true", help="draft decode (multi-step) cases only")
     p.add_argument("--extend", action="store_true", help="draft extend cases only")
     shape = p.add_argument_group("custom shape (replaces the standard cases unless --case "
@@ -132,7 +145,7 @@ def _out_dir(args, info) -> str:
     return out
 
 
-def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
+def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, rows) -> str:
     where = (f"{info['gpu']}, driver {info.get('driver')}, CUDA {info.get('cuda')}" if on_gpu
              else f"{info['cpu']} ({info.get('cpu_capability')}), "
              f"{info['torch_threads']} torch threads")
@@ -145,7 +158,9 @@ def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
     lines = [
         f"# specattn bench, {datetime.date.today().isoformat()}",
         "",
-        f"{where}; {libs}; copy bandwidth {bandwidth / 1e9:,.1f} GB/s (same process).",
+        f"{where}; {libs}; "
+        + (f"copy bandwidth {bandwidth / 1e9:,.1f} GB/s (same process)." if bandwidth else
+           "--check-only: every variant checked against torch_ref, nothing timed."),
         "",
         f"`time us`: {step}, {clock_name}"
         + (", layers rotated past L2 in one CUDA graph" if on_gpu else "")
@@ -159,9 +174,10 @@ def _header(info, bandwidth: float, clock_name: str, on_gpu: bool, rows) -> str:
     return "\n".join(lines)
 
 
-def _merge(out: str, rows: list, sweep_rows: list) -> tuple[list, list]:
+def _merge(out: str, rows: list, sweep_rows: list,
+           parts: Sequence = ()) -> tuple[list, list, list]:
     """Earlier rows of ``out`` whose case (or sweep point) did not run now, then the new
-    rows."""
+    rows: of the table, the sweep and the step parts."""
     from .report import read_csv
 
     def older(name, key, new):
@@ -171,10 +187,30 @@ def _merge(out: str, rows: list, sweep_rows: list) -> tuple[list, list]:
         seen = {key(r) for r in new}
         return [r for r in read_csv(path) if key(r) not in seen]
 
-    rows = older("bench.csv", lambda r: (r["case"], r["lengths"]), rows) + rows
-    sweep_rows = older("sweep.csv", lambda r: (str(r["topk"]), str(r["prefix"])),
-                       sweep_rows) + sweep_rows
-    return rows, sweep_rows
+    def case_key(r):
+        return r["case"], r["lengths"]
+
+    return (older("bench.csv", case_key, rows) + rows,
+            older("sweep.csv", lambda r: (str(r["topk"]), str(r["prefix"])), sweep_rows)
+            + sweep_rows,
+            older("parts.csv", case_key, rows) + list(parts))
+
+
+PARTS_NOTE = ("`--parts`: per variant, the host time of the metadata call(s), and what one "
+              "eager step of one layer runs, from torch.profiler over the rotating layers: "
+              "per kernel its device time and launches per step (CPU: each torch op's self "
+              "time). The parts of an eager step; `time us` above is a graph replay where "
+              "the backend supports graphs.")
+
+
+def _options(texts: list[str]) -> list:
+    """``--option`` values, checked against the registry (``InvalidInputError``)."""
+    from ..registry import active_registry
+    from .options import check_options, parse_option
+
+    options = [parse_option(t) for t in texts]
+    check_options(options, active_registry())
+    return options
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -201,6 +237,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         cases, custom = _select_cases(args, on_gpu)
+        options = _options(args.option or [])
     except InvalidInputError as exc:
         print(f"specattn bench: error: {exc}", file=sys.stderr)
         return 2
@@ -220,29 +257,36 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
         reps, cpu_time=args.clock == "cpu")
     plans = [] if args.only_sweep else run.plan_cases(cases, platform, args.backend,
-                                                      raw=not args.no_raw, on_gpu=on_gpu)
+                                                      raw=not args.no_raw, on_gpu=on_gpu,
+                                                      options=options)
     no_sweep = args.no_sweep or custom or args.case or (args.extend and not args.steps)
-    sweep = [] if no_sweep and not args.only_sweep \
+    sweep = [] if (no_sweep and not args.only_sweep) or args.check_only \
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
-                            platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu)
+                            platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu,
+                            options=options)
     total = sum(len(p.variants) for p in plans + sweep)
     info = report.versions(device)
     out = _out_dir(args, info)
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}; results will be written to {out}/", file=sys.stderr)
-    bandwidth = copy_bandwidth(device, clock)
+    bandwidth = None if args.check_only else copy_bandwidth(device, clock)
     with ItemProgress(total, "bench") as progress:
         rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
-                             rounds=not args.no_round, round_layers=args.round_layers)
+                             rounds=not (args.no_round or args.check_only),
+                             round_layers=args.round_layers, timed=not args.check_only,
+                             parts=args.parts)
         sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
+    parts = report.parts_rows(rows)
     os.makedirs(out, exist_ok=True)
     if args.append:
-        rows, sweep_rows = _merge(out, rows, sweep_rows)
+        rows, sweep_rows, parts = _merge(out, rows, sweep_rows, parts)
     report.add_ratios(rows)
     report.write_csv(rows, os.path.join(out, "bench.csv"))
     if sweep_rows:
         report.write_csv(sweep_rows, os.path.join(out, "sweep.csv"), report.SWEEP_COLUMNS)
-    info["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1)
+    if parts:
+        report.write_csv(parts, os.path.join(out, "parts.csv"), report.PARTS_COLUMNS)
+    info["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1) if bandwidth else None
     info["date"] = datetime.date.today().isoformat()
     info["command"] = "specattn bench " + " ".join(argv if argv is not None else sys.argv[1:])
     old_info = os.path.join(out, "versions.json")
@@ -251,9 +295,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             info["command"] = json.load(f).get("command", "?") + " && " + info["command"]
     report.write_versions(info, os.path.join(out, "versions.json"))
     title = info["gpu"] or "CPU"
-    pngs, png_note = report.write_pngs(rows, sweep_rows, out, title)
+    pngs, png_note = ([], "") if args.check_only else report.write_pngs(rows, sweep_rows, out,
+                                                                        title)
     header = _header(info, bandwidth, clock.name, on_gpu, rows)
     notes = ""
+    if parts:
+        notes += f"\n## Step parts\n\n{PARTS_NOTE}\n\n{report.render_parts(parts)}\n"
     if sweep_rows:
         notes += "\nPrefix-length sweep (uniform lengths, one step): `sweep.csv`"
         notes += ", `prefix-sweep.png`.\n" if pngs else ".\n"
@@ -269,7 +316,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     report.print_table(rows, console, cpu=not on_gpu)
     console.print(notes)
     print(f"wrote {out}/ (bench.csv, table.md, versions.json"
-          + (", sweep.csv" if sweep_rows else "")
+          + (", sweep.csv" if sweep_rows else "") + (", parts.csv" if parts else "")
           + (f", {len(pngs)} PNG" if pngs else "") + ")")
     failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
     return 1 if failed else 0

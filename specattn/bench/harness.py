@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -35,10 +35,11 @@ from ..keys import BackendRequest
 from ..metadata import max_draft_extend_len
 from .baselines import RAW_BASELINES, has_module
 from .cases import Case
+from .options import BackendOption
 
 __all__ = ["WallClock", "CudaClock", "Setup", "Variant", "Result", "build_setup",
            "copy_bandwidth", "discover_variants", "check_variant", "measure_variant",
-           "tolerance", "CPU_DEFAULT_BACKENDS"]
+           "timed_step_fn", "short_error", "tolerance", "CPU_DEFAULT_BACKENDS"]
 
 log = logging.getLogger("specattn.bench")
 
@@ -260,6 +261,7 @@ def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
 
 def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
                       raw: bool = True, on_gpu: Optional[bool] = None,
+                      options: Sequence[BackendOption] = (),
                       ) -> tuple[list[Variant], list[tuple[str, str]]]:
     """Variants that can run ``case`` here, and ``(name, reason)`` for those that cannot.
 
@@ -268,7 +270,9 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
     and ``intel_amx``). On a GPU ``torch_ref`` is the correctness reference only and is
     timed only when named. Backends with a ``mode`` constructor keyword also run
     ``mode="per-branch"``. on_gpu: whether the tensors live on a GPU (default: the
-    platform's device is not the CPU).
+    platform's device is not the CPU). options: ``--option`` variants (mode ``option``),
+    added for the classes of their backend that take their keywords, whether or not the
+    backend's own variants run.
     """
     from ..listing import list_backends
 
@@ -287,33 +291,28 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
         if not info.runs_here and info.name in running:
             continue
         keys = {info.name, *info.aliases}
-        if wanted is not None:
-            if not keys & wanted:
-                continue
-        elif not cls.auto_eligible:
-            continue  # model-specific math (dsa, dsv4): timed only when named
-        elif on_gpu and info.name == "torch_ref":
-            continue
-        elif not on_gpu and info.name not in CPU_DEFAULT_BACKENDS:
-            continue
-        if case.model not in info.models:
-            continue  # the other flavour of this backend serves it
+        own = _runs_by_default(info, cls, wanted, on_gpu)
+        opts = [o for o in options if o.backend in keys and o.fits(cls)]
+        if not (own or opts) or case.model not in info.models:
+            continue  # not asked for, or the other flavour of this backend serves the model
         reasons = [] if info.runs_here else [info.reason]
         reasons = reasons or cls.validate(_request(case), platform)
         if reasons:
-            if wanted is not None or info.runs_here:
+            if wanted is not None or info.runs_here or opts:
                 skipped.append((info.name, "; ".join(reasons)))
             continue
         graphs = bool(cls.supports_cuda_graph)
-        if case.kind == "decode" and _has_mode(cls):
+        if own and case.kind == "decode" and _has_mode(cls):
             variants.append(Variant(info.name, info.name, "shared", info.kernel_library,
                                     _maker(cls, case, mode="shared"), graphs))
             variants.append(Variant(f"{info.name}/per-branch", info.name, "per-branch",
                                     info.kernel_library, _maker(cls, case, mode="per-branch"),
                                     graphs))
-        else:
+        elif own:
             variants.append(Variant(info.name, info.name, "default", info.kernel_library,
                                     _maker(cls, case), graphs))
+        variants += [Variant(o.label, info.name, "option", info.kernel_library,
+                             _maker(cls, case, **o.kwargs_for(cls)), graphs) for o in opts]
     if raw and case.kind == "decode" and case.model == "mha":
         for key, cls, module, device in RAW_BASELINES:
             if wanted is not None and not {key, "raw"} & wanted:
@@ -332,6 +331,17 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
             if not any(name in (v.label, v.backend) for v in variants):
                 skipped.append((name, "not a backend of this kind/model that is registered"))
     return variants, skipped
+
+
+def _runs_by_default(info, cls: type, wanted: Optional[set], on_gpu: bool) -> bool:
+    """Whether the backend's own variants run: named, or (nothing named) a default here."""
+    if wanted is not None:
+        return bool({info.name, *info.aliases} & wanted)
+    if not cls.auto_eligible:
+        return False  # model-specific math (dsa, dsv4): timed only when named
+    if on_gpu:
+        return info.name != "torch_ref"
+    return info.name in CPU_DEFAULT_BACKENDS
 
 
 # --- correctness -----------------------------------------------------------------------------
@@ -391,7 +401,7 @@ def check_variant(variant: Variant, setup: Setup) -> float:
 class Result:
     """What ``measure_variant`` found (times in ms; ``None``: not measured)."""
 
-    status: str = "ok"  # ok | failed | reference
+    status: str = "ok"  # ok | failed | checked (passed the check, not timed)
     error: str = ""
     max_err: Optional[float] = None
     step_ms: Optional[float] = None
@@ -401,9 +411,11 @@ class Result:
     round_graph_ms: Optional[float] = None
     round_layers: int = 0
     notes: list[str] = field(default_factory=list)
+    parts: list[dict[str, Any]] = field(default_factory=list)  # --parts (parts.py)
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, at most 240 characters."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
 
@@ -418,15 +430,10 @@ def _step_call(backend, setup: Setup):
     return lambda layer: backend.forward(layer, q, k, v)
 
 
-def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[str]]:
-    """Milliseconds of one step of one layer (rotating layers), how it was timed, notes."""
-    case, notes = setup.case, []
-    backend = variant.make(setup)
-    if clock.graphs and variant.graphs:  # the backend's own graph protocol (fixed buffers)
-        backend.init_cuda_graph_state(case.batch, case.lanes)
-        backend.init_forward_metadata_capture_cuda_graph(setup.batch)
-    else:
-        backend.init_forward_metadata(setup.batch)
+def timed_step_fn(backend, setup: Setup) -> Callable[[], None]:
+    """With the round's metadata set: run the steps before the timed one (decode), and
+    return a call of the timed step on every layer in turn (the KV rotation)."""
+    case = setup.case
     if case.kind == "decode":
         for step in range(case.timed_step):  # the history before the timed step
             backend.forward(step, setup.layers[0], *setup.inputs[step])
@@ -436,14 +443,27 @@ def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[s
     def all_layers():
         for layer in layers:
             call(layer)
+    return all_layers
 
+
+def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[str]]:
+    """Milliseconds of one step of one layer (rotating layers), how it was timed, notes."""
+    case, notes = setup.case, []
+    backend = variant.make(setup)
+    if clock.graphs and variant.graphs:  # the backend's own graph protocol (fixed buffers)
+        backend.init_cuda_graph_state(case.batch, case.lanes)
+        backend.init_forward_metadata_capture_cuda_graph(setup.batch)
+    else:
+        backend.init_forward_metadata(setup.batch)
+    all_layers = timed_step_fn(backend, setup)
+    layers = setup.layers
     if clock.graphs:
         try:
             all_layers()  # plans and compiles outside the capture
             replay = clock.graph(all_layers)
             return clock.time(replay) / len(layers), "graph", notes
         except Exception as exc:  # report, then time eagerly
-            notes.append(f"graph capture failed ({_short(exc)}); eager timing")
+            notes.append(f"graph capture failed ({short_error(exc)}); eager timing")
             if setup.device.type == "cuda":
                 torch.cuda.synchronize()
     return clock.time(all_layers) / len(layers), "eager" if clock.graphs else clock.name, notes
@@ -491,7 +511,7 @@ def time_round(variant: Variant, setup: Setup, clock, round_layers: int,
 
             graph = clock.time(replayed)
         except Exception as exc:
-            notes.append(f"round graph failed ({_short(exc)})")
+            notes.append(f"round graph failed ({short_error(exc)})")
     return eager, graph, notes
 
 
@@ -503,7 +523,7 @@ def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True
         res.max_err = check_variant(variant, setup)
     except Exception as exc:
         log.debug("check of %s failed", variant.label, exc_info=True)
-        return Result(status="failed", error=f"crashed in the check: {_short(exc)}")
+        return Result(status="failed", error=f"crashed in the check: {short_error(exc)}")
     tol = tolerance(setup.case.dtype)
     if not res.max_err <= tol:
         res.status = "failed"
@@ -511,7 +531,7 @@ def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True
                      f"value (tolerance {tol:g})")
         return res
     if not timed:
-        res.status = "reference"
+        res.status = "checked"
         return res
     try:
         res.step_ms, res.step_timing, notes = time_step(variant, setup, clock)
@@ -523,5 +543,5 @@ def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True
             res.notes += notes
     except Exception as exc:
         log.debug("timing of %s failed", variant.label, exc_info=True)
-        res.status, res.error = "failed", f"crashed while timed: {_short(exc)}"
+        res.status, res.error = "failed", f"crashed while timed: {short_error(exc)}"
     return res

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "SWEEP_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios", "render_table",
-           "print_table",
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios",
+           "render_table", "print_table", "parts_rows", "render_parts",
            "noise_warning", "write_csv", "read_csv", "write_pngs", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
@@ -37,6 +37,7 @@ COLUMNS = [
 ]
 SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
                  "x_floor", "error"]
+PARTS_COLUMNS = ["case", "lengths", "variant", "part", "kind", "us", "calls"]
 
 
 def _num(value: Any) -> Optional[float]:
@@ -132,8 +133,8 @@ def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list
                 cells.append(_fmt(r.get("round_graph_us"), ",.0f"))
             if status == "floor":
                 cells.append("")
-            elif status == "reference":
-                cells.append("reference (not timed)")
+            elif status == "checked":
+                cells.append(_fmt(r.get("max_err"), ".1e") + " (not timed)")
             else:
                 cells.append(_fmt(r.get("max_err"), ".1e"))
         body.append([str(c) for c in cells])
@@ -191,6 +192,24 @@ def noise_warning(rows: list[dict[str, Any]], limit: float = NOISY_SPREAD) -> st
             f"the median; worst {_num(worst['spread']):.0%}, {worst['case']} "
             f"{worst['variant']}): this machine is busy, so the ratios are noisy. Rerun on an "
             "idle machine, or with --threads 1 --clock cpu, or with more --reps")
+
+
+def parts_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``--parts``: one row per part of every variant (case, lengths, variant, part, kind,
+    us per step, calls per step)."""
+    return [{"case": r["case"], "lengths": r["lengths"], "variant": r["variant"], **part}
+            for r in rows for part in r.get("parts") or ()]
+
+
+def render_parts(parts: list[dict[str, Any]]) -> str:
+    """The markdown table of the step parts."""
+    lines = ["| case | lengths | variant | part | kind | us per step | calls per step |",
+             "|---|---|---|---|---|---|---|"]
+    for p in parts:
+        cells = [p["case"], p["lengths"], p["variant"], p["part"], p["kind"],
+                 _fmt(p["us"], ",.1f"), _fmt(p["calls"], ".3g")]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 # --- CSV -------------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .._console import ItemProgress
 from .cases import Case
-from .harness import Result, Variant, build_setup, discover_variants, measure_variant
+from .options import BackendOption
+from .parts import measure_parts
+from .harness import (Result, Variant, build_setup, discover_variants, measure_variant,
+                      short_error)
 from .report import FLOOR
 
 __all__ = ["Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
@@ -60,7 +63,8 @@ def tflops_note(case: Case, lengths: list[int], step_ms: Optional[float],
 
 
 def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
-               bandwidth: float, matmul: Optional[float] = None) -> dict[str, Any]:
+               bandwidth: Optional[float], matmul: Optional[float] = None) -> dict[str, Any]:
+    """One variant's row (``bandwidth`` None: not measured, no floor)."""
     def us(ms):
         return None if ms is None else ms * 1e3
 
@@ -69,10 +73,11 @@ def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
             "kernel_library": variant.kernel_library, "status": result.status,
             "error": result.error, "max_err": result.max_err, "time_us": us(result.step_ms),
             "spread": result.step_spread, "timing": result.step_timing,
-            "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6,
+            "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6 if bandwidth else None,
             "round_layers": result.round_layers if result.round_eager_ms else "",
             "round_eager_us": us(result.round_eager_ms),
-            "round_graph_us": us(result.round_graph_ms), "copy_bw_gbs": bandwidth / 1e9,
+            "round_graph_us": us(result.round_graph_ms),
+            "copy_bw_gbs": bandwidth / 1e9 if bandwidth else None, "parts": result.parts,
             "notes": result.notes + tflops_note(case, lengths, result.step_ms, matmul)}
 
 
@@ -85,11 +90,12 @@ class Plan:
 
 
 def plan_cases(cases: list[Case], platform, backends: Optional[list[str]],
-               raw: bool, on_gpu: Optional[bool] = None) -> list[Plan]:
+               raw: bool, on_gpu: Optional[bool] = None,
+               options: Sequence[BackendOption] = ()) -> list[Plan]:
     plans = []
     for case in cases:
         variants, skipped = discover_variants(case, platform, backends, raw=raw,
-                                              on_gpu=on_gpu)
+                                              on_gpu=on_gpu, options=options)
         plans.append(Plan(case, variants, skipped))
     return plans
 
@@ -100,8 +106,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: ItemProgress, *, seed: int,
-              rounds: bool, round_layers: int) -> list[tuple[list[int], Variant, Result]]:
+def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, rounds: bool,
+              round_layers: int, timed: bool = True,
+              parts: bool = False) -> list[tuple[list[int], Variant, Result]]:
     case = plan.case
     try:
         setup = build_setup(case, device, seed=seed)
@@ -115,8 +122,10 @@ def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: ItemProgres
     out = []
     for variant in plan.variants:
         progress.start(f"{case.label} | {variant.label}")
-        result = measure_variant(variant, setup, clock, rounds=rounds,
+        result = measure_variant(variant, setup, clock, timed=timed, rounds=rounds,
                                  round_layers=round_layers)
+        if parts and result.status == "ok":
+            _add_parts(result, variant, setup, clock)
         out.append((setup.lengths, variant, result))
         progress.advance()
         _free(device)
@@ -125,19 +134,32 @@ def _run_plan(plan: Plan, device, clock, bandwidth: float, progress: ItemProgres
     return out
 
 
-def run_cases(plans: list[Plan], device, clock, bandwidth: float, progress: ItemProgress, *,
-              seed: int = 0, rounds: bool = True, round_layers: int = 4,
+def _add_parts(result: Result, variant: Variant, setup, clock) -> None:
+    """``--parts``: the step's parts into ``result.parts`` (a failure becomes a note)."""
+    try:
+        result.parts = measure_parts(variant, setup, clock)
+    except Exception as exc:  # the timing stands; say why the parts are missing
+        result.notes.append(f"parts failed ({short_error(exc)})")
+
+
+def run_cases(plans: list[Plan], device, clock, bandwidth: Optional[float],
+              progress: ItemProgress, *, seed: int = 0, rounds: bool = True,
+              round_layers: int = 4, timed: bool = True, parts: bool = False,
               ) -> list[dict[str, Any]]:
-    """Rows of every planned case: its floor, then one row per variant (skipped variants of a
-    named backend are reported as failed with the reason)."""
+    """Rows of every planned case: its floor (when ``bandwidth`` was measured), then one row
+    per variant (skipped variants of a named backend are reported with the reason).
+    ``timed=False``: check only; ``parts``: each timed variant's step parts in its row's
+    ``parts`` (``parts.py``)."""
     rows = []
     for plan in plans:
         lengths = plan.case.lengths(seed)
-        rows.append(floor_row(plan.case, lengths, bandwidth))
-        for lengths, variant, result in _run_plan(plan, device, clock, bandwidth, progress,
-                                                  seed=seed, rounds=rounds,
-                                                  round_layers=round_layers):
-            matmul = matmul_tflops(device) if plan.case.compute_bound else None
+        if bandwidth:
+            rows.append(floor_row(plan.case, lengths, bandwidth))
+        for lengths, variant, result in _run_plan(plan, device, clock, progress, seed=seed,
+                                                  rounds=rounds, round_layers=round_layers,
+                                                  timed=timed, parts=parts):
+            matmul = (matmul_tflops(device) if plan.case.compute_bound and result.step_ms
+                      else None)
             rows.append(result_row(plan.case, lengths, variant, result, bandwidth, matmul))
         for name, reason in plan.skipped:
             rows.append({**case_fields(plan.case, lengths), "variant": name, "backend": name,
@@ -152,8 +174,8 @@ def run_sweep(plans: list[Plan], device, clock, bandwidth: float, progress: Item
     rows = []
     for plan in plans:
         case = plan.case
-        for lengths, variant, result in _run_plan(plan, device, clock, bandwidth, progress,
-                                                  seed=seed, rounds=False, round_layers=0):
+        for lengths, variant, result in _run_plan(plan, device, clock, progress, seed=seed,
+                                                  rounds=False, round_layers=0):
             floor_us = case.kv_bytes(lengths) / bandwidth * 1e6
             t = None if result.step_ms is None else result.step_ms * 1e3
             rows.append({"topk": case.topk, "prefix": case.prefix, "batch": case.batch,

