@@ -98,13 +98,17 @@ def _graph_case(rng: random.Random, target: Target, seed: int) -> Optional[Case]
 
 
 def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int = 20,
-         max_len: int = 300, device=None, platform=None, setup=None,
-         log=print) -> SoakResult:
-    """Run ``rounds`` random rounds; round ``i`` uses seed ``seed + i``."""
+         max_len: int = 300, max_seconds: Optional[float] = None, device=None, platform=None,
+         setup=None, log=print) -> SoakResult:
+    """Run ``rounds`` random rounds (fewer if ``max_seconds`` runs out first); round ``i``
+    uses seed ``seed + i``."""
     target = Target.build(backend, platform=platform, device=device, setup=setup)
     result = SoakResult(target.label)
     start = time.perf_counter()
     for i in range(rounds):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            log(f"soak {target.label}: stopped after {i} rounds ({max_seconds:.0f} s limit)")
+            break
         s = seed + i
         rng = random.Random(s)
         graph = graph_every and rng.randrange(graph_every) == 0
@@ -140,11 +144,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--graph-every", type=int, default=20,
                         help="about one round in N replays a captured graph (0: never)")
     parser.add_argument("--max-len", type=int, default=300, help="longest prefix drawn")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop a backend's soak after this long (rounds done are reported)")
     args = parser.parse_args(argv)
     failed = 0
     for name in args.backend:
         result = soak(name, rounds=args.rounds, seed=args.seed, graph_every=args.graph_every,
-                      max_len=args.max_len)
+                      max_len=args.max_len, max_seconds=args.max_seconds)
         print(result.summary(), flush=True)
         failed += len(result.failures)
     return 1 if failed else 0

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue #15/#16/#17/#19 verification on an H200 in two back-to-back device calls: the
+# conformance kit on every GPU backend, a random-batch soak (~10,000 rounds in all),
+# compute-sanitizer memcheck over small ragged runs and out-of-pool req_to_token entries, the
+# GPU test suites, then timings (the history + merge kernel A/B, a quick bench of the changed
+# kernels and the same bench of the pre-refactor package, back to back).
+#
+#   call 1, carry .gpu/fa4-first .gpu/install.sh .whl (the sgl-flash-mla wheel):
+#       bash tools/gpu_check.sh first       # triton, gluon MLA, dsa, dsv4, flashmla
+#   call 2, at once (the machine stays warm 30 s), carry .gpu/flashinfer .gpu/fa4
+#   .gpu/install.sh .before (git archive of the pre-refactor specattn/):
+#       bash tools/gpu_check.sh second      # flashinfer, fa4, fa3, the SGLang adapter, timings
+#
+# Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
+# Logs go to $OUT; the exit status is non-zero if a job failed.
+set -uo pipefail
+: "${OUT:?OUT must name the folder for the logs}"
+site=/tmp/gpu-site
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
+export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws
+status=0
+
+header() {
+  echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
+       "$(python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')," \
+       "commit ${SPECATTN_COMMIT:-?}, $(date -u +%FT%TZ)"
+}
+
+job() {  # job NAME TIMEOUT_S command...: output to $OUT/NAME.log, exit status at its end
+  local name=$1 limit=$2
+  shift 2
+  { header; echo "# $*"; timeout "$limit" "$@"; echo "# exit status $?"; } \
+    > "$OUT/$name.log" 2>&1
+}
+
+check() {  # every job log ends with "exit status 0"
+  for f in "$OUT"/*.log; do
+    local last
+    last=$(tail -n 1 "$f")
+    echo "$(basename "$f" .log): $last"
+    [[ $last == "# exit status 0" ]] || status=1
+  done
+}
+
+KIT="python -m pytest -q -p no:cacheprovider -rfE tests/conformance"
+
+first() {
+  bash .gpu/install.sh "$site" fa4-first >/dev/null || exit 3
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+  job kit-1 430 $KIT -n 3 -k "test_triton or test_dsa or test_flashmla_gpu or (test_dsv4 and not hip and not npu)" &
+  job soak-triton 430 python -m specattn.testing.soak --backend triton --rounds 4000 --max-seconds 300 &
+  job soak-dsa-dsv4 430 python -m specattn.testing.soak --backend dsa --backend dsv4 --rounds 1500 --max-seconds 150 &
+  job soak-flashmla 430 python -m specattn.testing.soak --backend flashmla --rounds 1500 --max-seconds 300 &
+  job gpu-tests-1 430 python -m pytest -q -p no:cacheprovider -rfE -n 3 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
+  job memcheck-1 430 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
+  wait
+  check
+}
+
+second() {
+  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
+  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  job kit-2 300 $KIT -n 3 -k "test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu" &
+  job soak-flashinfer 300 python -m specattn.testing.soak --backend flashinfer --rounds 2000 --max-seconds 200 &
+  job soak-fa 300 python -m specattn.testing.soak --backend fa4 --backend fa3 --rounds 1500 --max-seconds 100 &
+  job gpu-tests-2 300 python -m pytest -q -p no:cacheprovider -rfE -n 3 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
+  job memcheck-2 300 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
+  wait
+  # Timings, alone on the GPU.
+  local cases="gqa-long mla-long mla-long-p64 extend"
+  job history-merge-ab 90 python tools/history_merge_ab.py --out "$OUT/history-merge-ab.md"
+  job bench-after 150 python -m specattn bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
+  job bench-before 120 env PYTHONPATH=$PWD/.before:$PYTHONPATH python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before
+  cp /tmp/bench-after/table.md "$OUT/bench-after.md" 2>/dev/null
+  cp /tmp/bench-before/table.md "$OUT/bench-before.md" 2>/dev/null
+  check
+}
+
+case "${1:-}" in
+  first) first ;;
+  second) second ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second" >&2; exit 2 ;;
+esac
+exit $status
