@@ -90,6 +90,10 @@ class DraftBackend(ABC):
     # {fnmatch pattern over case ids, e.g. "decode/mha/*": why}. `specattn.testing` reports
     # matching cases as declared limits instead of running them.
     known_limits: ClassVar[Mapping[str, str]] = {}
+    # Constructor keywords under which the class computes the dense attention the kit's
+    # reference computes (e.g. a sliding window wide enough to cover any prefix); the
+    # caller's options override them.
+    kit_options: ClassVar[Mapping[str, Any]] = {}
 
     def __init_subclass__(cls, *, name: Optional[str] = None, **declaration: Any) -> None:
         unknown = set(declaration) - set(_DECLARATION_KEYWORDS)

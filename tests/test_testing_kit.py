@@ -127,8 +127,11 @@ def test_padding_rows_left_stale_fail(scoped_registry):
     _register(scoped_registry, {"stale_padding": True})
     report = check_backend("mine", kinds=("decode",), models=("mha",),
                            raise_on_failure=False, select="graph")
-    (case, detail), = _failures(report).items()
-    assert "replay 1" in detail and "no token writes it" in detail, detail
+    failed = _failures(report)
+    assert failed and all("/graph/" in case for case in failed), failed
+    for detail in failed.values():  # a stray write into the pool, or a lane reading it
+        assert detail.startswith("after replay 1: pool") and "no token writes it" in detail \
+            or detail.startswith("replay 1 (2 requests padded to 3)"), detail
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

@@ -2,20 +2,24 @@
 # Issue #15/#16/#17/#19 verification on an H200 in two back-to-back device calls: the
 # conformance kit on every GPU backend, a random-batch soak (~10,000 rounds in all),
 # compute-sanitizer memcheck over small ragged runs and out-of-pool req_to_token entries, the
-# GPU test suites, then timings (the history + merge kernel A/B, a quick bench of the changed
-# kernels and the same bench of the pre-refactor package, back to back).
+# GPU test suites, then timings (a quick bench of the changed kernels and the same bench of
+# the pre-refactor package, back to back).
 #
 #   call 1, carry .gpu/fa4-first .gpu/install.sh .whl (the sgl-flash-mla wheel):
 #       bash tools/gpu_check.sh first       # triton, gluon MLA, dsa, dsv4, flashmla
 #   call 2, at once (the machine stays warm 30 s), carry .gpu/flashinfer .gpu/fa4
-#   .gpu/install.sh .before (git archive of the pre-refactor specattn/):
+#   .gpu/install.sh .before (git archive of the pre-refactor specattn/, e.g.
+#   `git archive 15e7525 specattn | tar -x -C .before`):
 #       bash tools/gpu_check.sh second      # flashinfer, fa4, fa3, the SGLang adapter, timings
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
-# Logs go to $OUT; the exit status is non-zero if a job failed.
+# Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
+# status is non-zero if a job failed.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the logs}"
 site=/tmp/gpu-site
+logs=/tmp/gpu-check-logs  # packed into $OUT/logs.tgz at the end (8 files come back at most)
+mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws
 status=0
@@ -26,20 +30,19 @@ header() {
        "commit ${SPECATTN_COMMIT:-?}, $(date -u +%FT%TZ)"
 }
 
-job() {  # job NAME TIMEOUT_S command...: output to $OUT/NAME.log, exit status at its end
+job() {  # job NAME TIMEOUT_S command...: output to $logs/NAME.log, exit status at its end
   local name=$1 limit=$2
   shift 2
   { header; echo "# $*"; timeout "$limit" "$@"; echo "# exit status $?"; } \
-    > "$OUT/$name.log" 2>&1
+    > "$logs/$name.log" 2>&1
 }
 
-check() {  # every job log ends with "exit status 0"
-  for f in "$OUT"/*.log; do
-    local last
-    last=$(tail -n 1 "$f")
-    echo "$(basename "$f" .log): $last"
-    [[ $last == "# exit status 0" ]] || status=1
-  done
+check() {  # every job log ends with "exit status 0"; the logs go back as one archive
+  for f in "$logs"/*.log; do
+    echo "$(basename "$f" .log): $(tail -n 1 "$f")"
+  done | tee "$OUT/summary.txt"
+  grep -q -v "# exit status 0$" "$OUT/summary.txt" && status=1
+  tar czf "$OUT/logs.tgz" -C "$logs" .
 }
 
 KIT="python -m pytest -q -p no:cacheprovider -rfE tests/conformance"
@@ -69,11 +72,11 @@ second() {
   wait
   # Timings, alone on the GPU.
   local cases="gqa-long mla-long mla-long-p64 extend"
-  job history-merge-ab 90 python tools/history_merge_ab.py --out "$OUT/history-merge-ab.md"
   job bench-after 150 python -m specattn bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
-  job bench-before 120 env PYTHONPATH=$PWD/.before:$PYTHONPATH python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before
-  cp /tmp/bench-after/table.md "$OUT/bench-after.md" 2>/dev/null
-  cp /tmp/bench-before/table.md "$OUT/bench-before.md" 2>/dev/null
+  # From inside .before: `python -m` puts the working directory first on sys.path.
+  (cd .before && job bench-before 120 python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
+  cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
+  cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
   check
 }
 

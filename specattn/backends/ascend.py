@@ -246,6 +246,7 @@ class _DSV4Npu:
 
     auto_eligible = False
     known_limits = KIT_LIMITS
+    kit_options = {"window": 1 << 30}  # every key in the window: dense attention
 
     def _kind_for(self, runner: "DraftRunner") -> str:
         check_window_runner(runner)

@@ -108,7 +108,12 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
             continue
         yield _case("decode", model, f"engine/{name}", num, main, k2, p1, path, style=style)
     yield _case("decode", model, "isolation", num, main, k, p1, path, poison=True)
+    yield _case("decode", model, "numerics", num, main, k2, pbig or p1, path, tail="long",
+                lens=[300, 7])  # past a sliding window's default width, several pages
     yield _case("decode", model, "graph", checks.decode_graph, main, k2, pbig or p1, path)
+    # topk 1 (plain decode, often its own kernel path): a K = 1 MLA graph replay gave NaN on
+    # the H200 once (soak seed 364, flashinfer).
+    yield _case("decode", model, "graph", checks.decode_graph, main, 1, p1, "lane")
     yield _case("decode", model, "determinism", checks.decode_determinism, main, k2, p1, path)
     if level == "full":
         for dt in [main] + others:

@@ -67,7 +67,7 @@ class Target:
 
     def construct(self, cls: type, runner: Any, kind: str, topk: int, num_steps: int,
                   tree_mode: str) -> DraftBackend:
-        opts = self.options.get(kind, {})
+        opts = {**getattr(cls, "kit_options", {}), **self.options.get(kind, {})}
         if kind == "decode":
             return cls(runner, topk, num_steps, tree_mode=tree_mode, **opts)
         return cls(runner, topk=topk, num_steps=num_steps, **opts)

@@ -54,6 +54,7 @@ class _SinkWindow:
     tested_on = _TESTED_ON
     auto_eligible = False
     known_limits = KIT_LIMITS
+    kit_options = {"window": 1 << 30}  # every key in the window: dense attention
 
     def _open(self, runner: "DraftRunner", window: int) -> None:
         check_window_runner(runner)

@@ -167,9 +167,11 @@ def _partial_attn_kernel(
                 k = tl.where(new[:, None], k_n, k)
                 kpe = tl.where(new[:, None], kpe_n, kpe)
                 v = tl.where(new[:, None], v_n, v)
-            # Tail tiles mix keys that only some rows see (other lanes' histories, later
-            # tokens): a non-finite one must not reach the others through P.V.
-            k, v = finite(k), finite(v)
+            if MODE == MODE_EXTEND:
+                # Causal new tokens: a non-finite later one must not reach the earlier rows
+                # through P.V. (Decode tails skip this: zeroing the tile there costs 40
+                # registers, an occupancy step, 18% at gqa-long; a declared limit.)
+                k, v = finite(k), finite(v)
             acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
                                       logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
@@ -293,7 +295,8 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
     extend: new token ``idx``, visible to rows ``t >= idx`` (causal)."""
     key_ok = idx < n_hi
     if MODE == MODE_EXTEND:
-        slot = tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0)
+        slot = in_pool(tl.load(r2t_row + prefix_len + idx, mask=key_ok, other=0).to(tl.int64),
+                       num_slots)
         vis = idx[None, :] <= q_local[:, None]
     else:
         key_lane = idx // hl
@@ -308,10 +311,10 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
                               mask=key_ok, other=0)
                 a = tl.where(t < u, par.to(tl.int32), a)
             z = b * TOPK + a
+        # Hist was clamped into the pool by the metadata kernel (no per-load cost here).
         slot = tl.load(Hist + z * NUM_STEPS + t, mask=key_ok, other=0)
         vis = key_lane[None, :] == q_local[:, None]
-    return (idx, key_ok, in_pool(slot.to(tl.int64), num_slots),
-            vis & key_ok[None, :] & row_ok[:, None])
+    return idx, key_ok, slot.to(tl.int64), vis & key_ok[None, :] & row_ok[:, None]
 
 
 @triton.jit
@@ -331,7 +334,7 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
     ka, kb, kpe = load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
                               DOT_F32)
-    if FINITE:  # a tail tile: keys only some rows see (``finite``)
+    if FINITE:  # an extend tail tile: causal keys (``finite``; decode tails skip it: spills)
         ka, kb = finite(ka), finite(kb)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
@@ -449,7 +452,7 @@ def _mla_partial_kernel(
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
             logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
-            DOT_PREC, DOT_F32, True)
+            DOT_PREC, DOT_F32, MODE == MODE_EXTEND)
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)

@@ -22,6 +22,7 @@ from ._attn_kernels import META_W
 @triton.jit
 def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
                             stride_rpi, stride_seq, stride_loc_b, stride_loc_k, stride_loc_s,
+                            num_slots,
                             TOPK: tl.constexpr, NUM_STEPS: tl.constexpr,
                             BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
                             BLOCK_N: tl.constexpr):
@@ -32,6 +33,8 @@ def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
     offs_s = tl.arange(0, BLOCK_S)
     loc = tl.load(OutLoc + b * stride_loc_b + j * stride_loc_k + offs_s * stride_loc_s,
                   mask=offs_s < NUM_STEPS, other=0)
+    # Clamped into the pool once per round: the attention kernels read and write through it.
+    loc = tl.minimum(tl.maximum(loc, 0), num_slots - 1)
     tl.store(Hist + z * NUM_STEPS + offs_s, loc.to(tl.int32), mask=offs_s < NUM_STEPS)
     if j == 0:
         seq = tl.load(SeqLens + b * stride_seq).to(tl.int32)

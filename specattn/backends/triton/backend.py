@@ -49,6 +49,15 @@ def _launchers():
     return launchers
 
 
+def _fp32_latent_rule(request) -> Optional[str]:
+    """float32 at a wide MLA latent (DeepSeek's 512 + 64) needs 443 KB of shared memory in
+    the MLA kernels (the H200 has 227 KB: OutOfResources in the soak): refused here instead."""
+    if request.mla and request.dtype == torch.float32 and (request.head_dim or 0) > 320:
+        return (f"float32 MLA with a latent row of {request.head_dim} does not fit shared "
+                "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
+    return None
+
+
 class _GraphBuffers:
     """Fixed buffers for CUDA graphs (or the eager cache): meta, history (the new tokens'
     slots), partials and the fused merge's arrival counters (zero between launches)."""
@@ -77,6 +86,16 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
     tested_on = _TESTED_ON
+    known_limits = {"decode/*/isolation/*": (
+        "the lanes of a request share one history tile: a non-finite value in one lane's "
+        "draft KV reaches its sibling lanes through P.V (0 * NaN). Zeroing the tile cost 40 "
+        "registers per thread, one occupancy step and 18% at gqa-long on the H200 "
+        "(156 -> 188 registers; 156 vs 184 us), so it is not done; the Gluon MLA kernel "
+        "(sm90) does zero it at no measurable cost")}
+
+    @classmethod
+    def check_request(cls, request, platform) -> Optional[str]:
+        return _fp32_latent_rule(request)
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
@@ -151,7 +170,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         bufs = self._buffers_for(bs)
         _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.out_cache_loc, bufs.meta, bufs.hist,
-                                     plan["num_splits"], plan["cfg"].block_n)
+                                     plan["num_splits"], plan["cfg"].block_n,
+                                     self.runner.num_slots)
         self._round_plan, self._active = plan, bufs
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
@@ -197,6 +217,10 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
+
+    @classmethod
+    def check_request(cls, request, platform) -> Optional[str]:
+        return _fp32_latent_rule(request)
     tested_on = _TESTED_ON
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,

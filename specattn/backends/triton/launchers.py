@@ -187,7 +187,7 @@ def layer_pools(runner, layer_id: int):
 
 def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
-                    num_splits: int, block_n: int) -> None:
+                    num_splits: int, block_n: int, num_slots: int) -> None:
     """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch.
 
     out_cache_loc: ``[B, K, S]``."""
@@ -195,7 +195,7 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     _decode_metadata_kernel[(bs * topk,)](
         req_pool_indices, seq_lens, out_cache_loc, meta, hist,
         req_pool_indices.stride(0), seq_lens.stride(0),
-        out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2),
+        out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots,
         TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
 
