@@ -119,6 +119,19 @@ def _bad_parents(f: _Fixture) -> object:
     return f.forward(1)
 
 
+# Slots and pool rows, the same for both kinds.
+_POOL_REFUSALS = (
+    Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
+        values=True),
+    Refusal("duplicate_out_cache_loc", "out_cache_loc", lambda f: _then_forward(
+        f, _with(f.batch, out_cache_loc=_duplicate_loc(f.batch.out_cache_loc))), values=True),
+    Refusal("req_to_token_outside_pool", "req_to_token", lambda f: _req_to_token_entry(
+        f, f.runner.num_slots), values=True),
+    Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
+            values=True),
+)
+
 DECODE_REFUSALS = (
     Refusal("forward_before_metadata", "init_forward_metadata", lambda f: f.forward()),
     Refusal("step_out_of_range", "step", lambda f: (f.init(), f.forward(NUM_STEPS))),
@@ -134,18 +147,10 @@ DECODE_REFUSALS = (
     Refusal("seq_lens_beyond_context", "seq_lens", lambda f: _then_forward(
         f, _with(f.batch, seq_lens=_bump(f.batch.seq_lens, f.runner.max_context_len + 1))),
         values=True),
-    Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
-        f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
-        values=True),
     Refusal("req_pool_indices_outside", "req_pool_indices", lambda f: _then_forward(
         f, _with(f.batch, req_pool_indices=_bump(f.batch.req_pool_indices,
                                                  f.runner.max_reqs))), values=True),
-    Refusal("duplicate_out_cache_loc", "out_cache_loc", lambda f: _then_forward(
-        f, _with(f.batch, out_cache_loc=_duplicate_loc(f.batch.out_cache_loc))), values=True),
-    Refusal("req_to_token_outside_pool", "req_to_token", lambda f: _req_to_token_entry(
-        f, f.runner.num_slots), values=True),
-    Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
-            values=True),
+    *_POOL_REFUSALS,
     Refusal("extend_batch_given", "batch", lambda f: _then_forward(f, _other_extend_batch(f))),
     Refusal("topk_zero", "topk", lambda f: f.construct(topk=0)),
     Refusal("num_steps_zero", "num_steps", lambda f: f.construct(num_steps=0)),
@@ -165,15 +170,7 @@ EXTEND_REFUSALS = (
         f, _with(f.batch, seq_lens=_bump(f.batch.seq_lens,
                                          int(f.batch.extend_lens.view(-1)[0]) - 1))),
         values=True),
-    Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
-        f, _with(f.batch, out_cache_loc=_bump(f.batch.out_cache_loc, f.runner.num_slots))),
-        values=True),
-    Refusal("duplicate_out_cache_loc", "out_cache_loc", lambda f: _then_forward(
-        f, _with(f.batch, out_cache_loc=_duplicate_loc(f.batch.out_cache_loc))), values=True),
-    Refusal("req_to_token_outside_pool", "req_to_token", lambda f: _req_to_token_entry(
-        f, f.runner.num_slots), values=True),
-    Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
-            values=True),
+    *_POOL_REFUSALS,
     Refusal("out_cache_loc_wrong_length", "out_cache_loc", lambda f: _then_forward(
         f, _with(f.batch, out_cache_loc=f.batch.out_cache_loc[1:])), values=True),
 )
