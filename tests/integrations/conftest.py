@@ -35,15 +35,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def sglang_cpu(monkeypatch):
+def sglang_cpu():
     """SGLang on the CPU: no torch.compile (SGLang compiles its top-k selection), float32."""
     import torch
 
     import sglang_stubs
 
     sglang_stubs.install()
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    with torch.no_grad():
+    # The config's own patch: monkeypatch's undo deletes the entry on newer pytest (the
+    # config module's attributes are not static), which breaks every later test.
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
         yield
 
 
