@@ -126,15 +126,9 @@ def test_the_graph_sees_the_edges_it_should():
     assert len(GRAPH) > 60
 
 
-def test_no_import_circles_outside_the_demo():
-    cycles = [c for c in _cycles(GRAPH) if not all(m.startswith("specattn.demo") for m in c)]
+def test_no_import_circles():
+    cycles = _cycles(GRAPH)
     assert not cycles, f"import circles: {cycles}"
-
-
-@pytest.mark.xfail(strict=True, reason="demo.cli <-> demo.smollm2.cli (the demo's area, "
-                   "issue #16); remove this mark once the circle is gone")
-def test_no_import_circles_in_the_demo():
-    assert not _cycles(GRAPH)
 
 
 def test_core_does_not_import_backends():

@@ -16,6 +16,7 @@ from ..errors import SpecAttnError
 from ..factory import DraftBackendFactory
 from ..selection import describe_error
 from ..platforms import Platform, current_platform, torch_device_type, use_platform
+from ._args import non_negative, positive
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
 from .render import LEGEND, lane_divergence, render_meter, render_tree
@@ -24,20 +25,6 @@ __all__ = ["build_parser", "cli_main", "run_demo"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODELS = ("synthetic", "smollm2")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,23 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "specattn selects, and check its outputs against torch_ref.")
     p.add_argument("--backend", default="auto",
                    help="attention backend name, or 'auto' (default) to let specattn choose")
-    p.add_argument("--batch", type=_positive, default=4, help="requests (default 4)")
-    p.add_argument("--min-len", type=_positive, default=16, help="shortest prompt (16)")
-    p.add_argument("--max-len", type=_positive, default=64, help="longest prompt (64)")
-    p.add_argument("--topk", type=_positive, default=4, help="branches per request (4)")
-    p.add_argument("--steps", type=_positive, default=4, help="draft depth S (4)")
-    p.add_argument("--page-size", type=_positive, default=16, help="KV page size (16)")
+    p.add_argument("--batch", type=positive, default=4, help="requests (default 4)")
+    p.add_argument("--min-len", type=positive, default=16, help="shortest prompt (16)")
+    p.add_argument("--max-len", type=positive, default=64, help="longest prompt (64)")
+    p.add_argument("--topk", type=positive, default=4, help="branches per request (4)")
+    p.add_argument("--steps", type=positive, default=4, help="draft depth S (4)")
+    p.add_argument("--page-size", type=positive, default=16, help="KV page size (16)")
     p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
                    help="lane: upstream lane histories (default); path: exact EAGLE ancestry")
     p.add_argument("--mla", action="store_true", help="MLA draft model (absorbed queries)")
-    p.add_argument("--rounds", type=_positive, default=3, help="draft rounds (3)")
-    p.add_argument("--layers", type=_positive, default=2, help="transformer layers (2)")
+    p.add_argument("--rounds", type=positive, default=3, help="draft rounds (3)")
+    p.add_argument("--layers", type=positive, default=2, help="transformer layers (2)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="activation and KV dtype (bf16)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=default_device,
                    help=f"device (default here: {default_device})")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts, acceptance")
-    p.add_argument("--trees", type=_non_negative, default=2,
+    p.add_argument("--trees", type=non_negative, default=2,
                    help="requests whose draft tree is printed each round (2)")
     p.add_argument("--no-check", action="store_true",
                    help="skip recomputing every attention call with torch_ref")

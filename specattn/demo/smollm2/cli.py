@@ -24,7 +24,7 @@ from ...factory import DraftBackendFactory
 from ...selection import describe_error
 from ...platforms import Platform, current_platform, torch_device_type, use_platform
 from ..._console import ItemProgress
-from ..cli import _positive
+from .._args import positive
 from ..render import render_tree
 
 __all__ = ["build_parser", "cli_main", "DEFAULT_PROMPTS"]
@@ -69,28 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "full model verifies the draft tree and accepts greedily.")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help="a prompt (repeat for a batch); default: built-in prompts")
-    p.add_argument("--batch", type=_positive,
+    p.add_argument("--batch", type=positive,
                    help="requests (default: the number of prompts; prompts repeat to fill)")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompts as they are (default: the model's chat template)")
     cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
-    p.add_argument("--topk", type=_positive,
+    p.add_argument("--topk", type=positive,
                    help=f"branches per depth K (default: {cpu[0]} on the CPU, {gpu[0]} on a GPU)")
-    p.add_argument("--steps", type=_positive,
+    p.add_argument("--steps", type=positive,
                    help=f"draft depth S (default: {cpu[1]} on the CPU, {gpu[1]} on a GPU)")
-    p.add_argument("--draft-layers", type=_positive, default=24,
+    p.add_argument("--draft-layers", type=positive, default=24,
                    help="layers of the early-exit draft N (24 of 30)")
     p.add_argument("--backend", default="auto",
                    help="draft attention backend name, or 'auto' (default)")
     p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
                    help="lane: upstream lane histories (default); path: exact ancestry")
-    p.add_argument("--max-new-tokens", type=_positive, default=None,
+    p.add_argument("--max-new-tokens", type=positive, default=None,
                    help=f"per prompt (default: {cpu[2]} on the CPU, {gpu[2]} on a GPU)")
-    p.add_argument("--page-size", type=_positive, default=16, help="draft KV page size (16)")
+    p.add_argument("--page-size", type=positive, default=16, help="draft KV page size (16)")
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     p.add_argument("--device", choices=("cpu", "cuda"), default=default_device,
                    help=f"where both models run (default here: {default_device})")
-    p.add_argument("--threads", type=_positive,
+    p.add_argument("--threads", type=positive,
                    help="torch CPU threads (default: torch's choice, or 1 when the machine is "
                         "busy: more threads than free cores made every forward 3-6x slower)")
     p.add_argument("--trees", type=int, default=1,
