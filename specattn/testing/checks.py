@@ -198,8 +198,9 @@ def decode_lengths(page_size: int, ragged: bool) -> list[int]:
 
 
 def _decode_maker(s: Session, case: Case, shape: ModelShape, lens_sets: list[list[int]],
-                  style: EngineStyle = EngineStyle(), max_reqs: int = 5) -> RoundMaker:
-    extra = metadata.max_draft_extend_len(case.topk, NUM_STEPS, case.page_size)
+                  style: EngineStyle = EngineStyle(), max_reqs: int = 5,
+                  num_steps: int = NUM_STEPS) -> RoundMaker:
+    extra = metadata.max_draft_extend_len(case.topk, num_steps, case.page_size)
     longest = max(max(lens) for lens in lens_sets)
     return s.maker(case, shape, max_tokens=longest + extra, max_reqs=max_reqs, style=style)
 
@@ -344,27 +345,31 @@ def decode_graph(s: Session, case: Case) -> str:
         raise CaseSkipped("declares supports_cuda_graph = False")
     shape = s.shape(case)
     max_bs, topk = 3, case.topk
+    # The serving loop captures steps 0 .. S-2 of a backend built for S steps; the
+    # ``last_step`` variant captures step S-1 too, which a backend may refuse at capture.
+    last_step = case.params.get("last_step", False)
+    slots = NUM_STEPS if last_step else NUM_STEPS + 1  # the backend's S: draft slots per lane
     rounds_lens = [decode_lengths(case.page_size, True),              # capture
                    decode_lengths(case.page_size, False),             # replay: 2 of 3 padded
                    list(reversed(decode_lengths(case.page_size, True)))]
-    maker = _decode_maker(s, case, shape, rounds_lens)
+    maker = _decode_maker(s, case, shape, rounds_lens, num_steps=slots)
     runner, dev = maker.runner, s.device
     static = _Static({"req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
                       "seq_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                      "out_cache_loc": torch.zeros(max_bs, topk, NUM_STEPS, dtype=torch.int64,
+                      "out_cache_loc": torch.zeros(max_bs, topk, slots, dtype=torch.int64,
                                                    device=dev)})
     if case.tree_mode == "path":
-        static.tensors["parents"] = torch.zeros(NUM_STEPS, max_bs, topk, dtype=torch.int64,
+        static.tensors["parents"] = torch.zeros(slots, max_bs, topk, dtype=torch.int64,
                                                 device=dev)
     t = static.tensors
     batch = DraftBatch(t["req_pool_indices"], t["seq_lens"], t["out_cache_loc"],
                        t.get("parents"))
-    backend = s.construct(case, runner)
+    backend = s.construct(case, runner, num_steps=slots)
     backend.init_cuda_graph_state(max_bs, max_bs * topk)
     fill = backend.get_cuda_graph_seq_len_fill_value()
     # Padded requests use request row 0 (page 0 only), their draft slots laid out like any
     # request's (metadata.draft_slot_positions), so they all land in page 0.
-    pos = metadata.draft_slot_positions(torch.tensor([fill]), topk, NUM_STEPS,
+    pos = metadata.draft_slot_positions(torch.tensor([fill]), topk, slots,
                                         case.page_size)[0].to(dev)
     pad = {"req_pool_indices": 0, "seq_lens": fill}
     layers = _layers(shape)
@@ -372,7 +377,7 @@ def decode_graph(s: Session, case: Case) -> str:
     inputs = [[random_qkv(runner, max_bs * topk, gen) for _ in layers] for _ in range(NUM_STEPS)]
 
     def place(lens: list[int]) -> DecodeRound:
-        rnd = maker.decode(lens, topk, NUM_STEPS, case.tree_mode)
+        rnd = maker.decode(lens, topk, slots, case.tree_mode)
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
                   "seq_lens": rnd.batch.seq_lens, "out_cache_loc": rnd.batch.out_cache_loc}
         if rnd.parents_plan is not None:
@@ -387,7 +392,12 @@ def decode_graph(s: Session, case: Case) -> str:
 
     place(rounds_lens[0])
     backend.init_forward_metadata_capture_cuda_graph(batch)
-    graph = _GraphRunner(dev, calls)
+    try:
+        graph = _GraphRunner(dev, calls)
+    except SpecAttnError as exc:
+        if not (last_step and dev.type == "cuda"):
+            raise
+        return f"refuses to capture step S-1 (outside the serving loop): {exc}"
     details = []
     for n, lens in enumerate(rounds_lens):
         rnd = place(lens)

@@ -174,11 +174,14 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         rnd = self._active
         lanes = rnd.bs * self.topk
         self._sync_params(rnd, layer)
+        if not self.shared and not rnd.steps[step].graph and capturing():
+            # A step outside the serving loop has an eager pass, planned for the batch of
+            # its first call: captured, it would replay that stale slot list (soak seed 364
+            # on the H200: every row NaN at step S-1 after new pages were drawn).
+            raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
+                                    "graph capture (the serving loop runs steps "
+                                    "0 .. num_steps-2)", step)
         if not self.shared and not rnd.planned[step]:
-            if capturing():
-                raise InvalidInputError("step", f"a step < {self._planned_steps} under CUDA "
-                                        "graph capture (the serving loop runs steps "
-                                        "0 .. num_steps-2)", step)
             self._plan_step(rnd, step)
         q = q if q.is_contiguous() else q.contiguous()
         if not self.shared:
