@@ -1,4 +1,11 @@
-"""``aiter`` glue through the recording ``aiter`` / ``aiter.mla`` stand-in."""
+"""``aiter`` glue through the recording ``aiter`` / ``aiter.mla`` stand-in.
+
+The contract checks (numerics against the reference, pools, graphs, refusals) live in the
+conformance kit (``tests/conformance``); this file keeps the ones specific to aiter: the soft
+cap passed to the MHA kernel across topk, page sizes, tree modes and dtypes, which kernel
+each model calls and with SGLang's arguments, graph buffers, the protocol's pinned messages
+and errors.
+"""
 
 from __future__ import annotations
 
@@ -42,18 +49,18 @@ def _make(cls, runner, *args, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("model", ["mha", "mla"])
 @pytest.mark.parametrize("topk,tree_mode,page,lens", [
     (1, "lane", 1, [9, 30]), (3, "lane", 16, [17, 4]), (2, "path", 1, [12, 12])])
-def test_decode_matches_reference(calls, dtype, model, topk, tree_mode, page, lens):
+def test_mha_decode_with_soft_cap_matches_reference(calls, dtype, topk, tree_mode, page, lens):
+    """The kit checks the soft cap at one shape; here with every topk, page and tree mode."""
     gen = torch.Generator().manual_seed(21)
-    runner = _runner(model, dtype, page)
+    runner = _runner("mha", dtype, page)
     backend = _make(AiterDecode, runner, topk, 3, tree_mode=tree_mode)
     batch = paged_round(runner, lens, topk, 3, gen, parents=tree_mode == "path")
     backend.init_forward_metadata(batch)
     for step in range(3):
         for lid in (1, 0):
-            layer = AttentionLayer(lid, 0.17, logit_cap=0.0 if model == "mla" else 3.0)
+            layer = AttentionLayer(lid, 0.17, logit_cap=3.0)
             q, k, v = _qkv(runner, len(lens) * topk, gen)
             out = backend.forward(step, layer, q, k, v)
             want = reference_decode(runner, layer, q, batch, step, tree_mode)
@@ -61,7 +68,7 @@ def test_decode_matches_reference(calls, dtype, model, topk, tree_mode, page, le
 
 
 @pytest.mark.parametrize("model", ["mha", "mla"])
-def test_extend_matches_reference(calls, model):
+def test_extend_calls_the_kernel_of_its_model(calls, model):
     gen = torch.Generator().manual_seed(22)
     runner = _runner(model, torch.float16)
     backend = _make(AiterExtend, runner)

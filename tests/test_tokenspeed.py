@@ -1,4 +1,10 @@
-"""``tokenspeed_mla`` glue through the recording ``tokenspeed_mla`` stand-in."""
+"""``tokenspeed_mla`` glue through the recording ``tokenspeed_mla`` stand-in.
+
+The contract checks (numerics against the reference, pools, graphs, refusals) live in the
+conformance kit (``tests/conformance``), which runs tokenspeed at page size 32 (bf16 and FP8
+KV); this file keeps the ones specific to it: page size 64 with a prefix ending on a page
+boundary, the recorded call and its arguments (the FP8 query cast), graph buffers, errors.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,12 @@ import pytest
 import torch
 
 from specattn.backends.tokenspeed import TokenspeedMLADecode, TokenspeedMLAExtend
-from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.backends.torch_ref import reference_decode
 from specattn.data import AttentionLayer, DraftRunner
 from specattn.errors import BackendUnavailableError, InvalidInputError
 from specattn.platforms import Platform, use_platform
 from standins import tokenspeed_mla as ts_standin
-from standins._common import assert_close, extend_batch, install, paged_round
+from standins._common import assert_close, install, paged_round
 
 B200 = Platform("cuda", (10, 0), libraries={"tokenspeed_mla"})
 H, R, ROPE = 2, 32, 16
@@ -42,8 +48,7 @@ def _q(n, gen, fp8=False):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("topk,page,lens", [(1, 32, [40, 7]), (3, 64, [70, 64]),
-                                            (2, 32, [31, 1])])
+@pytest.mark.parametrize("topk,page,lens", [(3, 64, [70, 64])])
 def test_decode_matches_reference(monkeypatch, fp8, topk, page, lens):
     install(monkeypatch, "tokenspeed_mla", ts_standin.make()[0])
     gen = torch.Generator().manual_seed(31)
@@ -58,20 +63,6 @@ def test_decode_matches_reference(monkeypatch, fp8, topk, page, lens):
             k = (torch.randn(len(lens) * topk, R + ROPE, generator=gen) * 0.5).bfloat16()
             out = backend.forward(step, layer, q, k, None)
             assert_close(out, reference_decode(runner, layer, q, batch, step), torch.bfloat16)
-
-
-def test_extend_matches_reference(monkeypatch):
-    install(monkeypatch, "tokenspeed_mla", ts_standin.make()[0])
-    gen = torch.Generator().manual_seed(32)
-    runner = _runner(32)
-    backend = _make(TokenspeedMLAExtend, runner)
-    batch = extend_batch(runner, [50, 3, 33], [4, 3, 1], gen)
-    backend.init_forward_metadata(batch)
-    layer = AttentionLayer(1, 0.2)
-    q = _q(8, gen)
-    k = (torch.randn(8, R + ROPE, generator=gen) * 0.5).bfloat16()
-    assert_close(backend.forward(layer, q, k, None), reference_extend(runner, layer, q, batch),
-                 torch.bfloat16)
 
 
 def test_arguments_and_graph_buffers(monkeypatch):

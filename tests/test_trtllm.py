@@ -1,5 +1,12 @@
 """``trtllm_mha`` / ``trtllm_mla`` / ``cutedsl_mla`` glue through the recording ``flashinfer``
-stand-in (``tests/standins/trtllm_flashinfer.py``)."""
+stand-in (``tests/standins/trtllm_flashinfer.py``).
+
+The contract checks (numerics against the reference, pools, graphs, refusals) live in the
+conformance kit (``tests/conformance``), which runs these backends at their smallest page size
+(16 for MHA, 32 for MLA); this file keeps the ones specific to TRT-LLM: the other page
+sizes, prefixes ending on a page boundary, the recorded library calls and their arguments,
+the per-lane block tables and draft layout, graph buffers and errors.
+"""
 
 from __future__ import annotations
 
@@ -60,9 +67,9 @@ def _run_round(backend, runner, batch, gen, steps=range(STEPS), layers=(1, 0)):
 
 
 @pytest.mark.parametrize("dtype,topk,page,lens", [
-    (torch.bfloat16, 1, 16, [40, 7]), (torch.float16, 1, 64, [65, 65]),
-    (torch.float16, 3, 32, [70, 64]), (torch.bfloat16, 2, 64, [31, 1]),
-    (torch.bfloat16, 2, 16, [16, 16])])
+    (torch.float16, 1, 64, [65, 65]), (torch.float16, 3, 32, [70, 64]),
+    (torch.bfloat16, 2, 64, [31, 1]),
+    (torch.bfloat16, 2, 16, [16, 16])])  # L = 16: the prefix fills its last page
 def test_mha_decode_matches_reference(fi, dtype, topk, page, lens):
     gen = torch.Generator().manual_seed(51)
     runner = _mha(page, dtype)
@@ -73,8 +80,7 @@ def test_mha_decode_matches_reference(fi, dtype, topk, page, lens):
 
 
 @pytest.mark.parametrize("cls", [TRTLLMMLADecode, CuteDSLMLADecode])
-@pytest.mark.parametrize("topk,page,lens", [(1, 32, [40, 7]), (3, 64, [70, 64]),
-                                            (2, 32, [31, 1])])
+@pytest.mark.parametrize("topk,page,lens", [(3, 64, [70, 64])])
 def test_mla_decode_matches_reference(fi, cls, topk, page, lens):
     gen = torch.Generator().manual_seed(52)
     runner = _mla(page)
@@ -103,7 +109,7 @@ def test_mha_extend_matches_reference(fi, dtype, page, lens, ext):
     assert c.args["seq_lens"].tolist() == [L - e + q_len for L, e in zip(lens, ext)]
 
 
-@pytest.mark.parametrize("page,lens,ext", [(32, [50, 3, 33], [4, 3, 1]), (64, [9], [1])])
+@pytest.mark.parametrize("page,lens,ext", [(64, [9], [1])])
 def test_mla_extend_matches_reference(fi, page, lens, ext):
     gen = torch.Generator().manual_seed(54)
     runner = _mla(page)

@@ -10,7 +10,6 @@ torch from exactly the arguments they receive) under a platform that has the lib
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -19,26 +18,12 @@ import torch
 
 from specattn.platforms import Platform, current_platform
 from standins import aiter as aiter_standin
-from standins import fa_cute, fa_interface, fa_mate
 from standins import flash_mla as fm_standin
 from standins import flashinfer as fi_standin
 from standins import tokenspeed_mla as ts_standin
 from standins import torch_npu as npu_standin
 from standins import trtllm_flashinfer as trt_standin
-
-
-@contextlib.contextmanager
-def _modules(table: dict[str, types.ModuleType]) -> Iterator[None]:
-    saved = {name: sys.modules.get(name) for name in table}
-    sys.modules.update(table)
-    try:
-        yield
-    finally:
-        for name, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
+from standins.flash_attn_family import flash_attn_modules, swapped_modules
 
 
 @contextlib.contextmanager
@@ -61,7 +46,7 @@ def _flashinfer() -> Iterator[None]:
     classes = (fi_backends.FlashInferDecode, fi_backends.FlashInferExtend,
                fi_backends.FlashInferMLADecode, fi_backends.FlashInferMLAExtend)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_modules({"flashinfer": fi_standin.make()}))
+        stack.enter_context(swapped_modules({"flashinfer": fi_standin.make()}))
         # The stand-in computes in float32, so the glue is checked at fp32 tolerance too.
         for cls in classes:
             stack.enter_context(_patched(cls, dtypes=cls.dtypes + (torch.float32,)))
@@ -71,17 +56,14 @@ def _flashinfer() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _flash_attn() -> Iterator[None]:
-    parent = types.ModuleType("flash_attn")
-    parent.cute = fa_cute
-    with _modules({"flash_attn": parent, "flash_attn.cute": fa_cute,
-                   "flash_attn_interface": fa_interface, "mate": fa_mate}):
+    with swapped_modules(flash_attn_modules()):
         yield
 
 
 def _installer(make: Callable[[], dict[str, types.ModuleType]]):
     @contextlib.contextmanager
     def setup() -> Iterator[None]:
-        with _modules(make()):
+        with swapped_modules(make()):
             yield
     return setup
 
