@@ -15,6 +15,7 @@ from specattn.errors import InvalidInputError
 from specattn.platforms import any_platform
 from specattn.testing import ConformanceError, check_backend, conformance_tests
 from specattn.testing.plan import plan_cases
+from specattn.testing.soak import soak, soak_parallel
 from specattn.testing.target import Target
 
 # --- a backend as a user writes it, with the graph protocol on fixed buffers ----------------
@@ -206,3 +207,28 @@ def test_cases_are_frozen_values():
     case = plan_cases(Target.build("torch_ref"))[0][0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         case.id = "x"
+
+
+# --- the soak -----------------------------------------------------------------------------------
+
+
+def test_soak_gives_every_mismatch_its_seed_and_the_seed_replays_it(scoped_registry):
+    _register(scoped_registry, extend_attrs={"scale_output": 1.03})
+    lines: list[str] = []
+    result = soak("mine", rounds=16, seed=100, graph_every=0, max_len=40, log=lines.append)
+    assert result.rounds == 16 and result.passed + len(result.failures) + result.skipped == 16
+    seeds = [seed for seed, _, _ in result.failures]
+    assert seeds and set(seeds) <= set(range(100, 116))
+    assert all(case.startswith(f"soak/{seed}/extend/") for seed, case, _ in result.failures)
+    assert result.passed > 0  # the decode rounds are right
+    assert any(f"seed {seeds[0]}" in line for line in lines)
+    again = soak("mine", rounds=1, seed=seeds[0], graph_every=0, max_len=40, log=lines.append)
+    assert [case for _, case, _ in again.failures] == [result.failures[0][1]]
+
+
+def test_soak_split_over_workers_runs_the_same_rounds():
+    one = soak("torch_ref", rounds=6, seed=7, max_len=30, graph_every=0, log=lambda *_: None)
+    two = soak_parallel("torch_ref", rounds=6, seed=7, workers=2, max_len=30, graph_every=0,
+                        log=print)
+    assert (two.rounds, two.passed, two.skipped) == (one.rounds, one.passed, one.skipped)
+    assert one.passed >= 5 and not one.failures and not two.failures

@@ -22,6 +22,7 @@ logs=/tmp/gpu-check-logs  # packed into $OUT/logs.tgz at the end (8 files come b
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws
+export TRITON_CACHE_DIR=/tmp/triton-cache  # shared by every job and both calls (warm machine)
 status=0
 
 header() {
@@ -45,18 +46,21 @@ check() {  # every job log ends with "exit status 0"; the logs go back as one ar
   tar czf "$OUT/logs.tgz" -C "$logs" .
 }
 
-KIT="python -m pytest -q -p no:cacheprovider -rfE tests/conformance"
+# -v: one line per case as it finishes, so a job cut by its time limit still names its cases.
+KIT="python -m pytest -v -p no:cacheprovider -rfE tests/conformance"
+SOAK="python -m specattn.testing.soak"
 
 first() {
   bash .gpu/install.sh "$site" fa4-first >/dev/null || exit 3
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD
-  job kit-1 430 $KIT -n 3 -k "test_triton or test_dsa or test_flashmla_gpu or (test_dsv4 and not hip and not npu)" &
-  job soak-triton 430 python -m specattn.testing.soak --backend triton --rounds 4000 --max-seconds 300 &
-  job soak-dsa-dsv4 430 python -m specattn.testing.soak --backend dsa --backend dsv4 --rounds 1500 --max-seconds 150 &
-  job soak-flashmla 430 python -m specattn.testing.soak --backend flashmla --rounds 1500 --max-seconds 300 &
-  job gpu-tests-1 430 python -m pytest -q -p no:cacheprovider -rfE -n 3 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
-  job memcheck-1 430 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
+  job kit-1 560 $KIT -n 4 -k "test_triton or test_dsa or test_flashmla_gpu or (test_dsv4 and not hip and not npu)" &
+  job soak-triton 560 $SOAK --backend triton --rounds 20000 --workers 4 --max-seconds 470 &
+  job soak-dsa 560 $SOAK --backend dsa --rounds 20000 --workers 2 --max-seconds 470 &
+  job soak-dsv4 560 $SOAK --backend dsv4 --rounds 20000 --workers 2 --max-seconds 470 &
+  job soak-flashmla 560 $SOAK --backend flashmla --rounds 20000 --workers 2 --max-seconds 470 &
+  job gpu-tests-1 560 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
+  job memcheck-1 560 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
   wait
   check
 }
@@ -64,17 +68,19 @@ first() {
 second() {
   eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
   export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
-  job kit-2 300 $KIT -n 3 -k "test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu" &
-  job soak-flashinfer 300 python -m specattn.testing.soak --backend flashinfer --rounds 2000 --max-seconds 200 &
-  job soak-fa 300 python -m specattn.testing.soak --backend fa4 --backend fa3 --rounds 1500 --max-seconds 100 &
-  job gpu-tests-2 300 python -m pytest -q -p no:cacheprovider -rfE -n 3 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
-  job memcheck-2 300 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
+  job kit-2 320 $KIT -n 3 -k "test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu" &
+  job soak-flashinfer 320 $SOAK --backend flashinfer --rounds 20000 --workers 4 --max-seconds 260 &
+  job soak-fa4 320 $SOAK --backend fa4 --rounds 20000 --workers 2 --max-seconds 260 &
+  job soak-fa3 320 $SOAK --backend fa3 --rounds 20000 --workers 2 --max-seconds 260 &
+  job gpu-tests-2 320 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
+  job memcheck-2 320 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
   wait
-  # Timings, alone on the GPU.
+  # Timings, alone on the GPU: the same quick bench of this commit and of the pre-refactor
+  # package (.before), back to back.
   local cases="gqa-long mla-long mla-long-p64 extend"
-  job bench-after 150 python -m specattn bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
+  job bench-after 140 python -m specattn bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
   # From inside .before: `python -m` puts the working directory first on sys.path.
-  (cd .before && job bench-before 120 python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
+  (cd .before && job bench-before 110 python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
   cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
   cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
   check

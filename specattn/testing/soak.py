@@ -6,7 +6,7 @@ with a padded batch instead. Every step is compared with the reference and every
 the kit's copy (``checks``). A failure prints its seed; ``python -m specattn.testing.soak
 --backend NAME --seed S --rounds 1`` replays exactly that round.
 
-    python -m specattn.testing.soak --backend triton --rounds 1500 --seed 0
+    python -m specattn.testing.soak --backend triton --rounds 1500 --seed 0 --workers 4
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .plan import _DTYPE_NAMES, _dtypes, _pages
 from .rounds import EngineStyle
 from .target import BackendSpec, Target
 
-__all__ = ["SoakResult", "soak"]
+__all__ = ["SoakResult", "soak", "soak_parallel"]
 
 
 @dataclass
@@ -44,12 +44,18 @@ class SoakResult:
                 f"({self.seconds:.0f} s)")
 
 
+def _kinds(target: Target, graph: bool = False) -> list[tuple[str, str]]:
+    """``(kind, model)`` pairs the target has a class for (with CUDA-graph support)."""
+    return [(kind, model) for kind in ("decode", "extend") for model in ("mha", "mla")
+            if isinstance(target.class_for(kind, model), type)
+            and (not graph or target.class_for(kind, model).supports_cuda_graph)]
+
+
 def _draw_case(rng: random.Random, target: Target, seed: int, max_len: int) -> Optional[Case]:
-    kind = rng.choice(("decode", "extend"))
-    models = [m for m in ("mha", "mla") if isinstance(target.class_for(kind, m), type)]
-    if not models:
+    pairs = _kinds(target)
+    if not pairs:
         return None
-    model = rng.choice(models)
+    kind, model = rng.choice(pairs)
     cls = target.class_for(kind, model)
     main, others = _dtypes(cls)
     dtype = rng.choice([main] + others)
@@ -78,12 +84,10 @@ def _draw_case(rng: random.Random, target: Target, seed: int, max_len: int) -> O
 
 
 def _graph_case(rng: random.Random, target: Target, seed: int) -> Optional[Case]:
-    kind = rng.choice(("decode", "extend"))
-    models = [m for m in ("mha", "mla") if isinstance(target.class_for(kind, m), type)
-              and target.class_for(kind, m).supports_cuda_graph]
-    if not models:
+    pairs = _kinds(target, graph=True)
+    if not pairs:
         return None
-    model = rng.choice(models)
+    kind, model = rng.choice(pairs)
     cls = target.class_for(kind, model)
     main, _ = _dtypes(cls)
     p1, pbig = _pages(cls)
@@ -134,6 +138,36 @@ def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int =
     return result
 
 
+def _soak_worker(kwargs: dict) -> SoakResult:
+    return soak(**kwargs)
+
+
+def soak_parallel(backend: str, *, rounds: int, seed: int = 0, workers: int = 1,
+                  **kwargs) -> SoakResult:
+    """``soak`` split over ``workers`` processes (seed ranges ``seed + w * rounds //
+    workers ...``, so every round keeps its own seed); the counts are summed. Processes, not
+    threads: each has its own CUDA context and compiles in parallel (Triton's disk cache is
+    shared)."""
+    if workers <= 1:
+        return soak(backend, rounds=rounds, seed=seed, **kwargs)
+    import multiprocessing
+
+    per = -(-rounds // workers)
+    jobs = [dict(backend=backend, rounds=min(per, rounds - w * per), seed=seed + w * per,
+                 **kwargs) for w in range(workers) if rounds > w * per]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        parts = pool.map(_soak_worker, jobs)
+    total = SoakResult(parts[0].backend)
+    for part in parts:
+        total.rounds += part.rounds
+        total.passed += part.passed
+        total.skipped += part.skipped
+        total.failures += part.failures
+        total.seconds = max(total.seconds, part.seconds)
+    total.failures.sort()
+    return total
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specattn.testing.soak",
                                      description=__doc__.split("\n\n")[0])
@@ -146,12 +180,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-len", type=int, default=300, help="longest prefix drawn")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop a backend's soak after this long (rounds done are reported)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes per backend, each with its own range of seeds")
     args = parser.parse_args(argv)
     failed = 0
     for name in args.backend:
-        result = soak(name, rounds=args.rounds, seed=args.seed, graph_every=args.graph_every,
-                      max_len=args.max_len, max_seconds=args.max_seconds)
+        result = soak_parallel(name, rounds=args.rounds, seed=args.seed, workers=args.workers,
+                               graph_every=args.graph_every, max_len=args.max_len,
+                               max_seconds=args.max_seconds)
         print(result.summary(), flush=True)
+        for seed, case_id, why in result.failures:
+            print(f"  seed {seed}: {case_id}: {why}", flush=True)
         failed += len(result.failures)
     return 1 if failed else 0
 
