@@ -60,7 +60,7 @@ first() {
   job soak-dsv4 560 $SOAK --backend dsv4 --rounds 20000 --workers 2 --max-seconds 470 &
   job soak-flashmla 560 $SOAK --backend flashmla --rounds 20000 --workers 2 --max-seconds 470 &
   job gpu-tests-1 560 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
-  job memcheck-1 560 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
+  job memcheck-1 560 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
   wait
   check
 }
@@ -73,14 +73,34 @@ second() {
   job soak-fa4 320 $SOAK --backend fa4 --rounds 20000 --workers 2 --max-seconds 260 &
   job soak-fa3 320 $SOAK --backend fa3 --rounds 20000 --workers 2 --max-seconds 260 &
   job gpu-tests-2 320 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
-  job memcheck-2 320 compute-sanitizer --tool memcheck --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
+  job memcheck-2 320 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
   wait
   # Timings, alone on the GPU: the same quick bench of this commit and of the pre-refactor
   # package (.before), back to back.
   local cases="gqa-long mla-long mla-long-p64 extend"
-  job bench-after 140 python -m specattn bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
+  job bench-after 140 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
   # From inside .before: `python -m` puts the working directory first on sys.path.
-  (cd .before && job bench-before 110 python -m specattn bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
+  (cd .before && job bench-before 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
+  cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
+  cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
+  check
+}
+
+# A follow-up call after `install.sh fa4-first` alone (carry .gpu/flashinfer .gpu/fa4
+# .gpu/install.sh .before; no room for .whl, so FlashMLA's tests skip): the Triton-family GPU
+# tests one name per line, more soak rounds on the fast backends, then the before/after bench.
+followup() {
+  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
+  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  job gpu-tests-1v 330 python -m pytest -v -p no:cacheprovider -rfE -n 3 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py &
+  job soak-fa4-b 330 $SOAK --backend fa4 --seed 100000 --rounds 20000 --workers 3 --max-seconds 280 &
+  job soak-fa3-b 330 $SOAK --backend fa3 --seed 100000 --rounds 20000 --workers 2 --max-seconds 280 &
+  job soak-dsv4-b 330 $SOAK --backend dsv4 --seed 100000 --rounds 20000 --workers 2 --max-seconds 280 &
+  job soak-flashinfer-b 330 $SOAK --backend flashinfer --seed 100000 --rounds 20000 --workers 3 --max-seconds 280 &
+  wait
+  local cases="gqa-long mla-long extend"
+  job bench-after 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-after
+  (cd .before && job bench-before 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
   cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
   cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
   check
@@ -89,6 +109,8 @@ second() {
 case "${1:-}" in
   first) first ;;
   second) second ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second" >&2; exit 2 ;;
+  followup) followup ;;
+  fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup" >&2; exit 2 ;;
 esac
 exit $status

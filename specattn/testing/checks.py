@@ -558,9 +558,11 @@ def extend_graph(s: Session, case: Case) -> str:
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
                   "seq_lens": rnd.batch.seq_lens, "extend_lens": rnd.batch.extend_lens,
                   "out_cache_loc": rnd.batch.out_cache_loc}
+        # The padding request is row 0, whose every page is page 0: at page size 1 all its
+        # tokens share slot 0 (slots 1, 2, ... belong to real requests).
+        pad_slots = runner.req_to_token[0, :pad_tokens].long()
         static.load(values, {"req_pool_indices": 0, "seq_lens": pad_tokens,
-                             "extend_lens": pad_tokens,
-                             "out_cache_loc": torch.arange(pad_tokens, device=dev)})
+                             "extend_lens": pad_tokens, "out_cache_loc": pad_slots})
         return len(seq)
 
     def calls() -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 
 from .checks import Case, CaseFailed, CaseSkipped, Session, decode_graph, decode_numerics, \
     extend_graph, extend_numerics
-from .plan import _DTYPE_NAMES, _dtypes, _pages
+from .plan import _DTYPE_NAMES, _dtypes, _pages, limit_for
 from .rounds import EngineStyle
 from .target import BackendSpec, Target
 
@@ -45,10 +45,17 @@ class SoakResult:
 
 
 def _kinds(target: Target, graph: bool = False) -> list[tuple[str, str]]:
-    """``(kind, model)`` pairs the target has a class for (with CUDA-graph support)."""
-    return [(kind, model) for kind in ("decode", "extend") for model in ("mha", "mla")
-            if isinstance(target.class_for(kind, model), type)
-            and (not graph or target.class_for(kind, model).supports_cuda_graph)]
+    """``(kind, model)`` pairs the target has a class for (with CUDA-graph support), less
+    those the class declares a known limit for as a whole (``"*/mha/*"``: not dense
+    attention, so the reference does not apply)."""
+    pairs = []
+    for kind in ("decode", "extend"):
+        for model in ("mha", "mla"):
+            cls = target.class_for(kind, model)
+            if (isinstance(cls, type) and (not graph or cls.supports_cuda_graph)
+                    and not limit_for(cls, f"{kind}/{model}/soak")):
+                pairs.append((kind, model))
+    return pairs
 
 
 def _draw_case(rng: random.Random, target: Target, seed: int, max_len: int) -> Optional[Case]:
