@@ -206,11 +206,11 @@ def test_metadata_capturable():
     meta = torch.zeros(2, 5, dtype=torch.int32, device=DEV)
     hist = torch.zeros(8, 5, dtype=torch.int32, device=DEV)
     launchers.decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                              meta, hist, 4, 64)
+                              meta, hist, 4, 64, r.num_slots)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         launchers.decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                                  meta, hist, 4, 64)
+                                  meta, hist, 4, 64, r.num_slots)
     batch.seq_lens.copy_(torch.tensor([512, 9], device=DEV))
     g.replay()
     torch.cuda.synchronize()
