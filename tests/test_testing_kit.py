@@ -15,7 +15,7 @@ from specattn.errors import InvalidInputError
 from specattn.platforms import any_platform
 from specattn.testing import ConformanceError, check_backend, conformance_tests
 from specattn.testing.plan import plan_cases
-from specattn.testing.soak import soak, soak_parallel
+from specattn.testing.soak import _round_case, soak, soak_parallel
 from specattn.testing.target import Target
 
 # --- a backend as a user writes it, with the graph protocol on fixed buffers ----------------
@@ -232,3 +232,17 @@ def test_soak_split_over_workers_runs_the_same_rounds():
                         log=print)
     assert (two.rounds, two.passed, two.skipped) == (one.rounds, one.passed, one.skipped)
     assert one.passed >= 5 and not one.failures and not two.failures
+
+
+def test_soak_same_config_shares_the_kernel_configuration_in_runs_of_seeds():
+    target = Target.build("torch_ref")
+
+    def config(seed: int, same: int) -> tuple[str, ...]:
+        return tuple(_round_case(target, seed, 0, 50, same).id.split("/")[2:9])
+
+    assert len({config(s, 10) for s in range(200, 210)}) == 1
+    assert len({config(s, 10) for s in range(200, 260)}) > 1
+    assert len({config(s, 1) for s in range(200, 210)}) > 1
+    # Lengths still vary from seed to seed inside a run.
+    lens = {str(_round_case(target, s, 0, 50, 10).params["lens"]) for s in range(200, 210)}
+    assert len(lens) > 1

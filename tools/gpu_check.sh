@@ -55,11 +55,11 @@ first() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD
   job kit-1 560 $KIT -n 4 -k "test_triton or test_dsa or test_flashmla_gpu or (test_dsv4 and not hip and not npu)" &
-  job soak-triton 560 $SOAK --backend triton --rounds 20000 --workers 4 --max-seconds 470 &
-  job soak-dsa 560 $SOAK --backend dsa --rounds 20000 --workers 2 --max-seconds 470 &
-  job soak-dsv4 560 $SOAK --backend dsv4 --rounds 20000 --workers 2 --max-seconds 470 &
-  job soak-flashmla 560 $SOAK --backend flashmla --rounds 20000 --workers 2 --max-seconds 470 &
-  job gpu-tests-1 560 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
+  job soak-triton 560 $SOAK --backend triton --rounds 20000 --workers 4 --same-config 50 --max-seconds 470 &
+  job soak-dsa 560 $SOAK --backend dsa --rounds 20000 --workers 2 --same-config 50 --max-seconds 470 &
+  job soak-dsv4 560 $SOAK --backend dsv4 --rounds 20000 --same-config 20 --workers 2 --max-seconds 470 &
+  job soak-flashmla 560 $SOAK --backend flashmla --rounds 20000 --same-config 20 --workers 2 --max-seconds 470 &
+  job gpu-tests-1 560 python -m pytest -v -p no:cacheprovider -rfE -n 2 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py tests/gpu/test_flashmla_gpu.py &
   job memcheck-1 560 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton dsa dsv4 flashmla &
   wait
   check
@@ -69,10 +69,10 @@ second() {
   eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
   export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
   job kit-2 320 $KIT -n 3 -k "test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu" &
-  job soak-flashinfer 320 $SOAK --backend flashinfer --rounds 20000 --workers 4 --max-seconds 260 &
+  job soak-flashinfer 320 $SOAK --backend flashinfer --rounds 20000 --same-config 20 --workers 4 --max-seconds 260 &
   job soak-fa4 320 $SOAK --backend fa4 --rounds 20000 --workers 2 --max-seconds 260 &
   job soak-fa3 320 $SOAK --backend fa3 --rounds 20000 --workers 2 --max-seconds 260 &
-  job gpu-tests-2 320 python -m pytest -q -p no:cacheprovider -rfE -n 2 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
+  job gpu-tests-2 320 python -m pytest -v -p no:cacheprovider -rfE -n 2 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
   job memcheck-2 320 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
   wait
   # Timings, alone on the GPU: the same quick bench of this commit and of the pre-refactor
@@ -95,8 +95,8 @@ followup() {
   job gpu-tests-1v 330 python -m pytest -v -p no:cacheprovider -rfE -n 3 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py &
   job soak-fa4-b 330 $SOAK --backend fa4 --seed 100000 --rounds 20000 --workers 3 --max-seconds 280 &
   job soak-fa3-b 330 $SOAK --backend fa3 --seed 100000 --rounds 20000 --workers 2 --max-seconds 280 &
-  job soak-dsv4-b 330 $SOAK --backend dsv4 --seed 100000 --rounds 20000 --workers 2 --max-seconds 280 &
-  job soak-flashinfer-b 330 $SOAK --backend flashinfer --seed 100000 --rounds 20000 --workers 3 --max-seconds 280 &
+  job soak-dsv4-b 330 $SOAK --backend dsv4 --seed 100000 --rounds 20000 --same-config 20 --workers 2 --max-seconds 280 &
+  job soak-flashinfer-b 330 $SOAK --backend flashinfer --seed 100000 --rounds 20000 --same-config 20 --workers 3 --max-seconds 280 &
   wait
   local cases="gqa-long mla-long extend"
   job bench-after 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-after

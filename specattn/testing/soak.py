@@ -58,72 +58,98 @@ def _kinds(target: Target, graph: bool = False) -> list[tuple[str, str]]:
     return pairs
 
 
-def _draw_case(rng: random.Random, target: Target, seed: int, max_len: int) -> Optional[Case]:
-    pairs = _kinds(target)
+@dataclass(frozen=True)
+class _Config:
+    """What a compiled kernel depends on: kind, model, dtype, page size, KV dtype, topk,
+    tree mode."""
+
+    kind: str
+    model: str
+    cls: type
+    dtype: torch.dtype
+    page: int
+    kv: str
+    topk: int
+    tree: str
+
+
+def _draw_config(rng: random.Random, target: Target, graph: bool) -> Optional[_Config]:
+    pairs = _kinds(target, graph=graph)
     if not pairs:
         return None
     kind, model = rng.choice(pairs)
     cls = target.class_for(kind, model)
     main, others = _dtypes(cls)
-    dtype = rng.choice([main] + others)
+    dtype = main if graph else rng.choice([main] + others)
     p1, pbig = _pages(cls)
     page = rng.choice([p for p in (p1, pbig) if p])
-    kv = rng.choice(cls.kv_cache_dtypes) if model == "mla" else "auto"
+    kv = rng.choice(cls.kv_cache_dtypes) if model == "mla" and not graph else "auto"
     if kv != "auto" and dtype == torch.float32:
         dtype = (others or [torch.bfloat16])[0]
-    style = EngineStyle(strided_index=rng.random() < 0.3, fused_qkv=rng.random() < 0.3,
-                        sliced_req_to_token=rng.random() < 0.3,
-                        shared_kv_buffer=model == "mha" and rng.random() < 0.3)
-    params = {"style": style}
+    topk, tree = 1, "lane"
     if kind == "decode":
         topk = rng.randint(1, min(8, cls.max_topk or 8))
         tree = rng.choice(sorted(cls.tree_modes)) if topk > 1 else "lane"
+    return _Config(kind, model, cls, dtype, page, kv, topk, tree)
+
+
+def _draw_case(rng: random.Random, cfg: _Config, seed: int, max_len: int) -> Case:
+    style = EngineStyle(strided_index=rng.random() < 0.3, fused_qkv=rng.random() < 0.3,
+                        sliced_req_to_token=rng.random() < 0.3,
+                        shared_kv_buffer=cfg.model == "mha" and rng.random() < 0.3)
+    params = {"style": style}
+    if cfg.kind == "decode":
         params["lens"] = [rng.randint(1, max_len) for _ in range(rng.randint(1, 6))]
         body = decode_numerics
     else:
-        topk, tree = 1, "lane"
         new = [rng.randint(1, 8) for _ in range(rng.randint(1, 6))]
         params["lens"] = ([n + rng.randint(0, max_len) for n in new], new)
         body = extend_numerics
-    cid = (f"soak/{seed}/{kind}/{model}/{_DTYPE_NAMES[dtype]}/k{topk}/p{page}/{tree}/"
-           f"kv-{kv}/{style.label()}")
-    return Case(cid, kind, model, body, dtype, topk, page, tree, kv, params)
+    cid = (f"soak/{seed}/{cfg.kind}/{cfg.model}/{_DTYPE_NAMES[cfg.dtype]}/k{cfg.topk}/"
+           f"p{cfg.page}/{cfg.tree}/kv-{cfg.kv}/{style.label()}")
+    return Case(cid, cfg.kind, cfg.model, body, cfg.dtype, cfg.topk, cfg.page, cfg.tree, cfg.kv,
+                params)
 
 
-def _graph_case(rng: random.Random, target: Target, seed: int) -> Optional[Case]:
-    pairs = _kinds(target, graph=True)
-    if not pairs:
+def _graph_case(cfg: _Config, seed: int) -> Case:
+    if cfg.kind == "decode":
+        return Case(f"soak/{seed}/graph/decode/{cfg.model}/k{cfg.topk}/p{cfg.page}/{cfg.tree}",
+                    cfg.kind, cfg.model, decode_graph, cfg.dtype, cfg.topk, cfg.page, cfg.tree)
+    return Case(f"soak/{seed}/graph/extend/{cfg.model}/p{cfg.page}", cfg.kind, cfg.model,
+                extend_graph, cfg.dtype, page_size=cfg.page)
+
+
+def _round_case(target: Target, seed: int, graph_every: int, max_len: int,
+                same_config: int) -> Optional[Case]:
+    """Round ``seed``'s case. Its configuration comes from ``seed // same_config`` (runs of
+    ``same_config`` seeds share one, so compiled kernels are reused), the rest (lengths,
+    layout, whether it replays a graph) from ``seed`` itself: a seed alone replays it."""
+    rng = random.Random(seed)
+    graph = bool(graph_every) and rng.randrange(graph_every) == 0
+    graph = graph and bool(_kinds(target, graph=True))  # else an eager round instead
+    cfg_rng = rng if same_config <= 1 else random.Random(f"config/{seed // same_config}")
+    cfg = _draw_config(cfg_rng, target, graph)
+    if cfg is None:
         return None
-    kind, model = rng.choice(pairs)
-    cls = target.class_for(kind, model)
-    main, _ = _dtypes(cls)
-    p1, pbig = _pages(cls)
-    page = rng.choice([p for p in (p1, pbig) if p])
-    if kind == "decode":
-        topk = rng.randint(1, min(8, cls.max_topk or 8))
-        tree = rng.choice(sorted(cls.tree_modes)) if topk > 1 else "lane"
-        return Case(f"soak/{seed}/graph/decode/{model}/k{topk}/p{page}/{tree}", kind, model,
-                    decode_graph, main, topk, page, tree)
-    return Case(f"soak/{seed}/graph/extend/{model}/p{page}", kind, model, extend_graph, main,
-                page_size=page)
+    return _graph_case(cfg, seed) if graph else _draw_case(rng, cfg, seed, max_len)
 
 
 def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int = 20,
-         max_len: int = 300, max_seconds: Optional[float] = None, device=None, platform=None,
-         setup=None, log=print) -> SoakResult:
+         max_len: int = 300, max_seconds: Optional[float] = None, same_config: int = 1,
+         device=None, platform=None, setup=None, log=print) -> SoakResult:
     """Run ``rounds`` random rounds (fewer if ``max_seconds`` runs out first); round ``i``
-    uses seed ``seed + i``."""
+    uses seed ``seed + i``. ``same_config > 1``: runs of that many seeds share a kernel
+    configuration (fewer compiles for JIT backends; lengths and layouts still vary)."""
     target = Target.build(backend, platform=platform, device=device, setup=setup)
     result = SoakResult(target.label)
+    replay = f" (replay with --same-config {same_config})" if same_config > 1 else ""
     start = time.perf_counter()
     for i in range(rounds):
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             log(f"soak {target.label}: stopped after {i} rounds ({max_seconds:.0f} s limit)")
             break
         s = seed + i
-        rng = random.Random(s)
-        graph = graph_every and rng.randrange(graph_every) == 0
-        case = _graph_case(rng, target, s) if graph else _draw_case(rng, target, s, max_len)
+        case = _round_case(target, s, graph_every, max_len, same_config)
         result.rounds += 1
         if case is None:
             result.skipped += 1
@@ -137,10 +163,10 @@ def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int =
             result.skipped += 1
         except CaseFailed as exc:
             result.failures.append((s, case.id, str(exc)))
-            log(f"MISMATCH seed {s}: {case.id}: {exc}")
+            log(f"MISMATCH seed {s}{replay}: {case.id}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a crash is a failure with its seed
             result.failures.append((s, case.id, f"{type(exc).__name__}: {exc}"))
-            log(f"CRASH seed {s}: {case.id}: {type(exc).__name__}: {exc}")
+            log(f"CRASH seed {s}{replay}: {case.id}: {type(exc).__name__}: {exc}")
     result.seconds = time.perf_counter() - start
     return result
 
@@ -189,12 +215,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="stop a backend's soak after this long (rounds done are reported)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes per backend, each with its own range of seeds")
+    parser.add_argument("--same-config", type=int, default=1,
+                        help="runs of N seeds share a kernel configuration (fewer JIT "
+                             "compiles; replay with the same N)")
     args = parser.parse_args(argv)
     failed = 0
     for name in args.backend:
         result = soak_parallel(name, rounds=args.rounds, seed=args.seed, workers=args.workers,
                                graph_every=args.graph_every, max_len=args.max_len,
-                               max_seconds=args.max_seconds)
+                               max_seconds=args.max_seconds, same_config=args.same_config)
         print(result.summary(), flush=True)
         for seed, case_id, why in result.failures:
             print(f"  seed {seed}: {case_id}: {why}", flush=True)
