@@ -318,6 +318,18 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
 
 
 @triton.jit
+def _value_half(k_half, ptrs, mask, V_RELOAD: tl.constexpr, FINITE: tl.constexpr):
+    """A latent half as value: the key tile ``k_half`` itself, or reloaded from ``ptrs``."""
+    if V_RELOAD:
+        v = tl.load(ptrs, mask=mask, other=0.0).to(k_half.dtype)
+        if FINITE:
+            v = finite(v)
+    else:
+        v = k_half
+    return v
+
+
+@triton.jit
 def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
               logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -340,21 +352,11 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
-    if V_RELOAD:
-        va = tl.load(row + off_a + offs_h[None, :], mask=hmask, other=0.0).to(ka.dtype)
-        if FINITE:
-            va = finite(va)
-    else:
-        va = ka
+    va = _value_half(ka, row + off_a + offs_h[None, :], hmask, V_RELOAD, FINITE)
     p = p.to(ka.dtype)
     acc_a = tl.dot(p, va, acc_a * alpha[:, None], input_precision=DOT_PREC)
     if DV_SPLIT == 1:
-        if V_RELOAD:
-            vb = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0).to(kb.dtype)
-            if FINITE:
-                vb = finite(vb)
-        else:
-            vb = kb
+        vb = _value_half(kb, row + off_b + offs_h[None, :], hmask, V_RELOAD, FINITE)
         acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PREC)
     return acc_a, acc_b, m_new, l_i
 
