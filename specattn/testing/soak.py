@@ -1,12 +1,14 @@
 """A random-batch soak: many random rounds through a backend, each checked like a kit case.
 
-Each round draws the model (as declared), dtype, topk, page size, tree mode, ragged lengths
-from 1, and an engine-style layout; one in ``graph_every`` rounds replays a captured graph
-with a padded batch instead. Every step is compared with the reference and every pool with
-the kit's copy (``checks``). A failure prints its seed; ``python -m specattn.testing.soak
---backend NAME --seed S --rounds 1`` replays exactly that round.
+Each round draws the kind and model (among those the backend declares), dtype, topk, page
+size, tree mode, ragged lengths from 1, and an engine-style layout; one in ``graph_every``
+rounds replays a captured graph with a padded batch instead. Every step is compared with the
+reference and every pool with the kit's copy (``checks``). A failure prints its seed;
+``python -m specattn.testing.soak --backend NAME --seed S --rounds 1`` (with the same
+``--same-config``) replays exactly that round. Rounds the backend refuses as a case (a soft
+cap it does not support, say) count as not applicable.
 
-    python -m specattn.testing.soak --backend triton --rounds 1500 --seed 0 --workers 4
+    python -m specattn.testing.soak --backend triton --rounds 5000 --workers 4 --same-config 50
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def soak_parallel(backend: str, *, rounds: int, seed: int = 0, workers: int = 1,
     """``soak`` split over ``workers`` processes (seed ranges ``seed + w * rounds //
     workers ...``, so every round keeps its own seed); the counts are summed. Processes, not
     threads: each has its own CUDA context and compiles in parallel (Triton's disk cache is
-    shared)."""
+    shared). ``kwargs`` go to every ``soak`` call, so ``log`` must be picklable (``print``)."""
     if workers <= 1:
         return soak(backend, rounds=rounds, seed=seed, **kwargs)
     import multiprocessing
