@@ -28,7 +28,8 @@ def _tool(name: str):
     return module
 
 
-@pytest.mark.parametrize("script", ["gpu_session.sh", "gluon_session.sh", "smollm2_gpu.sh"])
+@pytest.mark.parametrize("script", ["gpu_session.sh", "gpu_check.sh", "gluon_session.sh",
+                                    "smollm2_gpu.sh"])
 def test_session_scripts_parse(script):
     res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
                          text=True, timeout=30)
@@ -42,11 +43,27 @@ def test_gpu_session_usage_and_no_retired_script(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     # What the sessions run exists: no call of a script under benchmarks/ (retired), and
     # every python file they name is in the repository.
-    for script in ("gpu_session.sh", "gluon_session.sh", "smollm2_gpu.sh"):
+    for script in ("gpu_session.sh", "gpu_check.sh", "gluon_session.sh", "smollm2_gpu.sh"):
         text = open(os.path.join(TOOLS, script)).read()
         assert "benchmarks/" not in text, script
         for path in re.findall(r"\b((?:tools|tests/gpu)/[\w/]+\.py)\b", text):
             assert os.path.isfile(os.path.join(ROOT, path)), (script, path)
+
+
+def test_gpu_check_usage(tmp_path):
+    res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_check.sh"), "bogus"],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "OUT": str(tmp_path)})
+    assert res.returncode == 2 and "first|second|fa4-first|followup" in res.stderr
+
+
+def test_cpu_soak_runs_an_environment_and_reports_it():
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, "cpu_soak.py"), "2", "torch_ref"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.strip().splitlines()[0]
+    assert line.startswith("torch_ref: soak torch_ref: ") and " 0 mismatches" in line
+    assert int(line.split(" random rounds")[0].rsplit(" ", 1)[1]) > 0
 
 
 def test_library_signatures_reports_what_is_missing(capsys):
