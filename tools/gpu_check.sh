@@ -106,11 +106,29 @@ followup() {
   check
 }
 
+# The soak alone, after `install.sh fa4-first` (carry .gpu/flashinfer .gpu/fa4
+# .gpu/install.sh): every GPU backend but flashmla (its wheel does not fit beside FA4), 15
+# worker processes, one shared Triton cache, runs of seeds sharing a kernel configuration.
+soak_only() {
+  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
+  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  local s="--seed 200000 --rounds 40000 --max-seconds ${SOAK_SECONDS:-480}"
+  job soak-triton 560 $SOAK --backend triton $s --workers 4 --same-config 50 &
+  job soak-dsa 560 $SOAK --backend dsa $s --workers 2 --same-config 50 &
+  job soak-dsv4 560 $SOAK --backend dsv4 $s --workers 2 --same-config 20 &
+  job soak-flashinfer 560 $SOAK --backend flashinfer $s --workers 3 --same-config 20 &
+  job soak-fa4 560 $SOAK --backend fa4 $s --workers 2 &
+  job soak-fa3 560 $SOAK --backend fa3 $s --workers 2 &
+  wait
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
   followup) followup ;;
+  soak) soak_only ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak" >&2; exit 2 ;;
 esac
 exit $status
