@@ -11,6 +11,9 @@
 #   .gpu/install.sh .before (git archive of the pre-refactor specattn/, e.g.
 #   `git archive 15e7525 specattn | tar -x -C .before`):
 #       bash tools/gpu_check.sh second      # flashinfer, fa4, fa3, the SGLang adapter, timings
+#   Shorter sessions: `fa4-first` (carry .gpu/fa4-first .gpu/install.sh), then at once
+#   `followup` (GPU suites of the Triton family, soaks, before/after bench) or `soak` (the
+#   soak alone over every GPU backend but flashmla); see the functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
