@@ -97,6 +97,19 @@ def test_auto_order_page_is_auto_order_on_each_device():
     assert "[`triton`]" not in sections[-1]  # a plain CPU: no Triton without the interpreter
 
 
+def test_committed_backend_pages_match_the_registry():
+    """docs/backends/*.md are generated: each equals what the registry gives today, so the
+    repository's links resolve and the pages cannot drift from the code."""
+    sys.path.insert(0, str(ROOT / "docs" / "_hooks"))
+    try:
+        import backend_pages
+    finally:
+        sys.path.pop(0)
+    pages = backend_pages.generated_pages()
+    assert "backends/triton.md" in pages and "backends/auto-order.md" in pages
+    assert backend_pages.stale_pages(pages) == [], "run: python docs/_hooks/backend_pages.py"
+
+
 def test_docs_build_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")

@@ -1,10 +1,12 @@
-"""MkDocs hook: one page per backend and the ``auto`` order on each device type, generated
-from the registry at build time, and the repository's CHANGELOG.md as ``changelog.md``.
+"""One page per backend and the ``auto`` order on each device type, generated from the
+registry, and (MkDocs hook) the repository's CHANGELOG.md as ``changelog.md``.
 
 The pages say what each backend declares (kinds, flavours, models, platforms, libraries and
 their install commands, capabilities) and where it was run; nothing on them is written by
-hand, so they cannot drift from the code. ``on_config`` puts them into the nav under
-"Backends"; ``on_files`` adds them to the build.
+hand. They are committed under ``docs/backends/`` so that links resolve in the repository
+too; ``python docs/_hooks/backend_pages.py`` rewrites them from the code, and the docs build
+(``on_config``) and ``tests/test_docs.py`` fail when a committed page differs from what the
+registry gives. ``on_config`` also puts them into the nav under "Backends".
 """
 
 from __future__ import annotations
@@ -68,13 +70,14 @@ def _dispatcher_rows(dispatchers: list) -> list[str]:
 
 
 def backend_pages() -> dict[str, str]:
-    """``{"backends/<name>.md": markdown}`` for every registered name."""
+    """``{"backends/<name>.md": markdown}`` for every built-in registered name."""
     registry = _registry()
     classes: dict[str, list[type]] = defaultdict(list)
     dispatchers: dict[str, list] = defaultdict(list)
     for kind in ("decode", "extend"):
         for cls in registry.classes(kind):
-            classes[cls.name].append(cls)
+            if cls.__module__.startswith("specattn."):  # not an installed plugin's
+                classes[cls.name].append(cls)
         for disp in registry.dispatchers(kind):
             dispatchers[disp.name].append((kind, disp))
     pages = {}
@@ -83,9 +86,9 @@ def backend_pages() -> dict[str, str]:
         aliases = sorted({a for c in found for a in c.aliases}
                          | {f"{a} (deprecated)" for c in found for a in c.deprecated_aliases})
         lines = [f"# `{name}`", "",
-                 "*Generated from the registry when the docs are built: this is what the "
-                 "code declares.* `specattn list --pattern " + name + "` says whether it "
-                 "runs on your machine.", ""]
+                 "*Generated from the registry (`python docs/_hooks/backend_pages.py`): this "
+                 "is what the code declares.* `specattn list --pattern " + name + "` says "
+                 "whether it runs on your machine.", ""]
         if found:
             lines += [_module_summary(found[0]), ""]
         if aliases:
@@ -129,7 +132,8 @@ def auto_order_page() -> str:
     kernels = {c.qualified_name(): c.kernel_library
                for kind in ("decode", "extend") for c in registry.classes(kind)}
     lines = ["# The `auto` order", "",
-             "*Generated from the registry when the docs are built.* With no backend name "
+             "*Generated from the registry (`python docs/_hooks/backend_pages.py`).* With no "
+             "backend name "
              "(or `auto`), specattn tries the classes below in this order and takes the first "
              "that runs on the machine and accepts the request (model, `topk`, page size, "
              "dtype, ...); model-specific backends (`auto_eligible = False`) are chosen by "
@@ -153,13 +157,51 @@ def auto_order_page() -> str:
     return "\n".join(lines)
 
 
+DOCS = ROOT / "docs"
+
+
+def generated_pages() -> dict[str, str]:
+    """``{path under docs/: markdown}``: the ``auto`` order page and one page per backend."""
+    pages = {ORDER_PAGE: auto_order_page()}
+    pages.update(backend_pages())
+    return {path: text.rstrip("\n") + "\n" for path, text in pages.items()}
+
+
+def stale_pages(pages: dict[str, str]) -> list[str]:
+    """Committed pages that differ from ``pages`` or are missing, and generated-looking pages
+    under ``docs/backends/`` that no longer have a backend."""
+    stale = [path for path, text in pages.items()
+             if not (DOCS / path).is_file() or (DOCS / path).read_text() != text]
+    stale += [f"backends/{p.name}" for p in sorted((DOCS / "backends").glob("*.md"))
+              if p.name != "index.md" and f"backends/{p.name}" not in pages]
+    return stale
+
+
+def write_pages() -> list[str]:
+    """Rewrite the committed pages from the registry; returns the paths it changed."""
+    pages = generated_pages()
+    changed = stale_pages(pages)
+    for path in changed:
+        target = DOCS / path
+        if path in pages:
+            target.write_text(pages[path])
+        else:
+            target.unlink()
+    return changed
+
+
 _PAGES: dict[str, str] = {}
 
 
 def on_config(config, **kwargs):
     _PAGES.clear()
-    _PAGES[ORDER_PAGE] = auto_order_page()
-    _PAGES.update(backend_pages())
+    _PAGES.update(generated_pages())
+    stale = stale_pages(_PAGES)
+    if stale:
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(f"docs/{', docs/'.join(stale)}: out of date with the registry; run "
+                          "python docs/_hooks/backend_pages.py")
     for item in config["nav"]:
         if isinstance(item, dict) and NAV_SECTION in item:
             section = item[NAV_SECTION]
@@ -172,8 +214,11 @@ def on_config(config, **kwargs):
 def on_files(files, config, **kwargs):
     from mkdocs.structure.files import File
 
-    for path, text in _PAGES.items():
-        files.append(File.generated(config, path, content=text))
     changelog = (ROOT / "CHANGELOG.md").read_text()
     files.append(File.generated(config, "changelog.md", content=changelog))
     return files
+
+
+if __name__ == "__main__":
+    changed = write_pages()
+    print("\n".join(f"rewrote docs/{path}" for path in changed) or "every page is up to date")
