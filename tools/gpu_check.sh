@@ -50,6 +50,24 @@ check() {  # every job log ends with "exit status 0"; the logs go back as one ar
 }
 
 # -v: one line per case as it finishes, so a job cut by its time limit still names its cases.
+vendor_libs() {  # FlashInfer and FA4 from the bundle (FA4 needs an earlier fa4-first call)
+  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
+  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+}
+
+bench_ab() {  # bench_ab "CASES" [ARGS...]: timings, alone on the GPU: a quick bench of CASES
+  # (triton, flashinfer, fa4) on this commit with ARGS added, then on the pre-refactor package
+  # (.before, no raw baselines), back to back.
+  local cases=$1
+  shift
+  local bench="python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4"
+  job bench-after 140 $bench "$@" --out /tmp/bench-after
+  # From inside .before: `python -m` puts the working directory first on sys.path.
+  (cd .before && job bench-before 110 $bench --no-raw --out /tmp/bench-before)
+  cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
+  cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
+}
+
 KIT="python -m pytest -v -p no:cacheprovider -rfE tests/conformance"
 SOAK="python -m specattn.testing.soak"
 
@@ -69,8 +87,7 @@ first() {
 }
 
 second() {
-  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
-  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  vendor_libs
   job kit-2 320 $KIT -n 3 -k "test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu" &
   job soak-flashinfer 320 $SOAK --backend flashinfer --rounds 20000 --same-config 20 --workers 4 --max-seconds 260 &
   job soak-fa4 320 $SOAK --backend fa4 --rounds 20000 --workers 2 --max-seconds 260 &
@@ -78,14 +95,7 @@ second() {
   job gpu-tests-2 320 python -m pytest -v -p no:cacheprovider -rfE -n 2 tests/gpu/test_flashinfer_gpu.py tests/gpu/test_flash_attn_gpu.py tests/gpu/test_sglang_adapter_gpu.py &
   job memcheck-2 320 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend flashinfer fa4 &
   wait
-  # Timings, alone on the GPU: the same quick bench of this commit and of the pre-refactor
-  # package (.before), back to back.
-  local cases="gqa-long mla-long mla-long-p64 extend"
-  job bench-after 140 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases mla-k1 mla-small --backend triton flashinfer fa4 raw --out /tmp/bench-after
-  # From inside .before: `python -m` puts the working directory first on sys.path.
-  (cd .before && job bench-before 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
-  cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
-  cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
+  bench_ab "gqa-long mla-long mla-long-p64 extend" --case mla-k1 mla-small --backend raw
   check
 }
 
@@ -93,19 +103,14 @@ second() {
 # .gpu/install.sh .before; no room for .whl, so FlashMLA's tests skip): the Triton-family GPU
 # tests one name per line, more soak rounds on the fast backends, then the before/after bench.
 followup() {
-  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
-  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  vendor_libs
   job gpu-tests-1v 330 python -m pytest -v -p no:cacheprovider -rfE -n 3 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py &
   job soak-fa4-b 330 $SOAK --backend fa4 --seed 100000 --rounds 20000 --workers 3 --max-seconds 280 &
   job soak-fa3-b 330 $SOAK --backend fa3 --seed 100000 --rounds 20000 --workers 2 --max-seconds 280 &
   job soak-dsv4-b 330 $SOAK --backend dsv4 --seed 100000 --rounds 20000 --same-config 20 --workers 2 --max-seconds 280 &
   job soak-flashinfer-b 330 $SOAK --backend flashinfer --seed 100000 --rounds 20000 --same-config 20 --workers 3 --max-seconds 280 &
   wait
-  local cases="gqa-long mla-long extend"
-  job bench-after 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-after
-  (cd .before && job bench-before 110 python -m specattn.cli bench --quick --no-sweep --no-round --case $cases --backend triton flashinfer fa4 --no-raw --out /tmp/bench-before)
-  cp /tmp/bench-after/table.md "$logs/bench-after.md" 2>/dev/null
-  cp /tmp/bench-before/table.md "$logs/bench-before.md" 2>/dev/null
+  bench_ab "gqa-long mla-long extend" --no-raw
   check
 }
 
@@ -113,8 +118,7 @@ followup() {
 # .gpu/install.sh): every GPU backend but flashmla (its wheel does not fit beside FA4), 15
 # worker processes, one shared Triton cache, runs of seeds sharing a kernel configuration.
 soak_only() {
-  eval "$(bash .gpu/install.sh "$site" flashinfer fa4)" || exit 3
-  export PYTHONPATH=/tmp/site:$PYTHONPATH:$PWD
+  vendor_libs
   local s="--seed 200000 --rounds 40000 --max-seconds ${SOAK_SECONDS:-480}"
   job soak-triton 560 $SOAK --backend triton $s --workers 4 --same-config 50 &
   job soak-dsa 560 $SOAK --backend dsa $s --workers 2 --same-config 50 &
