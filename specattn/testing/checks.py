@@ -222,6 +222,26 @@ def _free_rows(ref: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(ref.float()).reshape(ref.shape[0], -1).all(-1)
 
 
+def _checked_call(call: Callable[[], torch.Tensor], where: str, runner: DraftRunner,
+                  shadow: DraftRunner, layer: AttentionLayer, loc: torch.Tensor,
+                  k: torch.Tensor, v: Optional[torch.Tensor],
+                  reference: Callable[[DraftRunner], torch.Tensor], dtype: torch.dtype,
+                  poison: bool, **compare) -> float:
+    """One forward call checked like every numerics case: the kit writes the call's new KV
+    into its own copy of the pools, the backend's pools must equal it (checked first: it names
+    a missing write), then the output must match ``reference`` computed from that copy.
+    Returns the max abs error."""
+    out = _forward(call, where)
+    shadow.write_kv(layer.layer_id, loc, k, v)
+    _check_pools(runner, shadow, loc, where)
+    ref = reference(_dense(shadow))
+    msg = output_mismatch(out, ref, dtype, free_rows=_free_rows(ref) if poison else None,
+                          **compare)
+    if msg:
+        raise CaseFailed(f"{where}: {msg}")
+    return float((out.float() - ref.float()).abs().max())
+
+
 def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: ModelShape,
                      gen: torch.Generator, *, logit_cap: float = 0.0,
                      fused_qkv: bool = False, both_layers: bool = False,
@@ -242,15 +262,12 @@ def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: M
             q, k, v = random_qkv(runner, rnd.lanes, gen, fused=fused_qkv)
             if poison and step == 0:
                 _poison_row(k, v, 0)
-            out = _forward(lambda: backend.forward(step, layer, q, k, v), where)
-            shadow.write_kv(layer.layer_id, loc, k, v)
-            _check_pools(runner, shadow, loc, where)  # first: it names a missing write
-            ref = reference_decode(_dense(shadow), layer, q, rnd.batch, step, rnd.tree_mode)
-            msg = output_mismatch(out, ref, dtype, topk=rnd.topk,
-                                  free_rows=_free_rows(ref) if poison else None)
-            if msg:
-                raise CaseFailed(f"{where}: {msg}")
-            worst = max(worst, float((out.float() - ref.float()).abs().max()))
+            err = _checked_call(
+                lambda: backend.forward(step, layer, q, k, v), where, runner, shadow, layer,
+                loc, k, v,
+                lambda pools: reference_decode(pools, layer, q, rnd.batch, step, rnd.tree_mode),
+                dtype, poison, topk=rnd.topk)
+            worst = max(worst, err)
     return f"{rnd.batch.batch_size} requests x {rnd.num_steps} steps x {len(layers)} " \
            f"layer(s); max abs error {worst:.2g}"
 
@@ -472,15 +489,11 @@ def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelSh
             ext = rnd.batch.extend_lens.tolist()
             b = next(i for i, e in enumerate(ext) if e >= 3)
             _poison_row(k, v, sum(ext[:b]) + 2)
-        out = _forward(lambda: backend.forward(layer, q, k, v), where)
-        shadow.write_kv(layer.layer_id, loc, k, v)
-        _check_pools(runner, shadow, loc, where)
-        ref = reference_extend(_dense(shadow), layer, q, rnd.batch)
-        msg = output_mismatch(out, ref, case.dtype, rows_are="token",
-                              free_rows=_free_rows(ref) if poison else None)
-        if msg:
-            raise CaseFailed(f"{where}: {msg}")
-        worst = max(worst, float((out.float() - ref.float()).abs().max()))
+        err = _checked_call(
+            lambda: backend.forward(layer, q, k, v), where, runner, shadow, layer, loc, k, v,
+            lambda pools: reference_extend(pools, layer, q, rnd.batch), case.dtype, poison,
+            rows_are="token")
+        worst = max(worst, err)
     return f"{rnd.batch.batch_size} requests, {rnd.num_tokens} tokens x {len(layers)} " \
            f"layer(s); max abs error {worst:.2g}"
 
