@@ -114,15 +114,19 @@ followup() {
   check
 }
 
-# The soak alone, after `install.sh fa4-first` (carry .gpu/flashinfer .gpu/fa4
-# .gpu/install.sh): every GPU backend but flashmla (its wheel does not fit beside FA4), 15
-# worker processes, one shared Triton cache, runs of seeds sharing a kernel configuration.
+# The soak, after `install.sh fa4-first` (carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh):
+# every GPU backend but flashmla (its wheel does not fit beside FA4), 14 worker processes, one
+# shared Triton cache, runs of seeds sharing a kernel configuration; beside it the Triton
+# family's kit and GPU suites.
 soak_only() {
   vendor_libs
   local s="--seed 200000 --rounds 40000 --max-seconds ${SOAK_SECONDS:-480}"
-  job soak-triton 560 $SOAK --backend triton $s --workers 4 --same-config 50 &
+  job soak-triton 560 $SOAK --backend triton $s --workers 3 --same-config 50 &
   job soak-dsa 560 $SOAK --backend dsa $s --workers 2 --same-config 50 &
   job soak-dsv4 560 $SOAK --backend dsv4 $s --workers 2 --same-config 20 &
+  # The Triton family's kit and GPU suites beside the soak (flashmla's skip without its wheel).
+  job kit-triton 560 $KIT -n 2 -k "test_triton or test_dsa or (test_dsv4 and not hip and not npu)" &
+  job gpu-tests-triton 560 python -m pytest -v -p no:cacheprovider -rfE -n 2 tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_dsa_dsv4_gpu.py &
   job soak-flashinfer 560 $SOAK --backend flashinfer $s --workers 3 --same-config 20 &
   job soak-fa4 560 $SOAK --backend fa4 $s --workers 2 &
   job soak-fa3 560 $SOAK --backend fa3 $s --workers 2 &
