@@ -183,7 +183,7 @@ def test_choice_logic(monkeypatch):
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     r, _ = mla_round([5, 6, 7], topk=8)
     plan = TritonDecode(r, 8, 3)._make_plan(3)
-    assert plan["cfg"].gluon and plan["cfg"].label().endswith("gluon")
+    assert plan["cfg"].gluon and plan["cfg"].label().endswith("gluon pf")
     # 8 lanes x 16 heads = 2 row tiles x 3 requests = 6 programs; the interpreter's "SM
     # count" is 4: one wave -> 1 split.
     assert plan["num_splits"] == 1
@@ -193,6 +193,8 @@ def test_choice_logic(monkeypatch):
     assert not TritonDecode(mha, 2, 3)._make_plan(2)["cfg"].gluon
     with pytest.raises(Exception, match="config.gluon"):
         KernelConfig(64, 64, 8, 2, gluon=True, mla_v3=True)
+    with pytest.raises(Exception, match="config.gluon"):
+        KernelConfig(64, 64, 8, 2, mla_v3=True, gluon_prefetch=True)
 
 
 def test_issue_19_bench_cases():

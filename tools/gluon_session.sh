@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The Gluon MLA kernel's GPU record in one device call (carry .gpu/flashinfer .gpu/install.sh):
-#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress]
+#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress] [ncu]
 # tests: tests/gpu/test_gluon_mla_gpu.py but its stress loop (SPECATTN_GLUON_VARIANTS picks
 # variants); memcheck: compute-sanitizer over a small MLA round (uniform and ragged) checked
 # against torch_ref (`specattn bench --check-only`; GLUON_CHECK_OPTION adds one --option
 # variant, e.g. 'triton:config=m64 n32 w8 s3 kv-first gluon-ov'); bench: `specattn bench` on
-# the MLA cases, Triton (the Gluon kernel), the tl.dot kernel (an --option) and FlashInfer,
-# into $OUT/gluon-bench.md and .tgz (GLUON_BENCH_ARGS adds arguments, e.g. --option ...);
-# stress: the 100-batch loop. Logs go to $OUT (gluon-*.log); exit status non-zero if a part
-# failed.
+# the MLA cases, Triton (the Gluon kernel), more Triton variants (GLUON_OPTIONS: configs
+# separated by ';', default the tl.dot kernel's) and FlashInfer, into $OUT/gluon-bench.md and
+# .tgz (GLUON_BENCH_ARGS adds arguments, e.g. --quick; GLUON_CASES replaces the case list);
+# stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
+# kernel at mla-long, into $OUT/gluon-ncu.txt. Logs go to $OUT (gluon-*.log); exit status
+# non-zero if a part failed.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the logs}"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
@@ -18,7 +20,10 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 status=0
 # The MLA v3 tl.dot kernel's config (launchers.choose_config at 64+ rows per KV head).
 TL_DOT="triton:config=m64 n64 w8 s3 mla3 kv-first"
-MLA_CASES=(mla-long mla-long-p64 mla-k1 mla-small mla-wide mla-wide-p64)
+read -r -a MLA_CASES <<< "${GLUON_CASES:-mla-long mla-long-p64 mla-k1 mla-small mla-wide mla-wide-p64}"
+OPTIONS=()
+IFS=';' read -r -a configs <<< "${GLUON_OPTIONS:-${TL_DOT#triton:config=}}"
+for c in "${configs[@]}"; do OPTIONS+=("triton:config=$c"); done
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
   python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   date -u +%F; } | tee "$OUT/gluon-env.log"
@@ -35,7 +40,7 @@ for part in "${@:-tests memcheck bench stress}"; do
                2>&1 | tail -n 30 | tee "$OUT/gluon-memcheck.log" || status=1 ;;
       bench) rm -rf /tmp/gluon-bench
              timeout "${GLUON_BENCH_S:-300}" python -m specattn bench --case "${MLA_CASES[@]}" \
-               --backend triton flashinfer --option "$TL_DOT" --out /tmp/gluon-bench \
+               --backend triton flashinfer --option "${OPTIONS[@]}" --out /tmp/gluon-bench \
                ${GLUON_BENCH_ARGS:-} 2>&1 | tee "$OUT/gluon-bench.log" || status=1
              # One archive (the device returns a limited number of files per call).
              [ -d /tmp/gluon-bench ] && cp /tmp/gluon-bench/table.md "$OUT/gluon-bench.md" \
@@ -43,6 +48,11 @@ for part in "${@:-tests memcheck bench stress}"; do
       stress) timeout 200 python -m pytest -q -p no:cacheprovider -p no:warnings -rf \
                tests/gpu/test_gluon_mla_gpu.py -k stress 2>&1 | tail -n 20 \
                | tee "$OUT/gluon-stress.log" || status=1 ;;
+      ncu) timeout "${GLUON_NCU_S:-150}" ncu --clock-control none --set full \
+               -k regex:_gluon_mla_kernel --launch-skip 2 --launch-count 1 \
+               python -m specattn bench --case mla-long --backend triton --check-only \
+               --out /tmp/gluon-ncu > "$OUT/gluon-ncu.txt" 2>&1 || status=1
+             tail -n 5 "$OUT/gluon-ncu.txt" ;;
     esac
   done
 done

@@ -32,7 +32,7 @@ def _variants():
     every = {
         "default": None,  # launchers.gluon_config
         "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
-                                      gluon_overlap=True),
+                                      gluon_overlap=True, gluon_prefetch=True),
         "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True),
     }
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")

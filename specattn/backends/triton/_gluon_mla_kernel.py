@@ -48,18 +48,28 @@ def _in_pool(slot, num_slots):
 
 
 @gluon.jit
-def _issue_tile(t, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
+def _prefix_slots(t, r2t_row, n_pref, start, end, BLOCK_N: gl.constexpr,
+                  copy_layout: gl.constexpr):
+    """Key tile ``t``'s raw ``req_to_token`` entries (zeros for a tail tile and past the
+    end). Only ``_issue_tile`` reads them: loaded a tile ahead (``PREFETCH``), the load's
+    latency passes behind the MMAs instead of stalling the copies."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    pos = start + t * BLOCK_N + offs_n
+    return gl.load(r2t_row + pos, mask=(pos < end) & (t < n_pref), other=0)
+
+
+@gluon.jit
+def _issue_tile(t, slots, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref,
                 start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                 stride_par_b, TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, copy_layout: gl.constexpr):
-    """Start the ``cp.async`` gather of key tile ``t`` (prefix tiles, then tail tiles) into
-    stage ``t % NUM_STAGES``; keys past the end are zero-filled (masked copies)."""
+    """Start the ``cp.async`` gather of key tile ``t`` (prefix tiles, rows ``slots`` from
+    ``_prefix_slots``; then tail tiles) into stage ``t % NUM_STAGES``; keys past the end are
+    zero-filled (masked copies)."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
     if t < n_pref:
-        pos = start + t * BLOCK_N + offs_n
-        ok = pos < end
-        slot = _in_pool(gl.load(r2t_row + pos, mask=ok, other=0).to(gl.int64), num_slots)
-        rows = KV + slot * stride_kvs
+        ok = start + t * BLOCK_N + offs_n < end
+        rows = KV + _in_pool(slots.to(gl.int64), num_slots) * stride_kvs
     else:
         idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
         ok = idx < n_hi
@@ -151,8 +161,8 @@ def _gluon_mla_kernel(
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr, USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr,
-        WRITE_NEW: gl.constexpr):
+        OVERLAP: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
+        DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
@@ -218,11 +228,14 @@ def _gluon_mla_kernel(
     # reads (S and P.V) are done, so it starts with every stage issued.
     PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
     for i in gl.static_range(PRO):
-        _issue_tile(i, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, r2t_row, n_pref,
-                    start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+        _issue_tile(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N, copy_layout),
+                    k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
+                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                     stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
                     copy_layout)
         async_copy.commit_group()
+    # The slots of the next tile to copy (PRO); without PREFETCH each issue loads its own.
+    slots = _prefix_slots(PRO, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_lane = offs_sm // H
@@ -270,20 +283,33 @@ def _gluon_mla_kernel(
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             # Every warp is done with stage t: refill it with tile t + NUM_STAGES.
             gl.thread_barrier()
-            _issue_tile(t + NUM_STAGES, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
-                        r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                        Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
-                        BLOCK_N, NUM_STAGES, copy_layout)
+            if not PREFETCH:
+                slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
+                                      copy_layout)
+            _issue_tile(t + NUM_STAGES, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
+                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
+                        MODE, BLOCK_N, NUM_STAGES, copy_layout)
             async_copy.commit_group()
+            if PREFETCH:
+                slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end,
+                                      BLOCK_N, copy_layout)
     else:
         for t in range(total):
             # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
             gl.thread_barrier()
-            _issue_tile(t + NUM_STAGES - 1, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                        stride_kin_t, r2t_row, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
-                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
-                        num_slots, MODE, BLOCK_N, NUM_STAGES, copy_layout)
+            if not PREFETCH:
+                slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end,
+                                      BLOCK_N, copy_layout)
+            _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
+                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
+                        MODE, BLOCK_N, NUM_STAGES, copy_layout)
             async_copy.commit_group()
+            if PREFETCH:
+                # First read at the next issue, a tile's MMAs later.
+                slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
+                                      copy_layout)
             async_copy.wait_group(NUM_STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()

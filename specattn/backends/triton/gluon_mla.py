@@ -167,7 +167,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               meta: torch.Tensor, hist: torch.Tensor, parents: Optional[torch.Tensor], *,
               mode: int, batch: int, topk: int, num_steps: int, step: int, num_splits: int,
               sm_scale: float, logit_cap: float, block_n: int, num_stages: int,
-              overlap: bool, write_new: bool) -> bool:
+              overlap: bool, prefetch: bool, write_new: bool) -> bool:
     """Launch the kernel; returns whether the output was written directly (one split) or
     the caller must merge ``mid_o``/``mid_lse`` (``num_splits`` partials).
 
@@ -191,6 +191,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
         mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
         par_s, par_b, kv.shape[0], topk, num_steps, num_splits,
         H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, OVERLAP=overlap,
+        PREFETCH=prefetch,
         USE_CAP=logit_cap > 0, DIRECT_OUT=direct, WRITE_NEW=write_new,
         num_warps=NUM_WARPS)
     return direct

@@ -38,7 +38,8 @@ class KernelConfig:
     the new keys from k, v). ``fuse_merge``: the last program of each tile merges the
     partials (no merge launch). ``gluon``: the Gluon wgmma kernel (``gluon_mla``; MLA
     shared-prefix decode on sm90; ``block_n`` / ``num_stages`` its key tile and ring depth,
-    ``gluon_overlap`` its softmax / P.V overlap)."""
+    ``gluon_overlap`` its softmax / P.V overlap, ``gluon_prefetch`` its ``req_to_token``
+    loads a tile ahead of the copies)."""
 
     block_m: int
     block_n: int
@@ -51,6 +52,7 @@ class KernelConfig:
     fuse_merge: bool = False
     gluon: bool = False
     gluon_overlap: bool = False
+    gluon_prefetch: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -67,13 +69,17 @@ class KernelConfig:
                            or self.block_m != 64 or self.num_warps != 8):
             raise InvalidInputError("config.gluon", "block_m 64, 8 warps, no mla_v3 / "
                                     "fuse_merge / kv_write='tail'", self.label())
+        if (self.gluon_overlap or self.gluon_prefetch) and not self.gluon:
+            raise InvalidInputError("config.gluon", "True with gluon_overlap / gluon_prefetch",
+                                    self.label())
 
     def label(self) -> str:
         extra = (" mla3" if self.mla_v3 else "") + \
             (f" dv{self.dv_split}" if self.dv_split != 1 else "") + \
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
             (" fm" if self.fuse_merge else "") + \
-            ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "")
+            ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
+            (" pf" if self.gluon_prefetch else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -141,7 +147,7 @@ def gluon_config(runner, interpret: bool) -> Optional[KernelConfig]:
     if reason is not None:
         gluon_mla.log_fallback(reason)
         return None
-    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True)
+    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
 
 
 def default_waves(cfg: KernelConfig, extend: bool) -> float:
@@ -305,6 +311,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.gluon_overlap,
+            prefetch=cfg.gluon_prefetch,
             write_new=write == "first")
         if direct:
             return out
