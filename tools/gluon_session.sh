@@ -5,8 +5,8 @@
 # variants); memcheck: compute-sanitizer over a small MLA round (uniform and ragged) checked
 # against torch_ref (`specattn bench --check-only`; GLUON_CHECK_OPTION adds one --option
 # variant, e.g. 'triton:config=m64 n32 w8 s3 kv-first gluon-ov'); bench: `specattn bench` on
-# the MLA cases, Triton (the Gluon kernel), more Triton variants (GLUON_OPTIONS: configs
-# separated by ';', default the tl.dot kernel's) and FlashInfer, into $OUT/gluon-bench.md and
+# the MLA cases, Triton (the Gluon kernel), more Triton variants (GLUON_OPTIONS: configs or
+# whole --option values, separated by ';'; default the tl.dot kernel's config) and FlashInfer, into $OUT/gluon-bench.md and
 # .tgz (GLUON_BENCH_ARGS adds arguments, e.g. --quick; GLUON_CASES replaces the case list);
 # stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
 # kernel at mla-long, into $OUT/gluon-ncu.txt. Logs go to $OUT (gluon-*.log); exit status
@@ -23,7 +23,9 @@ TL_DOT="triton:config=m64 n64 w8 s3 mla3 kv-first"
 read -r -a MLA_CASES <<< "${GLUON_CASES:-mla-long mla-long-p64 mla-k1 mla-small mla-wide mla-wide-p64}"
 OPTIONS=()
 IFS=';' read -r -a configs <<< "${GLUON_OPTIONS:-${TL_DOT#triton:config=}}"
-for c in "${configs[@]}"; do OPTIONS+=("triton:config=$c"); done
+for c in "${configs[@]}"; do  # a config label, or a whole option (triton:split_waves=2)
+  if [[ $c == *:* ]]; then OPTIONS+=("$c"); else OPTIONS+=("triton:config=$c"); fi
+done
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
   python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   date -u +%F; } | tee "$OUT/gluon-env.log"

@@ -12,8 +12,9 @@
 #   `git archive 15e7525 specattn | tar -x -C .before`):
 #       bash tools/gpu_check.sh second      # flashinfer, fa4, fa3, the SGLang adapter, timings
 #   Shorter sessions: `fa4-first` (carry .gpu/fa4-first .gpu/install.sh), then at once
-#   `followup` (GPU suites of the Triton family, soaks, before/after bench) or `soak` (the
-#   soak alone over every GPU backend but flashmla); see the functions below.
+#   `followup` (GPU suites of the Triton family, soaks, before/after bench), `soak` (the
+#   soak over every GPU backend but flashmla) or `verify` (a Triton kernel change: suites,
+#   kit, memcheck, soaks, then the Gluon MLA bench); see the functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
@@ -134,12 +135,35 @@ soak_only() {
   check
 }
 
+# A Triton-kernel change verified in one call after `install.sh fa4-first` (carry
+# .gpu/flashinfer .gpu/fa4 .gpu/install.sh): the Triton family's GPU suites with both stress
+# loops, the kit on triton, memcheck on triton, soaks on triton, flashinfer, fa4 and fa3 side by
+# side; then, alone on the GPU, the Gluon MLA bench (tools/gluon_session.sh bench, with its
+# GLUON_* settings).
+verify() {
+  vendor_libs
+  local s="--seed ${SOAK_SEED:-300000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-250}"
+  job gpu-tests-gluon 300 python -m pytest -v -p no:cacheprovider -rfE tests/gpu/test_gluon_mla_gpu.py &
+  job gpu-tests-triton 300 python -m pytest -v -p no:cacheprovider -rfE tests/gpu/test_triton_gpu.py &
+  job kit-triton 300 $KIT -n 2 -k test_triton &
+  job memcheck-triton 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
+  job soak-triton 300 $SOAK --backend triton $s --workers 4 --same-config 50 &
+  job soak-flashinfer 300 $SOAK --backend flashinfer $s --workers 2 --same-config 20 &
+  job soak-fa4 300 $SOAK --backend fa4 $s --workers 2 &
+  job soak-fa3 300 $SOAK --backend fa3 $s --workers 2 &
+  wait
+  job gluon-bench 280 bash tools/gluon_session.sh bench
+  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
   followup) followup ;;
   soak) soak_only ;;
+  verify) verify ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify" >&2; exit 2 ;;
 esac
 exit $status
