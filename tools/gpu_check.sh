@@ -157,13 +157,27 @@ verify() {
   check
 }
 
+# FlashMLA alone (carry .gpu/install.sh .whl: the sgl-flash-mla wheel, which does not fit in
+# a carry beside FA4): its kit cases, a soak and memcheck, side by side.
+flashmla_only() {
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+  local s="--seed ${SOAK_SEED:-400000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-150}"
+  job kit-flashmla 240 $KIT -n 2 -k test_flashmla_gpu &
+  job soak-flashmla 240 $SOAK --backend flashmla $s --workers 6 --same-config 20 &
+  job memcheck-flashmla 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend flashmla &
+  wait
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
   followup) followup ;;
   soak) soak_only ;;
   verify) verify ;;
+  flashmla) flashmla_only ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla" >&2; exit 2 ;;
 esac
 exit $status

@@ -13,7 +13,8 @@ Kernel (one program per (64-row tile, request, prefix split); 8 warps = two warp
   is read once per row tile and step.
 - Keys arrive ``BLOCK_N`` at a time through ``cp.async`` row gathers (``req_to_token``, any
   page size) into a ring of ``NUM_STAGES`` shared-memory stages, ``NUM_STAGES - 1`` tiles
-  ahead of the MMAs.
+  ahead of the MMAs. ``PREFETCH``: each tile's ``req_to_token`` entries are loaded one tile
+  earlier and first read at its copy issue, so that load's latency passes behind the MMAs.
 - ``S = Q.K^T`` is one wgmma chain per tile (latent, then rope); the two warpgroups each
   compute half of the tile's columns, so S is computed once. The online softmax (base 2)
   reduces across both; ``P`` reaches the ``P.V`` wgmma as a register operand (a layout
