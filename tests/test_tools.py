@@ -114,3 +114,46 @@ def test_smollm2_gpu_dry_run_on_the_cpu(tmp_path, monkeypatch):
     text = out.read_text()
     assert code == 0, text
     assert "overall: PASS" in text and "| triton | fp32 | 2 | 2 | lane | 1 | yes |" in text
+
+
+def _compile_tool(args: list[str]) -> subprocess.CompletedProcess:
+    """Run a compile-for-sm90 tool outside the interpreter (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_gluon_kernel_compiles_for_sm90_with_and_without_the_prefetch():
+    """``triton_ir_stats.py --gluon``: the Gluon MLA kernel, compiled for sm90 here, fits one
+    program per SM without spills, with and without ``PREFETCH`` (Triton 3.6.x only: the
+    kernel is written against that release's Gluon API)."""
+    triton = pytest.importorskip("triton")
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip(f"triton {triton.__version__}: the Gluon kernel is built for 3.6.x")
+    run = _compile_tool([os.path.join(TOOLS, "triton_ir_stats.py"), "--gluon", "64,2",
+                         "64,2,pf"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("Gluon")]
+    assert len(lines) == 2, run.stdout
+    for line in lines:
+        assert "local 0 B" in line and "wgmma (ptx) 0 / 40" in line, line
+        shared = int(re.search(r"shared \(dynamic\) (\d+) B", line).group(1))
+        assert shared <= 232448, line  # sm90's per-block limit
+
+
+def test_warp_specialize_probe_puts_wgmma_in_both_partitions():
+    """``gluon_ws_probe.py``: Gluon compiles wgmma chains in a worker partition as well as in
+    the default one, with mbarrier signalling and register reallocation, for sm90."""
+    run = _compile_tool([os.path.join(TOOLS, "gluon_ws_probe.py")])
+    if run.returncode != 0 and "warp_specialize" in run.stderr:
+        pytest.skip(f"this Triton's Gluon has another warp_specialize API: "
+                    f"{run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.search(r"wgmma.mma_async: (\d+) \| mbarrier ops: (\d+) \| setmaxnreg: (\d+)",
+                      run.stdout)
+    assert found, run.stdout
+    # Per warpgroup: S over 512 + 64 columns (32 + 4 wgmma of k 16) and P.V (4): 40 each.
+    assert int(found.group(1)) == 80
+    assert int(found.group(2)) > 0 and int(found.group(3)) > 0
+    assert "local 0 B" in run.stdout
