@@ -307,6 +307,8 @@ def test_option_parsing_and_kernel_config_labels():
     for cfg in (KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True),
                 KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True, gluon_overlap=True),
                 KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True),
+                KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True, gluon_prefetch=True,
+                             gluon_ws=True),
                 KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, v_reload=True),
                 KernelConfig(32, 64, 4, 3, kv_write="torch", fuse_merge=True)):
         assert kernel_config(cfg.label()) == cfg  # the table's label, pasted back

@@ -195,6 +195,13 @@ def test_choice_logic(monkeypatch):
         KernelConfig(64, 64, 8, 2, gluon=True, mla_v3=True)
     with pytest.raises(Exception, match="config.gluon"):
         KernelConfig(64, 64, 8, 2, mla_v3=True, gluon_prefetch=True)
+    # The warp-specialized kernel: even stage counts (half per warpgroup), 32/64-key tiles.
+    assert KernelConfig(64, 64, 8, 2, gluon=True, gluon_ws=True).label().endswith("gluon ws")
+    for bad in (dict(num_stages=3), dict(block_n=16), dict(gluon_overlap=True)):
+        fields = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=True,
+                      gluon_ws=True)
+        with pytest.raises(Exception, match="config.gluon_ws"):
+            KernelConfig(**{**fields, **bad})
 
 
 def test_issue_19_bench_cases():

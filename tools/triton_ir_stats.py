@@ -9,7 +9,7 @@ here first, then spend device time on the variants that keep their pipelines
 (``specattn bench --option 'triton:config=...'``).
 
 Usage: ``python tools/triton_ir_stats.py [--new-kv 0 1 2] [--mla [N,W,S ...]]
-[--gluon [N,S[,ov][,pf] ...]] [--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
+[--gluon [N,S[,ov][,pf][,ws] ...]] [--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
 shape: 32 q heads, 8 KV heads, head dim 128, K = 8 -> 32-row tiles, block_n 64, 4 warps,
 3 stages; the same specialisation of pointers and strides as at run time).
 """
@@ -31,10 +31,11 @@ _PTR = {"Q": "*bf16", "Kb": "*bf16", "Vb": "*bf16", "Kin": "*bf16", "Vin": "*bf1
 def _compile(fn, const: dict, num_warps: int, num_stages: int, gluon: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    else:
+        from triton.compiler import ASTSource
 
     names = fn.arg_names
     sig = {a: "constexpr" if a in const else _PTR.get(a, "fp32" if a in ("sm_scale", "logit_cap")
@@ -71,13 +72,19 @@ def compile_mla(new_kv: int, block_n: int = 64, num_warps: int = 8, num_stages: 
 
 
 def compile_gluon(new_kv: int, block_n: int = 64, num_stages: int = 2, overlap: bool = False,
-                  prefetch: bool = False, mode: int = 0):
-    """The Gluon MLA kernel at the mla-long shape (16 heads x K 4, one 64-row tile)."""
+                  prefetch: bool = False, mode: int = 0, ws: bool = False):
+    """The Gluon MLA kernel at the mla-long shape (16 heads x K 4, one 64-row tile); ``ws``:
+    the warp-specialized one (4 warps + a 4-warp partition)."""
+    const = dict(H=16, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
+                 USE_CAP=False, DIRECT_OUT=False, WRITE_NEW=new_kv == 2)
+    if ws:
+        from specattn.backends.triton import _gluon_mla_ws_kernel as W
+
+        return _compile(W._gluon_mla_ws_kernel, const, 4, num_stages, gluon=True)
     from specattn.backends.triton import _gluon_mla_kernel as G
 
-    const = dict(H=16, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, OVERLAP=overlap,
-                 PREFETCH=prefetch, USE_CAP=False, DIRECT_OUT=False, WRITE_NEW=new_kv == 2)
-    return _compile(G._gluon_mla_kernel, const, 8, num_stages, gluon=True)
+    return _compile(G._gluon_mla_kernel, dict(const, OVERLAP=overlap), 8, num_stages,
+                    gluon=True)
 
 
 def resources(kernel) -> str:
@@ -116,16 +123,18 @@ def main() -> None:
     ap.add_argument("--mla", nargs="*", default=None, metavar="N,W,S",
                     help="the MLA v3 kernel instead, one config per block_n,warps,stages "
                          "(default: 64,8,2)")
-    ap.add_argument("--gluon", nargs="*", default=None, metavar="N,S[,ov][,pf]",
+    ap.add_argument("--gluon", nargs="*", default=None, metavar="N,S[,ov][,pf][,ws]",
                     help="the Gluon MLA kernel instead (NEW_KV 2 only), one config per "
-                         "block_n,stages plus flags ov (overlap) / pf (prefetch); default 64,2")
+                         "block_n,stages plus flags ov (overlap) / pf (prefetch) / ws (the "
+                         "warp-specialized kernel); default 64,2")
     args = ap.parse_args()
     if args.gluon is not None:
         variants = []
         for c in args.gluon or ["64,2"]:
             n, st, *flags = c.split(",")
             variants.append((f"Gluon n{n} s{st} {' '.join(flags)}".strip(), compile_gluon,
-                             (2, int(n), int(st), "ov" in flags, "pf" in flags)))
+                             (2, int(n), int(st), "ov" in flags, "pf" in flags, 0,
+                              "ws" in flags)))
     elif args.mla is not None:
         variants = [(f"MLA n{n} w{w} s{st} NEW_KV={nk}", compile_mla, (nk, n, w, st))
                     for n, w, st in (tuple(map(int, c.split(","))) for c in args.mla or ["64,8,2"])

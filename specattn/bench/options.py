@@ -105,7 +105,7 @@ _FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages",
            "dv": "dv_split"}
 _FLAGS = {"mla3": {"mla_v3": True}, "vr": {"v_reload": True}, "fm": {"fuse_merge": True},
           "gluon": {"gluon": True}, "gluon-ov": {"gluon": True, "gluon_overlap": True},
-          "pf": {"gluon_prefetch": True}}
+          "pf": {"gluon_prefetch": True}, "ws": {"gluon_ws": True}}
 
 
 def kernel_config(label: str):

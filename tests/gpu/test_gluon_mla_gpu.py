@@ -34,6 +34,11 @@ def _variants():
         "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
                                       gluon_overlap=True, gluon_prefetch=True),
         "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True),
+        # The warp-specialized (seesaw) kernel: experimental, first GPU run pending.
+        "n64s2-ws": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
+                                 gluon_prefetch=True, gluon_ws=True),
+        "n32s4-ws": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
+                                 gluon_prefetch=True, gluon_ws=True),
     }
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")
     return {n: every[n] for n in names.split(",")} if names else every

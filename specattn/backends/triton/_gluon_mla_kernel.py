@@ -154,6 +154,81 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
 
 
 @gluon.jit
+def _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """This program's work: ``(b, split, q_start, row_lo, hl, lane_lo, lane_hi, start, end,
+    n_pref, n_lo, n_hi, total, r2t_row)``. Request ``b``'s rows ``[row_lo, row_lo + 64)``
+    (lanes ``[lane_lo, lane_hi)``), its prefix slice ``[start, end)`` in ``n_pref`` tiles, and
+    on the last split the tail keys ``[n_lo, n_hi)`` of those lanes (``hl`` per lane)."""
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    rpi = gl.load(Meta + b * META_W).to(gl.int64)
+    prefix_len = gl.load(Meta + b * META_W + 1)
+    split_len = gl.load(Meta + b * META_W + 2)
+    row_lo = gl.program_id(0) * BLOCK_M
+    hl = step + 1
+    lane_lo = row_lo // H
+    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
+    start = split * split_len
+    end = gl.minimum(prefix_len, start + split_len)
+    n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    n_lo = lane_lo * hl
+    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
+    total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
+    return (b, split, b * TOPK, row_lo, hl, lane_lo, lane_hi, start, end, n_pref, n_lo, n_hi,
+            total, ReqToToken + rpi * stride_r2t)
+
+
+@gluon.jit
+def _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+             H: gl.constexpr, copy_layout: gl.constexpr):
+    """Start the ``cp.async`` of the 64 query rows (row m: lane m // H, head m % H; latent and
+    rope parts) into shared memory."""
+    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q_ok = offs_qm < n_rows
+    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(q_smem, q_rows[:, None] + offs_d[None, :],
+                                           mask=q_ok[:, None])
+    async_copy.async_copy_global_to_shared(qpe_smem, q_rows[:, None] + D_MAIN + offs_pe[None, :],
+                                           mask=q_ok[:, None])
+
+
+@gluon.jit
+def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
+                  split, col0, H: gl.constexpr, DIRECT_OUT: gl.constexpr,
+                  WRITE_LSE: gl.constexpr, row_layout: gl.constexpr):
+    """Normalise ``acc`` (the output columns ``[col0, col0 + acc.shape[1])``) by the row sums
+    ``l_i``: one split writes ``Out``, several write fp32 partials ``MidO`` and (``WRITE_LSE``)
+    the natural-log LSE from ``m_i`` / ``l_i`` (both in ``row_layout``)."""
+    o_layout: gl.constexpr = acc.type.layout
+    offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_oc = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+    o_ok = offs_om < n_rows
+    o_row = (q_start + offs_om // H).to(gl.int64)
+    o_head = offs_om % H
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    if DIRECT_OUT:
+        ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
+        gl.store(ptr, o.to(Out.dtype.element_ty), mask=o_ok[:, None])
+    else:
+        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
+            split * stride_mo_s + offs_oc[None, :]
+        gl.store(ptr, o, mask=o_ok[:, None])
+        if WRITE_LSE:
+            offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
+            seen = l_i > 0.0
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
+                           float("-inf"))
+            s_row = (q_start + offs_sm // H).to(gl.int64)
+            gl.store(MidLse + s_row * stride_ml_t + (offs_sm % H) * stride_ml_h + split,
+                     lse, mask=offs_sm < n_rows)
+
+
+@gluon.jit
 def _gluon_mla_kernel(
         Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
@@ -182,48 +257,23 @@ def _gluon_mla_kernel(
     k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
     kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
 
-    rt = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    rpi = gl.load(Meta + b * META_W).to(gl.int64)
-    prefix_len = gl.load(Meta + b * META_W + 1)
-    split_len = gl.load(Meta + b * META_W + 2)
-    q_start = b * TOPK
+    (b, split, q_start, row_lo, hl, lane_lo, lane_hi, start, end, n_pref, n_lo, n_hi, total,
+     r2t_row) = _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H, BLOCK_N)
     n_rows = TOPK * H
-    row_lo = rt * BLOCK_M
-    hl = step + 1
-    r2t_row = ReqToToken + rpi * stride_r2t
-
-    # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
-    lane_lo = row_lo // H
-    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
+    # The new keys of this row tile's lanes: split 0 stores them.
     if WRITE_NEW:
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
-
-    start = split * split_len
-    end = gl.minimum(prefix_len, start + split_len)
-    n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    n_lo = lane_lo * hl
-    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
-    total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
     qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
     kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
 
-    # Q rows (row m: lane m // H, head m % H), in the first copy group.
-    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    q_ok = offs_qm < n_rows
-    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
-    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
-    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
-    async_copy.async_copy_global_to_shared(q_smem, q_rows[:, None] + offs_d[None, :],
-                                           mask=q_ok[:, None])
-    async_copy.async_copy_global_to_shared(qpe_smem, q_rows[:, None] + D_MAIN + offs_pe[None, :],
-                                           mask=q_ok[:, None])
+    # Q, in the first copy group.
+    _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
+             copy_layout)
     # Tiles in flight before the first MMA: OVERLAP refills a stage only after both of its
     # reads (S and P.V) are done, so it starts with every stage issued.
     PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
@@ -331,22 +381,6 @@ def _gluon_mla_kernel(
     async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.
-    offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    offs_oc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
-    o_ok = offs_om < n_rows
-    o_row = (q_start + offs_om // H).to(gl.int64)
-    o_head = offs_om % H
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    if DIRECT_OUT:
-        ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
-        gl.store(ptr, o.to(dtype), mask=o_ok[:, None])
-    else:
-        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
-            split * stride_mo_s + offs_oc[None, :]
-        gl.store(ptr, o, mask=o_ok[:, None])
-        seen = l_i > 0.0
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-        s_row = (q_start + row_lane).to(gl.int64)
-        gl.store(MidLse + s_row * stride_ml_t + (offs_sm % H) * stride_ml_h + split,
-                 lse, mask=offs_sm < n_rows)
+    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
+                  split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))

@@ -27,6 +27,8 @@ Kernel (one program per (64-row tile, request, prefix split); 8 warps = two warp
   (``NEW_KV_FIRST``: split 0 stores it in the pool, so no program waits on another).
 - One split: the program normalises and writes the output directly (no merge launch);
   several: fp32 partials + natural-log LSE, merged by ``specattn.kernels.merge.merge_kernel``.
+- ``_gluon_mla_ws_kernel`` (opt-in, ``KernelConfig.gluon_ws``): the warp-specialized variant,
+  with the two warpgroups on alternate key tiles. Compiled for sm90, not yet run on a GPU.
 
 Run on: H200, torch 2.11 + cu130, Triton 3.6.0 (see ``docs/gluon-mla.md`` and
 ``benchmarks/results/2026-11-30-h200/gluon-*.md``).
@@ -168,7 +170,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               meta: torch.Tensor, hist: torch.Tensor, parents: Optional[torch.Tensor], *,
               mode: int, batch: int, topk: int, num_steps: int, step: int, num_splits: int,
               sm_scale: float, logit_cap: float, block_n: int, num_stages: int,
-              overlap: bool, prefetch: bool, write_new: bool) -> bool:
+              overlap: bool, prefetch: bool, write_new: bool,
+              warp_specialized: bool = False) -> bool:
     """Launch the kernel; returns whether the output was written directly (one split) or
     the caller must merge ``mid_o``/``mid_lse`` (``num_splits`` partials).
 
@@ -176,7 +179,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     (this step's keys, stored at ``hist[:, step]`` by split 0 when ``write_new``);
     out: ``[B*K, H, 512]``; mid_o: ``[B*K, H, >= splits, 512]`` fp32; mid_lse:
     ``[B*K, H, >= splits]`` fp32; meta: ``[>= B, 5]`` int32 (``_metadata_kernels``);
-    hist: ``[B*K, S]`` int32; parents: ``[S, B, K]`` (path mode, ``mode == 1``)."""
+    hist: ``[B*K, S]`` int32; parents: ``[S, B, K]`` (path mode, ``mode == 1``).
+    ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental, not yet
+    run on a GPU)."""
     K = kernel_module()
     H = q.shape[1]
     par = parents if parents is not None else meta
@@ -184,15 +189,19 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par_b = parents.stride(1) if parents is not None else 0
     direct = num_splits == 1
     grid = (num_row_tiles(topk * H), batch, num_splits)
-    K._gluon_mla_kernel[grid](
-        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
-        step, float(sm_scale), float(logit_cap),
-        q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        par_s, par_b, kv.shape[0], topk, num_steps, num_splits,
-        H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, OVERLAP=overlap,
-        PREFETCH=prefetch,
-        USE_CAP=logit_cap > 0, DIRECT_OUT=direct, WRITE_NEW=write_new,
-        num_warps=NUM_WARPS)
+    args = (q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
+            step, float(sm_scale), float(logit_cap),
+            q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
+            par_s, par_b, kv.shape[0], topk, num_steps, num_splits)
+    common = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
+                  USE_CAP=logit_cap > 0, DIRECT_OUT=direct, WRITE_NEW=write_new)
+    if warp_specialized:
+        from . import _gluon_mla_ws_kernel as W
+
+        # 4 warps here, 4 more in the worker partition: two consumer warpgroups.
+        W._gluon_mla_ws_kernel[grid](*args, **common, num_warps=NUM_WARPS // 2)
+    else:
+        K._gluon_mla_kernel[grid](*args, **common, OVERLAP=overlap, num_warps=NUM_WARPS)
     return direct

@@ -39,7 +39,8 @@ class KernelConfig:
     partials (no merge launch). ``gluon``: the Gluon wgmma kernel (``gluon_mla``; MLA
     shared-prefix decode on sm90; ``block_n`` / ``num_stages`` its key tile and ring depth,
     ``gluon_overlap`` its softmax / P.V overlap, ``gluon_prefetch`` its ``req_to_token``
-    loads a tile ahead of the copies)."""
+    loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel: experimental,
+    not yet run on a GPU)."""
 
     block_m: int
     block_n: int
@@ -53,6 +54,7 @@ class KernelConfig:
     gluon: bool = False
     gluon_overlap: bool = False
     gluon_prefetch: bool = False
+    gluon_ws: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -69,9 +71,13 @@ class KernelConfig:
                            or self.block_m != 64 or self.num_warps != 8):
             raise InvalidInputError("config.gluon", "block_m 64, 8 warps, no mla_v3 / "
                                     "fuse_merge / kv_write='tail'", self.label())
-        if (self.gluon_overlap or self.gluon_prefetch) and not self.gluon:
-            raise InvalidInputError("config.gluon", "True with gluon_overlap / gluon_prefetch",
-                                    self.label())
+        if (self.gluon_overlap or self.gluon_prefetch or self.gluon_ws) and not self.gluon:
+            raise InvalidInputError("config.gluon", "True with gluon_overlap / gluon_prefetch "
+                                    "/ gluon_ws", self.label())
+        if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
+                              self.block_n not in (32, 64)):
+            raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
+                                    "no gluon_overlap", self.label())
 
     def label(self) -> str:
         extra = (" mla3" if self.mla_v3 else "") + \
@@ -79,7 +85,7 @@ class KernelConfig:
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
-            (" pf" if self.gluon_prefetch else "")
+            (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -311,7 +317,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.gluon_overlap,
-            prefetch=cfg.gluon_prefetch,
+            prefetch=cfg.gluon_prefetch, warp_specialized=cfg.gluon_ws,
             write_new=write == "first")
         if direct:
             return out
