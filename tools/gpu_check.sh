@@ -14,7 +14,8 @@
 #   Shorter sessions: `fa4-first` (carry .gpu/fa4-first .gpu/install.sh), then at once
 #   `followup` (GPU suites of the Triton family, soaks, before/after bench), `soak` (the
 #   soak over every GPU backend but flashmla) or `verify` (a Triton kernel change: suites,
-#   kit, memcheck, soaks, then the Gluon MLA bench); see the functions below.
+#   kit, memcheck, soaks, then the Gluon MLA bench); `flashmla` (carry .gpu/install.sh .whl)
+#   and `ws-first` (no carry) stand alone; see the functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
@@ -170,6 +171,15 @@ flashmla_only() {
   check
 }
 
+# The warp-specialized Gluon MLA kernel's first run (no carry needed): its GPU test variants
+# alone, one process, every test under a time limit, because a wrong mbarrier phase hangs
+# instead of failing. Then `verify` with GLUON_OPTIONS naming the ws configs.
+ws_first() {
+  export PYTHONPATH=$PWD
+  job gpu-tests-ws 240 env SPECATTN_GLUON_VARIANTS=n64s2-ws,n32s4-ws python -m pytest -v -x -n 0 -p no:cacheprovider -rfE --timeout 90 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
@@ -177,7 +187,8 @@ case "${1:-}" in
   soak) soak_only ;;
   verify) verify ;;
   flashmla) flashmla_only ;;
+  ws-first) ws_first ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first" >&2; exit 2 ;;
 esac
 exit $status
