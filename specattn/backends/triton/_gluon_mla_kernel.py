@@ -153,6 +153,9 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
         gl.store(KV + dst[:, None] * stride_kvs + offs_c[None, :], x, mask=m)
 
 
+# The three helpers below serve the warp-specialized kernel. ``_gluon_mla_kernel`` does the
+# same steps inline, in the exact form that ran on the H200 (session 7). It moves onto these
+# helpers with the next device run, which checks both kernels.
 @gluon.jit
 def _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H: gl.constexpr,
                  BLOCK_N: gl.constexpr):
@@ -257,23 +260,48 @@ def _gluon_mla_kernel(
     k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
     kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
 
-    (b, split, q_start, row_lo, hl, lane_lo, lane_hi, start, end, n_pref, n_lo, n_hi, total,
-     r2t_row) = _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H, BLOCK_N)
+    rt = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    rpi = gl.load(Meta + b * META_W).to(gl.int64)
+    prefix_len = gl.load(Meta + b * META_W + 1)
+    split_len = gl.load(Meta + b * META_W + 2)
+    q_start = b * TOPK
     n_rows = TOPK * H
-    # The new keys of this row tile's lanes: split 0 stores them.
+    row_lo = rt * BLOCK_M
+    hl = step + 1
+    r2t_row = ReqToToken + rpi * stride_r2t
+
+    # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
+    lane_lo = row_lo // H
+    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
     if WRITE_NEW:
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
+
+    start = split * split_len
+    end = gl.minimum(prefix_len, start + split_len)
+    n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    n_lo = lane_lo * hl
+    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
+    total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
     qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
     kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
 
-    # Q, in the first copy group.
-    _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-             copy_layout)
+    # Q rows (row m: lane m // H, head m % H), in the first copy group.
+    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q_ok = offs_qm < n_rows
+    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(q_smem, q_rows[:, None] + offs_d[None, :],
+                                           mask=q_ok[:, None])
+    async_copy.async_copy_global_to_shared(qpe_smem, q_rows[:, None] + D_MAIN + offs_pe[None, :],
+                                           mask=q_ok[:, None])
     # Tiles in flight before the first MMA: OVERLAP refills a stage only after both of its
     # reads (S and P.V) are done, so it starts with every stage issued.
     PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
@@ -381,6 +409,22 @@ def _gluon_mla_kernel(
     async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.
-    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
-                  split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+    offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_oc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
+    o_ok = offs_om < n_rows
+    o_row = (q_start + offs_om // H).to(gl.int64)
+    o_head = offs_om % H
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    if DIRECT_OUT:
+        ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
+        gl.store(ptr, o.to(dtype), mask=o_ok[:, None])
+    else:
+        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
+            split * stride_mo_s + offs_oc[None, :]
+        gl.store(ptr, o, mask=o_ok[:, None])
+        seen = l_i > 0.0
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        s_row = (q_start + row_lane).to(gl.int64)
+        gl.store(MidLse + s_row * stride_ml_t + (offs_sm % H) * stride_ml_h + split,
+                 lse, mask=offs_sm < n_rows)
