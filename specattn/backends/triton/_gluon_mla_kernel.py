@@ -88,14 +88,17 @@ def _issue_tile(t, slots, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n
 
 
 @gluon.jit
-def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr):
+def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr, COLS: gl.constexpr = D_MAIN):
     """Tail tiles hold history keys that only their lane's rows see: a non-finite value there
     must not reach a sibling lane through P.V (``0 * NaN`` is NaN), so it is zeroed in shared
     memory before any MMA reads the tile (the lane that does see it scores garbage either
-    way). Prefix tiles, seen by every row, are left as they are."""
+    way). Prefix tiles, seen by every row, are left as they are. ``COLS`` columns pass
+    through registers at a time (fewer where an accumulator already holds most of them)."""
     if t >= n_pref:
-        x = k_tile.load(layout)
-        k_tile.store(gl.where((x - x) == 0, x, gl.zeros_like(x)))
+        for c in gl.static_range(D_MAIN // COLS):
+            part = k_tile.slice(c * COLS, COLS, dim=1)
+            x = part.load(layout)
+            part.store(gl.where((x - x) == 0, x, gl.zeros_like(x)))
         fence_async_shared()
         gl.thread_barrier()
 

@@ -33,28 +33,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_mla_kernel import (BLOCK_M, D_MAIN, D_PE, LOG2E, _issue_q, _issue_tile,
-                                _prefix_slots, _softmax, _split_range, _store_new_keys,
-                                _store_result, _tile_vis)
+from ._gluon_mla_kernel import (BLOCK_M, D_MAIN, D_PE, LOG2E, _finite_tail, _issue_q,
+                                _issue_tile, _prefix_slots, _softmax, _split_range,
+                                _store_new_keys, _store_result, _tile_vis)
 
 D_HALF = gl.constexpr(256)
 # Rows of the statistics buffer: max(a), rescale(a), max(b), rescale(b), sum(0), sum(1).
 ST_MA = gl.constexpr(0)
 ST_MB = gl.constexpr(2)
 ST_L0 = gl.constexpr(4)
-
-
-@gluon.jit
-def _finite_tail_parts(k_tile, t, n_pref, layout: gl.constexpr):
-    """``_gluon_mla_kernel._finite_tail`` for one warpgroup, 128 columns at a time (a whole
-    ``[64, 512]`` tile in registers would not fit beside the accumulator)."""
-    if t >= n_pref:
-        for h in gl.static_range(D_MAIN // 128):
-            part = k_tile.slice(h * 128, 128, dim=1)
-            x = part.load(layout)
-            part.store(gl.where((x - x) == 0, x, gl.zeros_like(x)))
-        fence_async_shared()
-        gl.thread_barrier()
 
 
 @gluon.jit
@@ -138,7 +125,8 @@ def _ws_consumer(ROLE: gl.constexpr, KV, Kin, MidO, MidLse, Out, ReqToToken, Met
         async_copy.wait_group(OWN_STAGES - 1)
         fence_async_shared()
         gl.thread_barrier()
-        _finite_tail_parts(k_own, t_own, n_pref, copy_layout)
+        # 128 columns at a time: a whole [64, 512] tile would not fit beside acc.
+        _finite_tail(k_own, t_own, n_pref, copy_layout, 128)
         mbarrier.arrive(full.index(s_own))
         s_tok = warpgroup_mma(q_smem, k_own.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
