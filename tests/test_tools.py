@@ -1,6 +1,6 @@
 """``tools/``: the device-session plumbing and developer tools run, on the CPU, at small
-sizes (Triton under the interpreter). ``tools/triton_ir_stats.py`` is tested in
-``test_triton.py``, ``tools/smollm2_gpu.sh`` in ``test_smollm2.py``, the README generator in
+sizes (Triton under the interpreter), and the compile-for-sm90 tools outside it.
+``tools/smollm2_gpu.sh`` is tested in ``test_smollm2.py``, the README generator in
 ``test_bench.py``."""
 
 from __future__ import annotations
@@ -116,12 +116,26 @@ def test_smollm2_gpu_dry_run_on_the_cpu(tmp_path, monkeypatch):
     assert "overall: PASS" in text and "| triton | fp32 | 2 | 2 | lane | 1 | yes |" in text
 
 
-def _compile_tool(args: list[str]) -> subprocess.CompletedProcess:
+def _compile_tool(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a compile-for-sm90 tool outside the interpreter (no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=timeout)
+
+
+def test_stage1_compiles_for_sm90_with_pipelined_loads():
+    """The generic stage-1 kernel at the gqa-long shape, compiled for sm90 on this machine (no
+    GPU; outside the interpreter, so in a subprocess): its key loads are asynchronous copies
+    (software-pipelined), what makes it memory- rather than latency-bound
+    (``tools/triton_ir_stats.py``)."""
+    run = _compile_tool([os.path.join(TOOLS, "triton_ir_stats.py"), "--new-kv", "0"], 240)
+    if run.returncode != 0:
+        tail = (run.stderr or run.stdout).strip().splitlines()[-1:]
+        pytest.skip(f"cannot compile for sm90 here: {tail}")
+    found = re.search(r"async copies \(ttgir\) (\d+)", run.stdout)
+    assert found, run.stdout
+    assert int(found.group(1)) > 0
 
 
 def test_gluon_kernels_compile_for_sm90():
