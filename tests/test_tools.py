@@ -54,7 +54,8 @@ def test_gpu_check_usage(tmp_path):
     res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_check.sh"), "bogus"],
                          capture_output=True, text=True, timeout=30,
                          env={**os.environ, "OUT": str(tmp_path)})
-    assert res.returncode == 2 and "first|second|fa4-first|followup|soak|verify|flashmla|ws-first" in res.stderr
+    modes = "first|second|fa4-first|followup|soak|verify|flashmla|ws-first"
+    assert res.returncode == 2 and modes in res.stderr
 
 
 def test_cpu_soak_runs_an_environment_and_reports_it():

@@ -6,8 +6,9 @@
 # against torch_ref (`specattn bench --check-only`; GLUON_CHECK_OPTION adds one --option
 # variant, e.g. 'triton:config=m64 n32 w8 s3 kv-first gluon-ov'); bench: `specattn bench` on
 # the MLA cases, Triton (the Gluon kernel), more Triton variants (GLUON_OPTIONS: configs or
-# whole --option values, separated by ';'; default the tl.dot kernel's config) and FlashInfer, into $OUT/gluon-bench.md and
-# .tgz (GLUON_BENCH_ARGS adds arguments, e.g. --quick; GLUON_CASES replaces the case list);
+# whole --option values, separated by ';'; default the tl.dot kernel's config) and
+# FlashInfer, into $OUT/gluon-bench.md and .tgz (GLUON_BENCH_ARGS adds arguments, e.g.
+# --quick; GLUON_CASES replaces the case list);
 # stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
 # kernel at mla-long, into $OUT/gluon-ncu.txt. Logs go to $OUT (gluon-*.log); exit status
 # non-zero if a part failed.

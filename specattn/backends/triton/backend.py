@@ -217,11 +217,11 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
+    tested_on = _TESTED_ON
 
     @classmethod
     def check_request(cls, request, platform) -> Optional[str]:
         return _fp32_latent_rule(request)
-    tested_on = _TESTED_ON
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, config=None,
