@@ -127,15 +127,10 @@ def ws_probe_kernel(Q, K, Out):
 
 
 def compile_probe():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton_ir_stats import _compile
 
-    sig = {"Q": "*bf16", "K": "*bf16", "Out": "*fp32"}
-    src = GluonASTSource(fn=ws_probe_kernel, signature=sig,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=232))
+    return _compile(ws_probe_kernel, {}, 4, 3, gluon=True, ptrs={"K": "*bf16", "Out": "*fp32"},
+                    maxnreg=232)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -28,7 +29,11 @@ _PTR = {"Q": "*bf16", "Kb": "*bf16", "Vb": "*bf16", "Kin": "*bf16", "Vin": "*bf1
         "ReqToToken": "*i32", "Meta": "*i32", "Hist": "*i32", "Parents": "*i64"}
 
 
-def _compile(fn, const: dict, num_warps: int, num_stages: int, gluon: bool = False):
+def _compile(fn, const: dict, num_warps: int, num_stages: int, gluon: bool = False,
+             ptrs: Optional[dict] = None, **options):
+    """Compile ``fn`` for sm90 with ``const`` constexprs; argument types from ``_PTR`` (and
+    ``ptrs``, which overrides it), pointers and strides 16-divisible; ``options`` go to the
+    compiler (``maxnreg``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -38,15 +43,16 @@ def _compile(fn, const: dict, num_warps: int, num_stages: int, gluon: bool = Fal
         from triton.compiler import ASTSource
 
     names = fn.arg_names
-    sig = {a: "constexpr" if a in const else _PTR.get(a, "fp32" if a in ("sm_scale", "logit_cap")
-                                                     else "i32") for a in names}
+    types = {**_PTR, **(ptrs or {})}
+    sig = {a: "constexpr" if a in const else types.get(a, "fp32" if a in ("sm_scale", "logit_cap")
+                                                      else "i32") for a in names}
     # Pointers and strides divisible by 16, as Triton specialises them at run time.
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
              if sig[a].startswith("*") or a.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 def compile_stage1(new_kv: int, mode: int = 0):
