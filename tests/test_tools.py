@@ -54,7 +54,7 @@ def test_gpu_check_usage(tmp_path):
     res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_check.sh"), "bogus"],
                          capture_output=True, text=True, timeout=30,
                          env={**os.environ, "OUT": str(tmp_path)})
-    modes = "first|second|fa4-first|followup|soak|verify|flashmla|ws-first"
+    modes = "first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first"
     assert res.returncode == 2 and modes in res.stderr
 
 

@@ -15,7 +15,9 @@
 #   `followup` (GPU suites of the Triton family, soaks, before/after bench), `soak` (the
 #   soak over every GPU backend but flashmla) or `verify` (a Triton kernel change: suites,
 #   kit, memcheck, soaks, then the Gluon MLA bench); `flashmla` (carry .gpu/install.sh .whl)
-#   and `ws-first` (no carry) stand alone; see the functions below.
+#   and `ws-first` (no carry) stand alone; `gluon-first` (carry .gpu/flashinfer
+#   .gpu/install.sh) runs a new Gluon kernel's tests, checks and bench in one call; see the
+#   functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
@@ -180,6 +182,34 @@ ws_first() {
   check
 }
 
+# A Gluon MLA kernel's first run and its checks in one call (carry .gpu/flashinfer
+# .gpu/install.sh): the GPU tests of GATE_VARIANTS alone (two processes, a limit per test: a
+# wrong loop bound hangs instead of failing); only if they pass, side by side the Gluon stress
+# loops (STRESS_VARIANTS), the Triton GPU suite, the kit, memcheck and a soak on triton; then
+# the Gluon MLA bench alone (tools/gluon_session.sh bench, with its GLUON_* settings).
+gluon_first() {
+  eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
+  export PYTHONPATH=$PYTHONPATH:$PWD
+  local t="python -m pytest -v -n 2 -p no:cacheprovider -rfE --timeout 120"
+  job gpu-tests-gate "${GATE_S:-150}" env SPECATTN_GLUON_VARIANTS="$GATE_VARIANTS" $t -x \
+    tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+  if ! tail -n 1 "$logs/gpu-tests-gate.log" | grep -q "exit status 0$"; then
+    check
+    return
+  fi
+  local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-170}"
+  job gpu-stress-gluon 200 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
+    tests/gpu/test_gluon_mla_gpu.py -k stress &
+  job gpu-tests-triton 200 $t tests/gpu/test_triton_gpu.py -k "not stress" &
+  job kit-triton 200 $KIT -n 2 -k test_triton &
+  job memcheck-triton 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
+  job soak-triton 200 $SOAK --backend triton $s --workers 3 --same-config 50 &
+  wait
+  job gluon-bench "${GLUON_BENCH_S:-230}" bash tools/gluon_session.sh bench
+  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
@@ -188,7 +218,8 @@ case "${1:-}" in
   verify) verify ;;
   flashmla) flashmla_only ;;
   ws-first) ws_first ;;
+  gluon-first) gluon_first ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first" >&2; exit 2 ;;
 esac
 exit $status

@@ -9,7 +9,7 @@ here first, then spend device time on the variants that keep their pipelines
 (``specattn bench --option 'triton:config=...'``).
 
 Usage: ``python tools/triton_ir_stats.py [--new-kv 0 1 2] [--mla [N,W,S ...]]
-[--gluon [N,S[,ov][,pf][,ws] ...]] [--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
+[--gluon [N,S[,ov][,pf][,ws][,wl] ...]] [--dump DIR]``; also prints registers, spills (local memory) and shared memory (gqa-long
 shape: 32 q heads, 8 KV heads, head dim 128, K = 8 -> 32-row tiles, block_n 64, 4 warps,
 3 stages; the same specialisation of pointers and strides as at run time).
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 _PTR = {"Q": "*bf16", "Kb": "*bf16", "Vb": "*bf16", "Kin": "*bf16", "Vin": "*bf16", "KV": "*bf16",
         "Out": "*bf16", "MidO": "*fp32", "MidLse": "*fp32", "Counter": "*i32",
-        "ReqToToken": "*i32", "Meta": "*i32", "Hist": "*i32", "Parents": "*i64"}
+        "ReqToToken": "*i32", "Meta": "*i32", "Hist": "*i32", "Parents": "*i64", "Work": "*i32"}
 
 
 def _compile(fn, const: dict, num_warps: int, num_stages: int, gluon: bool = False,
@@ -78,11 +78,16 @@ def compile_mla(new_kv: int, block_n: int = 64, num_warps: int = 8, num_stages: 
 
 
 def compile_gluon(new_kv: int, block_n: int = 64, num_stages: int = 2, overlap: bool = False,
-                  prefetch: bool = False, mode: int = 0, ws: bool = False):
+                  prefetch: bool = False, mode: int = 0, ws: bool = False, wl: bool = False):
     """The Gluon MLA kernel at the mla-long shape (16 heads x K 4, one 64-row tile); ``ws``:
-    the warp-specialized one (4 warps + a 4-warp partition)."""
+    the warp-specialized one (4 warps + a 4-warp partition); ``wl``: the work-list one."""
     const = dict(H=16, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
-                 USE_CAP=False, DIRECT_OUT=False, WRITE_NEW=new_kv == 2)
+                 USE_CAP=False, WRITE_NEW=new_kv == 2)
+    if wl:
+        from specattn.backends.triton import _gluon_mla_wl_kernel as L
+
+        return _compile(L._gluon_mla_wl_kernel, const, 8, num_stages, gluon=True)
+    const["DIRECT_OUT"] = False
     if ws:
         from specattn.backends.triton import _gluon_mla_ws_kernel as W
 
@@ -129,10 +134,10 @@ def main() -> None:
     ap.add_argument("--mla", nargs="*", default=None, metavar="N,W,S",
                     help="the MLA v3 kernel instead, one config per block_n,warps,stages "
                          "(default: 64,8,2)")
-    ap.add_argument("--gluon", nargs="*", default=None, metavar="N,S[,ov][,pf][,ws]",
+    ap.add_argument("--gluon", nargs="*", default=None, metavar="N,S[,ov][,pf][,ws][,wl]",
                     help="the Gluon MLA kernel instead (NEW_KV 2 only), one config per "
                          "block_n,stages plus flags ov (overlap) / pf (prefetch) / ws (the "
-                         "warp-specialized kernel); default 64,2")
+                         "warp-specialized kernel) / wl (the work-list kernel); default 64,2")
     args = ap.parse_args()
     if args.gluon is not None:
         variants = []
@@ -140,7 +145,7 @@ def main() -> None:
             n, st, *flags = c.split(",")
             variants.append((f"Gluon n{n} s{st} {' '.join(flags)}".strip(), compile_gluon,
                              (2, int(n), int(st), "ov" in flags, "pf" in flags, 0,
-                              "ws" in flags)))
+                              "ws" in flags, "wl" in flags)))
     elif args.mla is not None:
         variants = [(f"MLA n{n} w{w} s{st} NEW_KV={nk}", compile_mla, (nk, n, w, st))
                     for n, w, st in (tuple(map(int, c.split(","))) for c in args.mla or ["64,8,2"])

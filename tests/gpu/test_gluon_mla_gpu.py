@@ -30,11 +30,17 @@ def _variants():
     from specattn.backends.triton.launchers import KernelConfig
 
     every = {
-        "default": None,  # launchers.gluon_config
+        "default": None,  # launchers.gluon_config: the work list (worklist), 64-key tiles
+        "n32s4-wl": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
+                                 gluon_prefetch=True, gluon_worklist=True),
+        # Split per request (grid (row tiles, B, splits)): the default until session 8.
+        "n64s2-v3": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
+                                 gluon_prefetch=True),
         "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
                                       gluon_overlap=True, gluon_prefetch=True),
-        "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True),
-        # The warp-specialized (seesaw) kernel: experimental, first GPU run pending.
+        "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True,
+                                       gluon_worklist=True),
+        # The warp-specialized (seesaw) kernel: experimental (no faster, session 8).
         "n64s2-ws": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
                                  gluon_prefetch=True, gluon_ws=True),
         "n32s4-ws": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
@@ -174,8 +180,10 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
-def test_random_stress_100_batches():
-    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0), default variant."""
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3") if v in VARIANT_NAMES])
+def test_random_stress_100_batches(variant):
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the work-list kernel
+    (default) and the split-per-request one."""
     rng = random.Random(1234)
     gen = torch.Generator().manual_seed(1234)
     for it in range(100):
@@ -185,7 +193,7 @@ def test_random_stress_100_batches():
         tree_mode = rng.choice(["lane", "path"])
         lens = [rng.randint(0, 2500) for _ in range(rng.randint(1, 12 if H == 16 else 3))]
         r, batch = make_round(dtype, H, K, S, P, lens, tree_mode)
-        backend = make_backend(r, K, S, tree_mode, "default",
+        backend = make_backend(r, K, S, tree_mode, variant,
                                rng.choice([None, None, 1, 3, 16]))
         run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, rng.choice([0.0, 20.0])),
                   tree_mode, gen, check_steps={rng.randrange(S)})

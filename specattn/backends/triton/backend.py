@@ -60,17 +60,20 @@ def _fp32_latent_rule(request) -> Optional[str]:
 
 class _GraphBuffers:
     """Fixed buffers for CUDA graphs (or the eager cache): meta, history (the new tokens'
-    slots), partials and the fused merge's arrival counters (zero between launches)."""
+    slots), partials, the fused merge's arrival counters (zero between launches) and the
+    Gluon work list (``worklist``: ``work_rows`` partial rows at the least, ``work``)."""
 
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
-                 d_v: int, device: torch.device, max_splits: int) -> None:
+                 d_v: int, device: torch.device, max_splits: int, work_rows: int = 0,
+                 work_numel: int = 0) -> None:
         parts = max_splits + 1
+        rows = max(max_rows * num_q_heads * parts, work_rows)
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
-        self.mid_o = torch.empty(max_rows * num_q_heads * parts * d_v, dtype=torch.float32,
-                                 device=device)
-        self.mid_lse = torch.empty(max_rows * num_q_heads * parts, dtype=torch.float32,
-                                   device=device)
+        self.mid_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
+        self.mid_lse = torch.empty(rows, dtype=torch.float32, device=device)
+        self.work = torch.zeros(work_numel, dtype=torch.int32, device=device) \
+            if work_numel else None
         self.counter = torch.zeros(max(1, max_rows + max_reqs) * num_q_heads,
                                    dtype=torch.int32, device=device)
 
@@ -150,15 +153,25 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         return platform_note(platform.device, platform.capability, platform.triton_interpret,
                              version)
 
+    def _new_buffers(self, bs: int) -> _GraphBuffers:
+        """Buffers for ``bs`` requests (and the work list's slots when the plan uses one)."""
+        plan = self._make_plan(bs)
+        shape, work_rows, work_numel = plan["shape"], 0, 0
+        if plan["cfg"].gluon_worklist:
+            from . import worklist
+
+            slots = plan["num_splits"] + bs
+            work_rows = slots * worklist.partial_rows(self.topk, shape.num_q_heads)
+            work_numel = worklist.work_numel(plan["num_splits"], bs)
+        return _GraphBuffers(bs, bs * self.topk, self.num_steps, shape.num_q_heads, shape.d_v,
+                             self.runner.device, 16, work_rows, work_numel)
+
     def _buffers_for(self, bs: int) -> _GraphBuffers:
         if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:
             return self._graph_bufs
-        rows = bs * self.topk
         b = self._bufs
-        if b is None or b.meta.shape[0] < bs or b.hist.shape[0] < rows:
-            shape = _launchers().AttnShape.of(self.runner)
-            b = self._bufs = _GraphBuffers(bs, rows, self.num_steps, shape.num_q_heads,
-                                           shape.d_v, self.runner.device, 16)
+        if b is None or b.meta.shape[0] < bs or b.hist.shape[0] < bs * self.topk:
+            b = self._bufs = self._new_buffers(bs)
         return b
 
     # --- metadata ------------------------------------------------------------------------
@@ -168,17 +181,22 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         bs = batch.batch_size
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs)
+        cfg, work, tail = plan["cfg"], None, 0
+        if cfg.gluon_worklist:
+            from . import worklist
+
+            work = bufs.work
+            tail = worklist.tail_units(self.topk, plan["shape"].num_q_heads, self.num_steps,
+                                       cfg.block_n)
         _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.out_cache_loc, bufs.meta, bufs.hist,
-                                     plan["num_splits"], plan["cfg"].block_n,
-                                     self.runner.num_slots)
+                                     plan["num_splits"], cfg.block_n, self.runner.num_slots,
+                                     work, tail)
         self._round_plan, self._active = plan, bufs
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
-        shape = _launchers().AttnShape.of(self.runner)
-        self._graph_bufs = _GraphBuffers(max_bs, max_bs * self.topk, self.num_steps,
-                                         shape.num_q_heads, shape.d_v, self.runner.device, 16)
+        self._graph_bufs = self._new_buffers(max_bs)
 
     # --- forward -------------------------------------------------------------------------
 
@@ -190,9 +208,17 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         plan, bufs, lanes = self._round_plan, self._active, self.num_lanes
         parents = self.batch.parents if self.tree_mode == "path" else None
         L = _launchers()
-        shape = plan["shape"]
-        mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(plan["cfg"], plan["num_splits"]),
-                                   q.device, bufs.mid_o, bufs.mid_lse)
+        shape, cfg = plan["shape"], plan["cfg"]
+        if cfg.gluon_worklist:
+            from . import worklist
+
+            mid_o, mid_lse = L.worklist_scratch(
+                plan["num_splits"] + plan["bs"],
+                worklist.partial_rows(self.topk, shape.num_q_heads), shape.d_v, q.device,
+                bufs.mid_o, bufs.mid_lse)
+        else:
+            mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(cfg, plan["num_splits"]),
+                                       q.device, bufs.mid_o, bufs.mid_lse)
         mode = 1 if self.tree_mode == "path" else 0
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=mode, num_groups=plan["num_groups"],
@@ -201,7 +227,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                            num_steps=self.num_steps, step=step,
                            num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
-                           new_kv=(k, v), counter=bufs.counter)
+                           new_kv=(k, v), counter=bufs.counter, work=bufs.work)
 
 
 class TritonExtend(DraftExtendBackend, name="triton", **_DECL):

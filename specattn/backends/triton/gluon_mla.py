@@ -205,3 +205,34 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     else:
         K._gluon_mla_kernel[grid](*args, **common, OVERLAP=overlap, num_warps=NUM_WARPS)
     return direct
+
+
+def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
+                       out: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
+                       req_to_token: torch.Tensor, meta: torch.Tensor, work: torch.Tensor,
+                       hist: torch.Tensor, parents: Optional[torch.Tensor], *, mode: int,
+                       batch: int, topk: int, num_steps: int, step: int, programs: int,
+                       sm_scale: float, logit_cap: float, block_n: int, num_stages: int,
+                       prefetch: bool, write_new: bool) -> None:
+    """The kernel on ``worklist``'s balanced work list (``work``, filled for this round with
+    ``programs`` per row tile), then the merge of the requests it split: writes ``out``.
+
+    mid_o: ``[slots >= programs + batch, worklist.partial_rows(topk, H), 512]`` fp32;
+    mid_lse: ``[slots, partial_rows]`` fp32; the rest as in ``attention``."""
+    from . import _gluon_mla_wl_kernel as W
+    from . import worklist
+
+    kernel_module()  # the version and Gluon checks
+    H = q.shape[1]
+    par = parents if parents is not None else meta
+    par_s = parents.stride(0) if parents is not None else 0
+    par_b = parents.stride(1) if parents is not None else 0
+    W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), programs)](
+        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par,
+        step, float(sm_scale), float(logit_cap),
+        q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), mid_o.stride(0),
+        mid_lse.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), par_s, par_b,
+        kv.shape[0], topk, num_steps, batch, programs,
+        H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
+        USE_CAP=logit_cap > 0, WRITE_NEW=write_new, num_warps=NUM_WARPS)
+    worklist.merge(mid_o, mid_lse, out, work, programs, topk)

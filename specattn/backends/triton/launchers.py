@@ -39,8 +39,9 @@ class KernelConfig:
     partials (no merge launch). ``gluon``: the Gluon wgmma kernel (``gluon_mla``; MLA
     shared-prefix decode on sm90; ``block_n`` / ``num_stages`` its key tile and ring depth,
     ``gluon_overlap`` its softmax / P.V overlap, ``gluon_prefetch`` its ``req_to_token``
-    loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel: experimental,
-    not yet run on a GPU)."""
+    loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel (experimental:
+    no faster on the H200), ``gluon_worklist`` the balanced work list across requests
+    (``worklist``))."""
 
     block_m: int
     block_n: int
@@ -55,6 +56,7 @@ class KernelConfig:
     gluon_overlap: bool = False
     gluon_prefetch: bool = False
     gluon_ws: bool = False
+    gluon_worklist: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -71,9 +73,13 @@ class KernelConfig:
                            or self.block_m != 64 or self.num_warps != 8):
             raise InvalidInputError("config.gluon", "block_m 64, 8 warps, no mla_v3 / "
                                     "fuse_merge / kv_write='tail'", self.label())
-        if (self.gluon_overlap or self.gluon_prefetch or self.gluon_ws) and not self.gluon:
+        if (self.gluon_overlap or self.gluon_prefetch or self.gluon_ws
+                or self.gluon_worklist) and not self.gluon:
             raise InvalidInputError("config.gluon", "True with gluon_overlap / gluon_prefetch "
-                                    "/ gluon_ws", self.label())
+                                    "/ gluon_ws / gluon_worklist", self.label())
+        if self.gluon_worklist and (self.gluon_overlap or self.gluon_ws):
+            raise InvalidInputError("config.gluon_worklist", "no gluon_overlap / gluon_ws",
+                                    self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -85,7 +91,8 @@ class KernelConfig:
             (" vr" if self.v_reload else "") + f" kv-{self.kv_write}" + \
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
-            (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "")
+            (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
+            (" wl" if self.gluon_worklist else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -153,7 +160,8 @@ def gluon_config(runner, interpret: bool) -> Optional[KernelConfig]:
     if reason is not None:
         gluon_mla.log_fallback(reason)
         return None
-    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
+    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True,
+                        gluon_worklist=True)
 
 
 def default_waves(cfg: KernelConfig, extend: bool) -> float:
@@ -176,11 +184,28 @@ def choose_num_splits(programs: int, device: torch.device, waves: float = 4.0) -
 
 def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_groups: int,
                 device: torch.device, waves: Optional[float], extend: bool) -> int:
-    """Split count for a stage-1 grid (host ints only: graph-safe)."""
+    """Split count for a stage-1 grid (host ints only: graph-safe); with
+    ``cfg.gluon_worklist`` the work list's programs per row tile."""
+    if cfg.gluon_worklist:  # programs per row tile, whatever the batch
+        from . import worklist
+
+        return worklist.programs_per_row_tile(triton.cdiv(rows_per_group, cfg.block_m), device)
     dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
     w = default_waves(cfg, extend) if waves is None else waves
     return choose_num_splits(programs, device, w)
+
+
+def worklist_scratch(slots: int, rows: int, d_v: int, device: torch.device,
+                     flat_o: Optional[torch.Tensor] = None,
+                     flat_lse: Optional[torch.Tensor] = None):
+    """The work list's partial slots ``[slots, rows, d_v]`` / ``[slots, rows]`` (fp32), views
+    of ``flat_o`` / ``flat_lse`` when large enough (fixed CUDA-graph buffers)."""
+    if flat_o is None or flat_o.numel() < slots * rows * d_v or flat_lse.numel() < slots * rows:
+        flat_o = torch.empty(slots * rows * d_v, dtype=torch.float32, device=device)
+        flat_lse = torch.empty(slots * rows, dtype=torch.float32, device=device)
+    return (flat_o[:slots * rows * d_v].view(slots, rows, d_v),
+            flat_lse[:slots * rows].view(slots, rows))
 
 
 def num_parts(cfg: KernelConfig, num_splits: int) -> int:
@@ -199,8 +224,11 @@ def layer_pools(runner, layer_id: int):
 
 def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
-                    num_splits: int, block_n: int, num_slots: int) -> None:
-    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch.
+                    num_splits: int, block_n: int, num_slots: int,
+                    work: Optional[torch.Tensor] = None, tail: int = 0) -> None:
+    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch
+    (two with ``work``: the Gluon kernel's work list for ``num_splits`` programs per row tile
+    and ``tail`` tail units per request, ``worklist.fill``).
 
     out_cache_loc: ``[B, K, S]``."""
     bs, topk, steps = out_cache_loc.shape
@@ -210,6 +238,10 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots,
         TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
+    if work is not None:
+        from . import worklist
+
+        worklist.fill(seq_lens, work, num_splits, tail, block_n)
 
 
 def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -275,13 +307,16 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
               mid_lse: torch.Tensor, hist: Optional[torch.Tensor] = None,
               parents: Optional[torch.Tensor] = None,
               new_kv: Optional[tuple] = None,
-              counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+              counter: Optional[torch.Tensor] = None,
+              work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Stage 1 + merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]`` in ``q.dtype``.
 
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``) the
     way ``kv_write_mode`` says; None: the caller has written them.
-    counter: int32 zeros, the fixed buffer for ``cfg.fuse_merge``'s arrival counters."""
+    counter: int32 zeros, the fixed buffer for ``cfg.fuse_merge``'s arrival counters.
+    work: ``cfg.gluon_worklist``'s table (``decode_metadata``); ``num_splits`` is then the
+    programs per row tile and ``mid_o`` / ``mid_lse`` come from ``worklist_scratch``."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     rows = q.shape[0]
     hist_t = hist if hist is not None else meta
@@ -309,6 +344,18 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
+    if cfg.gluon and cfg.gluon_worklist:
+        from . import gluon_mla
+
+        if work is None:
+            raise ValueError("config gluon_worklist needs the round's work list (work)")
+        gluon_mla.attention_worklist(
+            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist, parents,
+            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
+            programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
+            block_n=cfg.block_n, num_stages=cfg.num_stages, prefetch=cfg.gluon_prefetch,
+            write_new=write == "first")
+        return out
     if cfg.gluon:
         from . import gluon_mla
 

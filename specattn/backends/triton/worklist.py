@@ -1,0 +1,187 @@
+"""A balanced work list for the Gluon MLA decode kernel: ragged batches at uniform speed.
+
+Split-per-request (the default grid ``(row_tiles, B, splits)``) gives every request the same
+number of programs, so the longest request sets the time (mla-long ragged: 87.6 vs 67.9 us
+uniform on the H200). The work list lays every request's key tiles end to end and gives each
+of a fixed number of programs an equal run of them, across request boundaries:
+
+- request ``b`` holds the units ``[U[b], U[b+1])``: its ``ceil(prefix_len / BLOCK_N)``
+  prefix tiles, then ``tail_units`` tail tiles (a bound on its history tiles at the round's
+  last step; earlier steps leave the last ones empty);
+- program ``p`` of a row tile takes the units ``[p * chunk, (p + 1) * chunk)``,
+  ``chunk = ceil(U[B] / P)``; the piece of one request inside it is a *segment*;
+- a segment that is its request's only one writes the output; the others write an fp32
+  partial and a natural-log LSE into slot ``p + b`` (no two segments share one: a later
+  program starts past an earlier request's end), and ``merge_segments_kernel`` merges a
+  request's slots ``[p_first + b, p_last + b]``.
+
+``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
+U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
+``schedule`` is the same plan in Python (tests and docs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...util import next_pow2, sm_count
+
+BLOCK_M = 64  # rows per program (the Gluon kernel's wgmma height)
+
+
+def programs_per_row_tile(row_tiles: int, device: torch.device) -> int:
+    """``P``: one program per SM over all row tiles (the Gluon kernel's ~200 KB of shared
+    memory leaves room for one); the interpreter's 4 "SMs" let tests see several."""
+    return max(1, (sm_count(device) or 4) // max(1, row_tiles))
+
+
+def lane_span(topk: int, heads: int) -> int:
+    """The most lanes one 64-row tile of a request's ``topk * heads`` rows touches."""
+    rows = topk * heads
+    return max(min(topk, (lo + BLOCK_M + heads - 1) // heads) - lo // heads
+               for lo in range(0, rows, BLOCK_M))
+
+
+def tail_units(topk: int, heads: int, num_steps: int, block_n: int) -> int:
+    """Tail tiles a request's units reserve: its row tile's history keys at the last step."""
+    return triton.cdiv(lane_span(topk, heads) * num_steps, block_n)
+
+
+def work_numel(programs: int, batch: int) -> int:
+    return 2 + programs + batch
+
+
+def partial_rows(topk: int, heads: int) -> int:
+    """Rows of one partial slot: a request's ``topk * heads`` rows, padded to row tiles."""
+    return triton.cdiv(topk * heads, BLOCK_M) * BLOCK_M
+
+
+@dataclass(frozen=True)
+class Segment:
+    program: int
+    request: int
+    first_unit: int  # request-relative
+    end_unit: int
+    only: bool  # the request's only segment: written directly
+
+    @property
+    def slot(self) -> int:
+        return self.program + self.request
+
+
+@dataclass(frozen=True)
+class Schedule:
+    chunk: int
+    first_request: list  # per program
+    unit_starts: list  # U[0..B]
+    segments: list
+
+    def parts(self, b: int) -> range:
+        """Slots of request ``b``'s partials (empty when it is written directly)."""
+        lo, hi = self.unit_starts[b] // self.chunk, (self.unit_starts[b + 1] - 1) // self.chunk
+        return range(lo + b, hi + b + 1) if hi > lo else range(0)
+
+
+def schedule(prefix_lens: list, tail: int, block_n: int, programs: int) -> Schedule:
+    """The plan ``fill`` writes and the kernel walks, in Python."""
+    units = [triton.cdiv(n, block_n) + tail for n in prefix_lens]
+    starts = [0]
+    for u in units:
+        starts.append(starts[-1] + u)
+    chunk = max(1, triton.cdiv(starts[-1], programs))
+    first, segments = [], []
+    for p in range(programs):
+        lo, hi = p * chunk, (p + 1) * chunk
+        b = sum(1 for e in starts[1:] if e <= lo)
+        first.append(b)
+        while b < len(units) and starts[b] < hi:
+            segments.append(Segment(p, b, max(lo, starts[b]) - starts[b],
+                                    min(hi, starts[b + 1]) - starts[b],
+                                    lo <= starts[b] and starts[b + 1] <= hi))
+            b += 1
+    return Schedule(chunk, first, starts, segments)
+
+
+@triton.jit
+def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
+                     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(1,)``: ``Work = [chunk, first request per program, U[0..B]]``."""
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < bs
+    seq = tl.load(SeqLens + offs * stride_seq, mask=ok, other=0).to(tl.int32)
+    units = tl.where(ok, (seq + BLOCK_N - 1) // BLOCK_N + tail, 0)
+    ends = tl.cumsum(units, 0)
+    total = tl.sum(units, 0)
+    chunk = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    tl.store(Work, chunk)
+    tl.store(Work + 1 + num_programs + offs, ends - units, mask=ok)
+    tl.store(Work + 1 + num_programs + bs, total)
+    for p0 in range(0, num_programs, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        # The request holding unit p * chunk: the count of requests that end at or before it.
+        before = (ends[None, :] <= (offs_p * chunk)[:, None]) & ok[None, :]
+        tl.store(Work + 1 + offs_p, tl.sum(before.to(tl.int32), 1), mask=offs_p < num_programs)
+
+
+def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
+         block_n: int) -> None:
+    """Write ``work`` for a round (one launch). seq_lens: ``[B]`` prefix lengths."""
+    bs = seq_lens.shape[0]
+    block_b = next_pow2(bs)
+    _worklist_kernel[(1,)](seq_lens, seq_lens.stride(0), work, bs, programs, tail,
+                           BLOCK_B=block_b, BLOCK_P=max(1, min(64, 4096 // block_b)),
+                           BLOCK_N=block_n, num_warps=4)
+
+
+@triton.jit
+def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, stride_ot,
+                          stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr):
+    """Grid ``(B * K, H)``: ``Out[z, h]`` from request ``b = z // K``'s partial slots, row
+    ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots, rows]``);
+    requests with one segment were written by the kernel and are left alone."""
+    z = tl.program_id(0)
+    h = tl.program_id(1)
+    b = z // TOPK
+    chunk = tl.load(Work)
+    lo = tl.load(Work + 1 + num_programs + b)
+    hi = tl.load(Work + 2 + num_programs + b)
+    p_first = lo // chunk
+    p_last = (hi - 1) // chunk
+    if p_last > p_first:
+        row = (z % TOPK) * H + h
+        offs = tl.arange(0, D_V)
+        m = float("-inf")
+        den = 0.0
+        acc = tl.zeros([D_V], tl.float32)
+        g = (p_first + b).to(tl.int64)
+        o_ptr = MidO + g * stride_mo_g + row * D_V + offs
+        lse_ptr = MidLse + g * stride_ml_g + row
+        for _ in range(p_first, p_last + 1):
+            lse = tl.load(lse_ptr)
+            o = tl.load(o_ptr)
+            o_ptr += stride_mo_g
+            lse_ptr += stride_ml_g
+            m_new = tl.maximum(m, lse)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp(m - shift)
+            w = tl.exp(lse - shift)
+            acc = acc * scale + o * w
+            den = den * scale + w
+            m = m_new
+        o = acc / tl.where(den > 0.0, den, 1.0)
+        tl.store(Out + z.to(tl.int64) * stride_ot + h * stride_oh + offs,
+                 o.to(Out.dtype.element_ty))
+
+
+def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
+          programs: int, topk: int) -> None:
+    """Merge the partials of every request with several segments into ``out [B*K, H, D]``.
+    mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32."""
+    rows, heads, d_v = out.shape
+    merge_segments_kernel[(rows, heads)](
+        mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
+        out.stride(1), programs, topk, H=heads, D_V=d_v, num_warps=4)

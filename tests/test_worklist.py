@@ -1,0 +1,195 @@
+"""The Gluon MLA kernel's balanced work list (``worklist``), on the CPU.
+
+- ``schedule``'s plan: every unit of every request in exactly one segment, no program over
+  ``chunk`` units, one partial slot per segment, a request written directly exactly when it
+  has one segment; ``fill`` (Triton, interpreted) writes the same table.
+- ``merge_segments_kernel`` against a float64 softmax merge of random partials (NaN in every
+  slot it must not read, and in the rows of requests written directly).
+- The launcher path with ``gluon_worklist``: a stand-in for the Gluon kernel that reads the
+  table ``fill`` wrote and writes ``torch_ref``'s answer as the kernel does (directly, or
+  into slot ``p + b`` with a random LSE), merged by the real merge kernel; the kernel itself
+  runs on the H200 (``tests/gpu/test_gluon_mla_gpu.py``, variant ``n64s2-wl``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import DEV, randn_qkv, require_triton_interpret
+from specattn.backends.torch_ref import reference_decode
+from specattn.data import AttentionLayer
+
+require_triton_interpret()
+
+from specattn.backends.triton import gluon_mla, worklist  # noqa: E402
+from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
+
+
+@given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=12),
+       tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
+       programs=st.integers(1, 20))
+def test_schedule_covers_every_unit_once(lens, tail, block_n, programs):
+    plan = worklist.schedule(lens, tail, block_n, programs)
+    units = [math.ceil(n / block_n) + tail for n in lens]
+    assert plan.unit_starts[-1] == sum(units) and plan.chunk * programs >= sum(units)
+    seen = {b: [] for b in range(len(lens))}
+    per_program = [0] * programs
+    for s in plan.segments:
+        assert 0 <= s.first_unit < s.end_unit <= units[s.request]
+        seen[s.request].append((s.first_unit, s.end_unit))
+        per_program[s.program] += s.end_unit - s.first_unit
+    for b, pieces in seen.items():
+        pieces.sort()
+        assert pieces[0][0] == 0 and pieces[-1][1] == units[b]
+        assert all(a[1] == c[0] for a, c in zip(pieces, pieces[1:]))  # no gap, no overlap
+        only = [s.only for s in plan.segments if s.request == b]
+        assert only == [len(pieces) == 1] * len(only)
+        slots = [s.slot for s in plan.segments if s.request == b]
+        assert (list(plan.parts(b)) == sorted(slots)) == (len(pieces) > 1)
+    assert max(per_program) <= plan.chunk
+    slots = [s.slot for s in plan.segments]
+    assert len(set(slots)) == len(slots) and max(slots) < programs + len(lens)
+
+
+@given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=40),
+       tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
+       programs=st.integers(1, 140))
+def test_fill_writes_the_schedule(lens, tail, block_n, programs):
+    plan = worklist.schedule(lens, tail, block_n, programs)
+    # Engine-style: the prefix lengths as a strided int64 column of a wider tensor.
+    seq = torch.tensor([[n, -1] for n in lens], dtype=torch.int64, device=DEV)[:, 0]
+    work = torch.full((worklist.work_numel(programs, len(lens)) + 3,), -7, dtype=torch.int32,
+                      device=DEV)
+    worklist.fill(seq, work, programs, tail, block_n)
+    want = [plan.chunk] + plan.first_request + plan.unit_starts
+    assert work.tolist() == want + [-7] * 3
+
+
+@pytest.mark.parametrize("topk,heads,steps,block_n,want", [
+    (4, 16, 5, 64, 1),  # mla-long: 4 lanes x 5 keys in one tile
+    (1, 16, 5, 64, 1),
+    (8, 16, 5, 64, 1),  # two row tiles of 4 lanes each
+    (2, 128, 5, 64, 1),  # a lane spans two row tiles
+    (8, 24, 9, 16, 3),  # 64 rows of 24 heads touch up to 4 lanes: 36 keys
+])
+def test_tail_units(topk, heads, steps, block_n, want):
+    assert worklist.tail_units(topk, heads, steps, block_n) == want
+
+
+def test_merge_segments_kernel():
+    gen = torch.Generator().manual_seed(3)
+    lens, tail, block_n, programs, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 7, 2, 3, 16
+    plan = worklist.schedule(lens, tail, block_n, programs)
+    bs, rows = len(lens), worklist.partial_rows(topk, heads)
+    work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,
+                        dtype=torch.int32, device=DEV)
+    mid_o = torch.full((programs + bs, rows, d), float("nan"), device=DEV)
+    mid_lse = torch.full((programs + bs, rows), float("nan"), device=DEV)
+    out = torch.full((bs * topk, heads, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    want = torch.full(out.shape, float("nan"), dtype=torch.float64)
+    for b in range(bs):
+        slots = list(plan.parts(b))
+        if not slots:
+            continue
+        o = torch.randn(len(slots), topk * heads, d, generator=gen, dtype=torch.float64)
+        lse = 5 * torch.randn(len(slots), topk * heads, generator=gen, dtype=torch.float64)
+        lse[0, 0] = float("-inf")  # a segment that saw no key for this row
+        mid_o[slots, :topk * heads] = o.float().to(DEV)
+        mid_lse[slots, :topk * heads] = lse.float().to(DEV)
+        w = torch.softmax(lse, 0)
+        want[b * topk:(b + 1) * topk] = (w[..., None] * o).sum(0).view(topk, heads, d)
+    worklist.merge(mid_o, mid_lse, out, work, programs, topk)
+    merged = ~torch.isnan(want)
+    assert merged.any() and (~merged).any()  # both kinds of request in the batch
+    torch.testing.assert_close(out.cpu().double()[merged], want[merged], atol=2e-2, rtol=2e-2)
+    assert torch.isnan(out.cpu()[~merged]).all()  # direct requests: left to the kernel
+
+
+class _WorkListStandIn:
+    """``_gluon_mla_wl_kernel[grid](...)`` in torch: walks the table the way the kernel does
+    and writes ``torch_ref``'s answer per segment (direct rows, or slot ``p + b`` with a random
+    LSE); stores the call's keys in the pool (``WRITE_NEW``)."""
+
+    def __init__(self, runner, batch, tree_mode):
+        self.runner, self.batch, self.tree_mode, self.launches = runner, batch, tree_mode, []
+        self._gluon_mla_wl_kernel = self
+
+    def __getitem__(self, grid):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Work, Hist, Par, step, scale, cap,
+                   *strides_and_ints, **const):
+            self.launches.append((grid, const))
+            topk, num_steps, batch, programs = strides_and_ints[-4:]
+            if const["WRITE_NEW"]:
+                KV[Hist[:, step].long()] = Kin
+            ref = reference_decode(self.runner, AttentionLayer(0, scale, cap), Q, self.batch,
+                                   step, self.tree_mode).float()
+            table = Work.tolist()
+            chunk, first, starts = table[0], table[1:1 + programs], table[1 + programs:]
+            for p in range(programs):
+                b = first[p]
+                while b < batch and starts[b] < (p + 1) * chunk:
+                    rows = ref[b * topk:(b + 1) * topk].reshape(-1, ref.shape[-1])
+                    if p * chunk <= starts[b] and starts[b + 1] <= (p + 1) * chunk:
+                        Out[b * topk:(b + 1) * topk] = ref[b * topk:(b + 1) * topk]
+                    else:
+                        MidO[p + b, :rows.shape[0]] = rows
+                        MidLse[p + b, :rows.shape[0]] = torch.randn(rows.shape[0])
+                    b += 1
+        return launch
+
+
+@pytest.mark.parametrize("lens,programs", [([7, 300, 18, 0, 45], None), ([40, 41], 1),
+                                           ([900, 5], 9)])
+def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs):
+    from test_gluon_mla import mla_round
+
+    from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
+
+    r, batch = mla_round(lens, topk=2, steps=3)
+    stand_in = _WorkListStandIn(r, batch, "path")
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(gluon_mla, "_kernels", lambda: (object(), ""))
+    monkeypatch.setattr(_gluon_mla_wl_kernel, "_gluon_mla_wl_kernel", stand_in)
+    cfg = KernelConfig(64, 16, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True,
+                       gluon_worklist=True)
+    backend = TritonDecode(r, 2, 3, tree_mode="path", config=cfg, num_splits=programs)
+    backend.init_forward_metadata(batch)
+    plan = backend._round_plan
+    P = programs or 4  # the interpreter's 4 "SMs", one row tile
+    assert plan["num_splits"] == P
+    work = backend._active.work
+    want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, 16), 16, P)
+    assert work[:worklist.work_numel(P, len(lens))].tolist() == \
+        [want.chunk] + want.first_request + want.unit_starts
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, 2, (len(lens), 2), generator=gen)
+        q, k, _ = randn_qkv(r, 2 * len(lens), gen)
+        backend._active.mid_o.fill_(float("nan"))
+        backend._active.mid_lse.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, None)
+        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        grid, const = stand_in.launches[-1]
+        assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
+        assert const["BLOCK_N"] == 16 and const["num_warps"] == 8 and const["WRITE_NEW"]
+
+
+def test_config_rules():
+    assert KernelConfig(64, 64, 8, 2, gluon=True, gluon_worklist=True).label().endswith(" wl")
+    for bad in (dict(gluon=False), dict(gluon_overlap=True), dict(gluon_ws=True)):
+        fields = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=True,
+                      gluon_worklist=True)
+        with pytest.raises(Exception, match="config.gluon"):
+            KernelConfig(**{**fields, **bad})
+    from specattn.bench.options import kernel_config
+
+    assert kernel_config("m64 n64 w8 s2 kv-first gluon pf wl").gluon_worklist
