@@ -32,11 +32,17 @@ from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
 
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=12),
        tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
-       programs=st.integers(1, 20))
-def test_schedule_covers_every_unit_once(lens, tail, block_n, programs):
+       extra=st.integers(0, 20))
+def test_schedule_covers_every_unit_once(lens, tail, block_n, extra):
+    programs = len(lens) + extra
     plan = worklist.schedule(lens, tail, block_n, programs)
     units = [math.ceil(n / block_n) + tail for n in lens]
-    assert plan.unit_starts[-1] == sum(units) and plan.chunk * programs >= sum(units)
+    # The smallest chunk that gives every request whole programs within the P programs.
+    c = plan.chunk
+    assert sum(math.ceil(u / c) for u in units) <= programs
+    assert c == 1 or sum(math.ceil(u / (c - 1)) for u in units) > programs
+    assert plan.unit_starts == [sum(math.ceil(u / c) * c for u in units[:b])
+                                for b in range(len(lens) + 1)]
     seen = {b: [] for b in range(len(lens))}
     per_program = [0] * programs
     for s in plan.segments:
@@ -52,14 +58,16 @@ def test_schedule_covers_every_unit_once(lens, tail, block_n, programs):
         slots = [s.slot for s in plan.segments if s.request == b]
         assert (list(plan.parts(b)) == sorted(slots)) == (len(pieces) > 1)
     assert max(per_program) <= plan.chunk
+    assert len({s.program for s in plan.segments}) == len(plan.segments)  # one per program
     slots = [s.slot for s in plan.segments]
     assert len(set(slots)) == len(slots) and max(slots) < programs + len(lens)
 
 
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=40),
        tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
-       programs=st.integers(1, 140))
-def test_fill_writes_the_schedule(lens, tail, block_n, programs):
+       extra=st.integers(0, 100))
+def test_fill_writes_the_schedule(lens, tail, block_n, extra):
+    programs = len(lens) + extra
     plan = worklist.schedule(lens, tail, block_n, programs)
     # Engine-style: the prefix lengths as a strided int64 column of a wider tensor.
     seq = torch.tensor([[n, -1] for n in lens], dtype=torch.int64, device=DEV)[:, 0]
@@ -83,7 +91,7 @@ def test_tail_units(topk, heads, steps, block_n, want):
 
 def test_merge_segments_kernel():
     gen = torch.Generator().manual_seed(3)
-    lens, tail, block_n, programs, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 7, 2, 3, 16
+    lens, tail, block_n, programs, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 9, 2, 3, 16
     plan = worklist.schedule(lens, tail, block_n, programs)
     bs, rows = len(lens), worklist.partial_rows(topk, heads)
     work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,
@@ -143,9 +151,10 @@ class _WorkListStandIn:
         return launch
 
 
-@pytest.mark.parametrize("lens,programs", [([7, 300, 18, 0, 45], None), ([40, 41], 1),
-                                           ([900, 5], 9)])
-def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs):
+@pytest.mark.parametrize("lens,programs,want_p", [([7, 300, 18, 0, 45], None, 5),
+                                                  ([40, 41], None, 4), ([40, 41], 1, 2),
+                                                  ([900, 5], 9, 9)])
+def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
     from test_gluon_mla import mla_round
 
     from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
@@ -160,7 +169,7 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs):
     backend = TritonDecode(r, 2, 3, tree_mode="path", config=cfg, num_splits=programs)
     backend.init_forward_metadata(batch)
     plan = backend._round_plan
-    P = programs or 4  # the interpreter's 4 "SMs", one row tile
+    P = want_p  # the interpreter's 4 "SMs" (one row tile), at least one per request
     assert plan["num_splits"] == P
     work = backend._active.work
     want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, 16), 16, P)

@@ -129,6 +129,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         splits = self._num_splits_override or L.plan_splits(
             shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
             extend=False)
+        if cfg.gluon_worklist:  # a program per request at the least (worklist)
+            splits = max(splits, num_groups)
         return dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
                     num_groups=num_groups, num_splits=splits, bs=bs)
 

@@ -189,7 +189,8 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
     if cfg.gluon_worklist:  # programs per row tile, whatever the batch
         from . import worklist
 
-        return worklist.programs_per_row_tile(triton.cdiv(rows_per_group, cfg.block_m), device)
+        return worklist.programs_per_row_tile(triton.cdiv(rows_per_group, cfg.block_m),
+                                              num_groups, device)
     dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
     w = default_waves(cfg, extend) if waves is None else waves

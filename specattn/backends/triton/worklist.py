@@ -1,19 +1,27 @@
 """A balanced work list for the Gluon MLA decode kernel: ragged batches at uniform speed.
 
-Split-per-request (the default grid ``(row_tiles, B, splits)``) gives every request the same
-number of programs, so the longest request sets the time (mla-long ragged: 87.6 vs 67.9 us
-uniform on the H200). The work list lays every request's key tiles end to end and gives each
-of a fixed number of programs an equal run of them, across request boundaries:
+Split-per-request (the grid ``(row_tiles, B, splits)``) gives every request the same number
+of programs, so the longest request sets the time (mla-long ragged: 87.6 vs 67.9 us uniform
+on the H200). The work list gives each request a number of programs in proportion to its
+length instead:
 
-- request ``b`` holds the units ``[U[b], U[b+1])``: its ``ceil(prefix_len / BLOCK_N)``
-  prefix tiles, then ``tail_units`` tail tiles (a bound on its history tiles at the round's
-  last step; earlier steps leave the last ones empty);
-- program ``p`` of a row tile takes the units ``[p * chunk, (p + 1) * chunk)``,
-  ``chunk = ceil(U[B] / P)``; the piece of one request inside it is a *segment*;
-- a segment that is its request's only one writes the output; the others write an fp32
-  partial and a natural-log LSE into slot ``p + b`` (no two segments share one: a later
-  program starts past an earlier request's end), and ``merge_segments_kernel`` merges a
-  request's slots ``[p_first + b, p_last + b]``.
+- request ``b`` holds ``units_b`` key tiles: ``ceil(prefix_len / BLOCK_N)`` prefix tiles,
+  then ``tail_units`` tail tiles (a bound on its history tiles at the round's last step;
+  earlier steps leave the last ones empty);
+- ``chunk`` is the smallest tile count with ``sum_b ceil(units_b / chunk) <= P`` (``P``, the
+  programs per row tile, is at least ``B``, so one exists): request ``b`` gets
+  ``ceil(units_b / chunk)`` programs of at most ``chunk`` tiles each;
+- laid end to end, request ``b`` starts at unit ``U[b]`` (a multiple of ``chunk``), and
+  program ``p`` takes the units ``[p * chunk, (p + 1) * chunk)``: one *segment* of one
+  request (the kernel also walks runs that cross requests, one segment per request);
+- a request with one program is written directly; the others write an fp32 partial and a
+  natural-log LSE into slot ``p + b`` (no two segments share one: a later program starts
+  past an earlier request's end), merged by ``merge_segments_kernel`` over the slots
+  ``[p_first + b, p_last + b]``.
+
+A first version cut one run of units into equal pieces across request boundaries: two
+segments per program at mla-long and 83 vs 68 us uniform (ragged 86 vs 88), so programs
+now start at request starts.
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
 U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
@@ -33,10 +41,11 @@ from ...util import next_pow2, sm_count
 BLOCK_M = 64  # rows per program (the Gluon kernel's wgmma height)
 
 
-def programs_per_row_tile(row_tiles: int, device: torch.device) -> int:
+def programs_per_row_tile(row_tiles: int, batch: int, device: torch.device) -> int:
     """``P``: one program per SM over all row tiles (the Gluon kernel's ~200 KB of shared
-    memory leaves room for one); the interpreter's 4 "SMs" let tests see several."""
-    return max(1, (sm_count(device) or 4) // max(1, row_tiles))
+    memory leaves room for one), and one per request at the least; the interpreter's 4
+    "SMs" let tests see several."""
+    return max(1, batch, (sm_count(device) or 4) // max(1, row_tiles))
 
 
 def lane_span(topk: int, heads: int) -> int:
@@ -87,12 +96,17 @@ class Schedule:
 
 
 def schedule(prefix_lens: list, tail: int, block_n: int, programs: int) -> Schedule:
-    """The plan ``fill`` writes and the kernel walks, in Python."""
+    """The plan ``fill`` writes and the kernel walks, in Python (``programs >= B``)."""
+    if programs < len(prefix_lens):
+        raise ValueError(f"programs must be at least the batch ({len(prefix_lens)}), got "
+                         f"{programs}")
     units = [triton.cdiv(n, block_n) + tail for n in prefix_lens]
+    chunk = max(1, triton.cdiv(sum(units), programs))
+    while sum(triton.cdiv(u, chunk) for u in units) > programs:
+        chunk += 1
     starts = [0]
     for u in units:
-        starts.append(starts[-1] + u)
-    chunk = max(1, triton.cdiv(starts[-1], programs))
+        starts.append(starts[-1] + triton.cdiv(u, chunk) * chunk)
     first, segments = [], []
     for p in range(programs):
         lo, hi = p * chunk, (p + 1) * chunk
@@ -100,7 +114,7 @@ def schedule(prefix_lens: list, tail: int, block_n: int, programs: int) -> Sched
         first.append(b)
         while b < len(units) and starts[b] < hi:
             segments.append(Segment(p, b, max(lo, starts[b]) - starts[b],
-                                    min(hi, starts[b + 1]) - starts[b],
+                                    min(hi, starts[b] + units[b]) - starts[b],
                                     lo <= starts[b] and starts[b + 1] <= hi))
             b += 1
     return Schedule(chunk, first, starts, segments)
@@ -114,9 +128,19 @@ def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
     ok = offs < bs
     seq = tl.load(SeqLens + offs * stride_seq, mask=ok, other=0).to(tl.int32)
     units = tl.where(ok, (seq + BLOCK_N - 1) // BLOCK_N + tail, 0)
+    # The smallest chunk with sum(ceil(units / chunk)) <= P, by bisection between the even
+    # share and the longest request (one program each: P >= B).
+    lo = tl.maximum((tl.sum(units, 0) + num_programs - 1) // num_programs, 1)
+    hi = tl.maximum(tl.max(units, 0), lo)
+    for _ in range(32):
+        mid = (lo + hi) // 2
+        fits = tl.sum((units + mid - 1) // mid, 0) <= num_programs
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    chunk = hi
+    units = (units + chunk - 1) // chunk * chunk
     ends = tl.cumsum(units, 0)
     total = tl.sum(units, 0)
-    chunk = tl.maximum((total + num_programs - 1) // num_programs, 1)
     tl.store(Work, chunk)
     tl.store(Work + 1 + num_programs + offs, ends - units, mask=ok)
     tl.store(Work + 1 + num_programs + bs, total)
@@ -129,7 +153,8 @@ def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
 
 def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
          block_n: int) -> None:
-    """Write ``work`` for a round (one launch). seq_lens: ``[B]`` prefix lengths."""
+    """Write ``work`` for a round (one launch). seq_lens: ``[B]`` prefix lengths;
+    ``programs >= B`` (``programs_per_row_tile``)."""
     bs = seq_lens.shape[0]
     block_b = next_pow2(bs)
     _worklist_kernel[(1,)](seq_lens, seq_lens.stride(0), work, bs, programs, tail,
