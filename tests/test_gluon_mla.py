@@ -153,8 +153,8 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
     stand_in = _StandIn(r, batch, "path")
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     monkeypatch.setattr(gluon_mla, "_kernels", lambda: (stand_in, ""))
-    # The split-per-request kernel (the default runs the work list: test_worklist.py).
-    cfg = KernelConfig(64, 64, 8, 2, kv_write=kv_write, gluon=True)
+    cfg = None if kv_write == "first" else KernelConfig(64, 64, 8, 2, kv_write=kv_write,
+                                                        gluon=True)
     backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, config=cfg)
     backend.init_forward_metadata(batch)
     plan = backend._round_plan
@@ -178,15 +178,20 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
 
 
 def test_choice_logic(monkeypatch):
-    """The Gluon config only for shared-prefix MLA decode where the guards pass: the work
-    list, one program per SM over all row tiles whatever the batch."""
+    """The Gluon config only for shared-prefix MLA decode where the guards pass; its split
+    count aims at one program per SM (``num_row_tiles * B * splits``); with the work list
+    (opt-in), one program per SM over all row tiles and at least one per request."""
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     r, _ = mla_round([5, 6, 7], topk=8)
     plan = TritonDecode(r, 8, 3)._make_plan(3)
-    assert plan["cfg"].gluon and plan["cfg"].label().endswith("gluon pf wl")
-    # 8 lanes x 16 heads = 2 row tiles; the interpreter's "SM count" is 4: 2 programs each,
-    # and at least one per request.
-    assert plan["num_splits"] == 3 and TritonDecode(r, 8, 3)._make_plan(1)["num_splits"] == 2
+    assert plan["cfg"].gluon and plan["cfg"].label().endswith("gluon pf")
+    # 8 lanes x 16 heads = 2 row tiles x 3 requests = 6 programs; the interpreter's "SM
+    # count" is 4: one wave -> 1 split.
+    assert plan["num_splits"] == 1
+    # The work list: 2 row tiles of 4 "SMs" -> 2 programs each, at least one per request.
+    wl = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_worklist=True)
+    assert TritonDecode(r, 8, 3, config=wl)._make_plan(3)["num_splits"] == 3
+    assert TritonDecode(r, 8, 3, config=wl)._make_plan(1)["num_splits"] == 2
     assert not TritonDecode(r, 8, 3, mode="per-branch")._make_plan(3)["cfg"].gluon
     mha = DraftRunner.mha(4, 2, 32, num_layers=1, num_slots=64, max_reqs=2,
                           max_context_len=32, device=DEV)

@@ -4,11 +4,13 @@
   ``chunk`` units, one partial slot per segment, a request written directly exactly when it
   has one segment; ``fill`` (Triton, interpreted) writes the same table.
 - ``merge_segments_kernel`` against a float64 softmax merge of random partials (NaN in every
-  slot it must not read, and in the rows of requests written directly).
+  slot it must not read, and in the rows of requests written directly; up to 9 slots a
+  request, more than one load of ``BLOCK_P``).
 - The launcher path with ``gluon_worklist``: a stand-in for the Gluon kernel that reads the
   table ``fill`` wrote and writes ``torch_ref``'s answer as the kernel does (directly, or
   into slot ``p + b`` with a random LSE), merged by the real merge kernel; the kernel itself
-  runs on the H200 (``tests/gpu/test_gluon_mla_gpu.py``, variant ``n64s2-wl``).
+  runs on the H200 (``tests/gpu/test_gluon_mla_gpu.py``, variants ``n64s2-wl``,
+  ``n32s4-wl``).
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ def test_tail_units(topk, heads, steps, block_n, want):
     assert worklist.tail_units(topk, heads, steps, block_n) == want
 
 
-def test_merge_segments_kernel():
-    gen = torch.Generator().manual_seed(3)
-    lens, tail, block_n, programs, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 9, 2, 3, 16
+@pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request, and 9 (3 loads)
+def test_merge_segments_kernel(programs):
+    gen = torch.Generator().manual_seed(programs)
+    lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 16
     plan = worklist.schedule(lens, tail, block_n, programs)
     bs, rows = len(lens), worklist.partial_rows(topk, heads)
     work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,
@@ -112,6 +115,7 @@ def test_merge_segments_kernel():
         w = torch.softmax(lse, 0)
         want[b * topk:(b + 1) * topk] = (w[..., None] * o).sum(0).view(topk, heads, d)
     worklist.merge(mid_o, mid_lse, out, work, programs, topk)
+    assert max(len(plan.parts(b)) for b in range(bs)) == (4 if programs == 9 else 9)
     merged = ~torch.isnan(want)
     assert merged.any() and (~merged).any()  # both kinds of request in the batch
     torch.testing.assert_close(out.cpu().double()[merged], want[merged], atol=2e-2, rtol=2e-2)

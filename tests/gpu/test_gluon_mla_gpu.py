@@ -30,12 +30,12 @@ def _variants():
     from specattn.backends.triton.launchers import KernelConfig
 
     every = {
-        "default": None,  # launchers.gluon_config: the work list (worklist), 64-key tiles
+        "default": None,  # launchers.gluon_config: split per request (v3)
+        # The balanced work list (worklist), opt-in.
+        "n64s2-wl": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
+                                 gluon_prefetch=True, gluon_worklist=True),
         "n32s4-wl": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
                                  gluon_prefetch=True, gluon_worklist=True),
-        # Split per request (grid (row tiles, B, splits)): the default until session 8.
-        "n64s2-v3": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
-                                 gluon_prefetch=True),
         "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
                                       gluon_overlap=True, gluon_prefetch=True),
         "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True,
@@ -180,10 +180,10 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3") if v in VARIANT_NAMES])
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-wl") if v in VARIANT_NAMES])
 def test_random_stress_100_batches(variant):
-    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the work-list kernel
-    (default) and the split-per-request one."""
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default kernel
+    and the work-list one."""
     rng = random.Random(1234)
     gen = torch.Generator().manual_seed(1234)
     for it in range(100):

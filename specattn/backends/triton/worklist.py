@@ -164,10 +164,12 @@ def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
 
 @triton.jit
 def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, stride_ot,
-                          stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr):
+                          stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr,
+                          BLOCK_P: tl.constexpr):
     """Grid ``(B * K, H)``: ``Out[z, h]`` from request ``b = z // K``'s partial slots, row
     ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots, rows]``);
-    requests with one segment were written by the kernel and are left alone."""
+    requests with one segment were written by the kernel and are left alone. ``BLOCK_P``
+    slots are loaded at a time, so their loads overlap."""
     z = tl.program_id(0)
     h = tl.program_id(1)
     b = z // TOPK
@@ -175,27 +177,27 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
     lo = tl.load(Work + 1 + num_programs + b)
     hi = tl.load(Work + 2 + num_programs + b)
     p_first = lo // chunk
-    p_last = (hi - 1) // chunk
-    if p_last > p_first:
+    n_parts = (hi - 1) // chunk - p_first + 1
+    if n_parts > 1:
         row = (z % TOPK) * H + h
         offs = tl.arange(0, D_V)
-        m = float("-inf")
-        den = 0.0
+        offs_p = tl.arange(0, BLOCK_P)
+        first = (p_first + b).to(tl.int64)
+        m = tl.full([], float("-inf"), tl.float32)
+        den = tl.zeros([], tl.float32)
         acc = tl.zeros([D_V], tl.float32)
-        g = (p_first + b).to(tl.int64)
-        o_ptr = MidO + g * stride_mo_g + row * D_V + offs
-        lse_ptr = MidLse + g * stride_ml_g + row
-        for _ in range(p_first, p_last + 1):
-            lse = tl.load(lse_ptr)
-            o = tl.load(o_ptr)
-            o_ptr += stride_mo_g
-            lse_ptr += stride_ml_g
-            m_new = tl.maximum(m, lse)
+        for p0 in range(0, n_parts, BLOCK_P):
+            ok = p0 + offs_p < n_parts
+            g = first + p0 + offs_p
+            lse = tl.load(MidLse + g * stride_ml_g + row, mask=ok, other=float("-inf"))
+            o = tl.load(MidO + g[:, None] * stride_mo_g + row * D_V + offs[None, :],
+                        mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(lse, 0))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             scale = tl.exp(m - shift)
             w = tl.exp(lse - shift)
-            acc = acc * scale + o * w
-            den = den * scale + w
+            acc = acc * scale + tl.sum(o * w[:, None], 0)
+            den = den * scale + tl.sum(w, 0)
             m = m_new
         o = acc / tl.where(den > 0.0, den, 1.0)
         tl.store(Out + z.to(tl.int64) * stride_ot + h * stride_oh + offs,
@@ -209,4 +211,4 @@ def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: t
     rows, heads, d_v = out.shape
     merge_segments_kernel[(rows, heads)](
         mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
-        out.stride(1), programs, topk, H=heads, D_V=d_v, num_warps=4)
+        out.stride(1), programs, topk, H=heads, D_V=d_v, BLOCK_P=4, num_warps=4)
