@@ -28,7 +28,10 @@ Kernel (one program per (64-row tile, request, prefix split); 8 warps = two warp
 - One split: the program normalises and writes the output directly (no merge launch);
   several: fp32 partials + natural-log LSE, merged by ``specattn.kernels.merge.merge_kernel``.
 - ``_gluon_mla_ws_kernel`` (opt-in, ``KernelConfig.gluon_ws``): the warp-specialized variant,
-  with the two warpgroups on alternate key tiles. Compiled for sm90, not yet run on a GPU.
+  with the two warpgroups on alternate key tiles (passes the H200 tests, no faster).
+- ``_gluon_mla_wl_kernel`` (opt-in, ``KernelConfig.gluon_worklist``; ``attention_worklist``):
+  the same tile loop over ``worklist``'s balanced work list, programs in proportion to each
+  request's length (H200: faster on ragged batches, slower on uniform ones).
 
 Run on: H200, torch 2.11 + cu130, Triton 3.6.0 (see ``docs/gluon-mla.md`` and
 ``benchmarks/results/2026-11-30-h200/gluon-*.md``).
@@ -180,8 +183,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     out: ``[B*K, H, 512]``; mid_o: ``[B*K, H, >= splits, 512]`` fp32; mid_lse:
     ``[B*K, H, >= splits]`` fp32; meta: ``[>= B, 5]`` int32 (``_metadata_kernels``);
     hist: ``[B*K, S]`` int32; parents: ``[S, B, K]`` (path mode, ``mode == 1``).
-    ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental, not yet
-    run on a GPU)."""
+    ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental)."""
     K = kernel_module()
     H = q.shape[1]
     par = parents if parents is not None else meta

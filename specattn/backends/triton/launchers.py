@@ -40,8 +40,8 @@ class KernelConfig:
     shared-prefix decode on sm90; ``block_n`` / ``num_stages`` its key tile and ring depth,
     ``gluon_overlap`` its softmax / P.V overlap, ``gluon_prefetch`` its ``req_to_token``
     loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel (experimental:
-    no faster on the H200), ``gluon_worklist`` the balanced work list across requests
-    (``worklist``))."""
+    no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
+    programs in proportion to each request's length))."""
 
     block_m: int
     block_n: int
