@@ -165,6 +165,9 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
 
     r, batch = mla_round(lens, topk=2, steps=3)
     stand_in = _WorkListStandIn(r, batch, "path")
+    merges = []
+    real_merge = worklist._merge_launch
+    monkeypatch.setattr(worklist, "_merge_launch", lambda *a: merges.append(a) or real_merge(*a))
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     monkeypatch.setattr(gluon_mla, "_kernels", lambda: (object(), ""))
     monkeypatch.setattr(_gluon_mla_wl_kernel, "_gluon_mla_wl_kernel", stand_in)
@@ -194,6 +197,8 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
         grid, const = stand_in.launches[-1]
         assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
         assert const["BLOCK_N"] == 16 and const["num_warps"] == 8 and const["WRITE_NEW"]
+    # P == B: every request one program, written directly: no merge launch.
+    assert len(merges) == (0 if P == len(lens) else 3)
 
 
 def test_config_rules():

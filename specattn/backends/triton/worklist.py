@@ -13,11 +13,12 @@ length instead:
   ``ceil(units_b / chunk)`` programs of at most ``chunk`` tiles each;
 - laid end to end, request ``b`` starts at unit ``U[b]`` (a multiple of ``chunk``), and
   program ``p`` takes the units ``[p * chunk, (p + 1) * chunk)``: one *segment* of one
-  request (the kernel also walks runs that cross requests, one segment per request);
+  request;
 - a request with one program is written directly; the others write an fp32 partial and a
   natural-log LSE into slot ``p + b`` (no two segments share one: a later program starts
   past an earlier request's end), merged by ``merge_segments_kernel`` over the slots
-  ``[p_first + b, p_last + b]``.
+  ``[p_first + b, p_last + b]``; with ``P == B`` every request has one program and ``merge``
+  is not launched.
 
 A first version cut one run of units into equal pieces across request boundaries: two
 segments per program at mla-long and 83 vs 68 us uniform (ragged 86 vs 88), so programs
@@ -206,8 +207,15 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
 
 def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
           programs: int, topk: int) -> None:
-    """Merge the partials of every request with several segments into ``out [B*K, H, D]``.
+    """Merge the partials of every request with several segments into ``out [B*K, H, D]``
+    (no launch when ``programs`` is the batch: one program, a direct write, per request).
     mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32."""
+    rows, heads, d_v = out.shape
+    if programs > rows // topk:
+        _merge_launch(mid_o, mid_lse, out, work, programs, topk)
+
+
+def _merge_launch(mid_o, mid_lse, out, work, programs, topk) -> None:
     rows, heads, d_v = out.shape
     merge_segments_kernel[(rows, heads)](
         mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
