@@ -190,17 +190,19 @@ ws_first() {
 gluon_first() {
   eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
   export PYTHONPATH=$PYTHONPATH:$PWD
-  local t="python -m pytest -v -n 2 -p no:cacheprovider -rfE --timeout 120"
+  local t="python -m pytest -v -n 2 -p no:cacheprovider -rfE"
   job gpu-tests-gate "${GATE_S:-150}" env SPECATTN_GLUON_VARIANTS="$GATE_VARIANTS" $t -x \
-    tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+    --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
   if ! tail -n 1 "$logs/gpu-tests-gate.log" | grep -q "exit status 0$"; then
     check
     return
   fi
   local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-170}"
+  # The stress loop compiles a kernel per (H, dtype, mode, cap) it draws: 120 s per test
+  # cut it in session 8, so it gets the job's whole limit.
   job gpu-stress-gluon 200 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
     tests/gpu/test_gluon_mla_gpu.py -k stress &
-  job gpu-tests-triton 200 $t tests/gpu/test_triton_gpu.py -k "not stress" &
+  job gpu-tests-triton 200 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &
   job kit-triton 200 $KIT -n 2 -k test_triton &
   job memcheck-triton 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
   job soak-triton 200 $SOAK --backend triton $s --workers 3 --same-config 50 &
