@@ -17,6 +17,36 @@ D_PE = gl.constexpr(64)
 BLOCK_M = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
+# The 8-warp kernels (``_gluon_mla_kernel``, ``_gluon_mla_wl_kernel``): both warpgroups split
+# the columns of S [64, BLOCK_N] (``_acc_layout``) and O [64, 512] (256 each); P goes to the
+# P.V wgmma as a register operand of O's layout; copies are 16 bytes, 4 rows x 128 bytes per
+# warp instruction.
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
+    version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 512 // 2, 16]))
+P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+
+
+@gluon.constexpr_function
+def _acc_layout(cols):
+    """A ``[64, cols]`` fp32 wgmma accumulator, each warpgroup computing half the columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                     instr_shape=[16, cols // 2, 16])
+
+
+@gluon.jit
+def _alloc_q_and_ring(dtype: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Shared memory for the 64 query rows (latent, rope) and the key ring
+    (``NUM_STAGES`` x ``BLOCK_N`` keys, latent and rope): ``(q, qpe, k, kpe)``."""
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_MAIN], dtype)
+    qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], dtype)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
+    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
+    return (gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl),
+            gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl),
+            gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl),
+            gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl))
 
 
 @gluon.jit
@@ -156,6 +186,53 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
         gl.store(KV + dst[:, None] * stride_kvs + offs_c[None, :], x, mask=m)
 
 
+@gluon.jit
+def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
+               r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi, hl,
+               q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+               num_slots, qk_scale, logit_cap, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
+               copy_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One key tile ``t`` (OVERLAP off): refill the stage the previous tile used with tile
+    ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
+    Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries
+    (``PREFETCH``)."""
+    dtype: gl.constexpr = k_smem.dtype
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = s_zero.type.layout
+    # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
+    gl.thread_barrier()
+    if not PREFETCH:
+        slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
+                              copy_layout)
+    _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
+                n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
+                NUM_STAGES, copy_layout)
+    async_copy.commit_group()
+    if PREFETCH:
+        # First read at the next issue, a tile's MMAs later.
+        slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
+                              copy_layout)
+    async_copy.wait_group(NUM_STAGES - 1)
+    fence_async_shared()
+    gl.thread_barrier()
+    stage = t % NUM_STAGES
+    k_s = k_smem.index(stage)
+    _finite_tail(k_s, t, n_pref, copy_layout)
+    s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return acc, m_i, l_i, slots
+
+
 # The three helpers below serve the warp-specialized kernel. ``_gluon_mla_kernel`` does the
 # same steps inline, in the exact form that ran on the H200 (session 7). It moves onto these
 # helpers with the next device run, which checks both kernels.
@@ -248,20 +325,11 @@ def _gluon_mla_kernel(
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
     dtype: gl.constexpr = KV.dtype.element_ty
-    # Both warpgroups split the columns: S [64, BLOCK_N] (BLOCK_N / 2 each), O [64, 512]
-    # (256 each); P goes to the P.V wgmma as a register operand of O's layout.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_MAIN // 2, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # 16-byte copies, 4 rows x 128 bytes per warp instruction.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    kv_write_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_MAIN], dtype)
-    qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], dtype)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
-    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    o_layout: gl.constexpr = O_LAYOUT
+    p_layout: gl.constexpr = P_LAYOUT
+    copy_layout: gl.constexpr = COPY_LAYOUT
+    kv_write_layout: gl.constexpr = KV_WRITE_LAYOUT
 
     rt = gl.program_id(0)
     b = gl.program_id(1)
@@ -290,10 +358,7 @@ def _gluon_mla_kernel(
     n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
-    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
-    kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
+    q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
     # Q rows (row m: lane m // H, head m % H), in the first copy group.
     offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
@@ -377,38 +442,12 @@ def _gluon_mla_kernel(
                                       BLOCK_N, copy_layout)
     else:
         for t in range(total):
-            # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
-            gl.thread_barrier()
-            if not PREFETCH:
-                slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end,
-                                      BLOCK_N, copy_layout)
-            _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
-                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
-                        MODE, BLOCK_N, NUM_STAGES, copy_layout)
-            async_copy.commit_group()
-            if PREFETCH:
-                # First read at the next issue, a tile's MMAs later.
-                slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
-                                      copy_layout)
-            async_copy.wait_group(NUM_STAGES - 1)
-            fence_async_shared()
-            gl.thread_barrier()
-            stage = t % NUM_STAGES
-            k_s = k_smem.index(stage)
-            _finite_tail(k_s, t, n_pref, copy_layout)
-            s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
-                                  is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N,
-                            s_layout)
-            p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            acc, m_i, l_i, slots = _tile_step(
+                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
+                r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi,
+                hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+                NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, PREFETCH,
+                USE_CAP, copy_layout, p_layout)
     async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.

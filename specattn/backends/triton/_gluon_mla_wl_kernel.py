@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy
 
 from ._attn_kernels import META_W
 from ._gluon_mla_kernel import (
-    BLOCK_M, D_MAIN, D_PE, LOG2E, _finite_tail, _issue_q, _issue_tile, _prefix_slots,
-    _softmax, _store_new_keys, _store_result, _tile_vis)
+    BLOCK_M, COPY_LAYOUT, D_MAIN, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT, _acc_layout,
+    _alloc_q_and_ring, _issue_q, _issue_tile, _prefix_slots, _store_new_keys, _store_result,
+    _tile_step)
 
 
 @gluon.jit
@@ -34,17 +34,7 @@ def _gluon_mla_wl_kernel(
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors as in ``_gluon_mla_kernel``."""
     dtype: gl.constexpr = KV.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_MAIN // 2, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    kv_write_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_MAIN], dtype)
-    qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], dtype)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
-    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     rt = gl.program_id(0)
@@ -64,10 +54,7 @@ def _gluon_mla_wl_kernel(
     n_lo = lane_lo * hl
     tail_keys = (lane_hi - lane_lo) * hl
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
-    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
-    kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
+    q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
     row_lane = offs_sm // H
@@ -94,56 +81,32 @@ def _gluon_mla_wl_kernel(
         if WRITE_NEW:
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
-                                lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
+                                lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
         # Every warp is past the previous segment's MMAs before Q and the stages refill.
         gl.thread_barrier()
         _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-                 copy_layout)
+                 COPY_LAYOUT)
         for i in gl.static_range(NUM_STAGES - 1):
             _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end, BLOCK_N,
-                                                copy_layout),
+                                                COPY_LAYOUT),
                         k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end,
                         n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                         stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                        copy_layout)
+                        COPY_LAYOUT)
             async_copy.commit_group()
         slots = _prefix_slots(t_lo + NUM_STAGES - 1, r2t_row, n_pref, 0, end, BLOCK_N,
-                              copy_layout)
+                              COPY_LAYOUT)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-        acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, o_layout)
+        acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
         for t in range(t_lo, t_hi):
-            # The v3 tile step (``_gluon_mla_kernel``, OVERLAP off).
-            gl.thread_barrier()
-            if not PREFETCH:
-                slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, 0, end, BLOCK_N,
-                                      copy_layout)
-            _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                        stride_kin_t, n_pref, 0, end, n_lo, n_hi, hl, q_start, b, step,
-                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
-                        MODE, BLOCK_N, NUM_STAGES, copy_layout)
-            async_copy.commit_group()
-            if PREFETCH:
-                slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
-                                      copy_layout)
-            async_copy.wait_group(NUM_STAGES - 1)
-            fence_async_shared()
-            gl.thread_barrier()
-            stage = t % NUM_STAGES
-            k_s = k_smem.index(stage)
-            _finite_tail(k_s, t, n_pref, copy_layout)
-            s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
-                                  is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            vis = _tile_vis(t, row_lane, n_pref, 0, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
-            p_t, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p_t.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            acc, m_i, l_i, slots = _tile_step(
+                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
+                r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end, n_lo, n_hi, hl,
+                q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, PREFETCH, USE_CAP,
+                COPY_LAYOUT, P_LAYOUT)
         async_copy.wait_group(0)
 
         # The request's only segment writes Out; the others a partial in slot p + b, whose
