@@ -246,3 +246,33 @@ def test_soak_same_config_shares_the_kernel_configuration_in_runs_of_seeds():
     # Lengths still vary from seed to seed inside a run.
     lens = {str(_round_case(target, s, 0, 50, 10).params["lens"]) for s in range(200, 210)}
     assert len(lens) > 1
+
+
+def test_soak_option_reaches_the_constructor_of_the_classes_that_take_it(scoped_registry,
+                                                                         capsys):
+    """``--option`` as in ``specattn bench``: a keyword goes to the classes whose constructor
+    takes it (here decode only), the summary names it, and a bad one is refused."""
+    from specattn.errors import InvalidInputError
+    from specattn.testing.soak import main
+
+    class SkewedDecode(_Decode, name="mine", platforms=any_platform, priority=-5):
+        def __init__(self, runner, topk, num_steps, *, tree_mode="lane", skew: float = 1.0):
+            super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+            self.skew = skew
+
+        def _attend(self, step, layer, q, k, v):
+            return super()._attend(step, layer, q, k, v) * self.skew
+
+    class MyExtend(_Extend, name="mine", platforms=any_platform, priority=-5):
+        pass
+
+    common = ["--backend", "mine", "--rounds", "12", "--seed", "3", "--graph-every", "0",
+              "--max-len", "40"]
+    assert main(common) == 0
+    assert "soak mine: 12 random rounds" in capsys.readouterr().out
+    assert main(common + ["--option", "mine:skew=1.05"]) == 1
+    out = capsys.readouterr().out
+    assert "soak mine[skew=1.05]: 12 random rounds" in out and "/decode/" in out
+    assert "/extend/" not in out  # the extend class does not take it: untouched
+    with pytest.raises(InvalidInputError, match="--option"):
+        main(common + ["--option", "mine:nope=1"])

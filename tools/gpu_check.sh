@@ -185,8 +185,9 @@ ws_first() {
 # A Gluon MLA kernel's first run and its checks in one call (carry .gpu/flashinfer
 # .gpu/install.sh): the GPU tests of GATE_VARIANTS alone (two processes, a limit per test: a
 # wrong loop bound hangs instead of failing); only if they pass, side by side the Gluon stress
-# loops (STRESS_VARIANTS), the Triton GPU suite, the kit, memcheck and a soak on triton; then
-# the Gluon MLA bench alone (tools/gluon_session.sh bench, with its GLUON_* settings).
+# loops (STRESS_VARIANTS), the Triton GPU suite, the kit, memcheck and a soak on triton
+# (SOAK_OPTION: e.g. 'triton:config=...' for an opt-in kernel); then the Gluon MLA bench
+# alone (tools/gluon_session.sh bench, with its GLUON_* settings).
 gluon_first() {
   eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
   export PYTHONPATH=$PYTHONPATH:$PWD
@@ -205,7 +206,9 @@ gluon_first() {
   job gpu-tests-triton 200 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &
   job kit-triton 200 $KIT -n 2 -k test_triton &
   job memcheck-triton 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
-  job soak-triton 200 $SOAK --backend triton $s --workers 3 --same-config 50 &
+  # SOAK_OPTION: a constructor option for the soak, e.g. a config the default does not run.
+  job soak-triton 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
+    ${SOAK_OPTION:+--option "$SOAK_OPTION"} &
   wait
   job gluon-bench "${GLUON_BENCH_S:-230}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null

@@ -138,11 +138,14 @@ def _round_case(target: Target, seed: int, graph_every: int, max_len: int,
 
 def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int = 20,
          max_len: int = 300, max_seconds: Optional[float] = None, same_config: int = 1,
-         device=None, platform=None, setup=None, log=print) -> SoakResult:
+         device=None, platform=None, setup=None, decode_options=None, extend_options=None,
+         log=print) -> SoakResult:
     """Run ``rounds`` random rounds (fewer if ``max_seconds`` runs out first); round ``i``
     uses seed ``seed + i``. ``same_config > 1``: runs of that many seeds share a kernel
-    configuration (fewer compiles for JIT backends; lengths and layouts still vary)."""
-    target = Target.build(backend, platform=platform, device=device, setup=setup)
+    configuration (fewer compiles for JIT backends; lengths and layouts still vary).
+    ``decode_options`` / ``extend_options``: constructor keywords (as in ``check_backend``)."""
+    target = Target.build(backend, platform=platform, device=device, setup=setup,
+                          decode_options=decode_options, extend_options=extend_options)
     result = SoakResult(target.label)
     replay = f" (replay with --same-config {same_config})" if same_config > 1 else ""
     start = time.perf_counter()
@@ -203,6 +206,34 @@ def soak_parallel(backend: str, *, rounds: int, seed: int = 0, workers: int = 1,
     return total
 
 
+def _parse_options(texts: list[str]) -> list:
+    """``--option`` values, checked against the registry (``specattn.bench.options``)."""
+    from ..bench.options import check_options, parse_option
+    from ..registry import active_registry
+
+    options = [parse_option(t) for t in texts]
+    check_options(options, active_registry())
+    return options
+
+
+def _options_for(name: str, options: list) -> tuple[dict, dict, list[str]]:
+    """The decode and extend constructor keywords the options give backend ``name`` (each
+    to the classes that take it), and the option texts that applied."""
+    from ..registry import active_registry
+
+    kwargs: dict[str, dict] = {"decode": {}, "extend": {}}
+    texts = []
+    for opt in options:
+        for kind, found in kwargs.items():
+            for cls in active_registry().classes(kind):
+                if name in (cls.name, *cls.aliases) and opt.backend in (cls.name, *cls.aliases) \
+                        and opt.fits(cls):
+                    found.update(opt.kwargs_for(cls))
+                    if opt.text not in texts:
+                        texts.append(opt.text)
+    return kwargs["decode"], kwargs["extend"], texts
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specattn.testing.soak",
                                      description=__doc__.split("\n\n")[0])
@@ -220,12 +251,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--same-config", type=int, default=1,
                         help="runs of N seeds share a kernel configuration (fewer JIT "
                              "compiles; replay with the same N)")
+    parser.add_argument("--option", action="append", default=[], metavar="BACKEND:KEY=VALUE",
+                        help="constructor keywords for a backend's classes, as in specattn "
+                             "bench --option (e.g. 'triton:config=m64 n64 w8 s2 kv-first "
+                             "gluon pf wl')")
     args = parser.parse_args(argv)
+    options = _parse_options(args.option)
     failed = 0
     for name in args.backend:
+        decode, extend, texts = _options_for(name, options)
         result = soak_parallel(name, rounds=args.rounds, seed=args.seed, workers=args.workers,
                                graph_every=args.graph_every, max_len=args.max_len,
-                               max_seconds=args.max_seconds, same_config=args.same_config)
+                               max_seconds=args.max_seconds, same_config=args.same_config,
+                               decode_options=decode, extend_options=extend)
+        if texts:
+            result.backend += f"[{','.join(texts)}]"
         print(result.summary(), flush=True)
         for seed, case_id, why in result.failures:
             print(f"  seed {seed}: {case_id}: {why}", flush=True)
