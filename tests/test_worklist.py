@@ -211,3 +211,20 @@ def test_config_rules():
     from specattn.bench.options import kernel_config
 
     assert kernel_config("m64 n64 w8 s2 kv-first gluon pf wl").gluon_worklist
+
+
+def test_work_list_keyword(monkeypatch):
+    """``TritonDecode(work_list=True)``: the work-list config where the Gluon kernel runs, the
+    ``tl.dot`` kernel elsewhere (no error); anything but a bool is refused by name."""
+    from test_gluon_mla import mla_round
+
+    from specattn.backends.triton import TritonDecode
+    from specattn.errors import InvalidInputError
+
+    r, _ = mla_round([5, 6, 7], topk=4)
+    assert not TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon  # CPU
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    assert TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon_worklist
+    assert not TritonDecode(r, 4, 3)._make_plan(3)["cfg"].gluon_worklist
+    with pytest.raises(InvalidInputError, match="work_list"):
+        TritonDecode(r, 4, 3, work_list="yes")

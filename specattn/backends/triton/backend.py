@@ -20,6 +20,7 @@ count depends only on the (padded) batch size, so capture and replay agree.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Optional
@@ -84,7 +85,10 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
     (default: from the SM count and the grid size); ``config``: a ``launchers.KernelConfig``
     overriding the block sizes, ``split_waves``: programs per SM the split count aims at
-    (default per kernel, ``launchers.default_waves``) (benchmarks)."""
+    (default per kernel, ``launchers.default_waves``) (benchmarks); ``work_list``: where the
+    Gluon MLA kernel runs, give each request programs in proportion to its length
+    (``worklist``: faster on batches of mixed lengths, slower on uniform ones; no effect
+    elsewhere)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
@@ -102,16 +106,20 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 config=None, split_waves: Optional[float] = None) -> None:
+                 config=None, split_waves: Optional[float] = None,
+                 work_list: bool = False) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
+        if not isinstance(work_list, bool):
+            raise InvalidInputError("work_list", "a bool", repr(work_list))
         if num_splits is not None and not 1 <= num_splits <= 16:
             raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
         self.mode = mode
         self._num_splits_override = num_splits
         self._config_override = config
         self._split_waves = split_waves
+        self.work_list = work_list
         self._bufs: Optional[_GraphBuffers] = None
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._round_plan = None
@@ -139,7 +147,10 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         if self.mode != "shared" or not self.runner.use_mla_backend:
             return None
         interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        return _launchers().gluon_config(self.runner, interpret)
+        cfg = _launchers().gluon_config(self.runner, interpret)
+        if cfg is not None and self.work_list:
+            cfg = dataclasses.replace(cfg, gluon_worklist=True)
+        return cfg
 
     @classmethod
     def runtime_note(cls, platform) -> str:
