@@ -174,3 +174,12 @@ def test_warp_specialize_probe_puts_wgmma_in_both_partitions():
     assert int(found.group(1)) == 80
     assert int(found.group(2)) > 0 and int(found.group(3)) > 0
     assert "local 0 B" in run.stdout
+
+
+def test_gluon_diag_refuses_a_kernel_without_its_diag_step():
+    """``gluon_diag.py`` times the split-per-request kernel (whose tile step has ``DIAG``):
+    another config is refused before any GPU work."""
+    for label in ("m64 n64 w8 s2 kv-first gluon pf wl", "m64 n64 w8 s3 mla3 kv-first"):
+        res = subprocess.run([sys.executable, os.path.join(TOOLS, "gluon_diag.py"), "--config",
+                              label], capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and "split-per-request Gluon kernel" in res.stderr, res

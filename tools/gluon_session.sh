@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Gluon MLA kernel's GPU record in one device call (carry .gpu/flashinfer .gpu/install.sh):
-#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress] [ncu]
+#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress] [ncu] [diag]
 # tests: tests/gpu/test_gluon_mla_gpu.py but its stress loop (SPECATTN_GLUON_VARIANTS picks
 # variants); memcheck: compute-sanitizer over a small MLA round (uniform and ragged) checked
 # against torch_ref (`specattn bench --check-only`; GLUON_CHECK_OPTION adds one --option
@@ -10,8 +10,9 @@
 # FlashInfer, into $OUT/gluon-bench.md and .tgz (GLUON_BENCH_ARGS adds arguments, e.g.
 # --quick; GLUON_CASES replaces the case list);
 # stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
-# kernel at mla-long, into $OUT/gluon-ncu.txt. Logs go to $OUT (gluon-*.log); exit status
-# non-zero if a part failed.
+# kernel at mla-long, into $OUT/gluon-ncu.txt; diag: tools/gluon_diag.py (the kernel's copies
+# alone and its math alone beside the full kernel), into $OUT/gluon-diag.md. Logs go to $OUT
+# (gluon-*.log); exit status non-zero if a part failed.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the logs}"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
@@ -56,6 +57,9 @@ for part in "${@:-tests memcheck bench stress}"; do
                python -m specattn bench --case mla-long --backend triton --check-only \
                --out /tmp/gluon-ncu > "$OUT/gluon-ncu.txt" 2>&1 || status=1
              tail -n 5 "$OUT/gluon-ncu.txt" ;;
+      diag) timeout "${GLUON_DIAG_S:-200}" python tools/gluon_diag.py > "$OUT/gluon-diag.md" \
+               2>&1 || status=1
+             cat "$OUT/gluon-diag.md" ;;
     esac
   done
 done

@@ -94,7 +94,7 @@ def compile_gluon(new_kv: int, block_n: int = 64, num_stages: int = 2, overlap: 
         return _compile(W._gluon_mla_ws_kernel, const, 4, num_stages, gluon=True)
     from specattn.backends.triton import _gluon_mla_kernel as G
 
-    return _compile(G._gluon_mla_kernel, dict(const, OVERLAP=overlap), 8, num_stages,
+    return _compile(G._gluon_mla_kernel, dict(const, OVERLAP=overlap, DIAG=0), 8, num_stages,
                     gluon=True)
 
 

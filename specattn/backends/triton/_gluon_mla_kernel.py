@@ -192,44 +192,49 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
                q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                num_slots, qk_scale, logit_cap, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
-               copy_layout: gl.constexpr, p_layout: gl.constexpr):
+               copy_layout: gl.constexpr, p_layout: gl.constexpr, DIAG: gl.constexpr = 0):
     """One key tile ``t`` (OVERLAP off): refill the stage the previous tile used with tile
     ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
     Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries
-    (``PREFETCH``)."""
+    (``PREFETCH``). ``DIAG`` (timing experiments only, wrong results): 1 skips the math (the
+    copies and waits alone), 2 skips the copies after the prologue (the math alone, on
+    whatever the stages hold)."""
     dtype: gl.constexpr = k_smem.dtype
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = s_zero.type.layout
     # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
     gl.thread_barrier()
-    if not PREFETCH:
-        slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
-                              copy_layout)
-    _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t,
-                n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
-                stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                NUM_STAGES, copy_layout)
+    if DIAG != 2:
+        if not PREFETCH:
+            slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
+                                  copy_layout)
+        _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                    stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                    Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
+                    BLOCK_N, NUM_STAGES, copy_layout)
     async_copy.commit_group()
-    if PREFETCH:
+    if PREFETCH and DIAG != 2:
         # First read at the next issue, a tile's MMAs later.
         slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
                               copy_layout)
     async_copy.wait_group(NUM_STAGES - 1)
     fence_async_shared()
     gl.thread_barrier()
-    stage = t % NUM_STAGES
-    k_s = k_smem.index(stage)
-    _finite_tail(k_s, t, n_pref, copy_layout)
-    s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
-                          is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
-    p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    if DIAG != 1:
+        stage = t % NUM_STAGES
+        k_s = k_smem.index(stage)
+        _finite_tail(k_s, t, n_pref, copy_layout)
+        s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
     return acc, m_i, l_i, slots
 
 
@@ -320,8 +325,9 @@ def _gluon_mla_kernel(
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         OVERLAP: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
-        DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr):
-    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
+        DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr, DIAG: gl.constexpr = 0):
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``DIAG``: ``_tile_step``'s timing
+    experiments, OVERLAP off). See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
     dtype: gl.constexpr = KV.dtype.element_ty
@@ -447,7 +453,7 @@ def _gluon_mla_kernel(
                 r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi,
                 hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
                 NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, PREFETCH,
-                USE_CAP, copy_layout, p_layout)
+                USE_CAP, copy_layout, p_layout, DIAG)
     async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.

@@ -174,7 +174,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               mode: int, batch: int, topk: int, num_steps: int, step: int, num_splits: int,
               sm_scale: float, logit_cap: float, block_n: int, num_stages: int,
               overlap: bool, prefetch: bool, write_new: bool,
-              warp_specialized: bool = False) -> bool:
+              warp_specialized: bool = False, diag: int = 0) -> bool:
     """Launch the kernel; returns whether the output was written directly (one split) or
     the caller must merge ``mid_o``/``mid_lse`` (``num_splits`` partials).
 
@@ -183,7 +183,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     out: ``[B*K, H, 512]``; mid_o: ``[B*K, H, >= splits, 512]`` fp32; mid_lse:
     ``[B*K, H, >= splits]`` fp32; meta: ``[>= B, 5]`` int32 (``_metadata_kernels``);
     hist: ``[B*K, S]`` int32; parents: ``[S, B, K]`` (path mode, ``mode == 1``).
-    ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental)."""
+    ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental).
+    ``diag``: ``_tile_step``'s timing experiments (1: copies alone, 2: math alone; wrong
+    results; ``tools/gluon_diag.py``)."""
     K = kernel_module()
     H = q.shape[1]
     par = parents if parents is not None else meta
@@ -205,7 +207,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
         # 4 warps here, 4 more in the worker partition: two consumer warpgroups.
         W._gluon_mla_ws_kernel[grid](*args, **common, num_warps=NUM_WARPS // 2)
     else:
-        K._gluon_mla_kernel[grid](*args, **common, OVERLAP=overlap, num_warps=NUM_WARPS)
+        extra = dict(DIAG=diag) if diag else {}  # not a key of the default compile
+        K._gluon_mla_kernel[grid](*args, **common, OVERLAP=overlap, num_warps=NUM_WARPS,
+                                  **extra)
     return direct
 
 
