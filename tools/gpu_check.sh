@@ -202,7 +202,7 @@ gluon_first() {
   fi
   local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-170}"
   # The stress loop compiles a kernel per (H, dtype, mode, cap) it draws: 120 s per test
-  # cut it in session 8, so it gets the job's whole limit.
+  # cut it in session 8. It now runs as 4 tests (2 workers here) under the job's limit.
   job gpu-stress-gluon 200 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
     tests/gpu/test_gluon_mla_gpu.py -k stress &
   job gpu-tests-triton 200 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &

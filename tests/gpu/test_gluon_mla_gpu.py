@@ -1,7 +1,7 @@
 """The Gluon MLA decode kernel (``triton`` backend, sm90) against ``torch_ref``: K 1/2/4/8,
 H 16/128, page 1/64, lane/path, ragged, prefixes from 0, logit cap, bf16/fp16, direct
 output (one split) and merged splits; CUDA-graph capture/replay of padded batches; a
-100-batch random stress loop. Outputs and partials are NaN-poisoned before each call. Every
+100-batch random stress loop (in 4 tests, so xdist workers compile side by side). Outputs and partials are NaN-poisoned before each call. Every
 test asserts the Gluon kernel ran (``SPECATTN_GLUON_VARIANTS``: comma-separated variant names
 of ``VARIANTS`` to run; default all). Marked ``gpu``."""
 
@@ -180,20 +180,34 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-wl") if v in VARIANT_NAMES])
-def test_random_stress_100_batches(variant):
-    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default kernel
-    and the work-list one."""
+STRESS_CHUNKS = 4  # the 100 batches in 4 tests, so that xdist workers compile side by side
+
+
+def _stress_batches():
+    """The 100 random batches (drawn in order from one seed, whichever chunk runs)."""
     rng = random.Random(1234)
-    gen = torch.Generator().manual_seed(1234)
+    batches = []
     for it in range(100):
         dtype = torch.bfloat16 if it % 2 else torch.float16
         H = 128 if it % 5 == 0 else 16
         K, S, P = rng.choice([1, 2, 4, 8]), rng.choice([2, 3, 5]), rng.choice([1, 16, 64])
         tree_mode = rng.choice(["lane", "path"])
         lens = [rng.randint(0, 2500) for _ in range(rng.randint(1, 12 if H == 16 else 3))]
+        batches.append((it, dtype, H, K, S, P, tree_mode, lens,
+                        rng.choice([None, None, 1, 3, 16]), rng.choice([0.0, 20.0]),
+                        rng.randrange(S)))
+    return batches
+
+
+@pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-wl") if v in VARIANT_NAMES])
+def test_random_stress_100_batches(variant, chunk):
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default kernel
+    and the work-list one. Each chunk runs a quarter of the 100 batches."""
+    for it, dtype, H, K, S, P, tree_mode, lens, splits, cap, step in \
+            _stress_batches()[chunk::STRESS_CHUNKS]:
+        gen = torch.Generator().manual_seed(1234 + it)
         r, batch = make_round(dtype, H, K, S, P, lens, tree_mode)
-        backend = make_backend(r, K, S, tree_mode, variant,
-                               rng.choice([None, None, 1, 3, 16]))
-        run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, rng.choice([0.0, 20.0])),
-                  tree_mode, gen, check_steps={rng.randrange(S)})
+        backend = make_backend(r, K, S, tree_mode, variant, splits)
+        run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, cap), tree_mode, gen,
+                  check_steps={step})
