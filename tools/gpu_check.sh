@@ -189,7 +189,8 @@ ws_first() {
 # wrong loop bound hangs instead of failing); only if they pass, side by side the Gluon stress
 # loops (STRESS_VARIANTS), the Triton GPU suite, the kit, memcheck and a soak on triton
 # (SOAK_OPTION: e.g. 'triton:config=...' for an opt-in kernel); then the Gluon MLA bench
-# alone (tools/gluon_session.sh bench, with its GLUON_* settings).
+# alone (tools/gluon_session.sh bench, with its GLUON_* settings), and with GLUON_DIAG=1
+# tools/gluon_diag.py.
 gluon_first() {
   eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
   export PYTHONPATH=$PYTHONPATH:$PWD
@@ -214,6 +215,10 @@ gluon_first() {
   wait
   job gluon-bench "${GLUON_BENCH_S:-230}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  if [ -n "${GLUON_DIAG:-}" ]; then  # tools/gluon_diag.py, alone on the GPU
+    job gluon-diag "${GLUON_DIAG_S:-150}" bash tools/gluon_session.sh diag
+    cp "$OUT/gluon-diag.md" "$logs/" 2>/dev/null
+  fi
   check
 }
 
