@@ -201,16 +201,16 @@ gluon_first() {
     check
     return
   fi
-  local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-170}"
+  local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-150}"
   # The stress loop compiles a kernel per (H, dtype, mode, cap) it draws: 120 s per test
   # cut it in session 8. It now runs as 4 tests (2 workers here) under the job's limit.
-  job gpu-stress-gluon 200 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
+  job gpu-stress-gluon 180 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
     tests/gpu/test_gluon_mla_gpu.py -k stress &
-  job gpu-tests-triton 200 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &
-  job kit-triton 200 $KIT -n 2 -k test_triton &
-  job memcheck-triton 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
+  job gpu-tests-triton 180 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &
+  job kit-triton 180 $KIT -n 2 -k test_triton &
+  job memcheck-triton 180 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
   # SOAK_OPTION: a constructor option for the soak, e.g. a config the default does not run.
-  job soak-triton 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
+  job soak-triton 180 $SOAK --backend triton $s --workers 3 --same-config 50 \
     ${SOAK_OPTION:+--option "$SOAK_OPTION"} &
   wait
   job gluon-bench "${GLUON_BENCH_S:-230}" bash tools/gluon_session.sh bench
