@@ -34,7 +34,7 @@ def main() -> None:
     from specattn.bench.options import kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", nargs="+", default=["mla-long", "mla-k1", "mla-wide"])
+    ap.add_argument("--case", nargs="+", default=["mla-long", "mla-wide"])
     ap.add_argument("--config", default="m64 n64 w8 s2 kv-first gluon pf",
                     help="a split-per-request Gluon KernelConfig label (DIAG is in its tile "
                          "step)")
