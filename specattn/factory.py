@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import inspect
+from typing import Any, Mapping, Optional
 
 from ._logging import get_logger
 from .base import DraftDecodeBackend, DraftExtendBackend
@@ -26,11 +27,18 @@ class DraftBackendFactory:
     importing any vendor library; they read only ``runner.use_mla_backend``, so any object
     with that attribute works as a runner there. ``create_*`` instantiate it with the runner.
     ``explain_*`` return the ``Selection`` with every step of the decision.
+
+    ``backend_options``: constructor keywords per backend name, used when that backend is
+    selected, e.g. ``{"triton": {"work_list": True}}``. A keyword goes to the selected class
+    if its constructor takes it (decode and extend classes take different ones); one that
+    neither class of the backend takes is an ``InvalidInputError`` when the backend is
+    created.
     """
 
     def __init__(self, config: SpecConfig, runner: Any, topk: int, num_steps: int, *,
                  tree_mode: str = "lane", platform: Optional[Platform] = None,
-                 registry: Optional[Registry] = None) -> None:
+                 registry: Optional[Registry] = None,
+                 backend_options: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         if not isinstance(config, SpecConfig):
             raise InvalidInputError("config", "a specattn.SpecConfig", type(config).__name__)
         check_draft_params(topk, num_steps, tree_mode, min_steps=0)
@@ -44,6 +52,12 @@ class DraftBackendFactory:
         self.tree_mode = tree_mode
         self.platform = platform
         self.registry = registry
+        if backend_options is not None and not (
+                isinstance(backend_options, Mapping)
+                and all(isinstance(v, Mapping) for v in backend_options.values())):
+            raise InvalidInputError("backend_options", "a mapping of backend name to a mapping "
+                                    "of constructor keywords", repr(backend_options))
+        self.backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
 
     def request(self, kind: str) -> BackendRequest:
         """What selection knows for ``kind``: model type, topk, steps, page size, KV dtype."""
@@ -87,7 +101,8 @@ class DraftBackendFactory:
             return None
         self._check_runner_page_size()
         log.info("draft decode backend: %s (%s)", cls.name, cls.qualified_name())
-        return cls(self.runner, self.topk, self.num_steps, tree_mode=self.tree_mode)
+        return cls(self.runner, self.topk, self.num_steps, tree_mode=self.tree_mode,
+                   **self._options_for(cls))
 
     def create_draft_extend_backend(self) -> Optional[DraftExtendBackend]:
         cls = self.resolve_draft_extend_backend()
@@ -95,4 +110,42 @@ class DraftBackendFactory:
             return None
         self._check_runner_page_size()
         log.info("draft extend backend: %s (%s)", cls.name, cls.qualified_name())
-        return cls(self.runner, topk=self.topk, num_steps=self.num_steps)
+        return cls(self.runner, topk=self.topk, num_steps=self.num_steps,
+                   **self._options_for(cls))
+
+    def _options_for(self, cls: type) -> dict[str, Any]:
+        """The ``backend_options`` keywords of ``cls``'s backend that its constructor takes;
+        raises for a keyword that no class of that backend takes."""
+        names = (cls.name, *cls.aliases)
+        given: dict[str, Any] = {}
+        for key, opts in self.backend_options.items():
+            if key in names:
+                given.update(opts)
+        if not given:
+            return {}
+        from .registry import active_registry
+
+        registry = self.registry or active_registry()
+        siblings = [c for kind in ("decode", "extend") for c in registry.classes(kind)
+                    if c.name == cls.name]
+        taken = set().union(*(_keywords(c) for c in siblings or [cls]))
+        unknown = sorted(set(given) - taken)
+        if unknown:
+            raise InvalidInputError(f"backend_options[{cls.name!r}]",
+                                    f"keywords {cls.name}'s constructors take "
+                                    f"({', '.join(sorted(taken)) or 'none'})",
+                                    ", ".join(unknown))
+        mine = _keywords(cls)
+        chosen = {k: v for k, v in given.items() if k in mine}
+        log.info("%s %s backend options: %s", cls.name, cls.kind, chosen)
+        return chosen
+
+
+# Keywords the factory sets itself.
+_RESERVED = frozenset({"tree_mode", "topk", "num_steps"})
+
+
+def _keywords(cls: type) -> set[str]:
+    """Keyword-only constructor arguments of ``cls`` a ``backend_options`` entry may set."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - _RESERVED

@@ -228,3 +228,26 @@ def test_work_list_keyword(monkeypatch):
     assert not TritonDecode(r, 4, 3)._make_plan(3)["cfg"].gluon_worklist
     with pytest.raises(InvalidInputError, match="work_list"):
         TritonDecode(r, 4, 3, work_list="yes")
+
+
+def test_factory_backend_options_reach_the_classes_that_take_them():
+    """``DraftBackendFactory(backend_options={"triton": {"work_list": True}})``: the decode
+    class takes it, the extend class (which does not) is built without it; a keyword no
+    class of the backend takes is refused when the backend is built, naming it."""
+    from test_gluon_mla import mla_round
+
+    from specattn import DraftBackendFactory, SpecConfig
+    from specattn.errors import InvalidInputError
+
+    r, _ = mla_round([5, 6], topk=2)
+    cfg = SpecConfig(attention_backend="triton")
+    f = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"work_list": True},
+                                                           "flashinfer": {"nope": 1}})
+    assert f.create_decode_backend().work_list is True
+    assert type(f.create_draft_extend_backend()).__name__ == "TritonExtend"
+    assert DraftBackendFactory(cfg, r, 2, 3).create_decode_backend().work_list is False
+    bad = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"work_lst": True}})
+    with pytest.raises(InvalidInputError, match=r"backend_options\['triton'\].*work_lst"):
+        bad.create_decode_backend()
+    with pytest.raises(InvalidInputError, match="backend_options"):
+        DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": True})

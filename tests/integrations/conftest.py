@@ -66,7 +66,8 @@ def specattn_plugin(monkeypatch, sglang_cpu):
     holders = _holders_of(select)
 
     def enable(env: dict) -> None:
-        for key in ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE"):
+        for key in ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE",
+                    "SPECATTN_SGLANG_OPTIONS"):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

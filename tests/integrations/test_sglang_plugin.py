@@ -33,6 +33,23 @@ def test_settings_opt_in():
         read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "tree"})
 
 
+@pytest.mark.no_sglang
+def test_settings_backend_options():
+    """``SPECATTN_SGLANG_OPTIONS``: ``specattn bench --option`` items separated by ``;``,
+    values converted as the bench converts them; a bad one is refused naming the variable."""
+    from specattn.backends.triton.launchers import KernelConfig
+
+    s = read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS":
+                       "triton:work_list=True; triton:config=m64 n64 w8 s2 kv-first gluon pf"})
+    opts = s.backend_options()
+    assert opts == {"triton": {"work_list": True, "config": KernelConfig(
+        64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)}}
+    assert read_settings({"SPECATTN_SGLANG": "1"}).backend_options() == {}
+    for bad in ("triton", "triton:nope=1", "nosuch:x=1"):
+        with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_OPTIONS"):
+            read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": bad})
+
+
 def _load_through_entry_point(monkeypatch, env):
     """SGLang's own plugin loader, restricted to this plugin, run afresh."""
     import sglang.srt.plugins as plugins
@@ -100,6 +117,19 @@ def test_refuses_what_it_cannot_serve(specattn_plugin):
     fx.runner.kv_index_translator.is_translating = True
     with pytest.raises(InvalidInputError, match="kv_index_translator"):
         H.create_decode_container(fx, 1, 3)
+
+
+def test_backend_options_reach_the_backend_sglang_gets(specattn_plugin):
+    """``SPECATTN_SGLANG_OPTIONS`` reaches the constructor of the backend that serves."""
+    import sglang_harness as H
+    import test_sglang_draft as D
+
+    fx, _, _, _ = D._setup(H.Shape(page_size=1), 2)
+    for options, want in (("triton:work_list=True", True), ("", False)):
+        specattn_plugin({"SPECATTN_SGLANG_BACKEND": "triton",
+                         "SPECATTN_SGLANG_OPTIONS": options})
+        container = H.create_decode_container(fx, 2, D.STEPS)
+        assert container.adapter.backend.work_list is want
 
 
 def test_path_tree_mode_attends_to_ancestors(specattn_plugin):

@@ -49,9 +49,11 @@ def register() -> None:
 
         HookRegistry.register(SELECT_TOP_K_TARGET, around_select_top_k_tokens,
                               HookType.AROUND)
-    log.info("specattn serves SGLang's draft attention (%s, tree mode %s)",
+    log.info("specattn serves SGLang's draft attention (%s, tree mode %s%s)",
              f"backend {settings.backend!r}" if settings.backend else "same backend names",
-             settings.tree_mode)
+             settings.tree_mode,
+             f", options {'; '.join(o.label for o in settings.options)}"
+             if settings.options else "")
 
 
 def sglang_backend_name(factory: Any, kind: str) -> str:
@@ -84,7 +86,8 @@ def _specattn_factory(model_runner: Any, topk: int, num_steps: int, settings: Se
     runner = _draft_runner(model_runner)
     config = SpecConfig(attention_backend=settings.specattn_name(sglang_name),
                         page_size=runner.page_size)
-    return DraftBackendFactory(config, runner, topk, num_steps, tree_mode=settings.tree_mode)
+    return DraftBackendFactory(config, runner, topk, num_steps, tree_mode=settings.tree_mode,
+                               backend_options=settings.backend_options())
 
 
 def _explain_once(selection: Any, kind: str, sglang_name: str, settings: Settings) -> None:

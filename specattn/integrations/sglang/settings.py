@@ -8,21 +8,26 @@
   name, ``auto`` included) whatever SGLang resolved; implies ``SPECATTN_SGLANG=1``.
 - ``SPECATTN_SGLANG_TREE_MODE=lane|path``: ``lane`` (default) attends exactly as SGLang's own
   backends do; ``path`` attends each draft token to its real tree ancestors.
+- ``SPECATTN_SGLANG_OPTIONS='BACKEND:KEY=VALUE[,KEY=VALUE...][;...]'``: constructor keywords
+  for a specattn backend when it serves (as ``specattn bench --option`` writes them), e.g.
+  ``triton:work_list=True`` (``DraftBackendFactory``'s ``backend_options``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from ...errors import InvalidInputError
 
-__all__ = ["ENABLE_ENV", "BACKEND_ENV", "TREE_MODE_ENV", "Settings", "read_settings"]
+__all__ = ["ENABLE_ENV", "BACKEND_ENV", "TREE_MODE_ENV", "OPTIONS_ENV", "Settings",
+           "read_settings"]
 
 ENABLE_ENV = "SPECATTN_SGLANG"
 BACKEND_ENV = "SPECATTN_SGLANG_BACKEND"
 TREE_MODE_ENV = "SPECATTN_SGLANG_TREE_MODE"
+OPTIONS_ENV = "SPECATTN_SGLANG_OPTIONS"
 
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -32,10 +37,24 @@ class Settings:
     enabled: bool
     backend: Optional[str] = None  # a specattn name forced for every draft backend
     tree_mode: str = "lane"
+    options: tuple = ()  # specattn.bench.options.BackendOption, from OPTIONS_ENV
 
     def specattn_name(self, sglang_name: str) -> str:
         """The specattn backend name that serves SGLang's resolved ``sglang_name``."""
         return self.backend or sglang_name
+
+    def backend_options(self) -> dict[str, dict[str, Any]]:
+        """``DraftBackendFactory``'s ``backend_options`` (values converted as ``specattn
+        bench`` converts them, e.g. Triton's ``config`` label)."""
+        from ...registry import active_registry
+
+        out: dict[str, dict[str, Any]] = {}
+        for opt in self.options:
+            classes = [c for kind in ("decode", "extend") for c in active_registry().classes(kind)
+                       if opt.backend in (c.name, *c.aliases)]
+            kwargs = opt.kwargs_for(classes[0]) if classes else dict(opt.kwargs)
+            out.setdefault(opt.backend, {}).update(kwargs)
+        return out
 
 
 def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
@@ -45,4 +64,20 @@ def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
         raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(tree_mode))
-    return Settings(enabled=enabled, backend=backend, tree_mode=tree_mode)
+    return Settings(enabled=enabled, backend=backend, tree_mode=tree_mode,
+                    options=_read_options(env.get(OPTIONS_ENV, "")))
+
+
+def _read_options(text: str) -> tuple:
+    from ...bench.options import check_options, parse_option
+    from ...registry import active_registry
+
+    items = [t.strip() for t in text.split(";") if t.strip()]
+    try:
+        options = [parse_option(t) for t in items]
+        check_options(options, active_registry())
+    except InvalidInputError as exc:
+        raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
+                                "separated by ';' (e.g. 'triton:work_list=True'), backends and "
+                                f"keywords that exist ({exc})", repr(text)) from exc
+    return tuple(options)
