@@ -82,8 +82,6 @@ def _gluon_mla_wl_kernel(
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
-        # Every warp is past the previous segment's MMAs before Q and the stages refill.
-        gl.thread_barrier()
         _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
                  COPY_LAYOUT)
         for i in gl.static_range(NUM_STAGES - 1):
