@@ -238,9 +238,10 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     return acc, m_i, l_i, slots
 
 
-# The three helpers below serve the warp-specialized kernel. ``_gluon_mla_kernel`` does the
-# same steps inline, in the exact form that ran on the H200 (session 7). It moves onto these
-# helpers with the next device run, which checks both kernels.
+# ``_split_range`` serves the warp-specialized kernel; ``_gluon_mla_kernel`` computes its
+# range inline (on the helper, ptxas orders the scalar prologue differently and fuses two
+# mul + add pairs: a different binary from the one run on the H200). ``_issue_q`` and
+# ``_store_result`` serve all three kernels (sm90 PTX of v3 unchanged by the move).
 @gluon.jit
 def _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H: gl.constexpr,
                  BLOCK_N: gl.constexpr):
@@ -367,15 +368,8 @@ def _gluon_mla_kernel(
     q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
     # Q rows (row m: lane m // H, head m % H), in the first copy group.
-    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    q_ok = offs_qm < n_rows
-    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
-    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, copy_layout))
-    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_layout))
-    async_copy.async_copy_global_to_shared(q_smem, q_rows[:, None] + offs_d[None, :],
-                                           mask=q_ok[:, None])
-    async_copy.async_copy_global_to_shared(qpe_smem, q_rows[:, None] + D_MAIN + offs_pe[None, :],
-                                           mask=q_ok[:, None])
+    _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
+             copy_layout)
     # Tiles in flight before the first MMA: OVERLAP refills a stage only after both of its
     # reads (S and P.V) are done, so it starts with every stage issued.
     PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
@@ -457,22 +451,6 @@ def _gluon_mla_kernel(
     async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.
-    offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    offs_oc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
-    o_ok = offs_om < n_rows
-    o_row = (q_start + offs_om // H).to(gl.int64)
-    o_head = offs_om % H
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    if DIRECT_OUT:
-        ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
-        gl.store(ptr, o.to(dtype), mask=o_ok[:, None])
-    else:
-        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
-            split * stride_mo_s + offs_oc[None, :]
-        gl.store(ptr, o, mask=o_ok[:, None])
-        seen = l_i > 0.0
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-        s_row = (q_start + row_lane).to(gl.int64)
-        gl.store(MidLse + s_row * stride_ml_t + (offs_sm % H) * stride_ml_h + split,
-                 lse, mask=offs_sm < n_rows)
+    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
+                  split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
