@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_mla_kernel import (BLOCK_M, D_MAIN, D_PE, LOG2E, _finite_tail, _issue_q,
+from ._gluon_mla_kernel import (BLOCK_M, LOG2E, _alloc_q_and_ring, _finite_tail, _issue_q,
                                 _issue_tile, _prefix_slots, _softmax, _split_range,
                                 _store_new_keys, _store_result, _tile_vis)
 
@@ -210,10 +210,6 @@ def _gluon_mla_ws_kernel(
     dtype: gl.constexpr = KV.dtype.element_ty
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     kv_write_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_MAIN], dtype)
-    qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], dtype)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
-    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per row of [6, 64]
 
@@ -224,10 +220,7 @@ def _gluon_mla_ws_kernel(
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_MAIN], q_sl)
-    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_PE], qpe_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl)
-    kpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl)
+    q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_sl)
     stats = gl.allocate_shared_memory(gl.float32, [6, BLOCK_M], st_sl)
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
