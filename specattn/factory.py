@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Mapping, Optional
 
 from ._logging import get_logger
@@ -14,6 +13,7 @@ from .platforms import Platform
 from .plugins import load_plugins
 from .registry import Registry
 from .selection import Selection, select
+from .util import keyword_args
 
 log = get_logger("factory")
 
@@ -126,8 +126,7 @@ class DraftBackendFactory:
         from .registry import active_registry
 
         registry = self.registry or active_registry()
-        siblings = [c for kind in ("decode", "extend") for c in registry.classes(kind)
-                    if c.name == cls.name]
+        siblings = [c for kind in ("decode", "extend") for c in registry.classes(kind, cls.name)]
         taken = set().union(*(_keywords(c) for c in siblings or [cls]))
         unknown = sorted(set(given) - taken)
         if unknown:
@@ -147,5 +146,4 @@ _RESERVED = frozenset({"tree_mode", "topk", "num_steps"})
 
 def _keywords(cls: type) -> set[str]:
     """Keyword-only constructor arguments of ``cls`` a ``backend_options`` entry may set."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - _RESERVED
+    return keyword_args(cls) - _RESERVED

@@ -4,6 +4,7 @@ kernels can run on a device, and the lazy import of a vendor library."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
 from typing import Optional
 
@@ -13,7 +14,8 @@ from .errors import BackendUnavailableError
 from .install import install_hint
 from .platforms import triton_interpret_enabled
 
-__all__ = ["ceil_div", "next_pow2", "prev_pow2", "sm_count", "triton_runs", "vendor_module"]
+__all__ = ["ceil_div", "keyword_args", "next_pow2", "prev_pow2", "sm_count", "triton_runs",
+           "vendor_module"]
 
 
 def ceil_div(a, b):
@@ -64,3 +66,9 @@ def vendor_module(name: str, pip_name: str, backend: str) -> ModuleType:
             f"{backend}: needs the '{name}' package, which cannot be imported here ({exc}); "
             f"install it with: {install_hint(pip_name)}", backend,
             {backend: [f"needs the '{name}' package ({install_hint(pip_name)})"]}) from exc
+
+
+def keyword_args(cls: type) -> set[str]:
+    """The keyword-only arguments of ``cls``'s constructor (the options a caller may set)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}

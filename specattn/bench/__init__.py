@@ -203,14 +203,6 @@ PARTS_NOTE = ("`--parts`: per variant, the host time of the metadata call(s), an
               "the backend supports graphs.")
 
 
-def _options(texts: list[str]) -> list:
-    """``--option`` values, checked against the registry (``InvalidInputError``)."""
-    from ..registry import active_registry
-    from .options import check_options, parse_option
-
-    options = [parse_option(t) for t in texts]
-    check_options(options, active_registry())
-    return options
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -235,9 +227,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         print("specattn bench: error: --device cuda, but torch sees no CUDA device",
               file=sys.stderr)
         return 2
+    from .options import parse_options
+
     try:
         cases, custom = _select_cases(args, on_gpu)
-        options = _options(args.option or [])
+        options = parse_options(args.option or [])
     except InvalidInputError as exc:
         print(f"specattn bench: error: {exc}", file=sys.stderr)
         return 2

@@ -15,13 +15,14 @@ one that no class of the backend takes is a bad argument.
 from __future__ import annotations
 
 import ast
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InvalidInputError
+from ..util import keyword_args
 
-__all__ = ["BackendOption", "parse_option", "check_options", "keywords", "kernel_config"]
+__all__ = ["BackendOption", "parse_option", "parse_options", "check_options", "keywords",
+           "kernel_config"]
 
 _EXAMPLE = "BACKEND:KEY=VALUE[,KEY=VALUE...], e.g. triton:split_waves=2"
 
@@ -45,6 +46,12 @@ class BackendOption:
         """Whether ``cls``'s constructor takes every keyword."""
         return self.keys() <= keywords(cls)
 
+    def classes(self, registry) -> list[type]:
+        """The decode and extend classes registered under the option's backend name (or an
+        alias of it)."""
+        return [c for kind in ("decode", "extend") for c in registry.classes(kind)
+                if self.backend in (c.name, *c.aliases)]
+
     def kwargs_for(self, cls: type) -> dict[str, Any]:
         """The keywords, values converted for ``cls`` (Triton's ``config`` label)."""
         out = {}
@@ -60,8 +67,7 @@ _RESERVED = frozenset({"topk", "num_steps", "tree_mode", "max_extend_len"})
 
 def keywords(cls: type) -> set[str]:
     """The keyword-only constructor arguments of ``cls`` an option may set."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - _RESERVED
+    return keyword_args(cls) - _RESERVED
 
 
 def _literal(text: str) -> Any:
@@ -85,8 +91,7 @@ def check_options(options: list[BackendOption], registry) -> None:
     """Raise ``InvalidInputError`` for an option whose backend is not registered, or with a
     keyword that no class of it takes, or a value its parser refuses."""
     for opt in options:
-        classes = [c for kind in ("decode", "extend") for c in registry.classes(kind)
-                   if opt.backend in (c.name, *c.aliases)]
+        classes = opt.classes(registry)
         if not classes:
             raise InvalidInputError("--option", f"a registered backend name ({_EXAMPLE})",
                                     repr(opt.backend))
@@ -97,6 +102,16 @@ def check_options(options: list[BackendOption], registry) -> None:
                                     f"({', '.join(takes)})", ", ".join(sorted(opt.keys())))
         for cls in fitting:
             opt.kwargs_for(cls)  # a bad value fails here, before any case runs
+
+
+def parse_options(texts: list[str], registry=None) -> list[BackendOption]:
+    """``BACKEND:KEY=VALUE`` texts as checked ``BackendOption``s (``check_options`` against
+    ``registry``, by default the active one)."""
+    from ..registry import active_registry
+
+    options = [parse_option(t) for t in texts]
+    check_options(options, registry or active_registry())
+    return options
 
 
 # --- Triton's KernelConfig, written as its label --------------------------------------------

@@ -206,16 +206,6 @@ def soak_parallel(backend: str, *, rounds: int, seed: int = 0, workers: int = 1,
     return total
 
 
-def _parse_options(texts: list[str]) -> list:
-    """``--option`` values, checked against the registry (``specattn.bench.options``)."""
-    from ..bench.options import check_options, parse_option
-    from ..registry import active_registry
-
-    options = [parse_option(t) for t in texts]
-    check_options(options, active_registry())
-    return options
-
-
 def _options_for(name: str, options: list) -> tuple[dict, dict, list[str]]:
     """The decode and extend constructor keywords the options give backend ``name`` (each
     to the classes that take it), and the option texts that applied."""
@@ -224,13 +214,11 @@ def _options_for(name: str, options: list) -> tuple[dict, dict, list[str]]:
     kwargs: dict[str, dict] = {"decode": {}, "extend": {}}
     texts = []
     for opt in options:
-        for kind, found in kwargs.items():
-            for cls in active_registry().classes(kind):
-                if name in (cls.name, *cls.aliases) and opt.backend in (cls.name, *cls.aliases) \
-                        and opt.fits(cls):
-                    found.update(opt.kwargs_for(cls))
-                    if opt.text not in texts:
-                        texts.append(opt.text)
+        for cls in opt.classes(active_registry()):
+            if name in (cls.name, *cls.aliases) and opt.fits(cls):
+                kwargs[cls.kind].update(opt.kwargs_for(cls))
+                if opt.text not in texts:
+                    texts.append(opt.text)
     return kwargs["decode"], kwargs["extend"], texts
 
 
@@ -256,7 +244,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "bench --option (e.g. 'triton:config=m64 n64 w8 s2 kv-first "
                              "gluon pf wl')")
     args = parser.parse_args(argv)
-    options = _parse_options(args.option)
+    from ..bench.options import parse_options
+
+    options = parse_options(args.option)
     failed = 0
     for name in args.backend:
         decode, extend, texts = _options_for(name, options)

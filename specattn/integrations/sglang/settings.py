@@ -50,8 +50,7 @@ class Settings:
 
         out: dict[str, dict[str, Any]] = {}
         for opt in self.options:
-            classes = [c for kind in ("decode", "extend") for c in active_registry().classes(kind)
-                       if opt.backend in (c.name, *c.aliases)]
+            classes = opt.classes(active_registry())
             kwargs = opt.kwargs_for(classes[0]) if classes else dict(opt.kwargs)
             out.setdefault(opt.backend, {}).update(kwargs)
         return out
@@ -69,13 +68,11 @@ def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
 
 
 def _read_options(text: str) -> tuple:
-    from ...bench.options import check_options, parse_option
-    from ...registry import active_registry
+    from ...bench.options import parse_options
 
     items = [t.strip() for t in text.split(";") if t.strip()]
     try:
-        options = [parse_option(t) for t in items]
-        check_options(options, active_registry())
+        options = parse_options(items)
     except InvalidInputError as exc:
         raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
                                 "separated by ';' (e.g. 'triton:work_list=True'), backends and "
