@@ -137,10 +137,18 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         splits = self._num_splits_override or L.plan_splits(
             shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
             extend=False)
-        if cfg.gluon_worklist:  # a program per request at the least (worklist)
-            splits = max(splits, num_groups)
-        return dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
+        plan = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
                     num_groups=num_groups, num_splits=splits, bs=bs)
+        if cfg.gluon_worklist:
+            from . import worklist
+
+            # A program per request at the least; partial slots p + b; tail units per request.
+            plan["num_splits"] = splits = max(splits, num_groups)
+            plan.update(wl_slots=splits + bs, wl_rows=worklist.partial_rows(self.topk,
+                                                                              shape.num_q_heads),
+                        wl_tail=worklist.tail_units(self.topk, shape.num_q_heads,
+                                                    self.num_steps, cfg.block_n))
+        return plan
 
     def _gluon_config(self):
         """Shared-prefix MLA decode: the Gluon kernel's config where it runs (else None)."""
@@ -173,8 +181,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         if plan["cfg"].gluon_worklist:
             from . import worklist
 
-            slots = plan["num_splits"] + bs
-            work_rows = slots * worklist.partial_rows(self.topk, shape.num_q_heads)
+            work_rows = plan["wl_slots"] * plan["wl_rows"]
             work_numel = worklist.work_numel(plan["num_splits"], bs)
         return _GraphBuffers(bs, bs * self.topk, self.num_steps, shape.num_q_heads, shape.d_v,
                              self.runner.device, 16, work_rows, work_numel)
@@ -194,17 +201,10 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         bs = batch.batch_size
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs)
-        cfg, work, tail = plan["cfg"], None, 0
-        if cfg.gluon_worklist:
-            from . import worklist
-
-            work = bufs.work
-            tail = worklist.tail_units(self.topk, plan["shape"].num_q_heads, self.num_steps,
-                                       cfg.block_n)
         _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.out_cache_loc, bufs.meta, bufs.hist,
-                                     plan["num_splits"], cfg.block_n, self.runner.num_slots,
-                                     work, tail)
+                                     plan["num_splits"], plan["cfg"].block_n,
+                                     self.runner.num_slots, bufs.work, plan.get("wl_tail", 0))
         self._round_plan, self._active = plan, bufs
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
@@ -223,12 +223,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         L = _launchers()
         shape, cfg = plan["shape"], plan["cfg"]
         if cfg.gluon_worklist:
-            from . import worklist
-
-            mid_o, mid_lse = L.worklist_scratch(
-                plan["num_splits"] + plan["bs"],
-                worklist.partial_rows(self.topk, shape.num_q_heads), shape.d_v, q.device,
-                bufs.mid_o, bufs.mid_lse)
+            mid_o, mid_lse = L.worklist_scratch(plan["wl_slots"], plan["wl_rows"], shape.d_v,
+                                                q.device, bufs.mid_o, bufs.mid_lse)
         else:
             mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(cfg, plan["num_splits"]),
                                        q.device, bufs.mid_o, bufs.mid_lse)

@@ -186,11 +186,11 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental).
     ``diag``: ``_tile_step``'s timing experiments (1: copies alone, 2: math alone; wrong
     results; ``tools/gluon_diag.py``)."""
+    from .launchers import parent_args
+
     K = kernel_module()
     H = q.shape[1]
-    par = parents if parents is not None else meta
-    par_s = parents.stride(0) if parents is not None else 0
-    par_b = parents.stride(1) if parents is not None else 0
+    par, par_s, par_b = parent_args(parents, meta)
     direct = num_splits == 1
     grid = (num_row_tiles(topk * H), batch, num_splits)
     args = (q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
@@ -227,12 +227,11 @@ def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
     mid_lse: ``[slots, partial_rows]`` fp32; the rest as in ``attention``."""
     from . import _gluon_mla_wl_kernel as W
     from . import worklist
+    from .launchers import parent_args
 
     kernel_module()  # the version and Gluon checks
     H = q.shape[1]
-    par = parents if parents is not None else meta
-    par_s = parents.stride(0) if parents is not None else 0
-    par_b = parents.stride(1) if parents is not None else 0
+    par, par_s, par_b = parent_args(parents, meta)
     W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), programs)](
         q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par,
         step, float(sm_scale), float(logit_cap),

@@ -9,6 +9,7 @@ valid for every replay of a captured graph. Run step (``decode_metadata``, ``ext
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -204,11 +205,7 @@ def worklist_scratch(slots: int, rows: int, d_v: int, device: torch.device,
                      flat_lse: Optional[torch.Tensor] = None):
     """The work list's partial slots ``[slots, rows, d_v]`` / ``[slots, rows]`` (fp32), views
     of ``flat_o`` / ``flat_lse`` when large enough (fixed CUDA-graph buffers)."""
-    if flat_o is None or flat_o.numel() < slots * rows * d_v or flat_lse.numel() < slots * rows:
-        flat_o = torch.empty(slots * rows * d_v, dtype=torch.float32, device=device)
-        flat_lse = torch.empty(slots * rows, dtype=torch.float32, device=device)
-    return (flat_o[:slots * rows * d_v].view(slots, rows, d_v),
-            flat_lse[:slots * rows].view(slots, rows))
+    return _partial_views((slots, rows), d_v, device, flat_o, flat_lse)
 
 
 def num_parts(cfg: KernelConfig, num_splits: int) -> int:
@@ -264,14 +261,28 @@ def scratch(rows: int, shape: AttnShape, parts: int, device: torch.device,
     """Partial-output buffers ``[rows, H_q, parts, D_v]`` / ``[rows, H_q, parts]`` (fp32,
     ``parts = num_parts(cfg, splits)``), views of ``flat_o``/``flat_lse`` when given (fixed
     CUDA-graph buffers)."""
-    n_o = rows * shape.num_q_heads * parts * shape.d_v
-    n_l = rows * shape.num_q_heads * parts
+    return _partial_views((rows, shape.num_q_heads, parts), shape.d_v, device, flat_o,
+                          flat_lse)
+
+
+def _partial_views(lse_shape: tuple, d_v: int, device: torch.device,
+                   flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor]):
+    """fp32 ``(lse_shape + (d_v,), lse_shape)`` views of ``flat_o`` / ``flat_lse`` when they
+    are large enough, else of fresh buffers."""
+    n_l = math.prod(lse_shape)
+    n_o = n_l * d_v
     if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
         flat_o = torch.empty(n_o, dtype=torch.float32, device=device)
         flat_lse = torch.empty(n_l, dtype=torch.float32, device=device)
-    mid_o = flat_o[:n_o].view(rows, shape.num_q_heads, parts, shape.d_v)
-    mid_lse = flat_lse[:n_l].view(rows, shape.num_q_heads, parts)
-    return mid_o, mid_lse
+    return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
+
+
+def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
+    """``(tensor, stride_s, stride_b)`` the kernels take for ``parents [S, B, K]`` (path
+    mode); without it any int tensor (never read) and zero strides."""
+    if parents is None:
+        return placeholder, 0, 0
+    return parents, parents.stride(0), parents.stride(1)
 
 
 def kv_write_mode(runner, cfg: KernelConfig) -> str:
@@ -323,9 +334,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     rows = q.shape[0]
     hist_t = hist if hist is not None else meta
-    par = parents if parents is not None else meta
-    par_s = parents.stride(0) if parents is not None else 0
-    par_b = parents.stride(1) if parents is not None else 0
+    par, par_s, par_b = parent_args(parents, meta)
     if parents is not None and parents.stride(2) != 1:
         raise ValueError("parents must have unit stride in its last dimension")
     write = kv_write_mode(runner, cfg) if new_kv is not None else None
