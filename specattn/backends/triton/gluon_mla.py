@@ -164,6 +164,14 @@ def platform_note(device: str, capability: Optional[tuple[int, int]], interpret:
     return f"MLA draft decode: tl.dot kernel (Gluon kernel off: {why})"
 
 
+def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
+    """``(tensor, stride_s, stride_b)`` the kernels take for ``parents [S, B, K]`` (path
+    mode); without it any int tensor (never read) and zero strides."""
+    if parents is None:
+        return placeholder, 0, 0
+    return parents, parents.stride(0), parents.stride(1)
+
+
 def num_row_tiles(rows_per_group: int) -> int:
     return -(-rows_per_group // BLOCK_M)
 
@@ -186,8 +194,6 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental).
     ``diag``: ``_tile_step``'s timing experiments (1: copies alone, 2: math alone; wrong
     results; ``tools/gluon_diag.py``)."""
-    from .launchers import parent_args
-
     K = kernel_module()
     H = q.shape[1]
     par, par_s, par_b = parent_args(parents, meta)
@@ -221,13 +227,12 @@ def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
                        sm_scale: float, logit_cap: float, block_n: int, num_stages: int,
                        prefetch: bool, write_new: bool) -> None:
     """The kernel on ``worklist``'s balanced work list (``work``, filled for this round with
-    ``programs`` per row tile), then the merge of the requests it split: writes ``out``.
+    ``programs`` per row tile): writes ``out`` for requests with one program, partials for
+    the others (the caller merges them: ``worklist.merge``).
 
     mid_o: ``[slots >= programs + batch, worklist.partial_rows(topk, H), 512]`` fp32;
     mid_lse: ``[slots, partial_rows]`` fp32; the rest as in ``attention``."""
     from . import _gluon_mla_wl_kernel as W
-    from . import worklist
-    from .launchers import parent_args
 
     kernel_module()  # the version and Gluon checks
     H = q.shape[1]
@@ -240,4 +245,3 @@ def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
         kv.shape[0], topk, num_steps, batch, programs,
         H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
         USE_CAP=logit_cap > 0, WRITE_NEW=write_new, num_warps=NUM_WARPS)
-    worklist.merge(mid_o, mid_lse, out, work, programs, topk)

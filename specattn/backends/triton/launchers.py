@@ -19,6 +19,7 @@ import triton
 from ...kernels.merge import merge_kernel
 from ...kernels.tiles import dot_args
 from ...util import next_pow2, sm_count
+from .gluon_mla import parent_args
 from . import _attn_kernels as K
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 
@@ -277,14 +278,6 @@ def _partial_views(lse_shape: tuple, d_v: int, device: torch.device,
     return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
-def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
-    """``(tensor, stride_s, stride_b)`` the kernels take for ``parents [S, B, K]`` (path
-    mode); without it any int tensor (never read) and zero strides."""
-    if parents is None:
-        return placeholder, 0, 0
-    return parents, parents.stride(0), parents.stride(1)
-
-
 def kv_write_mode(runner, cfg: KernelConfig) -> str:
     """``cfg.kv_write``, or ``"torch"`` for pools with a byte layout (FP8: quantized by
     ``runner.write_kv``)."""
@@ -367,6 +360,9 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=cfg.block_n, num_stages=cfg.num_stages, prefetch=cfg.gluon_prefetch,
             write_new=write == "first")
+        from . import worklist
+
+        worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
         return out
     if cfg.gluon:
         from . import gluon_mla

@@ -38,8 +38,7 @@ import triton
 import triton.language as tl
 
 from ...util import next_pow2, sm_count
-
-BLOCK_M = 64  # rows per program (the Gluon kernel's wgmma height)
+from .gluon_mla import BLOCK_M, num_row_tiles  # rows per program: the wgmma height
 
 
 def programs_per_row_tile(row_tiles: int, batch: int, device: torch.device) -> int:
@@ -67,7 +66,7 @@ def work_numel(programs: int, batch: int) -> int:
 
 def partial_rows(topk: int, heads: int) -> int:
     """Rows of one partial slot: a request's ``topk * heads`` rows, padded to row tiles."""
-    return triton.cdiv(topk * heads, BLOCK_M) * BLOCK_M
+    return num_row_tiles(topk * heads) * BLOCK_M
 
 
 @dataclass(frozen=True)
