@@ -209,6 +209,47 @@ def test_choice_logic(monkeypatch):
             KernelConfig(**{**fields, **bad})
 
 
+def test_forced_config_refused_where_its_kernel_cannot_run(monkeypatch):
+    """A forced Gluon (or mla_v3) config is checked at construction: MHA, fp32, extend and
+    per-branch mode get an InvalidInputError naming ``config`` (the H200 soak met a compiler
+    error on MHA and a refusal at the first extend forward)."""
+    from specattn.backends.triton import TritonExtend
+    from specattn.errors import InvalidInputError
+
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False:
+                        None if runner.use_mla_backend else "stand-in: not served")
+    cfg = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
+    r, _ = mla_round([5, 6], topk=4)
+    assert TritonDecode(r, 4, 3, config=cfg)._make_plan(2)["cfg"] == cfg
+    mha = DraftRunner.mha(4, 2, 32, num_layers=1, num_slots=64, max_reqs=2,
+                          max_context_len=32, device=DEV)
+    for make, why in ((lambda: TritonDecode(mha, 2, 3, config=cfg), "stand-in: not served"),
+                      (lambda: TritonDecode(r, 4, 3, mode="per-branch", config=cfg),
+                       "shared-prefix draft decode"),
+                      (lambda: TritonExtend(r, topk=4, num_steps=3, config=cfg),
+                       "shared-prefix draft decode")):
+        with pytest.raises(InvalidInputError, match=why) as info:
+            make()
+        assert info.value.argument == "config" and "gluon" in str(info.value)
+    with pytest.raises(InvalidInputError, match="mla_v3"):
+        TritonDecode(mha, 2, 3, config=KernelConfig(64, 64, 8, 3, mla_v3=True))
+    with pytest.raises(InvalidInputError, match="KernelConfig"):
+        TritonDecode(r, 4, 3, config="m64 n64 w8 s2")
+
+
+def test_soak_skips_cases_a_forced_option_does_not_fit(monkeypatch):
+    """With ``--option triton:config=... gluon``, MHA and extend rounds are skipped (the
+    option does not apply), MLA decode rounds run: no crash is reported."""
+    from specattn.testing.soak import soak
+
+    cfg = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
+    result = soak("triton", rounds=6, seed=11, graph_every=0, max_len=20,
+                  decode_options={"config": cfg}, extend_options={"config": cfg},
+                  log=lambda *a: None)
+    # On CPU the Gluon kernel serves nothing: every round is skipped, none fails.
+    assert result.failures == [] and result.skipped == result.rounds == 6
+
+
 def test_issue_19_bench_cases():
     """mla-k1 / mla-small / mla-wide(-p64) as the issue defines them; mla-wide reports
     TFLOP/s against the matmul rate (73.1 GFLOP per step at B 32, L 4096, K 2, H 128)."""

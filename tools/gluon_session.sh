@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Gluon MLA kernel's GPU record in one device call (carry .gpu/flashinfer .gpu/install.sh):
-#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress] [ncu] [diag]
+#   bash tools/gluon_session.sh [tests] [memcheck] [bench] [stress] [ncu] [parts] [diag]
 # tests: tests/gpu/test_gluon_mla_gpu.py but its stress loop (SPECATTN_GLUON_VARIANTS picks
 # variants); memcheck: compute-sanitizer over a small MLA round (uniform and ragged) checked
 # against torch_ref (`specattn bench --check-only`; GLUON_CHECK_OPTION adds one --option
@@ -11,7 +11,10 @@
 # --quick; GLUON_CASES replaces the case list);
 # stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
 # kernel at mla-long, into $OUT/gluon-ncu.txt; diag: tools/gluon_diag.py (the kernel's copies
-# alone and its math alone beside the full kernel), into $OUT/gluon-diag.md. Logs go to $OUT
+# alone and its math alone beside the full kernel), into $OUT/gluon-diag.md; parts: `specattn
+# bench --parts` (each kernel's time in one step) on GLUON_PARTS_CASES (default mla-long
+# mla-small), triton and flashinfer (GLUON_PARTS_OPTION: one more triton variant), into
+# $OUT/gluon-parts.log. Logs go to $OUT
 # (gluon-*.log); exit status non-zero if a part failed.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the logs}"
@@ -57,6 +60,12 @@ for part in "${@:-tests memcheck bench stress}"; do
                python -m specattn bench --case mla-long --backend triton --check-only \
                --out /tmp/gluon-ncu > "$OUT/gluon-ncu.txt" 2>&1 || status=1
              tail -n 5 "$OUT/gluon-ncu.txt" ;;
+      parts) rm -rf /tmp/gluon-parts  # each kernel's time in one step (torch.profiler)
+             timeout "${GLUON_PARTS_S:-120}" python -m specattn bench \
+               --case ${GLUON_PARTS_CASES:-mla-long mla-small} --backend triton flashinfer \
+               --parts --quick --no-sweep --no-round --no-raw --out /tmp/gluon-parts \
+               ${GLUON_PARTS_OPTION:+--option "$GLUON_PARTS_OPTION"} \
+               2>&1 | tail -n 60 | tee "$OUT/gluon-parts.log" || status=1 ;;
       diag) timeout "${GLUON_DIAG_S:-200}" python tools/gluon_diag.py > "$OUT/gluon-diag.md" \
                2>&1 || status=1
              cat "$OUT/gluon-diag.md" ;;

@@ -189,32 +189,45 @@ ws_first() {
 # wrong loop bound hangs instead of failing); only if they pass, side by side the Gluon stress
 # loops (STRESS_VARIANTS), the Triton GPU suite, the kit, memcheck and a soak on triton
 # (SOAK_OPTION: e.g. 'triton:config=...' for an opt-in kernel); then the Gluon MLA bench
-# alone (tools/gluon_session.sh bench, with its GLUON_* settings), and with GLUON_DIAG=1
-# tools/gluon_diag.py.
+# alone (tools/gluon_session.sh bench, with its GLUON_* settings), with GLUON_PARTS=1 its
+# `parts`, and with GLUON_DIAG=1 tools/gluon_diag.py. GATE_VARIANTS=none skips the gate;
+# GLUON_CHECKS names the side-by-side checks (default: stress triton kit memcheck soak),
+# CHECKS_S their time limit (default 180 s).
 gluon_first() {
   eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
   export PYTHONPATH=$PYTHONPATH:$PWD
   local t="python -m pytest -v -n 2 -p no:cacheprovider -rfE"
-  job gpu-tests-gate "${GATE_S:-150}" env SPECATTN_GLUON_VARIANTS="$GATE_VARIANTS" $t -x \
-    --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
-  if ! tail -n 1 "$logs/gpu-tests-gate.log" | grep -q "exit status 0$"; then
-    check
-    return
+  if [ "$GATE_VARIANTS" != none ]; then  # none: kernels unchanged since a passing gate
+    job gpu-tests-gate "${GATE_S:-150}" env SPECATTN_GLUON_VARIANTS="$GATE_VARIANTS" $t -x \
+      --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+    if ! tail -n 1 "$logs/gpu-tests-gate.log" | grep -q "exit status 0$"; then
+      check
+      return
+    fi
   fi
   local s="--seed ${SOAK_SEED:-500000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-150}"
+  local checks=" ${GLUON_CHECKS:-stress triton kit memcheck soak} " limit=${CHECKS_S:-180}
   # The stress loop compiles a kernel per (H, dtype, mode, cap) it draws: 120 s per test
   # cut it in session 8. It now runs as 4 tests (2 workers here) under the job's limit.
-  job gpu-stress-gluon 180 env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
+  [[ $checks == *" stress "* ]] && job gpu-stress-gluon "$limit" \
+    env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
     tests/gpu/test_gluon_mla_gpu.py -k stress &
-  job gpu-tests-triton 180 $t --timeout 120 tests/gpu/test_triton_gpu.py -k "not stress" &
-  job kit-triton 180 $KIT -n 2 -k test_triton &
-  job memcheck-triton 180 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py --backend triton &
-  # SOAK_OPTION: a constructor option for the soak, e.g. a config the default does not run.
-  job soak-triton 180 $SOAK --backend triton $s --workers 3 --same-config 50 \
-    ${SOAK_OPTION:+--option "$SOAK_OPTION"} &
+  [[ $checks == *" triton "* ]] && job gpu-tests-triton "$limit" $t --timeout 120 \
+    tests/gpu/test_triton_gpu.py -k "not stress" &
+  [[ $checks == *" kit "* ]] && job kit-triton "$limit" $KIT -n 2 -k test_triton &
+  [[ $checks == *" memcheck "* ]] && job memcheck-triton "$limit" compute-sanitizer \
+    --tool memcheck --report-api-errors no --error-exitcode 1 python tools/oob_run.py \
+    --backend triton &
+  # SOAK_OPTION: a constructor option for the soak, e.g. a config the default does not run
+  # (the soak skips the cases it does not apply to).
+  [[ $checks == *" soak "* ]] && job soak-triton "$limit" $SOAK --backend triton $s \
+    --workers 3 --same-config 50 ${SOAK_OPTION:+--option "$SOAK_OPTION"} &
   wait
   job gluon-bench "${GLUON_BENCH_S:-230}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  if [ -n "${GLUON_PARTS:-}" ]; then  # each kernel's time in one step, alone on the GPU
+    job gluon-parts "${GLUON_PARTS_S:-120}" bash tools/gluon_session.sh parts
+  fi
   if [ -n "${GLUON_DIAG:-}" ]; then  # tools/gluon_diag.py, alone on the GPU
     job gluon-diag "${GLUON_DIAG_S:-150}" bash tools/gluon_session.sh diag
     cp "$OUT/gluon-diag.md" "$logs/" 2>/dev/null

@@ -106,11 +106,12 @@ class Session:
         if key in self._shapes:
             return self._shapes[key]
         reasons = []
+        self.cls(case)  # no class for the case: skipped before any shape is tried
         for shape in _shape_candidates(case.model, self.device, one_kv):
             try:
                 maker = self.maker(case, shape, max_tokens=4, max_reqs=2)
                 self.construct(case, maker.runner)
-            except SpecAttnError as exc:
+            except (SpecAttnError, CaseSkipped) as exc:  # CaseSkipped: an option refused
                 reasons.append(f"{shape.label()}: {exc}")
                 continue
             self._shapes[key] = shape

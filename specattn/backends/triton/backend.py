@@ -59,6 +59,30 @@ def _fp32_latent_rule(request) -> Optional[str]:
     return None
 
 
+def _check_config(config, runner, *, decode: bool, mode: str = "shared") -> None:
+    """A forced ``config`` (benchmarks, soaks) must be one these kernels run for ``runner``:
+    raises ``InvalidInputError`` naming ``config`` otherwise, at construction, instead of a
+    compiler error (the Gluon kernel on fp32 or MHA) or a refusal at the first forward."""
+    if config is None:
+        return
+    L = _launchers()
+    if not isinstance(config, L.KernelConfig):
+        raise InvalidInputError("config", "a launchers.KernelConfig or None", repr(config))
+    why = None
+    if config.gluon:
+        from . import gluon_mla
+
+        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if not decode or mode != "shared":
+            why = "shared-prefix draft decode (the Gluon kernel serves nothing else)"
+        elif (reason := gluon_mla.gluon_reason(runner, interpret)) is not None:
+            why = f"a model and device the Gluon kernel serves (here: {reason})"
+    elif config.mla_v3 and not L.AttnShape.of(runner).mla_kernel:
+        why = "an MLA model (rank + rope latent) for mla_v3"
+    if why is not None:
+        raise InvalidInputError("config", why, config.label())
+
+
 class _GraphBuffers:
     """Fixed buffers for CUDA graphs (or the eager cache): meta, history (the new tokens'
     slots), partials, the fused merge's arrival counters (zero between launches) and the
@@ -115,6 +139,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
             raise InvalidInputError("work_list", "a bool", repr(work_list))
         if num_splits is not None and not 1 <= num_splits <= 16:
             raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
+        _check_config(config, runner, decode=True, mode=mode)
         self.mode = mode
         self._num_splits_override = num_splits
         self._config_override = config
@@ -267,6 +292,7 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
+        _check_config(config, runner, decode=False)
         self._num_splits_override = num_splits
         self._config_override = config
         self._split_waves = split_waves
