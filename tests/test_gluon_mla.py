@@ -155,7 +155,9 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
     monkeypatch.setattr(gluon_mla, "_kernels", lambda: (stand_in, ""))
     cfg = None if kv_write == "first" else KernelConfig(64, 64, 8, 2, kv_write=kv_write,
                                                         gluon=True)
-    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, config=cfg)
+    # The split-per-request kernel (at 2 x 16 rows the default is the work list).
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, config=cfg,
+                           work_list=False)
     backend.init_forward_metadata(batch)
     plan = backend._round_plan
     assert plan["cfg"].gluon and plan["cfg"].block_m == 64 and plan["num_splits"] == num_splits
@@ -180,7 +182,8 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
 def test_choice_logic(monkeypatch):
     """The Gluon config only for shared-prefix MLA decode where the guards pass; its split
     count aims at one program per SM (``num_row_tiles * B * splits``); with the work list
-    (opt-in), one program per SM over all row tiles and at least one per request."""
+    (the default at one row tile per request), one program per SM over all row tiles and at
+    least one per request."""
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     r, _ = mla_round([5, 6, 7], topk=8)
     plan = TritonDecode(r, 8, 3)._make_plan(3)
@@ -192,6 +195,13 @@ def test_choice_logic(monkeypatch):
     wl = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_worklist=True)
     assert TritonDecode(r, 8, 3, config=wl)._make_plan(3)["num_splits"] == 3
     assert TritonDecode(r, 8, 3, config=wl)._make_plan(1)["num_splits"] == 2
+    assert not TritonDecode(r, 8, 3, work_list=True)._make_plan(3)["cfg"].label() \
+        .endswith("gluon pf")
+    # The default picks the work list where a request's K * H rows fit one 64-row tile.
+    for topk, wl in ((1, True), (4, True), (8, False)):
+        assert TritonDecode(r, topk, 3)._make_plan(3)["cfg"].gluon_worklist == wl
+        assert not TritonDecode(r, topk, 3, work_list=False)._make_plan(3)["cfg"].gluon_worklist
+        assert TritonDecode(r, topk, 3, work_list=True)._make_plan(3)["cfg"].gluon_worklist
     assert not TritonDecode(r, 8, 3, mode="per-branch")._make_plan(3)["cfg"].gluon
     mha = DraftRunner.mha(4, 2, 32, num_layers=1, num_slots=64, max_reqs=2,
                           max_context_len=32, device=DEV)

@@ -214,8 +214,9 @@ def test_config_rules():
 
 
 def test_work_list_keyword(monkeypatch):
-    """``TritonDecode(work_list=True)``: the work-list config where the Gluon kernel runs, the
-    ``tl.dot`` kernel elsewhere (no error); anything but a bool is refused by name."""
+    """``TritonDecode(work_list=True / False)``: the work-list config or the split per request
+    where the Gluon kernel runs, the ``tl.dot`` kernel elsewhere (no error); anything but a
+    bool or None is refused by name."""
     from test_gluon_mla import mla_round
 
     from specattn.backends.triton import TritonDecode
@@ -225,7 +226,8 @@ def test_work_list_keyword(monkeypatch):
     assert not TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon  # CPU
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     assert TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon_worklist
-    assert not TritonDecode(r, 4, 3)._make_plan(3)["cfg"].gluon_worklist
+    assert not TritonDecode(r, 4, 3, work_list=False)._make_plan(3)["cfg"].gluon_worklist
+    assert TritonDecode(r, 4, 3)._make_plan(3)["cfg"].gluon_worklist  # 64 rows: one tile
     with pytest.raises(InvalidInputError, match="work_list"):
         TritonDecode(r, 4, 3, work_list="yes")
 
@@ -245,7 +247,7 @@ def test_factory_backend_options_reach_the_classes_that_take_them():
                                                            "flashinfer": {"nope": 1}})
     assert f.create_decode_backend().work_list is True
     assert type(f.create_draft_extend_backend()).__name__ == "TritonExtend"
-    assert DraftBackendFactory(cfg, r, 2, 3).create_decode_backend().work_list is False
+    assert DraftBackendFactory(cfg, r, 2, 3).create_decode_backend().work_list is None
     bad = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"work_lst": True}})
     with pytest.raises(InvalidInputError, match=r"backend_options\['triton'\].*work_lst"):
         bad.create_decode_backend()

@@ -192,7 +192,8 @@ ws_first() {
 # alone (tools/gluon_session.sh bench, with its GLUON_* settings), with GLUON_PARTS=1 its
 # `parts`, and with GLUON_DIAG=1 tools/gluon_diag.py. GATE_VARIANTS=none skips the gate;
 # GLUON_CHECKS names the side-by-side checks (default: stress triton kit memcheck soak),
-# CHECKS_S their time limit (default 180 s).
+# CHECKS_S their time limit (default 180 s), STRESS_WORKERS the stress loop's processes
+# (default 2).
 gluon_first() {
   eval "$(bash .gpu/install.sh "$site" flashinfer)" || exit 3
   export PYTHONPATH=$PYTHONPATH:$PWD
@@ -210,7 +211,7 @@ gluon_first() {
   # The stress loop compiles a kernel per (H, dtype, mode, cap) it draws: 120 s per test
   # cut it in session 8. It now runs as 4 tests (2 workers here) under the job's limit.
   [[ $checks == *" stress "* ]] && job gpu-stress-gluon "$limit" \
-    env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t \
+    env SPECATTN_GLUON_VARIANTS="${STRESS_VARIANTS:-default}" $t -n "${STRESS_WORKERS:-2}" \
     tests/gpu/test_gluon_mla_gpu.py -k stress &
   [[ $checks == *" triton "* ]] && job gpu-tests-triton "$limit" $t --timeout 120 \
     tests/gpu/test_triton_gpu.py -k "not stress" &

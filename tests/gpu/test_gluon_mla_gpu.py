@@ -30,8 +30,13 @@ def _variants():
     from specattn.backends.triton.launchers import KernelConfig
 
     every = {
-        "default": None,  # launchers.gluon_config: split per request (v3)
-        # The balanced work list (worklist), opt-in.
+        # launchers.gluon_config: the work list where a request's rows fit one 64-row tile,
+        # else the split per request (v3).
+        "default": None,
+        # v3 everywhere (work_list=False, the opt-out).
+        "n64s2-v3": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
+                                 gluon_prefetch=True),
+        # The balanced work list (worklist) everywhere, H 128 included.
         "n64s2-wl": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
                                  gluon_prefetch=True, gluon_worklist=True),
         "n32s4-wl": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
@@ -127,6 +132,8 @@ def test_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, cap, n
     big = lens.endswith("4096")
     run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, cap), tree_mode, gen,
               check_steps={0, S - 1} if big else None)
+    if variant == "default":  # the work list where a request's rows fit one 64-row tile
+        assert backend._round_plan["cfg"].gluon_worklist == (K * H <= 64)
 
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
@@ -200,10 +207,11 @@ def _stress_batches():
 
 
 @pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-wl") if v in VARIANT_NAMES])
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3") if v in VARIANT_NAMES])
 def test_random_stress_100_batches(variant, chunk):
-    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default kernel
-    and the work-list one. Each chunk runs a quarter of the 100 batches."""
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default (the work
+    list at H 16 but K 8, the split per request otherwise) and the split per request
+    everywhere. Each chunk runs a quarter of the 100 batches."""
     for it, dtype, H, K, S, P, tree_mode, lens, splits, cap, step in \
             _stress_batches()[chunk::STRESS_CHUNKS]:
         gen = torch.Generator().manual_seed(1234 + it)

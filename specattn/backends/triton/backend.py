@@ -20,7 +20,6 @@ count depends only on the (padded) batch size, so capture and replay agree.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Optional
@@ -111,8 +110,9 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     overriding the block sizes, ``split_waves``: programs per SM the split count aims at
     (default per kernel, ``launchers.default_waves``) (benchmarks); ``work_list``: where the
     Gluon MLA kernel runs, give each request programs in proportion to its length
-    (``worklist``: faster on batches of mixed lengths, slower on uniform ones; no effect
-    elsewhere)."""
+    (``worklist``; no effect elsewhere). ``None`` (default): on where a request's ``K * H``
+    rows fit one 64-row tile (``launchers.gluon_config`` says why), ``True`` / ``False``:
+    always / never."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
@@ -131,12 +131,12 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
                  config=None, split_waves: Optional[float] = None,
-                 work_list: bool = False) -> None:
+                 work_list: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
-        if not isinstance(work_list, bool):
-            raise InvalidInputError("work_list", "a bool", repr(work_list))
+        if work_list is not None and not isinstance(work_list, bool):
+            raise InvalidInputError("work_list", "a bool or None", repr(work_list))
         if num_splits is not None and not 1 <= num_splits <= 16:
             raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
         _check_config(config, runner, decode=True, mode=mode)
@@ -180,10 +180,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         if self.mode != "shared" or not self.runner.use_mla_backend:
             return None
         interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        cfg = _launchers().gluon_config(self.runner, interpret)
-        if cfg is not None and self.work_list:
-            cfg = dataclasses.replace(cfg, gluon_worklist=True)
-        return cfg
+        return _launchers().gluon_config(self.runner, interpret, self.topk, self.work_list)
 
     @classmethod
     def runtime_note(cls, platform) -> str:

@@ -153,19 +153,26 @@ def choose_config(shape: AttnShape, rows_per_group: int) -> KernelConfig:
     return KernelConfig(bm, bn, 4 if bm <= 32 else 8, 3)
 
 
-def gluon_config(runner, interpret: bool) -> Optional[KernelConfig]:
+def gluon_config(runner, interpret: bool, topk: int,
+                 work_list: Optional[bool] = None) -> Optional[KernelConfig]:
     """The Gluon MLA decode config when ``gluon_mla`` can serve ``runner`` here, else None
-    (the reason is logged once)."""
+    (the reason is logged once). ``work_list``: the balanced work list (``worklist``) or the
+    split per request; None picks by shape."""
     from . import gluon_mla
 
     reason = gluon_mla.gluon_reason(runner, interpret)
     if reason is not None:
         gluon_mla.log_fallback(reason)
         return None
-    # Split per request. The work list (gluon_worklist) measured faster on ragged batches and
-    # slower on uniform ones (session 8: mla-long 79.4 vs 87.8 us ragged, 72.6 vs 67.7
-    # uniform; gluon-notes.md), so it stays opt-in.
-    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
+    if work_list is None:
+        # H200, one run (2026-11-30-h200/gluon-wl-bench-c.md): with a request's K * H rows in
+        # one 64-row tile the work list takes 11-12% off ragged batches (mla-long 77.1 vs
+        # 87.8 us, -p64 80.0 vs 90.8, mla-k1 73.2 vs 82.7) and adds 2-5% to uniform ones
+        # (70.5 vs 67.4, 70.2 vs 67.8, 64.0 vs 62.8); serving batches are ragged. With
+        # several row tiles (H 128: mla-wide) it lost both ways (220 vs 206, 305 vs 297).
+        work_list = topk * runner.num_heads <= 64
+    return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True,
+                        gluon_worklist=work_list)
 
 
 def default_waves(cfg: KernelConfig, extend: bool) -> float:
