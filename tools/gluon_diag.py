@@ -10,7 +10,10 @@ If ``full`` is near ``copies``, the gathers set the tile time; if near ``math``,
 softmax chain does; if above both, the two do not overlap. DIAG runs give wrong outputs by
 design: timing only.
 
-    python tools/gluon_diag.py [--case mla-long mla-wide ...] [--config LABEL]
+    python tools/gluon_diag.py [--case mla-long mla-wide ...] [--config LABEL ...]
+
+Several ``--config`` labels (tile size, ring depth) show how each part's time depends on the
+bytes in flight (``BLOCK_N x stages x 1152`` bytes) and the tile size.
 """
 
 from __future__ import annotations
@@ -28,45 +31,55 @@ MODES = {"full": 0, "copies": 1, "math": 2}
 def main() -> None:
     import torch
 
-    from specattn.backends.triton import TritonDecode, gluon_mla
     from specattn.bench import cases as C
-    from specattn.bench.harness import CudaClock, Variant, build_setup, time_step
+    from specattn.bench.harness import CudaClock, build_setup
     from specattn.bench.options import kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", nargs="+", default=["mla-long", "mla-wide"])
-    ap.add_argument("--config", default="m64 n64 w8 s2 kv-first gluon pf",
-                    help="a split-per-request Gluon KernelConfig label (DIAG is in its tile "
+    ap.add_argument("--config", nargs="+", default=["m64 n64 w8 s2 kv-first gluon pf"],
+                    help="split-per-request Gluon KernelConfig labels (DIAG is in their tile "
                          "step)")
     args = ap.parse_args()
-    cfg = kernel_config(args.config)
-    if not cfg.gluon or cfg.gluon_worklist or cfg.gluon_ws or cfg.gluon_overlap:
-        raise SystemExit("--config: the split-per-request Gluon kernel without overlap")
+    configs = [kernel_config(label) for label in args.config]
+    for cfg in configs:
+        if not cfg.gluon or cfg.gluon_worklist or cfg.gluon_ws or cfg.gluon_overlap:
+            raise SystemExit(f"--config {cfg.label()}: the split-per-request Gluon kernel "
+                             "without overlap")
     by_name = {c.name: c for c in C.STANDARD_CASES + C.EXTRA_CASES}
     clock = CudaClock()
-    real = gluon_mla.attention
-    print(f"| case | tiles per program | {' | '.join(MODES)} | full per tile |")
-    print("|---|---|" + "---|" * (len(MODES) + 1))
+    print(f"| case | config | tiles per program | {' | '.join(MODES)} | full per tile |")
+    print("|---|---|---|" + "---|" * (len(MODES) + 1))
     for name in args.case:
         case = by_name[name]
         setup = build_setup(case, "cuda")
-        times = {}
-        for mode, diag in MODES.items():
-            gluon_mla.attention = functools.partial(real, diag=diag)
-            try:
-                variant = Variant(mode, "triton", "option", "triton",
-                                  lambda s: TritonDecode(s.runner, case.topk, case.steps,
-                                                         config=cfg), graphs=True)
-                times[mode] = time_step(variant, setup, clock)[0] * 1e3
-            finally:
-                gluon_mla.attention = real
-        plan = TritonDecode(setup.runner, case.topk, case.steps, config=cfg)._make_plan(
-            case.batch)
-        tiles = -(-max(setup.lengths) // plan["num_splits"] // cfg.block_n) + 1
-        print(f"| {name} | {tiles} | " + " | ".join(f"{times[m]:.1f} us" for m in MODES) +
-              f" | {times['full'] / tiles:.2f} us |", flush=True)
+        for cfg in configs:
+            _diag_row(name, case, setup, cfg, clock)
         del setup
         torch.cuda.empty_cache()
+
+
+def _diag_row(name, case, setup, cfg, clock) -> None:
+    """One table row: ``case`` under ``cfg``, timed in every mode."""
+    from specattn.backends.triton import TritonDecode, gluon_mla
+    from specattn.bench.harness import Variant, time_step
+
+    real = gluon_mla.attention
+    times = {}
+    for mode, diag in MODES.items():
+        gluon_mla.attention = functools.partial(real, diag=diag)
+        try:
+            variant = Variant(mode, "triton", "option", "triton",
+                              lambda s: TritonDecode(s.runner, case.topk, case.steps,
+                                                     config=cfg), graphs=True)
+            times[mode] = time_step(variant, setup, clock)[0] * 1e3
+        finally:
+            gluon_mla.attention = real
+    plan = TritonDecode(setup.runner, case.topk, case.steps, config=cfg)._make_plan(case.batch)
+    tiles = -(-max(setup.lengths) // plan["num_splits"] // cfg.block_n) + 1
+    print(f"| {name} | {cfg.label()} | {tiles} | " +
+          " | ".join(f"{times[m]:.1f} us" for m in MODES) +
+          f" | {times['full'] / tiles:.2f} us |", flush=True)
 
 
 if __name__ == "__main__":
