@@ -11,6 +11,7 @@ softmax chain does; if above both, the two do not overlap. DIAG runs give wrong 
 design: timing only.
 
     python tools/gluon_diag.py [--case mla-long mla-wide ...] [--config LABEL ...]
+                               [--prefix N ...]
 
 Several ``--config`` labels (tile size, ring depth) show how each part's time depends on the
 bytes in flight (``BLOCK_N x stages x 1152`` bytes) and the tile size.
@@ -19,6 +20,7 @@ bytes in flight (``BLOCK_N x stages x 1152`` bytes) and the tile size.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -40,6 +42,9 @@ def main() -> None:
     ap.add_argument("--config", nargs="+", default=["m64 n64 w8 s2 kv-first gluon pf"],
                     help="split-per-request Gluon KernelConfig labels (DIAG is in their tile "
                          "step)")
+    ap.add_argument("--prefix", type=int, nargs="+", default=None,
+                    help="prefix lengths to run each case at instead of its own (the time "
+                         "per extra tile, apart from the fixed cost of a call)")
     args = ap.parse_args()
     configs = [kernel_config(label) for label in args.config]
     for cfg in configs:
@@ -50,8 +55,11 @@ def main() -> None:
     clock = CudaClock()
     print(f"| case | config | tiles per program | {' | '.join(MODES)} | full per tile |")
     print("|---|---|---|" + "---|" * (len(MODES) + 1))
-    for name in args.case:
-        case = by_name[name]
+    runs = [(name, by_name[name]) for name in args.case]
+    if args.prefix:
+        runs = [(f"{name} L {n}", dataclasses.replace(case, prefix=n))
+                for name, case in runs for n in args.prefix]
+    for name, case in runs:
         setup = build_setup(case, "cuda")
         for cfg in configs:
             _diag_row(name, case, setup, cfg, clock)

@@ -12,7 +12,7 @@
 # stress: the 100-batch loop; ncu: Nsight Compute (full set) over one launch of the default
 # kernel at mla-long, into $OUT/gluon-ncu.txt; diag: tools/gluon_diag.py (the kernel's copies
 # alone and its math alone beside the full kernel; GLUON_DIAG_CASES, GLUON_DIAG_CONFIGS: cases,
-# and config labels separated by ';'), into $OUT/gluon-diag.md; parts: `specattn
+# and config labels separated by ';'; GLUON_DIAG_PREFIX: prefix lengths to run them at), into $OUT/gluon-diag.md; parts: `specattn
 # bench --parts` (each kernel's time in one step) on GLUON_PARTS_CASES (default mla-long
 # mla-small), triton and flashinfer (GLUON_PARTS_OPTION: one more triton variant), into
 # $OUT/gluon-parts.log. Logs go to $OUT
@@ -70,6 +70,7 @@ for part in "${@:-tests memcheck bench stress}"; do
       diag) IFS=';' read -r -a diag_cfgs <<< "${GLUON_DIAG_CONFIGS:-m64 n64 w8 s2 kv-first gluon pf}"
              timeout "${GLUON_DIAG_S:-200}" python tools/gluon_diag.py \
                --case ${GLUON_DIAG_CASES:-mla-long mla-wide} --config "${diag_cfgs[@]}" \
+               ${GLUON_DIAG_PREFIX:+--prefix $GLUON_DIAG_PREFIX} \
                > "$OUT/gluon-diag.md" 2>&1 || status=1
              cat "$OUT/gluon-diag.md" ;;
     esac
