@@ -4,7 +4,11 @@ layers rotated past L2):
 
 - ``full``: the kernel as it runs;
 - ``copies``: ``DIAG=1``, the key copies and their waits without the math;
-- ``math``: ``DIAG=2``, the math on whatever the stages hold, without copies after the first.
+- ``math``: ``DIAG=2``, the math on whatever the stages hold, without copies after the first;
+- ``copies, no stores or merge``: ``DIAG=3``, as ``copies`` without the result stores and the
+  merge launch;
+- ``no tiles``: ``DIAG=4``, no key tiles (Q, the prologue's copies, the epilogue, the merge):
+  the fixed cost of a call.
 
 If ``full`` is near ``copies``, the gathers set the tile time; if near ``math``, the MMA and
 softmax chain does; if above both, the two do not overlap. DIAG runs give wrong outputs by
@@ -27,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-MODES = {"full": 0, "copies": 1, "math": 2}
+MODES = {"full": 0, "copies": 1, "math": 2, "copies, no stores or merge": 3, "no tiles": 4}
 
 
 def main() -> None:

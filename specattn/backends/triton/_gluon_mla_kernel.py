@@ -196,8 +196,8 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     """One key tile ``t`` (OVERLAP off): refill the stage the previous tile used with tile
     ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
     Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries
-    (``PREFETCH``). ``DIAG`` (timing experiments only, wrong results): 1 skips the math (the
-    copies and waits alone), 2 skips the copies after the prologue (the math alone, on
+    (``PREFETCH``). ``DIAG`` (timing experiments only, wrong results): 1 and 3 skip the math
+    (the copies and waits alone), 2 skips the copies after the prologue (the math alone, on
     whatever the stages hold)."""
     dtype: gl.constexpr = k_smem.dtype
     o_layout: gl.constexpr = acc.type.layout
@@ -220,7 +220,7 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     async_copy.wait_group(NUM_STAGES - 1)
     fence_async_shared()
     gl.thread_barrier()
-    if DIAG != 1:
+    if DIAG == 0 or DIAG == 2:
         stage = t % NUM_STAGES
         k_s = k_smem.index(stage)
         _finite_tail(k_s, t, n_pref, copy_layout)
@@ -327,8 +327,8 @@ def _gluon_mla_kernel(
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         OVERLAP: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
         DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``DIAG``: ``_tile_step``'s timing
-    experiments, OVERLAP off). See ``gluon_mla`` for the algorithm and
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``DIAG``: timing experiments, OVERLAP
+    off: ``_tile_step``'s 1 and 2; 3 as 1 without the result stores; 4 no tiles at all). See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
     dtype: gl.constexpr = KV.dtype.element_ty
@@ -364,6 +364,8 @@ def _gluon_mla_kernel(
     n_lo = lane_lo * hl
     n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
+    if DIAG == 4:
+        total = 0  # the fixed cost alone: Q, the prologue's copies, the epilogue
 
     q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
@@ -450,7 +452,8 @@ def _gluon_mla_kernel(
                 USE_CAP, copy_layout, p_layout, DIAG)
     async_copy.wait_group(0)
 
-    # Epilogue: normalise; one split writes Out, several write partials + LSE.
-    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
-                  split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+    # Epilogue: normalise; one split writes Out, several write partials + LSE (DIAG 3: none).
+    if DIAG != 3:
+        _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                      stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
+                      n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))

@@ -192,8 +192,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``[B*K, H, >= splits]`` fp32; meta: ``[>= B, 5]`` int32 (``_metadata_kernels``);
     hist: ``[B*K, S]`` int32; parents: ``[S, B, K]`` (path mode, ``mode == 1``).
     ``warp_specialized``: the seesaw kernel (``_gluon_mla_ws_kernel``; experimental).
-    ``diag``: ``_tile_step``'s timing experiments (1: copies alone, 2: math alone; wrong
-    results; ``tools/gluon_diag.py``)."""
+    ``diag``: timing experiments (1: copies alone, 2: math alone, 3: copies alone with no
+    result stores and no merge, 4: no key tiles; wrong results; ``tools/gluon_diag.py``)."""
     K = kernel_module()
     H = q.shape[1]
     par, par_s, par_b = parent_args(parents, meta)
@@ -216,7 +216,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
         extra = dict(DIAG=diag) if diag else {}  # not a key of the default compile
         K._gluon_mla_kernel[grid](*args, **common, OVERLAP=overlap, num_warps=NUM_WARPS,
                                   **extra)
-    return direct
+    return direct or diag == 3  # 3: nothing to merge
 
 
 def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
