@@ -24,6 +24,7 @@ from ..backends.torch_ref import reference_decode, reference_extend
 from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from ..errors import SpecAttnError
 from .compare import output_mismatch, pool_mismatch
+from .outcomes import CaseFailed, CaseSkipped
 from .rounds import (DecodeRound, EngineStyle, ExtendRound, ModelShape, RoundMaker, pools_of,
                      random_qkv, shadow_runner)
 from .target import Target
@@ -31,14 +32,6 @@ from .target import Target
 __all__ = ["Case", "Session", "CaseFailed", "CaseSkipped"]
 
 NUM_STEPS = 3
-
-
-class CaseFailed(Exception):
-    """The backend broke the contract; the message says where and how."""
-
-
-class CaseSkipped(Exception):
-    """The case does not apply (capability not declared, feature refused clearly)."""
 
 
 @dataclass(frozen=True)

@@ -328,9 +328,10 @@ def _gluon_mla_kernel(
         OVERLAP: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
         DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr, DIAG: gl.constexpr = 0):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``DIAG``: timing experiments, OVERLAP
-    off: ``_tile_step``'s 1 and 2; 3 as 1 without the result stores; 4 no tiles at all). See ``gluon_mla`` for the algorithm and
-    the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
-    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
+    off: ``_tile_step``'s 1 and 2; 3 as 1 without the result stores; 4 no tiles at all).
+    See ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV
+    ``[slots, 576]``, Kin ``[B*K, 576]``, MidO ``[B*K, H, parts, 512]``, MidLse
+    ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
     dtype: gl.constexpr = KV.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     o_layout: gl.constexpr = O_LAYOUT
