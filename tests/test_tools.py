@@ -176,6 +176,27 @@ def test_warp_specialize_probe_puts_wgmma_in_both_partitions():
     assert "local 0 B" in run.stdout
 
 
+def test_gluon_cluster_probe_answers_for_this_triton():
+    """``gluon_cluster_probe.py`` (issue #19's evidence for an on-chip merge): a convert
+    between two layouts of a tensor spread over a 4-CTA cluster. Triton 3.6 (the H200's)
+    fails in its LLVM lowering at ``nvvm.mapa``; 3.9 lowers it to distributed shared memory
+    (``mapa``, ``ld.shared::cluster``, ``barrier.cluster``). Other versions: not checked."""
+    triton = pytest.importorskip("triton")
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if version not in ((3, 6), (3, 9)):
+        pytest.skip(f"triton {triton.__version__}: the probe's result is recorded for 3.6 "
+                    "and 3.9")
+    run = _compile_tool([os.path.join(TOOLS, "gluon_cluster_probe.py")])
+    if version == (3, 6):
+        assert run.returncode == 1 and "does not compile" in run.stdout, run.stdout
+        assert "nvvm.mapa" in run.stdout and "address space" in run.stdout, run.stdout
+    else:
+        assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+        counts = dict(re.findall(r"([\w.:]+): (\d+)", run.stdout.split("compiles;")[1]))
+        assert all(int(counts[op]) >= 1 for op in ("mapa", "shared::cluster",
+                                                   "barrier.cluster")), run.stdout
+
+
 def test_gluon_diag_refuses_a_kernel_without_its_diag_step():
     """``gluon_diag.py`` times the split-per-request kernel (whose tile step has ``DIAG``):
     another config is refused before any GPU work."""
