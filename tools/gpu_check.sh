@@ -16,8 +16,9 @@
 #   soak over every GPU backend but flashmla) or `verify` (a Triton kernel change: suites,
 #   kit, memcheck, soaks, then the Gluon MLA bench); `flashmla` (carry .gpu/install.sh .whl)
 #   and `ws-first` (no carry) stand alone; `gluon-first` (carry .gpu/flashinfer
-#   .gpu/install.sh) runs a new Gluon kernel's tests, checks and bench in one call; see the
-#   functions below.
+#   .gpu/install.sh) runs a new Gluon kernel's tests, checks and bench in one call;
+#   `cute-probe` (after `fa4-first`, carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh) runs the
+#   CuTe-DSL cluster-merge probe; see the functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
@@ -236,6 +237,16 @@ gluon_first() {
   check
 }
 
+# The CuTe-DSL cluster-merge probe on the GPU (after `fa4-first`; carry .gpu/flashinfer
+# .gpu/fa4 .gpu/install.sh): tests/gpu/test_cute_cluster_gpu.py, the route to an on-chip merge
+# of split partials (#19), before any MLA kernel is built on it.
+cute_probe() {
+  vendor_libs
+  job gpu-tests-cute 240 python -m pytest -v -p no:cacheprovider -rfE \
+    tests/gpu/test_cute_cluster_gpu.py
+  check
+}
+
 case "${1:-}" in
   first) first ;;
   second) second ;;
@@ -245,7 +256,8 @@ case "${1:-}" in
   flashmla) flashmla_only ;;
   ws-first) ws_first ;;
   gluon-first) gluon_first ;;
+  cute-probe) cute_probe ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe" >&2; exit 2 ;;
 esac
 exit $status
