@@ -195,8 +195,6 @@ def test_choice_logic(monkeypatch):
     wl = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_worklist=True)
     assert TritonDecode(r, 8, 3, config=wl)._make_plan(3)["num_splits"] == 3
     assert TritonDecode(r, 8, 3, config=wl)._make_plan(1)["num_splits"] == 2
-    assert not TritonDecode(r, 8, 3, work_list=True)._make_plan(3)["cfg"].label() \
-        .endswith("gluon pf")
     # The default picks the work list where a request's K * H rows fit one 64-row tile.
     for topk, wl in ((1, True), (4, True), (8, False)):
         assert TritonDecode(r, topk, 3)._make_plan(3)["cfg"].gluon_worklist == wl
@@ -220,7 +218,7 @@ def test_choice_logic(monkeypatch):
 
 
 def test_forced_config_refused_where_its_kernel_cannot_run(monkeypatch):
-    """A forced Gluon (or mla_v3) config is checked at construction: MHA, fp32, extend and
+    """A forced Gluon (or mla_v3) config is checked at construction: MHA, extend and
     per-branch mode get an InvalidInputError naming ``config`` (the H200 soak met a compiler
     error on MHA and a refusal at the first extend forward)."""
     from specattn.backends.triton import TritonExtend
@@ -248,8 +246,9 @@ def test_forced_config_refused_where_its_kernel_cannot_run(monkeypatch):
 
 
 def test_soak_skips_cases_a_forced_option_does_not_fit(monkeypatch):
-    """With ``--option triton:config=... gluon``, MHA and extend rounds are skipped (the
-    option does not apply), MLA decode rounds run: no crash is reported."""
+    """With ``--option triton:config=... gluon``, a round whose backend refuses the option
+    (MHA, extend; on a CPU every round, since the Gluon kernel needs sm90) is skipped and
+    counted, not reported as a crash."""
     from specattn.testing.soak import soak
 
     cfg = KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)
