@@ -98,6 +98,7 @@ def test_version_guard(monkeypatch, version, ok):
 
 @pytest.mark.parametrize("device,cap,interp,version,expect", [
     ("cuda", (9, 0), False, "3.6.0", "Gluon wgmma kernel"),
+    ("cuda", (9, 0), False, "3.6.0", "work list up to 64 query rows per request"),
     ("cuda", (9, 0), False, "3.9.0", "tl.dot kernel (Gluon kernel off: triton 3.9.0"),
     ("cuda", (8, 0), False, "3.6.0", "sm80, needs sm90"),
     ("cpu", None, True, "3.6.0", "not a CUDA device"),

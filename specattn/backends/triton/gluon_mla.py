@@ -160,7 +160,8 @@ def platform_note(device: str, capability: Optional[tuple[int, int]], interpret:
         why = f"triton {triton_version}, run with {'/'.join(TESTED_TRITON)}.x only"
     else:
         return ("MLA draft decode: Gluon wgmma kernel (sm90, triton "
-                f"{triton_version}; bf16/fp16, rank 512 + rope 64, plain KV)")
+                f"{triton_version}; bf16/fp16, rank 512 + rope 64, plain KV; a balanced work "
+                "list up to 64 query rows per request, a fixed prefix split above)")
     return f"MLA draft decode: tl.dot kernel (Gluon kernel off: {why})"
 
 
