@@ -18,7 +18,7 @@
 #   and `ws-first` (no carry) stand alone; `gluon-first` (carry .gpu/flashinfer
 #   .gpu/install.sh) runs a new Gluon kernel's tests, checks and bench in one call;
 #   `cute-probe` (after `fa4-first`, carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh) runs the
-#   CuTe-DSL cluster-merge probe; see the functions below.
+#   CuTe-DSL probes; see the functions below.
 #
 # Correctness jobs run side by side (16 cores, one GPU); timings run alone at the end.
 # Logs go to $OUT (at most 8 files come back from a call: pack more into a tar); the exit
@@ -237,13 +237,13 @@ gluon_first() {
   check
 }
 
-# The CuTe-DSL cluster-merge probe on the GPU (after `fa4-first`; carry .gpu/flashinfer
-# .gpu/fa4 .gpu/install.sh): tests/gpu/test_cute_cluster_gpu.py, the route to an on-chip merge
-# of split partials (#19), before any MLA kernel is built on it.
+# The CuTe-DSL probes on the GPU (after `fa4-first`; carry .gpu/flashinfer .gpu/fa4
+# .gpu/install.sh): tests/gpu/test_cute_probes_gpu.py, a cluster merge of split partials and
+# one MLA key tile's wgmma math (#19), before an MLA kernel is built on them.
 cute_probe() {
   vendor_libs
   job gpu-tests-cute 240 python -m pytest -v -p no:cacheprovider -rfE \
-    tests/gpu/test_cute_cluster_gpu.py
+    tests/gpu/test_cute_probes_gpu.py
   check
 }
 

@@ -1,0 +1,184 @@
+"""One MLA key tile's math in CuTe-DSL on sm90: issue #19's next kernel, de-risked piece by
+piece (``gluon-notes.md``, "Session 9", item 2). One warpgroup, in one CTA:
+
+- ``S = Q K^T`` for 64 query rows x 64 keys over the 576-wide latent + rope row, as one
+  wgmma chain of N 64 (36 x m64n64k16). The Gluon kernel splits S's columns over two
+  warpgroups, N 32 each, and is shared-memory bound there;
+- ``O[:, :256] = P V`` (4 x m64n256k16), with V read in place: the key tile's shared memory
+  (row-major, 128-byte swizzle) viewed as ``(dims, keys)`` is the MN-major operand wgmma
+  wants, so V costs no copy. Here P is ``bf16(S)`` written through shared memory; the kernel
+  will feed P from registers.
+
+Needs CuTe-DSL (``nvidia-cutlass-dsl`` 4.8, the FA4 part of the offline GPU bundle; Python
+3.12; setup in ``tools/cute_cluster_probe.py``). Without a GPU: compiles for sm90a and prints
+the wgmma counts and, when ``cuobjdump`` is found (``$CUOBJDUMP``, Triton's, or on PATH),
+registers and stack. With ``--run``: also checks S and O against torch (float64) on this
+machine's GPU; a layout mistake shows as errors of order 1.
+
+Seen here (CuTe-DSL 4.8.1, no GPU): 36 m64n64k16 + 4 m64n256k16; 162 registers, no stack.
+Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as hopper  # noqa: E402
+from cutlass import BFloat16, Float32  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+ROWS, KEYS, WIDTH, V_HALF = 64, 64, 576, 256  # query rows, keys per tile, latent + rope, O half
+THREADS = 128  # one warpgroup
+
+
+def _swizzled(rows: int, cols: int):
+    """Row-major ``[rows, cols]`` bf16 in 128-byte swizzle atoms: wgmma's K-major layout."""
+    atom = warpgroup.make_smem_layout_atom(
+        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, cols), BFloat16)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+
+
+@cute.jit
+def _wgmma_chain(tiled_mma, acc, frag_a, frag_b):
+    """``acc = A B`` over every k block, then wait for the chain."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.kernel
+def tile_kernel(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tensor):
+    """gQ ``[64, 576]``, gK ``[64 keys, 576]`` bf16 -> gS ``[64, 64]`` = Q K^T,
+    gO ``[64, 256]`` = bf16(S) K[:, :256] (fp32)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    alloc = SmemAllocator()
+    lay_q, lay_k, lay_p = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH), _swizzled(ROWS, KEYS)
+    sQ = alloc.allocate_tensor(BFloat16, lay_q.outer, 1024, swizzle=lay_q.inner)
+    sK = alloc.allocate_tensor(BFloat16, lay_k.outer, 1024, swizzle=lay_k.inner)
+    sP = alloc.allocate_tensor(BFloat16, lay_p.outer, 1024, swizzle=lay_p.inner)
+    for i in cutlass.range(ROWS * WIDTH // THREADS):
+        e = tidx + THREADS * i
+        sQ[e // WIDTH, e % WIDTH] = gQ[e // WIDTH, e % WIDTH]
+        sK[e // WIDTH, e % WIDTH] = gK[e // WIDTH, e % WIDTH]
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> wgmma reads
+    cute.arch.barrier()
+
+    mma_s = hopper.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
+                                          OperandMajorMode.K, Float32, (1, 1, 1), (ROWS, KEYS))
+    thr_s = mma_s.get_slice(tidx)
+    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
+    _wgmma_chain(mma_s, acc_s, thr_s.make_fragment_A(thr_s.partition_A(sQ)),
+                 thr_s.make_fragment_B(thr_s.partition_B(sK)))
+    out_s, out_p = thr_s.partition_C(gS), thr_s.partition_C(sP)
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        out_s[i] = acc_s[i]
+        out_p[i] = acc_s[i].to(BFloat16)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier()
+
+    # V in place: the key rows as (dims, keys), dims contiguous (MN-major), first 256 dims.
+    sVt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0]))
+    mma_o = hopper.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
+                                          OperandMajorMode.MN, Float32, (1, 1, 1),
+                                          (ROWS, V_HALF))
+    thr_o = mma_o.get_slice(tidx)
+    acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, V_HALF)), Float32)
+    _wgmma_chain(mma_o, acc_o, thr_o.make_fragment_A(thr_o.partition_A(sP)),
+                 thr_o.make_fragment_B(thr_o.partition_B(
+                     cute.local_tile(sVt, (V_HALF, KEYS), (0, 0)))))
+    out_o = thr_o.partition_C(gO)
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        out_o[i] = acc_o[i]
+
+
+@cute.jit
+def launch(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tensor):
+    tile_kernel(gQ, gK, gS, gO).launch(grid=(1, 1, 1), block=(THREADS, 1, 1))
+
+
+def compile_only() -> str:
+    """Compile for sm90a with stand-in tensors; a one-line summary."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = (make_fake_compact_tensor(BFloat16, (ROWS, WIDTH)),
+            make_fake_compact_tensor(BFloat16, (KEYS, WIDTH)),
+            make_fake_compact_tensor(Float32, (ROWS, KEYS)),
+            make_fake_compact_tensor(Float32, (ROWS, V_HALF)))
+    compiled = cute.compile(launch, *args, options="--keep-ptx --keep-cubin")
+    ptx = compiled.__ptx__
+    line = ", ".join(f"{op}: {len(re.findall(op, ptx))}" for op in ("m64n64k16", "m64n256k16"))
+    return line + _resources(compiled.__cubin__)
+
+
+def _resources(cubin: bytes) -> str:
+    """``; registers R, stack S B`` from cuobjdump ($CUOBJDUMP, Triton's copy, or one on
+    PATH), or ''."""
+    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    try:
+        import triton
+
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                               "cuobjdump")
+        tool = bundled if os.path.exists(bundled) and "CUOBJDUMP" not in os.environ else tool
+    except ImportError:
+        pass
+    if tool is None or not cubin:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"; registers {found.group(1)}, stack {found.group(2)} B" if found else ""
+
+
+def run_and_check() -> tuple[float, float]:
+    """Run on this machine's GPU; the largest errors of S and O against torch (float64)."""
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(ROWS, WIDTH, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(KEYS, WIDTH, device="cuda", generator=gen).bfloat16()
+    s = torch.full((ROWS, KEYS), float("nan"), device="cuda")
+    o = torch.full((ROWS, V_HALF), float("nan"), device="cuda")
+    args = [from_dlpack(t) for t in (q, k, s, o)]
+    cute.compile(launch, *args)(*args)
+    torch.cuda.synchronize()
+    want_s = q.double() @ k.double().T
+    want_o = s.bfloat16().double() @ k[:, :V_HALF].double()
+    return ((s.double() - want_s).abs().max().item() / want_s.abs().max().item(),
+            (o.double() - want_o).abs().max().item() / want_o.abs().max().item())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", action="store_true", help="also run it on this machine's GPU")
+    args = ap.parse_args()
+    print("compiles for sm90a; " + compile_only())
+    if args.run:
+        err_s, err_o = run_and_check()
+        print(f"ran: relative max error S {err_s:.2e}, O {err_o:.2e}")
+        return 0 if err_s < 1e-4 and err_o < 1e-4 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
