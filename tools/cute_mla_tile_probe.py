@@ -4,10 +4,10 @@ piece (``gluon-notes.md``, "Session 9", item 2). One warpgroup, in one CTA:
 - ``S = Q K^T`` for 64 query rows x 64 keys over the 576-wide latent + rope row, as one
   wgmma chain of N 64 (36 x m64n64k16). The Gluon kernel splits S's columns over two
   warpgroups, N 32 each, and is shared-memory bound there;
-- ``O[:, :256] = P V`` (4 x m64n256k16), with V read in place: the key tile's shared memory
-  (row-major, 128-byte swizzle) viewed as ``(dims, keys)`` is the MN-major operand wgmma
-  wants, so V costs no copy. Here P is ``bf16(S)`` written through shared memory; the kernel
-  will feed P from registers.
+- ``O[:, :256] = P V`` (4 x m64n256k16), P = ``bf16(S)`` from registers (S's accumulator
+  regrouped as the A operand), V read in place: the key tile's shared memory (row-major,
+  128-byte swizzle) viewed as ``(dims, keys)`` is the MN-major operand wgmma wants, so V
+  costs no copy.
 
 Needs CuTe-DSL (``nvidia-cutlass-dsl`` 4.8, the FA4 part of the offline GPU bundle; Python
 3.12; setup in ``tools/cute_cluster_probe.py``). Without a GPU: compiles for sm90a and prints
@@ -15,7 +15,8 @@ the wgmma counts and, when ``cuobjdump`` is found (``$CUOBJDUMP``, Triton's, or 
 registers and stack. With ``--run``: also checks S and O against torch (float64) on this
 machine's GPU; a layout mistake shows as errors of order 1.
 
-Seen here (CuTe-DSL 4.8.1, no GPU): 36 m64n64k16 + 4 m64n256k16; 162 registers, no stack.
+Seen here (CuTe-DSL 4.8.1, no GPU): 36 m64n64k16 + 4 m64n256k16 (A in registers, B
+transposed); 186 registers, no stack.
 Not yet run on a GPU.
 """
 
@@ -62,16 +63,28 @@ def _wgmma_chain(tiled_mma, acc, frag_a, frag_b):
     warpgroup.wait_group(0)
 
 
+@cute.jit
+def _acc_as_operand_a(acc: cute.Layout) -> cute.Layout:
+    """A wgmma accumulator's per-thread layout ``((2, 2, N / 8), M blocks, N blocks)`` as the
+    next wgmma's register A operand ``((2, 2, 2), M blocks, (N / 16, N blocks))``: each k block
+    of 16 takes two of the accumulator's 8-column groups."""
+    split = cute.logical_divide(acc, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
+         (split.shape[0][2][1], split.shape[2])),
+        stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+                split.stride[1], (split.stride[0][2][1], split.stride[2])))
+
+
 @cute.kernel
 def tile_kernel(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tensor):
     """gQ ``[64, 576]``, gK ``[64 keys, 576]`` bf16 -> gS ``[64, 64]`` = Q K^T,
-    gO ``[64, 256]`` = bf16(S) K[:, :256] (fp32)."""
+    gO ``[64, 256]`` = bf16(S) K[:, :256] (both fp32)."""
     tidx, _, _ = cute.arch.thread_idx()
     alloc = SmemAllocator()
-    lay_q, lay_k, lay_p = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH), _swizzled(ROWS, KEYS)
+    lay_q, lay_k = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH)
     sQ = alloc.allocate_tensor(BFloat16, lay_q.outer, 1024, swizzle=lay_q.inner)
     sK = alloc.allocate_tensor(BFloat16, lay_k.outer, 1024, swizzle=lay_k.inner)
-    sP = alloc.allocate_tensor(BFloat16, lay_p.outer, 1024, swizzle=lay_p.inner)
     for i in cutlass.range(ROWS * WIDTH // THREADS):
         e = tidx + THREADS * i
         sQ[e // WIDTH, e % WIDTH] = gQ[e // WIDTH, e % WIDTH]
@@ -85,21 +98,22 @@ def tile_kernel(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tens
     acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
     _wgmma_chain(mma_s, acc_s, thr_s.make_fragment_A(thr_s.partition_A(sQ)),
                  thr_s.make_fragment_B(thr_s.partition_B(sK)))
-    out_s, out_p = thr_s.partition_C(gS), thr_s.partition_C(sP)
+    out_s = thr_s.partition_C(gS)
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         out_s[i] = acc_s[i]
-        out_p[i] = acc_s[i].to(BFloat16)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier()
 
     # V in place: the key rows as (dims, keys), dims contiguous (MN-major), first 256 dims.
     sVt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0]))
     mma_o = hopper.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
                                           OperandMajorMode.MN, Float32, (1, 1, 1),
-                                          (ROWS, V_HALF))
+                                          (ROWS, V_HALF), a_source=warpgroup.OperandSource.RMEM)
     thr_o = mma_o.get_slice(tidx)
     acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, V_HALF)), Float32)
-    _wgmma_chain(mma_o, acc_o, thr_o.make_fragment_A(thr_o.partition_A(sP)),
+    # P = bf16(S) stays in registers: S's accumulator, regrouped as the A operand's k blocks.
+    frag_p = thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, KEYS)))
+    frag_p.store(cute.make_tensor(acc_s.iterator, _acc_as_operand_a(acc_s.layout))
+                 .load().to(BFloat16))
+    _wgmma_chain(mma_o, acc_o, frag_p,
                  thr_o.make_fragment_B(thr_o.partition_B(
                      cute.local_tile(sVt, (V_HALF, KEYS), (0, 0)))))
     out_o = thr_o.partition_C(gO)
