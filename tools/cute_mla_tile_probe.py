@@ -1,6 +1,8 @@
 """One MLA key tile's math in CuTe-DSL on sm90: issue #19's next kernel, de-risked piece by
 piece (``gluon-notes.md``, "Session 9", item 2). One warpgroup, in one CTA:
 
+- the key tile gathered from a KV pool through a slot list (a page-size-1 ``req_to_token``
+  row), 16 bytes per ``cp.async``, into the 128-byte-swizzled layout wgmma reads;
 - ``S = Q K^T`` for 64 query rows x 64 keys over the 576-wide latent + rope row, as one
   wgmma chain of N 64 (36 x m64n64k16). The Gluon kernel splits S's columns over two
   warpgroups, N 32 each, and is shared-memory bound there;
@@ -15,8 +17,8 @@ the wgmma counts and, when ``cuobjdump`` is found (``$CUOBJDUMP``, Triton's, or 
 registers and stack. With ``--run``: also checks S and O against torch (float64) on this
 machine's GPU; a layout mistake shows as errors of order 1.
 
-Seen here (CuTe-DSL 4.8.1, no GPU): 36 m64n64k16 + 4 m64n256k16 (A in registers, B
-transposed); 186 registers, no stack.
+Seen here (CuTe-DSL 4.8.1, no GPU): 16-byte ``cp.async.cg`` gathers, 36 m64n64k16 + 4
+m64n256k16 (A in registers, B transposed); 186 registers, no stack.
 Not yet run on a GPU.
 """
 
@@ -35,11 +37,12 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as hopper  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 ROWS, KEYS, WIDTH, V_HALF = 64, 64, 576, 256  # query rows, keys per tile, latent + rope, O half
+POOL = 1000  # KV pool rows the tile's keys are gathered from
 THREADS = 128  # one warpgroup
 
 
@@ -77,18 +80,34 @@ def _acc_as_operand_a(acc: cute.Layout) -> cute.Layout:
 
 
 @cute.kernel
-def tile_kernel(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tensor):
-    """gQ ``[64, 576]``, gK ``[64 keys, 576]`` bf16 -> gS ``[64, 64]`` = Q K^T,
-    gO ``[64, 256]`` = bf16(S) K[:, :256] (both fp32)."""
+def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute.Tensor,
+                gO: cute.Tensor):
+    """gQ ``[64, 576]`` bf16; the key tile is rows ``gSlots [64]`` (int32) of the pool
+    ``gKV [slots, 576]`` bf16, gathered 16 bytes at a time by ``cp.async`` -> gS ``[64, 64]``
+    = Q K^T, gO ``[64, 256]`` = bf16(S) K[:, :256] (both fp32)."""
     tidx, _, _ = cute.arch.thread_idx()
     alloc = SmemAllocator()
     lay_q, lay_k = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH)
     sQ = alloc.allocate_tensor(BFloat16, lay_q.outer, 1024, swizzle=lay_q.inner)
     sK = alloc.allocate_tensor(BFloat16, lay_k.outer, 1024, swizzle=lay_k.inner)
+    # 16-byte pieces: a 128-byte swizzle moves whole pieces, so each lands contiguous.
+    piece = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                BFloat16, num_bits_per_copy=128)
+    per_row = WIDTH // 8
+    for i in cutlass.range(KEYS * per_row // THREADS):
+        e = tidx + THREADS * i
+        row, col = e // per_row, e % per_row
+        # Rows are 1152 bytes: every piece's address is 16-byte aligned, which the copy
+        # atom needs told (an index read from memory hides it).
+        src = cute.make_ptr(BFloat16, (gKV.iterator + gSlots[row] * WIDTH + col * 8).toint(),
+                            cute.AddressSpace.gmem, assumed_align=16)
+        cute.copy(piece, cute.make_tensor(src, cute.make_layout((1, 8))),
+                  cute.local_tile(sK, (1, 8), (row, col)))
+    cute.arch.cp_async_commit_group()
     for i in cutlass.range(ROWS * WIDTH // THREADS):
         e = tidx + THREADS * i
         sQ[e // WIDTH, e % WIDTH] = gQ[e // WIDTH, e % WIDTH]
-        sK[e // WIDTH, e % WIDTH] = gK[e // WIDTH, e % WIDTH]
+    cute.arch.cp_async_wait_group(0)
     cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> wgmma reads
     cute.arch.barrier()
 
@@ -122,8 +141,9 @@ def tile_kernel(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tens
 
 
 @cute.jit
-def launch(gQ: cute.Tensor, gK: cute.Tensor, gS: cute.Tensor, gO: cute.Tensor):
-    tile_kernel(gQ, gK, gS, gO).launch(grid=(1, 1, 1), block=(THREADS, 1, 1))
+def launch(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute.Tensor,
+           gO: cute.Tensor):
+    tile_kernel(gQ, gKV, gSlots, gS, gO).launch(grid=(1, 1, 1), block=(THREADS, 1, 1))
 
 
 def compile_only() -> str:
@@ -131,12 +151,14 @@ def compile_only() -> str:
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     args = (make_fake_compact_tensor(BFloat16, (ROWS, WIDTH)),
-            make_fake_compact_tensor(BFloat16, (KEYS, WIDTH)),
+            make_fake_compact_tensor(BFloat16, (POOL, WIDTH), assumed_align=16),
+            make_fake_compact_tensor(cutlass.Int32, (KEYS,)),
             make_fake_compact_tensor(Float32, (ROWS, KEYS)),
             make_fake_compact_tensor(Float32, (ROWS, V_HALF)))
     compiled = cute.compile(launch, *args, options="--keep-ptx --keep-cubin")
     ptx = compiled.__ptx__
-    line = ", ".join(f"{op}: {len(re.findall(op, ptx))}" for op in ("m64n64k16", "m64n256k16"))
+    line = ", ".join(f"{op}: {len(re.findall(op, ptx))}"
+                     for op in ("cp.async.cg.shared.global", "m64n64k16", "m64n256k16"))
     return line + _resources(compiled.__cubin__)
 
 
@@ -170,10 +192,12 @@ def run_and_check() -> tuple[float, float]:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(ROWS, WIDTH, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(KEYS, WIDTH, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(POOL, WIDTH, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(POOL, device="cuda", generator=gen)[:KEYS].int()
+    k = kv[slots.long()]
     s = torch.full((ROWS, KEYS), float("nan"), device="cuda")
     o = torch.full((ROWS, V_HALF), float("nan"), device="cuda")
-    args = [from_dlpack(t) for t in (q, k, s, o)]
+    args = [from_dlpack(t, assumed_align=16) for t in (q, kv, slots, s, o)]
     cute.compile(launch, *args)(*args)
     torch.cuda.synchronize()
     want_s = q.double() @ k.double().T
