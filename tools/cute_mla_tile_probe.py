@@ -6,7 +6,9 @@ piece (``gluon-notes.md``, "Session 9", item 2). One warpgroup, in one CTA:
 - ``S = Q K^T`` for 64 query rows x 64 keys over the 576-wide latent + rope row, as one
   wgmma chain of N 64 (36 x m64n64k16). The Gluon kernel splits S's columns over two
   warpgroups, N 32 each, and is shared-memory bound there;
-- ``O[:, :256] = P V`` (4 x m64n256k16), P = ``bf16(S)`` from registers (S's accumulator
+- the softmax on S's accumulator: row maxima and sums over each thread's columns, then
+  across the 4 threads of a quad by butterfly shuffles;
+- ``O[:, :256] = P V / l`` (4 x m64n256k16), P in bf16 from registers (S's accumulator
   regrouped as the A operand), V read in place: the key tile's shared memory (row-major,
   128-byte swizzle) viewed as ``(dims, keys)`` is the MN-major operand wgmma wants, so V
   costs no copy.
@@ -15,10 +17,11 @@ Needs CuTe-DSL (``nvidia-cutlass-dsl`` 4.8, the FA4 part of the offline GPU bund
 3.12; setup in ``tools/cute_cluster_probe.py``). Without a GPU: compiles for sm90a and prints
 the wgmma counts and, when ``cuobjdump`` is found (``$CUOBJDUMP``, Triton's, or on PATH),
 registers and stack. With ``--run``: also checks S and O against torch (float64) on this
-machine's GPU; a layout mistake shows as errors of order 1.
+machine's GPU; a layout mistake shows as errors of order 1, P's bf16 rounding as about 1e-3.
 
 Seen here (CuTe-DSL 4.8.1, no GPU): 16-byte ``cp.async.cg`` gathers, 36 m64n64k16 + 4
-m64n256k16 (A in registers, B transposed); 186 registers, no stack.
+m64n256k16 (A in registers, B transposed), 8 quad shuffles and 32 ``ex2`` per thread; 186
+registers, no stack.
 Not yet run on a GPU.
 """
 
@@ -43,6 +46,7 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 ROWS, KEYS, WIDTH, V_HALF = 64, 64, 576, 256  # query rows, keys per tile, latent + rope, O half
 POOL = 1000  # KV pool rows the tile's keys are gathered from
+SCALE, LOG2E = WIDTH ** -0.5, 1.4426950408889634
 THREADS = 128  # one warpgroup
 
 
@@ -79,12 +83,49 @@ def _acc_as_operand_a(acc: cute.Layout) -> cute.Layout:
                 split.stride[1], (split.stride[0][2][1], split.stride[2])))
 
 
+@cute.jit
+def _acc_rows(acc: cute.Layout) -> cute.Layout:
+    """The accumulator's per-thread layout ``((2, 2, N / 8), M blocks, N blocks)`` viewed as
+    ``(rows, columns)``: ``((2, M blocks), (2, N / 8, N blocks))``; a thread's rows are r and
+    r + 8, and the 4 threads of a quad share each row."""
+    flat = cute.make_layout(acc.shape)
+    return cute.composition(acc, cute.make_layout(
+        ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2])),
+        stride=((flat.stride[0][1], flat.stride[1]),
+                (flat.stride[0][0], flat.stride[0][2], flat.stride[2]))))
+
+
+@cute.jit
+def _quad_reduce(x, op):
+    """``op`` over the 4 threads of a quad (lanes differing in their two low bits)."""
+    for offset in cutlass.range_constexpr(2):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << offset))
+    return x
+
+
+@cute.jit
+def _softmax_rows(acc: cute.Tensor, rows: cute.Tensor, scale_log2: Float32) -> None:
+    """In place: ``acc <- exp2((acc - rowmax) * scale_log2)``; ``rows`` (one entry per row of
+    the thread) <- the row sums."""
+    view = cute.make_tensor(acc.iterator, _acc_rows(acc.layout))
+    for r in cutlass.range_constexpr(cute.size(view, mode=[0])):
+        top = view[r, 0]
+        for c in cutlass.range_constexpr(1, cute.size(view, mode=[1])):
+            top = cute.arch.fmax(top, view[r, c])
+        top = _quad_reduce(top, cute.arch.fmax)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(view, mode=[1])):
+            view[r, c] = cute.arch.exp2((view[r, c] - top) * scale_log2)
+            total += view[r, c]
+        rows[r] = _quad_reduce(total, lambda a, b: a + b)
+
+
 @cute.kernel
 def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute.Tensor,
                 gO: cute.Tensor):
     """gQ ``[64, 576]`` bf16; the key tile is rows ``gSlots [64]`` (int32) of the pool
     ``gKV [slots, 576]`` bf16, gathered 16 bytes at a time by ``cp.async`` -> gS ``[64, 64]``
-    = Q K^T, gO ``[64, 256]`` = bf16(S) K[:, :256] (both fp32)."""
+    = Q K^T, gO ``[64, 256]`` = softmax(S * SCALE) K[:, :256] (both fp32)."""
     tidx, _, _ = cute.arch.thread_idx()
     alloc = SmemAllocator()
     lay_q, lay_k = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH)
@@ -120,6 +161,9 @@ def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute
     out_s = thr_s.partition_C(gS)
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         out_s[i] = acc_s[i]
+    # P = exp2((S - rowmax) * scale * log2 e), l = its row sums (one tile: no rescale).
+    row_sum = cute.make_rmem_tensor(cute.size(_acc_rows(acc_s.layout), mode=[0]), Float32)
+    _softmax_rows(acc_s, row_sum, Float32(SCALE * LOG2E))
 
     # V in place: the key rows as (dims, keys), dims contiguous (MN-major), first 256 dims.
     sVt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0]))
@@ -135,9 +179,12 @@ def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute
     _wgmma_chain(mma_o, acc_o, frag_p,
                  thr_o.make_fragment_B(thr_o.partition_B(
                      cute.local_tile(sVt, (V_HALF, KEYS), (0, 0)))))
-    out_o = thr_o.partition_C(gO)
-    for i in cutlass.range_constexpr(cute.size(acc_o)):
-        out_o[i] = acc_o[i]
+    out_o = cute.make_tensor(thr_o.partition_C(gO).iterator,
+                             _acc_rows(thr_o.partition_C(gO).layout))
+    o_rows = cute.make_tensor(acc_o.iterator, _acc_rows(acc_o.layout))
+    for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+            out_o[r, c] = o_rows[r, c] / row_sum[r]
 
 
 @cute.jit
@@ -201,7 +248,7 @@ def run_and_check() -> tuple[float, float]:
     cute.compile(launch, *args)(*args)
     torch.cuda.synchronize()
     want_s = q.double() @ k.double().T
-    want_o = s.bfloat16().double() @ k[:, :V_HALF].double()
+    want_o = torch.softmax(want_s * SCALE, dim=1) @ k[:, :V_HALF].double()
     return ((s.double() - want_s).abs().max().item() / want_s.abs().max().item(),
             (o.double() - want_o).abs().max().item() / want_o.abs().max().item())
 
@@ -214,7 +261,7 @@ def main() -> int:
     if args.run:
         err_s, err_o = run_and_check()
         print(f"ran: relative max error S {err_s:.2e}, O {err_o:.2e}")
-        return 0 if err_s < 1e-4 and err_o < 1e-4 else 1
+        return 0 if err_s < 1e-4 and err_o < 2e-2 else 1
     return 0
 
 
