@@ -276,3 +276,29 @@ def test_soak_option_reaches_the_constructor_of_the_classes_that_take_it(scoped_
     assert "/extend/" not in out  # the extend class does not take it: untouched
     with pytest.raises(InvalidInputError, match="--option"):
         main(common + ["--option", "mine:nope=1"])
+
+
+def test_an_option_a_class_refuses_for_a_case_skips_that_case(scoped_registry):
+    """A caller's constructor option that the class refuses for some cases (here MLA, as the
+    Triton backend refuses a Gluon ``config`` on MHA) skips those cases and names the option;
+    the cases it fits still run (H200 soak, session 9: a forced config crashed every round it
+    did not fit)."""
+
+    class PickyDecode(_Decode, name="mine", platforms=any_platform, priority=-5):
+        def __init__(self, runner, topk, num_steps, *, tree_mode="lane", flavor: str = "any"):
+            super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+            if flavor == "mha-only" and runner.use_mla_backend:
+                raise InvalidInputError("flavor", "an MHA runner for 'mha-only'", flavor)
+
+    class MyExtend(_Extend, name="mine", platforms=any_platform, priority=-5):
+        pass
+
+    report = check_backend("mine", models=("mha", "mla"),
+                           decode_options={"flavor": "mha-only"})
+    assert report.ok, str(report)
+    decode = [r for r in report.results if r.case.startswith("decode/")]
+    mla = [r for r in decode if "/mla/" in r.case]
+    mha = [r for r in decode if "/mha/" in r.case]
+    assert mla and all(r.status == "skipped" and "option 'flavor' does not apply" in r.detail
+                       for r in mla), mla
+    assert any(r.status == "passed" for r in mha)
