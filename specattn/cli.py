@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ def parse_platform(text: Optional[str], libraries: Optional[Sequence[str]] = Non
     Raises ``InvalidInputError`` for a malformed platform string.
     """
     from .errors import InvalidInputError
-    from .platforms import DEVICE_TYPES, Platform, detect
+    from .platforms import DEVICE_TYPES, Platform, detect, triton_interpret_enabled
 
     libs = None if libraries is None else frozenset(
         lib for lib in libraries if lib.lower() != "none")
@@ -72,7 +71,7 @@ def parse_platform(text: Optional[str], libraries: Optional[Sequence[str]] = Non
         raise InvalidInputError("--platform", "a compute capability for cuda, e.g. cuda:9.0",
                                 repr(text))
     interpret = "interpret" in flags or (
-        device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+        device == "cpu" and triton_interpret_enabled())
     return Platform(device, capability, cpu_has_amx="amx" in flags, libraries=libs,
                     triton_interpret=interpret)
 

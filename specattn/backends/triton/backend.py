@@ -21,14 +21,14 @@ count depends only on the (padded) batch size, so capture and replay agree.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
-from ...platforms import is_cpu, is_cuda, is_hip, is_xpu, triton_interpret
+from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
+                          triton_interpret_enabled)
 
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
@@ -71,10 +71,9 @@ def _check_config(config, runner, *, decode: bool, mode: str = "shared") -> None
     if config.gluon:
         from . import gluon_mla
 
-        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         if not decode or mode != "shared":
             why = "shared-prefix draft decode (the Gluon kernel serves nothing else)"
-        elif (reason := gluon_mla.gluon_reason(runner, interpret)) is not None:
+        elif (reason := gluon_mla.gluon_reason(runner, triton_interpret_enabled())) is not None:
             why = f"a model and device the Gluon kernel serves (here: {reason})"
     elif config.mla_v3 and not L.AttnShape.of(runner).mla_kernel:
         why = "an MLA model (rank + rope latent) for mla_v3"
@@ -179,8 +178,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         """Shared-prefix MLA decode: the Gluon kernel's config where it runs (else None)."""
         if self.mode != "shared" or not self.runner.use_mla_backend:
             return None
-        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        return _launchers().gluon_config(self.runner, interpret, self.topk, self.work_list)
+        return _launchers().gluon_config(self.runner, triton_interpret_enabled(), self.topk,
+                                         self.work_list)
 
     @classmethod
     def runtime_note(cls, platform) -> str:
