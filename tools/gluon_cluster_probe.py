@@ -46,11 +46,9 @@ def probe() -> tuple[Optional[dict], Optional[str]]:
 
 def _compile() -> None:
     """The child: compile the kernel, print ``counts op=n ...`` (raises if it fails)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton_ir_stats import _compile
 
     # Row c in CTA c (32 lanes along the row); after: 4 x 8 lanes, CTA c holds columns
     # [8c, 8c + 8) of every row. cga_layout bases count per-CTA tiles.
@@ -69,10 +67,8 @@ def _compile() -> None:
         c2 = gl.arange(0, 32, layout=gl.SliceLayout(0, by_column))
         gl.store(Y + r2[:, None] * 32 + c2[None, :], y)
 
-    aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
-    src = GluonASTSource(exchange, {"X": "*fp32", "Y": "*fp32"}, {}, aligned)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=1, num_ctas=4))
+    kernel = _compile(exchange, {}, 1, 1, gluon=True, ptrs={"X": "*fp32", "Y": "*fp32"},
+                      num_ctas=4)
     ptx = kernel.asm["ptx"]
     print("counts " + " ".join(f"{op}={len(re.findall(re.escape(op), ptx))}"
                                for op in DSMEM_OPS))
