@@ -27,30 +27,24 @@ DEV = "cuda"
 
 
 def _variants():
-    from specattn.backends.triton.launchers import KernelConfig
+    from specattn.bench.options import kernel_config  # the bench's config labels
 
     every = {
         # launchers.gluon_config: the work list where a request's rows fit one 64-row tile,
         # else the split per request (v3).
         "default": None,
         # v3 everywhere (work_list=False, the opt-out).
-        "n64s2-v3": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
-                                 gluon_prefetch=True),
+        "n64s2-v3": "m64 n64 w8 s2 kv-first gluon pf",
         # The balanced work list (worklist) everywhere, H 128 included.
-        "n64s2-wl": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
-                                 gluon_prefetch=True, gluon_worklist=True),
-        "n32s4-wl": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
-                                 gluon_prefetch=True, gluon_worklist=True),
-        "n32s4-overlap": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
-                                      gluon_overlap=True, gluon_prefetch=True),
-        "n64s2-kvkernel": KernelConfig(64, 64, 8, 2, kv_write="kernel", gluon=True,
-                                       gluon_worklist=True),
+        "n64s2-wl": "m64 n64 w8 s2 kv-first gluon pf wl",
+        "n32s4-wl": "m64 n32 w8 s4 kv-first gluon pf wl",
+        "n32s4-overlap": "m64 n32 w8 s4 kv-first gluon-ov pf",
+        "n64s2-kvkernel": "m64 n64 w8 s2 kv-kernel gluon wl",
         # The warp-specialized (seesaw) kernel: experimental (no faster, session 8).
-        "n64s2-ws": KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True,
-                                 gluon_prefetch=True, gluon_ws=True),
-        "n32s4-ws": KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True,
-                                 gluon_prefetch=True, gluon_ws=True),
+        "n64s2-ws": "m64 n64 w8 s2 kv-first gluon pf ws",
+        "n32s4-ws": "m64 n32 w8 s4 kv-first gluon pf ws",
     }
+    every = {name: label and kernel_config(label) for name, label in every.items()}
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")
     return {n: every[n] for n in names.split(",")} if names else every
 
