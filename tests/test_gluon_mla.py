@@ -122,6 +122,26 @@ def test_list_and_select_say_which_kernel():
     assert "tl.dot kernel (Gluon kernel off: sm80" in sel.explain()
 
 
+def stand_in_steps(r, batch, backend, stand_in):
+    """Three path-mode steps of ``backend`` (its Gluon kernel replaced by ``stand_in``) with
+    NaN-poisoned partials: each step's keys reach the pool and its output matches
+    ``torch_ref``; yields each step's last launch ``(grid, constexprs)``."""
+    bs, topk = batch.out_cache_loc.shape[:2]
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        backend._active.mid_o.fill_(float("nan"))
+        backend._active.mid_lse.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, None)
+        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        yield stand_in.launches[-1]
+
+
 class _StandIn:
     """A kernel module whose ``_gluon_mla_kernel[grid](...)`` writes ``torch_ref``'s answer
     the way the Gluon kernel does (output, or equal partials with arbitrary LSEs; the call's
@@ -162,18 +182,7 @@ def test_launcher_contract_with_a_stand_in_kernel(monkeypatch, num_splits, kv_wr
     backend.init_forward_metadata(batch)
     plan = backend._round_plan
     assert plan["cfg"].gluon and plan["cfg"].block_m == 64 and plan["num_splits"] == num_splits
-    gen = torch.Generator().manual_seed(0)
-    layer = AttentionLayer(0, 576 ** -0.5)
-    for step in range(3):
-        if step:
-            batch.parents[step] = torch.randint(0, 2, (2, 2), generator=gen)
-        q, k, _ = randn_qkv(r, 4, gen)
-        backend._active.mid_o.fill_(float("nan"))
-        out = backend.forward(step, layer, q, k, None)
-        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
-        ref = reference_decode(r, layer, q, batch, step, "path")
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        grid, const = stand_in.launches[-1]
+    for grid, const in stand_in_steps(r, batch, backend, stand_in):
         assert grid == (1, 2, num_splits)  # 2 lanes x 16 heads: one 64-row tile
         assert const["MODE"] == 1 and const["H"] == 16 and const["num_warps"] == 8
         assert const["WRITE_NEW"] == (kv_write == "first")

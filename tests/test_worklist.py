@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import DEV, randn_qkv, require_triton_interpret
+from helpers import DEV, require_triton_interpret
 from specattn.backends.torch_ref import reference_decode
 from specattn.data import AttentionLayer
 
@@ -159,7 +159,7 @@ class _WorkListStandIn:
                                                   ([40, 41], None, 4), ([40, 41], 1, 2),
                                                   ([900, 5], 9, 9)])
 def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
-    from test_gluon_mla import mla_round
+    from test_gluon_mla import mla_round, stand_in_steps
 
     from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
 
@@ -182,19 +182,7 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
     want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, 16), 16, P)
     assert work[:worklist.work_numel(P, len(lens))].tolist() == \
         [want.chunk] + want.first_request + want.unit_starts
-    gen = torch.Generator().manual_seed(0)
-    layer = AttentionLayer(0, 576 ** -0.5)
-    for step in range(3):
-        if step:
-            batch.parents[step] = torch.randint(0, 2, (len(lens), 2), generator=gen)
-        q, k, _ = randn_qkv(r, 2 * len(lens), gen)
-        backend._active.mid_o.fill_(float("nan"))
-        backend._active.mid_lse.fill_(float("nan"))
-        out = backend.forward(step, layer, q, k, None)
-        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
-        ref = reference_decode(r, layer, q, batch, step, "path")
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        grid, const = stand_in.launches[-1]
+    for grid, const in stand_in_steps(r, batch, backend, stand_in):
         assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
         assert const["BLOCK_N"] == 16 and const["num_warps"] == 8 and const["WRITE_NEW"]
     # P == B: every request one program, written directly: no merge launch.
