@@ -203,8 +203,6 @@ PARTS_NOTE = ("`--parts`: per variant, the host time of the metadata call(s), an
               "the backend supports graphs.")
 
 
-
-
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``specattn bench``; returns the exit status (0: every variant passed its
     check, 1: some failed, 2: bad arguments)."""

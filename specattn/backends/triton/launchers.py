@@ -356,8 +356,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
-    if cfg.gluon and cfg.gluon_worklist:
-        from . import gluon_mla
+    if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
+        from . import gluon_mla, worklist
 
         if work is None:
             raise ValueError("config gluon_worklist needs the round's work list (work)")
@@ -367,8 +367,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=cfg.block_n, num_stages=cfg.num_stages, prefetch=cfg.gluon_prefetch,
             write_new=write == "first")
-        from . import worklist
-
         worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
         return out
     if cfg.gluon:

@@ -209,8 +209,7 @@ def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: t
     """Merge the partials of every request with several segments into ``out [B*K, H, D]``
     (no launch when ``programs`` is the batch: one program, a direct write, per request).
     mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32."""
-    rows, heads, d_v = out.shape
-    if programs > rows // topk:
+    if programs > out.shape[0] // topk:
         _merge_launch(mid_o, mid_lse, out, work, programs, topk)
 
 
