@@ -240,10 +240,43 @@ gluon_first() {
 # The CuTe-DSL probes on the GPU (after `fa4-first`; carry .gpu/flashinfer .gpu/fa4
 # .gpu/install.sh): tests/gpu/test_cute_probes_gpu.py, a cluster merge of split partials and
 # one MLA key tile's wgmma math (#19), before an MLA kernel is built on them.
+# CUTE_CHECKS adds: `kit` (the kit on triton), `sglang` (the SGLang adapter's GPU tests),
+# `triton` (the Triton GPU suite) side by side with the probes; `cute`: the CuTe-DSL MLA
+# kernel (config label CUTE_CONFIG): its GPU tests (tests/gpu/test_gluon_mla_gpu.py, variant
+# `cute`) alone first, then only if they pass, side by side its stress loop, memcheck over a
+# small ragged round and a soak on triton with it, then the MLA bench alone (default kernel,
+# the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh).
+CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
   vendor_libs
-  job gpu-tests-cute 240 python -m pytest -v -p no:cacheprovider -rfE \
-    tests/gpu/test_cute_probes_gpu.py
+  local checks=" ${CUTE_CHECKS:-} " t="python -m pytest -v -p no:cacheprovider -rfE"
+  job gpu-tests-cute-probes 240 $t tests/gpu/test_cute_probes_gpu.py &
+  job memcheck-cute-tile-probe 240 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python tools/cute_mla_tile_probe.py --run &
+  [[ $checks == *" kit "* ]] && job kit-triton 300 $KIT -n 2 -k test_triton &
+  [[ $checks == *" sglang "* ]] && job gpu-tests-sglang 300 $t tests/gpu/test_sglang_adapter_gpu.py &
+  [[ $checks == *" triton "* ]] && job gpu-tests-triton 300 $t -n 2 --timeout 120 \
+    tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py -k "not stress" &
+  if [[ $checks == *" cute "* ]]; then
+    job gpu-tests-cute-gate "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS=cute $t -n 2 -x \
+      --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+    if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
+      local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
+      job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute $t -n 3 \
+        tests/gpu/test_gluon_mla_gpu.py -k stress &
+      job memcheck-cute 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 \
+        --steps --backend triton --check-only --out /tmp/cute-check \
+        --option "triton:config=$CUTE_CONFIG" &
+      job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
+        --option "triton:config=$CUTE_CONFIG" &
+      wait
+      GLUON_OPTIONS="$CUTE_CONFIG" job cute-bench "${GLUON_BENCH_S:-230}" \
+        bash tools/gluon_session.sh bench
+      cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+    fi
+  fi
+  wait
   check
 }
 

@@ -69,12 +69,15 @@ def _check_config(config, runner, *, decode: bool, mode: str = "shared") -> None
         raise InvalidInputError("config", "a launchers.KernelConfig or None", repr(config))
     why = None
     if config.gluon:
-        from . import gluon_mla
+        from . import cute_mla, gluon_mla
 
         if not decode or mode != "shared":
             why = "shared-prefix draft decode (the Gluon kernel serves nothing else)"
         elif (reason := gluon_mla.gluon_reason(runner, triton_interpret_enabled())) is not None:
             why = f"a model and device the Gluon kernel serves (here: {reason})"
+        elif config.cute and (reason := cute_mla.cute_reason(
+                runner, triton_interpret_enabled())) is not None:
+            why = f"a model and device the CuTe-DSL kernel serves (here: {reason})"
     elif config.mla_v3 and not L.AttnShape.of(runner).mla_kernel:
         why = "an MLA model (rank + rope latent) for mla_v3"
     if why is not None:
@@ -158,9 +161,9 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         cfg = self._config_override or self._gluon_config() or L.choose_config(
             shape, rows_per_group)
         num_groups = bs * self.topk // lanes
-        splits = self._num_splits_override or L.plan_splits(
+        splits = L.cap_splits(cfg, self._num_splits_override or L.plan_splits(
             shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
-            extend=False)
+            extend=False))
         plan = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
                     num_groups=num_groups, num_splits=splits, bs=bs)
         if cfg.gluon_worklist:

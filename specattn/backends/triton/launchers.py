@@ -43,7 +43,9 @@ class KernelConfig:
     ``gluon_overlap`` its softmax / P.V overlap, ``gluon_prefetch`` its ``req_to_token``
     loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel (experimental:
     no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
-    programs in proportion to each request's length))."""
+    programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
+    (``cute_mla``: the same tile loop with a request's splits in one thread-block cluster,
+    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits))."""
 
     block_m: int
     block_n: int
@@ -59,6 +61,7 @@ class KernelConfig:
     gluon_prefetch: bool = False
     gluon_ws: bool = False
     gluon_worklist: bool = False
+    cute: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -82,6 +85,12 @@ class KernelConfig:
         if self.gluon_worklist and (self.gluon_overlap or self.gluon_ws):
             raise InvalidInputError("config.gluon_worklist", "no gluon_overlap / gluon_ws",
                                     self.label())
+        if self.cute and (not self.gluon or self.gluon_overlap or self.gluon_ws
+                          or self.gluon_worklist or self.block_n != 64
+                          or self.num_stages != 2 or self.kv_write != "first"):
+            raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
+                                    "kv_write='first', no gluon_overlap / gluon_ws / "
+                                    "gluon_worklist", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -94,7 +103,7 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -205,7 +214,17 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
     dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
     w = default_waves(cfg, extend) if waves is None else waves
-    return choose_num_splits(programs, device, w)
+    return cap_splits(cfg, choose_num_splits(programs, device, w))
+
+
+def cap_splits(cfg: KernelConfig, num_splits: int) -> int:
+    """``num_splits`` within what ``cfg``'s kernel takes (the CuTe kernel: one cluster per
+    request, at most ``cute_mla.MAX_SPLITS`` CTAs)."""
+    if cfg.cute:
+        from .cute_mla import MAX_SPLITS
+
+        return min(num_splits, MAX_SPLITS)
+    return num_splits
 
 
 def worklist_scratch(slots: int, rows: int, d_v: int, device: torch.device,
@@ -356,6 +375,15 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
+    if cfg.cute:  # merged on chip: no partials, no merge launch
+        from . import cute_mla
+
+        cute_mla.attention(
+            q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
+            batch=num_groups, topk=topk, num_steps=num_steps, step=step,
+            num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
+            write_new=write == "first")
+        return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
 

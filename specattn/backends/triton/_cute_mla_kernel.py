@@ -1,0 +1,485 @@
+"""The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): the Gluon kernel's tile loop
+with the prefix splits of a request in one thread-block cluster, merged on chip. Imported
+only through ``cute_mla``, after CuTe-DSL was found; ``cute_mla`` documents the algorithm.
+
+Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared memory):
+
+- ``sQ``: the 64 query rows, ``[64, 576]`` in 128-byte swizzle atoms (wgmma's K-major form);
+- the key ring: ``STAGES`` tiles ``[64, 576]``, same form. After the loop it holds this
+  CTA's normalised fp32 partial ``[64, 512]`` (row pitch ``O_PITCH``), which the other CTAs
+  of the cluster read through distributed shared memory;
+- ``sP``: the tile's probabilities ``[64, 64]`` (wgmma's A operand for ``P.V``);
+- ``sStat``: per row the two warpgroups' maxima and sums; ``sLse``: per row the partial's
+  natural-log LSE.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+ROWS = 64  # query rows per CTA: the wgmma height of one warpgroup
+KEYS = 64  # keys per tile
+D_MAIN = 512  # kv_lora_rank
+WIDTH = 576  # latent + rope
+PIECES = WIDTH // 8  # 16-byte pieces per row
+THREADS = 256  # two consumer warpgroups
+S_COLS = KEYS // 2  # S columns per warpgroup
+V_HALF = D_MAIN // 2  # output columns per warpgroup
+O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+TILE_BYTES = ROWS * WIDTH * 2
+
+
+def smem_bytes(stages: int) -> int:
+    """Dynamic shared memory of one CTA (allocations in order, 1024-byte aligned)."""
+    return TILE_BYTES * (1 + stages) + ROWS * KEYS * 2 + ROWS * 4 * 4 + ROWS * 4 + 1024
+
+
+def _swizzled(dtype, rows: int, cols: int, stages: int = 0):
+    """Row-major ``[rows, cols]`` (``x stages``) in 128-byte swizzle atoms."""
+    atom = warpgroup.make_smem_layout_atom(
+        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    shape = (rows, cols, stages) if stages else (rows, cols)
+    return cute.tile_to_shape(atom, shape, order=(0, 1, 2) if stages else (0, 1))
+
+
+@cute.jit
+def _acc_rows(acc: cute.Layout) -> cute.Layout:
+    """A one-warpgroup wgmma accumulator's per-thread layout ``((2, 2, N / 8), 1, 1)`` as
+    ``(rows, columns)``: ``((2, 1), (2, N / 8, 1))``; a thread's rows are r and r + 8, and
+    the 4 threads of a quad share each row."""
+    flat = cute.make_layout(acc.shape)
+    return cute.composition(acc, cute.make_layout(
+        ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2])),
+        stride=((flat.stride[0][1], flat.stride[1]),
+                (flat.stride[0][0], flat.stride[0][2], flat.stride[2]))))
+
+
+@cute.jit
+def _quad_reduce(x, op):
+    """``op`` over the 4 threads of a quad (lanes differing in their two low bits)."""
+    for offset in cutlass.range_constexpr(2):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << offset))
+    return x
+
+
+@cute.jit
+def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
+    """``acc (+)= A B`` over every k block, then wait for the chain."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def _ld_cluster_f32(ptr) -> Float32:
+    """One fp32 from another CTA's shared memory (``ptr`` from ``map_dsmem_ptr``)."""
+    return cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                write_only_types=[Float32],
+                                read_only_args=[Int32(ptr.toint())])
+
+
+@cute.jit
+def _ld_cluster_v4(ptr):
+    """Four fp32 (16 bytes) from another CTA's shared memory."""
+    return cute.arch.inline_ptx(
+        "ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[Int32(ptr.toint())])
+
+
+class MlaDecodeKernel:
+    """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
+    ``use_cap`` (logit cap), ``write_new`` (split 0 stores the call's keys), ``splits``
+    (the cluster size: prefix splits per request), ``stages`` (key tiles in the ring),
+    ``parent_dtype`` (Int32 / Int64)."""
+
+    def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
+                 splits: int, stages: int = 2, parent_dtype=Int32):
+        self.dtype = dtype
+        self.heads = heads
+        self.path = path
+        self.use_cap = use_cap
+        self.write_new = write_new
+        self.splits = splits
+        self.stages = stages
+        self.parent_dtype = parent_dtype
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
+                 out: cute.Pointer, r2t: cute.Pointer, meta: cute.Pointer,
+                 hist: cute.Pointer, parents: cute.Pointer, batch: Int32, row_tiles: Int32,
+                 step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
+                 s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
+                 s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
+                 cap: Float32, stream):
+        self.kernel(q, kv, k_new, out, r2t, meta, hist, parents, step, topk, num_steps,
+                    num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_r2t, s_par_s, s_par_b,
+                    scale_log2, cap).launch(
+            grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
+            cluster=(self.splits, 1, 1), smem=smem_bytes(self.stages), stream=stream)
+
+    # -- small pieces -------------------------------------------------------------------
+
+    @cute.jit
+    def _copy_row(self, dst_row: cute.Tensor, src: cute.Pointer, sub: Int32):
+        """This thread's 16-byte pieces (``sub``, ``sub + 4``, ...) of one 576-wide row, from
+        global ``src`` (16-byte aligned) into the swizzled shared row ``dst_row``."""
+        piece = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+            num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(PIECES // 4):
+            col = sub + 4 * i
+            g = cute.make_ptr(self.dtype, (src + col * 8).toint(), cute.AddressSpace.gmem,
+                              assumed_align=16)
+            cute.copy(piece, cute.make_tensor(g, cute.make_layout((1, 8))),
+                      cute.local_tile(dst_row, (1, 8), (0, col)))
+
+    @cute.jit
+    def _zero_row(self, dst_row: cute.Tensor, sub: Int32):
+        """Zeros in this thread's pieces of a shared row (a key or query row that is not
+        there: no stale or non-finite value reaches an MMA)."""
+        for i in cutlass.range_constexpr(PIECES // 4):
+            col = sub + 4 * i
+            cute.local_tile(dst_row, (1, 8), (0, col)).fill(0.0)
+
+    @cute.jit
+    def _finite_row(self, row: cute.Tensor, sub: Int32):
+        """Non-finite values of this thread's pieces of a tail key row -> 0 (a history key
+        is seen only by its own lane's rows; through ``P.V`` a NaN would reach the others as
+        ``0 * NaN``)."""
+        for i in cutlass.range_constexpr(PIECES // 4):
+            col = sub + 4 * i
+            for j in cutlass.range_constexpr(8):
+                x = row[0, col * 8 + j].to(Float32)
+                if (x - x) != Float32(0.0):
+                    row[0, col * 8 + j] = self.dtype(0.0)
+
+    @cute.jit
+    def _issue_tile(self, t: Int32, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
+                    kv: cute.Pointer, k_new: cute.Pointer, r2t_row: cute.Pointer,
+                    hist: cute.Pointer, parents: cute.Pointer, n_pref: Int32, start: Int32,
+                    end: Int32, n_lo: Int32, n_hi: Int32, hl: Int32, q_start: Int32, b: Int32,
+                    step: Int32, num_steps: Int32, num_slots: Int32, s_kv: Int32, s_kin: Int32,
+                    s_par_s: Int32, s_par_b: Int32, total: Int32):
+        """Start the gather of key tile ``t`` into ring stage ``stage``: thread ``4 key +
+        sub`` copies a quarter of key ``key``. Prefix tiles read ``req_to_token``; tail tiles
+        a lane's history (``path``: through ``parents``) or, for its last key, this call's
+        ``k_new`` row. Keys past the end become zeros."""
+        row = cute.local_tile(sK[None, None, stage], (1, WIDTH), (key, 0))
+        if t < total:
+            ok = Boolean(False)
+            new = Boolean(False)
+            slot = Int64(0)
+            src_lane = Int32(0)
+            if t < n_pref:
+                pos = start + t * KEYS + key
+                ok = pos < end
+                if ok:
+                    slot = Int64(cute.make_tensor(r2t_row + pos, cute.make_layout(1))[0])
+            else:
+                idx = n_lo + (t - n_pref) * KEYS + key
+                ok = idx < n_hi
+                if ok:
+                    key_lane = idx // hl
+                    depth = idx - key_lane * hl
+                    new = depth == hl - 1
+                    src_lane = q_start + key_lane
+                    if not new:
+                        a = key_lane
+                        if cutlass.const_expr(self.path):
+                            # a_step = lane, a_(u-1) = parents[u, b, a_u]
+                            for uu in cutlass.range(step):
+                                u = step - uu
+                                if depth < u:
+                                    off = u * s_par_s + b * s_par_b + a
+                                    a = Int32(cute.make_tensor(parents + off,
+                                                               cute.make_layout(1))[0])
+                        z = q_start + a
+                        slot = Int64(cute.make_tensor(hist + (z * num_steps + depth),
+                                                      cute.make_layout(1))[0])
+            slot = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots - 1))
+            if ok:
+                if new:
+                    self._copy_row(row, k_new + Int64(src_lane) * s_kin, sub)
+                else:
+                    self._copy_row(row, kv + slot * s_kv, sub)
+            else:
+                self._zero_row(row, sub)
+        cute.arch.cp_async_commit_group()
+
+    # -- the kernel -----------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
+               out: cute.Pointer, r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+               parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
+               num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
+               s_ot: Int32, s_oh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
+               scale_log2: Float32, cap: Float32):
+        """Grid ``(splits, row tiles, B)``, cluster ``(splits, 1, 1)``: CTA ``split`` of
+        request ``b``'s row tile walks its prefix slice (the last split also the tail) and
+        the cluster merges the partials on chip."""
+        dt = self.dtype
+        H = self.heads
+        tidx, _, _ = cute.arch.thread_idx()
+        split, rt, b = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wtid = tidx % 128
+        key = tidx // 4  # the key (or query) row this thread gathers a quarter of
+        sub = tidx % 4
+
+        m_row = cute.make_tensor(meta + b * 5, cute.make_layout(5))
+        rpi = Int64(m_row[0])
+        prefix_len = m_row[1]
+        split_len = m_row[2]
+        q_start = b * topk
+        n_rows = topk * H
+        row_lo = rt * ROWS
+        hl = step + 1
+        lane_lo = row_lo // H
+        lane_hi = cutlass.min(topk, (row_lo + ROWS + H - 1) // H)
+        start = split * split_len
+        end = cutlass.min(prefix_len, start + split_len)
+        n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
+        n_lo = lane_lo * hl
+        n_hi = n_lo
+        if split == self.splits - 1:
+            n_hi = lane_hi * hl
+        total = n_pref + (n_hi - n_lo + KEYS - 1) // KEYS
+        r2t_row = r2t + rpi * s_r2t
+
+        if cutlass.const_expr(self.write_new):
+            if split == 0:  # this call's keys into the pool, at hist[lane, step]
+                for e in cutlass.range(tidx, (lane_hi - lane_lo) * WIDTH, THREADS):
+                    lane = lane_lo + e // WIDTH
+                    col = e - (e // WIDTH) * WIDTH
+                    z = q_start + lane
+                    dst = cute.make_tensor(hist + (z * num_steps + step),
+                                           cute.make_layout(1))[0]
+                    if (dst >= 0) & (dst < num_slots):
+                        g_out = cute.make_tensor(kv + (Int64(dst) * s_kv + col),
+                                                 cute.make_layout(1))
+                        g_in = cute.make_tensor(k_new + (Int64(z) * s_kin + col),
+                                                cute.make_layout(1))
+                        g_out[0] = g_in[0]
+
+        # Shared memory.
+        alloc = SmemAllocator()
+        lay_q = _swizzled(dt, ROWS, WIDTH)
+        lay_ring = _swizzled(dt, KEYS, WIDTH, self.stages)
+        lay_p = _swizzled(dt, ROWS, KEYS)
+        sQ = alloc.allocate_tensor(dt, lay_q.outer, 1024, swizzle=lay_q.inner)
+        ring = alloc.allocate(TILE_BYTES * self.stages, 1024)
+        sK = cute.make_tensor(cute.recast_ptr(ring, lay_ring.inner, dtype=dt), lay_ring.outer)
+        sP = alloc.allocate_tensor(dt, lay_p.outer, 1024, swizzle=lay_p.inner)
+        sStat = alloc.allocate_tensor(Float32, cute.make_layout((ROWS, 4)), 16)
+        sLse = alloc.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
+
+        # Q rows (row m: lane m // H, head m % H); they go out with tile 0's copy group.
+        qrow = row_lo + key
+        q_dst = cute.local_tile(sQ, (1, WIDTH), (key, 0))
+        if qrow < n_rows:
+            self._copy_row(q_dst, q + (Int64(q_start + qrow // H) * s_qt + (qrow % H) * s_qh),
+                           sub)
+        else:
+            self._zero_row(q_dst, sub)
+        for i in cutlass.range_constexpr(self.stages - 1):
+            self._issue_tile(Int32(i), Int32(i), sK, key, sub, kv, k_new, r2t_row, hist,
+                             parents, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
+                             num_steps, num_slots, s_kv, s_kin, s_par_s, s_par_b, total)
+
+        # The two warpgroups: S columns [32 wg, 32 wg + 32), output columns [256 wg, +256).
+        mma_s = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K,
+                                              Float32, (1, 1, 1), (ROWS, S_COLS))
+        mma_o = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN,
+                                              Float32, (1, 1, 1), (ROWS, V_HALF))
+        thr_s = mma_s.get_slice(wtid)
+        thr_o = mma_o.get_slice(wtid)
+        frag_q = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        frag_p = thr_o.make_fragment_A(thr_o.partition_A(sP))
+        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, V_HALF)), Float32)
+        acc_o.fill(0.0)
+        o_rows = cute.make_tensor(acc_o.iterator, _acc_rows(acc_o.layout))
+        # (row, column) of each of this thread's S elements, and its P destination.
+        c_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, S_COLS)))
+        c_rows = cute.make_tensor(c_s.iterator, _acc_rows(c_s.layout))
+        p_dst = thr_s.partition_C(cute.local_tile(sP, (ROWS, S_COLS), (0, wg)))
+        n_my_rows = cute.size(c_rows, mode=[0])
+        n_my_cols = cute.size(c_rows, mode=[1])
+        row_max = cute.make_rmem_tensor(n_my_rows, Float32)
+        row_sum = cute.make_rmem_tensor(n_my_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        lead = wtid % 4 == 0  # one thread of a quad writes a row's statistics
+
+        for t in cutlass.range(total):
+            stage = t % self.stages
+            # Every warp is done with the stage tile t - 1 used: refill it.
+            self._issue_tile(t + self.stages - 1, (t + self.stages - 1) % self.stages, sK,
+                             key, sub, kv, k_new, r2t_row, hist, parents, n_pref, start, end,
+                             n_lo, n_hi, hl, q_start, b, step, num_steps, num_slots, s_kv,
+                             s_kin, s_par_s, s_par_b, total)
+            cute.arch.cp_async_wait_group(self.stages - 1)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+            tile = sK[None, None, stage]
+            tail = t >= n_pref
+            if tail:
+                self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
+
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
+            frag_k = thr_s.make_fragment_B(thr_s.partition_B(
+                cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
+            _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+
+            # Scores in base 2, masked; this warpgroup's row maxima.
+            s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+            for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                row_lane = (row_lo + m) // H
+                top = -Float32.inf
+                for c in cutlass.range_constexpr(n_my_cols):
+                    kc = wg * S_COLS + c_rows[r, c][1]
+                    x = s_rows[r, c]
+                    if cutlass.const_expr(self.use_cap):
+                        # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+                        y = x * (scale_log2 / LOG2E) / cap
+                        x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) \
+                            * LOG2E
+                    else:
+                        x = x * scale_log2
+                    vis = Boolean(False)
+                    if tail:
+                        idx = n_lo + (t - n_pref) * KEYS + kc
+                        vis = (idx < n_hi) & (idx // hl == row_lane)
+                    else:
+                        vis = start + t * KEYS + kc < end
+                    if not vis:
+                        x = -Float32.inf
+                    s_rows[r, c] = x
+                    top = cute.arch.fmax(top, x)
+                top = _quad_reduce(top, cute.arch.fmax)
+                if lead:
+                    sStat[m, wg] = top
+            cute.arch.barrier()
+
+            # The online softmax over both halves' maxima; P to shared memory.
+            for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
+                # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
+                use = top
+                if top == -Float32.inf:
+                    use = Float32(0.0)
+                alpha = cute.arch.exp2(row_max[r] - use)
+                row_max[r] = top
+                part = Float32(0.0)
+                for c in cutlass.range_constexpr(n_my_cols):
+                    p = cute.arch.exp2(s_rows[r, c] - use)
+                    s_rows[r, c] = p
+                    part += p
+                row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    o_rows[r, c] = o_rows[r, c] * alpha
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                p_dst[i] = acc_s[i].to(dt)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+
+            # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
+            v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+            frag_v = thr_o.make_fragment_B(thr_o.partition_B(
+                cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
+            _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            cute.arch.barrier()  # every warp is done with the stage, sP and sStat
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        # Row sums over both halves.
+        for r in cutlass.range_constexpr(n_my_rows):
+            if lead:
+                sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
+        cute.arch.barrier()
+        c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
+        c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
+        if cutlass.const_expr(self.splits == 1):
+            for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                total_sum = sStat[m, 2] + sStat[m, 3]
+                inv = Float32(0.0)
+                if total_sum > 0.0:
+                    inv = 1.0 / total_sum
+                row = row_lo + m
+                if row < n_rows:
+                    base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
+                                  + wg * V_HALF)
+                    g = cute.make_tensor(base, cute.make_layout(V_HALF))
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
+        else:
+            # Normalised partial and LSE into this CTA's shared memory (the ring is free).
+            sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
+                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
+            for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                total_sum = sStat[m, 2] + sStat[m, 3]
+                inv = Float32(0.0)
+                if total_sum > 0.0:
+                    inv = 1.0 / total_sum
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
+                if lead & (wg == 0):
+                    lse = -Float32.inf
+                    if total_sum > 0.0:
+                        lse = (row_max[r] + cute.math.log2(total_sum)) * LN2
+                    sLse[m] = lse
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            # CTA ``split`` merges rows split, split + splits, ...; a thread takes 4 columns.
+            chunk = tidx % (D_MAIN // 4)
+            half = tidx // (D_MAIN // 4)
+            for k in cutlass.range_constexpr((ROWS + 2 * self.splits - 1) // (2 * self.splits)):
+                m = split + self.splits * (2 * k + half)
+                if (m < ROWS) & (row_lo + m < n_rows):
+                    lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, s))
+                            for s in range(self.splits)]
+                    top = lses[0]
+                    for s in cutlass.range_constexpr(1, self.splits):
+                        top = cute.arch.fmax(top, lses[s])
+                    if top == -Float32.inf:
+                        top = Float32(0.0)
+                    acc = [Float32(0.0)] * 4
+                    wsum = Float32(0.0)
+                    for s in cutlass.range_constexpr(self.splits):
+                        w = cute.arch.exp2((lses[s] - top) * LOG2E)
+                        wsum += w
+                        part = _ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                            sO.iterator + (m * O_PITCH + chunk * 4), s))
+                        for j in cutlass.range_constexpr(4):
+                            acc[j] = acc[j] + w * part[j]
+                    inv = Float32(0.0)
+                    if wsum > 0.0:
+                        inv = 1.0 / wsum
+                    row = row_lo + m
+                    base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
+                                  + chunk * 4)
+                    g = cute.make_tensor(base, cute.make_layout(4))
+                    for j in cutlass.range_constexpr(4):
+                        g[j] = (acc[j] * inv).to(dt)
+            cute.arch.cluster_arrive()  # the others may still read this CTA's partial
+            cute.arch.cluster_wait()
