@@ -148,8 +148,10 @@ def _gather_tile(sK: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, tile, t
         src = cute.make_ptr(BFloat16,
                             (gKV.iterator + gSlots[tile * KEYS + row] * WIDTH + col * 8).toint(),
                             cute.AddressSpace.gmem, assumed_align=16)
-        cute.copy(piece, cute.make_tensor(src, cute.make_layout((1, 8))),
-                  cute.local_tile(sK, (1, 8), (row, col)))
+        # One atom moves all 8 elements: both tensors are one mode of 8 (a (1, 8) tile
+        # would be 8 copies of 16 bytes, one per element).
+        cute.copy(piece, cute.make_tensor(src, cute.make_layout(8)),
+                  cute.local_tile(sK, (1, 8), (row, col))[0, None])
     cute.arch.cp_async_commit_group()
 
 

@@ -144,8 +144,10 @@ class MlaDecodeKernel:
             col = sub + 4 * i
             g = cute.make_ptr(self.dtype, (src + col * 8).toint(), cute.AddressSpace.gmem,
                               assumed_align=16)
-            cute.copy(piece, cute.make_tensor(g, cute.make_layout((1, 8))),
-                      cute.local_tile(dst_row, (1, 8), (0, col)))
+            # One atom moves all 8 elements: both tensors are one mode of 8 (a (1, 8)
+            # tile would be 8 copies of 16 bytes, one per element).
+            cute.copy(piece, cute.make_tensor(g, cute.make_layout(8)),
+                      cute.local_tile(dst_row, (1, 8), (0, col))[0, None])
 
     @cute.jit
     def _zero_row(self, dst_row: cute.Tensor, sub: Int32):
