@@ -245,7 +245,9 @@ gluon_first() {
 # kernel (config label CUTE_CONFIG): its GPU tests (tests/gpu/test_gluon_mla_gpu.py, variant
 # `cute`) alone first, then only if they pass, side by side its stress loop, memcheck over a
 # small ragged round and a soak on triton with it, then the MLA bench alone (default kernel,
-# the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh).
+# the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh;
+# CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there), after printing how many
+# clusters of each size the GPU runs at once.
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
   vendor_libs
@@ -264,14 +266,17 @@ cute_probe() {
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
       job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute $t -n 3 \
         tests/gpu/test_gluon_mla_gpu.py -k stress &
-      job memcheck-cute 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
+        --error-exitcode 9 \
         python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 \
         --steps --backend triton --check-only --out /tmp/cute-check \
         --option "triton:config=$CUTE_CONFIG" &
       job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
         --option "triton:config=$CUTE_CONFIG" &
       wait
-      GLUON_OPTIONS="$CUTE_CONFIG" job cute-bench "${GLUON_BENCH_S:-230}" \
+      job cute-clusters 60 python -c "from specattn.backends.triton.cute_mla import \
+max_active_clusters as c; print({s: c(0, s) for s in range(1, 9)})"
+      GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" job cute-bench "${GLUON_BENCH_S:-230}" \
         bash tools/gluon_session.sh bench
       cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
     fi

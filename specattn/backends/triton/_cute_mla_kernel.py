@@ -170,22 +170,21 @@ class MlaDecodeKernel:
                     row[0, col * 8 + j] = self.dtype(0.0)
 
     @cute.jit
-    def _issue_tile(self, t: Int32, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
-                    kv: cute.Pointer, k_new: cute.Pointer, r2t_row: cute.Pointer,
-                    hist: cute.Pointer, parents: cute.Pointer, n_pref: Int32, start: Int32,
-                    end: Int32, n_lo: Int32, n_hi: Int32, hl: Int32, q_start: Int32, b: Int32,
-                    step: Int32, num_steps: Int32, num_slots: Int32, s_kv: Int32, s_kin: Int32,
-                    s_par_s: Int32, s_par_b: Int32, total: Int32):
-        """Start the gather of key tile ``t`` into ring stage ``stage``: thread ``4 key +
-        sub`` copies a quarter of key ``key``. Prefix tiles read ``req_to_token``; tail tiles
-        a lane's history (``path``: through ``parents``) or, for its last key, this call's
-        ``k_new`` row. Keys past the end become zeros."""
-        row = cute.local_tile(sK[None, None, stage], (1, WIDTH), (key, 0))
+    def _key_source(self, t: Int32, key: Int32, r2t_row: cute.Pointer, hist: cute.Pointer,
+                    parents: cute.Pointer, n_pref: Int32, start: Int32, end: Int32,
+                    n_lo: Int32, n_hi: Int32, hl: Int32, q_start: Int32, b: Int32,
+                    step: Int32, num_steps: Int32, num_slots: Int32, s_par_s: Int32,
+                    s_par_b: Int32, total: Int32):
+        """Where key ``key`` of tile ``t`` comes from: ``(ok, new, slot, lane)``. Prefix
+        tiles read ``req_to_token``; tail tiles a lane's history (``path``: through
+        ``parents``) or, for the lane's last key (``new``), row ``lane`` of this call's
+        ``k_new``. ``ok`` False: past the end (or ``t`` past the last tile). Loaded a tile
+        ahead of the copies, so these loads' latency passes behind the MMAs."""
+        ok = Boolean(False)
+        new = Boolean(False)
+        slot = Int64(0)
+        src_lane = Int32(0)
         if t < total:
-            ok = Boolean(False)
-            new = Boolean(False)
-            slot = Int64(0)
-            src_lane = Int32(0)
             if t < n_pref:
                 pos = start + t * KEYS + key
                 ok = pos < end
@@ -212,15 +211,45 @@ class MlaDecodeKernel:
                         z = q_start + a
                         slot = Int64(cute.make_tensor(hist + (z * num_steps + depth),
                                                       cute.make_layout(1))[0])
-            slot = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots - 1))
-            if ok:
-                if new:
-                    self._copy_row(row, k_new + Int64(src_lane) * s_kin, sub)
-                else:
-                    self._copy_row(row, kv + slot * s_kv, sub)
+        slot = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots - 1))
+        return ok, new, slot, src_lane
+
+    @cute.jit
+    def _issue_tile(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
+                    kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
+                    ok: Boolean, new: Boolean, slot: Int64, src_lane: Int32):
+        """Start the gather of a key tile into ring stage ``stage`` (one commit group): thread
+        ``4 key + sub`` copies a quarter of key ``key`` from where ``_key_source`` says; keys
+        past the end become zeros."""
+        row = cute.local_tile(sK[None, None, stage], (1, WIDTH), (key, 0))
+        if ok:
+            if new:
+                self._copy_row(row, k_new + Int64(src_lane) * s_kin, sub)
             else:
-                self._zero_row(row, sub)
+                self._copy_row(row, kv + slot * s_kv, sub)
+        else:
+            self._zero_row(row, sub)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _store_new_keys(self, kv: cute.Pointer, k_new: cute.Pointer, hist: cute.Pointer,
+                        lane_lo: Int32, lane_hi: Int32, q_start: Int32, step: Int32,
+                        num_steps: Int32, num_slots: Int32, s_kv: Int32, s_kin: Int32):
+        """``kv[hist[z, step]] = k_new[z]`` for the lanes ``z = q_start + [lane_lo,
+        lane_hi)``, a 16-byte piece per thread (a slot outside the pool is not written)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for e in cutlass.range(tidx, (lane_hi - lane_lo) * PIECES, THREADS):
+            lane = lane_lo + e // PIECES
+            col = (e - (e // PIECES) * PIECES) * 8
+            z = q_start + lane
+            dst = cute.make_tensor(hist + (z * num_steps + step), cute.make_layout(1))[0]
+            if (dst >= 0) & (dst < num_slots):
+                g_in = cute.make_ptr(self.dtype, (k_new + (Int64(z) * s_kin + col)).toint(),
+                                     cute.AddressSpace.gmem, assumed_align=16)
+                g_out = cute.make_ptr(self.dtype, (kv + (Int64(dst) * s_kv + col)).toint(),
+                                      cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(cute.make_tensor(g_in, cute.make_layout(8)),
+                                  cute.make_tensor(g_out, cute.make_layout(8)))
 
     # -- the kernel -----------------------------------------------------------------------
 
@@ -263,21 +292,6 @@ class MlaDecodeKernel:
         total = n_pref + (n_hi - n_lo + KEYS - 1) // KEYS
         r2t_row = r2t + rpi * s_r2t
 
-        if cutlass.const_expr(self.write_new):
-            if split == 0:  # this call's keys into the pool, at hist[lane, step]
-                for e in cutlass.range(tidx, (lane_hi - lane_lo) * WIDTH, THREADS):
-                    lane = lane_lo + e // WIDTH
-                    col = e - (e // WIDTH) * WIDTH
-                    z = q_start + lane
-                    dst = cute.make_tensor(hist + (z * num_steps + step),
-                                           cute.make_layout(1))[0]
-                    if (dst >= 0) & (dst < num_slots):
-                        g_out = cute.make_tensor(kv + (Int64(dst) * s_kv + col),
-                                                 cute.make_layout(1))
-                        g_in = cute.make_tensor(k_new + (Int64(z) * s_kin + col),
-                                                cute.make_layout(1))
-                        g_out[0] = g_in[0]
-
         # Shared memory.
         alloc = SmemAllocator()
         lay_q = _swizzled(dt, ROWS, WIDTH)
@@ -298,10 +312,18 @@ class MlaDecodeKernel:
                            sub)
         else:
             self._zero_row(q_dst, sub)
+        src_args = (key, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl, q_start,
+                    b, step, num_steps, num_slots, s_par_s, s_par_b, total)
         for i in cutlass.range_constexpr(self.stages - 1):
-            self._issue_tile(Int32(i), Int32(i), sK, key, sub, kv, k_new, r2t_row, hist,
-                             parents, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
-                             num_steps, num_slots, s_kv, s_kin, s_par_s, s_par_b, total)
+            ok, new, slot, src_lane = self._key_source(Int32(i), *src_args)
+            self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, ok, new, slot,
+                             src_lane)
+        # The sources of the next tile to issue (stages - 1), a tile ahead of its copies.
+        ok, new, slot, src_lane = self._key_source(Int32(self.stages - 1), *src_args)
+        if cutlass.const_expr(self.write_new):
+            if split == 0:  # this call's keys into the pool, at hist[lane, step]
+                self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
+                                     num_steps, num_slots, s_kv, s_kin)
 
         # The two warpgroups: S columns [32 wg, 32 wg + 32), output columns [256 wg, +256).
         mma_s = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K,
@@ -330,10 +352,9 @@ class MlaDecodeKernel:
         for t in cutlass.range(total):
             stage = t % self.stages
             # Every warp is done with the stage tile t - 1 used: refill it.
-            self._issue_tile(t + self.stages - 1, (t + self.stages - 1) % self.stages, sK,
-                             key, sub, kv, k_new, r2t_row, hist, parents, n_pref, start, end,
-                             n_lo, n_hi, hl, q_start, b, step, num_steps, num_slots, s_kv,
-                             s_kin, s_par_s, s_par_b, total)
+            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
+                             s_kv, s_kin, ok, new, slot, src_lane)
+            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
             cute.arch.cp_async_wait_group(self.stages - 1)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()

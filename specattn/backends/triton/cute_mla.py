@@ -79,6 +79,27 @@ def cute_reason(runner, interpret: bool = False) -> Optional[str]:
     return why or import_reason()
 
 
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(device_index: int, size: int) -> int:
+    """Clusters of ``size`` CTAs (one per SM: the kernel takes most of an SM's shared
+    memory) that the GPU runs at once: CUDA's occupancy answer (a cluster must fit in one
+    GPC, so this can be less than SMs / size)."""
+    from cutlass.utils import HardwareInfo
+
+    return int(HardwareInfo(device_id=device_index).get_max_active_clusters(size))
+
+
+def plan_splits(clusters: int, device: torch.device, limit: int) -> int:
+    """Prefix splits (the cluster size) for ``clusters`` (request, row tile) pairs: at most
+    ``limit`` (the SM-count answer) and ``MAX_SPLITS``, and fewer while the clusters would
+    not all run at once (a second wave of clusters costs more than a shorter split)."""
+    splits = max(1, min(limit, MAX_SPLITS))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    while splits > 1 and clusters > max_active_clusters(index, splits):
+        splits -= 1
+    return splits
+
+
 def _dtype(torch_dtype: torch.dtype):
     import cutlass
 

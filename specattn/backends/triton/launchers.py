@@ -214,7 +214,12 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
     dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
     w = default_waves(cfg, extend) if waves is None else waves
-    return cap_splits(cfg, choose_num_splits(programs, device, w))
+    splits = choose_num_splits(programs, device, w)
+    if cfg.cute:  # one wave of clusters
+        from . import cute_mla
+
+        return cute_mla.plan_splits(programs, device, splits)
+    return splits
 
 
 def cap_splits(cfg: KernelConfig, num_splits: int) -> int:
