@@ -274,14 +274,28 @@ cute_probe() {
       job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
         --option "triton:config=$CUTE_CONFIG" &
       wait
-      job cute-clusters 60 python -c "from specattn.backends.triton.cute_mla import \
-max_active_clusters as c; print({s: c(0, s) for s in range(1, 9)})"
+      job cute-clusters 60 python -c "$CLUSTERS"
       GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" job cute-bench "${GLUON_BENCH_S:-230}" \
         bash tools/gluon_session.sh bench
       cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
     fi
   fi
   wait
+  check
+}
+
+CLUSTERS="import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
+from specattn.backends.triton.cute_mla import max_active_clusters as c
+print('clusters at once, by size:', {s: c(0, s) for s in range(1, 9)})"
+
+# The CuTe-DSL MLA kernel under Nsight Compute (after `fa4-first`; carry .gpu/flashinfer
+# .gpu/fa4 .gpu/install.sh): one launch at mla-long, the full set, and the cluster occupancy.
+cute_ncu() {
+  vendor_libs
+  job cute-clusters 60 python -c "$CLUSTERS"
+  job cute-ncu 200 ncu --clock-control none --set full -k regex:kernel_cutlass \
+    --launch-skip 2 --launch-count 1 python -m specattn bench --case mla-long \
+    --backend triton --check-only --out /tmp/cute-ncu --option "triton:config=$CUTE_CONFIG"
   check
 }
 
@@ -295,7 +309,8 @@ case "${1:-}" in
   ws-first) ws_first ;;
   gluon-first) gluon_first ;;
   cute-probe) cute_probe ;;
+  cute-ncu) cute_ncu ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu" >&2; exit 2 ;;
 esac
 exit $status
