@@ -179,17 +179,18 @@ class MlaDecodeKernel:
         tiles read ``req_to_token``; tail tiles a lane's history (``path``: through
         ``parents``) or, for the lane's last key (``new``), row ``lane`` of this call's
         ``k_new``. ``ok`` False: past the end (or ``t`` past the last tile). Loaded a tile
-        ahead of the copies, so these loads' latency passes behind the MMAs."""
+        ahead of the copies and first used there (``slot`` raw, clamped at the copy), so the
+        loads' latency passes behind the MMAs instead of stalling the warp here."""
         ok = Boolean(False)
         new = Boolean(False)
-        slot = Int64(0)
+        slot = Int32(0)
         src_lane = Int32(0)
         if t < total:
             if t < n_pref:
                 pos = start + t * KEYS + key
                 ok = pos < end
                 if ok:
-                    slot = Int64(cute.make_tensor(r2t_row + pos, cute.make_layout(1))[0])
+                    slot = Int32(cute.make_tensor(r2t_row + pos, cute.make_layout(1))[0])
             else:
                 idx = n_lo + (t - n_pref) * KEYS + key
                 ok = idx < n_hi
@@ -209,24 +210,25 @@ class MlaDecodeKernel:
                                     a = Int32(cute.make_tensor(parents + off,
                                                                cute.make_layout(1))[0])
                         z = q_start + a
-                        slot = Int64(cute.make_tensor(hist + (z * num_steps + depth),
-                                                      cute.make_layout(1))[0])
-        slot = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots - 1))
+                        slot = cute.make_tensor(hist + (z * num_steps + depth),
+                                                cute.make_layout(1))[0]
         return ok, new, slot, src_lane
 
     @cute.jit
     def _issue_tile(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
                     kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
-                    ok: Boolean, new: Boolean, slot: Int64, src_lane: Int32):
+                    num_slots: Int32, ok: Boolean, new: Boolean, slot: Int32,
+                    src_lane: Int32):
         """Start the gather of a key tile into ring stage ``stage`` (one commit group): thread
-        ``4 key + sub`` copies a quarter of key ``key`` from where ``_key_source`` says; keys
-        past the end become zeros."""
+        ``4 key + sub`` copies a quarter of key ``key`` from where ``_key_source`` says (a slot
+        clamped into the pool: no read outside it); keys past the end become zeros."""
         row = cute.local_tile(sK[None, None, stage], (1, WIDTH), (key, 0))
         if ok:
             if new:
                 self._copy_row(row, k_new + Int64(src_lane) * s_kin, sub)
             else:
-                self._copy_row(row, kv + slot * s_kv, sub)
+                in_pool = Int64(cutlass.min(cutlass.max(slot, 0), num_slots - 1))
+                self._copy_row(row, kv + in_pool * s_kv, sub)
         else:
             self._zero_row(row, sub)
         cute.arch.cp_async_commit_group()
@@ -316,8 +318,8 @@ class MlaDecodeKernel:
                     b, step, num_steps, num_slots, s_par_s, s_par_b, total)
         for i in cutlass.range_constexpr(self.stages - 1):
             ok, new, slot, src_lane = self._key_source(Int32(i), *src_args)
-            self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, ok, new, slot,
-                             src_lane)
+            self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, num_slots, ok,
+                             new, slot, src_lane)
         # The sources of the next tile to issue (stages - 1), a tile ahead of its copies.
         ok, new, slot, src_lane = self._key_source(Int32(self.stages - 1), *src_args)
         if cutlass.const_expr(self.write_new):
@@ -351,13 +353,15 @@ class MlaDecodeKernel:
 
         for t in cutlass.range(total):
             stage = t % self.stages
-            # Every warp is done with the stage tile t - 1 used: refill it.
-            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
-                             s_kv, s_kin, ok, new, slot, src_lane)
-            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
-            cute.arch.cp_async_wait_group(self.stages - 1)
+            # Tile t has landed (this thread's copies; the barrier: everyone's).
+            cute.arch.cp_async_wait_group(self.stages - 2)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
+            # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
+            # its stage with tile t + stages - 1, and look up the sources of the next one.
+            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
+                             s_kv, s_kin, num_slots, ok, new, slot, src_lane)
+            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
             tile = sK[None, None, stage]
             tail = t >= n_pref
             if tail:
@@ -429,7 +433,8 @@ class MlaDecodeKernel:
             frag_v = thr_o.make_fragment_B(thr_o.partition_B(
                 cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
             _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-            cute.arch.barrier()  # every warp is done with the stage, sP and sStat
+            # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
+            # until both warpgroups are done with them.
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
