@@ -247,7 +247,8 @@ gluon_first() {
 # small ragged round and a soak on triton with it, then the MLA bench alone (default kernel,
 # the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh;
 # CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there), after printing how many
-# clusters of each size the GPU runs at once.
+# clusters of each size the GPU runs at once. CUTE_SIDE picks the side-by-side checks
+# (default: stress memcheck soak).
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
   vendor_libs
@@ -264,14 +265,15 @@ cute_probe() {
       --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
     if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
-      job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute $t -n 3 \
-        tests/gpu/test_gluon_mla_gpu.py -k stress &
-      job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
+      local side=" ${CUTE_SIDE:-stress memcheck soak} "
+      [[ $side == *" stress "* ]] && job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute \
+        $t -n 3 tests/gpu/test_gluon_mla_gpu.py -k stress &
+      [[ $side == *" memcheck "* ]] && job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
         --error-exitcode 9 \
         python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 \
         --steps --backend triton --check-only --out /tmp/cute-check \
         --option "triton:config=$CUTE_CONFIG" &
-      job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
+      [[ $side == *" soak "* ]] && job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
         --option "triton:config=$CUTE_CONFIG" &
       wait
       job cute-clusters 60 python -c "$CLUSTERS"
