@@ -16,7 +16,7 @@ against torch. On this CPU machine:
         /tmp/cute-venv/bin/python tools/cute_cluster_probe.py
 
 Seen here (CuTe-DSL 4.8.1, no GPU): it compiles; ``mapa`` 4, ``ld.shared::cluster`` 4,
-``barrier.cluster`` 4. Not yet run on a GPU.
+``barrier.cluster`` 4. H200 (session 10, call 1): matches torch.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ machine's GPU; a layout mistake shows as errors of order 1, P's bf16 rounding as
 Seen here (CuTe-DSL 4.8.1, no GPU): 16-byte ``cp.async.cg`` gathers, 36 m64n64k16 + 4
 m64n256k16 (A in registers, B transposed) in a run-time tile loop; 202 registers, no
 stack.
-Not yet run on a GPU.
+H200 (session 10, `benchmarks/results/2026-12-01-h200/s10/call3`): relative max error S
+6.5e-07, O 1.2e-03; memcheck clean. Its first run (call 1) stopped on a misaligned address:
+the copy tiles were ``(1, 8)``, so ``cute.copy`` with the 16-byte atom issued 8 copies, one
+per element, at 2-byte offsets; a single mode of 8 gives one copy per piece.
 """
 
 from __future__ import annotations

@@ -24,8 +24,11 @@ request); the splits of a (request, row tile) form one thread-block cluster):
   memory; after a cluster barrier, CTA ``s`` merges rows ``s, s + splits, ...`` reading the
   others' partials through distributed shared memory and writes the output.
 
-Run on: see ``docs/gluon-mla.md`` ("The CuTe-DSL kernel") and
-``benchmarks/results/2026-12-01-h200/``.
+Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36): the Gluon
+kernel's GPU tests (variant ``cute``), the 100-batch stress loop, memcheck and a soak, all
+passing; slower than the Gluon kernel so far (mla-long 83.8 vs 69.4 us). Versions, profile
+and next steps: ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the
+``cutedsl_mla`` backend (a vendor MLA kernel for Blackwell).
 """
 
 from __future__ import annotations
@@ -160,9 +163,6 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``[B*K, H, 512]``; req_to_token: ``[pool rows, max len]`` int32/int64; meta: ``[>= B, 5]``
     int32; hist: ``[B*K, S]`` int32 (contiguous); parents: ``[S, B, K]`` (``mode == 1``).
     ``num_splits``: 1 to ``MAX_SPLITS`` (the cluster size)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} (one thread-block cluster "
                                 "per request)", num_splits)
@@ -172,6 +172,12 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     _check("out", out, 3, ())
     if not hist.is_contiguous():
         raise InvalidInputError("hist", "a contiguous [B*K, S] int32 table", hist.stride())
+    if mode == 1 and (parents is None or parents.stride(2) != 1):
+        raise InvalidInputError("parents", "an [S, B, K] tensor with unit last stride in path "
+                                "mode", None if parents is None else parents.stride())
+    import cuda.bindings.driver as cuda
+    import cutlass
+
     path = mode == 1
     par = parents if path else meta
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, num_splits,

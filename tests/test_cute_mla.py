@@ -1,0 +1,158 @@
+"""The CuTe-DSL MLA decode kernel's host side (CPU; the kernel itself runs only on an sm90
+GPU with CuTe-DSL: ``tests/gpu/test_gluon_mla_gpu.py``, variant ``cute``).
+
+- Its config (``cute`` label): the rules ``KernelConfig`` enforces, and a forced config
+  refused at construction where the kernel cannot run (here: no CUDA device).
+- The split count: at most one cluster of ``MAX_SPLITS`` CTAs per request, and fewer while
+  the clusters would not all run at once (the H200's answers: 30 clusters of 4, 39 of 3).
+- The launcher sends a ``cute`` config to ``cute_mla.attention`` (a stand-in that writes
+  ``torch_ref``'s answer shows the output reaches the caller with no merge launch).
+- ``cute_mla.attention`` refuses bad arguments before any CUDA work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEV, decode_sizes, place_decode_round, randn_qkv, require_triton_interpret
+from specattn.backends.torch_ref import reference_decode
+from specattn.data import AttentionLayer, DraftRunner
+from specattn.errors import InvalidInputError
+
+require_triton_interpret()
+
+from specattn.backends.triton import TritonDecode, cute_mla, gluon_mla  # noqa: E402
+from specattn.backends.triton import launchers  # noqa: E402
+from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
+from specattn.bench.options import kernel_config  # noqa: E402
+
+CUTE = "m64 n64 w8 s2 kv-first gluon cute"
+H200_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}  # session 10
+
+
+def mla_round(lens, topk=4, steps=3, heads=16, dtype=torch.bfloat16):
+    slots, max_ctx = decode_sizes(lens, topk, steps, 1)
+    r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=slots, max_reqs=len(lens) + 2,
+                        max_context_len=max_ctx, dtype=dtype, device=DEV)
+    r.kv_buffer[0].normal_()
+    return r, place_decode_round(r, lens, topk, steps, 1, "path")
+
+
+def test_config_label_and_rules():
+    cfg = kernel_config(CUTE)
+    assert cfg.cute and cfg.gluon and cfg.label() == CUTE
+    base = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, kv_write="first",
+                gluon=True, cute=True)
+    for bad in (dict(gluon=False), dict(block_n=32), dict(num_stages=3),
+                dict(kv_write="kernel"), dict(gluon_worklist=True), dict(gluon_ws=True)):
+        with pytest.raises(InvalidInputError) as info:
+            KernelConfig(**{**base, **bad})
+        assert info.value.argument.startswith("config."), info.value
+
+
+def test_cute_reason():
+    r, _ = mla_round([5])
+    assert cute_mla.cute_reason(r) == "not a CUDA device"
+    fp32, _ = mla_round([5], dtype=torch.float32)
+    assert "bf16/fp16" in cute_mla.cute_reason(fp32)
+    mha = DraftRunner.mha(4, 2, 32, num_layers=1, num_slots=64, max_reqs=2,
+                          max_context_len=32, device=DEV)
+    assert cute_mla.cute_reason(mha) == "not an MLA model"
+    why = cute_mla.import_reason()
+    assert why is None or why.startswith("CuTe-DSL does not import")
+
+
+def test_forced_config_refused_off_its_device(monkeypatch):
+    """Where the Gluon guards pass but the CuTe kernel cannot run (here: a CPU), a forced
+    ``cute`` config gets an InvalidInputError naming ``config`` at construction."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    r, _ = mla_round([5, 6])
+    with pytest.raises(InvalidInputError, match="CuTe-DSL kernel serves") as info:
+        TritonDecode(r, 4, 3, config=kernel_config(CUTE))
+    assert info.value.argument == "config" and "not a CUDA device" in str(info.value)
+
+
+@pytest.mark.parametrize("clusters,limit,want", [
+    (32, 4, 3),  # mla-long: 32 clusters of 4 would need 2 waves (30 at once)
+    (30, 4, 4), (4, 33, 8), (4, 8, 8), (16, 8, 6), (128, 1, 1), (200, 1, 1), (64, 2, 2),
+    (67, 2, 1),
+])
+def test_splits_keep_the_clusters_in_one_wave(monkeypatch, clusters, limit, want):
+    monkeypatch.setattr(cute_mla, "max_active_clusters", lambda index, size: H200_CLUSTERS[size])
+    got = cute_mla.plan_splits(clusters, torch.device("cuda", 0), limit)
+    assert got == want and (got == 1 or clusters <= H200_CLUSTERS[got])
+
+
+def test_forced_split_count_capped_at_the_cluster_limit(monkeypatch):
+    assert launchers.cap_splits(kernel_config(CUTE), 16) == cute_mla.MAX_SPLITS
+    assert launchers.cap_splits(kernel_config("m64 n64 w8 s2 kv-first gluon"), 16) == 16
+
+
+class _StandIn:
+    """``cute_mla.attention`` as the kernel behaves: the call's keys into the pool (when
+    ``write_new``) and ``torch_ref``'s answer in ``out``; records each call's keywords."""
+
+    def __init__(self, runner, batch):
+        self.runner, self.batch, self.calls = runner, batch, []
+
+    def __call__(self, q, kv, k_new, out, req_to_token, meta, hist, parents, **kw):
+        self.calls.append(kw)
+        if kw["write_new"]:
+            kv[hist[:, kw["step"]].long()] = k_new
+        layer = AttentionLayer(0, kw["sm_scale"], kw["logit_cap"])
+        out.copy_(reference_decode(self.runner, layer, q, self.batch, kw["step"], "path"))
+
+
+def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch):
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
+    r, batch = mla_round([7, 18], topk=2)
+    stand_in = _StandIn(r, batch)
+    monkeypatch.setattr(cute_mla, "attention", stand_in)
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=16, config=kernel_config(CUTE))
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["num_splits"] == cute_mla.MAX_SPLITS
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    bs, topk = batch.out_cache_loc.shape[:2]
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        backend._active.mid_o.fill_(float("nan"))  # no partials: nothing reads them
+        out = backend.forward(step, layer, q, k, None)
+        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()],
+                           k)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    call = stand_in.calls[-1]
+    assert call["num_splits"] == 8 and call["mode"] == 1 and call["write_new"]
+    assert call["batch"] == 2 and call["topk"] == 2 and call["num_steps"] == 3
+
+
+def _args(rows=8, heads=16, slots=40):
+    q = torch.zeros(rows, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(slots, 576, dtype=torch.bfloat16)
+    return dict(q=q, kv=kv, k_new=torch.zeros(rows, 576, dtype=torch.bfloat16),
+                out=torch.empty(rows, heads, 512, dtype=torch.bfloat16),
+                req_to_token=torch.zeros(4, 64, dtype=torch.int32),
+                meta=torch.zeros(2, 5, dtype=torch.int32),
+                hist=torch.zeros(rows, 3, dtype=torch.int32), parents=None)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (dict(num_splits=9), "num_splits"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(q=torch.zeros(8, 16, 580, dtype=torch.bfloat16)[:, :, :576]), "q"),
+    (dict(kv=torch.zeros(40, 577, dtype=torch.bfloat16)[:, 1:]), "kv"),
+    (dict(hist=torch.zeros(3, 8, dtype=torch.int32).T), "hist"),
+    (dict(mode=1), "parents"),
+])
+def test_attention_refuses_bad_arguments_before_any_cuda_work(change, argument):
+    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=2,
+              sm_scale=0.04, logit_cap=0.0, write_new=True)
+    kw.update(change)
+    with pytest.raises(InvalidInputError) as info:
+        cute_mla.attention(**kw)
+    assert info.value.argument == argument
