@@ -24,8 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+# Kept PTX / cubin go to a scratch folder, not the working directory.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "specattn-cute"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402

@@ -42,6 +42,13 @@ import subprocess
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+# Kept PTX / cubin go to a scratch folder, not the working directory.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "specattn-cute"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -49,33 +56,16 @@ import cutlass.utils.hopper_helpers as hopper  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+# The MLA kernel's own helpers: the probe checks the pieces that kernel is built from.
+from specattn.backends.triton._cute_mla_kernel import (  # noqa: E402
+    _acc_rows, _quad_reduce, _swizzled, _wgmma)
 
 ROWS, KEYS, WIDTH, V_HALF = 64, 64, 576, 256  # query rows, keys per tile, latent + rope, O half
 POOL = 1000  # KV pool rows the tile's keys are gathered from
 SCALE, LOG2E = WIDTH ** -0.5, 1.4426950408889634
 TILES = 4  # key tiles the probe walks (the online softmax rescales between them)
 THREADS = 128  # one warpgroup
-
-
-def _swizzled(rows: int, cols: int):
-    """Row-major ``[rows, cols]`` bf16 in 128-byte swizzle atoms: wgmma's K-major layout."""
-    atom = warpgroup.make_smem_layout_atom(
-        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, cols), BFloat16)
-    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-
-
-@cute.jit
-def _wgmma_chain(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-    """``acc (+)= A B`` over every k block, then wait for the chain."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
-        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)
 
 
 @cute.jit
@@ -89,26 +79,6 @@ def _acc_as_operand_a(acc: cute.Layout) -> cute.Layout:
          (split.shape[0][2][1], split.shape[2])),
         stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
                 split.stride[1], (split.stride[0][2][1], split.stride[2])))
-
-
-@cute.jit
-def _acc_rows(acc: cute.Layout) -> cute.Layout:
-    """The accumulator's per-thread layout ``((2, 2, N / 8), M blocks, N blocks)`` viewed as
-    ``(rows, columns)``: ``((2, M blocks), (2, N / 8, N blocks))``; a thread's rows are r and
-    r + 8, and the 4 threads of a quad share each row."""
-    flat = cute.make_layout(acc.shape)
-    return cute.composition(acc, cute.make_layout(
-        ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2])),
-        stride=((flat.stride[0][1], flat.stride[1]),
-                (flat.stride[0][0], flat.stride[0][2], flat.stride[2]))))
-
-
-@cute.jit
-def _quad_reduce(x, op):
-    """``op`` over the 4 threads of a quad (lanes differing in their two low bits)."""
-    for offset in cutlass.range_constexpr(2):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << offset))
-    return x
 
 
 @cute.jit
@@ -166,7 +136,7 @@ def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute
     gO ``[64, 256]`` = softmax(Q K^T * SCALE) K[:, :256] over all T tiles (both fp32)."""
     tidx, _, _ = cute.arch.thread_idx()
     alloc = SmemAllocator()
-    lay_q, lay_k = _swizzled(ROWS, WIDTH), _swizzled(KEYS, WIDTH)
+    lay_q, lay_k = _swizzled(BFloat16, ROWS, WIDTH), _swizzled(BFloat16, KEYS, WIDTH)
     sQ = alloc.allocate_tensor(BFloat16, lay_q.outer, 1024, swizzle=lay_q.inner)
     sK = alloc.allocate_tensor(BFloat16, lay_k.outer, 1024, swizzle=lay_k.inner)
     for i in cutlass.range(ROWS * WIDTH // THREADS):
@@ -200,7 +170,7 @@ def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute
         cute.arch.fence_proxy("async.shared", space="cta")  # copies and stores -> wgmma
         cute.arch.barrier()
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
-        _wgmma_chain(mma_s, acc_s, frag_q, frag_k, True)
+        _wgmma(mma_s, acc_s, frag_q, frag_k, True)
         if t == 0:
             out_s = thr_s.partition_C(gS)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -210,7 +180,7 @@ def tile_kernel(gQ: cute.Tensor, gKV: cute.Tensor, gSlots: cute.Tensor, gS: cute
         frag_p = thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, KEYS)))
         frag_p.store(cute.make_tensor(acc_s.iterator, _acc_as_operand_a(acc_s.layout))
                      .load().to(BFloat16))
-        _wgmma_chain(mma_o, acc_o, frag_p, frag_v, False)
+        _wgmma(mma_o, acc_o, frag_p, frag_v, False)
         cute.arch.barrier()  # every warp is done with sK before the next gather
 
     out_o = cute.make_tensor(thr_o.partition_C(gO).iterator,

@@ -84,6 +84,17 @@ def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
 
 
 @cute.jit
+def _row_sum_and_inverse(sStat: cute.Tensor, m):
+    """Row ``m``'s softmax sum over both warpgroups' columns (``sStat[m, 2:4]``) and its
+    inverse (0 for a row that saw no key)."""
+    total = sStat[m, 2] + sStat[m, 3]
+    inv = Float32(0.0)
+    if total > 0.0:
+        inv = 1.0 / total
+    return total, inv
+
+
+@cute.jit
 def _ld_cluster_f32(ptr) -> Float32:
     """One fp32 from another CTA's shared memory (``ptr`` from ``map_dsmem_ptr``)."""
     return cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
@@ -448,10 +459,7 @@ class MlaDecodeKernel:
         if cutlass.const_expr(self.splits == 1):
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
-                total_sum = sStat[m, 2] + sStat[m, 3]
-                inv = Float32(0.0)
-                if total_sum > 0.0:
-                    inv = 1.0 / total_sum
+                total_sum, inv = _row_sum_and_inverse(sStat, m)
                 row = row_lo + m
                 if row < n_rows:
                     base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
@@ -465,10 +473,7 @@ class MlaDecodeKernel:
                                   cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
-                total_sum = sStat[m, 2] + sStat[m, 3]
-                inv = Float32(0.0)
-                if total_sum > 0.0:
-                    inv = 1.0 / total_sum
+                total_sum, inv = _row_sum_and_inverse(sStat, m)
                 for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                     sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
                 if lead & (wg == 0):
