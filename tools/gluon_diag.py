@@ -8,7 +8,10 @@ layers rotated past L2):
 - ``copies, no stores or merge``: ``DIAG=3``, as ``copies`` without the result stores and the
   merge launch;
 - ``no tiles``: ``DIAG=4``, no key tiles (Q, the prologue's copies, the epilogue, the merge):
-  the fixed cost of a call.
+  the fixed cost of a call;
+- ``no merge`` (the CuTe-DSL kernel, ``cute`` configs, only): ``diag=5``, the whole loop
+  without the epilogue (no stores, no merge on chip): ``full`` minus this is what the merge
+  costs.
 
 If ``full`` is near ``copies``, the gathers set the tile time; if near ``math``, the MMA and
 softmax chain does; if above both, the two do not overlap. DIAG runs give wrong outputs by
@@ -31,7 +34,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-MODES = {"full": 0, "copies": 1, "math": 2, "copies, no stores or merge": 3, "no tiles": 4}
+MODES = {"full": 0, "copies": 1, "math": 2, "copies, no stores or merge": 3, "no tiles": 4,
+         "no merge": 5}
+CUTE_ONLY = {"no merge"}
 
 
 def main() -> None:
@@ -45,7 +50,7 @@ def main() -> None:
     ap.add_argument("--case", nargs="+", default=["mla-long", "mla-wide"])
     ap.add_argument("--config", nargs="+", default=["m64 n64 w8 s2 kv-first gluon pf"],
                     help="split-per-request Gluon KernelConfig labels (DIAG is in their tile "
-                         "step)")
+                         "step), or the CuTe-DSL kernel's ('... gluon cute')")
     ap.add_argument("--prefix", type=int, nargs="+", default=None,
                     help="prefix lengths to run each case at instead of its own (the time "
                          "per extra tile, apart from the fixed cost of a call)")
@@ -54,7 +59,7 @@ def main() -> None:
     for cfg in configs:
         if not cfg.gluon or cfg.gluon_worklist or cfg.gluon_ws or cfg.gluon_overlap:
             raise SystemExit(f"--config {cfg.label()}: the split-per-request Gluon kernel "
-                             "without overlap")
+                             "without overlap, or the CuTe-DSL kernel")
     by_name = {c.name: c for c in C.STANDARD_CASES + C.EXTRA_CASES}
     clock = CudaClock()
     print(f"| case | config | tiles per program | {' | '.join(MODES)} | full per tile |")
@@ -73,24 +78,27 @@ def main() -> None:
 
 def _diag_row(name, case, setup, cfg, clock) -> None:
     """One table row: ``case`` under ``cfg``, timed in every mode."""
-    from specattn.backends.triton import TritonDecode, gluon_mla
+    from specattn.backends.triton import TritonDecode, cute_mla, gluon_mla
     from specattn.bench.harness import Variant, time_step
 
-    real = gluon_mla.attention
+    kernel = cute_mla if cfg.cute else gluon_mla  # whose attention() takes diag
+    real = kernel.attention
     times = {}
     for mode, diag in MODES.items():
-        gluon_mla.attention = functools.partial(real, diag=diag)
+        if mode in CUTE_ONLY and not cfg.cute:
+            continue
+        kernel.attention = functools.partial(real, diag=diag)
         try:
             variant = Variant(mode, "triton", "option", "triton",
                               lambda s: TritonDecode(s.runner, case.topk, case.steps,
                                                      config=cfg), graphs=True)
             times[mode] = time_step(variant, setup, clock)[0] * 1e3
         finally:
-            gluon_mla.attention = real
+            kernel.attention = real
     plan = TritonDecode(setup.runner, case.topk, case.steps, config=cfg)._make_plan(case.batch)
     tiles = -(-max(setup.lengths) // plan["num_splits"] // cfg.block_n) + 1
     print(f"| {name} | {cfg.label()} | {tiles} | " +
-          " | ".join(f"{times[m]:.1f} us" for m in MODES) +
+          " | ".join(f"{times[m]:.1f} us" if m in times else "-" for m in MODES) +
           f" | {times['full'] / tiles:.2f} us |", flush=True)
 
 

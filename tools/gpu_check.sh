@@ -248,7 +248,8 @@ gluon_first() {
 # the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh;
 # CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there), after printing how many
 # clusters of each size the GPU runs at once. CUTE_SIDE picks the side-by-side checks
-# (default: stress memcheck soak).
+# (default: stress memcheck soak); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon
+# kernels (CUTE_DIAG_CASES) at the end.
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
   vendor_libs
@@ -280,6 +281,11 @@ cute_probe() {
       GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" job cute-bench "${GLUON_BENCH_S:-230}" \
         bash tools/gluon_session.sh bench
       cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+      if [ -n "${CUTE_DIAG:-}" ]; then  # where the CuTe kernel's time goes, beside Gluon's
+        job cute-diag "${CUTE_DIAG_S:-240}" python tools/gluon_diag.py \
+          --case ${CUTE_DIAG_CASES:-mla-long mla-small mla-wide} \
+          --config "$CUTE_CONFIG" "m64 n64 w8 s2 kv-first gluon pf"
+      fi
     fi
   fi
   wait

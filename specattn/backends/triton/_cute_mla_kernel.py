@@ -115,10 +115,13 @@ class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
     ``use_cap`` (logit cap), ``write_new`` (split 0 stores the call's keys), ``splits``
     (the cluster size: prefix splits per request), ``stages`` (key tiles in the ring),
-    ``parent_dtype`` (Int32 / Int64)."""
+    ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only, wrong results;
+    ``tools/gluon_diag.py``): 1 the copies and their waits without the math, 2 the math
+    without copies after the prologue, 3 as 1 without the epilogue (no stores, no merge),
+    4 no key tiles, 5 the full loop without the epilogue (what the merge on chip costs)."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
-                 splits: int, stages: int = 2, parent_dtype=Int32):
+                 splits: int, stages: int = 2, parent_dtype=Int32, diag: int = 0):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -127,6 +130,7 @@ class MlaDecodeKernel:
         self.splits = splits
         self.stages = stages
         self.parent_dtype = parent_dtype
+        self.diag = diag
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -303,6 +307,8 @@ class MlaDecodeKernel:
         if split == self.splits - 1:
             n_hi = lane_hi * hl
         total = n_pref + (n_hi - n_lo + KEYS - 1) // KEYS
+        if cutlass.const_expr(self.diag == 4):
+            total = Int32(0)  # the fixed cost alone
         r2t_row = r2t + rpi * s_r2t
 
         # Shared memory.
@@ -370,149 +376,154 @@ class MlaDecodeKernel:
             cute.arch.barrier()
             # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
             # its stage with tile t + stages - 1, and look up the sources of the next one.
-            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
-                             s_kv, s_kin, num_slots, ok, new, slot, src_lane)
-            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
-            tile = sK[None, None, stage]
-            tail = t >= n_pref
-            if tail:
-                self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
+            if cutlass.const_expr(self.diag == 2):
+                cute.arch.cp_async_commit_group()  # the math alone: no more copies
+            else:
+                self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv,
+                                 k_new, s_kv, s_kin, num_slots, ok, new, slot, src_lane)
+                ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
+            if cutlass.const_expr(self.diag not in (1, 3)):
+                tile = sK[None, None, stage]
+                tail = t >= n_pref
+                if tail:
+                    self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+
+                acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
+                frag_k = thr_s.make_fragment_B(thr_s.partition_B(
+                    cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
+                _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+
+                # Scores in base 2, masked; this warpgroup's row maxima.
+                s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+                for r in cutlass.range_constexpr(n_my_rows):
+                    m = c_rows[r, 0][0]
+                    row_lane = (row_lo + m) // H
+                    top = -Float32.inf
+                    for c in cutlass.range_constexpr(n_my_cols):
+                        kc = wg * S_COLS + c_rows[r, c][1]
+                        x = s_rows[r, c]
+                        if cutlass.const_expr(self.use_cap):
+                            # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+                            y = x * (scale_log2 / LOG2E) / cap
+                            x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) \
+                                * LOG2E
+                        else:
+                            x = x * scale_log2
+                        vis = Boolean(False)
+                        if tail:
+                            idx = n_lo + (t - n_pref) * KEYS + kc
+                            vis = (idx < n_hi) & (idx // hl == row_lane)
+                        else:
+                            vis = start + t * KEYS + kc < end
+                        if not vis:
+                            x = -Float32.inf
+                        s_rows[r, c] = x
+                        top = cute.arch.fmax(top, x)
+                    top = _quad_reduce(top, cute.arch.fmax)
+                    if lead:
+                        sStat[m, wg] = top
+                cute.arch.barrier()
+
+                # The online softmax over both halves' maxima; P to shared memory.
+                for r in cutlass.range_constexpr(n_my_rows):
+                    m = c_rows[r, 0][0]
+                    top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
+                    # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
+                    use = top
+                    if top == -Float32.inf:
+                        use = Float32(0.0)
+                    alpha = cute.arch.exp2(row_max[r] - use)
+                    row_max[r] = top
+                    part = Float32(0.0)
+                    for c in cutlass.range_constexpr(n_my_cols):
+                        p = cute.arch.exp2(s_rows[r, c] - use)
+                        s_rows[r, c] = p
+                        part += p
+                    row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        o_rows[r, c] = o_rows[r, c] * alpha
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    p_dst[i] = acc_s[i].to(dt)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier()
 
-            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
-            frag_k = thr_s.make_fragment_B(thr_s.partition_B(
-                cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-            _wgmma(mma_s, acc_s, frag_q, frag_k, True)
-
-            # Scores in base 2, masked; this warpgroup's row maxima.
-            s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-            for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                row_lane = (row_lo + m) // H
-                top = -Float32.inf
-                for c in cutlass.range_constexpr(n_my_cols):
-                    kc = wg * S_COLS + c_rows[r, c][1]
-                    x = s_rows[r, c]
-                    if cutlass.const_expr(self.use_cap):
-                        # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-                        y = x * (scale_log2 / LOG2E) / cap
-                        x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) \
-                            * LOG2E
-                    else:
-                        x = x * scale_log2
-                    vis = Boolean(False)
-                    if tail:
-                        idx = n_lo + (t - n_pref) * KEYS + kc
-                        vis = (idx < n_hi) & (idx // hl == row_lane)
-                    else:
-                        vis = start + t * KEYS + kc < end
-                    if not vis:
-                        x = -Float32.inf
-                    s_rows[r, c] = x
-                    top = cute.arch.fmax(top, x)
-                top = _quad_reduce(top, cute.arch.fmax)
-                if lead:
-                    sStat[m, wg] = top
-            cute.arch.barrier()
-
-            # The online softmax over both halves' maxima; P to shared memory.
-            for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
-                # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
-                use = top
-                if top == -Float32.inf:
-                    use = Float32(0.0)
-                alpha = cute.arch.exp2(row_max[r] - use)
-                row_max[r] = top
-                part = Float32(0.0)
-                for c in cutlass.range_constexpr(n_my_cols):
-                    p = cute.arch.exp2(s_rows[r, c] - use)
-                    s_rows[r, c] = p
-                    part += p
-                row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    o_rows[r, c] = o_rows[r, c] * alpha
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                p_dst[i] = acc_s[i].to(dt)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-
-            # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
-            v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
-            frag_v = thr_o.make_fragment_B(thr_o.partition_B(
-                cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-            _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+                # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
+                v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+                frag_v = thr_o.make_fragment_B(thr_o.partition_B(
+                    cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
+                _wgmma(mma_o, acc_o, frag_p, frag_v, False)
             # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
             # until both warpgroups are done with them.
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        # Row sums over both halves.
-        for r in cutlass.range_constexpr(n_my_rows):
-            if lead:
-                sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
-        cute.arch.barrier()
-        c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
-        c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
-        if cutlass.const_expr(self.splits == 1):
+        if cutlass.const_expr(self.diag not in (3, 5)):  # 3, 5: no stores, no merge
+            # Row sums over both halves.
             for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                total_sum, inv = _row_sum_and_inverse(sStat, m)
-                row = row_lo + m
-                if row < n_rows:
-                    base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
-                                  + wg * V_HALF)
-                    g = cute.make_tensor(base, cute.make_layout(V_HALF))
-                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
-        else:
-            # Normalised partial and LSE into this CTA's shared memory (the ring is free).
-            sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
-            for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                total_sum, inv = _row_sum_and_inverse(sStat, m)
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
-                if lead & (wg == 0):
-                    lse = -Float32.inf
-                    if total_sum > 0.0:
-                        lse = (row_max[r] + cute.math.log2(total_sum)) * LN2
-                    sLse[m] = lse
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            # CTA ``split`` merges rows split, split + splits, ...; a thread takes 4 columns.
-            chunk = tidx % (D_MAIN // 4)
-            half = tidx // (D_MAIN // 4)
-            for k in cutlass.range_constexpr((ROWS + 2 * self.splits - 1) // (2 * self.splits)):
-                m = split + self.splits * (2 * k + half)
-                if (m < ROWS) & (row_lo + m < n_rows):
-                    lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, s))
-                            for s in range(self.splits)]
-                    top = lses[0]
-                    for s in cutlass.range_constexpr(1, self.splits):
-                        top = cute.arch.fmax(top, lses[s])
-                    if top == -Float32.inf:
-                        top = Float32(0.0)
-                    acc = [Float32(0.0)] * 4
-                    wsum = Float32(0.0)
-                    for s in cutlass.range_constexpr(self.splits):
-                        w = cute.arch.exp2((lses[s] - top) * LOG2E)
-                        wsum += w
-                        part = _ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                            sO.iterator + (m * O_PITCH + chunk * 4), s))
-                        for j in cutlass.range_constexpr(4):
-                            acc[j] = acc[j] + w * part[j]
-                    inv = Float32(0.0)
-                    if wsum > 0.0:
-                        inv = 1.0 / wsum
+                if lead:
+                    sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
+            cute.arch.barrier()
+            c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
+            c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
+            if cutlass.const_expr(self.splits == 1):
+                for r in cutlass.range_constexpr(n_my_rows):
+                    m = c_rows[r, 0][0]
+                    total_sum, inv = _row_sum_and_inverse(sStat, m)
                     row = row_lo + m
-                    base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
-                                  + chunk * 4)
-                    g = cute.make_tensor(base, cute.make_layout(4))
-                    for j in cutlass.range_constexpr(4):
-                        g[j] = (acc[j] * inv).to(dt)
-            cute.arch.cluster_arrive()  # the others may still read this CTA's partial
-            cute.arch.cluster_wait()
+                    if row < n_rows:
+                        base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
+                                      + wg * V_HALF)
+                        g = cute.make_tensor(base, cute.make_layout(V_HALF))
+                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                            g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
+            else:
+                # Normalised partial and LSE into this CTA's shared memory (the ring is free).
+                sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
+                                      cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
+                for r in cutlass.range_constexpr(n_my_rows):
+                    m = c_rows[r, 0][0]
+                    total_sum, inv = _row_sum_and_inverse(sStat, m)
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
+                    if lead & (wg == 0):
+                        lse = -Float32.inf
+                        if total_sum > 0.0:
+                            lse = (row_max[r] + cute.math.log2(total_sum)) * LN2
+                        sLse[m] = lse
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                # CTA ``split`` merges rows split, split + splits, ...; a thread takes 4 columns.
+                chunk = tidx % (D_MAIN // 4)
+                half = tidx // (D_MAIN // 4)
+                for k in cutlass.range_constexpr((ROWS + 2 * self.splits - 1) // (2 * self.splits)):
+                    m = split + self.splits * (2 * k + half)
+                    if (m < ROWS) & (row_lo + m < n_rows):
+                        lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, s))
+                                for s in range(self.splits)]
+                        top = lses[0]
+                        for s in cutlass.range_constexpr(1, self.splits):
+                            top = cute.arch.fmax(top, lses[s])
+                        if top == -Float32.inf:
+                            top = Float32(0.0)
+                        acc = [Float32(0.0)] * 4
+                        wsum = Float32(0.0)
+                        for s in cutlass.range_constexpr(self.splits):
+                            w = cute.arch.exp2((lses[s] - top) * LOG2E)
+                            wsum += w
+                            part = _ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                                sO.iterator + (m * O_PITCH + chunk * 4), s))
+                            for j in cutlass.range_constexpr(4):
+                                acc[j] = acc[j] + w * part[j]
+                        inv = Float32(0.0)
+                        if wsum > 0.0:
+                            inv = 1.0 / wsum
+                        row = row_lo + m
+                        base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
+                                      + chunk * 4)
+                        g = cute.make_tensor(base, cute.make_layout(4))
+                        for j in cutlass.range_constexpr(4):
+                            g[j] = (acc[j] * inv).to(dt)
+                cute.arch.cluster_arrive()  # the others may still read this CTA's partial
+                cute.arch.cluster_wait()
