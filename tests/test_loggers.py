@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pkgutil
+import sys
 
 import specattn
 import specattn.backends
+
+# The walk imports the SGLang adapter, whose SGLang imports need the same stand-ins the SGLang
+# tests install (torchvision; else this test passes only after those tests' conftest ran).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "integrations"))
+import sglang_stubs  # noqa: E402
+
+sglang_stubs.install()
 
 
 def _module_loggers(package) -> dict[str, logging.Logger]:
