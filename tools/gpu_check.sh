@@ -239,17 +239,17 @@ gluon_first() {
 
 # The CuTe-DSL probes on the GPU (after `fa4-first`; carry .gpu/flashinfer .gpu/fa4
 # .gpu/install.sh): tests/gpu/test_cute_probes_gpu.py, a cluster merge of split partials and
-# one MLA key tile's wgmma math (#19), before an MLA kernel is built on them.
-# CUTE_CHECKS adds: `kit` (the kit on triton), `sglang` (the SGLang adapter's GPU tests),
-# `triton` (the Triton GPU suite) side by side with the probes; `cute`: the CuTe-DSL MLA
-# kernel (config label CUTE_CONFIG): its GPU tests (tests/gpu/test_gluon_mla_gpu.py, variant
-# `cute`) alone first, then only if they pass, side by side its stress loop, memcheck over a
-# small ragged round and a soak on triton with it, then the MLA bench alone (default kernel,
-# the CuTe kernel and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh;
-# CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there), after printing how many
-# clusters of each size the GPU runs at once. CUTE_SIDE picks the side-by-side checks
-# (default: stress memcheck soak); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon
-# kernels (CUTE_DIAG_CASES) at the end.
+# one MLA key tile's wgmma math (#19).
+# CUTE_CHECKS adds `kit` (the kit on triton), `sglang` (the SGLang adapter's GPU tests) and
+# `triton` (the Triton GPU suite) side by side with the probes, and `cute`: the CuTe-DSL MLA
+# kernel (config label CUTE_CONFIG). Its GPU tests (tests/gpu/test_gluon_mla_gpu.py, variant
+# `cute`; the kit with it, tests/gpu/test_cute_mla_gpu.py) run alone first; only if they pass,
+# side by side its stress loop, memcheck over a small ragged round and a soak on triton with
+# it (CUTE_SIDE picks among those three), then how many clusters of each size the GPU runs at
+# once, then the MLA bench alone (default kernel, the CuTe kernel and FlashInfer; GLUON_CASES,
+# GLUON_BENCH_ARGS as in gluon_session.sh; CUTE_BENCH_OPTIONS: the Triton variants, as
+# GLUON_OPTIONS there); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon kernels
+# (CUTE_DIAG_CASES) at the end.
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
   vendor_libs
@@ -258,24 +258,24 @@ cute_probe() {
   job memcheck-cute-tile-probe 240 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python tools/cute_mla_tile_probe.py --run &
   [[ $checks == *" kit "* ]] && job kit-triton 300 $KIT -n 2 -k test_triton &
-  [[ $checks == *" sglang "* ]] && job gpu-tests-sglang 300 $t tests/gpu/test_sglang_adapter_gpu.py &
+  [[ $checks == *" sglang "* ]] && job gpu-tests-sglang 300 $t \
+    tests/gpu/test_sglang_adapter_gpu.py &
   [[ $checks == *" triton "* ]] && job gpu-tests-triton 300 $t -n 2 --timeout 120 \
     tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py -k "not stress" &
   if [[ $checks == *" cute "* ]]; then
     job gpu-tests-cute-gate "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS=cute $t -n 2 -x \
-      --timeout 120 tests/gpu/test_gluon_mla_gpu.py -k "not stress"
+      --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress"
     if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
       local side=" ${CUTE_SIDE:-stress memcheck soak} "
       [[ $side == *" stress "* ]] && job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute \
         $t -n 3 tests/gpu/test_gluon_mla_gpu.py -k stress &
-      [[ $side == *" memcheck "* ]] && job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
-        --error-exitcode 9 \
-        python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 \
-        --steps --backend triton --check-only --out /tmp/cute-check \
-        --option "triton:config=$CUTE_CONFIG" &
-      [[ $side == *" soak "* ]] && job soak-triton-cute 200 $SOAK --backend triton $s --workers 3 --same-config 50 \
-        --option "triton:config=$CUTE_CONFIG" &
+      [[ $side == *" memcheck "* ]] && job memcheck-cute 200 compute-sanitizer \
+        --tool memcheck --report-api-errors no --error-exitcode 9 python -m specattn bench \
+        --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 --steps --backend triton \
+        --check-only --out /tmp/cute-check --option "triton:config=$CUTE_CONFIG" &
+      [[ $side == *" soak "* ]] && job soak-triton-cute 200 $SOAK --backend triton $s \
+        --workers 3 --same-config 50 --option "triton:config=$CUTE_CONFIG" &
       wait
       job cute-clusters 60 python -c "$CLUSTERS"
       GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" job cute-bench "${GLUON_BENCH_S:-230}" \
