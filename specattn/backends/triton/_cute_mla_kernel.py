@@ -80,8 +80,9 @@ def _quad_reduce(x, op):
 
 
 @cute.jit
-def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-    """``acc (+)= A B`` over every k block, then wait for the chain."""
+def _wgmma_issue(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
+    """Start ``acc (+)= A B`` over every k block (one wgmma group; ``acc`` is not ready
+    until ``warpgroup.wait_group``)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
@@ -89,6 +90,12 @@ def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@cute.jit
+def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
+    """``acc (+)= A B`` over every k block, then wait for the chain."""
+    _wgmma_issue(tiled_mma, acc, frag_a, frag_b, zero_init)
     warpgroup.wait_group(0)
 
 
@@ -127,10 +134,15 @@ class MlaDecodeKernel:
     ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only, wrong results;
     ``tools/gluon_diag.py``): 1 the copies and their waits without the math, 2 the math
     without copies after the prologue, 3 as 1 without the epilogue (no stores, no merge),
-    4 no key tiles, 5 the full loop without the epilogue (what the merge on chip costs)."""
+    4 no key tiles, 5 the full loop without the epilogue (what the merge on chip costs).
+    ``early_s`` (experimental, not yet run on a GPU): a tile's S wgmma chain is issued
+    before the next tile's copies, so their ~200 instructions per warp (the gather's address
+    arithmetic and 18 ``cp.async``) run while the tensor cores work; in the default order's
+    SASS they sit between the tile's barrier and its first wgmma."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
-                 splits: int, stages: int = 2, parent_dtype=Int32, diag: int = 0):
+                 splits: int, stages: int = 2, parent_dtype=Int32, diag: int = 0,
+                 early_s: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -140,6 +152,7 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
+        self.early_s = early_s
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -256,6 +269,21 @@ class MlaDecodeKernel:
         else:
             self._zero_row(row, sub)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _refill(self, t: Int32, sK: cute.Tensor, key: Int32, sub: Int32, kv: cute.Pointer,
+                k_new: cute.Pointer, s_kv: Int32, s_kin: Int32, num_slots: Int32,
+                ok: Boolean, new: Boolean, slot: Int32, src_lane: Int32, src_args: tuple):
+        """In tile ``t``'s step: the gather of tile ``t + stages - 1`` into the stage tile
+        ``t - 1`` used (from the sources looked up a step earlier), then the lookup of tile
+        ``t + stages``'s sources; returns them (``diag`` 2: no copies, an empty group)."""
+        if cutlass.const_expr(self.diag == 2):
+            cute.arch.cp_async_commit_group()  # the math alone: no more copies
+        else:
+            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
+                             s_kv, s_kin, num_slots, ok, new, slot, src_lane)
+            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
+        return ok, new, slot, src_lane
 
     @cute.jit
     def _store_new_keys(self, kv: cute.Pointer, k_new: cute.Pointer, hist: cute.Pointer,
@@ -384,13 +412,12 @@ class MlaDecodeKernel:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
-            # its stage with tile t + stages - 1, and look up the sources of the next one.
-            if cutlass.const_expr(self.diag == 2):
-                cute.arch.cp_async_commit_group()  # the math alone: no more copies
-            else:
-                self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv,
-                                 k_new, s_kv, s_kin, num_slots, ok, new, slot, src_lane)
-                ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
+            # its stage with tile t + stages - 1, and look up the sources of the next one
+            # (early_s: once this tile's S chain is issued).
+            refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
+            if cutlass.const_expr(not self.early_s or self.diag in (1, 3)):
+                ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
+                                                       src_args)
             if cutlass.const_expr(self.diag not in (1, 3)):
                 tile = sK[None, None, stage]
                 tail = t >= n_pref
@@ -402,7 +429,13 @@ class MlaDecodeKernel:
                 acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
                 frag_k = thr_s.make_fragment_B(thr_s.partition_B(
                     cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-                _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+                if cutlass.const_expr(self.early_s):
+                    _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
+                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
+                                                           src_args)
+                    warpgroup.wait_group(0)
+                else:
+                    _wgmma(mma_s, acc_s, frag_q, frag_k, True)
 
                 # Scores in base 2, masked; this warpgroup's row maxima.
                 s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))

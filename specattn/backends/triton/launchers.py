@@ -45,7 +45,9 @@ class KernelConfig:
     no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
     (``cute_mla``: the same tile loop with a request's splits in one thread-block cluster,
-    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits))."""
+    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits);
+    ``cute_early_s``: its experimental tile order, S issued before the next tile's copies
+    (label ``es``; not yet run on a GPU))."""
 
     block_m: int
     block_n: int
@@ -62,6 +64,7 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
+    cute_early_s: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -91,6 +94,8 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
+        if self.cute_early_s and not self.cute:
+            raise InvalidInputError("config.cute_early_s", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -103,7 +108,8 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
+            (" es" if self.cute_early_s else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -387,7 +393,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            write_new=write == "first")
+            write_new=write == "first", early_s=cfg.cute_early_s)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
