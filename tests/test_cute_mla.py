@@ -44,14 +44,14 @@ def test_config_label_and_rules():
     assert cfg.cute and cfg.gluon and cfg.label() == CUTE
     base = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, kv_write="first",
                 gluon=True, cute=True)
-    assert kernel_config(CUTE + " es").cute_early_s
+    assert kernel_config(CUTE + " v4").cute_v4
     for bad in (dict(gluon=False), dict(block_n=32), dict(num_stages=3),
                 dict(kv_write="kernel"), dict(gluon_worklist=True), dict(gluon_ws=True)):
         with pytest.raises(InvalidInputError) as info:
             KernelConfig(**{**base, **bad})
         assert info.value.argument.startswith("config."), info.value
-    with pytest.raises(InvalidInputError, match="config.cute_early_s"):
-        KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, cute_early_s=True)
+    with pytest.raises(InvalidInputError, match="config.cute_v4"):
+        KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, cute_v4=True)
 
 
 def test_cute_reason():

@@ -246,7 +246,7 @@ gluon_first() {
 # `cute`; the kit with it, tests/gpu/test_cute_mla_gpu.py) run alone first; only if they pass,
 # side by side its stress loop, memcheck over a small ragged round and a soak on triton with
 # it (CUTE_SIDE picks among those three; CUTE_VARIANTS: the test variants, default cute and
-# cute-es), then how many clusters of each size the GPU runs at
+# cute-v4), then how many clusters of each size the GPU runs at
 # once, then the MLA bench alone (default kernel, the CuTe kernel and FlashInfer; GLUON_CASES,
 # GLUON_BENCH_ARGS as in gluon_session.sh; CUTE_BENCH_OPTIONS: the Triton variants, as
 # GLUON_OPTIONS there); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon kernels
@@ -265,7 +265,7 @@ cute_probe() {
     tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py -k "not stress" &
   if [[ $checks == *" cute "* ]]; then
     job gpu-tests-cute-gate "${GATE_S:-200}" \
-      env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-es}" $t -n 2 -x \
+      env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-v4}" $t -n 2 -x \
       --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress"
     if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
@@ -280,7 +280,7 @@ cute_probe() {
         --workers 3 --same-config 50 --option "triton:config=$CUTE_CONFIG" &
       wait
       job cute-clusters 60 python -c "$CLUSTERS"
-      GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;$CUTE_CONFIG es}" job cute-bench "${GLUON_BENCH_S:-230}" \
+      GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;$CUTE_CONFIG v4}" job cute-bench "${GLUON_BENCH_S:-230}" \
         bash tools/gluon_session.sh bench
       cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
       if [ -n "${CUTE_DIAG:-}" ]; then  # where the CuTe kernel's time goes, beside Gluon's

@@ -122,7 +122,7 @@ _FLAGS = {"mla3": {"mla_v3": True}, "vr": {"v_reload": True}, "fm": {"fuse_merge
           "gluon": {"gluon": True}, "gluon-ov": {"gluon": True, "gluon_overlap": True},
           "pf": {"gluon_prefetch": True}, "ws": {"gluon_ws": True},
           "wl": {"gluon_worklist": True}, "cute": {"cute": True},
-          "es": {"cute_early_s": True}}
+          "v4": {"cute_v4": True}}
 
 
 def kernel_config(label: str):

@@ -135,14 +135,17 @@ class MlaDecodeKernel:
     ``tools/gluon_diag.py``): 1 the copies and their waits without the math, 2 the math
     without copies after the prologue, 3 as 1 without the epilogue (no stores, no merge),
     4 no key tiles, 5 the full loop without the epilogue (what the merge on chip costs).
-    ``early_s`` (experimental, not yet run on a GPU): a tile's S wgmma chain is issued
-    before the next tile's copies, so their ~200 instructions per warp (the gather's address
-    arithmetic and 18 ``cp.async``) run while the tensor cores work; in the default order's
-    SASS they sit between the tile's barrier and its first wgmma."""
+    ``v4``: the next version's changes, on trial (not yet run on a GPU):
+    - a tile's S wgmma chain is issued before the next tile's copies, so their ~200
+      instructions per warp (the gather's address arithmetic and 18 ``cp.async``) run while
+      the tensor cores work; in v3's SASS they sit between the tile's barrier and its first
+      wgmma;
+    - a tail tile's non-finite values are cleared 16 bytes at a time (v3: one element at a
+      time with a branch each, on the last split's path, which the whole cluster waits for)."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  splits: int, stages: int = 2, parent_dtype=Int32, diag: int = 0,
-                 early_s: bool = False):
+                 v4: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -152,7 +155,7 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
-        self.early_s = early_s
+        self.v4 = v4
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -201,10 +204,16 @@ class MlaDecodeKernel:
         ``0 * NaN``)."""
         for i in cutlass.range_constexpr(PIECES // 4):
             col = sub + 4 * i
-            for j in cutlass.range_constexpr(8):
-                x = row[0, col * 8 + j].to(Float32)
-                if (x - x) != Float32(0.0):
-                    row[0, col * 8 + j] = self.dtype(0.0)
+            if cutlass.const_expr(self.v4):
+                piece = cute.local_tile(row, (1, 8), (0, col))[0, None]
+                x = piece.load()
+                finite = (x - x) == cute.full_like(x, 0.0)
+                piece.store(cute.where(finite, x, cute.full_like(x, 0.0)))
+            else:
+                for j in cutlass.range_constexpr(8):
+                    x = row[0, col * 8 + j].to(Float32)
+                    if (x - x) != Float32(0.0):
+                        row[0, col * 8 + j] = self.dtype(0.0)
 
     @cute.jit
     def _key_source(self, t: Int32, key: Int32, r2t_row: cute.Pointer, hist: cute.Pointer,
@@ -413,9 +422,9 @@ class MlaDecodeKernel:
             cute.arch.barrier()
             # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
             # its stage with tile t + stages - 1, and look up the sources of the next one
-            # (early_s: once this tile's S chain is issued).
+            # (v4: once this tile's S chain is issued).
             refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
-            if cutlass.const_expr(not self.early_s or self.diag in (1, 3)):
+            if cutlass.const_expr(not self.v4 or self.diag in (1, 3)):
                 ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
                                                        src_args)
             if cutlass.const_expr(self.diag not in (1, 3)):
@@ -429,7 +438,7 @@ class MlaDecodeKernel:
                 acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
                 frag_k = thr_s.make_fragment_B(thr_s.partition_B(
                     cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-                if cutlass.const_expr(self.early_s):
+                if cutlass.const_expr(self.v4):
                     _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
                     ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
                                                            src_args)

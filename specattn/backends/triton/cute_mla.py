@@ -114,7 +114,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               splits: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype, diag: int = 0,
-              early_s: bool = False):
+              v4: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time)."""
     import cuda.bindings.driver as cuda
     import cutlass
@@ -123,7 +123,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, splits,
-                               STAGES, _dtype(parent_dtype), diag, early_s)
+                               STAGES, _dtype(parent_dtype), diag, v4)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(_dtype(r2t_dtype), 256)] + \
         [_ptr(cutlass.Int32, 256)] * 2 + [_ptr(_dtype(parent_dtype), 256)]
     ints = [cutlass.Int32(1)] * 15
@@ -156,7 +156,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               req_to_token: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
               parents: Optional[torch.Tensor], *, mode: int, batch: int, topk: int,
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
-              write_new: bool, diag: int = 0, early_s: bool = False) -> None:
+              write_new: bool, diag: int = 0, v4: bool = False) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract
     without the partial buffers).
 
@@ -164,9 +164,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``[B*K, H, 512]``; req_to_token: ``[pool rows, max len]`` int32/int64; meta: ``[>= B, 5]``
     int32; hist: ``[B*K, S]`` int32 (contiguous); parents: ``[S, B, K]`` (``mode == 1``).
     ``num_splits``: 1 to ``MAX_SPLITS`` (the cluster size). ``diag``: timing experiments
-    (``MlaDecodeKernel``; wrong results, ``tools/gluon_diag.py``). ``early_s``: the
-    experimental order that issues a tile's S before the next tile's copies (not yet run on
-    a GPU)."""
+    (``MlaDecodeKernel``; wrong results, ``tools/gluon_diag.py``). ``v4``: the
+    next version's changes, on trial (``MlaDecodeKernel``; not yet run on a GPU)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} (one thread-block cluster "
                                 "per request)", num_splits)
@@ -185,7 +184,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     path = mode == 1
     par = parents if path else meta
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, num_splits,
-                   req_to_token.dtype, par.dtype, diag, early_s)
+                   req_to_token.dtype, par.dtype, diag, v4)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),

@@ -46,8 +46,8 @@ class KernelConfig:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
     (``cute_mla``: the same tile loop with a request's splits in one thread-block cluster,
     merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits);
-    ``cute_early_s``: its experimental tile order, S issued before the next tile's copies
-    (label ``es``; not yet run on a GPU))."""
+    ``cute_v4``: its next version on trial (label ``v4``; ``_cute_mla_kernel.MlaDecodeKernel``
+    says what changes; not yet run on a GPU))."""
 
     block_m: int
     block_n: int
@@ -64,7 +64,7 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
-    cute_early_s: bool = False
+    cute_v4: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -94,8 +94,8 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
-        if self.cute_early_s and not self.cute:
-            raise InvalidInputError("config.cute_early_s", "True only with cute", self.label())
+        if self.cute_v4 and not self.cute:
+            raise InvalidInputError("config.cute_v4", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -109,7 +109,7 @@ class KernelConfig:
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
             (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
-            (" es" if self.cute_early_s else "")
+            (" v4" if self.cute_v4 else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -393,7 +393,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            write_new=write == "first", early_s=cfg.cute_early_s)
+            write_new=write == "first", v4=cfg.cute_v4)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
