@@ -54,6 +54,12 @@ def test_config_label_and_rules():
         KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, cute_v4=True)
 
 
+def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():
+    from specattn.backends.triton import _attn_kernels, _cute_mla_kernel
+
+    assert _cute_mla_kernel.META_W == _attn_kernels.META_W
+
+
 def test_cute_reason():
     r, _ = mla_round([5])
     assert cute_mla.cute_reason(r) == "not a CUDA device"

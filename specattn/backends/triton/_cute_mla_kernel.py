@@ -1,6 +1,7 @@
 """The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): the Gluon kernel's tile loop
-with the prefix splits of a request in one thread-block cluster, merged on chip. Imported
-only through ``cute_mla``, after CuTe-DSL was found; ``cute_mla`` documents the algorithm.
+with the prefix splits of a request in one thread-block cluster, merged on chip. Run only
+through ``cute_mla`` (which checks for CuTe-DSL first and documents the algorithm);
+``tools/cute_mla_tile_probe.py`` builds its probe from this module's helpers.
 
 Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared memory):
 
@@ -37,6 +38,7 @@ KEYS = 64  # keys per tile
 D_MAIN = 512  # kv_lora_rank
 WIDTH = 576  # latent + rope
 PIECES = WIDTH // 8  # 16-byte pieces per row
+META_W = 5  # int32 words per request in the metadata table (``_attn_kernels.META_W``)
 THREADS = 256  # two consumer warpgroups
 S_COLS = KEYS // 2  # S columns per warpgroup
 V_HALF = D_MAIN // 2  # output columns per warpgroup
@@ -335,7 +337,7 @@ class MlaDecodeKernel:
         key = tidx // 4  # the key (or query) row this thread gathers a quarter of
         sub = tidx % 4
 
-        m_row = cute.make_tensor(meta + b * 5, cute.make_layout(5))
+        m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
         prefix_len = m_row[1]
         split_len = m_row[2]

@@ -114,8 +114,9 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               splits: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype, diag: int = 0,
-              v4: bool = False):
-    """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time)."""
+              v4: bool = False, options: str = ""):
+    """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
+    ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -131,7 +132,8 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     log.info("compiling the CuTe-DSL MLA decode kernel (%s, H %d, %s, cap %s, write %s, "
              "%d splits)", dtype, heads, "path" if path else "lane", use_cap, write_new,
              splits)
-    return cute.compile(kernel, *ptrs, *ints, *floats, cuda.CUstream(0))
+    extra = {"options": options} if options else {}
+    return cute.compile(kernel, *ptrs, *ints, *floats, cuda.CUstream(0), **extra)
 
 
 def _ptr(dtype, address: int):

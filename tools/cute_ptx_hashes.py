@@ -1,0 +1,51 @@
+"""Hashes of the CuTe-DSL MLA decode kernel's sm90a PTX for three variants, compiled here
+without a GPU. A source change whose hashes match the last H200-verified ones compiles to
+the same kernel, so the GPU record still holds for it (``gpu-check-s10.md``, "After the last
+device call").
+
+Variants: bf16 H16 lane mode 3 splits; fp16 H128 path mode, logit cap, 1 split, int64
+parents; bf16 H16 path mode 8 splits, int64 tables.
+
+    PYTHONPATH=/tmp/cute-site/nvidia_cutlass_dsl/dsl_packages:/tmp/cute-site \\
+        /tmp/cute-venv/bin/python tools/cute_ptx_hashes.py [--v4]
+
+(The CuTe-DSL setup is in ``tools/cute_cluster_probe.py``; this one also needs torch in that
+environment.) Session 10's H200-verified v3: ``0335e0736db4 28c464a6231d 94ad3f1d193f``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "specattn-cute"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> int:
+    import torch
+
+    from specattn.backends.triton import cute_mla
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--v4", action="store_true", help="the next version on trial")
+    args = ap.parse_args()
+    variants = [(torch.bfloat16, 16, False, False, 3, torch.int32, torch.int32),
+                (torch.float16, 128, True, True, 1, torch.int32, torch.int64),
+                (torch.bfloat16, 16, True, False, 8, torch.int64, torch.int64)]
+    hashes = []
+    for dtype, heads, path, cap, splits, r2t, parent in variants:
+        compiled = cute_mla._compiled(dtype, heads, path, cap, True, splits, r2t, parent,
+                                      v4=args.v4, options="--keep-ptx")
+        hashes.append(hashlib.sha1(compiled.__ptx__.encode()).hexdigest()[:12])
+    print(" ".join(hashes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
