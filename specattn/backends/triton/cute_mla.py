@@ -63,23 +63,10 @@ def cute_reason(runner, interpret: bool = False) -> Optional[str]:
     Gluon kernel's model and device rules, then CuTe-DSL's import)."""
     from . import gluon_mla
 
-    if not runner.use_mla_backend:
-        return "not an MLA model"
-    why = gluon_mla.shape_reason(runner.num_heads, runner.kv_lora_rank,
-                                 runner.qk_rope_head_dim, runner.kv_lora_rank, runner.dtype,
-                                 getattr(runner, "kv_layout", None) is not None)
-    if why is None:
-        device = torch.device(runner.device)
-        if interpret or device.type != "cuda":
-            why = "not a CUDA device"
-        elif getattr(torch.version, "hip", None):
-            why = "ROCm: the CuTe-DSL kernel uses NVIDIA Hopper wgmma"
-        else:
-            cap = gluon_mla._capability(device.index if device.index is not None
-                                        else torch.cuda.current_device())
-            if cap != (9, 0):
-                why = f"compute capability {cap[0]}.{cap[1]}: the kernel needs sm90"
-    return why or import_reason()
+    return (gluon_mla.model_reason(runner)
+            or gluon_mla.hopper_reason(torch.device(runner.device), interpret,
+                                       "the CuTe-DSL kernel")
+            or import_reason())
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +83,10 @@ def plan_splits(clusters: int, device: torch.device, limit: int) -> int:
     """Prefix splits (the cluster size) for ``clusters`` (request, row tile) pairs: at most
     ``limit`` (the SM-count answer) and ``MAX_SPLITS``, and fewer while the clusters would
     not all run at once (a second wave of clusters costs more than a shorter split)."""
+    from .gluon_mla import device_index
+
     splits = max(1, min(limit, MAX_SPLITS))
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     while splits > 1 and clusters > max_active_clusters(index, splits):
         splits -= 1
     return splits

@@ -109,14 +109,27 @@ def shape_reason(num_heads: int, d_main: int, d_pe: int, d_v: int,
 
 def device_reason(device: torch.device, interpret: bool) -> Optional[str]:
     """Why the kernel cannot run on ``device`` (``None``: it can)."""
+    return hopper_reason(device, interpret, "the Gluon kernel",
+                         " (the Triton CPU interpreter has no Gluon)") or _kernels()[1] or None
+
+
+def hopper_reason(device: torch.device, interpret: bool, kernel: str,
+                  cpu_note: str = "") -> Optional[str]:
+    """Why ``kernel`` (an sm90 wgmma kernel: this one, or ``cute_mla``'s) cannot run on
+    ``device`` (``None``: it can); ``cpu_note`` follows the answer off a CUDA device."""
     if interpret or device.type != "cuda":
-        return "not a CUDA device (the Triton CPU interpreter has no Gluon)"
+        return "not a CUDA device" + cpu_note
     if getattr(torch.version, "hip", None):
-        return "ROCm: the Gluon kernel uses NVIDIA Hopper wgmma"
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        return f"ROCm: {kernel} uses NVIDIA Hopper wgmma"
+    cap = _capability(device_index(device))
     if cap != (9, 0):
-        return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernel needs sm90 (Hopper)"
-    return _kernels()[1] or None
+        return f"compute capability {cap[0]}.{cap[1]}: {kernel} needs sm90 (Hopper)"
+    return None
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device ordinal ``device`` names (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,12 +139,17 @@ def _capability(index: int) -> tuple[int, int]:
 
 def gluon_reason(runner, interpret: bool = False) -> Optional[str]:
     """``None`` when the Gluon kernel serves this runner's MLA draft decode, else why not."""
+    return model_reason(runner) or device_reason(torch.device(runner.device), interpret)
+
+
+def model_reason(runner) -> Optional[str]:
+    """Why the MLA decode kernels here (Gluon, ``cute_mla``) cannot take ``runner``'s model
+    (``None``: they can)."""
     if not runner.use_mla_backend:
         return "not an MLA model"
-    why = shape_reason(runner.num_heads, runner.kv_lora_rank, runner.qk_rope_head_dim,
-                       runner.kv_lora_rank, runner.dtype,
-                       getattr(runner, "kv_layout", None) is not None)
-    return why or device_reason(torch.device(runner.device), interpret)
+    return shape_reason(runner.num_heads, runner.kv_lora_rank, runner.qk_rope_head_dim,
+                        runner.kv_lora_rank, runner.dtype,
+                        getattr(runner, "kv_layout", None) is not None)
 
 
 _LOGGED: set = set()
