@@ -172,6 +172,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     import cuda.bindings.driver as cuda
     import cutlass
 
+    from ._cute_mla_kernel import LOG2E
+    from .gluon_mla import num_row_tiles
+
     path = mode == 1
     par = parents if path else meta
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, num_splits,
@@ -182,9 +185,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
                _ptr(_dtype(par.dtype), par.data_ptr())]
             + [i32(v) for v in (
-                batch, -(-topk * q.shape[1] // 64), step, topk, num_steps, kv.shape[0],
+                batch, num_row_tiles(topk * q.shape[1]), step, topk, num_steps, kv.shape[0],
                 q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), out.stride(0),
                 out.stride(1), req_to_token.stride(0), par.stride(0) if path else 0,
                 par.stride(1) if path else 0)]
-            + [cutlass.Float32(sm_scale * 1.4426950408889634), cutlass.Float32(logit_cap)])
+            + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
     fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
