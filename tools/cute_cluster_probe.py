@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
@@ -31,9 +32,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "specattn-cute"))
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
+
+# The MLA kernel's own remote load: the probe checks the piece that kernel merges with.
+from specattn.backends.triton._cute_mla_kernel import _ld_cluster_f32  # noqa: E402
 
 SPLITS, ROWS, COLS = 4, 4, 32  # one partial per CTA; each CTA merges COLS / SPLITS columns
 THREADS = ROWS * COLS // SPLITS  # one merged element per thread
@@ -56,10 +62,8 @@ def merge_kernel(parts: cute.Tensor, out: cute.Tensor):
     col = rank * width + tidx % width
     total = cutlass.Float32(0.0)
     for src in cutlass.range_constexpr(SPLITS):
-        remote = cute.arch.map_dsmem_ptr(mine.iterator + (row * COLS + col), src)
-        total += cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                      write_only_types=[cutlass.Float32],
-                                      read_only_args=[cutlass.Int32(remote.toint())])
+        total += _ld_cluster_f32(cute.arch.map_dsmem_ptr(mine.iterator + (row * COLS + col),
+                                                         src))
     out[row * COLS + col] = total
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
