@@ -113,6 +113,13 @@ def _row_sum_and_inverse(sStat: cute.Tensor, m):
 
 
 @cute.jit
+def _head_row(base: cute.Pointer, q_start, row, heads: cutlass.Constexpr[int], s_t, s_h):
+    """Query row ``row`` of the request whose lanes start at ``q_start`` (lane
+    ``row // heads``, head ``row % heads``) in a ``[B*K, H, ...]`` tensor at ``base``."""
+    return base + (Int64(q_start + row // heads) * s_t + (row % heads) * s_h)
+
+
+@cute.jit
 def _ld_cluster_f32(ptr) -> Float32:
     """One fp32 from another CTA's shared memory (``ptr`` from ``map_dsmem_ptr``)."""
     return cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
@@ -375,8 +382,7 @@ class MlaDecodeKernel:
         qrow = row_lo + key
         q_dst = cute.local_tile(sQ, (1, WIDTH), (key, 0))
         if qrow < n_rows:
-            self._copy_row(q_dst, q + (Int64(q_start + qrow // H) * s_qt + (qrow % H) * s_qh),
-                           sub)
+            self._copy_row(q_dst, _head_row(q, q_start, qrow, H, s_qt, s_qh), sub)
         else:
             self._zero_row(q_dst, sub)
         src_args = (key, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl, q_start,
@@ -526,9 +532,8 @@ class MlaDecodeKernel:
                     total_sum, inv = _row_sum_and_inverse(sStat, m)
                     row = row_lo + m
                     if row < n_rows:
-                        base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
-                                      + wg * V_HALF)
-                        g = cute.make_tensor(base, cute.make_layout(V_HALF))
+                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                             + wg * V_HALF, cute.make_layout(V_HALF))
                         for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                             g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
             else:
@@ -573,9 +578,8 @@ class MlaDecodeKernel:
                         if wsum > 0.0:
                             inv = 1.0 / wsum
                         row = row_lo + m
-                        base = out + (Int64(q_start + row // H) * s_ot + (row % H) * s_oh
-                                      + chunk * 4)
-                        g = cute.make_tensor(base, cute.make_layout(4))
+                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                             + chunk * 4, cute.make_layout(4))
                         for j in cutlass.range_constexpr(4):
                             g[j] = (acc[j] * inv).to(dt)
                 cute.arch.cluster_arrive()  # the others may still read this CTA's partial
