@@ -3,11 +3,13 @@ GPU with CuTe-DSL: ``tests/gpu/test_gluon_mla_gpu.py``, variant ``cute``).
 
 - Its config (``cute`` label): the rules ``KernelConfig`` enforces, and a forced config
   refused at construction where the kernel cannot run (here: no CUDA device).
-- The split count: at most one cluster of ``MAX_SPLITS`` CTAs per request, and fewer while
-  the clusters would not all run at once (the H200's answers: 30 clusters of 4, 39 of 3).
-- The launcher sends a ``cute`` config to ``cute_mla.attention`` (a stand-in that writes
-  ``torch_ref``'s answer shows the output reaches the caller with no merge launch).
-- ``cute_mla.attention`` refuses bad arguments before any CUDA work.
+- The split count and cluster shape: at most ``MAX_SPLITS`` splits in clusters of at most
+  ``MAX_CLUSTER``, all clusters running at once (the H200's answers: 30 clusters of 4, 66
+  of 2), so 32 requests take 4 splits as 2 clusters of 2 each.
+- The launcher sends a ``cute`` config and the partial buffers to ``cute_mla.attention`` (a
+  stand-in that writes ``torch_ref``'s answer shows the output reaches the caller).
+- The merge of several clusters' partials (the Triton merge kernel, interpreted) against
+  torch, and ``cute_mla.attention`` refusing bad arguments before any CUDA work.
 """
 
 from __future__ import annotations
@@ -44,14 +46,11 @@ def test_config_label_and_rules():
     assert cfg.cute and cfg.gluon and cfg.label() == CUTE
     base = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, kv_write="first",
                 gluon=True, cute=True)
-    assert kernel_config(CUTE + " v4").cute_v4
     for bad in (dict(gluon=False), dict(block_n=32), dict(num_stages=3),
                 dict(kv_write="kernel"), dict(gluon_worklist=True), dict(gluon_ws=True)):
         with pytest.raises(InvalidInputError) as info:
             KernelConfig(**{**base, **bad})
         assert info.value.argument.startswith("config."), info.value
-    with pytest.raises(InvalidInputError, match="config.cute_v4"):
-        KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, cute_v4=True)
 
 
 def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():
@@ -82,20 +81,56 @@ def test_forced_config_refused_off_its_device(monkeypatch):
     assert info.value.argument == "config" and "not a CUDA device" in str(info.value)
 
 
-@pytest.mark.parametrize("clusters,limit,want", [
-    (32, 4, 3),  # mla-long: 32 clusters of 4 would need 2 waves (30 at once)
-    (30, 4, 4), (4, 33, 8), (4, 8, 8), (16, 8, 6), (128, 1, 1), (200, 1, 1), (64, 2, 2),
-    (67, 2, 1),
-])
-def test_splits_keep_the_clusters_in_one_wave(monkeypatch, clusters, limit, want):
+@pytest.fixture
+def h200_clusters(monkeypatch):
     monkeypatch.setattr(cute_mla, "max_active_clusters", lambda index, size: H200_CLUSTERS[size])
-    got = cute_mla.plan_splits(clusters, torch.device("cuda", 0), limit)
-    assert got == want and (got == 1 or clusters <= H200_CLUSTERS[got])
 
 
-def test_forced_split_count_capped_at_the_cluster_limit(monkeypatch):
-    assert launchers.cap_splits(kernel_config(CUTE), 16) == cute_mla.MAX_SPLITS
-    assert launchers.cap_splits(kernel_config("m64 n64 w8 s2 kv-first gluon"), 16) == 16
+@pytest.mark.parametrize("programs,limit,want", [
+    (32, 4, 4),  # mla-long: 2 clusters of 2 per request (32 clusters of 4 need 2 waves)
+    (30, 4, 4), (33, 4, 4), (34, 4, 3), (4, 33, 16), (4, 8, 8), (16, 8, 8), (128, 1, 1),
+    (200, 1, 1), (64, 2, 2), (67, 2, 1),
+])
+def test_splits_keep_the_clusters_in_one_wave(h200_clusters, programs, limit, want):
+    device = torch.device("cuda", 0)
+    got = cute_mla.plan_splits(programs, device, limit)
+    cluster, groups = cute_mla.cluster_shape(got, device=device, programs=programs)
+    assert got == want and cluster * groups == got and cluster <= cute_mla.MAX_CLUSTER
+    assert got == 1 or programs * groups <= H200_CLUSTERS[cluster]
+
+
+@pytest.mark.parametrize("splits,programs,want", [
+    (4, 32, (2, 2)), (4, 30, (4, 1)), (3, 32, (3, 1)), (16, 4, (8, 2)), (8, 16, (2, 4)),
+    (1, 500, (1, 1)),
+    (6, 40, (6, 1)),  # nothing fits one wave: the largest cluster that divides the splits
+])
+def test_cluster_shape(h200_clusters, splits, programs, want):
+    assert cute_mla.cluster_shape(splits, programs, torch.device("cuda", 0)) == want
+
+
+def test_forced_split_count_capped(monkeypatch):
+    assert launchers.cap_splits(kernel_config(CUTE), 40) == cute_mla.MAX_SPLITS
+    assert launchers.cap_splits(kernel_config("m64 n64 w8 s2 kv-first gluon"), 40) == 40
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_merge_of_the_clusters_partials(groups):
+    """``out = sum_g softmax_g(lse) partial_g`` (natural log; an empty partial has LSE -inf),
+    the partials past ``groups`` in the buffer not read (NaN there). Every row has a
+    non-empty partial: the last split's holds at least the lane's own new key."""
+    gen = torch.Generator().manual_seed(groups)
+    rows, heads = 6, 16
+    mid_o = torch.full((rows, heads, groups + 1, 512), float("nan"))
+    mid_lse = torch.full((rows, heads, groups + 1), float("nan"))
+    mid_o[:, :, :groups] = torch.randn(rows, heads, groups, 512, generator=gen)
+    mid_lse[:, :, :groups] = torch.randn(rows, heads, groups, generator=gen) * 3
+    mid_lse[1, 2, 0] = float("-inf")  # an empty partial
+    mid_o[1, 2, 0] = 0.0
+    out = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16)
+    cute_mla._merge_groups(mid_o, mid_lse, out, groups)
+    w = torch.softmax(mid_lse[:, :, :groups].double(), dim=-1)
+    want = (w.unsqueeze(-1) * mid_o[:, :, :groups].double()).sum(2)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=1e-2)
 
 
 class _StandIn:
@@ -107,6 +142,9 @@ class _StandIn:
 
     def __call__(self, q, kv, k_new, out, req_to_token, meta, hist, parents, **kw):
         self.calls.append(kw)
+        splits, mid_o, mid_lse = kw["num_splits"], kw["mid_o"], kw["mid_lse"]
+        assert mid_o.shape == (q.shape[0], q.shape[1], splits, 512) and mid_o.is_contiguous()
+        assert mid_lse.shape == (q.shape[0], q.shape[1], splits)
         if kw["write_new"]:
             kv[hist[:, kw["step"]].long()] = k_new
         layer = AttentionLayer(0, kw["sm_scale"], kw["logit_cap"])
@@ -129,14 +167,14 @@ def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch):
         if step:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
         q, k, _ = randn_qkv(r, bs * topk, gen)
-        backend._active.mid_o.fill_(float("nan"))  # no partials: nothing reads them
+        backend._active.mid_o.fill_(float("nan"))  # partials are written before read
         out = backend.forward(step, layer, q, k, None)
         assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()],
                            k)
         ref = reference_decode(r, layer, q, batch, step, "path")
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     call = stand_in.calls[-1]
-    assert call["num_splits"] == 8 and call["mode"] == 1 and call["write_new"]
+    assert call["num_splits"] == 16 and call["mode"] == 1 and call["write_new"]
     assert call["batch"] == 2 and call["topk"] == 2 and call["num_steps"] == 3
 
 
@@ -151,7 +189,7 @@ def _args(rows=8, heads=16, slots=40):
 
 
 @pytest.mark.parametrize("change,argument", [
-    (dict(num_splits=9), "num_splits"),
+    (dict(num_splits=17), "num_splits"),
     (dict(num_splits=0), "num_splits"),
     (dict(q=torch.zeros(8, 16, 580, dtype=torch.bfloat16)[:, :, :576]), "q"),
     (dict(kv=torch.zeros(40, 577, dtype=torch.bfloat16)[:, 1:]), "kv"),
@@ -160,6 +198,26 @@ def _args(rows=8, heads=16, slots=40):
 ])
 def test_attention_refuses_bad_arguments_before_any_cuda_work(change, argument):
     kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=2,
+              sm_scale=0.04, logit_cap=0.0, write_new=True)
+    kw.update(change)
+    with pytest.raises(InvalidInputError) as info:
+        cute_mla.attention(**kw)
+    assert info.value.argument == argument
+
+
+@pytest.mark.parametrize("change,argument", [
+    (dict(), "mid_o"),
+    (dict(mid_o=torch.zeros(8, 16, 1, 512)), "mid_o"),
+    (dict(mid_o=torch.zeros(8, 16, 2, 512, dtype=torch.bfloat16)), "mid_o"),
+    (dict(mid_o=torch.zeros(8, 16, 2, 512)), "mid_lse"),
+    (dict(mid_o=torch.zeros(8, 16, 2, 512), mid_lse=torch.zeros(8, 16, 3)[:, :, ::2]),
+     "mid_lse"),
+])
+def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, change,
+                                                                  argument):
+    """Splits in more than one cluster per row tile write partials: buffers for them."""
+    monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
+    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=4,
               sm_scale=0.04, logit_cap=0.0, write_new=True)
     kw.update(change)
     with pytest.raises(InvalidInputError) as info:

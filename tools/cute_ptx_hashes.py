@@ -3,14 +3,15 @@ without a GPU. A source change whose hashes match the last H200-verified ones co
 the same kernel, so the GPU record still holds for it (``gpu-check-s10.md``, "After the last
 device call").
 
-Variants: bf16 H16 lane mode 3 splits; fp16 H128 path mode, logit cap, 1 split, int64
-parents; bf16 H16 path mode 8 splits, int64 tables.
+Variants: bf16 H16 lane mode, a cluster of 3; fp16 H128 path mode, logit cap, 1 split,
+int64 parents; bf16 H16 path mode, a cluster of 8, int64 tables; bf16 H16 lane mode, 2
+clusters of 2 (partials merged by a second launch); fp16 H16 lane mode, 4 clusters of 1.
 
     PYTHONPATH=/tmp/cute-site/nvidia_cutlass_dsl/dsl_packages:/tmp/cute-site \\
-        /tmp/cute-venv/bin/python tools/cute_ptx_hashes.py [--v4]
+        /tmp/cute-venv/bin/python tools/cute_ptx_hashes.py
 
 (The CuTe-DSL setup is in ``tools/cute_cluster_probe.py``; this one also needs torch in that
-environment.) Session 10's H200-verified v3: ``0335e0736db4 28c464a6231d 94ad3f1d193f``.
+environment.) The H200-verified versions: ``cute-notes.md`` of each session.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ def main() -> int:
     from specattn.backends.triton import cute_mla
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--v4", action="store_true", help="the next version on trial")
-    args = ap.parse_args()
-    variants = [(torch.bfloat16, 16, False, False, 3, torch.int32, torch.int32),
-                (torch.float16, 128, True, True, 1, torch.int32, torch.int64),
-                (torch.bfloat16, 16, True, False, 8, torch.int64, torch.int64)]
+    ap.parse_args()
+    variants = [(torch.bfloat16, 16, False, False, 3, 1, torch.int32, torch.int32),
+                (torch.float16, 128, True, True, 1, 1, torch.int32, torch.int64),
+                (torch.bfloat16, 16, True, False, 8, 1, torch.int64, torch.int64),
+                (torch.bfloat16, 16, False, False, 2, 2, torch.int32, torch.int32),
+                (torch.float16, 16, False, False, 1, 4, torch.int32, torch.int32)]
     hashes = []
-    for dtype, heads, path, cap, splits, r2t, parent in variants:
-        compiled = cute_mla._compiled(dtype, heads, path, cap, True, splits, r2t, parent,
-                                      v4=args.v4, options="--keep-ptx")
+    for dtype, heads, path, cap, cluster, groups, r2t, parent in variants:
+        compiled = cute_mla._compiled(dtype, heads, path, cap, True, cluster, groups, r2t,
+                                      parent, options="--keep-ptx")
         hashes.append(hashlib.sha1(compiled.__ptx__.encode()).hexdigest()[:12])
     print(" ".join(hashes))
     return 0

@@ -9,9 +9,11 @@ layers rotated past L2):
   merge launch;
 - ``no tiles``: ``DIAG=4``, no key tiles (Q, the prologue's copies, the epilogue, the merge):
   the fixed cost of a call;
-- ``no merge`` (the CuTe-DSL kernel, ``cute`` configs, only): ``diag=5``, the whole loop
-  without the epilogue (no stores, no merge on chip): ``full`` minus this is what the merge
-  costs.
+- ``no merge`` (the CuTe-DSL kernel, ``cute`` configs, only): ``diag=5``, each CTA writes
+  its own partial to the output as a cluster of one does (no on-chip merge, no cluster
+  barrier): ``full`` minus this is what the merge on chip costs. (Until session 11 this
+  mode dropped the stores altogether; the compiler then dropped most of ``P.V`` too, so its
+  figure was not the merge's cost.)
 
 If ``full`` is near ``copies``, the gathers set the tile time; if near ``math``, the MMA and
 softmax chain does; if above both, the two do not overlap. DIAG runs give wrong outputs by

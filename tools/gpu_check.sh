@@ -243,13 +243,13 @@ gluon_first() {
 # CUTE_CHECKS adds `kit` (the kit on triton), `sglang` (the SGLang adapter's GPU tests) and
 # `triton` (the Triton GPU suite) side by side with the probes, and `cute`: the CuTe-DSL MLA
 # kernel (config label CUTE_CONFIG). Its GPU tests (tests/gpu/test_gluon_mla_gpu.py, variant
-# `cute`; the kit with it, tests/gpu/test_cute_mla_gpu.py) run alone first; only if they pass,
-# side by side its stress loop, memcheck over a small ragged round and a soak on triton with
-# it (CUTE_SIDE picks among those three; CUTE_VARIANTS: the test variants, default cute and
-# cute-v4), then how many clusters of each size the GPU runs at
-# once, then the MLA bench alone (default kernel, the CuTe kernel and FlashInfer; GLUON_CASES,
-# GLUON_BENCH_ARGS as in gluon_session.sh; CUTE_BENCH_OPTIONS: the Triton variants, as
-# GLUON_OPTIONS there); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon kernels
+# `cute`; tests/gpu/test_cute_mla_gpu.py: every cluster shape and the kit with it) run alone
+# first; only if they pass, side by side its stress loop, memcheck over a small ragged round
+# and a soak on triton with it (CUTE_SIDE picks among those three; CUTE_VARIANTS: the test
+# variants, default cute), then how many clusters of each size the GPU runs at
+# once, then the MLA bench alone (default kernel, the CuTe kernel as planned and with 3 and
+# 8 splits forced, and FlashInfer; GLUON_CASES, GLUON_BENCH_ARGS as in gluon_session.sh;
+# CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon kernels
 # (CUTE_DIAG_CASES) at the end.
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
 cute_probe() {
@@ -265,7 +265,7 @@ cute_probe() {
     tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py -k "not stress" &
   if [[ $checks == *" cute "* ]]; then
     job gpu-tests-cute-gate "${GATE_S:-200}" \
-      env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-v4}" $t -n 2 -x \
+      env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" $t -n 2 -x \
       --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress"
     if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
@@ -280,7 +280,7 @@ cute_probe() {
         --workers 3 --same-config 50 --option "triton:config=$CUTE_CONFIG" &
       wait
       job cute-clusters 60 python -c "$CLUSTERS"
-      GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;$CUTE_CONFIG v4}" job cute-bench "${GLUON_BENCH_S:-230}" \
+      GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;triton:config=$CUTE_CONFIG,num_splits=3;triton:config=$CUTE_CONFIG,num_splits=8}" job cute-bench "${GLUON_BENCH_S:-230}" \
         bash tools/gluon_session.sh bench
       cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
       if [ -n "${CUTE_DIAG:-}" ]; then  # where the CuTe kernel's time goes, beside Gluon's

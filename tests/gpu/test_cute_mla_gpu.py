@@ -1,9 +1,17 @@
-"""The conformance kit on the ``triton`` backend with the CuTe-DSL MLA kernel forced
-(config ``cute``): every MLA decode case the kit plans, against the reference, on an sm90 GPU
-with CuTe-DSL (the FA4 part of the offline bundle). The kernel's own tests are the ``cute``
-variant of ``test_gluon_mla_gpu.py``. Marked ``gpu``."""
+"""The CuTe-DSL MLA kernel on an sm90 GPU with CuTe-DSL (the FA4 part of the offline
+bundle), marked ``gpu``:
+
+- the conformance kit on the ``triton`` backend with the kernel forced (config ``cute``):
+  every MLA decode case the kit plans, against the reference;
+- every cluster shape (``cute_mla.cluster_shape`` forced): one cluster of all the splits,
+  clusters of 2 or 1 whose partials the merge launch combines, against the reference with
+  NaN-poisoned partial buffers, bf16 and fp16, lane and path mode, ragged lengths from 0.
+
+The kernel's other tests are the ``cute`` variant of ``test_gluon_mla_gpu.py``."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -12,10 +20,45 @@ pytestmark = pytest.mark.gpu
 CUTE = "m64 n64 w8 s2 kv-first gluon cute"
 
 
-def test_conformance_kit_with_the_cute_config():
+def _require_cute():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     pytest.importorskip("cutlass.cute", reason="CuTe-DSL is not installed (FA4 bundle)")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the CuTe-DSL MLA kernel is built for sm90")
+
+
+@pytest.mark.parametrize("splits,cluster", [(4, 2), (6, 2), (3, 1), (8, 4), (5, 5)])
+@pytest.mark.parametrize("dtype,H,K,tree_mode", [(torch.bfloat16, 16, 4, "path"),
+                                                 (torch.float16, 16, 2, "lane"),
+                                                 (torch.bfloat16, 128, 1, "lane")])
+def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mode):
+    _require_cute()
+    from test_gluon_mla_gpu import make_round, run_round  # this folder (pytest's sys.path)
+
+    from specattn.backends.triton import TritonDecode, cute_mla
+    from specattn.bench.options import kernel_config
+    from specattn.data import AttentionLayer
+
+    shapes = []
+
+    def forced(n, programs, device):
+        shapes.append((n, cluster, n // cluster))
+        return cluster, n // cluster
+
+    monkeypatch.setattr(cute_mla, "cluster_shape", forced)
+    rng = random.Random(splits * 100 + H + K)
+    lens = [0, 1, 65] + [rng.randint(100, 3000) for _ in range(3)]
+    r, batch = make_round(dtype, H, K, 3, 1 if H == 16 else 64, lens, tree_mode)
+    backend = TritonDecode(r, K, 3, tree_mode=tree_mode, num_splits=splits,
+                           config=kernel_config(CUTE))
+    gen = torch.Generator().manual_seed(splits)
+    run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, 0.0), tree_mode, gen)
+    assert shapes and all(s == (splits, cluster, splits // cluster) for s in shapes)
+
+
+def test_conformance_kit_with_the_cute_config():
+    _require_cute()
     from specattn.bench.options import kernel_config
     from specattn.testing import check_backend
 

@@ -113,6 +113,16 @@ def _row_sum_and_inverse(sStat: cute.Tensor, m):
 
 
 @cute.jit
+def _partial_lse(row_max, total):
+    """A partial's natural-log LSE from its base-2 running maximum and its sum (-inf for a
+    row that saw no key)."""
+    lse = -Float32.inf
+    if total > 0.0:
+        lse = (row_max + cute.math.log2(total)) * LN2
+    return lse
+
+
+@cute.jit
 def _head_row(base: cute.Pointer, q_start, row, heads: cutlass.Constexpr[int], s_t, s_h):
     """Query row ``row`` of the request whose lanes start at ``q_start`` (lane
     ``row // heads``, head ``row % heads``) in a ``[B*K, H, ...]`` tensor at ``base``."""
@@ -138,47 +148,45 @@ def _ld_cluster_v4(ptr):
 
 class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
-    ``use_cap`` (logit cap), ``write_new`` (split 0 stores the call's keys), ``splits``
-    (the cluster size: prefix splits per request), ``stages`` (key tiles in the ring),
-    ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only, wrong results;
-    ``tools/gluon_diag.py``): 1 the copies and their waits without the math, 2 the math
-    without copies after the prologue, 3 as 1 without the epilogue (no stores, no merge),
-    4 no key tiles, 5 the full loop without the epilogue (what the merge on chip costs).
-    ``v4``: the next version's changes, on trial (not yet run on a GPU):
-    - a tile's S wgmma chain is issued before the next tile's copies, so their ~200
-      instructions per warp (the gather's address arithmetic and 18 ``cp.async``) run while
-      the tensor cores work; in v3's SASS they sit between the tile's barrier and its first
-      wgmma;
-    - a tail tile's non-finite values are cleared 16 bytes at a time (v3: one element at a
-      time with a branch each, on the last split's path, which the whole cluster waits for)."""
+    ``use_cap`` (logit cap), ``write_new`` (split 0 stores the call's keys), ``cluster``
+    (CTAs per thread-block cluster, merged on chip), ``groups`` (clusters per request row
+    tile: the prefix is cut into ``cluster * groups`` splits; with more than one group each
+    cluster writes its merged fp32 partial and LSE for ``merge_kernel``), ``stages`` (key
+    tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only,
+    wrong results; ``tools/gluon_diag.py``): 1 the copies and their waits without the math,
+    2 the math without copies after the prologue, 3 as 1 without the epilogue (no stores,
+    no merge), 4 no key tiles, 5 no merge on chip (each CTA writes its own partial to the
+    output, as a cluster of one does)."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
-                 splits: int, stages: int = 2, parent_dtype=Int32, diag: int = 0,
-                 v4: bool = False):
+                 cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
+                 diag: int = 0):
         self.dtype = dtype
         self.heads = heads
         self.path = path
         self.use_cap = use_cap
         self.write_new = write_new
-        self.splits = splits
+        self.cluster = cluster
+        self.groups = groups
+        self.splits = cluster * groups
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
-        self.v4 = v4
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
-                 out: cute.Pointer, r2t: cute.Pointer, meta: cute.Pointer,
-                 hist: cute.Pointer, parents: cute.Pointer, batch: Int32, row_tiles: Int32,
-                 step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
-                 s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
-                 s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
-                 cap: Float32, stream):
-        self.kernel(q, kv, k_new, out, r2t, meta, hist, parents, step, topk, num_steps,
-                    num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_r2t, s_par_s, s_par_b,
-                    scale_log2, cap).launch(
+                 out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+                 r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+                 parents: cute.Pointer, batch: Int32, row_tiles: Int32, step: Int32,
+                 topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32, s_qh: Int32,
+                 s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32, s_mot: Int32,
+                 s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32, s_r2t: Int32,
+                 s_par_s: Int32, s_par_b: Int32, scale_log2: Float32, cap: Float32, stream):
+        self.kernel(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                    num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
+                    s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap).launch(
             grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
-            cluster=(self.splits, 1, 1), smem=smem_bytes(self.stages), stream=stream)
+            cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages), stream=stream)
 
     # -- small pieces -------------------------------------------------------------------
 
@@ -213,16 +221,10 @@ class MlaDecodeKernel:
         ``0 * NaN``)."""
         for i in cutlass.range_constexpr(PIECES // 4):
             col = sub + 4 * i
-            if cutlass.const_expr(self.v4):
-                piece = cute.local_tile(row, (1, 8), (0, col))[0, None]
-                x = piece.load()
-                finite = (x - x) == cute.full_like(x, 0.0)
-                piece.store(cute.where(finite, x, cute.full_like(x, 0.0)))
-            else:
-                for j in cutlass.range_constexpr(8):
-                    x = row[0, col * 8 + j].to(Float32)
-                    if (x - x) != Float32(0.0):
-                        row[0, col * 8 + j] = self.dtype(0.0)
+            piece = cute.local_tile(row, (1, 8), (0, col))[0, None]
+            x = piece.load()
+            finite = (x - x) == cute.full_like(x, 0.0)  # False for inf and NaN
+            piece.store(cute.where(finite, x, cute.full_like(x, 0.0)))
 
     @cute.jit
     def _key_source(self, t: Int32, key: Int32, r2t_row: cute.Pointer, hist: cute.Pointer,
@@ -304,6 +306,13 @@ class MlaDecodeKernel:
         return ok, new, slot, src_lane
 
     @cute.jit
+    def _store_lse(self, mid_lse: cute.Pointer, q_start: Int32, row, group: Int32,
+                   s_mlt: Int32, s_mlh: Int32, lse: Float32):
+        """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``)."""
+        dst = _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh) + group
+        cute.make_tensor(dst, cute.make_layout(1))[0] = lse
+
+    @cute.jit
     def _store_new_keys(self, kv: cute.Pointer, k_new: cute.Pointer, hist: cute.Pointer,
                         lane_lo: Int32, lane_hi: Int32, q_start: Int32, step: Int32,
                         num_steps: Int32, num_slots: Int32, s_kv: Int32, s_kin: Int32):
@@ -327,18 +336,23 @@ class MlaDecodeKernel:
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
-               out: cute.Pointer, r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+               out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+               r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
                parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
                num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
-               s_ot: Int32, s_oh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
+               s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
+               s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
                scale_log2: Float32, cap: Float32):
-        """Grid ``(splits, row tiles, B)``, cluster ``(splits, 1, 1)``: CTA ``split`` of
-        request ``b``'s row tile walks its prefix slice (the last split also the tail) and
-        the cluster merges the partials on chip."""
+        """Grid ``(splits, row tiles, B)``, cluster ``(cluster, 1, 1)``: CTA ``split`` of
+        request ``b``'s row tile walks its prefix slice (the last split also the tail); each
+        cluster merges its CTAs' partials on chip into the output or, with several groups,
+        into partial ``split // cluster`` of ``mid_o`` / ``mid_lse``."""
         dt = self.dtype
         H = self.heads
         tidx, _, _ = cute.arch.thread_idx()
         split, rt, b = cute.arch.block_idx()
+        rank = split % self.cluster  # the CTA's rank in its cluster
+        group = split // self.cluster
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wtid = tidx % 128
         key = tidx // 4  # the key (or query) row this thread gathers a quarter of
@@ -429,10 +443,11 @@ class MlaDecodeKernel:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
-            # its stage with tile t + stages - 1, and look up the sources of the next one
-            # (v4: once this tile's S chain is issued).
+            # its stage with tile t + stages - 1 and look up the sources of the next one,
+            # once this tile's S chain is issued (the gather's ~200 instructions per warp
+            # then run while the tensor cores work).
             refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
-            if cutlass.const_expr(not self.v4 or self.diag in (1, 3)):
+            if cutlass.const_expr(self.diag in (1, 3)):
                 ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
                                                        src_args)
             if cutlass.const_expr(self.diag not in (1, 3)):
@@ -446,13 +461,10 @@ class MlaDecodeKernel:
                 acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
                 frag_k = thr_s.make_fragment_B(thr_s.partition_B(
                     cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-                if cutlass.const_expr(self.v4):
-                    _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
-                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
-                                                           src_args)
-                    warpgroup.wait_group(0)
-                else:
-                    _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+                _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
+                ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
+                                                       src_args)
+                warpgroup.wait_group(0)
 
                 # Scores in base 2, masked; this warpgroup's row maxima.
                 s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
@@ -518,7 +530,7 @@ class MlaDecodeKernel:
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        if cutlass.const_expr(self.diag not in (3, 5)):  # 3, 5: no stores, no merge
+        if cutlass.const_expr(self.diag != 3):  # 3: no stores, no merge
             # Row sums over both halves.
             for r in cutlass.range_constexpr(n_my_rows):
                 if lead:
@@ -526,16 +538,30 @@ class MlaDecodeKernel:
             cute.arch.barrier()
             c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
             c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
-            if cutlass.const_expr(self.splits == 1):
+            # Where merged rows go: the output, or (several groups) this group's partial.
+            to_mid = self.groups > 1 and self.diag != 5
+            if cutlass.const_expr(self.cluster == 1 or self.diag == 5):
+                # A cluster of one: this CTA's partial is the cluster's (diag 5: every CTA
+                # writes its own, unmerged).
                 for r in cutlass.range_constexpr(n_my_rows):
                     m = c_rows[r, 0][0]
                     total_sum, inv = _row_sum_and_inverse(sStat, m)
                     row = row_lo + m
                     if row < n_rows:
-                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                             + wg * V_HALF, cute.make_layout(V_HALF))
-                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                            g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
+                        if cutlass.const_expr(to_mid):
+                            g = cute.make_tensor(
+                                _head_row(mid_o, q_start, row, H, s_mot, s_moh)
+                                + (group * s_mop + wg * V_HALF), cute.make_layout(V_HALF))
+                            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                                g[c_orows[r, c][1]] = o_rows[r, c] * inv
+                            if lead & (wg == 0):
+                                self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
+                                                _partial_lse(row_max[r], total_sum))
+                        else:
+                            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                                 + wg * V_HALF, cute.make_layout(V_HALF))
+                            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                                g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
             else:
                 # Normalised partial and LSE into this CTA's shared memory (the ring is free).
                 sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
@@ -546,41 +572,52 @@ class MlaDecodeKernel:
                     for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                         sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
                     if lead & (wg == 0):
-                        lse = -Float32.inf
-                        if total_sum > 0.0:
-                            lse = (row_max[r] + cute.math.log2(total_sum)) * LN2
-                        sLse[m] = lse
+                        sLse[m] = _partial_lse(row_max[r], total_sum)
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-                # CTA ``split`` merges rows split, split + splits, ...; a thread takes 4 columns.
+                # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns.
+                C = self.cluster
                 chunk = tidx % (D_MAIN // 4)
                 half = tidx // (D_MAIN // 4)
-                for k in cutlass.range_constexpr((ROWS + 2 * self.splits - 1) // (2 * self.splits)):
-                    m = split + self.splits * (2 * k + half)
+                for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
+                    m = rank + C * (2 * k + half)
                     if (m < ROWS) & (row_lo + m < n_rows):
                         lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, s))
-                                for s in range(self.splits)]
+                                for s in range(C)]
+                        parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                            sO.iterator + (m * O_PITCH + chunk * 4), s)) for s in range(C)]
                         top = lses[0]
-                        for s in cutlass.range_constexpr(1, self.splits):
+                        for s in cutlass.range_constexpr(1, C):
                             top = cute.arch.fmax(top, lses[s])
                         if top == -Float32.inf:
                             top = Float32(0.0)
                         acc = [Float32(0.0)] * 4
                         wsum = Float32(0.0)
-                        for s in cutlass.range_constexpr(self.splits):
+                        for s in cutlass.range_constexpr(C):
                             w = cute.arch.exp2((lses[s] - top) * LOG2E)
                             wsum += w
-                            part = _ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                                sO.iterator + (m * O_PITCH + chunk * 4), s))
                             for j in cutlass.range_constexpr(4):
-                                acc[j] = acc[j] + w * part[j]
+                                acc[j] = acc[j] + w * parts[s][j]
                         inv = Float32(0.0)
                         if wsum > 0.0:
                             inv = 1.0 / wsum
                         row = row_lo + m
-                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                             + chunk * 4, cute.make_layout(4))
-                        for j in cutlass.range_constexpr(4):
-                            g[j] = (acc[j] * inv).to(dt)
+                        if cutlass.const_expr(to_mid):
+                            g = cute.make_tensor(
+                                _head_row(mid_o, q_start, row, H, s_mot, s_moh)
+                                + (group * s_mop + chunk * 4), cute.make_layout(4))
+                            for j in cutlass.range_constexpr(4):
+                                g[j] = acc[j] * inv
+                            if chunk == 0:
+                                lse = -Float32.inf
+                                if wsum > 0.0:
+                                    lse = top + cute.math.log2(wsum) * LN2
+                                self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
+                                                lse)
+                        else:
+                            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                                 + chunk * 4, cute.make_layout(4))
+                            for j in cutlass.range_constexpr(4):
+                                g[j] = (acc[j] * inv).to(dt)
                 cute.arch.cluster_arrive()  # the others may still read this CTA's partial
                 cute.arch.cluster_wait()

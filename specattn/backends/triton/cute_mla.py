@@ -43,7 +43,8 @@ from ...errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 
-MAX_SPLITS = 8  # the portable thread-block cluster size
+MAX_CLUSTER = 8  # the portable thread-block cluster size
+MAX_SPLITS = 16  # prefix splits in all (cluster x groups; the partial buffers hold 16)
 STAGES = 2  # key tiles in the ring (two 72 KB tiles + Q fill the 227 KB of shared memory)
 
 
@@ -79,17 +80,34 @@ def max_active_clusters(device_index: int, size: int) -> int:
     return int(HardwareInfo(device_id=device_index).get_max_active_clusters(size))
 
 
-def plan_splits(clusters: int, device: torch.device, limit: int) -> int:
-    """Prefix splits (the cluster size) for ``clusters`` (request, row tile) pairs: at most
-    ``limit`` (the SM-count answer) and ``MAX_SPLITS``, and fewer while the clusters would
-    not all run at once (a second wave of clusters costs more than a shorter split)."""
+def cluster_shape(splits: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """``(cluster, groups)`` for ``splits`` prefix splits of each of ``programs`` (request,
+    row tile) pairs: the largest cluster size that divides ``splits`` (at most
+    ``MAX_CLUSTER``) whose ``programs * groups`` clusters all run at once, else the
+    largest that divides it. More than one group: each cluster merges its CTAs on chip
+    and the groups' partials are merged by one more launch."""
     from .gluon_mla import device_index
 
-    splits = max(1, min(limit, MAX_SPLITS))
     index = device_index(device)
-    while splits > 1 and clusters > max_active_clusters(index, splits):
-        splits -= 1
-    return splits
+    sizes = [c for c in range(min(splits, MAX_CLUSTER), 0, -1) if splits % c == 0]
+    for c in sizes:
+        if programs * (splits // c) <= max_active_clusters(index, c):
+            return c, splits // c
+    return sizes[0], splits // sizes[0]
+
+
+def plan_splits(programs: int, device: torch.device, limit: int) -> int:
+    """Prefix splits for ``programs`` (request, row tile) pairs: the most, up to ``limit``
+    (the SM-count answer) and ``MAX_SPLITS``, whose clusters (``cluster_shape``) all run at
+    once (a second wave of clusters costs more than a shorter split), else 1."""
+    from .gluon_mla import device_index
+
+    index = device_index(device)
+    for splits in range(max(1, min(limit, MAX_SPLITS)), 1, -1):
+        cluster, groups = cluster_shape(splits, programs, device)
+        if programs * groups <= max_active_clusters(index, cluster):
+            return splits
+    return 1
 
 
 def _dtype(torch_dtype: torch.dtype):
@@ -102,8 +120,8 @@ def _dtype(torch_dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
-              splits: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype, diag: int = 0,
-              v4: bool = False, options: str = ""):
+              cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
+              diag: int = 0, options: str = ""):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -112,15 +130,16 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
 
     from . import _cute_mla_kernel as K
 
-    kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, splits,
-                               STAGES, _dtype(parent_dtype), diag, v4)
-    ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(_dtype(r2t_dtype), 256)] + \
-        [_ptr(cutlass.Int32, 256)] * 2 + [_ptr(_dtype(parent_dtype), 256)]
-    ints = [cutlass.Int32(1)] * 15
+    kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
+                               groups, STAGES, _dtype(parent_dtype), diag)
+    ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
+        [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
+        [_ptr(_dtype(parent_dtype), 256)]
+    ints = [cutlass.Int32(1)] * 20
     floats = [cutlass.Float32(1.0)] * 2
     log.info("compiling the CuTe-DSL MLA decode kernel (%s, H %d, %s, cap %s, write %s, "
-             "%d splits)", dtype, heads, "path" if path else "lane", use_cap, write_new,
-             splits)
+             "clusters of %d x %d)", dtype, heads, "path" if path else "lane", use_cap,
+             write_new, cluster, groups)
     extra = {"options": options} if options else {}
     return cute.compile(kernel, *ptrs, *ints, *floats, cuda.CUstream(0), **extra)
 
@@ -147,19 +166,21 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               req_to_token: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
               parents: Optional[torch.Tensor], *, mode: int, batch: int, topk: int,
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
-              write_new: bool, diag: int = 0, v4: bool = False) -> None:
-    """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract
-    without the partial buffers).
+              write_new: bool, mid_o: Optional[torch.Tensor] = None,
+              mid_lse: Optional[torch.Tensor] = None, diag: int = 0) -> None:
+    """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
+    and, when the splits take more than one cluster per request row tile
+    (``cluster_shape``), the clusters' partials merged by one more launch.
 
     q: ``[B*K, H, 576]``; kv: ``[slots, 576]``; k_new: ``[B*K, 576]``; out:
     ``[B*K, H, 512]``; req_to_token: ``[pool rows, max len]`` int32/int64; meta: ``[>= B, 5]``
-    int32; hist: ``[B*K, S]`` int32 (contiguous); parents: ``[S, B, K]`` (``mode == 1``).
-    ``num_splits``: 1 to ``MAX_SPLITS`` (the cluster size). ``diag``: timing experiments
-    (``MlaDecodeKernel``; wrong results, ``tools/gluon_diag.py``). ``v4``: the
-    next version's changes, on trial (``MlaDecodeKernel``; not yet run on a GPU)."""
+    int32; hist: ``[B*K, S]`` int32 (contiguous); parents: ``[S, B, K]`` (``mode == 1``);
+    mid_o / mid_lse: fp32 ``[B*K, H, >= groups, 512]`` / ``[B*K, H, >= groups]`` with unit
+    last stride (needed with more than one group). ``num_splits``: 1 to ``MAX_SPLITS``.
+    ``diag``: timing experiments (``MlaDecodeKernel``; wrong results,
+    ``tools/gluon_diag.py``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
-        raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} (one thread-block cluster "
-                                "per request)", num_splits)
+        raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
     _check("kv", kv, 2, (0,))
     _check("k_new", k_new, 2, (0,))
@@ -169,25 +190,63 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     if mode == 1 and (parents is None or parents.stride(2) != 1):
         raise InvalidInputError("parents", "an [S, B, K] tensor with unit last stride in path "
                                 "mode", None if parents is None else parents.stride())
+    from .gluon_mla import num_row_tiles
+
+    row_tiles = num_row_tiles(topk * q.shape[1])
+    cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
+    if groups > 1:
+        _check_partials(mid_o, mid_lse, q, groups)
     import cuda.bindings.driver as cuda
     import cutlass
 
     from ._cute_mla_kernel import LOG2E
-    from .gluon_mla import num_row_tiles
 
     path = mode == 1
     par = parents if path else meta
-    fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, num_splits,
-                   req_to_token.dtype, par.dtype, diag, v4)
+    mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
+    fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
+                   req_to_token.dtype, par.dtype, diag)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
+            + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]
             + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),
                _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
                _ptr(_dtype(par.dtype), par.data_ptr())]
             + [i32(v) for v in (
-                batch, num_row_tiles(topk * q.shape[1]), step, topk, num_steps, kv.shape[0],
+                batch, row_tiles, step, topk, num_steps, kv.shape[0],
                 q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), out.stride(0),
-                out.stride(1), req_to_token.stride(0), par.stride(0) if path else 0,
+                out.stride(1), mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0),
+                ml.stride(1), req_to_token.stride(0), par.stride(0) if path else 0,
                 par.stride(1) if path else 0)]
             + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
     fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    if groups > 1:
+        _merge_groups(mid_o, mid_lse, out, groups)
+
+
+def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tensor],
+                    q: torch.Tensor, groups: int) -> None:
+    """``mid_o`` / ``mid_lse`` hold ``groups`` fp32 partials of every query row."""
+    rows, heads = q.shape[0], q.shape[1]
+    for name, t, dims in (("mid_o", mid_o, 4), ("mid_lse", mid_lse, 3)):
+        if t is None or t.dtype != torch.float32 or t.dim() != dims or t.stride(-1) != 1 \
+                or t.shape[0] < rows or t.shape[1] != heads or t.shape[2] < groups \
+                or (dims == 4 and t.shape[3] != 512):
+            raise InvalidInputError(
+                name, f"fp32 [>= {rows}, {heads}, >= {groups}{', 512' if dims == 4 else ''}] "
+                "with unit last stride (a partial per cluster of each query row)",
+                None if t is None else f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def _merge_groups(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+                  groups: int) -> None:
+    """``out[t, h] = sum_g softmax(mid_lse[t, h, :groups])_g mid_o[t, h, g]``."""
+    from ...kernels.merge import merge_kernel
+    from ...util import next_pow2
+
+    rows, heads, d_v = out.shape
+    merge_kernel[(rows, heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        NUM_PARTS=groups, BLOCK_P=next_pow2(groups, lo=2), D_V=d_v,
+        BLOCK_DV=next_pow2(d_v), num_warps=4)

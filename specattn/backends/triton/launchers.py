@@ -44,10 +44,8 @@ class KernelConfig:
     loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel (experimental:
     no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
-    (``cute_mla``: the same tile loop with a request's splits in one thread-block cluster,
-    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits);
-    ``cute_v4``: its next version on trial (label ``v4``; ``_cute_mla_kernel.MlaDecodeKernel``
-    says what changes; not yet run on a GPU))."""
+    (``cute_mla``: the same tile loop with a request's splits in thread-block clusters,
+    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits))."""
 
     block_m: int
     block_n: int
@@ -64,7 +62,6 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
-    cute_v4: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -94,8 +91,6 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
-        if self.cute_v4 and not self.cute:
-            raise InvalidInputError("config.cute_v4", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -108,8 +103,7 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
-            (" v4" if self.cute_v4 else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -229,8 +223,8 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
 
 
 def cap_splits(cfg: KernelConfig, num_splits: int) -> int:
-    """``num_splits`` within what ``cfg``'s kernel takes (the CuTe kernel: one cluster per
-    request, at most ``cute_mla.MAX_SPLITS`` CTAs)."""
+    """``num_splits`` within what ``cfg``'s kernel takes (the CuTe kernel: at most
+    ``cute_mla.MAX_SPLITS``)."""
     if cfg.cute:
         from .cute_mla import MAX_SPLITS
 
@@ -247,7 +241,8 @@ def worklist_scratch(slots: int, rows: int, d_v: int, device: torch.device,
 
 
 def num_parts(cfg: KernelConfig, num_splits: int) -> int:
-    """Partials per row: the generic kernel adds one tail program, MLA v3 fuses it."""
+    """Partials per row: the generic kernel adds one tail program, MLA v3 fuses it (the CuTe
+    kernel: one per cluster, at most ``num_splits``)."""
     return num_splits if cfg.mla_v3 or cfg.gluon else num_splits + 1
 
 
@@ -386,14 +381,14 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
-    if cfg.cute:  # merged on chip: no partials, no merge launch
+    if cfg.cute:  # merged on chip (a merge launch only with several clusters per row tile)
         from . import cute_mla
 
         cute_mla.attention(
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            write_new=write == "first", v4=cfg.cute_v4)
+            write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
