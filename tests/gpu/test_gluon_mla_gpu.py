@@ -45,8 +45,6 @@ def _variants():
         "n32s4-ws": "m64 n32 w8 s4 kv-first gluon pf ws",
         # The CuTe-DSL kernel (cute_mla): the splits of a request merged on chip (opt-in).
         "cute": "m64 n64 w8 s2 kv-first gluon cute",
-        # Its experimental tile order: S issued before the next tile's copies.
-        "cute-v4": "m64 n64 w8 s2 kv-first gluon cute v4",
     }
     every = {name: label and kernel_config(label) for name, label in every.items()}
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")
