@@ -1,34 +1,39 @@
 """MLA draft decode on Hopper in CuTe-DSL, with the prefix splits merged on chip.
 
 Opt-in (``KernelConfig.cute``; the ``cute`` config label) beside the Gluon kernel
-(``gluon_mla``), with the same call contract but no partials in global memory and no merge
-launch. Gluon in Triton 3.6 cannot address another CTA's shared memory
-(``tools/gluon_cluster_probe.py``), so this kernel is written in CuTe-DSL (NVIDIA's
-``nvidia-cutlass-dsl``, installed with FlashAttention-4), compiled at first use per
-(dtype, heads, tree mode, logit cap, KV write, splits).
+(``gluon_mla``), with the same call contract; a request's splits merge on chip. Gluon in
+Triton 3.6 cannot address another CTA's shared memory (``tools/gluon_cluster_probe.py``), so
+this kernel is written in CuTe-DSL (NVIDIA's ``nvidia-cutlass-dsl``, installed with
+FlashAttention-4), compiled at first use per (dtype, heads, tree mode, logit cap, KV write,
+cluster shape).
 
 Kernel (``_cute_mla_kernel``; one CTA of 256 threads per (prefix split, 64-row tile,
-request); the splits of a (request, row tile) form one thread-block cluster):
+request); the splits of a (request, row tile) form ``groups`` thread-block clusters of
+``cluster`` CTAs, ``cluster_shape``):
 
 - the 64 query rows (``K`` lanes x ``H`` heads) stay in shared memory; key tiles of 64 are
   gathered through ``req_to_token`` (any page size) by 16-byte ``cp.async`` into a ring of
   2 stages, one tile ahead of the MMAs;
 - ``S = Q K^T``: each warpgroup computes 32 of a tile's 64 columns (wgmma m64n32k16 over the
-  576-wide row); the online softmax (base 2) shares row maxima through shared memory; ``P``
-  goes to shared memory and each warpgroup adds ``P V`` into its 256 output columns, ``V``
-  read in place from the key tile;
+  576-wide row), issued before the next tile's gathers; the online softmax (base 2) shares
+  row maxima through shared memory; ``P`` goes to shared memory and each warpgroup adds
+  ``P V`` into its 256 output columns, ``V`` read in place from the key tile;
 - the last split also walks the tail (each lane's ``step + 1`` history keys, ``lane`` or
   ``path`` mode, masked to the key's lane; the call's new key is read from ``k_new``, and
   split 0 stores it in the pool);
 - after the loop each CTA leaves its normalised fp32 partial and LSE in its own shared
-  memory; after a cluster barrier, CTA ``s`` merges rows ``s, s + splits, ...`` reading the
-  others' partials through distributed shared memory and writes the output.
+  memory; after a cluster barrier, CTA ``r`` of a cluster merges rows ``r, r + cluster,
+  ...`` reading the others' partials through distributed shared memory, and writes the
+  output (one group) or the cluster's merged partial, which ``merge_kernel`` then combines
+  (several groups).
 
 Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36): the Gluon
-kernel's GPU tests (variant ``cute``), the 100-batch stress loop, memcheck and a soak, all
-passing; slower than the Gluon kernel so far (mla-long 83.8 vs 69.4 us). Versions, profile
-and next steps: ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the
-``cutedsl_mla`` backend (a vendor MLA kernel for Blackwell).
+kernel's GPU tests (variant ``cute``), every cluster shape, the conformance kit, the
+100-batch stress loop, memcheck and a soak, all passing. Next to the Gluon kernel: as fast
+at mla-long (71.5 vs 70.4 us), faster at H 128 (mla-wide 202.8 vs 206.5), slower on ragged
+batches at H 16. Versions, profile and next steps:
+``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
+vendor MLA kernel for Blackwell).
 """
 
 from __future__ import annotations
