@@ -43,6 +43,8 @@ THREADS = 256  # two consumer warpgroups
 S_COLS = KEYS // 2  # S columns per warpgroup
 V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
+MAX_SLACK = 8.0  # (trial) base-2 growth of a row maximum absorbed without a rescale
+MERGE_BATCH = 4  # (trial) rows per thread whose partials the on-chip merge loads at once
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -156,11 +158,23 @@ class MlaDecodeKernel:
     wrong results; ``tools/gluon_diag.py``): 1 the copies and their waits without the math,
     2 the math without copies after the prologue, 3 as 1 without the epilogue (no stores,
     no merge), 4 no key tiles, 5 no merge on chip (each CTA writes its own partial to the
-    output, as a cluster of one does)."""
+    output, as a cluster of one does). On trial (not yet run on a GPU), ``trial``: O and
+    the row sums are rescaled only when a row's maximum grows by more than ``MAX_SLACK``
+    (base 2; the 128 multiplies per thread and tile are skipped otherwise), and the on-chip
+    merge loads ``MERGE_BATCH`` rows' partials at once; ``roles``: warpgroup 0 computes S
+    over the whole tile (wgmma N 64: Q and the tile read from shared memory once, not
+    twice; whole rows, so no maxima are exchanged) and the softmax, warpgroup 1 alone
+    gathers the key tiles, both add ``P.V`` into their output halves (two barriers per tile
+    instead of three).
+    (Tried and dropped, not run: leaving a tile's ``P.V`` running into the next tile,
+    behind its S chain. ptxas serializes the wgmma then (C7514: "non wgmma instructions
+    reading accumulator registers of a wgmma between start and end of the pipeline
+    stage"). Overlapping ``P.V`` with the next S inside one iteration instead needs a third
+    72 KB stage, which does not fit beside Q.)"""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0):
+                 diag: int = 0, trial: bool = False, roles: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -172,6 +186,10 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
+        self.trial = trial
+        self.roles = roles
+        if roles and diag not in (0, 4):
+            raise ValueError("the roles variant times only diag 0 and 4")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -272,13 +290,13 @@ class MlaDecodeKernel:
         return ok, new, slot, src_lane
 
     @cute.jit
-    def _issue_tile(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
-                    kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
-                    num_slots: Int32, ok: Boolean, new: Boolean, slot: Int32,
-                    src_lane: Int32):
-        """Start the gather of a key tile into ring stage ``stage`` (one commit group): thread
-        ``4 key + sub`` copies a quarter of key ``key`` from where ``_key_source`` says (a slot
-        clamped into the pool: no read outside it); keys past the end become zeros."""
+    def _issue_row(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
+                   kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
+                   num_slots: Int32, ok: Boolean, new: Boolean, slot: Int32,
+                   src_lane: Int32):
+        """Start the copy of this thread's quarter (``sub``) of key ``key`` of a tile into
+        ring stage ``stage``, from where ``_key_source`` says (a slot clamped into the pool:
+        no read outside it); a key past the end becomes zeros."""
         row = cute.local_tile(sK[None, None, stage], (1, WIDTH), (key, 0))
         if ok:
             if new:
@@ -288,6 +306,16 @@ class MlaDecodeKernel:
                 self._copy_row(row, kv + in_pool * s_kv, sub)
         else:
             self._zero_row(row, sub)
+
+    @cute.jit
+    def _issue_tile(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
+                    kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
+                    num_slots: Int32, ok: Boolean, new: Boolean, slot: Int32,
+                    src_lane: Int32):
+        """Start the gather of a key tile into ring stage ``stage`` (one commit group): thread
+        ``4 key + sub`` copies a quarter of key ``key`` (``_issue_row``)."""
+        self._issue_row(stage, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots, ok, new, slot,
+                        src_lane)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -331,6 +359,110 @@ class MlaDecodeKernel:
                                       cute.AddressSpace.gmem, assumed_align=16)
                 cute.autovec_copy(cute.make_tensor(g_in, cute.make_layout(8)),
                                   cute.make_tensor(g_out, cute.make_layout(8)))
+
+    @cute.jit
+    def _masked_score(self, x: Float32, kc, row_lane, t: Int32, tail, n_lo: Int32,
+                      n_pref: Int32, n_hi: Int32, hl: Int32, start: Int32, end: Int32,
+                      scale_log2: Float32, cap: Float32):
+        """Score ``x`` of key column ``kc`` of tile ``t`` for a row of lane ``row_lane``, in
+        base 2 (logit cap applied), or -inf where the row does not see the key (past the
+        prefix slice; in the tail, another lane's history or past it)."""
+        if cutlass.const_expr(self.use_cap):
+            # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            y = x * (scale_log2 / LOG2E) / cap
+            x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) * LOG2E
+        else:
+            x = x * scale_log2
+        vis = Boolean(False)
+        if tail:
+            idx = n_lo + (t - n_pref) * KEYS + kc
+            vis = (idx < n_hi) & (idx // hl == row_lane)
+        else:
+            vis = start + t * KEYS + kc < end
+        if not vis:
+            x = -Float32.inf
+        return x
+
+    @cute.jit
+    def _softmax_row(self, s_rows: cute.Tensor, r, n_cols, top, row_max: cute.Tensor,
+                     row_sum: cute.Tensor):
+        """The online softmax of this thread's row ``r`` of a tile whose row maximum is
+        ``top`` (with the running one): ``s_rows[r, :]`` becomes P, the running maximum and
+        sum move on; returns ``(alpha, moved)``, O's rescale factor and whether it is not 1."""
+        if cutlass.const_expr(self.trial):
+            # Keep the running maximum while the new one exceeds it by at most MAX_SLACK
+            # (base 2): P stays below 2^MAX_SLACK, and O and the row sum need no rescale.
+            # Exact: both use the same shift.
+            if top <= row_max[r] + MAX_SLACK:
+                top = row_max[r]
+        # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
+        use = top
+        if top == -Float32.inf:
+            use = Float32(0.0)
+        alpha = cute.arch.exp2(row_max[r] - use)
+        moved = Boolean(True)
+        if cutlass.const_expr(self.trial):
+            moved = top != row_max[r]
+        row_max[r] = top
+        part = Float32(0.0)
+        for c in cutlass.range_constexpr(n_cols):
+            p = cute.arch.exp2(s_rows[r, c] - use)
+            s_rows[r, c] = p
+            part += p
+        row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
+        return alpha, moved
+
+    @cute.jit
+    def _rescale_row(self, o_rows: cute.Tensor, r, alpha, moved):
+        """O's row ``r`` (this thread's columns) times ``alpha`` (``trial``: only if
+        ``moved``)."""
+        if cutlass.const_expr(self.trial):
+            if moved:
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    o_rows[r, c] = o_rows[r, c] * alpha
+        else:
+            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                o_rows[r, c] = o_rows[r, c] * alpha
+
+    @cute.jit
+    def _merge_row(self, lses: list, parts: list, row, to_mid: cutlass.Constexpr[bool],
+                   out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+                   q_start: Int32, group: Int32, chunk: Int32, s_ot: Int32, s_oh: Int32,
+                   s_mot: Int32, s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32):
+        """Columns ``[4 chunk, 4 chunk + 4)`` of query row ``row``, merged from the cluster's
+        partials (``lses``: their natural-log LSEs, ``parts``: their 4 values each) into
+        the output or, ``to_mid``, into this group's partial (and its LSE, by chunk 0)."""
+        top = lses[0]
+        for c in cutlass.range_constexpr(1, len(lses)):
+            top = cute.arch.fmax(top, lses[c])
+        if top == -Float32.inf:
+            top = Float32(0.0)
+        acc = [Float32(0.0)] * 4
+        wsum = Float32(0.0)
+        for c in cutlass.range_constexpr(len(lses)):
+            w = cute.arch.exp2((lses[c] - top) * LOG2E)
+            wsum += w
+            for j in cutlass.range_constexpr(4):
+                acc[j] = acc[j] + w * parts[c][j]
+        inv = Float32(0.0)
+        if wsum > 0.0:
+            inv = 1.0 / wsum
+        H = self.heads
+        if cutlass.const_expr(to_mid):
+            g = cute.make_tensor(_head_row(mid_o, q_start, row, H, s_mot, s_moh)
+                                 + (group * s_mop + chunk * 4), cute.make_layout(4))
+            for j in cutlass.range_constexpr(4):
+                g[j] = acc[j] * inv
+            if chunk == 0:
+                lse = -Float32.inf
+                if wsum > 0.0:
+                    lse = top + cute.math.log2(wsum) * LN2
+                self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh, lse)
+        else:
+            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh) + chunk * 4,
+                                 cute.make_layout(4))
+            for j in cutlass.range_constexpr(4):
+                g[j] = (acc[j] * inv).to(self.dtype)
 
     # -- the kernel -----------------------------------------------------------------------
 
@@ -393,20 +525,48 @@ class MlaDecodeKernel:
         sLse = alloc.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
 
         # Q rows (row m: lane m // H, head m % H); they go out with tile 0's copy group.
-        qrow = row_lo + key
-        q_dst = cute.local_tile(sQ, (1, WIDTH), (key, 0))
-        if qrow < n_rows:
-            self._copy_row(q_dst, _head_row(q, q_start, qrow, H, s_qt, s_qh), sub)
+        if cutlass.const_expr(not self.roles):
+            qrow = row_lo + key
+            q_dst = cute.local_tile(sQ, (1, WIDTH), (key, 0))
+            if qrow < n_rows:
+                self._copy_row(q_dst, _head_row(q, q_start, qrow, H, s_qt, s_qh), sub)
+            else:
+                self._zero_row(q_dst, sub)
+            src_args = (key, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl,
+                        q_start, b, step, num_steps, num_slots, s_par_s, s_par_b, total)
+            for i in cutlass.range_constexpr(self.stages - 1):
+                ok, new, slot, src_lane = self._key_source(Int32(i), *src_args)
+                self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                 ok, new, slot, src_lane)
+            # The sources of the next tile to issue (stages - 1), a tile ahead of its copies.
+            ok, new, slot, src_lane = self._key_source(Int32(self.stages - 1), *src_args)
         else:
-            self._zero_row(q_dst, sub)
-        src_args = (key, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl, q_start,
-                    b, step, num_steps, num_slots, s_par_s, s_par_b, total)
-        for i in cutlass.range_constexpr(self.stages - 1):
-            ok, new, slot, src_lane = self._key_source(Int32(i), *src_args)
-            self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, num_slots, ok,
-                             new, slot, src_lane)
-        # The sources of the next tile to issue (stages - 1), a tile ahead of its copies.
-        ok, new, slot, src_lane = self._key_source(Int32(self.stages - 1), *src_args)
+            # Roles: warpgroup 1 alone gathers Q and the key tiles (keys key_a and key_a + 32,
+            # a quarter each per thread), warpgroup 0 computes S.
+            key_a = wtid // 4
+            key_b = key_a + 32
+            args_a = (key_a, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl,
+                      q_start, b, step, num_steps, num_slots, s_par_s, s_par_b, total)
+            args_b = (key_b,) + args_a[1:]
+            ok_a, new_a, slot_a, lane_a = Boolean(False), Boolean(False), Int32(0), Int32(0)
+            ok_b, new_b, slot_b, lane_b = Boolean(False), Boolean(False), Int32(0), Int32(0)
+            if wg == 1:
+                for kq in (key_a, key_b):
+                    q_dst = cute.local_tile(sQ, (1, WIDTH), (kq, 0))
+                    if row_lo + kq < n_rows:
+                        self._copy_row(q_dst, _head_row(q, q_start, row_lo + kq, H, s_qt,
+                                                        s_qh), sub)
+                    else:
+                        self._zero_row(q_dst, sub)
+                ok_a, new_a, slot_a, lane_a = self._key_source(Int32(0), *args_a)
+                ok_b, new_b, slot_b, lane_b = self._key_source(Int32(0), *args_b)
+                self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                ok_a, new_a, slot_a, lane_a)
+                self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                ok_b, new_b, slot_b, lane_b)
+                cute.arch.cp_async_commit_group()
+                ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
+                ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
         if cutlass.const_expr(self.write_new):
             if split == 0:  # this call's keys into the pool, at hist[lane, step]
                 self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
@@ -435,98 +595,142 @@ class MlaDecodeKernel:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         lead = wtid % 4 == 0  # one thread of a quad writes a row's statistics
+        mask_args = (n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap)
 
-        for t in cutlass.range(total):
-            stage = t % self.stages
-            # Tile t has landed (this thread's copies; the barrier: everyone's).
-            cute.arch.cp_async_wait_group(self.stages - 2)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
-            # its stage with tile t + stages - 1 and look up the sources of the next one,
-            # once this tile's S chain is issued (the gather's ~200 instructions per warp
-            # then run while the tensor cores work).
-            refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
-            if cutlass.const_expr(self.diag in (1, 3)):
-                ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
-                                                       src_args)
-            if cutlass.const_expr(self.diag not in (1, 3)):
+        if cutlass.const_expr(self.roles):
+            # Warpgroup 0: S over the whole tile (wgmma N 64: Q and the tile read once), the
+            # softmax with whole rows (no maxima exchanged), P and each row's rescale factor
+            # to shared memory. Warpgroup 1: the gathers, a tile ahead. Then both: P.V into
+            # their output halves. Two barriers per tile.
+            mma_s64 = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K,
+                                                    OperandMajorMode.K, Float32, (1, 1, 1),
+                                                    (ROWS, KEYS))
+            thr_s64 = mma_s64.get_slice(wtid)
+            frag_q64 = thr_s64.make_fragment_A(thr_s64.partition_A(sQ))
+            c_s64 = thr_s64.partition_C(cute.make_identity_tensor((ROWS, KEYS)))
+            c_rows64 = cute.make_tensor(c_s64.iterator, _acc_rows(c_s64.layout))
+            p_dst64 = thr_s64.partition_C(sP)
+            n_cols64 = cute.size(c_rows64, mode=[1])
+            for t in cutlass.range(total):
+                stage = t % self.stages
                 tile = sK[None, None, stage]
                 tail = t >= n_pref
-                if tail:
-                    self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
+                if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
+                    cute.arch.cp_async_wait_group(0)
+                    if tail:
+                        for kq in (key_a, key_b):
+                            self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
-
-                acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
-                frag_k = thr_s.make_fragment_B(thr_s.partition_B(
-                    cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-                _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
-                ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
-                                                       src_args)
-                warpgroup.wait_group(0)
-
-                # Scores in base 2, masked; this warpgroup's row maxima.
-                s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                for r in cutlass.range_constexpr(n_my_rows):
-                    m = c_rows[r, 0][0]
-                    row_lane = (row_lo + m) // H
-                    top = -Float32.inf
-                    for c in cutlass.range_constexpr(n_my_cols):
-                        kc = wg * S_COLS + c_rows[r, c][1]
-                        x = s_rows[r, c]
-                        if cutlass.const_expr(self.use_cap):
-                            # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-                            y = x * (scale_log2 / LOG2E) / cap
-                            x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) \
-                                * LOG2E
-                        else:
-                            x = x * scale_log2
-                        vis = Boolean(False)
-                        if tail:
-                            idx = n_lo + (t - n_pref) * KEYS + kc
-                            vis = (idx < n_hi) & (idx // hl == row_lane)
-                        else:
-                            vis = start + t * KEYS + kc < end
-                        if not vis:
-                            x = -Float32.inf
-                        s_rows[r, c] = x
-                        top = cute.arch.fmax(top, x)
-                    top = _quad_reduce(top, cute.arch.fmax)
-                    if lead:
-                        sStat[m, wg] = top
+                # Tile t visible to all; both warpgroups done with tile t - 1, sP, sStat.
                 cute.arch.barrier()
-
-                # The online softmax over both halves' maxima; P to shared memory.
-                for r in cutlass.range_constexpr(n_my_rows):
-                    m = c_rows[r, 0][0]
-                    top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
-                    # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
-                    use = top
-                    if top == -Float32.inf:
-                        use = Float32(0.0)
-                    alpha = cute.arch.exp2(row_max[r] - use)
-                    row_max[r] = top
-                    part = Float32(0.0)
-                    for c in cutlass.range_constexpr(n_my_cols):
-                        p = cute.arch.exp2(s_rows[r, c] - use)
-                        s_rows[r, c] = p
-                        part += p
-                    row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
-                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        o_rows[r, c] = o_rows[r, c] * alpha
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p_dst[i] = acc_s[i].to(dt)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier()
-
-                # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
+                if wg == 1:
+                    nxt = (t + 1) % self.stages
+                    self._issue_row(nxt, sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                    ok_a, new_a, slot_a, lane_a)
+                    self._issue_row(nxt, sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                    ok_b, new_b, slot_b, lane_b)
+                    cute.arch.cp_async_commit_group()
+                    ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
+                    ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
+                else:
+                    acc_s = cute.make_rmem_tensor(thr_s64.partition_shape_C((ROWS, KEYS)),
+                                                  Float32)
+                    frag_k = thr_s64.make_fragment_B(thr_s64.partition_B(tile))
+                    _wgmma(mma_s64, acc_s, frag_q64, frag_k, True)
+                    s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        m = c_rows64[r, 0][0]
+                        row_lane = (row_lo + m) // H
+                        top = -Float32.inf
+                        for c in cutlass.range_constexpr(n_cols64):
+                            x = self._masked_score(s_rows[r, c], c_rows64[r, c][1], row_lane,
+                                                   t, tail, *mask_args)
+                            s_rows[r, c] = x
+                            top = cute.arch.fmax(top, x)
+                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+                        alpha, moved = self._softmax_row(s_rows, r, n_cols64, top, row_max,
+                                                         row_sum)
+                        if lead:
+                            sStat[m, 0] = alpha
+                        self._rescale_row(o_rows, r, alpha, moved)
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        p_dst64[i] = acc_s[i].to(dt)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()  # P(t) and the rescale factors visible
+                if wg == 1:
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        alpha = sStat[c_rows[r, 0][0], 0]
+                        self._rescale_row(o_rows, r, alpha, alpha != Float32(1.0))
                 v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
                 frag_v = thr_o.make_fragment_B(thr_o.partition_B(
                     cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
                 _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-            # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
-            # until both warpgroups are done with them.
+        else:
+            for t in cutlass.range(total):
+                stage = t % self.stages
+                # Tile t has landed (this thread's copies; the barrier: everyone's).
+                cute.arch.cp_async_wait_group(self.stages - 2)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
+                # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
+                # its stage with tile t + stages - 1 and look up the sources of the next one,
+                # once this tile's S chain is issued (the gather's ~200 instructions per warp
+                # then run while the tensor cores work).
+                refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
+                if cutlass.const_expr(self.diag in (1, 3)):
+                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
+                                                           src_args)
+                if cutlass.const_expr(self.diag not in (1, 3)):
+                    tile = sK[None, None, stage]
+                    tail = t >= n_pref
+                    if tail:
+                        self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier()
+
+                    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
+                    frag_k = thr_s.make_fragment_B(thr_s.partition_B(
+                        cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
+                    _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
+                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
+                                                           src_args)
+                    warpgroup.wait_group(0)
+
+                    # Scores in base 2, masked; this warpgroup's row maxima.
+                    s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        m = c_rows[r, 0][0]
+                        row_lane = (row_lo + m) // H
+                        top = -Float32.inf
+                        for c in cutlass.range_constexpr(n_my_cols):
+                            x = self._masked_score(s_rows[r, c], wg * S_COLS + c_rows[r, c][1],
+                                                   row_lane, t, tail, *mask_args)
+                            s_rows[r, c] = x
+                            top = cute.arch.fmax(top, x)
+                        top = _quad_reduce(top, cute.arch.fmax)
+                        if lead:
+                            sStat[m, wg] = top
+                    cute.arch.barrier()
+
+                    # The online softmax over both halves' maxima; P to shared memory.
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        m = c_rows[r, 0][0]
+                        top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
+                        alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
+                                                         row_sum)
+                        self._rescale_row(o_rows, r, alpha, moved)
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        p_dst[i] = acc_s[i].to(dt)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+
+                    # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
+                    v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+                    frag_v = thr_o.make_fragment_B(thr_o.partition_B(
+                        cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
+                    _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+                # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
+                # until both warpgroups are done with them.
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
@@ -579,45 +783,35 @@ class MlaDecodeKernel:
                 C = self.cluster
                 chunk = tidx % (D_MAIN // 4)
                 half = tidx // (D_MAIN // 4)
-                for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
-                    m = rank + C * (2 * k + half)
-                    if (m < ROWS) & (row_lo + m < n_rows):
-                        lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, s))
-                                for s in range(C)]
-                        parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                            sO.iterator + (m * O_PITCH + chunk * 4), s)) for s in range(C)]
-                        top = lses[0]
-                        for s in cutlass.range_constexpr(1, C):
-                            top = cute.arch.fmax(top, lses[s])
-                        if top == -Float32.inf:
-                            top = Float32(0.0)
-                        acc = [Float32(0.0)] * 4
-                        wsum = Float32(0.0)
-                        for s in cutlass.range_constexpr(C):
-                            w = cute.arch.exp2((lses[s] - top) * LOG2E)
-                            wsum += w
-                            for j in cutlass.range_constexpr(4):
-                                acc[j] = acc[j] + w * parts[s][j]
-                        inv = Float32(0.0)
-                        if wsum > 0.0:
-                            inv = 1.0 / wsum
-                        row = row_lo + m
-                        if cutlass.const_expr(to_mid):
-                            g = cute.make_tensor(
-                                _head_row(mid_o, q_start, row, H, s_mot, s_moh)
-                                + (group * s_mop + chunk * 4), cute.make_layout(4))
-                            for j in cutlass.range_constexpr(4):
-                                g[j] = acc[j] * inv
-                            if chunk == 0:
-                                lse = -Float32.inf
-                                if wsum > 0.0:
-                                    lse = top + cute.math.log2(wsum) * LN2
-                                self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
-                                                lse)
-                        else:
-                            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                                 + chunk * 4, cute.make_layout(4))
-                            for j in cutlass.range_constexpr(4):
-                                g[j] = (acc[j] * inv).to(dt)
+                dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
+                       s_mop, s_mlt, s_mlh)
+                n_iter = (ROWS + 2 * C - 1) // (2 * C)
+                if cutlass.const_expr(self.trial):
+                    # Loads of MERGE_BATCH rows' partials issued together: one distributed
+                    # shared memory round trip per batch instead of one per row.
+                    for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
+                        ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
+                        rows = [rank + C * (2 * k + half) for k in ks]
+                        # Past the tile's last row: load row 0 (in bounds), store nothing.
+                        at = [cutlass.min(m, ROWS - 1) for m in rows]
+                        lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
+                                 for c in range(C)] for a in at]
+                        parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                            sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
+                            for a in at]
+                        for i in cutlass.range_constexpr(len(rows)):
+                            if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
+                                self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
+                                                *dst)
+                else:
+                    for k in cutlass.range_constexpr(n_iter):
+                        m = rank + C * (2 * k + half)
+                        if (m < ROWS) & (row_lo + m < n_rows):
+                            lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m,
+                                                                            c))
+                                    for c in range(C)]
+                            parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                                sO.iterator + (m * O_PITCH + chunk * 4), c)) for c in range(C)]
+                            self._merge_row(lses, parts, row_lo + m, to_mid, *dst)
                 cute.arch.cluster_arrive()  # the others may still read this CTA's partial
                 cute.arch.cluster_wait()
