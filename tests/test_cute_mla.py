@@ -51,11 +51,6 @@ def test_config_label_and_rules():
         with pytest.raises(InvalidInputError) as info:
             KernelConfig(**{**base, **bad})
         assert info.value.argument.startswith("config."), info.value
-    trial = kernel_config(CUTE + " trial roles")
-    assert trial.cute_trial and trial.cute_roles and trial.label() == CUTE + " trial roles"
-    for flag in ("cute_trial", "cute_roles"):
-        with pytest.raises(InvalidInputError, match="config.cute_trial"):
-            KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, **{flag: True})
 
 
 def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():

@@ -8,7 +8,7 @@ int64 parents; bf16 H16 path mode, a cluster of 8, int64 tables; bf16 H16 lane m
 clusters of 2 (partials merged by a second launch); fp16 H16 lane mode, 4 clusters of 1.
 
     PYTHONPATH=/tmp/cute-site/nvidia_cutlass_dsl/dsl_packages:/tmp/cute-site \\
-        /tmp/cute-venv/bin/python tools/cute_ptx_hashes.py [--trial] [--roles]
+        /tmp/cute-venv/bin/python tools/cute_ptx_hashes.py
 
 (The CuTe-DSL setup is in ``tools/cute_cluster_probe.py``; this one also needs torch in that
 environment.) The H200-verified versions: ``cute-notes.md`` of each session.
@@ -34,9 +34,7 @@ def main() -> int:
     from specattn.backends.triton import cute_mla
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trial", action="store_true", help="the next version on trial")
-    ap.add_argument("--roles", action="store_true", help="the warpgroup-roles version on trial")
-    args = ap.parse_args()
+    ap.parse_args()
     variants = [(torch.bfloat16, 16, False, False, 3, 1, torch.int32, torch.int32),
                 (torch.float16, 128, True, True, 1, 1, torch.int32, torch.int64),
                 (torch.bfloat16, 16, True, False, 8, 1, torch.int64, torch.int64),
@@ -45,8 +43,7 @@ def main() -> int:
     hashes = []
     for dtype, heads, path, cap, cluster, groups, r2t, parent in variants:
         compiled = cute_mla._compiled(dtype, heads, path, cap, True, cluster, groups, r2t,
-                                      parent, trial=args.trial, roles=args.roles,
-                                      options="--keep-ptx")
+                                      parent, options="--keep-ptx")
         hashes.append(hashlib.sha1(compiled.__ptx__.encode()).hexdigest()[:12])
     print(" ".join(hashes))
     return 0

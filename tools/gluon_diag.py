@@ -13,8 +13,7 @@ layers rotated past L2):
   its own partial to the output as a cluster of one does (no on-chip merge, no cluster
   barrier): ``full`` minus this is what the merge on chip costs. (Until session 11 this
   mode dropped the stores altogether; the compiler then dropped most of ``P.V`` too, so its
-  figure was not the merge's cost.) The CuTe kernel's ``roles`` version is timed ``full``
-  and ``no tiles`` only.
+  figure was not the merge's cost.)
 
 If ``full`` is near ``copies``, the gathers set the tile time; if near ``math``, the MMA and
 softmax chain does; if above both, the two do not overlap. DIAG runs give wrong outputs by
@@ -89,8 +88,6 @@ def _diag_row(name, case, setup, cfg, clock) -> None:
     times = {}
     for mode, diag in MODES.items():
         if mode in CUTE_ONLY and not cfg.cute:
-            continue
-        if cfg.cute_roles and diag not in (0, 4):  # the roles version times these two
             continue
         kernel.attention = functools.partial(real, diag=diag)
         try:

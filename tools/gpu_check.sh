@@ -294,28 +294,27 @@ cute_probe() {
   check
 }
 
-# The CuTe kernel's versions on trial in one call (after `fa4-first`; carry .gpu/flashinfer
-# .gpu/fa4 .gpu/install.sh): their GPU tests (Gluon suite variants cute-trial and cute-roles,
-# every cluster shape) beside a soak with `trial roles`; then, whatever the tests said, the MLA
-# bench of cute, cute trial and cute trial roles beside the default and FlashInfer
-# (GLUON_CASES), and tools/gluon_diag.py at two prefix lengths (the fixed cost per call and
-# the time per tile).
-cute_trial() {
+# A CuTe kernel change checked in one short call (after `fa4-first`; carry .gpu/flashinfer
+# .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's `cute` variant, every cluster
+# shape, the kit with its config) beside a soak; then, whatever the tests said, the MLA bench
+# of the kernel beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS: more
+# variants, as GLUON_OPTIONS), and tools/gluon_diag.py at two prefix lengths (the fixed cost
+# per call and the time per tile).
+cute_quick() {
   vendor_libs
-  local t="python -m pytest -v -p no:cacheprovider -rfE" trial="$CUTE_CONFIG trial"
-  job gpu-tests-cute-trial "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS=cute-trial,cute-roles \
-    $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
-    -k "not stress and not base and not kit" &
-  job soak-triton-roles "${GATE_S:-200}" $SOAK --backend triton --seed 700000 --rounds 40000 \
-    --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
-    --option "triton:config=$trial roles" &
+  local t="python -m pytest -v -p no:cacheprovider -rfE"
+  job gpu-tests-cute "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS=cute $t -n 3 --timeout 240 \
+    tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress" &
+  job soak-triton-cute "${GATE_S:-200}" $SOAK --backend triton --seed 800000 --rounds 40000 \
+    --max-seconds "${SOAK_SECONDS:-60}" --workers 2 --same-config 50 \
+    --option "triton:config=$CUTE_CONFIG" &
   wait
-  GLUON_OPTIONS="$CUTE_CONFIG;$trial;$trial roles" \
+  GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" \
     GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-small mla-wide}" \
     job cute-bench "${GLUON_BENCH_S:-200}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
   job cute-diag "${CUTE_DIAG_S:-120}" python tools/gluon_diag.py --case mla-long \
-    --prefix 1024 4096 --config "$CUTE_CONFIG" "$trial roles"
+    --prefix 1024 4096 --config "$CUTE_CONFIG"
   check
 }
 
@@ -345,8 +344,8 @@ case "${1:-}" in
   gluon-first) gluon_first ;;
   cute-probe) cute_probe ;;
   cute-ncu) cute_ncu ;;
-  cute-trial) cute_trial ;;
+  cute-quick) cute_quick ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-trial" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick" >&2; exit 2 ;;
 esac
 exit $status

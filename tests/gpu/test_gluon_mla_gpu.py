@@ -45,10 +45,6 @@ def _variants():
         "n32s4-ws": "m64 n32 w8 s4 kv-first gluon pf ws",
         # The CuTe-DSL kernel (cute_mla): the splits of a request merged on chip (opt-in).
         "cute": "m64 n64 w8 s2 kv-first gluon cute",
-        # Its next versions on trial: the lazy rescale and batched merge loads (trial), and
-        # with them the warpgroup roles (one computes S at N 64, the other gathers).
-        "cute-trial": "m64 n64 w8 s2 kv-first gluon cute trial",
-        "cute-roles": "m64 n64 w8 s2 kv-first gluon cute trial roles",
     }
     every = {name: label and kernel_config(label) for name, label in every.items()}
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")
@@ -207,8 +203,8 @@ def _stress_batches():
 
 
 @pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3", "cute", "cute-trial",
-                                                "cute-roles") if v in VARIANT_NAMES])
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3", "cute")
+                                     if v in VARIANT_NAMES])
 def test_random_stress_100_batches(variant, chunk):
     """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default (the work
     list at H 16 but K 8, the split per request otherwise) and the split per request

@@ -1,5 +1,6 @@
-"""The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): the Gluon kernel's tile loop
-with the prefix splits of a request in one thread-block cluster, merged on chip. Run only
+"""The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): a key-tile loop with one
+warpgroup on S and the softmax and the other on the gathers, the prefix splits of a
+request in thread-block clusters, merged on chip. Run only
 through ``cute_mla`` (which checks for CuTe-DSL first and documents the algorithm);
 ``tools/cute_mla_tile_probe.py`` builds its probe from this module's helpers.
 
@@ -10,8 +11,8 @@ Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared
   CTA's normalised fp32 partial ``[64, 512]`` (row pitch ``O_PITCH``), which the other CTAs
   of the cluster read through distributed shared memory;
 - ``sP``: the tile's probabilities ``[64, 64]`` (wgmma's A operand for ``P.V``);
-- ``sStat``: per row the two warpgroups' maxima and sums; ``sLse``: per row the partial's
-  natural-log LSE.
+- ``sStat``: per row the tile's rescale factor for O (from warpgroup 0 to 1) and, after the
+  loop, the softmax sum; ``sLse``: per row the partial's natural-log LSE.
 """
 
 from __future__ import annotations
@@ -40,11 +41,8 @@ WIDTH = 576  # latent + rope
 PIECES = WIDTH // 8  # 16-byte pieces per row
 META_W = 5  # int32 words per request in the metadata table (``_attn_kernels.META_W``)
 THREADS = 256  # two consumer warpgroups
-S_COLS = KEYS // 2  # S columns per warpgroup
 V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
-MAX_SLACK = 8.0  # (trial) base-2 growth of a row maximum absorbed without a rescale
-MERGE_BATCH = 4  # (trial) rows per thread whose partials the on-chip merge loads at once
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -52,7 +50,7 @@ TILE_BYTES = ROWS * WIDTH * 2
 
 def smem_bytes(stages: int) -> int:
     """Dynamic shared memory of one CTA (allocations in order, 1024-byte aligned)."""
-    return TILE_BYTES * (1 + stages) + ROWS * KEYS * 2 + ROWS * 4 * 4 + ROWS * 4 + 1024
+    return TILE_BYTES * (1 + stages) + ROWS * KEYS * 2 + ROWS * 2 * 4 + ROWS * 4 + 1024
 
 
 def _swizzled(dtype, rows: int, cols: int, stages: int = 0):
@@ -105,13 +103,20 @@ def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
 
 @cute.jit
 def _row_sum_and_inverse(sStat: cute.Tensor, m):
-    """Row ``m``'s softmax sum over both warpgroups' columns (``sStat[m, 2:4]``) and its
-    inverse (0 for a row that saw no key)."""
-    total = sStat[m, 2] + sStat[m, 3]
+    """Row ``m``'s softmax sum (``sStat[m, 1]``) and its inverse (0 for a row that saw no
+    key)."""
+    total = sStat[m, 1]
     inv = Float32(0.0)
     if total > 0.0:
         inv = 1.0 / total
     return total, inv
+
+
+@cute.jit
+def _rescale_row(o_rows: cute.Tensor, r, alpha):
+    """This thread's columns of O's row ``r`` times ``alpha``."""
+    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+        o_rows[r, c] = o_rows[r, c] * alpha
 
 
 @cute.jit
@@ -158,23 +163,24 @@ class MlaDecodeKernel:
     wrong results; ``tools/gluon_diag.py``): 1 the copies and their waits without the math,
     2 the math without copies after the prologue, 3 as 1 without the epilogue (no stores,
     no merge), 4 no key tiles, 5 no merge on chip (each CTA writes its own partial to the
-    output, as a cluster of one does). On trial (not yet run on a GPU), ``trial``: O and
-    the row sums are rescaled only when a row's maximum grows by more than ``MAX_SLACK``
-    (base 2; the 128 multiplies per thread and tile are skipped otherwise), and the on-chip
-    merge loads ``MERGE_BATCH`` rows' partials at once; ``roles``: warpgroup 0 computes S
-    over the whole tile (wgmma N 64: Q and the tile read from shared memory once, not
-    twice; whole rows, so no maxima are exchanged) and the softmax, warpgroup 1 alone
-    gathers the key tiles, both add ``P.V`` into their output halves (two barriers per tile
-    instead of three).
-    (Tried and dropped, not run: leaving a tile's ``P.V`` running into the next tile,
-    behind its S chain. ptxas serializes the wgmma then (C7514: "non wgmma instructions
-    reading accumulator registers of a wgmma between start and end of the pipeline
-    stage"). Overlapping ``P.V`` with the next S inside one iteration instead needs a third
-    72 KB stage, which does not fit beside Q.)"""
+    output, as a cluster of one does).
+
+    The warpgroups' roles (v6, session 11): warpgroup 0 computes S over the whole key tile
+    (wgmma N 64: Q and the tile read from shared memory once, where two warpgroups at N 32
+    read Q twice; whole rows, so no row maxima are exchanged) and the softmax; warpgroup 1
+    alone gathers the key tiles, a tile ahead; both add ``P.V`` into their output halves.
+    Two barriers per tile.
+
+    Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
+    behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
+    reading accumulator registers of a wgmma between start and end of the pipeline stage"),
+    and overlapping ``P.V`` with the next S inside one iteration needs a third 72 KB stage,
+    which does not fit beside Q. Rescaling O only when a row maximum grows past a slack,
+    and loading 4 rows' partials at once in the merge, measured 1-5% slower on the H200."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, trial: bool = False, roles: bool = False):
+                 diag: int = 0):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -186,10 +192,6 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
-        self.trial = trial
-        self.roles = roles
-        if roles and diag not in (0, 4):
-            raise ValueError("the roles variant times only diag 0 and 4")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -308,32 +310,6 @@ class MlaDecodeKernel:
             self._zero_row(row, sub)
 
     @cute.jit
-    def _issue_tile(self, stage: Int32, sK: cute.Tensor, key: Int32, sub: Int32,
-                    kv: cute.Pointer, k_new: cute.Pointer, s_kv: Int32, s_kin: Int32,
-                    num_slots: Int32, ok: Boolean, new: Boolean, slot: Int32,
-                    src_lane: Int32):
-        """Start the gather of a key tile into ring stage ``stage`` (one commit group): thread
-        ``4 key + sub`` copies a quarter of key ``key`` (``_issue_row``)."""
-        self._issue_row(stage, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots, ok, new, slot,
-                        src_lane)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def _refill(self, t: Int32, sK: cute.Tensor, key: Int32, sub: Int32, kv: cute.Pointer,
-                k_new: cute.Pointer, s_kv: Int32, s_kin: Int32, num_slots: Int32,
-                ok: Boolean, new: Boolean, slot: Int32, src_lane: Int32, src_args: tuple):
-        """In tile ``t``'s step: the gather of tile ``t + stages - 1`` into the stage tile
-        ``t - 1`` used (from the sources looked up a step earlier), then the lookup of tile
-        ``t + stages``'s sources; returns them (``diag`` 2: no copies, an empty group)."""
-        if cutlass.const_expr(self.diag == 2):
-            cute.arch.cp_async_commit_group()  # the math alone: no more copies
-        else:
-            self._issue_tile((t + self.stages - 1) % self.stages, sK, key, sub, kv, k_new,
-                             s_kv, s_kin, num_slots, ok, new, slot, src_lane)
-            ok, new, slot, src_lane = self._key_source(t + self.stages, *src_args)
-        return ok, new, slot, src_lane
-
-    @cute.jit
     def _store_lse(self, mid_lse: cute.Pointer, q_start: Int32, row, group: Int32,
                    s_mlt: Int32, s_mlh: Int32, lse: Float32):
         """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``)."""
@@ -386,23 +362,14 @@ class MlaDecodeKernel:
     @cute.jit
     def _softmax_row(self, s_rows: cute.Tensor, r, n_cols, top, row_max: cute.Tensor,
                      row_sum: cute.Tensor):
-        """The online softmax of this thread's row ``r`` of a tile whose row maximum is
-        ``top`` (with the running one): ``s_rows[r, :]`` becomes P, the running maximum and
-        sum move on; returns ``(alpha, moved)``, O's rescale factor and whether it is not 1."""
-        if cutlass.const_expr(self.trial):
-            # Keep the running maximum while the new one exceeds it by at most MAX_SLACK
-            # (base 2): P stays below 2^MAX_SLACK, and O and the row sum need no rescale.
-            # Exact: both use the same shift.
-            if top <= row_max[r] + MAX_SLACK:
-                top = row_max[r]
+        """The online softmax of this thread's row ``r`` of a tile, ``top`` its new running
+        maximum: ``s_rows[r, :]`` becomes P, the running maximum and sum move on; returns
+        ``alpha``, the factor that rescales O's row."""
         # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
         use = top
         if top == -Float32.inf:
             use = Float32(0.0)
         alpha = cute.arch.exp2(row_max[r] - use)
-        moved = Boolean(True)
-        if cutlass.const_expr(self.trial):
-            moved = top != row_max[r]
         row_max[r] = top
         part = Float32(0.0)
         for c in cutlass.range_constexpr(n_cols):
@@ -410,19 +377,7 @@ class MlaDecodeKernel:
             s_rows[r, c] = p
             part += p
         row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
-        return alpha, moved
-
-    @cute.jit
-    def _rescale_row(self, o_rows: cute.Tensor, r, alpha, moved):
-        """O's row ``r`` (this thread's columns) times ``alpha`` (``trial``: only if
-        ``moved``)."""
-        if cutlass.const_expr(self.trial):
-            if moved:
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    o_rows[r, c] = o_rows[r, c] * alpha
-        else:
-            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                o_rows[r, c] = o_rows[r, c] * alpha
+        return alpha
 
     @cute.jit
     def _merge_row(self, lses: list, parts: list, row, to_mid: cutlass.Constexpr[bool],
@@ -487,8 +442,6 @@ class MlaDecodeKernel:
         group = split // self.cluster
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wtid = tidx % 128
-        key = tidx // 4  # the key (or query) row this thread gathers a quarter of
-        sub = tidx % 4
 
         m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
@@ -521,60 +474,47 @@ class MlaDecodeKernel:
         ring = alloc.allocate(TILE_BYTES * self.stages, 1024)
         sK = cute.make_tensor(cute.recast_ptr(ring, lay_ring.inner, dtype=dt), lay_ring.outer)
         sP = alloc.allocate_tensor(dt, lay_p.outer, 1024, swizzle=lay_p.inner)
-        sStat = alloc.allocate_tensor(Float32, cute.make_layout((ROWS, 4)), 16)
+        sStat = alloc.allocate_tensor(Float32, cute.make_layout((ROWS, 2)), 16)
         sLse = alloc.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
 
-        # Q rows (row m: lane m // H, head m % H); they go out with tile 0's copy group.
-        if cutlass.const_expr(not self.roles):
-            qrow = row_lo + key
-            q_dst = cute.local_tile(sQ, (1, WIDTH), (key, 0))
-            if qrow < n_rows:
-                self._copy_row(q_dst, _head_row(q, q_start, qrow, H, s_qt, s_qh), sub)
-            else:
-                self._zero_row(q_dst, sub)
-            src_args = (key, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl,
-                        q_start, b, step, num_steps, num_slots, s_par_s, s_par_b, total)
-            for i in cutlass.range_constexpr(self.stages - 1):
-                ok, new, slot, src_lane = self._key_source(Int32(i), *src_args)
-                self._issue_tile(Int32(i), sK, key, sub, kv, k_new, s_kv, s_kin, num_slots,
-                                 ok, new, slot, src_lane)
-            # The sources of the next tile to issue (stages - 1), a tile ahead of its copies.
-            ok, new, slot, src_lane = self._key_source(Int32(self.stages - 1), *src_args)
-        else:
-            # Roles: warpgroup 1 alone gathers Q and the key tiles (keys key_a and key_a + 32,
-            # a quarter each per thread), warpgroup 0 computes S.
-            key_a = wtid // 4
-            key_b = key_a + 32
-            args_a = (key_a, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl,
-                      q_start, b, step, num_steps, num_slots, s_par_s, s_par_b, total)
-            args_b = (key_b,) + args_a[1:]
-            ok_a, new_a, slot_a, lane_a = Boolean(False), Boolean(False), Int32(0), Int32(0)
-            ok_b, new_b, slot_b, lane_b = Boolean(False), Boolean(False), Int32(0), Int32(0)
-            if wg == 1:
-                for kq in (key_a, key_b):
-                    q_dst = cute.local_tile(sQ, (1, WIDTH), (kq, 0))
-                    if row_lo + kq < n_rows:
-                        self._copy_row(q_dst, _head_row(q, q_start, row_lo + kq, H, s_qt,
-                                                        s_qh), sub)
-                    else:
-                        self._zero_row(q_dst, sub)
-                ok_a, new_a, slot_a, lane_a = self._key_source(Int32(0), *args_a)
-                ok_b, new_b, slot_b, lane_b = self._key_source(Int32(0), *args_b)
-                self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
-                                ok_a, new_a, slot_a, lane_a)
-                self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
-                                ok_b, new_b, slot_b, lane_b)
-                cute.arch.cp_async_commit_group()
-                ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
-                ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
+        # Warpgroup 1 alone gathers Q (row m: lane m // H, head m % H, with tile 0's copy
+        # group) and the key tiles, a tile ahead: thread wtid copies quarter ``sub`` of keys
+        # ``key_a`` and ``key_a + 32``.
+        key_a = wtid // 4
+        key_b = key_a + 32
+        sub = wtid % 4
+        args_a = (key_a, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl, q_start,
+                  b, step, num_steps, num_slots, s_par_s, s_par_b, total)
+        args_b = (key_b,) + args_a[1:]
+        ok_a, new_a, slot_a, lane_a = Boolean(False), Boolean(False), Int32(0), Int32(0)
+        ok_b, new_b, slot_b, lane_b = Boolean(False), Boolean(False), Int32(0), Int32(0)
+        if wg == 1:
+            for kq in (key_a, key_b):
+                q_dst = cute.local_tile(sQ, (1, WIDTH), (kq, 0))
+                if row_lo + kq < n_rows:
+                    self._copy_row(q_dst, _head_row(q, q_start, row_lo + kq, H, s_qt, s_qh),
+                                   sub)
+                else:
+                    self._zero_row(q_dst, sub)
+            ok_a, new_a, slot_a, lane_a = self._key_source(Int32(0), *args_a)
+            ok_b, new_b, slot_b, lane_b = self._key_source(Int32(0), *args_b)
+            self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots, ok_a,
+                            new_a, slot_a, lane_a)
+            self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots, ok_b,
+                            new_b, slot_b, lane_b)
+            cute.arch.cp_async_commit_group()
+            # The sources of tile 1, a tile ahead of its copies.
+            ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
+            ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
         if cutlass.const_expr(self.write_new):
             if split == 0:  # this call's keys into the pool, at hist[lane, step]
                 self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
                                      num_steps, num_slots, s_kv, s_kin)
 
-        # The two warpgroups: S columns [32 wg, 32 wg + 32), output columns [256 wg, +256).
+        # Warpgroup 0: S over the whole tile (wgmma N 64: Q and the tile read from shared
+        # memory once) and the softmax over whole rows. Both: output columns [256 wg, +256).
         mma_s = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K,
-                                              Float32, (1, 1, 1), (ROWS, S_COLS))
+                                              Float32, (1, 1, 1), (ROWS, KEYS))
         mma_o = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN,
                                               Float32, (1, 1, 1), (ROWS, V_HALF))
         thr_s = mma_s.get_slice(wtid)
@@ -584,10 +524,11 @@ class MlaDecodeKernel:
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, V_HALF)), Float32)
         acc_o.fill(0.0)
         o_rows = cute.make_tensor(acc_o.iterator, _acc_rows(acc_o.layout))
-        # (row, column) of each of this thread's S elements, and its P destination.
-        c_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, S_COLS)))
+        # (row, column) of each of this thread's S elements (its rows are its O rows in
+        # either warpgroup), and its P destination.
+        c_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, KEYS)))
         c_rows = cute.make_tensor(c_s.iterator, _acc_rows(c_s.layout))
-        p_dst = thr_s.partition_C(cute.local_tile(sP, (ROWS, S_COLS), (0, wg)))
+        p_dst = thr_s.partition_C(sP)
         n_my_rows = cute.size(c_rows, mode=[0])
         n_my_cols = cute.size(c_rows, mode=[1])
         row_max = cute.make_rmem_tensor(n_my_rows, Float32)
@@ -596,34 +537,24 @@ class MlaDecodeKernel:
         row_sum.fill(0.0)
         lead = wtid % 4 == 0  # one thread of a quad writes a row's statistics
         mask_args = (n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap)
+        math = self.diag not in (1, 3)
 
-        if cutlass.const_expr(self.roles):
-            # Warpgroup 0: S over the whole tile (wgmma N 64: Q and the tile read once), the
-            # softmax with whole rows (no maxima exchanged), P and each row's rescale factor
-            # to shared memory. Warpgroup 1: the gathers, a tile ahead. Then both: P.V into
-            # their output halves. Two barriers per tile.
-            mma_s64 = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K,
-                                                    OperandMajorMode.K, Float32, (1, 1, 1),
-                                                    (ROWS, KEYS))
-            thr_s64 = mma_s64.get_slice(wtid)
-            frag_q64 = thr_s64.make_fragment_A(thr_s64.partition_A(sQ))
-            c_s64 = thr_s64.partition_C(cute.make_identity_tensor((ROWS, KEYS)))
-            c_rows64 = cute.make_tensor(c_s64.iterator, _acc_rows(c_s64.layout))
-            p_dst64 = thr_s64.partition_C(sP)
-            n_cols64 = cute.size(c_rows64, mode=[1])
-            for t in cutlass.range(total):
-                stage = t % self.stages
-                tile = sK[None, None, stage]
-                tail = t >= n_pref
-                if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
-                    cute.arch.cp_async_wait_group(0)
-                    if tail:
-                        for kq in (key_a, key_b):
-                            self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                # Tile t visible to all; both warpgroups done with tile t - 1, sP, sStat.
-                cute.arch.barrier()
-                if wg == 1:
+        for t in cutlass.range(total):
+            stage = t % self.stages
+            tile = sK[None, None, stage]
+            tail = t >= n_pref
+            if wg == 1:  # tile t has landed (this thread's copies); a tail tile cleaned
+                cute.arch.cp_async_wait_group(0)
+                if tail:
+                    for kq in (key_a, key_b):
+                        self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
+                cute.arch.fence_proxy("async.shared", space="cta")
+            # Tile t visible to all; both warpgroups done with tile t - 1, sP and sStat.
+            cute.arch.barrier()
+            if wg == 1:  # tile t + 1 into the stage tile t - 1 used
+                if cutlass.const_expr(self.diag == 2):
+                    cute.arch.cp_async_commit_group()  # the math alone: no more copies
+                else:
                     nxt = (t + 1) % self.stages
                     self._issue_row(nxt, sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
                                     ok_a, new_a, slot_a, lane_a)
@@ -632,113 +563,52 @@ class MlaDecodeKernel:
                     cute.arch.cp_async_commit_group()
                     ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
                     ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
-                else:
-                    acc_s = cute.make_rmem_tensor(thr_s64.partition_shape_C((ROWS, KEYS)),
+            else:
+                if cutlass.const_expr(math):
+                    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)),
                                                   Float32)
-                    frag_k = thr_s64.make_fragment_B(thr_s64.partition_B(tile))
-                    _wgmma(mma_s64, acc_s, frag_q64, frag_k, True)
-                    s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        m = c_rows64[r, 0][0]
-                        row_lane = (row_lo + m) // H
-                        top = -Float32.inf
-                        for c in cutlass.range_constexpr(n_cols64):
-                            x = self._masked_score(s_rows[r, c], c_rows64[r, c][1], row_lane,
-                                                   t, tail, *mask_args)
-                            s_rows[r, c] = x
-                            top = cute.arch.fmax(top, x)
-                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
-                        alpha, moved = self._softmax_row(s_rows, r, n_cols64, top, row_max,
-                                                         row_sum)
-                        if lead:
-                            sStat[m, 0] = alpha
-                        self._rescale_row(o_rows, r, alpha, moved)
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        p_dst64[i] = acc_s[i].to(dt)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier()  # P(t) and the rescale factors visible
-                if wg == 1:
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        alpha = sStat[c_rows[r, 0][0], 0]
-                        self._rescale_row(o_rows, r, alpha, alpha != Float32(1.0))
-                v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
-                frag_v = thr_o.make_fragment_B(thr_o.partition_B(
-                    cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-                _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-        else:
-            for t in cutlass.range(total):
-                stage = t % self.stages
-                # Tile t has landed (this thread's copies; the barrier: everyone's).
-                cute.arch.cp_async_wait_group(self.stages - 2)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier()
-                # Past that barrier every warp is done with tile t - 1 (its P.V waited): refill
-                # its stage with tile t + stages - 1 and look up the sources of the next one,
-                # once this tile's S chain is issued (the gather's ~200 instructions per warp
-                # then run while the tensor cores work).
-                refill = (t, sK, key, sub, kv, k_new, s_kv, s_kin, num_slots)
-                if cutlass.const_expr(self.diag in (1, 3)):
-                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
-                                                           src_args)
-                if cutlass.const_expr(self.diag not in (1, 3)):
-                    tile = sK[None, None, stage]
-                    tail = t >= n_pref
-                    if tail:
-                        self._finite_row(cute.local_tile(tile, (1, WIDTH), (key, 0)), sub)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.barrier()
-
-                    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, S_COLS)), Float32)
-                    frag_k = thr_s.make_fragment_B(thr_s.partition_B(
-                        cute.local_tile(tile, (S_COLS, WIDTH), (wg, 0))))
-                    _wgmma_issue(mma_s, acc_s, frag_q, frag_k, True)
-                    ok, new, slot, src_lane = self._refill(*refill, ok, new, slot, src_lane,
-                                                           src_args)
-                    warpgroup.wait_group(0)
-
-                    # Scores in base 2, masked; this warpgroup's row maxima.
+                    frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
+                    _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+                    # Scores in base 2, masked; the online softmax; each row's rescale factor
+                    # to sStat for warpgroup 1; P to shared memory.
                     s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
                     for r in cutlass.range_constexpr(n_my_rows):
                         m = c_rows[r, 0][0]
                         row_lane = (row_lo + m) // H
                         top = -Float32.inf
                         for c in cutlass.range_constexpr(n_my_cols):
-                            x = self._masked_score(s_rows[r, c], wg * S_COLS + c_rows[r, c][1],
-                                                   row_lane, t, tail, *mask_args)
+                            x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane, t,
+                                                   tail, *mask_args)
                             s_rows[r, c] = x
                             top = cute.arch.fmax(top, x)
-                        top = _quad_reduce(top, cute.arch.fmax)
+                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+                        alpha = self._softmax_row(s_rows, r, n_my_cols, top, row_max, row_sum)
                         if lead:
-                            sStat[m, wg] = top
-                    cute.arch.barrier()
-
-                    # The online softmax over both halves' maxima; P to shared memory.
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        m = c_rows[r, 0][0]
-                        top = cute.arch.fmax(row_max[r], cute.arch.fmax(sStat[m, 0], sStat[m, 1]))
-                        alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
-                                                         row_sum)
-                        self._rescale_row(o_rows, r, alpha, moved)
+                            sStat[m, 0] = alpha
+                        _rescale_row(o_rows, r, alpha)
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         p_dst[i] = acc_s[i].to(dt)
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
-
-                    # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
-                    v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
-                    frag_v = thr_o.make_fragment_B(thr_o.partition_B(
-                        cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-                    _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-                # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
-                # until both warpgroups are done with them.
+            cute.arch.barrier()  # P(t) and the rescale factors visible
+            if cutlass.const_expr(math):
+                if wg == 1:
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        _rescale_row(o_rows, r, sStat[c_rows[r, 0][0], 0])
+                # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
+                v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+                frag_v = thr_o.make_fragment_B(thr_o.partition_B(
+                    cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
+                _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
+            # until both warpgroups are done with them.
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if cutlass.const_expr(self.diag != 3):  # 3: no stores, no merge
-            # Row sums over both halves.
+            # Row sums (warpgroup 0 keeps the softmax statistics) for both warpgroups.
             for r in cutlass.range_constexpr(n_my_rows):
-                if lead:
-                    sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
+                if lead & (wg == 0):
+                    sStat[c_rows[r, 0][0], 1] = row_sum[r]
             cute.arch.barrier()
             c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
             c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
@@ -785,33 +655,13 @@ class MlaDecodeKernel:
                 half = tidx // (D_MAIN // 4)
                 dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
                        s_mop, s_mlt, s_mlh)
-                n_iter = (ROWS + 2 * C - 1) // (2 * C)
-                if cutlass.const_expr(self.trial):
-                    # Loads of MERGE_BATCH rows' partials issued together: one distributed
-                    # shared memory round trip per batch instead of one per row.
-                    for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
-                        ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
-                        rows = [rank + C * (2 * k + half) for k in ks]
-                        # Past the tile's last row: load row 0 (in bounds), store nothing.
-                        at = [cutlass.min(m, ROWS - 1) for m in rows]
-                        lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
-                                 for c in range(C)] for a in at]
-                        parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                            sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
-                            for a in at]
-                        for i in cutlass.range_constexpr(len(rows)):
-                            if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
-                                self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
-                                                *dst)
-                else:
-                    for k in cutlass.range_constexpr(n_iter):
-                        m = rank + C * (2 * k + half)
-                        if (m < ROWS) & (row_lo + m < n_rows):
-                            lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m,
-                                                                            c))
-                                    for c in range(C)]
-                            parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                                sO.iterator + (m * O_PITCH + chunk * 4), c)) for c in range(C)]
-                            self._merge_row(lses, parts, row_lo + m, to_mid, *dst)
+                for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
+                    m = rank + C * (2 * k + half)
+                    if (m < ROWS) & (row_lo + m < n_rows):
+                        lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, c))
+                                for c in range(C)]
+                        parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                            sO.iterator + (m * O_PITCH + chunk * 4), c)) for c in range(C)]
+                        self._merge_row(lses, parts, row_lo + m, to_mid, *dst)
                 cute.arch.cluster_arrive()  # the others may still read this CTA's partial
                 cute.arch.cluster_wait()

@@ -126,7 +126,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, trial: bool = False, roles: bool = False, options: str = ""):
+              diag: int = 0, options: str = ""):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -136,7 +136,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, trial, roles)
+                               groups, STAGES, _dtype(parent_dtype), diag)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256)]
@@ -172,8 +172,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               parents: Optional[torch.Tensor], *, mode: int, batch: int, topk: int,
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
-              mid_lse: Optional[torch.Tensor] = None, diag: int = 0,
-              trial: bool = False, roles: bool = False) -> None:
+              mid_lse: Optional[torch.Tensor] = None, diag: int = 0) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -184,8 +183,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     mid_o / mid_lse: fp32 ``[B*K, H, >= groups, 512]`` / ``[B*K, H, >= groups]`` with unit
     last stride (needed with more than one group). ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; wrong results,
-    ``tools/gluon_diag.py``). ``trial``, ``roles``: the next versions on trial
-    (``MlaDecodeKernel``)."""
+    ``tools/gluon_diag.py``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -212,7 +210,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag, trial, roles)
+                   req_to_token.dtype, par.dtype, diag)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]

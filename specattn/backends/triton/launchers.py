@@ -45,9 +45,7 @@ class KernelConfig:
     no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
     (``cute_mla``: the same tile loop with a request's splits in thread-block clusters,
-    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits);
-    ``cute_trial``, ``cute_roles``: its next versions on trial (labels ``trial``, ``roles``;
-    ``_cute_mla_kernel.MlaDecodeKernel`` says what changes))."""
+    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits))."""
 
     block_m: int
     block_n: int
@@ -64,8 +62,6 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
-    cute_trial: bool = False
-    cute_roles: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -95,9 +91,6 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
-        if (self.cute_trial or self.cute_roles) and not self.cute:
-            raise InvalidInputError("config.cute_trial", "True (and cute_roles) only with "
-                                    "cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -110,8 +103,7 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
-            (" trial" if self.cute_trial else "") + (" roles" if self.cute_roles else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -396,8 +388,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse, trial=cfg.cute_trial,
-            roles=cfg.cute_roles)
+            write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
