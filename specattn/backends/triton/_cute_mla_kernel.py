@@ -1,6 +1,6 @@
 """The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): a key-tile loop with one
-warpgroup on S and the softmax and the other on the gathers, the prefix splits of a
-request in thread-block clusters, merged on chip. Run only
+warpgroup on S and the softmax and the other on the gathers, the prefix splits of a request
+in thread-block clusters, merged on chip. Run only
 through ``cute_mla`` (which checks for CuTe-DSL first and documents the algorithm);
 ``tools/cute_mla_tile_probe.py`` builds its probe from this module's helpers.
 
@@ -43,6 +43,8 @@ META_W = 5  # int32 words per request in the metadata table (``_attn_kernels.MET
 THREADS = 256  # two consumer warpgroups
 V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
+MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
+MERGE_BATCH = 4  # rows per thread whose partials the on-chip merge loads at once
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -50,7 +52,7 @@ TILE_BYTES = ROWS * WIDTH * 2
 
 def smem_bytes(stages: int) -> int:
     """Dynamic shared memory of one CTA (allocations in order, 1024-byte aligned)."""
-    return TILE_BYTES * (1 + stages) + ROWS * KEYS * 2 + ROWS * 2 * 4 + ROWS * 4 + 1024
+    return TILE_BYTES * (1 + stages) + ROWS * KEYS * 2 + ROWS * 4 * 4 + ROWS * 4 + 1024
 
 
 def _swizzled(dtype, rows: int, cols: int, stages: int = 0):
@@ -103,20 +105,14 @@ def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
 
 @cute.jit
 def _row_sum_and_inverse(sStat: cute.Tensor, m):
-    """Row ``m``'s softmax sum (``sStat[m, 1]``) and its inverse (0 for a row that saw no
-    key)."""
-    total = sStat[m, 1]
+    """Row ``m``'s softmax sum (``sStat[m, 2]`` from warpgroup 0, which keeps the softmax
+    statistics, plus ``sStat[m, 3]``, warpgroup 1's, always 0) and its inverse (0 for a row
+    that saw no key)."""
+    total = sStat[m, 2] + sStat[m, 3]
     inv = Float32(0.0)
     if total > 0.0:
         inv = 1.0 / total
     return total, inv
-
-
-@cute.jit
-def _rescale_row(o_rows: cute.Tensor, r, alpha):
-    """This thread's columns of O's row ``r`` times ``alpha``."""
-    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-        o_rows[r, c] = o_rows[r, c] * alpha
 
 
 @cute.jit
@@ -160,23 +156,23 @@ class MlaDecodeKernel:
     tile: the prefix is cut into ``cluster * groups`` splits; with more than one group each
     cluster writes its merged fp32 partial and LSE for ``merge_kernel``), ``stages`` (key
     tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only,
-    wrong results; ``tools/gluon_diag.py``): 1 the copies and their waits without the math,
-    2 the math without copies after the prologue, 3 as 1 without the epilogue (no stores,
-    no merge), 4 no key tiles, 5 no merge on chip (each CTA writes its own partial to the
-    output, as a cluster of one does).
+    wrong results; ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call), 5
+    no merge on chip (each CTA writes its own partial to the output, as a cluster of one
+    does).
 
-    The warpgroups' roles (v6, session 11): warpgroup 0 computes S over the whole key tile
-    (wgmma N 64: Q and the tile read from shared memory once, where two warpgroups at N 32
-    read Q twice; whole rows, so no row maxima are exchanged) and the softmax; warpgroup 1
-    alone gathers the key tiles, a tile ahead; both add ``P.V`` into their output halves.
-    Two barriers per tile.
+    The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
+    N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
+    twice; whole rows, so no row maxima are exchanged) and the softmax, keeping a row's
+    running maximum until a new one exceeds it by more than ``MAX_SLACK`` (then O needs no
+    rescale); warpgroup 1 alone gathers the key tiles, a tile ahead; both add ``P.V`` into
+    their output halves. Two barriers per tile. The on-chip merge loads ``MERGE_BATCH``
+    rows' partials at once.
 
     Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
     behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
     reading accumulator registers of a wgmma between start and end of the pipeline stage"),
     and overlapping ``P.V`` with the next S inside one iteration needs a third 72 KB stage,
-    which does not fit beside Q. Rescaling O only when a row maximum grows past a slack,
-    and loading 4 rows' partials at once in the merge, measured 1-5% slower on the H200."""
+    which does not fit beside Q."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
@@ -192,6 +188,8 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
+        if diag not in (0, 4, 5):
+            raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4 and 5")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -362,14 +360,20 @@ class MlaDecodeKernel:
     @cute.jit
     def _softmax_row(self, s_rows: cute.Tensor, r, n_cols, top, row_max: cute.Tensor,
                      row_sum: cute.Tensor):
-        """The online softmax of this thread's row ``r`` of a tile, ``top`` its new running
-        maximum: ``s_rows[r, :]`` becomes P, the running maximum and sum move on; returns
-        ``alpha``, the factor that rescales O's row."""
+        """The online softmax of this thread's row ``r`` of a tile whose row maximum is
+        ``top`` (with the running one): ``s_rows[r, :]`` becomes P, the running maximum and
+        sum move on; returns ``(alpha, moved)``, O's rescale factor and whether it is not 1."""
+        # Keep the running maximum while the new one exceeds it by at most MAX_SLACK (base
+        # 2): P stays below 2^MAX_SLACK, and O and the row sum need no rescale. Exact: both
+        # use the same shift.
+        if top <= row_max[r] + MAX_SLACK:
+            top = row_max[r]
         # A row that has seen no key keeps -inf; shift by 0 so exp2 gives 0, not NaN.
         use = top
         if top == -Float32.inf:
             use = Float32(0.0)
         alpha = cute.arch.exp2(row_max[r] - use)
+        moved = top != row_max[r]
         row_max[r] = top
         part = Float32(0.0)
         for c in cutlass.range_constexpr(n_cols):
@@ -377,7 +381,15 @@ class MlaDecodeKernel:
             s_rows[r, c] = p
             part += p
         row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
-        return alpha
+        return alpha, moved
+
+    @cute.jit
+    def _rescale_row(self, o_rows: cute.Tensor, r, alpha, moved):
+        """O's row ``r`` (this thread's columns) times ``alpha``, if ``moved`` (its maximum
+        moved)."""
+        if moved:
+            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                o_rows[r, c] = o_rows[r, c] * alpha
 
     @cute.jit
     def _merge_row(self, lses: list, parts: list, row, to_mid: cutlass.Constexpr[bool],
@@ -442,6 +454,7 @@ class MlaDecodeKernel:
         group = split // self.cluster
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wtid = tidx % 128
+        sub = tidx % 4  # the quarter of a key (or query) row this thread gathers
 
         m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
@@ -474,7 +487,7 @@ class MlaDecodeKernel:
         ring = alloc.allocate(TILE_BYTES * self.stages, 1024)
         sK = cute.make_tensor(cute.recast_ptr(ring, lay_ring.inner, dtype=dt), lay_ring.outer)
         sP = alloc.allocate_tensor(dt, lay_p.outer, 1024, swizzle=lay_p.inner)
-        sStat = alloc.allocate_tensor(Float32, cute.make_layout((ROWS, 2)), 16)
+        sStat = alloc.allocate_tensor(Float32, cute.make_layout((ROWS, 4)), 16)
         sLse = alloc.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
 
         # Warpgroup 1 alone gathers Q (row m: lane m // H, head m % H, with tile 0's copy
@@ -482,9 +495,8 @@ class MlaDecodeKernel:
         # ``key_a`` and ``key_a + 32``.
         key_a = wtid // 4
         key_b = key_a + 32
-        sub = wtid % 4
-        args_a = (key_a, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl, q_start,
-                  b, step, num_steps, num_slots, s_par_s, s_par_b, total)
+        args_a = (key_a, r2t_row, hist, parents, n_pref, start, end, n_lo, n_hi, hl,
+                  q_start, b, step, num_steps, num_slots, s_par_s, s_par_b, total)
         args_b = (key_b,) + args_a[1:]
         ok_a, new_a, slot_a, lane_a = Boolean(False), Boolean(False), Int32(0), Int32(0)
         ok_b, new_b, slot_b, lane_b = Boolean(False), Boolean(False), Int32(0), Int32(0)
@@ -492,18 +504,17 @@ class MlaDecodeKernel:
             for kq in (key_a, key_b):
                 q_dst = cute.local_tile(sQ, (1, WIDTH), (kq, 0))
                 if row_lo + kq < n_rows:
-                    self._copy_row(q_dst, _head_row(q, q_start, row_lo + kq, H, s_qt, s_qh),
-                                   sub)
+                    self._copy_row(q_dst, _head_row(q, q_start, row_lo + kq, H, s_qt,
+                                                    s_qh), sub)
                 else:
                     self._zero_row(q_dst, sub)
             ok_a, new_a, slot_a, lane_a = self._key_source(Int32(0), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(Int32(0), *args_b)
-            self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots, ok_a,
-                            new_a, slot_a, lane_a)
-            self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots, ok_b,
-                            new_b, slot_b, lane_b)
+            self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
+                            ok_a, new_a, slot_a, lane_a)
+            self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
+                            ok_b, new_b, slot_b, lane_b)
             cute.arch.cp_async_commit_group()
-            # The sources of tile 1, a tile ahead of its copies.
             ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
         if cutlass.const_expr(self.write_new):
@@ -537,131 +548,130 @@ class MlaDecodeKernel:
         row_sum.fill(0.0)
         lead = wtid % 4 == 0  # one thread of a quad writes a row's statistics
         mask_args = (n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap)
-        math = self.diag not in (1, 3)
 
         for t in cutlass.range(total):
             stage = t % self.stages
             tile = sK[None, None, stage]
             tail = t >= n_pref
-            if wg == 1:  # tile t has landed (this thread's copies); a tail tile cleaned
+            if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
                 cute.arch.cp_async_wait_group(0)
                 if tail:
                     for kq in (key_a, key_b):
                         self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
                 cute.arch.fence_proxy("async.shared", space="cta")
-            # Tile t visible to all; both warpgroups done with tile t - 1, sP and sStat.
+            # Tile t visible to all; both warpgroups done with tile t - 1, sP, sStat.
             cute.arch.barrier()
-            if wg == 1:  # tile t + 1 into the stage tile t - 1 used
-                if cutlass.const_expr(self.diag == 2):
-                    cute.arch.cp_async_commit_group()  # the math alone: no more copies
-                else:
-                    nxt = (t + 1) % self.stages
-                    self._issue_row(nxt, sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
-                                    ok_a, new_a, slot_a, lane_a)
-                    self._issue_row(nxt, sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
-                                    ok_b, new_b, slot_b, lane_b)
-                    cute.arch.cp_async_commit_group()
-                    ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
-                    ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
+            if wg == 1:
+                nxt = (t + 1) % self.stages
+                self._issue_row(nxt, sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                ok_a, new_a, slot_a, lane_a)
+                self._issue_row(nxt, sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
+                                ok_b, new_b, slot_b, lane_b)
+                cute.arch.cp_async_commit_group()
+                ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
+                ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
             else:
-                if cutlass.const_expr(math):
-                    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)),
-                                                  Float32)
-                    frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
-                    _wgmma(mma_s, acc_s, frag_q, frag_k, True)
-                    # Scores in base 2, masked; the online softmax; each row's rescale factor
-                    # to sStat for warpgroup 1; P to shared memory.
-                    s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        m = c_rows[r, 0][0]
-                        row_lane = (row_lo + m) // H
-                        top = -Float32.inf
-                        for c in cutlass.range_constexpr(n_my_cols):
-                            x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane, t,
-                                                   tail, *mask_args)
-                            s_rows[r, c] = x
-                            top = cute.arch.fmax(top, x)
-                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
-                        alpha = self._softmax_row(s_rows, r, n_my_cols, top, row_max, row_sum)
-                        if lead:
-                            sStat[m, 0] = alpha
-                        _rescale_row(o_rows, r, alpha)
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        p_dst[i] = acc_s[i].to(dt)
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)),
+                                              Float32)
+                frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
+                _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+                s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+                for r in cutlass.range_constexpr(n_my_rows):
+                    m = c_rows[r, 0][0]
+                    row_lane = (row_lo + m) // H
+                    top = -Float32.inf
+                    for c in cutlass.range_constexpr(n_my_cols):
+                        x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
+                                               t, tail, *mask_args)
+                        s_rows[r, c] = x
+                        top = cute.arch.fmax(top, x)
+                    top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+                    alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
+                                                     row_sum)
+                    if lead:
+                        sStat[m, 0] = alpha
+                    self._rescale_row(o_rows, r, alpha, moved)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    p_dst[i] = acc_s[i].to(dt)
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()  # P(t) and the rescale factors visible
-            if cutlass.const_expr(math):
-                if wg == 1:
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        _rescale_row(o_rows, r, sStat[c_rows[r, 0][0], 0])
-                # O[:, 256 wg ...] += P V, V read in place: the tile as (dims, keys), MN-major.
-                v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
-                frag_v = thr_o.make_fragment_B(thr_o.partition_B(
-                    cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-                _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-            # No barrier here: the next tile's first barrier keeps the stage, sP and sStat
-            # until both warpgroups are done with them.
+            if wg == 1:
+                for r in cutlass.range_constexpr(n_my_rows):
+                    alpha = sStat[c_rows[r, 0][0], 0]
+                    self._rescale_row(o_rows, r, alpha, alpha != Float32(1.0))
+            v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+            frag_v = thr_o.make_fragment_B(thr_o.partition_B(
+                cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
+            _wgmma(mma_o, acc_o, frag_p, frag_v, False)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        if cutlass.const_expr(self.diag != 3):  # 3: no stores, no merge
-            # Row sums (warpgroup 0 keeps the softmax statistics) for both warpgroups.
+        # Row sums over both halves.
+        for r in cutlass.range_constexpr(n_my_rows):
+            if lead:
+                sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
+        cute.arch.barrier()
+        c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
+        c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
+        # Where merged rows go: the output, or (several groups) this group's partial.
+        to_mid = self.groups > 1 and self.diag != 5
+        if cutlass.const_expr(self.cluster == 1 or self.diag == 5):
+            # A cluster of one: this CTA's partial is the cluster's (diag 5: every CTA
+            # writes its own, unmerged).
             for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                total_sum, inv = _row_sum_and_inverse(sStat, m)
+                row = row_lo + m
+                if row < n_rows:
+                    if cutlass.const_expr(to_mid):
+                        g = cute.make_tensor(
+                            _head_row(mid_o, q_start, row, H, s_mot, s_moh)
+                            + (group * s_mop + wg * V_HALF), cute.make_layout(V_HALF))
+                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                            g[c_orows[r, c][1]] = o_rows[r, c] * inv
+                        if lead & (wg == 0):
+                            self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
+                                            _partial_lse(row_max[r], total_sum))
+                    else:
+                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                             + wg * V_HALF, cute.make_layout(V_HALF))
+                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                            g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
+        else:
+            # Normalised partial and LSE into this CTA's shared memory (the ring is free).
+            sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
+                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
+            for r in cutlass.range_constexpr(n_my_rows):
+                m = c_rows[r, 0][0]
+                total_sum, inv = _row_sum_and_inverse(sStat, m)
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
                 if lead & (wg == 0):
-                    sStat[c_rows[r, 0][0], 1] = row_sum[r]
-            cute.arch.barrier()
-            c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
-            c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
-            # Where merged rows go: the output, or (several groups) this group's partial.
-            to_mid = self.groups > 1 and self.diag != 5
-            if cutlass.const_expr(self.cluster == 1 or self.diag == 5):
-                # A cluster of one: this CTA's partial is the cluster's (diag 5: every CTA
-                # writes its own, unmerged).
-                for r in cutlass.range_constexpr(n_my_rows):
-                    m = c_rows[r, 0][0]
-                    total_sum, inv = _row_sum_and_inverse(sStat, m)
-                    row = row_lo + m
-                    if row < n_rows:
-                        if cutlass.const_expr(to_mid):
-                            g = cute.make_tensor(
-                                _head_row(mid_o, q_start, row, H, s_mot, s_moh)
-                                + (group * s_mop + wg * V_HALF), cute.make_layout(V_HALF))
-                            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                                g[c_orows[r, c][1]] = o_rows[r, c] * inv
-                            if lead & (wg == 0):
-                                self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
-                                                _partial_lse(row_max[r], total_sum))
-                        else:
-                            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                                 + wg * V_HALF, cute.make_layout(V_HALF))
-                            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                                g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
-            else:
-                # Normalised partial and LSE into this CTA's shared memory (the ring is free).
-                sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                      cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
-                for r in cutlass.range_constexpr(n_my_rows):
-                    m = c_rows[r, 0][0]
-                    total_sum, inv = _row_sum_and_inverse(sStat, m)
-                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
-                    if lead & (wg == 0):
-                        sLse[m] = _partial_lse(row_max[r], total_sum)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
-                # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns.
-                C = self.cluster
-                chunk = tidx % (D_MAIN // 4)
-                half = tidx // (D_MAIN // 4)
-                dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
-                       s_mop, s_mlt, s_mlh)
-                for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
-                    m = rank + C * (2 * k + half)
-                    if (m < ROWS) & (row_lo + m < n_rows):
-                        lses = [_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + m, c))
-                                for c in range(C)]
-                        parts = [_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                            sO.iterator + (m * O_PITCH + chunk * 4), c)) for c in range(C)]
-                        self._merge_row(lses, parts, row_lo + m, to_mid, *dst)
-                cute.arch.cluster_arrive()  # the others may still read this CTA's partial
-                cute.arch.cluster_wait()
+                    sLse[m] = _partial_lse(row_max[r], total_sum)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns.
+            C = self.cluster
+            chunk = tidx % (D_MAIN // 4)
+            half = tidx // (D_MAIN // 4)
+            dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
+                   s_mop, s_mlt, s_mlh)
+            n_iter = (ROWS + 2 * C - 1) // (2 * C)
+            # Loads of MERGE_BATCH rows' partials issued together: one distributed
+            # shared memory round trip per batch instead of one per row.
+            for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
+                ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
+                rows = [rank + C * (2 * k + half) for k in ks]
+                # Past the tile's last row: load row 0 (in bounds), store nothing.
+                at = [cutlass.min(m, ROWS - 1) for m in rows]
+                lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
+                         for c in range(C)] for a in at]
+                parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                    sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
+                    for a in at]
+                for i in cutlass.range_constexpr(len(rows)):
+                    if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
+                        self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
+                                        *dst)
+            cute.arch.cluster_arrive()  # the others may still read this CTA's partial
+            cute.arch.cluster_wait()
