@@ -14,10 +14,10 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
 - the 64 query rows (``K`` lanes x ``H`` heads) stay in shared memory; key tiles of 64 are
   gathered through ``req_to_token`` (any page size) by 16-byte ``cp.async`` into a ring of
   2 stages, one tile ahead of the MMAs;
-- ``S = Q K^T``: each warpgroup computes 32 of a tile's 64 columns (wgmma m64n32k16 over the
-  576-wide row), issued before the next tile's gathers; the online softmax (base 2) shares
-  row maxima through shared memory; ``P`` goes to shared memory and each warpgroup adds
-  ``P V`` into its 256 output columns, ``V`` read in place from the key tile;
+- roles: warpgroup 1 alone gathers the key tiles; warpgroup 0 computes ``S = Q K^T`` over the
+  whole tile (wgmma m64n64k16 over the 576-wide row) and the online softmax (base 2) over
+  whole rows, and writes ``P`` and each row's rescale factor to shared memory; each
+  warpgroup adds ``P V`` into its 256 output columns, ``V`` read in place from the key tile;
 - the last split also walks the tail (each lane's ``step + 1`` history keys, ``lane`` or
   ``path`` mode, masked to the key's lane; the call's new key is read from ``k_new``, and
   split 0 stores it in the pool);
@@ -28,10 +28,10 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
   (several groups).
 
 Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36): the Gluon
-kernel's GPU tests (variant ``cute``), every cluster shape, the conformance kit, the
-100-batch stress loop, memcheck and a soak, all passing. Next to the Gluon kernel: as fast
-at mla-long (71.5 vs 70.4 us), faster at H 128 (mla-wide 202.8 vs 206.5), slower on ragged
-batches at H 16. Versions, profile and next steps:
+kernel's GPU tests (variant ``cute``), every cluster shape and a soak, passing (session 11,
+call 4; the conformance kit, the stress loop and memcheck passed on earlier versions).
+Next to the Gluon kernel: 2% faster at mla-long (69.1 vs 70.5 us), 5% at H 128 (mla-wide
+194.6 vs 205.8), slower on ragged batches at H 16. Versions, profile and next steps:
 ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
 vendor MLA kernel for Blackwell).
 """
