@@ -197,12 +197,17 @@ def _args(rows=8, heads=16, slots=40):
     (dict(mode=1), "parents"),
 ])
 def test_attention_refuses_bad_arguments_before_any_cuda_work(change, argument):
-    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=2,
+    assert _refused_argument(change, num_splits=2) == argument
+
+
+def _refused_argument(change: dict, num_splits: int) -> str:
+    """The argument ``cute_mla.attention`` names when refusing a call with ``change``."""
+    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=num_splits,
               sm_scale=0.04, logit_cap=0.0, write_new=True)
     kw.update(change)
     with pytest.raises(InvalidInputError) as info:
         cute_mla.attention(**kw)
-    assert info.value.argument == argument
+    return info.value.argument
 
 
 @pytest.mark.parametrize("change,argument", [
@@ -217,9 +222,4 @@ def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, c
                                                                   argument):
     """Splits in more than one cluster per row tile write partials: buffers for them."""
     monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
-    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=4,
-              sm_scale=0.04, logit_cap=0.0, write_new=True)
-    kw.update(change)
-    with pytest.raises(InvalidInputError) as info:
-        cute_mla.attention(**kw)
-    assert info.value.argument == argument
+    assert _refused_argument(change, num_splits=4) == argument

@@ -606,7 +606,8 @@ class MlaDecodeKernel:
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        # Row sums over both halves.
+        # Row sums: warpgroup 0's into column 2; warpgroup 1 keeps no statistics (its
+        # row_sum stays 0) and writes that 0 into column 3.
         for r in cutlass.range_constexpr(n_my_rows):
             if lead:
                 sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]

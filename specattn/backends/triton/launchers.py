@@ -44,8 +44,9 @@ class KernelConfig:
     loads a tile ahead of the copies, ``gluon_ws`` the warp-specialized kernel (experimental:
     no faster on the H200), ``gluon_worklist`` the balanced work list (``worklist``:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
-    (``cute_mla``: the same tile loop with a request's splits in thread-block clusters,
-    merged on chip; block_n 64, 2 stages, at most ``cute_mla.MAX_SPLITS`` splits))."""
+    (``cute_mla``: one warpgroup on S and the softmax, one on the gathers, a request's
+    splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
+    ``cute_mla.MAX_SPLITS`` splits))."""
 
     block_m: int
     block_n: int
