@@ -299,7 +299,9 @@ cute_probe() {
 # shape, the kit with its config) beside a soak; then, whatever the tests said, the MLA bench
 # of the kernel beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS: more
 # variants, as GLUON_OPTIONS), and tools/gluon_diag.py at two prefix lengths (the fixed cost
-# per call and the time per tile).
+# per call and the time per tile); CUTE_PARTS=1 adds `specattn bench --parts` (each kernel's
+# time in one eager step: the CuTe kernel, the merge launch, the metadata) on mla-long and
+# mla-small.
 cute_quick() {
   vendor_libs
   local t="python -m pytest -v -p no:cacheprovider -rfE"
@@ -315,6 +317,12 @@ cute_quick() {
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
   job cute-diag "${CUTE_DIAG_S:-120}" python tools/gluon_diag.py --case mla-long \
     --prefix 1024 4096 --config "$CUTE_CONFIG"
+  if [ -n "${CUTE_PARTS:-}" ]; then  # each kernel's time in one eager step (torch.profiler)
+    job cute-parts "${CUTE_PARTS_S:-120}" python -m specattn bench --quick --no-sweep \
+      --case mla-long mla-small --backend triton --option "triton:config=$CUTE_CONFIG" \
+      --parts --out /tmp/cute-parts
+    cp /tmp/cute-parts/table.md "$logs/cute-parts.md" 2>/dev/null
+  fi
   check
 }
 
