@@ -278,6 +278,37 @@ def test_soak_option_reaches_the_constructor_of_the_classes_that_take_it(scoped_
         main(common + ["--option", "mine:nope=1"])
 
 
+def test_soak_option_keywords_split_between_the_classes_as_the_factory_splits_them(
+        scoped_registry):
+    """One option with a decode-only keyword and a shared one: the soak gives the extend
+    class the shared keyword, as ``DraftBackendFactory`` does with the same
+    ``backend_options`` (each keyword to every class that takes it), not nothing."""
+    from specattn import DraftBackendFactory, SpecConfig
+    from specattn.bench.options import parse_option
+    from specattn.data import DraftRunner
+    from specattn.testing.soak import _options_for
+
+    class SkewedDecode(_Decode, name="mine", platforms=any_platform, priority=-5):
+        def __init__(self, runner, topk, num_steps, *, tree_mode="lane", skew: float = 1.0,
+                     chunk: int = 1):
+            super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+
+    class ChunkedExtend(_Extend, name="mine", platforms=any_platform, priority=-5):
+        def __init__(self, runner, *, topk: int = 1, num_steps: int = 1, chunk: int = 1):
+            super().__init__(runner, topk=topk, num_steps=num_steps)
+
+    opt = parse_option("mine:skew=1.05,chunk=4")
+    decode, extend, texts = _options_for("mine", [opt])
+    assert decode == {"skew": 1.05, "chunk": 4} and extend == {"chunk": 4}
+    assert texts == ["skew=1.05,chunk=4"]
+    runner = DraftRunner.mha(2, 2, 16, num_layers=1, num_slots=64, max_reqs=2,
+                             max_context_len=32)
+    factory = DraftBackendFactory(SpecConfig(attention_backend="mine"), runner, 2, 3,
+                                  backend_options={"mine": dict(opt.kwargs)})
+    assert factory._options_for(SkewedDecode) == decode
+    assert factory._options_for(ChunkedExtend) == extend
+
+
 def test_an_option_a_class_refuses_for_a_case_skips_that_case(scoped_registry):
     """A caller's constructor option that the class refuses for some cases (here MLA, as the
     Triton backend refuses a Gluon ``config`` on MHA) skips those cases and names the option;

@@ -60,6 +60,13 @@ class BackendOption:
             out[key] = parse(value) if parse is not None and isinstance(value, str) else value
         return out
 
+    def kwargs_taken_by(self, cls: type) -> dict[str, Any]:
+        """The keywords ``cls``'s constructor takes, values converted for it: what a serving
+        engine's ``DraftBackendFactory`` passes ``cls`` from the same ``backend_options``
+        (each keyword to every class of the backend that takes it)."""
+        taken = keywords(cls)
+        return {k: v for k, v in self.kwargs_for(cls).items() if k in taken}
+
 
 # Keywords the benchmark sets itself (the case's shape, the lane-mode reference).
 _RESERVED = frozenset({"topk", "num_steps", "tree_mode", "max_extend_len"})

@@ -207,16 +207,18 @@ def soak_parallel(backend: str, *, rounds: int, seed: int = 0, workers: int = 1,
 
 
 def _options_for(name: str, options: list) -> tuple[dict, dict, list[str]]:
-    """The decode and extend constructor keywords the options give backend ``name`` (each
-    to the classes that take it), and the option texts that applied."""
+    """The decode and extend constructor keywords the options give backend ``name``, as a
+    serving engine's ``DraftBackendFactory`` would (each keyword to every class that takes
+    it: ``BackendOption.kwargs_taken_by``), and the option texts that applied."""
     from ..registry import active_registry
 
     kwargs: dict[str, dict] = {"decode": {}, "extend": {}}
     texts = []
     for opt in options:
         for cls in opt.classes(active_registry()):
-            if name in (cls.name, *cls.aliases) and opt.fits(cls):
-                kwargs[cls.kind].update(opt.kwargs_for(cls))
+            taken = opt.kwargs_taken_by(cls) if name in (cls.name, *cls.aliases) else {}
+            if taken:
+                kwargs[cls.kind].update(taken)
                 if opt.text not in texts:
                     texts.append(opt.text)
     return kwargs["decode"], kwargs["extend"], texts
