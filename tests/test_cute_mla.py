@@ -51,6 +51,10 @@ def test_config_label_and_rules():
         with pytest.raises(InvalidInputError) as info:
             KernelConfig(**{**base, **bad})
         assert info.value.argument.startswith("config."), info.value
+    fused = kernel_config("m64 n64 w8 s2 kv-first fm gluon cute")
+    assert fused.cute and fused.fuse_merge
+    with pytest.raises(InvalidInputError, match="fuse_merge only with cute"):
+        kernel_config("m64 n64 w8 s2 kv-first fm gluon")
 
 
 def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():
@@ -142,6 +146,8 @@ class _StandIn:
 
     def __call__(self, q, kv, k_new, out, req_to_token, meta, hist, parents, **kw):
         self.calls.append(kw)
+        counter = kw["counter"]
+        assert counter is None or (counter.dtype == torch.int32 and not counter.any())
         splits, mid_o, mid_lse = kw["num_splits"], kw["mid_o"], kw["mid_lse"]
         assert mid_o.shape == (q.shape[0], q.shape[1], splits, 512) and mid_o.is_contiguous()
         assert mid_lse.shape == (q.shape[0], q.shape[1], splits)
@@ -151,13 +157,14 @@ class _StandIn:
         out.copy_(reference_decode(self.runner, layer, q, self.batch, kw["step"], "path"))
 
 
-def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch):
+@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"])
+def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch, label):
     monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
     monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
     r, batch = mla_round([7, 18], topk=2)
     stand_in = _StandIn(r, batch)
     monkeypatch.setattr(cute_mla, "attention", stand_in)
-    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=16, config=kernel_config(CUTE))
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=16, config=kernel_config(label))
     backend.init_forward_metadata(batch)
     assert backend._round_plan["num_splits"] == cute_mla.MAX_SPLITS
     gen = torch.Generator().manual_seed(0)
@@ -176,6 +183,10 @@ def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch):
     call = stand_in.calls[-1]
     assert call["num_splits"] == 16 and call["mode"] == 1 and call["write_new"]
     assert call["batch"] == 2 and call["topk"] == 2 and call["num_steps"] == 3
+    # With fuse_merge the arrival counters: zeros, one per request, row tile, cluster rank.
+    counter = call["counter"]
+    assert (counter is not None) == ("fm" in label.split())
+    assert counter is None or counter.numel() >= 2 * 1 * cute_mla.MAX_CLUSTER
 
 
 def _args(rows=8, heads=16, slots=40):
@@ -223,3 +234,13 @@ def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, c
     """Splits in more than one cluster per row tile write partials: buffers for them."""
     monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
     assert _refused_argument(change, num_splits=4) == argument
+
+
+@pytest.mark.parametrize("counter", [torch.zeros(3, dtype=torch.int32),
+                                     torch.zeros(16, dtype=torch.int64),
+                                     torch.zeros(16, 2, dtype=torch.int32)[:, 0]])
+def test_attention_refuses_bad_counters_for_the_fused_merge(monkeypatch, counter):
+    """Fused merge of two groups in clusters of 2, 2 requests: 4 int32 counters at least."""
+    monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
+    partials = dict(mid_o=torch.zeros(8, 16, 2, 512), mid_lse=torch.zeros(8, 16, 2))
+    assert _refused_argument(dict(partials, counter=counter), num_splits=4) == "counter"

@@ -295,23 +295,25 @@ cute_probe() {
 }
 
 # A CuTe kernel change checked in one short call (after `fa4-first`; carry .gpu/flashinfer
-# .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's `cute` variant, every cluster
-# shape, the kit with its config) beside a soak; then, whatever the tests said, the MLA bench
-# of the kernel beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS: more
-# variants, as GLUON_OPTIONS), and tools/gluon_diag.py at two prefix lengths (the fixed cost
+# .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's variants CUTE_VARIANTS,
+# default `cute` and `cute-fm`; every cluster shape with and without the fused merge; the kit
+# with its config) beside a soak; then, whatever the tests said, the MLA bench of the kernel
+# and its `fm` form beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS
+# replaces the variants, as GLUON_OPTIONS), and tools/gluon_diag.py at two prefix lengths (the fixed cost
 # per call and the time per tile); CUTE_PARTS=1 adds `specattn bench --parts` (each kernel's
 # time in one eager step: the CuTe kernel, the merge launch, the metadata) on mla-long and
 # mla-small.
 cute_quick() {
   vendor_libs
   local t="python -m pytest -v -p no:cacheprovider -rfE"
-  job gpu-tests-cute "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS=cute $t -n 3 --timeout 240 \
+  job gpu-tests-cute "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-fm}" \
+    $t -n 3 --timeout 240 \
     tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress" &
   job soak-triton-cute "${GATE_S:-200}" $SOAK --backend triton --seed 800000 --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-60}" --workers 2 --same-config 50 \
     --option "triton:config=$CUTE_CONFIG" &
   wait
-  GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" \
+  GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;${CUTE_CONFIG/kv-first/kv-first fm}}" \
     GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-small mla-wide}" \
     job cute-bench "${GLUON_BENCH_S:-200}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null

@@ -5,7 +5,9 @@ bundle), marked ``gpu``:
   every MLA decode case the kit plans, against the reference;
 - every cluster shape (``cute_mla.cluster_shape`` forced): one cluster of all the splits,
   clusters of 2 or 1 whose partials the merge launch combines, against the reference with
-  NaN-poisoned partial buffers, bf16 and fp16, lane and path mode, ragged lengths from 0.
+  NaN-poisoned partial buffers, bf16 and fp16, lane and path mode, ragged lengths from 0;
+  with the merge launch and with the merge fused into the kernel (``fm``; its counters are
+  checked back at 0 after each round).
 
 The kernel's other tests are the ``cute`` variant of ``test_gluon_mla_gpu.py``."""
 
@@ -28,11 +30,13 @@ def _require_cute():
         pytest.skip("the CuTe-DSL MLA kernel is built for sm90")
 
 
+@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"],
+                         ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("splits,cluster", [(4, 2), (6, 2), (3, 1), (8, 4), (5, 5)])
 @pytest.mark.parametrize("dtype,H,K,tree_mode", [(torch.bfloat16, 16, 4, "path"),
                                                  (torch.float16, 16, 2, "lane"),
                                                  (torch.bfloat16, 128, 1, "lane")])
-def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mode):
+def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mode, label):
     _require_cute()
     from test_gluon_mla_gpu import make_round, run_round  # this folder (pytest's sys.path)
 
@@ -51,10 +55,11 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
     lens = [0, 1, 65] + [rng.randint(100, 3000) for _ in range(3)]
     r, batch = make_round(dtype, H, K, 3, 1 if H == 16 else 64, lens, tree_mode)
     backend = TritonDecode(r, K, 3, tree_mode=tree_mode, num_splits=splits,
-                           config=kernel_config(CUTE))
+                           config=kernel_config(label))
     gen = torch.Generator().manual_seed(splits)
     run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, 0.0), tree_mode, gen)
     assert shapes and all(s == (splits, cluster, splits // cluster) for s in shapes)
+    assert not backend._active.counter.any(), "the fused merge left a counter set"
 
 
 def test_conformance_kit_with_the_cute_config():

@@ -176,7 +176,7 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0):
+                 diag: int = 0, fuse: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -188,23 +188,32 @@ class MlaDecodeKernel:
         self.stages = stages
         self.parent_dtype = parent_dtype
         self.diag = diag
+        self.fuse = fuse
         if diag not in (0, 4, 5):
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4 and 5")
+        if fuse and (groups < 2 or diag):
+            raise ValueError("fuse: the groups' merge of two or more groups, no diag")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
-                 parents: cute.Pointer, batch: Int32, row_tiles: Int32, step: Int32,
-                 topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32, s_qh: Int32,
-                 s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32, s_mot: Int32,
-                 s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32, s_r2t: Int32,
-                 s_par_s: Int32, s_par_b: Int32, scale_log2: Float32, cap: Float32, stream):
-        self.kernel(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
-                    num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
-                    s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap).launch(
-            grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
-            cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages), stream=stream)
+                 parents: cute.Pointer, counter: cute.Pointer, batch: Int32, row_tiles: Int32,
+                 step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
+                 s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
+                 s_mot: Int32, s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32,
+                 s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
+                 cap: Float32, stream):
+        args = (q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh, s_mop,
+                s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap)
+        launch = dict(grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
+                      cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages),
+                      stream=stream)
+        if cutlass.const_expr(self.fuse):
+            self.kernel_fused(*args, counter).launch(**launch)
+        else:
+            self.kernel(*args).launch(**launch)
 
     # -- small pieces -------------------------------------------------------------------
 
@@ -446,6 +455,37 @@ class MlaDecodeKernel:
         request ``b``'s row tile walks its prefix slice (the last split also the tail); each
         cluster merges its CTAs' partials on chip into the output or, with several groups,
         into partial ``split // cluster`` of ``mid_o`` / ``mid_lse``."""
+        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
+                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, r2t)
+
+    @cute.kernel
+    def kernel_fused(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
+                     out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+                     r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+                     parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
+                     num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
+                     s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
+                     s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
+                     scale_log2: Float32, cap: Float32, counter: cute.Pointer):
+        """``kernel`` with the groups' merge fused (``fuse``): each CTA arrives on its
+        ``counter`` slot once its rows' partials are written, and the last group's CTA merges
+        them into the output."""
+        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
+                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, counter)
+
+    @cute.jit
+    def _body(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
+              out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+              r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+              parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
+              num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
+              s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
+              s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
+              scale_log2: Float32, cap: Float32, counter: cute.Pointer):
+        """The kernel's work (``counter``: the fused merge's arrival counters, unused
+        without ``fuse``)."""
         dt = self.dtype
         H = self.heads
         tidx, _, _ = cute.arch.thread_idx()
@@ -676,3 +716,46 @@ class MlaDecodeKernel:
                                         *dst)
             cute.arch.cluster_arrive()  # the others may still read this CTA's partial
             cute.arch.cluster_wait()
+        if cutlass.const_expr(self.fuse):
+            self._merge_groups(counter, out, mid_o, mid_lse, sStat, tidx, rank, rt, b, q_start,
+                               row_lo, n_rows, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, s_mlh)
+
+    @cute.jit
+    def _merge_groups(self, counter: cute.Pointer, out: cute.Pointer, mid_o: cute.Pointer,
+                      mid_lse: cute.Pointer, sStat: cute.Tensor, tidx, rank, rt, b, q_start,
+                      row_lo, n_rows, s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32,
+                      s_mop: Int32, s_mlt: Int32, s_mlh: Int32):
+        """The groups' merge, fused (``fuse``): this CTA's rows of its group's partial are
+        written; it arrives on the counter of (request, row tile, rank), and the last of the
+        groups' CTAs to arrive merges those rows from ``mid_o`` / ``mid_lse`` into the
+        output and sets the counter back to 0 (so a replayed CUDA graph finds it at 0)."""
+        C = self.cluster
+        chunk = tidx % (D_MAIN // 4)
+        half = tidx // (D_MAIN // 4)
+        slot = counter + ((b * cute.arch.grid_dim()[1] + rt) * C + rank)
+        # Every thread's partial stores before the CTA's one arrival (release); the last
+        # arriver's reads after it (acquire).
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tidx == 0:
+            sStat[0, 0] = Float32(cute.arch.atomic_add(slot, Int32(1), sem="acq_rel",
+                                                       scope="gpu"))
+        cute.arch.barrier()
+        if sStat[0, 0] == Float32(self.groups - 1):
+            cute.arch.fence_acq_rel_gpu()
+            dst = (out, mid_o, mid_lse, q_start, Int32(0), chunk, s_ot, s_oh, s_mot, s_moh,
+                   s_mop, s_mlt, s_mlh)
+            for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
+                m = rank + C * (2 * k + half)
+                if (m < ROWS) & (row_lo + m < n_rows):
+                    row = row_lo + m
+                    lse_row = cute.make_tensor(
+                        _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh),
+                        cute.make_layout(self.groups))
+                    o_row = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + chunk * 4
+                    lses = [lse_row[g] for g in range(self.groups)]
+                    parts = [cute.make_tensor(o_row + g * s_mop, cute.make_layout(4))
+                             for g in range(self.groups)]
+                    self._merge_row(lses, parts, row, False, *dst)
+            if tidx == 0:
+                cute.make_tensor(slot, cute.make_layout(1))[0] = Int32(0)

@@ -126,7 +126,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, options: str = ""):
+              diag: int = 0, fuse: bool = False, options: str = ""):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -136,10 +136,10 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
-        [_ptr(_dtype(parent_dtype), 256)]
+        [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
     ints = [cutlass.Int32(1)] * 20
     floats = [cutlass.Float32(1.0)] * 2
     log.info("compiling the CuTe-DSL MLA decode kernel (%s, H %d, %s, cap %s, write %s, "
@@ -172,7 +172,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               parents: Optional[torch.Tensor], *, mode: int, batch: int, topk: int,
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
-              mid_lse: Optional[torch.Tensor] = None, diag: int = 0) -> None:
+              mid_lse: Optional[torch.Tensor] = None,
+              counter: Optional[torch.Tensor] = None, diag: int = 0) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -181,7 +182,11 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``[B*K, H, 512]``; req_to_token: ``[pool rows, max len]`` int32/int64; meta: ``[>= B, 5]``
     int32; hist: ``[B*K, S]`` int32 (contiguous); parents: ``[S, B, K]`` (``mode == 1``);
     mid_o / mid_lse: fp32 ``[B*K, H, >= groups, 512]`` / ``[B*K, H, >= groups]`` with unit
-    last stride (needed with more than one group). ``num_splits``: 1 to ``MAX_SPLITS``.
+    last stride (needed with more than one group); counter: int32 zeros, at least ``B *
+    row tiles * cluster`` (a fixed buffer for CUDA graphs): with it and more than one group
+    the groups' merge is fused into the kernel (the last group's CTAs merge; they leave the
+    counters at 0), else one more launch merges them (not yet run on a GPU: session 11).
+    ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; wrong results,
     ``tools/gluon_diag.py``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -199,8 +204,16 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
 
     row_tiles = num_row_tiles(topk * q.shape[1])
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
+    fuse = counter is not None and groups > 1
     if groups > 1:
         _check_partials(mid_o, mid_lse, q, groups)
+    if fuse:
+        need = batch * row_tiles * cluster
+        if counter.dtype != torch.int32 or not counter.is_contiguous() \
+                or counter.numel() < need:
+            raise InvalidInputError("counter", f"contiguous int32 zeros, at least {need} "
+                                    "(one per request, row tile and cluster rank)",
+                                    f"{counter.dtype} {tuple(counter.shape)}")
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -210,13 +223,14 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag)
+                   req_to_token.dtype, par.dtype, diag, fuse)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]
             + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),
                _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
-               _ptr(_dtype(par.dtype), par.data_ptr())]
+               _ptr(_dtype(par.dtype), par.data_ptr()),
+               _ptr(cutlass.Int32, (counter if fuse else meta).data_ptr())]
             + [i32(v) for v in (
                 batch, row_tiles, step, topk, num_steps, kv.shape[0],
                 q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), out.stride(0),
@@ -225,7 +239,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                 par.stride(1) if path else 0)]
             + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
     fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-    if groups > 1:
+    if groups > 1 and not fuse:
         _merge_groups(mid_o, mid_lse, out, groups)
 
 

@@ -46,7 +46,8 @@ class KernelConfig:
     programs in proportion to each request's length); ``cute``: the CuTe-DSL kernel
     (``cute_mla``: one warpgroup on S and the softmax, one on the gathers, a request's
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
-    ``cute_mla.MAX_SPLITS`` splits))."""
+    ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
+    partials is fused into it: not yet run on a GPU))."""
 
     block_m: int
     block_n: int
@@ -75,10 +76,11 @@ class KernelConfig:
         if self.fuse_merge and self.dv_split != 1:
             raise InvalidInputError("config.fuse_merge", "False with dv_split=2 (the two "
                                     "halves' partials finish independently)", True)
-        if self.gluon and (self.mla_v3 or self.fuse_merge or self.kv_write == "tail"
-                           or self.block_m != 64 or self.num_warps != 8):
+        if self.gluon and (self.mla_v3 or (self.fuse_merge and not self.cute)
+                           or self.kv_write == "tail" or self.block_m != 64
+                           or self.num_warps != 8):
             raise InvalidInputError("config.gluon", "block_m 64, 8 warps, no mla_v3 / "
-                                    "fuse_merge / kv_write='tail'", self.label())
+                                    "kv_write='tail', fuse_merge only with cute", self.label())
         if (self.gluon_overlap or self.gluon_prefetch or self.gluon_ws
                 or self.gluon_worklist) and not self.gluon:
             raise InvalidInputError("config.gluon", "True with gluon_overlap / gluon_prefetch "
@@ -384,12 +386,15 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
     if cfg.cute:  # merged on chip (a merge launch only with several clusters per row tile)
         from . import cute_mla
+        from .gluon_mla import num_row_tiles
 
         cute_mla.attention(
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse)
+            write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse,
+            counter=_counters(counter, num_groups * num_row_tiles(rows_per_group)
+                              * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
