@@ -158,7 +158,8 @@ class MlaDecodeKernel:
     tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only,
     wrong results; ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call), 5
     no merge on chip (each CTA writes its own partial to the output, as a cluster of one
-    does).
+    does). ``fuse`` (two or more groups): the groups' merge fused into the kernel
+    (``kernel_fused``, ``_merge_groups``; not yet run on a GPU).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
