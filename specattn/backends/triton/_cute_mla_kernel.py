@@ -460,6 +460,8 @@ class MlaDecodeKernel:
                    num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
                    s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, r2t)
 
+    # A second entry point, not a parameter of ``kernel``: without ``fuse`` the kernel keeps
+    # the signature, and so the PTX, it was verified with on the H200.
     @cute.kernel
     def kernel_fused(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
                      out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
