@@ -1,15 +1,18 @@
 """Triton LSE merges of split-KV partial results (natural-log LSEs).
 
 - ``merge_kernel``: stage 2 of a split-KV launch, grid ``(rows, H)``: ``Out[t, h] = sum_s w_s
-  MidO[t, h, s]`` with ``w = softmax(MidLse[t, h, :])``;
+  MidO[t, h, s]`` with ``w = softmax(MidLse[t, h, :])``; ``merge_partials`` launches it;
 - ``merge_rows``: the same for a block of rows inside a stage-1 program (fused merge), with
   ``arrived_last``, the arrival counter that elects the program that merges.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ..util import next_pow2
 
 
 @triton.jit
@@ -34,6 +37,19 @@ def merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, strid
     o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + t * stride_ot + h * stride_oh + offs_dv, o.to(Out.dtype.element_ty),
              mask=offs_dv < D_V)
+
+
+def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+                   parts: int) -> None:
+    """One ``merge_kernel`` launch: ``out [rows, H, D_v]`` from the first ``parts`` partials of
+    ``mid_o [rows, H, >= parts, D_v]`` / ``mid_lse [rows, H, >= parts]`` (fp32, unit last
+    stride)."""
+    rows, heads, d_v = out.shape
+    merge_kernel[(rows, heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=d_v, BLOCK_DV=next_pow2(d_v, 16),
+        num_warps=4 if d_v >= 256 else 2)
 
 
 @triton.jit

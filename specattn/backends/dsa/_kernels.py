@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...kernels.latent import fp8_args, head_tile_sizes, latent_tile
-from ...kernels.merge import merge_kernel
+from ...kernels.merge import merge_partials
 from ...kernels.tiles import dot_args, in_pool, load_q
 from ...util import next_pow2
 
@@ -211,9 +211,5 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, layer, sel: torch.Tensor, hist
         BLOCK_M=block_m, BLOCK_N=block_n, USE_CAP=layer.logit_cap > 0,
         **dot_args(q.dtype, q.device), **fp8_args(layout),
         num_warps=warps, num_stages=2)
-    merge_kernel[(rows, heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=kv_lora_rank,
-        BLOCK_DV=block_d, num_warps=4 if kv_lora_rank >= 256 else 2)
+    merge_partials(mid_o, mid_lse, out, parts)
     return out

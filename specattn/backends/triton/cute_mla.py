@@ -240,7 +240,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
             + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
     fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
     if groups > 1 and not fuse:
-        _merge_groups(mid_o, mid_lse, out, groups)
+        from ...kernels.merge import merge_partials
+
+        merge_partials(mid_o, mid_lse, out, groups)
 
 
 def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tensor],
@@ -256,16 +258,3 @@ def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tenso
                 "with unit last stride (a partial per cluster of each query row)",
                 None if t is None else f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
-
-def _merge_groups(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
-                  groups: int) -> None:
-    """``out[t, h] = sum_g softmax(mid_lse[t, h, :groups])_g mid_o[t, h, g]``."""
-    from ...kernels.merge import merge_kernel
-    from ...util import next_pow2
-
-    rows, heads, d_v = out.shape
-    merge_kernel[(rows, heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=groups, BLOCK_P=next_pow2(groups, lo=2), D_V=d_v,
-        BLOCK_DV=next_pow2(d_v), num_warps=4)

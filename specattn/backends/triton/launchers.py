@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from ...kernels.merge import merge_kernel
+from ...kernels.merge import merge_partials
 from ...kernels.tiles import dot_args
 from ...util import next_pow2, sm_count
 from .gluon_mla import parent_args
@@ -460,9 +460,5 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_N=cfg.block_n, USE_CAP=layer.logit_cap > 0, **fused, **dots,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not cfg.fuse_merge:
-        merge_kernel[(rows, shape.num_q_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=shape.d_v,
-            BLOCK_DV=_pow2(shape.d_v), num_warps=4 if shape.d_v >= 256 else 2)
+        merge_partials(mid_o, mid_lse, out, parts)
     return out
