@@ -90,29 +90,35 @@ def cluster_shape(splits: int, programs: int, device: torch.device) -> tuple[int
     row tile) pairs: the largest cluster size that divides ``splits`` (at most
     ``MAX_CLUSTER``) whose ``programs * groups`` clusters all run at once, else the
     largest that divides it. More than one group: each cluster merges its CTAs on chip
-    and the groups' partials are merged by one more launch."""
-    from .gluon_mla import device_index
-
-    index = device_index(device)
-    sizes = [c for c in range(min(splits, MAX_CLUSTER), 0, -1) if splits % c == 0]
-    for c in sizes:
-        if programs * (splits // c) <= max_active_clusters(index, c):
-            return c, splits // c
-    return sizes[0], splits // sizes[0]
+    and the groups' partials are merged after (one more launch, or fused: ``attention``)."""
+    shape = _one_wave_shape(splits, programs, device)
+    if shape is not None:
+        return shape
+    largest = max(c for c in range(1, min(splits, MAX_CLUSTER) + 1) if splits % c == 0)
+    return largest, splits // largest
 
 
 def plan_splits(programs: int, device: torch.device, limit: int) -> int:
     """Prefix splits for ``programs`` (request, row tile) pairs: the most, up to ``limit``
     (the SM-count answer) and ``MAX_SPLITS``, whose clusters (``cluster_shape``) all run at
     once (a second wave of clusters costs more than a shorter split), else 1."""
+    for splits in range(max(1, min(limit, MAX_SPLITS)), 1, -1):
+        if _one_wave_shape(splits, programs, device) is not None:
+            return splits
+    return 1
+
+
+def _one_wave_shape(splits: int, programs: int,
+                    device: torch.device) -> Optional[tuple[int, int]]:
+    """The largest cluster size dividing ``splits`` (at most ``MAX_CLUSTER``) whose
+    ``programs * groups`` clusters all run at once, as ``(cluster, groups)``; None if none."""
     from .gluon_mla import device_index
 
     index = device_index(device)
-    for splits in range(max(1, min(limit, MAX_SPLITS)), 1, -1):
-        cluster, groups = cluster_shape(splits, programs, device)
-        if programs * groups <= max_active_clusters(index, cluster):
-            return splits
-    return 1
+    for c in range(min(splits, MAX_CLUSTER), 0, -1):
+        if splits % c == 0 and programs * (splits // c) <= max_active_clusters(index, c):
+            return c, splits // c
+    return None
 
 
 def _dtype(torch_dtype: torch.dtype):
