@@ -84,9 +84,8 @@ def _quad_reduce(x, op):
 
 
 @cute.jit
-def _wgmma_issue(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-    """Start ``acc (+)= A B`` over every k block (one wgmma group; ``acc`` is not ready
-    until ``warpgroup.wait_group``)."""
+def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
+    """``acc (+)= A B`` over every k block (one wgmma group), then wait for the chain."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
@@ -94,12 +93,6 @@ def _wgmma_issue(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bo
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-
-
-@cute.jit
-def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-    """``acc (+)= A B`` over every k block, then wait for the chain."""
-    _wgmma_issue(tiled_mma, acc, frag_a, frag_b, zero_init)
     warpgroup.wait_group(0)
 
 
