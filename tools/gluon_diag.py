@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 MODES = {"full": 0, "copies": 1, "math": 2, "copies, no stores or merge": 3, "no tiles": 4,
          "no merge": 5}
-CUTE_ONLY = {"no merge"}
+GLUON_MODES = set(MODES) - {"no merge"}
 CUTE_MODES = {"full", "no tiles", "no merge"}  # the CuTe kernel's (its loop has no DIAG 1-3)
 
 
@@ -89,7 +89,7 @@ def _diag_row(name, case, setup, cfg, clock) -> None:
     real = kernel.attention
     times = {}
     for mode, diag in MODES.items():
-        if (mode in CUTE_ONLY and not cfg.cute) or (cfg.cute and mode not in CUTE_MODES):
+        if mode not in (CUTE_MODES if cfg.cute else GLUON_MODES):
             continue
         kernel.attention = functools.partial(real, diag=diag)
         try:
