@@ -328,6 +328,30 @@ cute_quick() {
   check
 }
 
+# The CuTe kernel's trial version (KernelConfig.cute_trial, label `trial`) checked and
+# measured in one call (after `fa4-first`; carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh): its
+# GPU tests (the Gluon suite's variant `cute-trial` and its every-cluster-shape cases) beside
+# a soak of it; then, alone on the GPU, tools/cute_stamps.py (where a launch's time goes, per
+# CTA) for the kernel and the trial, and the bench of both (GLUON_CASES, no whole rounds).
+cute_next() {
+  vendor_libs
+  local t="python -m pytest -v -p no:cacheprovider -rfE" trial="$CUTE_CONFIG trial"
+  job gpu-tests-cute-trial "${GATE_S:-220}" env SPECATTN_GLUON_VARIANTS=cute-trial $t -n 3 \
+    --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
+    -k "trial and not stress" &
+  job soak-triton-trial "${GATE_S:-220}" $SOAK --backend triton --seed 900000 --rounds 40000 \
+    --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
+    --option "triton:config=$trial" &
+  wait
+  job cute-stamps "${STAMPS_S:-120}" python tools/cute_stamps.py \
+    --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "$CUTE_CONFIG" "$trial"
+  GLUON_OPTIONS="$CUTE_CONFIG;$trial" GLUON_BENCH_ARGS="--no-round --no-sweep" \
+    GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-wide}" \
+    job cute-bench "${GLUON_BENCH_S:-260}" bash tools/gluon_session.sh bench
+  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  check
+}
+
 CLUSTERS="import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
 from specattn.backends.triton.cute_mla import max_active_clusters as c
 print('clusters at once, by size:', {s: c(0, s) for s in range(1, 9)})"
@@ -355,7 +379,8 @@ case "${1:-}" in
   cute-probe) cute_probe ;;
   cute-ncu) cute_ncu ;;
   cute-quick) cute_quick ;;
+  cute-next) cute_next ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-next" >&2; exit 2 ;;
 esac
 exit $status

@@ -17,6 +17,8 @@ Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared
 
 from __future__ import annotations
 
+import functools
+
 try:
     import cutlass
     import cutlass.cute as cute
@@ -45,6 +47,12 @@ V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
 MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
 MERGE_BATCH = 4  # rows per thread whose partials the on-chip merge loads at once
+STAMPS = 16  # int32 words per CTA that ``diag`` 6 writes (``STAMP_SLOTS``)
+# diag 6: where each CTA's time goes. Slot 0: %globaltimer_lo at entry (ns), 1: the SM, 2: the
+# CTA's key tiles, 3: %globaltimer_lo at exit; the rest: SM clock cycles since entry when
+# the named point was passed (thread 0, or 128 for warpgroup 1's).
+STAMP_SLOTS = ("entry ns", "sm", "tiles", "exit ns", "issued", "landed", "s done", "p shared",
+               "tile 0 done", "last landed", "loop done", "partial shared", "merged", "end")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -151,8 +159,12 @@ class MlaDecodeKernel:
     tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only,
     wrong results; ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call), 5
     no merge on chip (each CTA writes its own partial to the output, as a cluster of one
-    does). ``fuse`` (two or more groups): the groups' merge fused into the kernel
-    (``kernel_fused``, ``_merge_groups``; not yet run on a GPU).
+    does), 6 (right results) each CTA's timestamps into the buffer that ``counter``
+    points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``). ``fuse`` (two or more groups): the groups' merge fused into the kernel
+    (``kernel_fused``, ``_merge_groups``; measured slower: session 12). ``trial``: the next
+    version on trial (session 12): a prefix tile that lies wholly inside the CTA's slice
+    skips the per-key visibility test (about 480 of the instructions between S and the
+    softmax in warpgroup 0's path, sm90 SASS), scaling the scores only.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -170,7 +182,7 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False):
+                 diag: int = 0, fuse: bool = False, trial: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -183,8 +195,9 @@ class MlaDecodeKernel:
         self.parent_dtype = parent_dtype
         self.diag = diag
         self.fuse = fuse
-        if diag not in (0, 4, 5):
-            raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4 and 5")
+        self.trial = trial
+        if diag not in (0, 4, 5, 6):
+            raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
         if fuse and (groups < 2 or diag):
             raise ValueError("fuse: the groups' merge of two or more groups, no diag")
 
@@ -204,12 +217,26 @@ class MlaDecodeKernel:
         launch = dict(grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
                       cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages),
                       stream=stream)
-        if cutlass.const_expr(self.fuse):
+        if cutlass.const_expr(self.fuse or self.diag == 6):
             self.kernel_fused(*args, counter).launch(**launch)
         else:
             self.kernel(*args).launch(**launch)
 
     # -- small pieces -------------------------------------------------------------------
+
+    def _mark(self, stamps: cute.Pointer, cta, clk0, slot: int, when, value=None):
+        """diag 6: ``value()`` (default: SM cycles since ``clk0``) into ``slot`` of this
+        CTA's stamps, by the thread for which ``when`` holds. Plain Python, so that without
+        diag 6 nothing is emitted (not even the special-register reads)."""
+        if self.diag == 6:
+            self._store_stamp(stamps, cta, slot, when,
+                              cute.arch.clock() - clk0 if value is None else value())
+
+    @cute.jit
+    def _store_stamp(self, stamps: cute.Pointer, cta, slot: cutlass.Constexpr[int], when,
+                     value):
+        if when:
+            cute.make_tensor(stamps + (cta * STAMPS + slot), cute.make_layout(1))[0] = value
 
     @cute.jit
     def _copy_row(self, dst_row: cute.Tensor, src: cute.Pointer, sub: Int32):
@@ -338,18 +365,24 @@ class MlaDecodeKernel:
                                   cute.make_tensor(g_out, cute.make_layout(8)))
 
     @cute.jit
-    def _masked_score(self, x: Float32, kc, row_lane, t: Int32, tail, n_lo: Int32,
-                      n_pref: Int32, n_hi: Int32, hl: Int32, start: Int32, end: Int32,
-                      scale_log2: Float32, cap: Float32):
-        """Score ``x`` of key column ``kc`` of tile ``t`` for a row of lane ``row_lane``, in
-        base 2 (logit cap applied), or -inf where the row does not see the key (past the
-        prefix slice; in the tail, another lane's history or past it)."""
+    def _scaled_score(self, x: Float32, scale_log2: Float32, cap: Float32):
+        """Score ``x`` in base 2, the logit cap applied."""
         if cutlass.const_expr(self.use_cap):
             # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
             y = x * (scale_log2 / LOG2E) / cap
             x = cap * (1.0 - 2.0 / (cute.arch.exp2(y * (2.0 * LOG2E)) + 1.0)) * LOG2E
         else:
             x = x * scale_log2
+        return x
+
+    @cute.jit
+    def _masked_score(self, x: Float32, kc, row_lane, t: Int32, tail, n_lo: Int32,
+                      n_pref: Int32, n_hi: Int32, hl: Int32, start: Int32, end: Int32,
+                      scale_log2: Float32, cap: Float32):
+        """Score ``x`` of key column ``kc`` of tile ``t`` for a row of lane ``row_lane``, in
+        base 2 (logit cap applied), or -inf where the row does not see the key (past the
+        prefix slice; in the tail, another lane's history or past it)."""
+        x = self._scaled_score(x, scale_log2, cap)
         vis = Boolean(False)
         if tail:
             idx = n_lo + (t - n_pref) * KEYS + kc
@@ -385,6 +418,36 @@ class MlaDecodeKernel:
             part += p
         row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
         return alpha, moved
+
+    @cute.jit
+    def _scores_then_softmax(self, acc_s: cute.Tensor, s_rows: cute.Tensor,
+                             c_rows: cute.Tensor, o_rows: cute.Tensor, row_max: cute.Tensor,
+                             row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail,
+                             row_lo: Int32, mask_args: tuple):
+        """``trial``: warpgroup 0's scores of tile ``t`` (base 2; masked only where the tile
+        is not wholly inside the slice) and the online softmax of its rows, each row's O
+        rescale factor into ``sStat[:, 0]``."""
+        n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap = mask_args
+        if (t < n_pref) & (start + t * KEYS + KEYS <= end):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = self._scaled_score(acc_s[i], scale_log2, cap)
+        else:
+            for r in cutlass.range_constexpr(cute.size(c_rows, mode=[0])):
+                row_lane = (row_lo + c_rows[r, 0][0]) // self.heads
+                for c in cutlass.range_constexpr(cute.size(c_rows, mode=[1])):
+                    s_rows[r, c] = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
+                                                      t, tail, *mask_args)
+        n_cols = cute.size(c_rows, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(c_rows, mode=[0])):
+            m = c_rows[r, 0][0]
+            top = -Float32.inf
+            for c in cutlass.range_constexpr(n_cols):
+                top = cute.arch.fmax(top, s_rows[r, c])
+            top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+            alpha, moved = self._softmax_row(s_rows, r, n_cols, top, row_max, row_sum)
+            if lead:
+                sStat[m, 0] = alpha
+            self._rescale_row(o_rows, r, alpha, moved)
 
     @cute.jit
     def _rescale_row(self, o_rows: cute.Tensor, r, alpha, moved):
@@ -491,6 +554,13 @@ class MlaDecodeKernel:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wtid = tidx % 128
         sub = tidx % 4  # the quarter of a key (or query) row this thread gathers
+        clk0 = Int32(0)
+        if cutlass.const_expr(self.diag == 6):
+            clk0 = cute.arch.clock()
+        cta = (b * cute.arch.grid_dim()[1] + rt) * self.splits + split
+        mark = functools.partial(self._mark, counter, cta, clk0)
+        mark(0, tidx == 0, cute.arch.globaltimer_lo)
+        mark(1, tidx == 0, cute.arch.smid)
 
         m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
@@ -553,6 +623,7 @@ class MlaDecodeKernel:
             cute.arch.cp_async_commit_group()
             ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
+            mark(4, tidx == 128)
         if cutlass.const_expr(self.write_new):
             if split == 0:  # this call's keys into the pool, at hist[lane, step]
                 self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
@@ -591,6 +662,8 @@ class MlaDecodeKernel:
             tail = t >= n_pref
             if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
                 cute.arch.cp_async_wait_group(0)
+                mark(5, (tidx == 128) & (t == 0))
+                mark(9, (tidx == 128) & (t == total - 1))
                 if tail:
                     for kq in (key_a, key_b):
                         self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
@@ -611,26 +684,32 @@ class MlaDecodeKernel:
                                               Float32)
                 frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
                 _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+                mark(6, (tidx == 0) & (t == 0))
                 s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                for r in cutlass.range_constexpr(n_my_rows):
-                    m = c_rows[r, 0][0]
-                    row_lane = (row_lo + m) // H
-                    top = -Float32.inf
-                    for c in cutlass.range_constexpr(n_my_cols):
-                        x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
-                                               t, tail, *mask_args)
-                        s_rows[r, c] = x
-                        top = cute.arch.fmax(top, x)
-                    top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
-                    alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
-                                                     row_sum)
-                    if lead:
-                        sStat[m, 0] = alpha
-                    self._rescale_row(o_rows, r, alpha, moved)
+                if cutlass.const_expr(self.trial):
+                    self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum,
+                                              sStat, lead, t, tail, row_lo, mask_args)
+                else:
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        m = c_rows[r, 0][0]
+                        row_lane = (row_lo + m) // H
+                        top = -Float32.inf
+                        for c in cutlass.range_constexpr(n_my_cols):
+                            x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
+                                                   t, tail, *mask_args)
+                            s_rows[r, c] = x
+                            top = cute.arch.fmax(top, x)
+                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+                        alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
+                                                         row_sum)
+                        if lead:
+                            sStat[m, 0] = alpha
+                        self._rescale_row(o_rows, r, alpha, moved)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     p_dst[i] = acc_s[i].to(dt)
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()  # P(t) and the rescale factors visible
+            mark(7, (tidx == 0) & (t == 0))
             if wg == 1:
                 for r in cutlass.range_constexpr(n_my_rows):
                     alpha = sStat[c_rows[r, 0][0], 0]
@@ -639,6 +718,7 @@ class MlaDecodeKernel:
             frag_v = thr_o.make_fragment_B(thr_o.partition_B(
                 cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
             _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            mark(8, (tidx == 0) & (t == 0))
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
@@ -648,6 +728,7 @@ class MlaDecodeKernel:
             if lead:
                 sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
         cute.arch.barrier()
+        mark(10, tidx == 0)
         c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
         c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
         # Where merged rows go: the output, or (several groups) this group's partial.
@@ -687,6 +768,7 @@ class MlaDecodeKernel:
                     sLse[m] = _partial_lse(row_max[r], total_sum)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+            mark(11, tidx == 0)
             # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns.
             C = self.cluster
             chunk = tidx % (D_MAIN // 4)
@@ -712,9 +794,13 @@ class MlaDecodeKernel:
                                         *dst)
             cute.arch.cluster_arrive()  # the others may still read this CTA's partial
             cute.arch.cluster_wait()
+        mark(12, tidx == 0)
         if cutlass.const_expr(self.fuse):
             self._merge_groups(counter, out, mid_o, mid_lse, sStat, tidx, rank, rt, b, q_start,
                                row_lo, n_rows, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, s_mlh)
+        mark(13, tidx == 0)
+        mark(2, tidx == 0, lambda: total)
+        mark(3, tidx == 0, cute.arch.globaltimer_lo)
 
     @cute.jit
     def _merge_groups(self, counter: cute.Pointer, out: cute.Pointer, mid_o: cute.Pointer,

@@ -132,7 +132,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = ""):
+              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -142,7 +142,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, fuse)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
@@ -179,7 +179,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None,
-              counter: Optional[torch.Tensor] = None, diag: int = 0) -> None:
+              counter: Optional[torch.Tensor] = None, diag: int = 0,
+              stamps: Optional[torch.Tensor] = None, trial: bool = False) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -193,8 +194,10 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     the groups' merge is fused into the kernel (the last group's CTAs merge; they leave the
     counters at 0), else one more launch merges them (not yet run on a GPU: session 11).
     ``num_splits``: 1 to ``MAX_SPLITS``.
-    ``diag``: timing experiments (``MlaDecodeKernel``; wrong results,
-    ``tools/gluon_diag.py``)."""
+    ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
+    ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
+    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``trial``: the kernel's
+    next version on trial (``MlaDecodeKernel``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -210,7 +213,14 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
 
     row_tiles = num_row_tiles(topk * q.shape[1])
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
-    fuse = counter is not None and groups > 1
+    fuse = counter is not None and groups > 1 and diag != 6
+    if diag == 6:
+        from ._cute_mla_kernel import STAMPS
+
+        need = num_splits * row_tiles * batch * STAMPS
+        if stamps is None or stamps.dtype != torch.int32 or stamps.numel() < need:
+            raise InvalidInputError("stamps", f"int32, at least {need} words (diag 6)",
+                                    None if stamps is None else tuple(stamps.shape))
     if groups > 1:
         _check_partials(mid_o, mid_lse, q, groups)
     if fuse:
@@ -229,14 +239,15 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag, fuse)
+                   req_to_token.dtype, par.dtype, diag, fuse, trial=trial)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]
             + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),
                _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
                _ptr(_dtype(par.dtype), par.data_ptr()),
-               _ptr(cutlass.Int32, (counter if fuse else meta).data_ptr())]
+               _ptr(cutlass.Int32, (stamps if diag == 6 else counter if fuse
+                                    else meta).data_ptr())]
             + [i32(v) for v in (
                 batch, row_tiles, step, topk, num_steps, kv.shape[0],
                 q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), out.stride(0),
