@@ -27,6 +27,9 @@ set -uo pipefail
 : "${OUT:?OUT must name the folder for the logs}"
 site=/tmp/gpu-site
 logs=/tmp/gpu-check-logs  # packed into $OUT/logs.tgz at the end (8 files come back at most)
+# This call's logs only: a machine can keep /tmp from an earlier call, even an earlier
+# session's, and check() sums up every log in the folder.
+rm -rf "$logs"
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws

@@ -164,7 +164,9 @@ class MlaDecodeKernel:
     (``kernel_fused``, ``_merge_groups``; measured slower: session 12). ``trial``: the next
     version on trial (session 12): a prefix tile that lies wholly inside the CTA's slice
     skips the per-key visibility test (about 480 of the instructions between S and the
-    softmax in warpgroup 0's path, sm90 SASS), scaling the scores only.
+    softmax in warpgroup 0's path, sm90 SASS), scaling the scores only; a cluster of one
+    writes its result through shared memory like a larger cluster (coalesced stores); the
+    on-chip merge loads twice ``MERGE_BATCH`` rows at once.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -733,7 +735,10 @@ class MlaDecodeKernel:
         c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
         # Where merged rows go: the output, or (several groups) this group's partial.
         to_mid = self.groups > 1 and self.diag != 5
-        if cutlass.const_expr(self.cluster == 1 or self.diag == 5):
+        # trial: a cluster of one also goes through shared memory, so its stores are
+        # coalesced 8 or 16 bytes per thread (diag 6, mla-wide: the scalar stores below took
+        # 14.6 us of a 212 us CTA).
+        if cutlass.const_expr((self.cluster == 1 and not self.trial) or self.diag == 5):
             # A cluster of one: this CTA's partial is the cluster's (diag 5: every CTA
             # writes its own, unmerged).
             for r in cutlass.range_constexpr(n_my_rows):
@@ -778,8 +783,9 @@ class MlaDecodeKernel:
             n_iter = (ROWS + 2 * C - 1) // (2 * C)
             # Loads of MERGE_BATCH rows' partials issued together: one distributed
             # shared memory round trip per batch instead of one per row.
-            for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
-                ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
+            batch = MERGE_BATCH * 2 if self.trial else MERGE_BATCH
+            for k0 in cutlass.range_constexpr(0, n_iter, batch):
+                ks = range(k0, min(k0 + batch, n_iter))
                 rows = [rank + C * (2 * k + half) for k in ks]
                 # Past the tile's last row: load row 0 (in bounds), store nothing.
                 at = [cutlass.min(m, ROWS - 1) for m in rows]
