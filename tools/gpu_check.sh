@@ -331,24 +331,28 @@ cute_quick() {
   check
 }
 
-# The CuTe kernel's trial version (KernelConfig.cute_trial, label `trial`) checked and
-# measured in one call (after `fa4-first`; carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh): its
-# GPU tests (the Gluon suite's variant `cute-trial` and its every-cluster-shape cases) beside
-# a soak of it; then, alone on the GPU, tools/cute_stamps.py (where a launch's time goes, per
-# CTA) for the kernel and the trial, and the bench of both (GLUON_CASES, no whole rounds).
+# A CuTe kernel change checked and measured in one call (after `fa4-first`; carry
+# .gpu/flashinfer .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's variants
+# CUTE_VARIANTS, default `cute`, and every cluster shape without the fused merge) beside a
+# soak; then, alone on the GPU, tools/cute_stamps.py (where a launch's time goes, per CTA)
+# and the bench of CUTE_BENCH_OPTIONS (`;`-separated labels, default the kernel) beside the
+# default and FlashInfer (GLUON_CASES, no whole rounds). Session 12 ran it with a trial
+# label beside the kernel's.
 cute_next() {
   vendor_libs
-  local t="python -m pytest -v -p no:cacheprovider -rfE" trial="$CUTE_CONFIG trial"
-  job gpu-tests-cute-trial "${GATE_S:-220}" env SPECATTN_GLUON_VARIANTS=cute-trial $t -n 3 \
-    --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
-    -k "trial and not stress" &
-  job soak-triton-trial "${GATE_S:-220}" $SOAK --backend triton --seed 900000 --rounds 40000 \
+  local t="python -m pytest -v -p no:cacheprovider -rfE"
+  local labels="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
+  job gpu-tests-cute "${GATE_S:-220}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
+    $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
+    -k "not stress and not fused and not conformance" &
+  job soak-triton-cute "${GATE_S:-220}" $SOAK --backend triton --seed 900000 --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
-    --option "triton:config=$trial" &
+    --option "triton:config=${labels%%;*}" &
   wait
+  IFS=';' read -r -a stamp_labels <<< "$labels"
   job cute-stamps "${STAMPS_S:-120}" python tools/cute_stamps.py \
-    --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "$CUTE_CONFIG" "$trial"
-  GLUON_OPTIONS="$CUTE_CONFIG;$trial" GLUON_BENCH_ARGS="--no-round --no-sweep" \
+    --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "${stamp_labels[@]}"
+  GLUON_OPTIONS="$labels" GLUON_BENCH_ARGS="--no-round --no-sweep" \
     GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-wide}" \
     job cute-bench "${GLUON_BENCH_S:-260}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null

@@ -46,7 +46,7 @@ THREADS = 256  # two consumer warpgroups
 V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
 MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
-MERGE_BATCH = 4  # rows per thread whose partials the on-chip merge loads at once
+MERGE_BATCH = 8  # rows per thread whose partials the on-chip merge loads at once
 STAMPS = 16  # int32 words per CTA that ``diag`` 6 writes (``STAMP_SLOTS``)
 # diag 6: where each CTA's time goes. Slot 0: %globaltimer_lo at entry (ns), 1: the SM, 2: the
 # CTA's key tiles, 3: %globaltimer_lo at exit; the rest: SM clock cycles since entry when
@@ -161,12 +161,7 @@ class MlaDecodeKernel:
     no merge on chip (each CTA writes its own partial to the output, as a cluster of one
     does), 6 (right results) each CTA's timestamps into the buffer that ``counter``
     points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``). ``fuse`` (two or more groups): the groups' merge fused into the kernel
-    (``kernel_fused``, ``_merge_groups``; measured slower: session 12). ``trial``: the next
-    version on trial (session 12): a prefix tile that lies wholly inside the CTA's slice
-    skips the per-key visibility test (about 480 of the instructions between S and the
-    softmax in warpgroup 0's path, sm90 SASS), scaling the scores only; a cluster of one
-    writes its result through shared memory like a larger cluster (coalesced stores); the
-    on-chip merge loads twice ``MERGE_BATCH`` rows at once.
+    (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -184,7 +179,7 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False, trial: bool = False):
+                 diag: int = 0, fuse: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -197,7 +192,6 @@ class MlaDecodeKernel:
         self.parent_dtype = parent_dtype
         self.diag = diag
         self.fuse = fuse
-        self.trial = trial
         if diag not in (0, 4, 5, 6):
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
         if fuse and (groups < 2 or diag):
@@ -426,9 +420,10 @@ class MlaDecodeKernel:
                              c_rows: cute.Tensor, o_rows: cute.Tensor, row_max: cute.Tensor,
                              row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail,
                              row_lo: Int32, mask_args: tuple):
-        """``trial``: warpgroup 0's scores of tile ``t`` (base 2; masked only where the tile
-        is not wholly inside the slice) and the online softmax of its rows, each row's O
-        rescale factor into ``sStat[:, 0]``."""
+        """Warpgroup 0's scores of tile ``t`` (base 2; masked only where the tile is not
+        wholly inside the slice: the visibility test was about 480 instructions of this
+        warpgroup's path per tile, sm90 SASS) and the online softmax of its rows, each row's
+        O rescale factor into ``sStat[:, 0]``."""
         n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap = mask_args
         if (t < n_pref) & (start + t * KEYS + KEYS <= end):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -688,25 +683,8 @@ class MlaDecodeKernel:
                 _wgmma(mma_s, acc_s, frag_q, frag_k, True)
                 mark(6, (tidx == 0) & (t == 0))
                 s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                if cutlass.const_expr(self.trial):
-                    self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum,
-                                              sStat, lead, t, tail, row_lo, mask_args)
-                else:
-                    for r in cutlass.range_constexpr(n_my_rows):
-                        m = c_rows[r, 0][0]
-                        row_lane = (row_lo + m) // H
-                        top = -Float32.inf
-                        for c in cutlass.range_constexpr(n_my_cols):
-                            x = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
-                                                   t, tail, *mask_args)
-                            s_rows[r, c] = x
-                            top = cute.arch.fmax(top, x)
-                        top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
-                        alpha, moved = self._softmax_row(s_rows, r, n_my_cols, top, row_max,
-                                                         row_sum)
-                        if lead:
-                            sStat[m, 0] = alpha
-                        self._rescale_row(o_rows, r, alpha, moved)
+                self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum,
+                                          sStat, lead, t, tail, row_lo, mask_args)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     p_dst[i] = acc_s[i].to(dt)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -735,12 +713,11 @@ class MlaDecodeKernel:
         c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
         # Where merged rows go: the output, or (several groups) this group's partial.
         to_mid = self.groups > 1 and self.diag != 5
-        # trial: a cluster of one also goes through shared memory, so its stores are
-        # coalesced 8 or 16 bytes per thread (diag 6, mla-wide: the scalar stores below took
-        # 14.6 us of a 212 us CTA).
-        if cutlass.const_expr((self.cluster == 1 and not self.trial) or self.diag == 5):
-            # A cluster of one: this CTA's partial is the cluster's (diag 5: every CTA
-            # writes its own, unmerged).
+        if cutlass.const_expr(self.diag == 5):
+            # diag 5: every CTA writes its own partial, unmerged, straight from registers.
+            # (Not the kernel's way for a cluster of one: these scalar stores took 14.6 us
+            # of a 212 us CTA at mla-wide, diag 6; shared memory and 8- or 16-byte stores
+            # below take about 7.)
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
                 total_sum, inv = _row_sum_and_inverse(sStat, m)
@@ -783,9 +760,8 @@ class MlaDecodeKernel:
             n_iter = (ROWS + 2 * C - 1) // (2 * C)
             # Loads of MERGE_BATCH rows' partials issued together: one distributed
             # shared memory round trip per batch instead of one per row.
-            batch = MERGE_BATCH * 2 if self.trial else MERGE_BATCH
-            for k0 in cutlass.range_constexpr(0, n_iter, batch):
-                ks = range(k0, min(k0 + batch, n_iter))
+            for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
+                ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
                 rows = [rank + C * (2 * k + half) for k in ks]
                 # Past the tile's last row: load row 0 (in bounds), store nothing.
                 at = [cutlass.min(m, ROWS - 1) for m in rows]
