@@ -27,11 +27,12 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
   output (one group) or the cluster's merged partial, which ``merge_kernel`` then combines
   (several groups).
 
-Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36): the Gluon
-kernel's GPU tests (variant ``cute``), every cluster shape and a soak, passing (session 11,
-call 4; the conformance kit, the stress loop and memcheck passed on earlier versions).
-Next to the Gluon kernel: 2% faster at mla-long (69.1 vs 70.5 us), 5% at H 128 (mla-wide
-194.6 vs 205.8), slower on ragged batches at H 16. Versions, profile and next steps:
+Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v7 (session
+12): the Gluon kernel's GPU tests (variant ``cute``), every cluster shape and a soak, twice,
+passing; the conformance kit, the stress loop and memcheck passed on v6 (session 12, call 3)
+and earlier versions. Next to the Gluon kernel (same run): 4% faster at mla-long (67.0 vs
+69.8 us), 3% at mla-k1, 22% at H 128 (mla-wide 162.0 vs 206.6); slower on ragged batches at
+H 16 and at mla-small. Versions, profile and next steps:
 ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
 vendor MLA kernel for Blackwell).
 """
