@@ -19,7 +19,6 @@ epilogue and the on-chip merge, and whether the CTAs start together.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -33,10 +32,8 @@ def _quantiles(values, qs=(0.5, 0.9)):
 
 
 def main() -> None:
-    import torch
+    from gluon_diag import case_setups  # this folder
 
-    from specattn.bench import cases as C
-    from specattn.bench.harness import build_setup
     from specattn.bench.options import kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,17 +45,9 @@ def main() -> None:
     for cfg in configs:
         if not cfg.cute:
             raise SystemExit(f"--config {cfg.label()}: a CuTe-DSL kernel config ('... cute')")
-    by_name = {c.name: c for c in C.STANDARD_CASES + C.EXTRA_CASES}
-    runs = [(name, by_name[name]) for name in args.case]
-    if args.prefix:
-        runs = [(f"{name} L {n}", dataclasses.replace(case, prefix=n))
-                for name, case in runs for n in args.prefix]
-    for name, case in runs:
-        setup = build_setup(case, "cuda")
+    for name, case, setup in case_setups(args.case, args.prefix):
         for cfg in configs:
             _stamp_run(f"{name}, {cfg.label()}", case, setup, cfg)
-        del setup
-        torch.cuda.empty_cache()
 
 
 def _stamp_run(name, case, setup, cfg) -> None:

@@ -44,10 +44,7 @@ CUTE_MODES = {"full", "no tiles", "no merge"}  # the CuTe kernel's (its loop has
 
 
 def main() -> None:
-    import torch
-
-    from specattn.bench import cases as C
-    from specattn.bench.harness import CudaClock, build_setup
+    from specattn.bench.harness import CudaClock
     from specattn.bench.options import kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,18 +61,30 @@ def main() -> None:
         if not cfg.gluon or cfg.gluon_worklist or cfg.gluon_ws or cfg.gluon_overlap:
             raise SystemExit(f"--config {cfg.label()}: the split-per-request Gluon kernel "
                              "without overlap, or the CuTe-DSL kernel")
-    by_name = {c.name: c for c in C.STANDARD_CASES + C.EXTRA_CASES}
     clock = CudaClock()
     print(f"| case | config | tiles per program | {' | '.join(MODES)} | full per tile |")
     print("|---|---|---|" + "---|" * (len(MODES) + 1))
-    runs = [(name, by_name[name]) for name in args.case]
-    if args.prefix:
-        runs = [(f"{name} L {n}", dataclasses.replace(case, prefix=n))
-                for name, case in runs for n in args.prefix]
-    for name, case in runs:
-        setup = build_setup(case, "cuda")
+    for name, case, setup in case_setups(args.case, args.prefix):
         for cfg in configs:
             _diag_row(name, case, setup, cfg, clock)
+
+
+def case_setups(names, prefixes=None):
+    """``(name, case, setup)`` for each bench case named (at each of ``prefixes`` instead
+    of its own prefix length, if given), one GPU setup alive at a time."""
+    import torch
+
+    from specattn.bench import cases as C
+    from specattn.bench.harness import build_setup
+
+    by_name = {c.name: c for c in C.STANDARD_CASES + C.EXTRA_CASES}
+    runs = [(name, by_name[name]) for name in names]
+    if prefixes:
+        runs = [(f"{name} L {n}", dataclasses.replace(case, prefix=n))
+                for name, case in runs for n in prefixes]
+    for name, case in runs:
+        setup = build_setup(case, "cuda")
+        yield name, case, setup
         del setup
         torch.cuda.empty_cache()
 
