@@ -204,3 +204,37 @@ def test_gluon_diag_refuses_a_kernel_without_its_diag_step():
         res = subprocess.run([sys.executable, os.path.join(TOOLS, "gluon_diag.py"), "--config",
                               label], capture_output=True, text=True, timeout=120)
         assert res.returncode != 0 and "split-per-request Gluon kernel" in res.stderr, res
+
+
+def test_cute_stamps_refuses_a_config_without_the_cute_kernel():
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, "cute_stamps.py"), "--config",
+                          "m64 n64 w8 s2 kv-first gluon"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0 and "a CuTe-DSL kernel config" in res.stderr, res
+
+
+def test_cute_stamps_report_from_known_stamps(capsys):
+    """Two CTAs whose stamps say: started 100 ns apart (the timer wrapping past 2^32), 20 us
+    long at 2 GHz, tile 0 landed after 1,000 cycles and the last of 5 tiles 8,000 cycles
+    later: the report shows 0.5 us to the landing and 1 us from tile to tile."""
+    sys.path.insert(0, TOOLS)
+    try:
+        import cute_stamps
+    finally:
+        sys.path.remove(TOOLS)
+    from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
+
+    at = {s: i for i, s in enumerate(STAMP_SLOTS)}
+    words = torch.zeros(2, STAMPS, dtype=torch.int64)
+    for cta, entry in enumerate((2 ** 32 - 50, 50)):  # the second starts after the wrap
+        words[cta, at["entry ns"]] = entry
+        words[cta, at["exit ns"]] = (entry + 20_000) % 2 ** 32
+        words[cta, at["sm"]], words[cta, at["tiles"]] = cta, 5
+        words[cta, at["landed"]], words[cta, at["last landed"]] = 1_000, 9_000
+        words[cta, at["end"]] = 40_000
+    stamps = (words - (words >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # as int32 holds it
+    cute_stamps._report("known", stamps.flatten(), 25.0, STAMP_SLOTS, STAMPS)
+    text = capsys.readouterr().out
+    assert "2 CTAs on 2 SMs" in text and "SM clock 2.00 GHz" in text, text
+    assert "last 0.10" in text and "| landed | 0.50 |" in text, text
+    assert "tile to tile (landed, first to last): median 1.00 us" in text, text

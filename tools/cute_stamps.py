@@ -84,14 +84,21 @@ def _report(name, stamps, event_us, slots, width) -> None:
     words = stamps.view(-1, width).cpu().tolist()
     ctas = [w for w in words if w[slots.index("end")] > 0]
     ns_at = {s: i for i, s in enumerate(slots)}
-    # Timers wrap at 2^32: subtract in modular arithmetic.
-    t0 = min(w[ns_at["entry ns"]] & 0xFFFFFFFF for w in ctas)
+    # The timer's low 32 bits wrap every 4.3 s: times are differences modulo 2^32, and the
+    # first start is the one the others follow (by less than half the range).
+    wrap = 1 << 32
+
+    def since(x, ref):
+        return (x - ref) % wrap
+
+    ref = ctas[0][ns_at["entry ns"]]
+    t0 = ref + min(since(w[ns_at["entry ns"]], ref) - (wrap if since(
+        w[ns_at["entry ns"]], ref) >= wrap // 2 else 0) for w in ctas)
 
     def rel(x):
-        return ((x & 0xFFFFFFFF) - t0) % (1 << 32)
+        return since(x, t0)
 
-    ghz = _quantiles([w[ns_at["end"]] / max(1, rel(w[ns_at["exit ns"]])
-                                             - rel(w[ns_at["entry ns"]]))
+    ghz = _quantiles([w[ns_at["end"]] / max(1, since(w[ns_at["exit ns"]], w[ns_at["entry ns"]]))
                       for w in ctas])[0]
     print(f"## {name}: {len(ctas)} CTAs on {len({w[ns_at['sm']] for w in ctas})} SMs, "
           f"tiles per CTA {sorted({w[ns_at['tiles']] for w in ctas})}, SM clock "
