@@ -168,8 +168,10 @@ class MlaDecodeKernel:
     twice; whole rows, so no row maxima are exchanged) and the softmax, keeping a row's
     running maximum until a new one exceeds it by more than ``MAX_SLACK`` (then O needs no
     rescale); warpgroup 1 alone gathers the key tiles, a tile ahead; both add ``P.V`` into
-    their output halves. Two barriers per tile. The on-chip merge loads ``MERGE_BATCH``
-    rows' partials at once.
+    their output halves. Two barriers per tile. v7 (session 12): a tile wholly inside the
+    slice is not masked key by key; a cluster of one writes its result through shared
+    memory as larger clusters do (coalesced stores); the on-chip merge loads
+    ``MERGE_BATCH`` rows' partials at once.
 
     Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
     behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
