@@ -1,4 +1,4 @@
-"""Hashes of the CuTe-DSL MLA decode kernel's sm90a PTX for three variants, compiled here
+"""Hashes of the CuTe-DSL MLA decode kernel's sm90a PTX for five variants, compiled here
 without a GPU. A source change whose hashes match the last H200-verified ones compiles to
 the same kernel, so the GPU record still holds for it (``gpu-check-s10.md``, "After the last
 device call").

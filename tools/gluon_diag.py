@@ -10,8 +10,8 @@ layers rotated past L2):
 - ``no tiles``: ``DIAG=4``, no key tiles (Q, the prologue's copies, the epilogue, the merge):
   the fixed cost of a call;
 - ``no merge`` (the CuTe-DSL kernel, ``cute`` configs, only): ``diag=5``, each CTA writes
-  its own partial to the output as a cluster of one does (no on-chip merge, no cluster
-  barrier): ``full`` minus this is what the merge on chip costs. (Until session 11 this
+  its own partial to the output straight from its registers (no on-chip merge, no
+  cluster barrier): ``full`` minus this is what the merge on chip costs. (Until session 11 this
   mode dropped the stores altogether; the compiler then dropped most of ``P.V`` too, so its
   figure was not the merge's cost.) The CuTe kernel is timed ``full``, ``no tiles`` and
   ``no merge`` only (since session 11 its loop has no copies-alone or math-alone mode).

@@ -45,7 +45,7 @@ def _variants():
         "n32s4-ws": "m64 n32 w8 s4 kv-first gluon pf ws",
         # The CuTe-DSL kernel (cute_mla): the splits of a request merged on chip (opt-in).
         "cute": "m64 n64 w8 s2 kv-first gluon cute",
-        # With the merge of several clusters' partials fused into it (not yet run on a GPU).
+        # With the merge of several clusters' partials fused into it (slower: session 12).
         "cute-fm": "m64 n64 w8 s2 kv-first fm gluon cute",
     }
     every = {name: label and kernel_config(label) for name, label in every.items()}

@@ -156,11 +156,12 @@ class MlaDecodeKernel:
     (CTAs per thread-block cluster, merged on chip), ``groups`` (clusters per request row
     tile: the prefix is cut into ``cluster * groups`` splits; with more than one group each
     cluster writes its merged fp32 partial and LSE for ``merge_kernel``), ``stages`` (key
-    tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments only,
-    wrong results; ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call), 5
-    no merge on chip (each CTA writes its own partial to the output, as a cluster of one
-    does), 6 (right results) each CTA's timestamps into the buffer that ``counter``
-    points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``). ``fuse`` (two or more groups): the groups' merge fused into the kernel
+    tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments;
+    ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call; wrong results), 5
+    no merge on chip (each CTA writes its own partial to the output straight from its
+    registers; wrong results), 6 each CTA's timestamps into the buffer that ``counter``
+    points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
+    or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
@@ -647,7 +648,6 @@ class MlaDecodeKernel:
         c_rows = cute.make_tensor(c_s.iterator, _acc_rows(c_s.layout))
         p_dst = thr_s.partition_C(sP)
         n_my_rows = cute.size(c_rows, mode=[0])
-        n_my_cols = cute.size(c_rows, mode=[1])
         row_max = cute.make_rmem_tensor(n_my_rows, Float32)
         row_sum = cute.make_rmem_tensor(n_my_rows, Float32)
         row_max.fill(-Float32.inf)
@@ -713,32 +713,20 @@ class MlaDecodeKernel:
         mark(10, tidx == 0)
         c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
         c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
-        # Where merged rows go: the output, or (several groups) this group's partial.
-        to_mid = self.groups > 1 and self.diag != 5
         if cutlass.const_expr(self.diag == 5):
-            # diag 5: every CTA writes its own partial, unmerged, straight from registers.
-            # (Not the kernel's way for a cluster of one: these scalar stores took 14.6 us
-            # of a 212 us CTA at mla-wide, diag 6; shared memory and 8- or 16-byte stores
-            # below take about 7.)
+            # diag 5: every CTA writes its own partial, unmerged, into the output straight
+            # from registers. (Not the kernel's way for a cluster of one: these scalar
+            # stores took 14.6 us of a 212 us CTA at mla-wide, diag 6; shared memory and 8-
+            # or 16-byte stores below take about 7.)
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
-                total_sum, inv = _row_sum_and_inverse(sStat, m)
+                _, inv = _row_sum_and_inverse(sStat, m)
                 row = row_lo + m
                 if row < n_rows:
-                    if cutlass.const_expr(to_mid):
-                        g = cute.make_tensor(
-                            _head_row(mid_o, q_start, row, H, s_mot, s_moh)
-                            + (group * s_mop + wg * V_HALF), cute.make_layout(V_HALF))
-                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                            g[c_orows[r, c][1]] = o_rows[r, c] * inv
-                        if lead & (wg == 0):
-                            self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh,
-                                            _partial_lse(row_max[r], total_sum))
-                    else:
-                        g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                             + wg * V_HALF, cute.make_layout(V_HALF))
-                        for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                            g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
+                    g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
+                                         + wg * V_HALF, cute.make_layout(V_HALF))
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
         else:
             # Normalised partial and LSE into this CTA's shared memory (the ring is free).
             sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
@@ -753,7 +741,9 @@ class MlaDecodeKernel:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             mark(11, tidx == 0)
-            # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns.
+            # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns,
+            # merged into the output or (several groups) into this group's partial.
+            to_mid = self.groups > 1
             C = self.cluster
             chunk = tidx % (D_MAIN // 4)
             half = tidx // (D_MAIN // 4)

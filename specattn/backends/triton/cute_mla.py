@@ -193,7 +193,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     last stride (needed with more than one group); counter: int32 zeros, at least ``B *
     row tiles * cluster`` (a fixed buffer for CUDA graphs): with it and more than one group
     the groups' merge is fused into the kernel (the last group's CTAs merge; they leave the
-    counters at 0), else one more launch merges them (not yet run on a GPU: session 11).
+    counters at 0; correct on the H200 and slower than the launch, session 12), else one
+    more launch merges them.
     ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
