@@ -300,28 +300,36 @@ cute_probe() {
 # A CuTe kernel change checked in one short call (after `fa4-first`; carry .gpu/flashinfer
 # .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's variants CUTE_VARIANTS,
 # default `cute` and `cute-fm`; every cluster shape with and without the fused merge; the kit
-# with its config) beside a soak; then, whatever the tests said, the MLA bench of the kernel
-# and its `fm` form beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS
-# replaces the variants, as GLUON_OPTIONS), and tools/gluon_diag.py at two prefix lengths (the fixed cost
-# per call and the time per tile); CUTE_PARTS=1 adds `specattn bench --parts` (each kernel's
-# time in one eager step: the CuTe kernel, the merge launch, the metadata) on mla-long and
-# mla-small.
+# with its config; CUTE_TESTS_K narrows them) beside a soak of the first bench label; then,
+# whatever the tests said, CUTE_STAMPS=1 adds tools/cute_stamps.py (where a launch's time
+# goes, per CTA) for every bench label, then the MLA bench of the kernel and its `fm` form
+# beside the default and FlashInfer (GLUON_CASES; CUTE_BENCH_OPTIONS replaces the
+# `;`-separated labels, CUTE_BENCH_ARGS adds bench flags), and tools/gluon_diag.py at two
+# prefix lengths (the fixed cost per call and the time per tile; CUTE_NO_DIAG=1 skips it);
+# CUTE_PARTS=1 adds `specattn bench --parts` (each kernel's time in one eager step: the CuTe
+# kernel, the merge launch, the metadata) on mla-long and mla-small.
 cute_quick() {
   vendor_libs
   local t="python -m pytest -v -p no:cacheprovider -rfE"
+  local labels="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;${CUTE_CONFIG/kv-first/kv-first fm}}"
   job gpu-tests-cute "${GATE_S:-200}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-fm}" \
     $t -n 3 --timeout 240 \
-    tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "not stress" &
-  job soak-triton-cute "${GATE_S:-200}" $SOAK --backend triton --seed 800000 --rounds 40000 \
-    --max-seconds "${SOAK_SECONDS:-60}" --workers 2 --same-config 50 \
-    --option "triton:config=$CUTE_CONFIG" &
+    tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py -k "${CUTE_TESTS_K:-not stress}" &
+  job soak-triton-cute "${GATE_S:-200}" $SOAK --backend triton --seed "${SOAK_SEED:-800000}" \
+    --rounds 40000 --max-seconds "${SOAK_SECONDS:-60}" --workers 2 --same-config 50 \
+    --option "triton:config=${labels%%;*}" &
   wait
-  GLUON_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;${CUTE_CONFIG/kv-first/kv-first fm}}" \
+  if [ -n "${CUTE_STAMPS:-}" ]; then
+    IFS=';' read -r -a stamp_labels <<< "$labels"
+    job cute-stamps "${STAMPS_S:-120}" python tools/cute_stamps.py \
+      --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "${stamp_labels[@]}"
+  fi
+  GLUON_OPTIONS="$labels" GLUON_BENCH_ARGS="${CUTE_BENCH_ARGS:-}" \
     GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-small mla-wide}" \
     job cute-bench "${GLUON_BENCH_S:-200}" bash tools/gluon_session.sh bench
   cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
-  job cute-diag "${CUTE_DIAG_S:-120}" python tools/gluon_diag.py --case mla-long \
-    --prefix 1024 4096 --config "$CUTE_CONFIG"
+  [ -z "${CUTE_NO_DIAG:-}" ] && job cute-diag "${CUTE_DIAG_S:-120}" python tools/gluon_diag.py \
+    --case mla-long --prefix 1024 4096 --config "$CUTE_CONFIG"
   if [ -n "${CUTE_PARTS:-}" ]; then  # each kernel's time in one eager step (torch.profiler)
     job cute-parts "${CUTE_PARTS_S:-120}" python -m specattn bench --quick --no-sweep \
       --case mla-long mla-small --backend triton --option "triton:config=$CUTE_CONFIG" \
@@ -331,32 +339,19 @@ cute_quick() {
   check
 }
 
-# A CuTe kernel change checked and measured in one call (after `fa4-first`; carry
-# .gpu/flashinfer .gpu/fa4 .gpu/install.sh): its GPU tests (the Gluon suite's variants
-# CUTE_VARIANTS, default `cute`, and every cluster shape without the fused merge) beside a
-# soak; then, alone on the GPU, tools/cute_stamps.py (where a launch's time goes, per CTA)
-# and the bench of CUTE_BENCH_OPTIONS (`;`-separated labels, default the kernel) beside the
-# default and FlashInfer (GLUON_CASES, no whole rounds). Session 12 ran it with a trial
-# label beside the kernel's.
+# `cute-quick` as session 12 ran it for a kernel change (same carry): the Gluon suite's
+# variant `cute` and every cluster shape without the fused merge or the kit, a longer soak,
+# the stamps, and the bench of CUTE_BENCH_OPTIONS (default the kernel alone) on mla-long,
+# mla-k1 and mla-wide without whole rounds or the sweep; no diag. Session 12 ran it with a
+# trial label beside the kernel's.
 cute_next() {
-  vendor_libs
-  local t="python -m pytest -v -p no:cacheprovider -rfE"
-  local labels="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
-  job gpu-tests-cute "${GATE_S:-220}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
-    $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
-    -k "not stress and not fused and not conformance" &
-  job soak-triton-cute "${GATE_S:-220}" $SOAK --backend triton --seed 900000 --rounds 40000 \
-    --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
-    --option "triton:config=${labels%%;*}" &
-  wait
-  IFS=';' read -r -a stamp_labels <<< "$labels"
-  job cute-stamps "${STAMPS_S:-120}" python tools/cute_stamps.py \
-    --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "${stamp_labels[@]}"
-  GLUON_OPTIONS="$labels" GLUON_BENCH_ARGS="--no-round --no-sweep" \
-    GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-wide}" \
-    job cute-bench "${GLUON_BENCH_S:-260}" bash tools/gluon_session.sh bench
-  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
-  check
+  CUTE_VARIANTS="${CUTE_VARIANTS:-cute}" \
+    CUTE_TESTS_K="${CUTE_TESTS_K:-not stress and not fused and not conformance}" \
+    GATE_S="${GATE_S:-220}" SOAK_SEED="${SOAK_SEED:-900000}" SOAK_SECONDS="${SOAK_SECONDS:-90}" \
+    CUTE_BENCH_OPTIONS="${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}" CUTE_STAMPS=1 CUTE_NO_DIAG=1 \
+    CUTE_BENCH_ARGS="${CUTE_BENCH_ARGS:---no-round --no-sweep}" \
+    GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-wide}" GLUON_BENCH_S="${GLUON_BENCH_S:-260}" \
+    cute_quick
 }
 
 CLUSTERS="import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
