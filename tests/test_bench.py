@@ -584,6 +584,22 @@ def test_wall_clock_reports_median_and_spread():
     assert 1.5 < ms < 20 and clock.last_spread > report.NOISY_SPREAD
 
 
+def test_rate_lines_name_each_compute_bound_row():
+    """table.md lists the TFLOP/s note of every timed row of a compute-bound case (from the
+    run, a list; from an appended CSV, one string), and nothing for failed rows."""
+    note = "451 TFLOP/s (65% of the bf16 matmul rate 692 TFLOP/s, same process)"
+    rows = [{"case": "mla-wide", "lengths": "uniform", "variant": "triton", "status": "ok",
+             "notes": [note]},
+            {"case": "mla-wide", "lengths": "ragged", "variant": "fa", "status": "ok",
+             "notes": "graph capture failed (x); 300 TFLOP/s"},
+            {"case": "mla-wide", "lengths": "uniform", "variant": "b", "status": "failed",
+             "notes": [note]},
+            {"case": "mla-long", "lengths": "uniform", "variant": "triton", "status": "ok",
+             "notes": []}]
+    assert report.rate_lines(rows) == [f"- mla-wide (uniform), triton: {note}",
+                                       "- mla-wide (ragged), fa: 300 TFLOP/s"]
+
+
 def test_noise_warning_names_the_worst_timing():
     rows = [{"case": "c", "variant": "a", "status": "ok", "spread": 0.02},
             {"case": "c", "variant": "b", "status": "ok", "spread": 0.35},

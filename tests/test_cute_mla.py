@@ -56,6 +56,10 @@ def test_config_label_and_rules():
     assert fused.cute and fused.fuse_merge
     with pytest.raises(InvalidInputError, match="fuse_merge only with cute"):
         kernel_config("m64 n64 w8 s2 kv-first fm gluon")
+    trial = kernel_config(CUTE + " trial")
+    assert trial.cute_trial and trial.label() == CUTE + " trial"
+    with pytest.raises(InvalidInputError, match="only with cute"):
+        kernel_config("m64 n64 w8 s2 kv-first gluon trial")
 
 
 def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():
@@ -84,6 +88,45 @@ def test_forced_config_refused_off_its_device(monkeypatch):
     with pytest.raises(InvalidInputError, match="CuTe-DSL kernel serves") as info:
         TritonDecode(r, 4, 3, config=kernel_config(CUTE))
     assert info.value.argument == "config" and "not a CUDA device" in str(info.value)
+
+
+@pytest.mark.parametrize("topk,work_list,want", [
+    (8, None, CUTE),  # 8 lanes x 16 heads: two row tiles
+    (8, False, CUTE),
+    (8, True, "m64 n64 w8 s2 kv-first gluon pf wl"),  # the work list stays on request
+    (4, None, "m64 n64 w8 s2 kv-first gluon pf wl"),  # one row tile: the work list
+    (4, False, "m64 n64 w8 s2 kv-first gluon pf"),
+])
+def test_default_takes_the_cute_kernel_above_one_row_tile(monkeypatch, caplog, topk,
+                                                           work_list, want):
+    """Where the sm90 guards pass and CuTe-DSL serves the runner, a request of several
+    64-row tiles gets the CuTe kernel by default (its clusters merge on chip); one row tile
+    keeps the Gluon work list (faster on ragged batches) and ``work_list=True`` keeps it
+    everywhere. The choice is logged once, naming the kernel."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "_LOGGED", set())
+    r, _ = mla_round([5, 6, 7], topk=topk)
+    with caplog.at_level("INFO", logger="specattn.backends.triton.cute_mla"):
+        for _ in range(2):
+            cfg = launchers.gluon_config(r, False, topk, work_list)
+    assert cfg.label() == want
+    logged = [m for m in caplog.messages if "query rows per request" in m]
+    assert len(logged) == (1 if want == CUTE else 0)
+    assert not logged or "the CuTe-DSL kernel" in logged[0]
+
+
+def test_default_without_cute_keeps_the_gluon_split(monkeypatch, caplog):
+    """Without CuTe-DSL (here: a CPU), several row tiles get the Gluon split kernel, and the
+    log says why the CuTe kernel does not run."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "_LOGGED", set())
+    r, _ = mla_round([5, 6], topk=8)
+    with caplog.at_level("INFO", logger="specattn.backends.triton.cute_mla"):
+        cfg = launchers.gluon_config(r, False, 8)
+    assert cfg.label() == "m64 n64 w8 s2 kv-first gluon pf"
+    assert any("Gluon split kernel, not the CuTe-DSL kernel: not a CUDA device" in m
+               for m in caplog.messages)
 
 
 @pytest.fixture

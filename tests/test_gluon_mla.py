@@ -99,6 +99,7 @@ def test_version_guard(monkeypatch, version, ok):
 @pytest.mark.parametrize("device,cap,interp,version,expect", [
     ("cuda", (9, 0), False, "3.6.0", "Gluon wgmma kernel"),
     ("cuda", (9, 0), False, "3.6.0", "work list up to 64 query rows per request"),
+    ("cuda", (9, 0), False, "3.6.0", "a fixed prefix split above (the CuTe-DSL kernel"),
     ("cuda", (9, 0), False, "3.9.0", "tl.dot kernel (Gluon kernel off: triton 3.9.0"),
     ("cuda", (8, 0), False, "3.6.0", "sm80, needs sm90"),
     ("cpu", None, True, "3.6.0", "not a CUDA device"),
@@ -106,6 +107,11 @@ def test_version_guard(monkeypatch, version, ok):
 ])
 def test_platform_note(device, cap, interp, version, expect):
     assert expect in gluon_mla.platform_note(device, cap, interp, version)
+
+
+def test_platform_note_with_cute_dsl():
+    note = gluon_mla.platform_note("cuda", (9, 0), False, "3.6.0", cute_installed=True)
+    assert "above, the CuTe-DSL kernel" in note and "fixed prefix split" not in note
 
 
 def test_list_and_select_say_which_kernel():

@@ -34,17 +34,25 @@ def main() -> int:
     from specattn.backends.triton import cute_mla
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.parse_args()
+    ap.add_argument("--trial", action="store_true",
+                    help="the version on trial (MlaDecodeKernel's trial) instead")
+    ap.add_argument("--ptx-dir", default=None,
+                    help="also write each variant's PTX there (variant-N.ptx)")
+    args = ap.parse_args()
     variants = [(torch.bfloat16, 16, False, False, 3, 1, torch.int32, torch.int32),
                 (torch.float16, 128, True, True, 1, 1, torch.int32, torch.int64),
                 (torch.bfloat16, 16, True, False, 8, 1, torch.int64, torch.int64),
                 (torch.bfloat16, 16, False, False, 2, 2, torch.int32, torch.int32),
                 (torch.float16, 16, False, False, 1, 4, torch.int32, torch.int32)]
     hashes = []
-    for dtype, heads, path, cap, cluster, groups, r2t, parent in variants:
+    for n, (dtype, heads, path, cap, cluster, groups, r2t, parent) in enumerate(variants):
         compiled = cute_mla._compiled(dtype, heads, path, cap, True, cluster, groups, r2t,
-                                      parent, options="--keep-ptx")
+                                      parent, options="--keep-ptx", trial=args.trial)
         hashes.append(hashlib.sha1(compiled.__ptx__.encode()).hexdigest()[:12])
+        if args.ptx_dir:
+            os.makedirs(args.ptx_dir, exist_ok=True)
+            with open(os.path.join(args.ptx_dir, f"variant-{n}.ptx"), "w") as f:
+                f.write(compiled.__ptx__)
     print(" ".join(hashes))
     return 0
 

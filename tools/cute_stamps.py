@@ -2,11 +2,12 @@
 every CTA writes (``MlaDecodeKernel`` diag 6: right results, a few extra stores): one bench
 step of each case, on the last of the bench's rotating layers, after warm-up calls.
 
-Per case, one row per point of a CTA's life (``_cute_mla_kernel.STAMP_SLOTS``): the time
-since the CTA started (SM clock, converted with the clock rate measured from the same
+Per case, one row per point of a CTA's life (``_cute_mla_kernel.STAMP_SLOTS``, in the
+order of their medians): the time since the CTA started (SM clock, converted with the clock rate measured from the same
 stamps), as the median and the 90th percentile over the CTAs, and the step to the next
 point; then the launch itself: how far apart the CTAs started and ended (``%globaltimer``),
-the SMs used, and the call's device time (CUDA events).
+the SMs used, and the call's device time (CUDA events); where CTAs walk different tile
+counts, when each count's CTAs finished the loop and exited.
 
     python tools/cute_stamps.py [--case mla-long mla-small ...] [--prefix N ...]
                                 [--config LABEL ...]
@@ -110,16 +111,30 @@ def _report(name, stamps, event_us, slots, width) -> None:
           f"{min(ends):.2f} us, median {_quantiles(ends)[0]:.2f}, last {max(ends):.2f}")
     print("| point | median us since CTA start | 90% | step from previous (median) |")
     print("|---|---|---|---|")
-    prev = 0.0
+    points, missing = [], []
     for slot in slots[4:]:
         i = ns_at[slot]
         vals = [w[i] / ghz / 1e3 for w in ctas if w[i] > 0]
-        if not vals:
-            print(f"| {slot} | - | - | - |")
-            continue
-        med, p90 = _quantiles(vals)
+        if vals:
+            points.append((slot, *_quantiles(vals)))
+        else:
+            missing.append(slot)
+    prev = 0.0
+    for slot, med, p90 in sorted(points, key=lambda p: p[1]):  # in the order CTAs pass them
         print(f"| {slot} | {med:.2f} | {p90:.2f} | {med - prev:+.2f} |")
         prev = med
+    for slot in missing:
+        print(f"| {slot} | - | - | - |")
+    by_tiles = {}
+    for w in ctas:
+        by_tiles.setdefault(w[ns_at["tiles"]], []).append(w)
+    if len(by_tiles) > 1:  # the splits' imbalance: when CTAs of each tile count finished
+        print("by tiles per CTA, median us: loop done (since the CTA's start) / exit (since "
+              "the first CTA's start): " + ", ".join(
+            f"{n} tiles ({len(ws)} CTAs): "
+            f"{_quantiles([w[ns_at['loop done']] / ghz / 1e3 for w in ws])[0]:.2f} / "
+            f"{_quantiles([rel(w[ns_at['exit ns']]) / 1e3 for w in ws])[0]:.2f}"
+            for n, ws in sorted(by_tiles.items())))
     tiles = [w for w in ctas if w[ns_at["tiles"]] > 1]
     if tiles:
         per = [(w[ns_at["last landed"]] - w[ns_at["landed"]]) / (w[ns_at["tiles"]] - 1)

@@ -291,6 +291,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                                                         title)
     header = _header(info, bandwidth, clock.name, on_gpu, rows)
     notes = ""
+    rates = report.rate_lines(rows)
+    if rates:
+        notes += "\n## Compute rate (compute-bound cases)\n\n" + "\n".join(rates) + "\n"
     if parts:
         notes += f"\n## Step parts\n\n{PARTS_NOTE}\n\n{report.render_parts(parts)}\n"
     if sweep_rows:

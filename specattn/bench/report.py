@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios",
-           "render_table", "print_table", "parts_rows", "render_parts",
+           "render_table", "print_table", "parts_rows", "render_parts", "rate_lines",
            "noise_warning", "write_csv", "read_csv", "write_pngs", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
@@ -178,6 +178,20 @@ def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> No
         if n:
             console.print()
         console.print(table)
+
+
+def rate_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One markdown list line per timed row of a compute-bound case: its TFLOP/s beside the
+    bf16 matmul rate of the same process (the row's ``TFLOP/s`` note)."""
+    out = []
+    for r in rows:
+        notes = r.get("notes") or []
+        if isinstance(notes, str):
+            notes = notes.split("; ")
+        rate = next((n for n in notes if "TFLOP/s" in n), None)
+        if rate and r.get("status") == "ok":
+            out.append(f"- {r['case']} ({r['lengths']}), {r['variant']}: {rate}")
+    return out
 
 
 def noise_warning(rows: list[dict[str, Any]], limit: float = NOISY_SPREAD) -> str:

@@ -45,14 +45,18 @@ META_W = 5  # int32 words per request in the metadata table (``_attn_kernels.MET
 THREADS = 256  # two consumer warpgroups
 V_HALF = D_MAIN // 2  # output columns per warpgroup
 O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
+# trial: 8-byte stores of column pairs; 4 rows of a half-warp's store on distinct banks.
+O_PITCH_PAIRS = D_MAIN + 8
 MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
 MERGE_BATCH = 8  # rows per thread whose partials the on-chip merge loads at once
+SMALL_KEYS = 16  # trial: a tail of at most this many keys is one wgmma N 16 / k-block tile
 STAMPS = 16  # int32 words per CTA that ``diag`` 6 writes (``STAMP_SLOTS``)
 # diag 6: where each CTA's time goes. Slot 0: %globaltimer_lo at entry (ns), 1: the SM, 2: the
 # CTA's key tiles, 3: %globaltimer_lo at exit; the rest: SM clock cycles since entry when
 # the named point was passed (thread 0, or 128 for warpgroup 1's).
 STAMP_SLOTS = ("entry ns", "sm", "tiles", "exit ns", "issued", "landed", "s done", "p shared",
-               "tile 0 done", "last landed", "loop done", "partial shared", "merged", "end")
+               "tile 0 done", "last landed", "loop done", "partial shared", "merged", "end",
+               "merge stored")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -92,12 +96,15 @@ def _quad_reduce(x, op):
 
 
 @cute.jit
-def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-    """``acc (+)= A B`` over every k block (one wgmma group), then wait for the chain."""
+def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
+           k_blocks: cutlass.Constexpr = None):
+    """``acc (+)= A B`` over every k block (or the first ``k_blocks``; one wgmma group), then
+    wait for the chain."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+    n_k = cute.size(frag_a.shape[2]) if cutlass.const_expr(k_blocks is None) else k_blocks
+    for k in cutlass.range_constexpr(n_k):
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
@@ -163,6 +170,9 @@ class MlaDecodeKernel:
     points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
     or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
+    ``trial``: the next version on trial (session 13): P stored with ``stmatrix``, the
+    interior tiles' softmax with the scale folded into the exponent (one FFMA a score), the
+    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH_PAIRS``.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -182,7 +192,7 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False):
+                 diag: int = 0, fuse: bool = False, trial: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -195,6 +205,7 @@ class MlaDecodeKernel:
         self.parent_dtype = parent_dtype
         self.diag = diag
         self.fuse = fuse
+        self.trial = trial
         if diag not in (0, 4, 5, 6):
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
         if fuse and (groups < 2 or diag):
@@ -394,10 +405,11 @@ class MlaDecodeKernel:
 
     @cute.jit
     def _softmax_row(self, s_rows: cute.Tensor, r, n_cols, top, row_max: cute.Tensor,
-                     row_sum: cute.Tensor):
+                     row_sum: cute.Tensor, scale=None):
         """The online softmax of this thread's row ``r`` of a tile whose row maximum is
         ``top`` (with the running one): ``s_rows[r, :]`` becomes P, the running maximum and
-        sum move on; returns ``(alpha, moved)``, O's rescale factor and whether it is not 1."""
+        sum move on; returns ``(alpha, moved)``, O's rescale factor and whether it is not 1.
+        ``scale``: ``s_rows`` holds raw scores, scaled here (one FFMA with the shift)."""
         # Keep the running maximum while the new one exceeds it by at most MAX_SLACK (base
         # 2): P stays below 2^MAX_SLACK, and O and the row sum need no rescale. Exact: both
         # use the same shift.
@@ -412,7 +424,10 @@ class MlaDecodeKernel:
         row_max[r] = top
         part = Float32(0.0)
         for c in cutlass.range_constexpr(n_cols):
-            p = cute.arch.exp2(s_rows[r, c] - use)
+            if cutlass.const_expr(scale is None):
+                p = cute.arch.exp2(s_rows[r, c] - use)
+            else:
+                p = cute.arch.exp2(s_rows[r, c] * scale - use)
             s_rows[r, c] = p
             part += p
         row_sum[r] = row_sum[r] * alpha + _quad_reduce(part, lambda x, y: x + y)
@@ -428,26 +443,100 @@ class MlaDecodeKernel:
         warpgroup's path per tile, sm90 SASS) and the online softmax of its rows, each row's
         O rescale factor into ``sStat[:, 0]``."""
         n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap = mask_args
-        if (t < n_pref) & (start + t * KEYS + KEYS <= end):
+        interior = (t < n_pref) & (start + t * KEYS + KEYS <= end)
+        if cutlass.const_expr(self.trial and not self.use_cap):
+            if interior:  # raw scores: the scale is folded into the exponent
+                self._softmax_rows(s_rows, c_rows, o_rows, row_max, row_sum, sStat, lead,
+                                   scale_log2)
+            else:
+                self._mask_rows(s_rows, c_rows, t, tail, row_lo, mask_args)
+                self._softmax_rows(s_rows, c_rows, o_rows, row_max, row_sum, sStat, lead)
+        else:
+            self._scale_or_mask(acc_s, s_rows, c_rows, interior, t, tail, row_lo, mask_args)
+            self._softmax_rows(s_rows, c_rows, o_rows, row_max, row_sum, sStat, lead)
+
+    @cute.jit
+    def _scale_or_mask(self, acc_s: cute.Tensor, s_rows: cute.Tensor, c_rows: cute.Tensor,
+                       interior, t: Int32, tail, row_lo: Int32, mask_args: tuple):
+        """Scores in base 2: scaled only (``interior``) or scaled and masked."""
+        scale_log2, cap = mask_args[6], mask_args[7]
+        if interior:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = self._scaled_score(acc_s[i], scale_log2, cap)
         else:
-            for r in cutlass.range_constexpr(cute.size(c_rows, mode=[0])):
-                row_lane = (row_lo + c_rows[r, 0][0]) // self.heads
-                for c in cutlass.range_constexpr(cute.size(c_rows, mode=[1])):
-                    s_rows[r, c] = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane,
-                                                      t, tail, *mask_args)
+            self._mask_rows(s_rows, c_rows, t, tail, row_lo, mask_args)
+
+    @cute.jit
+    def _mask_rows(self, s_rows: cute.Tensor, c_rows: cute.Tensor, t: Int32, tail,
+                   row_lo: Int32, mask_args: tuple):
+        """Scores in base 2, -inf where a row does not see the key (``_masked_score``)."""
+        for r in cutlass.range_constexpr(cute.size(c_rows, mode=[0])):
+            row_lane = (row_lo + c_rows[r, 0][0]) // self.heads
+            for c in cutlass.range_constexpr(cute.size(c_rows, mode=[1])):
+                s_rows[r, c] = self._masked_score(s_rows[r, c], c_rows[r, c][1], row_lane, t,
+                                                  tail, *mask_args)
+
+    @cute.jit
+    def _softmax_rows(self, s_rows: cute.Tensor, c_rows: cute.Tensor, o_rows: cute.Tensor,
+                      row_max: cute.Tensor, row_sum: cute.Tensor, sStat: cute.Tensor, lead,
+                      scale=None):
+        """The online softmax of this thread's rows of the tile (``scale``: the scores are
+        raw, ``_softmax_row``); each row's O rescale factor into ``sStat[:, 0]``."""
         n_cols = cute.size(c_rows, mode=[1])
         for r in cutlass.range_constexpr(cute.size(c_rows, mode=[0])):
             m = c_rows[r, 0][0]
             top = -Float32.inf
             for c in cutlass.range_constexpr(n_cols):
                 top = cute.arch.fmax(top, s_rows[r, c])
-            top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
-            alpha, moved = self._softmax_row(s_rows, r, n_cols, top, row_max, row_sum)
+            if cutlass.const_expr(scale is None):
+                top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax))
+            else:
+                top = cute.arch.fmax(row_max[r], _quad_reduce(top, cute.arch.fmax) * scale)
+            alpha, moved = self._softmax_row(s_rows, r, n_cols, top, row_max, row_sum, scale)
             if lead:
                 sStat[m, 0] = alpha
             self._rescale_row(o_rows, r, alpha, moved)
+
+    @cute.jit
+    def _tile_p(self, mma_s, thr_s, frag_q: cute.Tensor, tile: cute.Tensor,
+                c_rows: cute.Tensor, o_rows: cute.Tensor, row_max: cute.Tensor,
+                row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail, row_lo: Int32,
+                mask_args: tuple, mark, tidx, p_dst):
+        """Warpgroup 0 on key tile ``t``: S (wgmma N 64), the scores and softmax
+        (``_scores_then_softmax``), and P into ``sP`` (``p_dst``: its partition, stored
+        element by element; trial: ``(stmatrix copy, its partition)``)."""
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
+        frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
+        _wgmma(mma_s, acc_s, frag_q, frag_k, True)
+        mark(6, (tidx == 0) & (t == 0))
+        s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
+        self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum, sStat,
+                                  lead, t, tail, row_lo, mask_args)
+        if cutlass.const_expr(self.trial):
+            p_copy, p_smem = p_dst
+            p_vals = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            p_vals.store(acc_s.load().to(self.dtype))
+            cute.copy(p_copy, p_copy.retile(p_vals), p_smem)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                p_dst[i] = acc_s[i].to(self.dtype)
+
+    @cute.jit
+    def _small_tail_p(self, small: tuple, tile: cute.Tensor, o_rows: cute.Tensor,
+                      row_max: cute.Tensor, row_sum: cute.Tensor, sStat: cute.Tensor, lead,
+                      t: Int32, row_lo: Int32, mask_args: tuple):
+        """Warpgroup 0 on a tail of at most ``SMALL_KEYS`` keys (trial): S over the tile's
+        first keys at wgmma N 16, masked, the softmax, and P into ``sP``'s first columns."""
+        mma_s16, thr_s16, frag_q16, c_rows16, p_dst16 = small
+        acc = cute.make_rmem_tensor(thr_s16.partition_shape_C((ROWS, SMALL_KEYS)), Float32)
+        frag_k = thr_s16.make_fragment_B(thr_s16.partition_B(
+            cute.local_tile(tile, (SMALL_KEYS, WIDTH), (0, 0))))
+        _wgmma(mma_s16, acc, frag_q16, frag_k, True)
+        s_rows = cute.make_tensor(acc.iterator, _acc_rows(acc.layout))
+        self._mask_rows(s_rows, c_rows16, t, True, row_lo, mask_args)
+        self._softmax_rows(s_rows, c_rows16, o_rows, row_max, row_sum, sStat, lead)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            p_dst16[i] = acc[i].to(self.dtype)
 
     @cute.jit
     def _rescale_row(self, o_rows: cute.Tensor, r, alpha, moved):
@@ -647,6 +736,24 @@ class MlaDecodeKernel:
         c_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, KEYS)))
         c_rows = cute.make_tensor(c_s.iterator, _acc_rows(c_s.layout))
         p_dst = thr_s.partition_C(sP)
+        if cutlass.const_expr(self.trial):  # P by stmatrix: 4 instructions a thread a tile
+            p_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
+                mma_s).get_slice(wtid)
+            p_smem = p_copy.partition_D(sP)
+            # A small tail (at most SMALL_KEYS keys): S at wgmma N 16 over the tile's first
+            # keys and P.V over its first k block, a quarter of a tile's MMAs and softmax.
+            mma_s16 = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K,
+                                                    OperandMajorMode.K, Float32, (1, 1, 1),
+                                                    (ROWS, SMALL_KEYS))
+            thr_s16 = mma_s16.get_slice(wtid)
+            c_s16 = thr_s16.partition_C(cute.make_identity_tensor((ROWS, SMALL_KEYS)))
+            small = (mma_s16, thr_s16, thr_s16.make_fragment_A(thr_s16.partition_A(sQ)),
+                     cute.make_tensor(c_s16.iterator, _acc_rows(c_s16.layout)),
+                     thr_s16.partition_C(cute.local_tile(sP, (ROWS, SMALL_KEYS), (0, 0))))
+        small_tail = Boolean(False)
+        if cutlass.const_expr(self.trial):
+            small_tail = n_hi - n_lo <= SMALL_KEYS
         n_my_rows = cute.size(c_rows, mode=[0])
         row_max = cute.make_rmem_tensor(n_my_rows, Float32)
         row_sum = cute.make_rmem_tensor(n_my_rows, Float32)
@@ -679,16 +786,16 @@ class MlaDecodeKernel:
                 ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
                 ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
             else:
-                acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)),
-                                              Float32)
-                frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
-                _wgmma(mma_s, acc_s, frag_q, frag_k, True)
-                mark(6, (tidx == 0) & (t == 0))
-                s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
-                self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum,
-                                          sStat, lead, t, tail, row_lo, mask_args)
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p_dst[i] = acc_s[i].to(dt)
+                full = (mma_s, thr_s, frag_q, tile, c_rows, o_rows, row_max, row_sum, sStat,
+                        lead, t, tail, row_lo, mask_args, mark, tidx)
+                if cutlass.const_expr(self.trial):
+                    if tail & small_tail:
+                        self._small_tail_p(small, tile, o_rows, row_max, row_sum, sStat,
+                                           lead, t, row_lo, mask_args)
+                    else:
+                        self._tile_p(*full, (p_copy, p_smem))
+                else:
+                    self._tile_p(*full, p_dst)
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()  # P(t) and the rescale factors visible
             mark(7, (tidx == 0) & (t == 0))
@@ -699,7 +806,13 @@ class MlaDecodeKernel:
             v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
             frag_v = thr_o.make_fragment_B(thr_o.partition_B(
                 cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-            _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            if cutlass.const_expr(self.trial):
+                if tail & small_tail:
+                    _wgmma(mma_o, acc_o, frag_p, frag_v, False, k_blocks=1)
+                else:
+                    _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            else:
+                _wgmma(mma_o, acc_o, frag_p, frag_v, False)
             mark(8, (tidx == 0) & (t == 0))
 
         cute.arch.cp_async_wait_group(0)
@@ -729,15 +842,25 @@ class MlaDecodeKernel:
                         g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
         else:
             # Normalised partial and LSE into this CTA's shared memory (the ring is free).
+            pitch = O_PITCH_PAIRS if self.trial else O_PITCH
             sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
+                                  cute.make_layout((ROWS, D_MAIN), stride=(pitch, 1)))
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
                 total_sum, inv = _row_sum_and_inverse(sStat, m)
                 for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
+                    if cutlass.const_expr(self.trial):
+                        o_rows[r, c] = o_rows[r, c] * inv
+                    else:
+                        sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
                 if lead & (wg == 0):
                     sLse[m] = _partial_lse(row_max[r], total_sum)
+            if cutlass.const_expr(self.trial):  # column pairs: 8-byte stores
+                o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
+                    cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+                    mma_o).get_slice(wtid)
+                cute.copy(o_copy, o_copy.retile(acc_o), o_copy.partition_D(
+                    cute.local_tile(sO, (ROWS, V_HALF), (0, wg))))
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             mark(11, tidx == 0)
@@ -760,12 +883,13 @@ class MlaDecodeKernel:
                 lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
                          for c in range(C)] for a in at]
                 parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                    sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
+                    sO.iterator + (a * pitch + chunk * 4), c)) for c in range(C)]
                     for a in at]
                 for i in cutlass.range_constexpr(len(rows)):
                     if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
                         self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
                                         *dst)
+            mark(14, tidx == 0)
             cute.arch.cluster_arrive()  # the others may still read this CTA's partial
             cute.arch.cluster_wait()
         mark(12, tidx == 0)

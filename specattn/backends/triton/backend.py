@@ -113,8 +113,8 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     (default per kernel, ``launchers.default_waves``) (benchmarks); ``work_list``: where the
     Gluon MLA kernel runs, give each request programs in proportion to its length
     (``worklist``; no effect elsewhere). ``None`` (default): on where a request's ``K * H``
-    rows fit one 64-row tile (``launchers.gluon_config`` says why), ``True`` / ``False``:
-    always / never."""
+    rows fit one 64-row tile (``launchers.gluon_config`` says why; above, the CuTe-DSL kernel
+    where CuTe-DSL is installed), ``True`` / ``False``: always / never."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
@@ -189,6 +189,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         """Which MLA decode kernel runs on ``platform`` (``specattn list`` / ``select``)."""
         from importlib import metadata
 
+        from .cute_mla import installed
         from .gluon_mla import platform_note
 
         try:
@@ -196,7 +197,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         except metadata.PackageNotFoundError:
             version = None
         return platform_note(platform.device, platform.capability, platform.triton_interpret,
-                             version)
+                             version, installed())
 
     def _new_buffers(self, bs: int) -> _GraphBuffers:
         """Buffers for ``bs`` requests (and the work list's slots when the plan uses one)."""

@@ -163,9 +163,11 @@ def log_fallback(reason: str) -> None:
 
 
 def platform_note(device: str, capability: Optional[tuple[int, int]], interpret: bool,
-                  triton_version: Optional[str]) -> str:
+                  triton_version: Optional[str], cute_installed: bool = False) -> str:
     """What ``specattn list`` / ``select`` say about the MLA decode kernel on a platform
-    (no import of Triton: ``triton_version`` comes from package metadata)."""
+    (no import of Triton: ``triton_version`` comes from package metadata;
+    ``cute_installed``: CuTe-DSL is installed, so requests of several row tiles get the
+    ``cute_mla`` kernel)."""
     if interpret or device != "cuda":
         why = "not a CUDA device"
     elif capability != (9, 0):
@@ -177,9 +179,12 @@ def platform_note(device: str, capability: Optional[tuple[int, int]], interpret:
                  for v in TESTED_TRITON):
         why = f"triton {triton_version}, run with {'/'.join(TESTED_TRITON)}.x only"
     else:
+        above = ("above, the CuTe-DSL kernel (a request's prefix splits merged on chip)"
+                 if cute_installed else "a fixed prefix split above (the CuTe-DSL kernel "
+                 "there needs CuTe-DSL: the 'fa' extra)")
         return ("MLA draft decode: Gluon wgmma kernel (sm90, triton "
                 f"{triton_version}; bf16/fp16, rank 512 + rope 64, plain KV; a balanced work "
-                "list up to 64 query rows per request, a fixed prefix split above)")
+                f"list up to 64 query rows per request; {above})")
     return f"MLA draft decode: tl.dot kernel (Gluon kernel off: {why})"
 
 
