@@ -307,7 +307,8 @@ cute_probe() {
 # `;`-separated labels, CUTE_BENCH_ARGS adds bench flags), and tools/gluon_diag.py at two
 # prefix lengths (the fixed cost per call and the time per tile; CUTE_NO_DIAG=1 skips it);
 # CUTE_PARTS=1 adds `specattn bench --parts` (each kernel's time in one eager step: the CuTe
-# kernel, the merge launch, the metadata) on mla-long and mla-small.
+# kernel, the merge launch, the metadata) on mla-long and mla-small; CUTE_NO_BENCH=1 skips the
+# bench (`cute-bench` runs it alone).
 cute_quick() {
   vendor_libs
   local t="python -m pytest -v -p no:cacheprovider -rfE"
@@ -324,10 +325,7 @@ cute_quick() {
     job cute-stamps "${STAMPS_S:-120}" python tools/cute_stamps.py \
       --case ${STAMPS_CASES:-mla-long mla-small mla-wide} --config "${stamp_labels[@]}"
   fi
-  GLUON_OPTIONS="$labels" GLUON_BENCH_ARGS="${CUTE_BENCH_ARGS:-}" \
-    GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-small mla-wide}" \
-    job cute-bench "${GLUON_BENCH_S:-200}" bash tools/gluon_session.sh bench
-  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+  [ -z "${CUTE_NO_BENCH:-}" ] && cute_bench_job "$labels"
   [ -z "${CUTE_NO_DIAG:-}" ] && job cute-diag "${CUTE_DIAG_S:-120}" python tools/gluon_diag.py \
     --case mla-long --prefix 1024 4096 --config "$CUTE_CONFIG"
   if [ -n "${CUTE_PARTS:-}" ]; then  # each kernel's time in one eager step (torch.profiler)
@@ -336,6 +334,21 @@ cute_quick() {
       --parts --out /tmp/cute-parts
     cp /tmp/cute-parts/table.md "$logs/cute-parts.md" 2>/dev/null
   fi
+  check
+}
+
+cute_bench_job() {  # cute_bench_job LABELS: the MLA bench of the `;`-separated labels
+  GLUON_OPTIONS="$1" GLUON_BENCH_ARGS="${CUTE_BENCH_ARGS:-}" \
+    GLUON_CASES="${GLUON_CASES:-mla-long mla-k1 mla-small mla-wide}" \
+    job cute-bench "${GLUON_BENCH_S:-200}" bash tools/gluon_session.sh bench
+  cp "$OUT/gluon-bench.md" "$logs/" 2>/dev/null
+}
+
+# The bench of `cute-quick` alone (same carry and knobs; a second call on the warm machine
+# when the checks and the bench do not fit one call's 600 s).
+cute_bench() {
+  vendor_libs
+  cute_bench_job "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;${CUTE_CONFIG/kv-first/kv-first fm}}"
   check
 }
 
@@ -381,8 +394,9 @@ case "${1:-}" in
   cute-probe) cute_probe ;;
   cute-ncu) cute_ncu ;;
   cute-quick) cute_quick ;;
+  cute-bench) cute_bench ;;
   cute-next) cute_next ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-next" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-next" >&2; exit 2 ;;
 esac
 exit $status
