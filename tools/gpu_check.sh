@@ -352,6 +352,32 @@ cute_bench() {
   check
 }
 
+# A CuTe kernel made the default, checked in one call beside the next version on trial
+# (after `fa4-first`; same carry), side by side: the GPU tests of the variants CUTE_VARIANTS
+# (default `cute,cute-trial`: the Gluon suite, every cluster shape, the kit with the cute
+# config), the 100-batch stress loop and memcheck on the kernel, a soak of the trial; then
+# the stamps of both (STAMPS_CASES). `cute-bench` is the second call.
+cute_final() {
+  vendor_libs
+  local t="python -m pytest -v -p no:cacheprovider -rfE"
+  job gpu-tests-cute "${GATE_S:-260}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute,cute-trial}" \
+    $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
+    -k "not stress" &
+  job gpu-stress-cute 260 env SPECATTN_GLUON_VARIANTS=cute $t -n 2 tests/gpu/test_gluon_mla_gpu.py \
+    -k stress &
+  job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
+    --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
+    --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check \
+    --option "triton:config=$CUTE_CONFIG" &
+  job soak-triton-trial 200 $SOAK --backend triton --seed "${SOAK_SEED:-1000000}" --rounds 40000 \
+    --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
+    --option "triton:config=$CUTE_CONFIG trial" &
+  wait
+  job cute-stamps "${STAMPS_S:-100}" python tools/cute_stamps.py \
+    --case ${STAMPS_CASES:-mla-long mla-k1} --config "$CUTE_CONFIG trial" "$CUTE_CONFIG"
+  check
+}
+
 # `cute-quick` as session 12 ran it for a kernel change (same carry): the Gluon suite's
 # variant `cute` and every cluster shape without the fused merge or the kit, a longer soak,
 # the stamps, and the bench of CUTE_BENCH_OPTIONS (default the kernel alone) on mla-long,
@@ -395,8 +421,9 @@ case "${1:-}" in
   cute-ncu) cute_ncu ;;
   cute-quick) cute_quick ;;
   cute-bench) cute_bench ;;
+  cute-final) cute_final ;;
   cute-next) cute_next ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-next" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-final|cute-next" >&2; exit 2 ;;
 esac
 exit $status

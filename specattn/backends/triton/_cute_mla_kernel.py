@@ -44,19 +44,19 @@ PIECES = WIDTH // 8  # 16-byte pieces per row
 META_W = 5  # int32 words per request in the metadata table (``_attn_kernels.META_W``)
 THREADS = 256  # two consumer warpgroups
 V_HALF = D_MAIN // 2  # output columns per warpgroup
-O_PITCH = D_MAIN + 4  # fp32 partial row pitch: rows 8 apart land on different banks
-# trial: 8-byte stores of column pairs; 4 rows of a half-warp's store on distinct banks.
-O_PITCH_PAIRS = D_MAIN + 8
+# fp32 partial row pitch: the column pairs (8-byte stores) of the 4 rows a half-warp
+# stores land on distinct banks.
+O_PITCH = D_MAIN + 8
 MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
 MERGE_BATCH = 8  # rows per thread whose partials the on-chip merge loads at once
-SMALL_KEYS = 16  # trial: a tail of at most this many keys is one wgmma N 16 / k-block tile
+SMALL_KEYS = 16  # a tail of at most this many keys is one wgmma N 16 / k-block tile
 STAMPS = 16  # int32 words per CTA that ``diag`` 6 writes (``STAMP_SLOTS``)
 # diag 6: where each CTA's time goes. Slot 0: %globaltimer_lo at entry (ns), 1: the SM, 2: the
 # CTA's key tiles, 3: %globaltimer_lo at exit; the rest: SM clock cycles since entry when
 # the named point was passed (thread 0, or 128 for warpgroup 1's).
 STAMP_SLOTS = ("entry ns", "sm", "tiles", "exit ns", "issued", "landed", "s done", "p shared",
                "tile 0 done", "last landed", "loop done", "partial shared", "merged", "end",
-               "merge stored")
+               "merge stored", "wg1 issued 1")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -170,9 +170,8 @@ class MlaDecodeKernel:
     points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
     or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
-    ``trial``: the next version on trial (session 13): P stored with ``stmatrix``, the
-    interior tiles' softmax with the scale folded into the exponent (one FFMA a score), the
-    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH_PAIRS``.
+    ``trial``: the next version on trial (session 13): the last split walks its tail tiles
+    first (``_walk``).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -182,7 +181,10 @@ class MlaDecodeKernel:
     their output halves. Two barriers per tile. v7 (session 12): a tile wholly inside the
     slice is not masked key by key; a cluster of one writes its result through shared
     memory as larger clusters do (coalesced stores); the on-chip merge loads
-    ``MERGE_BATCH`` rows' partials at once.
+    ``MERGE_BATCH`` rows' partials at once. v8 (session 13): P stored with ``stmatrix``;
+    the interior tiles' scale folded into the exponent (one FFMA a score); a tail of at most
+    ``SMALL_KEYS`` keys as one wgmma N 16 tile and a single k block of ``P.V``; the
+    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH``.
 
     Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
     behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
@@ -247,6 +249,23 @@ class MlaDecodeKernel:
                      value):
         if when:
             cute.make_tensor(stamps + (cta * STAMPS + slot), cute.make_layout(1))[0] = value
+
+    def _walk(self, n_pref, total, t):
+        """The key tile that loop step ``t`` walks: ``t`` itself, or (``trial``) the tail
+        tiles first, then the prefix, so that the last split's extra tile, a small one, is
+        done while the first prefix tile lands (steps past the end stay past it)."""
+        if self.trial:
+            return self._tail_first(n_pref, total, t)
+        return t
+
+    @cute.jit
+    def _tail_first(self, n_pref: Int32, total: Int32, t: Int32):
+        tt = t
+        if t < total:
+            tt = t + n_pref
+            if tt >= total:
+                tt = tt - total
+        return tt
 
     @cute.jit
     def _copy_row(self, dst_row: cute.Tensor, src: cute.Pointer, sub: Int32):
@@ -444,7 +463,7 @@ class MlaDecodeKernel:
         O rescale factor into ``sStat[:, 0]``."""
         n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap = mask_args
         interior = (t < n_pref) & (start + t * KEYS + KEYS <= end)
-        if cutlass.const_expr(self.trial and not self.use_cap):
+        if cutlass.const_expr(not self.use_cap):
             if interior:  # raw scores: the scale is folded into the exponent
                 self._softmax_rows(s_rows, c_rows, o_rows, row_max, row_sum, sStat, lead,
                                    scale_log2)
@@ -503,8 +522,8 @@ class MlaDecodeKernel:
                 row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail, row_lo: Int32,
                 mask_args: tuple, mark, tidx, p_dst):
         """Warpgroup 0 on key tile ``t``: S (wgmma N 64), the scores and softmax
-        (``_scores_then_softmax``), and P into ``sP`` (``p_dst``: its partition, stored
-        element by element; trial: ``(stmatrix copy, its partition)``)."""
+        (``_scores_then_softmax``), and P into ``sP`` by ``stmatrix`` (``p_dst``: the copy
+        and its partition of ``sP``)."""
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
         frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
         _wgmma(mma_s, acc_s, frag_q, frag_k, True)
@@ -512,20 +531,16 @@ class MlaDecodeKernel:
         s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
         self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum, sStat,
                                   lead, t, tail, row_lo, mask_args)
-        if cutlass.const_expr(self.trial):
-            p_copy, p_smem = p_dst
-            p_vals = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            p_vals.store(acc_s.load().to(self.dtype))
-            cute.copy(p_copy, p_copy.retile(p_vals), p_smem)
-        else:
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                p_dst[i] = acc_s[i].to(self.dtype)
+        p_copy, p_smem = p_dst
+        p_vals = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        p_vals.store(acc_s.load().to(self.dtype))
+        cute.copy(p_copy, p_copy.retile(p_vals), p_smem)
 
     @cute.jit
     def _small_tail_p(self, small: tuple, tile: cute.Tensor, o_rows: cute.Tensor,
                       row_max: cute.Tensor, row_sum: cute.Tensor, sStat: cute.Tensor, lead,
                       t: Int32, row_lo: Int32, mask_args: tuple):
-        """Warpgroup 0 on a tail of at most ``SMALL_KEYS`` keys (trial): S over the tile's
+        """Warpgroup 0 on a tail of at most ``SMALL_KEYS`` keys: S over the tile's
         first keys at wgmma N 16, masked, the softmax, and P into ``sP``'s first columns."""
         mma_s16, thr_s16, frag_q16, c_rows16, p_dst16 = small
         acc = cute.make_rmem_tensor(thr_s16.partition_shape_C((ROWS, SMALL_KEYS)), Float32)
@@ -672,6 +687,7 @@ class MlaDecodeKernel:
         if cutlass.const_expr(self.diag == 4):
             total = Int32(0)  # the fixed cost alone
         r2t_row = r2t + rpi * s_r2t
+        walk = functools.partial(self._walk, n_pref, total)
 
         # Shared memory.
         alloc = SmemAllocator()
@@ -703,15 +719,15 @@ class MlaDecodeKernel:
                                                     s_qh), sub)
                 else:
                     self._zero_row(q_dst, sub)
-            ok_a, new_a, slot_a, lane_a = self._key_source(Int32(0), *args_a)
-            ok_b, new_b, slot_b, lane_b = self._key_source(Int32(0), *args_b)
+            ok_a, new_a, slot_a, lane_a = self._key_source(walk(Int32(0)), *args_a)
+            ok_b, new_b, slot_b, lane_b = self._key_source(walk(Int32(0)), *args_b)
             self._issue_row(Int32(0), sK, key_a, sub, kv, k_new, s_kv, s_kin, num_slots,
                             ok_a, new_a, slot_a, lane_a)
             self._issue_row(Int32(0), sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
                             ok_b, new_b, slot_b, lane_b)
             cute.arch.cp_async_commit_group()
-            ok_a, new_a, slot_a, lane_a = self._key_source(Int32(1), *args_a)
-            ok_b, new_b, slot_b, lane_b = self._key_source(Int32(1), *args_b)
+            ok_a, new_a, slot_a, lane_a = self._key_source(walk(Int32(1)), *args_a)
+            ok_b, new_b, slot_b, lane_b = self._key_source(walk(Int32(1)), *args_b)
             mark(4, tidx == 128)
         if cutlass.const_expr(self.write_new):
             if split == 0:  # this call's keys into the pool, at hist[lane, step]
@@ -732,28 +748,23 @@ class MlaDecodeKernel:
         acc_o.fill(0.0)
         o_rows = cute.make_tensor(acc_o.iterator, _acc_rows(acc_o.layout))
         # (row, column) of each of this thread's S elements (its rows are its O rows in
-        # either warpgroup), and its P destination.
+        # either warpgroup), and its P destination (stmatrix: 4 instructions a tile).
         c_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, KEYS)))
         c_rows = cute.make_tensor(c_s.iterator, _acc_rows(c_s.layout))
-        p_dst = thr_s.partition_C(sP)
-        if cutlass.const_expr(self.trial):  # P by stmatrix: 4 instructions a thread a tile
-            p_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
-                mma_s).get_slice(wtid)
-            p_smem = p_copy.partition_D(sP)
-            # A small tail (at most SMALL_KEYS keys): S at wgmma N 16 over the tile's first
-            # keys and P.V over its first k block, a quarter of a tile's MMAs and softmax.
-            mma_s16 = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K,
-                                                    OperandMajorMode.K, Float32, (1, 1, 1),
-                                                    (ROWS, SMALL_KEYS))
-            thr_s16 = mma_s16.get_slice(wtid)
-            c_s16 = thr_s16.partition_C(cute.make_identity_tensor((ROWS, SMALL_KEYS)))
-            small = (mma_s16, thr_s16, thr_s16.make_fragment_A(thr_s16.partition_A(sQ)),
-                     cute.make_tensor(c_s16.iterator, _acc_rows(c_s16.layout)),
-                     thr_s16.partition_C(cute.local_tile(sP, (ROWS, SMALL_KEYS), (0, 0))))
-        small_tail = Boolean(False)
-        if cutlass.const_expr(self.trial):
-            small_tail = n_hi - n_lo <= SMALL_KEYS
+        p_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
+            mma_s).get_slice(wtid)
+        p_smem = p_copy.partition_D(sP)
+        # A small tail (at most SMALL_KEYS keys): S at wgmma N 16 over the tile's first keys
+        # and P.V over its first k block, a quarter of a tile's MMAs and softmax.
+        mma_s16 = hopper.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K,
+                                                Float32, (1, 1, 1), (ROWS, SMALL_KEYS))
+        thr_s16 = mma_s16.get_slice(wtid)
+        c_s16 = thr_s16.partition_C(cute.make_identity_tensor((ROWS, SMALL_KEYS)))
+        small = (mma_s16, thr_s16, thr_s16.make_fragment_A(thr_s16.partition_A(sQ)),
+                 cute.make_tensor(c_s16.iterator, _acc_rows(c_s16.layout)),
+                 thr_s16.partition_C(cute.local_tile(sP, (ROWS, SMALL_KEYS), (0, 0))))
+        small_tail = n_hi - n_lo <= SMALL_KEYS
         n_my_rows = cute.size(c_rows, mode=[0])
         row_max = cute.make_rmem_tensor(n_my_rows, Float32)
         row_sum = cute.make_rmem_tensor(n_my_rows, Float32)
@@ -765,7 +776,8 @@ class MlaDecodeKernel:
         for t in cutlass.range(total):
             stage = t % self.stages
             tile = sK[None, None, stage]
-            tail = t >= n_pref
+            tt = walk(t)  # the key tile this step walks
+            tail = tt >= n_pref
             if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
                 cute.arch.cp_async_wait_group(0)
                 mark(5, (tidx == 128) & (t == 0))
@@ -783,19 +795,17 @@ class MlaDecodeKernel:
                 self._issue_row(nxt, sK, key_b, sub, kv, k_new, s_kv, s_kin, num_slots,
                                 ok_b, new_b, slot_b, lane_b)
                 cute.arch.cp_async_commit_group()
-                ok_a, new_a, slot_a, lane_a = self._key_source(t + 2, *args_a)
-                ok_b, new_b, slot_b, lane_b = self._key_source(t + 2, *args_b)
+                ok_a, new_a, slot_a, lane_a = self._key_source(walk(t + 2), *args_a)
+                ok_b, new_b, slot_b, lane_b = self._key_source(walk(t + 2), *args_b)
+                mark(15, (tidx == 128) & (t == 0))
             else:
                 full = (mma_s, thr_s, frag_q, tile, c_rows, o_rows, row_max, row_sum, sStat,
-                        lead, t, tail, row_lo, mask_args, mark, tidx)
-                if cutlass.const_expr(self.trial):
-                    if tail & small_tail:
-                        self._small_tail_p(small, tile, o_rows, row_max, row_sum, sStat,
-                                           lead, t, row_lo, mask_args)
-                    else:
-                        self._tile_p(*full, (p_copy, p_smem))
+                        lead, tt, tail, row_lo, mask_args, mark, tidx)
+                if tail & small_tail:
+                    self._small_tail_p(small, tile, o_rows, row_max, row_sum, sStat, lead, tt,
+                                       row_lo, mask_args)
                 else:
-                    self._tile_p(*full, p_dst)
+                    self._tile_p(*full, (p_copy, p_smem))
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()  # P(t) and the rescale factors visible
             mark(7, (tidx == 0) & (t == 0))
@@ -806,11 +816,8 @@ class MlaDecodeKernel:
             v_t = cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
             frag_v = thr_o.make_fragment_B(thr_o.partition_B(
                 cute.local_tile(v_t, (V_HALF, KEYS), (wg, 0))))
-            if cutlass.const_expr(self.trial):
-                if tail & small_tail:
-                    _wgmma(mma_o, acc_o, frag_p, frag_v, False, k_blocks=1)
-                else:
-                    _wgmma(mma_o, acc_o, frag_p, frag_v, False)
+            if tail & small_tail:
+                _wgmma(mma_o, acc_o, frag_p, frag_v, False, k_blocks=1)
             else:
                 _wgmma(mma_o, acc_o, frag_p, frag_v, False)
             mark(8, (tidx == 0) & (t == 0))
@@ -842,25 +849,21 @@ class MlaDecodeKernel:
                         g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
         else:
             # Normalised partial and LSE into this CTA's shared memory (the ring is free).
-            pitch = O_PITCH_PAIRS if self.trial else O_PITCH
             sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                  cute.make_layout((ROWS, D_MAIN), stride=(pitch, 1)))
+                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
             for r in cutlass.range_constexpr(n_my_rows):
                 m = c_rows[r, 0][0]
                 total_sum, inv = _row_sum_and_inverse(sStat, m)
                 for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    if cutlass.const_expr(self.trial):
-                        o_rows[r, c] = o_rows[r, c] * inv
-                    else:
-                        sO[m, wg * V_HALF + c_orows[r, c][1]] = o_rows[r, c] * inv
+                    o_rows[r, c] = o_rows[r, c] * inv
                 if lead & (wg == 0):
                     sLse[m] = _partial_lse(row_max[r], total_sum)
-            if cutlass.const_expr(self.trial):  # column pairs: 8-byte stores
-                o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
-                    cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-                    mma_o).get_slice(wtid)
-                cute.copy(o_copy, o_copy.retile(acc_o), o_copy.partition_D(
-                    cute.local_tile(sO, (ROWS, V_HALF), (0, wg))))
+            # Column pairs: 8-byte stores.
+            o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+                mma_o).get_slice(wtid)
+            cute.copy(o_copy, o_copy.retile(acc_o), o_copy.partition_D(
+                cute.local_tile(sO, (ROWS, V_HALF), (0, wg))))
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             mark(11, tidx == 0)
@@ -883,7 +886,7 @@ class MlaDecodeKernel:
                 lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
                          for c in range(C)] for a in at]
                 parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                    sO.iterator + (a * pitch + chunk * 4), c)) for c in range(C)]
+                    sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
                     for a in at]
                 for i in cutlass.range_constexpr(len(rows)):
                     if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):

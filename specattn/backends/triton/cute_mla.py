@@ -1,7 +1,9 @@
 """MLA draft decode on Hopper in CuTe-DSL, with the prefix splits merged on chip.
 
-Opt-in (``KernelConfig.cute``; the ``cute`` config label) beside the Gluon kernel
-(``gluon_mla``), with the same call contract; a request's splits merge on chip. Gluon in
+The default where a request's ``K * H`` query rows take more than one 64-row tile and
+CuTe-DSL serves (``launchers.gluon_config``, ``serves``); elsewhere opt-in
+(``KernelConfig.cute``; the ``cute`` config label). Beside the Gluon kernel (``gluon_mla``),
+with the same call contract; a request's splits merge on chip. Gluon in
 Triton 3.6 cannot address another CTA's shared memory (``tools/gluon_cluster_probe.py``), so
 this kernel is written in CuTe-DSL (NVIDIA's ``nvidia-cutlass-dsl``, installed with
 FlashAttention-4), compiled at first use per (dtype, heads, tree mode, logit cap, KV write,
@@ -27,12 +29,15 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
   output (one group) or the cluster's merged partial, which ``merge_kernel`` then combines
   (several groups).
 
-Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v7 (session
-12): the Gluon kernel's GPU tests (variant ``cute``), every cluster shape and a soak, twice,
-passing; the conformance kit, the stress loop and memcheck passed on v6 (session 12, call 3)
-and earlier versions. Next to the Gluon kernel (same run): 4% faster at mla-long (67.0 vs
-69.8 us), 3% at mla-k1, 22% at H 128 (mla-wide 162.0 vs 206.6); slower on ragged batches at
-H 16 and at mla-small. Versions, profile and next steps:
+Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v8 (session
+13, measured as session 13's ``trial`` build, identical sm90 PTX): the Gluon kernel's GPU
+tests (its variant and the default, which takes this kernel at more than 64 rows), every
+cluster shape, a soak. v7 (session 13, call 2): the GPU tests with and without the fused
+merge, every cluster shape, the conformance kit with its config, memcheck. Same run (session
+13): 2-3% faster than v7; next to the Gluon kernel 5% faster at mla-long (66.5 vs 69.9 us)
+and 6% at mla-k1 uniform; mla-wide (H 128) 161.1 us, 454 TFLOP/s, 67% of the bf16 matmul
+rate (the Gluon split kernel: 206.6, session 12); slower than the Gluon work list on ragged
+batches at H 16 and at mla-small. Versions, profile and next steps:
 ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
 vendor MLA kernel for Blackwell).
 """
