@@ -250,6 +250,7 @@ def _args(rows=8, heads=16, slots=40):
     (dict(kv=torch.zeros(40, 577, dtype=torch.bfloat16)[:, 1:]), "kv"),
     (dict(hist=torch.zeros(3, 8, dtype=torch.int32).T), "hist"),
     (dict(mode=1), "parents"),
+    (dict(out=torch.empty(8, 16, 514, dtype=torch.bfloat16)[:, :, :512]), "out"),
 ])
 def test_attention_refuses_bad_arguments_before_any_cuda_work(change, argument):
     assert _refused_argument(change, num_splits=2) == argument
@@ -272,6 +273,7 @@ def _refused_argument(change: dict, num_splits: int) -> str:
     (dict(mid_o=torch.zeros(8, 16, 2, 512)), "mid_lse"),
     (dict(mid_o=torch.zeros(8, 16, 2, 512), mid_lse=torch.zeros(8, 16, 3)[:, :, ::2]),
      "mid_lse"),
+    (dict(mid_o=torch.zeros(8, 16, 2, 514)[..., 2:]), "mid_o"),  # rows not 16-byte aligned
 ])
 def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, change,
                                                                   argument):

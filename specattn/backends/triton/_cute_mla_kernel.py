@@ -171,7 +171,8 @@ class MlaDecodeKernel:
     or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
     ``trial``: the next version on trial (session 13): the last split walks its tail tiles
-    first (``_walk``).
+    first (``_walk``); the merge stores a thread's 4 columns at once (``_store4``: one 8-byte
+    store into the output, one 16-byte store into a group's partial).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -586,20 +587,35 @@ class MlaDecodeKernel:
             inv = 1.0 / wsum
         H = self.heads
         if cutlass.const_expr(to_mid):
-            g = cute.make_tensor(_head_row(mid_o, q_start, row, H, s_mot, s_moh)
-                                 + (group * s_mop + chunk * 4), cute.make_layout(4))
-            for j in cutlass.range_constexpr(4):
-                g[j] = acc[j] * inv
+            dst = _head_row(mid_o, q_start, row, H, s_mot, s_moh) + (group * s_mop + chunk * 4)
+            if cutlass.const_expr(self.trial):  # one 16-byte store
+                self._store4(dst, Float32, [a * inv for a in acc], 16)
+            else:
+                g = cute.make_tensor(dst, cute.make_layout(4))
+                for j in cutlass.range_constexpr(4):
+                    g[j] = acc[j] * inv
             if chunk == 0:
                 lse = -Float32.inf
                 if wsum > 0.0:
                     lse = top + cute.math.log2(wsum) * LN2
                 self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh, lse)
         else:
-            g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh) + chunk * 4,
-                                 cute.make_layout(4))
-            for j in cutlass.range_constexpr(4):
-                g[j] = (acc[j] * inv).to(self.dtype)
+            dst = _head_row(out, q_start, row, H, s_ot, s_oh) + chunk * 4
+            if cutlass.const_expr(self.trial):  # one 8-byte store
+                self._store4(dst, self.dtype, [(a * inv).to(self.dtype) for a in acc], 8)
+            else:
+                g = cute.make_tensor(dst, cute.make_layout(4))
+                for j in cutlass.range_constexpr(4):
+                    g[j] = (acc[j] * inv).to(self.dtype)
+
+    @cute.jit
+    def _store4(self, dst: cute.Pointer, dtype, values: list, align: cutlass.Constexpr[int]):
+        """``values`` (4) to global ``dst``, aligned to ``align`` bytes, as one store."""
+        vals = cute.make_rmem_tensor(4, dtype)
+        for j in cutlass.range_constexpr(4):
+            vals[j] = values[j]
+        g = cute.make_ptr(dtype, dst.toint(), cute.AddressSpace.gmem, assumed_align=align)
+        cute.autovec_copy(vals, cute.make_tensor(g, cute.make_layout(4)))
 
     # -- the kernel -----------------------------------------------------------------------
 

@@ -236,7 +236,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     _check("q", q, 3, (0, 1))
     _check("kv", kv, 2, (0,))
     _check("k_new", k_new, 2, (0,))
-    _check("out", out, 3, ())
+    _check("out", out, 3, (0, 1))  # the merge stores a row's 4 columns at once
     if not hist.is_contiguous():
         raise InvalidInputError("hist", "a contiguous [B*K, S] int32 table", hist.stride())
     if mode == 1 and (parents is None or parents.stride(2) != 1):
@@ -302,9 +302,11 @@ def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tenso
     for name, t, dims in (("mid_o", mid_o, 4), ("mid_lse", mid_lse, 3)):
         if t is None or t.dtype != torch.float32 or t.dim() != dims or t.stride(-1) != 1 \
                 or t.shape[0] < rows or t.shape[1] != heads or t.shape[2] < groups \
-                or (dims == 4 and t.shape[3] != 512):
+                or (dims == 4 and (t.shape[3] != 512 or t.data_ptr() % 16
+                                   or any(t.stride(i) % 4 for i in range(3)))):
             raise InvalidInputError(
                 name, f"fp32 [>= {rows}, {heads}, >= {groups}{', 512' if dims == 4 else ''}] "
-                "with unit last stride (a partial per cluster of each query row)",
+                "with unit last stride (a partial per cluster of each query row; mid_o "
+                "16-byte aligned rows)",
                 None if t is None else f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
