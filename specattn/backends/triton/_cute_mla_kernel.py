@@ -172,7 +172,8 @@ class MlaDecodeKernel:
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
     ``trial``: the next version on trial (session 13): the last split walks its tail tiles
     first (``_walk``); the merge stores a thread's 4 columns at once (``_store4``: one 8-byte
-    store into the output, one 16-byte store into a group's partial).
+    store into the output, one 16-byte store into a group's partial); with ``fuse``, the
+    last group's CTAs load ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``).
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -944,17 +945,59 @@ class MlaDecodeKernel:
             cute.arch.fence_acq_rel_gpu()
             dst = (out, mid_o, mid_lse, q_start, Int32(0), chunk, s_ot, s_oh, s_mot, s_moh,
                    s_mop, s_mlt, s_mlh)
-            for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
-                m = rank + C * (2 * k + half)
-                if (m < ROWS) & (row_lo + m < n_rows):
-                    row = row_lo + m
-                    lse_row = cute.make_tensor(
-                        _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh),
-                        cute.make_layout(self.groups))
-                    o_row = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + chunk * 4
-                    lses = [lse_row[g] for g in range(self.groups)]
-                    parts = [cute.make_tensor(o_row + g * s_mop, cute.make_layout(4))
-                             for g in range(self.groups)]
-                    self._merge_row(lses, parts, row, False, *dst)
+            if cutlass.const_expr(self.trial):
+                self._merge_groups_batched(dst, rank, half, row_lo, n_rows)
+            else:
+                self._merge_groups_by_row(dst, rank, half, row_lo, n_rows)
             if tidx == 0:
                 cute.make_tensor(slot, cute.make_layout(1))[0] = Int32(0)
+
+    @cute.jit
+    def _merge_groups_by_row(self, dst: tuple, rank, half, row_lo, n_rows):
+        """The fused merge's rows, one row's loads at a time."""
+        C = self.cluster
+        out, mid_o, mid_lse, q_start, _, chunk, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, \
+            s_mlh = dst
+        for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
+            m = rank + C * (2 * k + half)
+            if (m < ROWS) & (row_lo + m < n_rows):
+                row = row_lo + m
+                lse_row = cute.make_tensor(
+                    _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh),
+                    cute.make_layout(self.groups))
+                o_row = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + chunk * 4
+                lses = [lse_row[g] for g in range(self.groups)]
+                parts = [cute.make_tensor(o_row + g * s_mop, cute.make_layout(4))
+                         for g in range(self.groups)]
+                self._merge_row(lses, parts, row, False, *dst)
+
+    @cute.jit
+    def _merge_groups_batched(self, dst: tuple, rank, half, row_lo, n_rows):
+        """The fused merge's rows (trial): the groups' LSEs and partials of ``MERGE_BATCH``
+        rows loaded together (16 bytes at a time) before any of them is merged and stored,
+        so the loads overlap instead of each waiting for the previous row's stores."""
+        C = self.cluster
+        out, mid_o, mid_lse, q_start, _, chunk, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, \
+            s_mlh = dst
+        n_iter = (ROWS + 2 * C - 1) // (2 * C)
+        for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
+            rows = [rank + C * (2 * k + half) for k in range(k0, min(k0 + MERGE_BATCH, n_iter))]
+            # A row past the request's: load its last row (in bounds), store nothing.
+            at = [cutlass.min(row_lo + cutlass.min(m, ROWS - 1), n_rows - 1) for m in rows]
+            lses = [[cute.make_tensor(_head_row(mid_lse, q_start, a, self.heads, s_mlt, s_mlh)
+                                      + g, cute.make_layout(1))[0]
+                     for g in range(self.groups)] for a in at]
+            parts = [[self._load4(_head_row(mid_o, q_start, a, self.heads, s_mot, s_moh)
+                                  + (g * s_mop + chunk * 4)) for g in range(self.groups)]
+                     for a in at]
+            for i in cutlass.range_constexpr(len(rows)):
+                if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
+                    self._merge_row(lses[i], parts[i], row_lo + rows[i], False, *dst)
+
+    @cute.jit
+    def _load4(self, src: cute.Pointer):
+        """Four fp32 from 16-byte aligned global ``src``, as one load."""
+        g = cute.make_ptr(Float32, src.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        vals = cute.make_rmem_tensor(4, Float32)
+        cute.autovec_copy(cute.make_tensor(g, cute.make_layout(4)), vals)
+        return vals
