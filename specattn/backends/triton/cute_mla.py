@@ -164,7 +164,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False):
+              diag: int = 0, fuse: bool = False, options: str = ""):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -174,7 +174,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
@@ -212,7 +212,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None,
               counter: Optional[torch.Tensor] = None, diag: int = 0,
-              stamps: Optional[torch.Tensor] = None, trial: bool = False) -> None:
+              stamps: Optional[torch.Tensor] = None) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -229,8 +229,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
-    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``trial``: the kernel's
-    next version on trial (``MlaDecodeKernel``)."""
+    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -272,7 +271,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag, fuse, trial=trial)
+                   req_to_token.dtype, par.dtype, diag, fuse)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]

@@ -47,9 +47,7 @@ class KernelConfig:
     (``cute_mla``: one warpgroup on S and the softmax, one on the gathers, a request's
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
     ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
-    partials is fused into it: correct on the H200, slower); ``cute_trial``: its next
-    version on trial (label ``trial``; ``_cute_mla_kernel.MlaDecodeKernel`` says what
-    changes))."""
+    partials is fused into it: correct on the H200, slower))."""
 
     block_m: int
     block_n: int
@@ -66,7 +64,6 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
-    cute_trial: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -97,8 +94,6 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
-        if self.cute_trial and not self.cute:
-            raise InvalidInputError("config.cute_trial", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -111,8 +106,7 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
-            (" trial" if self.cute_trial else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -409,8 +403,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse,
             counter=_counters(counter, num_groups * num_row_tiles(rows_per_group)
-                              * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None,
-            trial=cfg.cute_trial)
+                              * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
