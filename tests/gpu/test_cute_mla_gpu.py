@@ -30,8 +30,10 @@ def _require_cute():
         pytest.skip("the CuTe-DSL MLA kernel is built for sm90")
 
 
-@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"],
-                         ids=["merge-launch", "fused-merge"])
+@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute",
+                                   "m64 n64 w8 s2 kv-first gluon cute trial",
+                                   "m64 n64 w8 s2 kv-first fm gluon cute trial"],
+                         ids=["merge-launch", "fused-merge", "trial", "trial-fused-merge"])
 @pytest.mark.parametrize("splits,cluster", [(4, 2), (6, 2), (3, 1), (8, 4), (5, 5)])
 @pytest.mark.parametrize("dtype,H,K,tree_mode", [(torch.bfloat16, 16, 4, "path"),
                                                  (torch.float16, 16, 2, "lane"),

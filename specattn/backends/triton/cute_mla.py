@@ -30,14 +30,18 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
   (several groups).
 
 Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v8 (session
-13, measured as session 13's ``trial`` build, identical sm90 PTX): the Gluon kernel's GPU
-tests (its variant and the default, which takes this kernel at more than 64 rows), every
-cluster shape, a soak. v7 (session 13, call 2): the GPU tests with and without the fused
-merge, every cluster shape, the conformance kit with its config, memcheck. Same run (session
-13): 2-3% faster than v7; next to the Gluon kernel 5% faster at mla-long (66.5 vs 69.9 us)
-and 6% at mla-k1 uniform; mla-wide (H 128) 161.1 us, 454 TFLOP/s, 67% of the bf16 matmul
-rate (the Gluon split kernel: 206.6, session 12); slower than the Gluon work list on ragged
-batches at H 16 and at mla-small. Versions, profile and next steps:
+13; measured as that session's first ``trial`` build, whose sm90 PTX the kernel keeps): the
+Gluon kernel's GPU tests (variant ``cute``: every shape forced onto this kernel), every
+cluster shape with and without the fused merge, the conformance kit with its
+config, the 100-batch stress loop, memcheck over a small ragged run (0 errors), a soak.
+Same run (session 13, call 5): mla-long 66.5 us (Gluon default 69.9, FlashInfer 65.1),
+mla-k1 60.6 (64.2, 65.0), mla-wide (H 128) 161.1: 454 TFLOP/s, 67% of the bf16 matmul rate
+(the Gluon split kernel 206.6 in session 12); call 8: mla-long-k8 92.4 against the Gluon
+split kernel's 113.4. On ragged batches at H 16 it is about even with the Gluon work list,
+and it is slower at mla-small (B 4). The version on trial (``KernelConfig.cute_trial``,
+``MlaDecodeKernel``'s ``trial``) measured 2-6% faster again (call 8: mla-long 63.3, mla-k1
+58.0) and passed the GPU tests, every cluster shape and a soak; the kit, the stress loop and
+memcheck have not run on it yet. Versions, profile and next steps:
 ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
 vendor MLA kernel for Blackwell).
 """
@@ -164,7 +168,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = ""):
+              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -174,7 +178,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, fuse)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
@@ -212,7 +216,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None,
               counter: Optional[torch.Tensor] = None, diag: int = 0,
-              stamps: Optional[torch.Tensor] = None) -> None:
+              stamps: Optional[torch.Tensor] = None, trial: bool = False) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -229,7 +233,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
-    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``)."""
+    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``trial``: the kernel's
+    next version on trial (``MlaDecodeKernel``)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -271,7 +276,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag, fuse)
+                   req_to_token.dtype, par.dtype, diag, fuse, trial=trial)
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]

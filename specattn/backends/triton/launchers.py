@@ -47,7 +47,9 @@ class KernelConfig:
     (``cute_mla``: one warpgroup on S and the softmax, one on the gathers, a request's
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
     ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
-    partials is fused into it: correct on the H200, slower))."""
+    partials is fused into it: correct on the H200, slower); ``cute_trial``: its next
+    version on trial (label ``trial``; ``_cute_mla_kernel.MlaDecodeKernel`` says what
+    changes))."""
 
     block_m: int
     block_n: int
@@ -64,6 +66,7 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
+    cute_trial: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -94,6 +97,8 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws / "
                                     "gluon_worklist", self.label())
+        if self.cute_trial and not self.cute:
+            raise InvalidInputError("config.cute_trial", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -106,7 +111,8 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
+            (" trial" if self.cute_trial else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -187,9 +193,10 @@ def gluon_config(runner, interpret: bool, topk: int,
         # several row tiles (H 128: mla-wide) it lost both ways (220 vs 206, 305 vs 297).
         work_list = rows <= 64
     if not work_list and rows > 64 and cute_mla.serves(runner, interpret, rows):
-        # H200, same run (2026-12-01-h200/s12/call7): at mla-wide (H 128, K 2) the CuTe
+        # H200 (2026-12-01-h200/s12/call7, s13/call8): at mla-wide (H 128, K 2) the CuTe
         # kernel took 162.0 us against the Gluon split kernel's 206.6 (ragged 224.5 vs
-        # 296.1); at one row tile it loses on ragged batches (the work list wins there).
+        # 296.1), at mla-long-k8 (K 8, H 16) 91.4 vs 113.4 (ragged 121.8 vs 157.1). At one
+        # row tile it ties the work list on ragged batches and loses at mla-small (B 4).
         return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, cute=True)
     return KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True,
                         gluon_worklist=work_list)
@@ -403,7 +410,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse,
             counter=_counters(counter, num_groups * num_row_tiles(rows_per_group)
-                              * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None)
+                              * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None,
+            trial=cfg.cute_trial)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
