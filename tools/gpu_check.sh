@@ -354,28 +354,29 @@ cute_bench() {
 
 # A CuTe kernel made the default, checked in one call (after `fa4-first`; same carry), side
 # by side: the GPU tests of the variants CUTE_VARIANTS (default `cute`: the Gluon suite, every
-# cluster shape, the kit with the cute config), the 100-batch stress loop and memcheck on the
-# kernel, a soak of CUTE_SOAK_LABEL (default the kernel's config; session 13: its trial);
-# then the stamps of CUTE_STAMP_LABELS (`;`-separated; default the kernel's) on
-# STAMPS_CASES. `cute-bench` is the second call. The stress loop needs about 180 s alone
+# cluster shape, the kit with CUTE_LABEL), the 100-batch stress loop of CUTE_STRESS_VARIANT
+# (default `cute`) and memcheck with CUTE_LABEL, a soak of CUTE_SOAK_LABEL (default
+# CUTE_LABEL; session 13: its trial); then the stamps of CUTE_STAMP_LABELS (`;`-separated;
+# default CUTE_LABEL) on STAMPS_CASES. CUTE_LABEL defaults to the kernel's config; a version
+# on trial: CUTE_VARIANTS=cute-trial CUTE_STRESS_VARIANT=cute-trial CUTE_LABEL="... trial". `cute-bench` is the second call. The stress loop needs about 180 s alone
 # (four batches side by side): beside the rest it can pass its limit (session 13).
 cute_final() {
   vendor_libs
-  local t="python -m pytest -v -p no:cacheprovider -rfE"
+  local t="python -m pytest -v -p no:cacheprovider -rfE" label="${CUTE_LABEL:-$CUTE_CONFIG}"
   job gpu-tests-cute "${GATE_S:-260}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
-    $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py tests/gpu/test_cute_mla_gpu.py \
-    -k "not stress" &
-  job gpu-stress-cute 260 env SPECATTN_GLUON_VARIANTS=cute $t -n 2 tests/gpu/test_gluon_mla_gpu.py \
-    -k stress &
+    SPECATTN_CUTE_KIT_LABEL="$label" $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py \
+    tests/gpu/test_cute_mla_gpu.py -k "not stress" &
+  job gpu-stress-cute 260 env SPECATTN_GLUON_VARIANTS="${CUTE_STRESS_VARIANT:-cute}" $t -n 2 \
+    tests/gpu/test_gluon_mla_gpu.py -k stress &
   job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
     --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check \
-    --option "triton:config=$CUTE_CONFIG" &
+    --option "triton:config=$label" &
   job soak-triton-cute 200 $SOAK --backend triton --seed "${SOAK_SEED:-1000000}" --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
-    --option "triton:config=${CUTE_SOAK_LABEL:-$CUTE_CONFIG}" &
+    --option "triton:config=${CUTE_SOAK_LABEL:-$label}" &
   wait
-  IFS=';' read -r -a stamp_labels <<< "${CUTE_STAMP_LABELS:-$CUTE_CONFIG}"
+  IFS=';' read -r -a stamp_labels <<< "${CUTE_STAMP_LABELS:-$label}"
   job cute-stamps "${STAMPS_S:-100}" python tools/cute_stamps.py \
     --case ${STAMPS_CASES:-mla-long mla-k1} --config "${stamp_labels[@]}"
   check

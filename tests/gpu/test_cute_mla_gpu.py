@@ -13,6 +13,7 @@ The kernel's other tests are the ``cute`` variant of ``test_gluon_mla_gpu.py``."
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -65,12 +66,15 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
 
 
 def test_conformance_kit_with_the_cute_config():
+    """The kit with the CuTe kernel's config (``SPECATTN_CUTE_KIT_LABEL`` names another, e.g.
+    the version on trial)."""
     _require_cute()
     from specattn.bench.options import kernel_config
     from specattn.testing import check_backend
 
+    label = os.environ.get("SPECATTN_CUTE_KIT_LABEL", CUTE)
     report = check_backend("triton", device="cuda", kinds=("decode",), models=("mla",),
-                           level="full", decode_options={"config": kernel_config(CUTE)},
+                           level="full", decode_options={"config": kernel_config(label)},
                            raise_on_failure=False)
     print(report)
     assert report.ok, report
