@@ -263,6 +263,7 @@ class MlaDecodeKernel:
 
     @cute.jit
     def _tail_first(self, n_pref: Int32, total: Int32, t: Int32):
+        """Step ``t`` of ``total`` -> tile: ``n_pref + t`` for the tail, then ``t - tails``."""
         tt = t
         if t < total:
             tt = t + n_pref

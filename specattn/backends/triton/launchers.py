@@ -202,7 +202,6 @@ def gluon_config(runner, interpret: bool, topk: int,
                         gluon_worklist=work_list)
 
 
-
 def default_waves(cfg: KernelConfig, extend: bool) -> float:
     """Programs per SM that the prefix split count aims at (H200 sweeps)."""
     if cfg.mla_v3 or cfg.gluon:
