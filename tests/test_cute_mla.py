@@ -48,10 +48,13 @@ def test_config_label_and_rules():
     base = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, kv_write="first",
                 gluon=True, cute=True)
     for bad in (dict(gluon=False), dict(block_n=32), dict(num_stages=3),
-                dict(kv_write="kernel"), dict(gluon_worklist=True), dict(gluon_ws=True)):
+                dict(kv_write="kernel"), dict(gluon_worklist=True, fuse_merge=True),
+                dict(gluon_ws=True)):
         with pytest.raises(InvalidInputError) as info:
             KernelConfig(**{**base, **bad})
         assert info.value.argument.startswith("config."), info.value
+    wl = kernel_config("m64 n64 w8 s2 kv-first gluon wl cute")  # over the work list
+    assert wl.cute and wl.gluon_worklist
     fused = kernel_config("m64 n64 w8 s2 kv-first fm gluon cute")
     assert fused.cute and fused.fuse_merge
     with pytest.raises(InvalidInputError, match="fuse_merge only with cute"):
@@ -231,6 +234,128 @@ def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch, label):
     counter = call["counter"]
     assert (counter is not None) == ("fm" in label.split())
     assert counter is None or counter.numel() >= 2 * 1 * cute_mla.MAX_CLUSTER
+
+
+class _WorkListStandIn:
+    """``cute_mla.attention`` over the work list as the kernel's contract says: a request with
+    one segment written directly; the others' segments into slot ``p + b`` of ``mid_o
+    [slots, rows, 512]`` (row ``lane * H + head`` of the request) with any LSE, then
+    ``worklist.merge``. Every partial is the reference here, so the merge returns it."""
+
+    def __init__(self, runner, batch, programs):
+        self.runner, self.batch, self.programs, self.calls = runner, batch, programs, []
+
+    def __call__(self, q, kv, k_new, out, req_to_token, meta, hist, parents, **kw):
+        from specattn.backends.triton import worklist
+
+        self.calls.append(kw)
+        work, programs, topk = kw["work"], kw["programs"], kw["topk"]
+        assert programs == self.programs and work.dtype == torch.int32
+        mid_o, mid_lse = kw["mid_o"], kw["mid_lse"]
+        bs, heads = kw["batch"], q.shape[1]
+        assert mid_o.shape[0] >= programs + bs and mid_o.shape[2] == 512
+        if kw["write_new"]:
+            kv[hist[:, kw["step"]].long()] = k_new
+        layer = AttentionLayer(0, kw["sm_scale"], kw["logit_cap"])
+        ref = reference_decode(self.runner, layer, q, self.batch, kw["step"], "path")
+        chunk, first = int(work[0]), work[1:1 + programs].tolist()
+        starts = work[1 + programs:2 + programs + bs].tolist()
+        for b in range(bs):
+            rows = ref[b * topk:(b + 1) * topk].reshape(topk * heads, 512).float()
+            if starts[b + 1] - starts[b] <= chunk:  # the only segment: the output
+                out[b * topk:(b + 1) * topk] = ref[b * topk:(b + 1) * topk]
+                continue
+            for p in (p for p in range(programs) if first[p] == b):
+                mid_o[p + b, :rows.shape[0]] = rows
+                mid_lse[p + b, :rows.shape[0]] = torch.randn(rows.shape[0])
+        worklist.merge(mid_o, mid_lse, out, work, programs, topk)
+
+
+def test_launcher_sends_the_work_list_to_the_cute_kernel(monkeypatch):
+    """``... gluon wl cute``: the round's work list (programs from ``work_list_shape``) and
+    its partial slots reach ``cute_mla.attention``; a long request is split over several
+    programs and merged, short ones are written directly."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "work_list_shape", lambda row_tiles, batch, device: (2, 5))
+    r, batch = mla_round([7, 300, 18], topk=2)
+    stand_in = _WorkListStandIn(r, batch, 5)
+    monkeypatch.setattr(cute_mla, "attention", stand_in)
+    cfg = kernel_config("m64 n64 w8 s2 kv-first gluon wl cute")
+    assert cfg.cute and cfg.gluon_worklist
+    backend = TritonDecode(r, 2, 3, tree_mode="path", config=cfg)
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["num_splits"] == 5
+    gen = torch.Generator().manual_seed(1)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    bs, topk = batch.out_cache_loc.shape[:2]
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        backend._active.mid_o.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, None)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    work = stand_in.calls[-1]["work"]
+    chunk, starts = int(work[0]), work[6:10].tolist()
+    assert [e - s > chunk for s, e in zip(starts, starts[1:])] == [False, True, False]
+    with pytest.raises(InvalidInputError, match="num_splits"):
+        TritonDecode(r, 2, 3, config=cfg, num_splits=4)
+    with pytest.raises(InvalidInputError, match="config.cute"):
+        kernel_config("m64 n64 w8 s2 kv-first fm gluon wl cute")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_work_list_shares_cover_every_key_once(seed):
+    """The CTAs' shares of the work list's segments (the kernel's arithmetic, mirrored in
+    ``work_list_shares``) cover each request's prefix and its history keys exactly once, and
+    one CTA per request holds its first unit (it stores the call's keys)."""
+    import random
+
+    rng = random.Random(seed)
+    bs = rng.randint(1, 12)
+    lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000)]) for _ in range(bs)]
+    tail_units = rng.randint(1, 3)
+    tails = [rng.randint(1, tail_units * 64) for _ in range(bs)]
+    cluster = rng.choice([1, 2, 3, 4, 8])
+    programs = rng.randint(bs, bs + 40)
+    shares = cute_mla.work_list_shares(lens, tails, tail_units, cluster, programs)
+    for b in range(bs):
+        prefix, tail = [0] * lens[b], [0] * tails[b]
+        for start, end, t_lo, t_hi, _ in shares[b]:
+            for i in range(start, max(end, start)):
+                prefix[i] += 1
+            for i in range(t_lo, t_hi):
+                tail[i] += 1
+        assert prefix == [1] * lens[b] and tail == [1] * tails[b], (b, shares[b])
+        assert sum(first for *_, first in shares[b]) == 1
+
+
+@pytest.mark.parametrize("row_tiles,batch,want", [
+    (1, 32, (2, 66)),  # mla-long: all 132 SMs, clusters of 2 (30 clusters of 4 are too few)
+    (1, 4, (2, 66)),
+    (2, 32, (2, 33)),  # mla-long-k8
+    (4, 32, (1, 33)),  # mla-wide: clusters of one
+    (1, 200, (1, 200)),  # more requests than SMs: one program each
+])
+def test_work_list_shape(h200_clusters, row_tiles, batch, want):
+    assert cute_mla.work_list_shape(row_tiles, batch, torch.device("cuda", 0)) == want
+
+
+def test_work_list_arguments_refused_before_any_cuda_work(h200_clusters, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kw = dict(_args(), mode=0, batch=2, topk=4, num_steps=3, step=0, num_splits=1,
+              sm_scale=0.04, logit_cap=0.0, write_new=True)
+    good = dict(work=torch.zeros(2 + 66 + 2, dtype=torch.int32), programs=66,
+                mid_o=torch.zeros(68, 64, 512), mid_lse=torch.zeros(68, 64))
+    for change, argument in ((dict(programs=8), "programs"),
+                             (dict(work=torch.zeros(10, dtype=torch.int32)), "work"),
+                             (dict(mid_o=torch.zeros(60, 64, 512)), "mid_o"),
+                             (dict(mid_lse=None), "mid_lse")):
+        with pytest.raises(InvalidInputError) as info:
+            cute_mla.attention(**{**kw, **good, **change})
+        assert info.value.argument == argument
 
 
 def _args(rows=8, heads=16, slots=40):

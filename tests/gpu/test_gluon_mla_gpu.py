@@ -50,6 +50,8 @@ def _variants():
         # Its next version on trial (KernelConfig.cute_trial).
         "cute-trial": "m64 n64 w8 s2 kv-first gluon cute trial",
         "cute-trial-fm": "m64 n64 w8 s2 kv-first fm gluon cute trial",
+        # Its clusters over the balanced work list (not yet run on a GPU: session 13).
+        "cute-wl": "m64 n64 w8 s2 kv-first gluon wl cute",
     }
     every = {name: label and kernel_config(label) for name, label in every.items()}
     names = os.environ.get("SPECATTN_GLUON_VARIANTS")

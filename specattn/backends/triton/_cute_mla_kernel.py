@@ -197,7 +197,8 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False, trial: bool = False):
+                 diag: int = 0, fuse: bool = False, trial: bool = False,
+                 work_list: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -211,17 +212,20 @@ class MlaDecodeKernel:
         self.diag = diag
         self.fuse = fuse
         self.trial = trial
+        self.work_list = work_list
         if diag not in (0, 4, 5, 6):
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
         if fuse and (groups < 2 or diag):
             raise ValueError("fuse: the groups' merge of two or more groups, no diag")
+        if work_list and (groups != 1 or fuse):
+            raise ValueError("work_list: one cluster per program (groups 1), no fuse")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
                  parents: cute.Pointer, counter: cute.Pointer, batch: Int32, row_tiles: Int32,
-                 step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
+                 programs: Int32, step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
                  s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
                  s_mot: Int32, s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32,
                  s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
@@ -229,10 +233,12 @@ class MlaDecodeKernel:
         args = (q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
                 num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh, s_mop,
                 s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap)
-        launch = dict(grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
-                      cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages),
-                      stream=stream)
-        if cutlass.const_expr(self.fuse or self.diag == 6):
+        launch = dict(grid=(self.splits, row_tiles, programs if self.work_list else batch),
+                      block=(THREADS, 1, 1), cluster=(self.cluster, 1, 1),
+                      smem=smem_bytes(self.stages), stream=stream)
+        if cutlass.const_expr(self.work_list):
+            self.kernel_wl(*args, counter, batch, programs).launch(**launch)
+        elif cutlass.const_expr(self.fuse or self.diag == 6):
             self.kernel_fused(*args, counter).launch(**launch)
         else:
             self.kernel(*args).launch(**launch)
@@ -589,7 +595,19 @@ class MlaDecodeKernel:
         if wsum > 0.0:
             inv = 1.0 / wsum
         H = self.heads
-        if cutlass.const_expr(to_mid):
+        if cutlass.const_expr(to_mid and self.work_list):
+            # Slot ``group`` of the work list's partials: [slots, rows, 512] / [slots, rows].
+            g = cute.make_tensor(mid_o + (Int64(group) * s_mop + row * D_MAIN + chunk * 4),
+                                 cute.make_layout(4))
+            for j in cutlass.range_constexpr(4):
+                g[j] = acc[j] * inv
+            if chunk == 0:
+                lse = -Float32.inf
+                if wsum > 0.0:
+                    lse = top + cute.math.log2(wsum) * LN2
+                cute.make_tensor(mid_lse + (Int64(group) * s_mlt + row),
+                                 cute.make_layout(1))[0] = lse
+        elif cutlass.const_expr(to_mid):
             dst = _head_row(mid_o, q_start, row, H, s_mot, s_moh) + (group * s_mop + chunk * 4)
             if cutlass.const_expr(self.trial):  # one 16-byte store
                 self._store4(dst, Float32, [a * inv for a in acc], 16)
@@ -657,6 +675,62 @@ class MlaDecodeKernel:
                    num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
                    s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, counter)
 
+    # The work list's entry point (a third, so that ``kernel`` keeps its signature and PTX).
+    @cute.kernel
+    def kernel_wl(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
+                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
+                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
+                  parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
+                  num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
+                  s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
+                  s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
+                  scale_log2: Float32, cap: Float32, work: cute.Pointer, batch: Int32,
+                  programs: Int32):
+        """Grid ``(cluster, row tiles, programs)`` over the balanced work list (``work``:
+        ``worklist``'s table, written once per round): cluster ``p`` takes program ``p``'s
+        segment of one request's key tiles, its CTAs a share each, merged on chip into the
+        output (the request's only segment) or into slot ``p + b`` of ``mid_o [slots, rows,
+        512]`` / ``mid_lse [slots, rows]`` (slot strides ``s_mop`` / ``s_mlt``), which
+        ``worklist.merge`` combines."""
+        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
+                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, r2t,
+                   (work, batch, programs))
+
+    @cute.jit
+    def _program(self, wl: tuple, p):
+        """Work list: program ``p``'s request and segment, ``(b, has_work, only, seg_lo,
+        seg_hi)``: units ``[seg_lo, seg_hi)`` of request ``b`` (key tiles, prefix then
+        tail); ``has_work`` False for a program past the last segment (``b`` clamped to a
+        real request, for its loads); ``only``: the request's only segment, written
+        directly."""
+        work, batch, programs = wl
+        chunk = cute.make_tensor(work, cute.make_layout(1))[0]
+        b_of = cute.make_tensor(work + (1 + p), cute.make_layout(1))[0]
+        b = cutlass.min(b_of, batch - 1)
+        u_b = cute.make_tensor(work + (1 + programs + b), cute.make_layout(1))[0]
+        u_end = cute.make_tensor(work + (2 + programs + b), cute.make_layout(1))[0]
+        return (b, b_of < batch, u_end - u_b <= chunk, p * chunk - u_b,
+                cutlass.min((p + 1) * chunk, u_end) - u_b)
+
+    @cute.jit
+    def _share(self, seg_lo, seg_hi, rank, has_work, prefix_len, n_lo, n_hi_all):
+        """Work list: this CTA's share of its cluster's segment, as the prefix slice
+        ``[start, end)`` and the tail's history indices ``[n_lo, n_hi)``, and whether it
+        holds the request's first unit (it stores the call's keys)."""
+        per_cta = (seg_hi - seg_lo + self.cluster - 1) // self.cluster
+        u0 = seg_lo + rank * per_cta
+        u1 = cutlass.min(u0 + per_cta, seg_hi)
+        n_pref_all = (prefix_len + KEYS - 1) // KEYS
+        start = u0 * KEYS
+        end = cutlass.min(prefix_len, cutlass.min(u1, n_pref_all) * KEYS)
+        t_lo = n_lo + cutlass.max(u0 - n_pref_all, 0) * KEYS
+        t_hi = cutlass.min(n_hi_all, n_lo + cutlass.max(u1 - n_pref_all, 0) * KEYS)
+        if not has_work:
+            end = start  # an idle cluster walks no keys and stores nothing
+            t_hi = t_lo
+        return start, end, t_lo, cutlass.max(t_hi, t_lo), has_work & (u0 == 0)
+
     @cute.jit
     def _body(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
               out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
@@ -665,9 +739,9 @@ class MlaDecodeKernel:
               num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
               s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
               s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
-              scale_log2: Float32, cap: Float32, counter: cute.Pointer):
+              scale_log2: Float32, cap: Float32, counter: cute.Pointer, wl=None):
         """The kernel's work (``counter``: the fused merge's arrival counters, unused
-        without ``fuse``)."""
+        without ``fuse``; ``wl``: ``(work, batch, programs)`` of the work list)."""
         dt = self.dtype
         H = self.heads
         tidx, _, _ = cute.arch.thread_idx()
@@ -685,6 +759,11 @@ class MlaDecodeKernel:
         mark(0, tidx == 0, cute.arch.globaltimer_lo)
         mark(1, tidx == 0, cute.arch.smid)
 
+        if cutlass.const_expr(self.work_list):
+            # Grid z is the work list's program p: its request b, its segment's partial slot.
+            p = b
+            b, has_work, only, seg_lo, seg_hi = self._program(wl, p)
+            group = p + b
         m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
         prefix_len = m_row[1]
@@ -695,13 +774,19 @@ class MlaDecodeKernel:
         hl = step + 1
         lane_lo = row_lo // H
         lane_hi = cutlass.min(topk, (row_lo + ROWS + H - 1) // H)
-        start = split * split_len
-        end = cutlass.min(prefix_len, start + split_len)
-        n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
-        n_lo = lane_lo * hl
-        n_hi = n_lo
-        if split == self.splits - 1:
-            n_hi = lane_hi * hl
+        if cutlass.const_expr(self.work_list):
+            start, end, n_lo, n_hi, first = self._share(seg_lo, seg_hi, rank, has_work,
+                                                        prefix_len, lane_lo * hl,
+                                                        lane_hi * hl)
+            n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
+        else:
+            start = split * split_len
+            end = cutlass.min(prefix_len, start + split_len)
+            n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
+            n_lo = lane_lo * hl
+            n_hi = n_lo
+            if split == self.splits - 1:
+                n_hi = lane_hi * hl
         total = n_pref + (n_hi - n_lo + KEYS - 1) // KEYS
         if cutlass.const_expr(self.diag == 4):
             total = Int32(0)  # the fixed cost alone
@@ -748,7 +833,11 @@ class MlaDecodeKernel:
             ok_a, new_a, slot_a, lane_a = self._key_source(walk(Int32(1)), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(walk(Int32(1)), *args_b)
             mark(4, tidx == 128)
-        if cutlass.const_expr(self.write_new):
+        if cutlass.const_expr(self.write_new and self.work_list):
+            if first:  # this call's keys into the pool, at hist[lane, step]
+                self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
+                                     num_steps, num_slots, s_kv, s_kin)
+        elif cutlass.const_expr(self.write_new):
             if split == 0:  # this call's keys into the pool, at hist[lane, step]
                 self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
                                      num_steps, num_slots, s_kv, s_kin)
@@ -908,7 +997,16 @@ class MlaDecodeKernel:
                     sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
                     for a in at]
                 for i in cutlass.range_constexpr(len(rows)):
-                    if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
+                    if cutlass.const_expr(self.work_list):
+                        # The request's only segment writes the output, the others a slot.
+                        if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows) & has_work:
+                            if only:
+                                self._merge_row(lses[i], parts[i], row_lo + rows[i], False,
+                                                *dst)
+                            else:
+                                self._merge_row(lses[i], parts[i], row_lo + rows[i], True,
+                                                *dst)
+                    elif (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
                         self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
                                         *dst)
             mark(14, tidx == 0)

@@ -142,6 +142,10 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         if num_splits is not None and not 1 <= num_splits <= 16:
             raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
         _check_config(config, runner, decode=True, mode=mode)
+        if config is not None and config.cute and config.gluon_worklist and \
+                num_splits is not None:
+            raise InvalidInputError("num_splits", "None with the CuTe kernel's work list (its "
+                                    "programs follow the cluster limits)", num_splits)
         self.mode = mode
         self._num_splits_override = num_splits
         self._config_override = config

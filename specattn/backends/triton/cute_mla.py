@@ -168,7 +168,8 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False):
+              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False,
+              work_list: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -178,11 +179,12 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial,
+                               work_list)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
-    ints = [cutlass.Int32(1)] * 20
+    ints = [cutlass.Int32(1)] * 21
     floats = [cutlass.Float32(1.0)] * 2
     log.info("compiling the CuTe-DSL MLA decode kernel (%s, H %d, %s, cap %s, write %s, "
              "clusters of %d x %d)", dtype, heads, "path" if path else "lane", use_cap,
@@ -216,7 +218,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None,
               counter: Optional[torch.Tensor] = None, diag: int = 0,
-              stamps: Optional[torch.Tensor] = None, trial: bool = False) -> None:
+              stamps: Optional[torch.Tensor] = None, trial: bool = False,
+              work: Optional[torch.Tensor] = None, programs: int = 0) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
     (``cluster_shape``), the clusters' partials merged by one more launch.
@@ -234,7 +237,12 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
     least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``trial``: the kernel's
-    next version on trial (``MlaDecodeKernel``)."""
+    next version on trial (``MlaDecodeKernel``). ``work`` (int32, ``worklist.fill``'s table
+    for ``programs`` programs per row tile, ``work_list_shape``): the balanced work list
+    instead of ``num_splits`` splits per request: each program is a cluster on one segment
+    of one request; ``mid_o`` / ``mid_lse`` are then ``worklist_scratch``'s slots ``[slots,
+    rows, 512]`` / ``[slots, rows]`` and ``worklist.merge`` combines them (not yet run on a
+    GPU)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -249,6 +257,13 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     from .gluon_mla import num_row_tiles
 
     row_tiles = num_row_tiles(topk * q.shape[1])
+    if work is not None:
+        return _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents,
+                                    mode=mode, batch=batch, topk=topk, num_steps=num_steps,
+                                    step=step, sm_scale=sm_scale, logit_cap=logit_cap,
+                                    write_new=write_new, mid_o=mid_o, mid_lse=mid_lse,
+                                    work=work, programs=programs, row_tiles=row_tiles,
+                                    trial=trial)
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
     fuse = counter is not None and groups > 1 and diag != 6
     if diag == 6:
@@ -267,36 +282,125 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
             raise InvalidInputError("counter", f"contiguous int32 zeros, at least {need} "
                                     "(one per request, row tile and cluster rank)",
                                     f"{counter.dtype} {tuple(counter.shape)}")
-    import cuda.bindings.driver as cuda
-    import cutlass
-
-    from ._cute_mla_kernel import LOG2E
-
     path = mode == 1
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
                    req_to_token.dtype, par.dtype, diag, fuse, trial=trial)
+    _run(fn, (q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par,
+              stamps if diag == 6 else counter if fuse else meta),
+         (batch, row_tiles, 0, step, topk, num_steps),
+         (mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1)), path,
+         sm_scale, logit_cap)
+    if groups > 1 and not fuse:
+        from ...kernels.merge import merge_partials
+
+        merge_partials(mid_o, mid_lse, out, groups)
+
+
+def _run(fn, tensors: tuple, counts: tuple, mid_strides: tuple, path: bool, sm_scale: float,
+         logit_cap: float) -> None:
+    """Call compiled ``fn`` on the current stream: ``tensors`` = (q, kv, k_new, out, mid_o,
+    mid_lse, req_to_token, meta, hist, parents, the last pointer: counters, stamps or the
+    work table), ``counts`` = (batch, row tiles, programs, step, topk, num_steps),
+    ``mid_strides`` = the partials' five strides (``MlaDecodeKernel``'s ``s_mo*``, ``s_ml*``)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    from ._cute_mla_kernel import LOG2E
+
+    q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par, last = tensors
     i32 = cutlass.Int32
     args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
             + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]
             + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),
                _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
-               _ptr(_dtype(par.dtype), par.data_ptr()),
-               _ptr(cutlass.Int32, (stamps if diag == 6 else counter if fuse
-                                    else meta).data_ptr())]
+               _ptr(_dtype(par.dtype), par.data_ptr()), _ptr(cutlass.Int32, last.data_ptr())]
+            + [i32(v) for v in counts[:3]]
             + [i32(v) for v in (
-                batch, row_tiles, step, topk, num_steps, kv.shape[0],
-                q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), out.stride(0),
-                out.stride(1), mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0),
-                ml.stride(1), req_to_token.stride(0), par.stride(0) if path else 0,
+                *counts[3:], kv.shape[0], q.stride(0), q.stride(1), kv.stride(0),
+                k_new.stride(0), out.stride(0), out.stride(1), *mid_strides,
+                req_to_token.stride(0), par.stride(0) if path else 0,
                 par.stride(1) if path else 0)]
             + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
     fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-    if groups > 1 and not fuse:
-        from ...kernels.merge import merge_partials
 
-        merge_partials(mid_o, mid_lse, out, groups)
+
+def work_list_shape(row_tiles: int, batch: int, device: torch.device) -> tuple[int, int]:
+    """``(cluster, programs)`` for the work list: ``programs`` clusters per row tile, all
+    running at once, at least ``batch`` (one per request); the cluster size that keeps the
+    most SMs busy (``cluster * programs * row_tiles``), the larger on a tie (more of the
+    merge on chip). Where no size gives every request a cluster in one wave (a batch above
+    the SM count), clusters of one and one program per request."""
+    from .gluon_mla import device_index
+
+    index = device_index(device)
+    best = None
+    for c in range(MAX_CLUSTER, 0, -1):
+        p = max_active_clusters(index, c) // max(1, row_tiles)
+        if p >= batch and (best is None or c * p > best[0] * best[1]):
+            best = (c, p)
+    return best or (1, batch)
+
+
+def work_list_shares(prefix_lens: list, tail_keys: list, tail_units: int, cluster: int,
+                     programs: int, block_n: int = 64) -> dict:
+    """What each CTA of the work list walks, in Python (the kernel's ``_program`` and
+    ``_share``, for tests): ``{b: [(prefix start, end, tail lo, tail hi, first), ...]}``
+    over request ``b``'s programs and ranks; ``tail_keys[b]``: its row tile's history keys
+    at this step (at most ``tail_units * block_n``)."""
+    from .worklist import schedule
+
+    plan = schedule(prefix_lens, tail_units, block_n, programs)
+    shares: dict = {b: [] for b in range(len(prefix_lens))}
+    for p, b in enumerate(plan.first_request):
+        if b >= len(prefix_lens):
+            continue  # an idle program
+        u_b, u_end = plan.unit_starts[b], plan.unit_starts[b + 1]
+        seg_lo, seg_hi = p * plan.chunk - u_b, min((p + 1) * plan.chunk, u_end) - u_b
+        per_cta = -(-(seg_hi - seg_lo) // cluster)
+        n_pref_all = -(-prefix_lens[b] // block_n)
+        for rank in range(cluster):
+            u0 = seg_lo + rank * per_cta
+            u1 = min(u0 + per_cta, seg_hi)
+            end = min(prefix_lens[b], min(u1, n_pref_all) * block_n)
+            t_lo = max(u0 - n_pref_all, 0) * block_n
+            t_hi = min(tail_keys[b], max(u1 - n_pref_all, 0) * block_n)
+            shares[b].append((u0 * block_n, end, t_lo, max(t_hi, t_lo), u0 == 0))
+    return shares
+
+
+def _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents, *, mode,
+                         batch, topk, num_steps, step, sm_scale, logit_cap, write_new, mid_o,
+                         mid_lse, work, programs, row_tiles, trial) -> None:
+    """``attention`` over the work list (``work``, ``programs`` per row tile)."""
+    from .worklist import merge, work_numel
+
+    cluster, planned = work_list_shape(row_tiles, batch, q.device)
+    if programs != planned:
+        raise InvalidInputError("programs", f"the work list's programs per row tile here "
+                                f"({planned}: work_list_shape)", programs)
+    if work.dtype != torch.int32 or not work.is_contiguous() or \
+            work.numel() < work_numel(programs, batch):
+        raise InvalidInputError("work", f"the work list's contiguous int32 table, at least "
+                                f"{work_numel(programs, batch)} words",
+                                f"{work.dtype} {tuple(work.shape)}")
+    rows = row_tiles * 64
+    for name, t, dims in (("mid_o", mid_o, 3), ("mid_lse", mid_lse, 2)):
+        if t is None or t.dtype != torch.float32 or t.dim() != dims or \
+                not t.is_contiguous() or t.shape[0] < programs + batch or t.shape[1] < rows:
+            raise InvalidInputError(name, f"contiguous fp32 [>= {programs + batch}, >= {rows}"
+                                    f"{', 512' if dims == 3 else ''}] (a slot per program "
+                                    "and request)",
+                                    None if t is None else f"{t.dtype} {tuple(t.shape)}")
+    path = mode == 1
+    par = parents if path else meta
+    fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, 1,
+                   req_to_token.dtype, par.dtype, trial=trial, work_list=True)
+    _run(fn, (q, kv, k_new, out, mid_o, mid_lse, req_to_token, meta, hist, par, work),
+         (batch, row_tiles, programs, step, topk, num_steps),
+         (0, 0, mid_o.stride(0), mid_lse.stride(0), 0), path, sm_scale, logit_cap)
+    merge(mid_o, mid_lse, out, work, programs, topk)
 
 
 def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tensor],

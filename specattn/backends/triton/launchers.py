@@ -47,7 +47,8 @@ class KernelConfig:
     (``cute_mla``: one warpgroup on S and the softmax, one on the gathers, a request's
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
     ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
-    partials is fused into it: correct on the H200, slower); ``cute_trial``: its next
+    partials is fused into it: correct on the H200, slower; with ``gluon_worklist``, its
+    clusters walk the balanced work list: not yet run on a GPU); ``cute_trial``: its next
     version on trial (label ``trial``; ``_cute_mla_kernel.MlaDecodeKernel`` says what
     changes))."""
 
@@ -92,11 +93,12 @@ class KernelConfig:
             raise InvalidInputError("config.gluon_worklist", "no gluon_overlap / gluon_ws",
                                     self.label())
         if self.cute and (not self.gluon or self.gluon_overlap or self.gluon_ws
-                          or self.gluon_worklist or self.block_n != 64
-                          or self.num_stages != 2 or self.kv_write != "first"):
+                          or self.block_n != 64 or self.num_stages != 2
+                          or self.kv_write != "first"
+                          or (self.gluon_worklist and self.fuse_merge)):
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
-                                    "kv_write='first', no gluon_overlap / gluon_ws / "
-                                    "gluon_worklist", self.label())
+                                    "kv_write='first', no gluon_overlap / gluon_ws, not both "
+                                    "gluon_worklist and fuse_merge", self.label())
         if self.cute_trial and not self.cute:
             raise InvalidInputError("config.cute_trial", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
@@ -227,8 +229,12 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
     if cfg.gluon_worklist:  # programs per row tile, whatever the batch
         from . import worklist
 
-        return worklist.programs_per_row_tile(triton.cdiv(rows_per_group, cfg.block_m),
-                                              num_groups, device)
+        row_tiles = triton.cdiv(rows_per_group, cfg.block_m)
+        if cfg.cute:  # a program is a cluster; all of them at once
+            from . import cute_mla
+
+            return cute_mla.work_list_shape(row_tiles, num_groups, device)[1]
+        return worklist.programs_per_row_tile(row_tiles, num_groups, device)
     dv = cfg.dv_split if cfg.mla_v3 else 1
     programs = triton.cdiv(rows_per_group, cfg.block_m) * dv * num_groups * shape.num_kv_heads
     w = default_waves(cfg, extend) if waves is None else waves
@@ -243,7 +249,7 @@ def plan_splits(shape: AttnShape, cfg: KernelConfig, rows_per_group: int, num_gr
 def cap_splits(cfg: KernelConfig, num_splits: int) -> int:
     """``num_splits`` within what ``cfg``'s kernel takes (the CuTe kernel: at most
     ``cute_mla.MAX_SPLITS``)."""
-    if cfg.cute:
+    if cfg.cute and not cfg.gluon_worklist:  # the work list's programs: no cap
         from .cute_mla import MAX_SPLITS
 
         return min(num_splits, MAX_SPLITS)
@@ -403,6 +409,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         from . import cute_mla
         from .gluon_mla import num_row_tiles
 
+        if cfg.gluon_worklist and work is None:
+            raise ValueError("config gluon_worklist needs the round's work list (work)")
         cute_mla.attention(
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
@@ -410,7 +418,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse,
             counter=_counters(counter, num_groups * num_row_tiles(rows_per_group)
                               * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None,
-            trial=cfg.cute_trial)
+            trial=cfg.cute_trial, work=work if cfg.gluon_worklist else None,
+            programs=num_splits if cfg.gluon_worklist else 0)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
