@@ -217,8 +217,9 @@ class MlaDecodeKernel:
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
         if fuse and (groups < 2 or diag):
             raise ValueError("fuse: the groups' merge of two or more groups, no diag")
-        if work_list and (groups != 1 or fuse):
-            raise ValueError("work_list: one cluster per program (groups 1), no fuse")
+        if work_list and (groups != 1 or fuse or diag):
+            # (diag 6's stamps would go where kernel_wl's unused counter points: r2t)
+            raise ValueError("work_list: one cluster per program (groups 1), no fuse or diag")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
