@@ -352,7 +352,8 @@ def test_work_list_arguments_refused_before_any_cuda_work(h200_clusters, monkeyp
     for change, argument in ((dict(programs=8), "programs"),
                              (dict(work=torch.zeros(10, dtype=torch.int32)), "work"),
                              (dict(mid_o=torch.zeros(60, 64, 512)), "mid_o"),
-                             (dict(mid_lse=None), "mid_lse")):
+                             (dict(mid_lse=None), "mid_lse"),
+                             (dict(diag=6), "work")):
         with pytest.raises(InvalidInputError) as info:
             cute_mla.attention(**{**kw, **good, **change})
         assert info.value.argument == argument

@@ -258,6 +258,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
 
     row_tiles = num_row_tiles(topk * q.shape[1])
     if work is not None:
+        if diag or counter is not None:
+            raise InvalidInputError("work", "None with diag or the fused merge's counters",
+                                    f"diag {diag}, counter {counter is not None}")
         return _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents,
                                     mode=mode, batch=batch, topk=topk, num_steps=num_steps,
                                     step=step, sm_scale=sm_scale, logit_cap=logit_cap,
