@@ -184,6 +184,24 @@ def test_merge_of_the_clusters_partials(groups):
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=1e-2)
 
 
+def _three_path_steps(r, batch, backend, seed):
+    """Three path-mode steps through ``backend`` with NaN-poisoned partials: each step's keys
+    reach the pool and its output matches ``torch_ref``."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    bs, topk = batch.out_cache_loc.shape[:2]
+    for step in range(3):
+        if step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        backend._active.mid_o.fill_(float("nan"))  # partials are written before read
+        out = backend.forward(step, layer, q, k, None)
+        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()],
+                           k)
+        ref = reference_decode(r, layer, q, batch, step, "path")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 class _StandIn:
     """``cute_mla.attention`` as the kernel behaves: the call's keys into the pool (when
     ``write_new``) and ``torch_ref``'s answer in ``out``; records each call's keywords."""
@@ -214,19 +232,7 @@ def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch, label):
     backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=16, config=kernel_config(label))
     backend.init_forward_metadata(batch)
     assert backend._round_plan["num_splits"] == cute_mla.MAX_SPLITS
-    gen = torch.Generator().manual_seed(0)
-    layer = AttentionLayer(0, 576 ** -0.5)
-    bs, topk = batch.out_cache_loc.shape[:2]
-    for step in range(3):
-        if step:
-            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
-        q, k, _ = randn_qkv(r, bs * topk, gen)
-        backend._active.mid_o.fill_(float("nan"))  # partials are written before read
-        out = backend.forward(step, layer, q, k, None)
-        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()],
-                           k)
-        ref = reference_decode(r, layer, q, batch, step, "path")
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    _three_path_steps(r, batch, backend, seed=0)
     call = stand_in.calls[-1]
     assert call["num_splits"] == 16 and call["mode"] == 1 and call["write_new"]
     assert call["batch"] == 2 and call["topk"] == 2 and call["num_steps"] == 3
@@ -286,17 +292,7 @@ def test_launcher_sends_the_work_list_to_the_cute_kernel(monkeypatch):
     backend = TritonDecode(r, 2, 3, tree_mode="path", config=cfg)
     backend.init_forward_metadata(batch)
     assert backend._round_plan["num_splits"] == 5
-    gen = torch.Generator().manual_seed(1)
-    layer = AttentionLayer(0, 576 ** -0.5)
-    bs, topk = batch.out_cache_loc.shape[:2]
-    for step in range(3):
-        if step:
-            batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
-        q, k, _ = randn_qkv(r, bs * topk, gen)
-        backend._active.mid_o.fill_(float("nan"))
-        out = backend.forward(step, layer, q, k, None)
-        ref = reference_decode(r, layer, q, batch, step, "path")
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    _three_path_steps(r, batch, backend, seed=1)
     work = stand_in.calls[-1]["work"]
     chunk, starts = int(work[0]), work[6:10].tolist()
     assert [e - s > chunk for s, e in zip(starts, starts[1:])] == [False, True, False]
