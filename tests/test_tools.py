@@ -238,3 +238,28 @@ def test_cute_stamps_report_from_known_stamps(capsys):
     assert "2 CTAs on 2 SMs" in text and "SM clock 2.00 GHz" in text, text
     assert "last 0.10" in text and "| landed | 0.50 |" in text, text
     assert "tile to tile (landed, first to last): median 1.00 us" in text, text
+    # Points print in the order CTAs pass them (their medians), whatever the slot order.
+    assert text.index("| landed |") < text.index("| last landed |") < text.index("| end |")
+
+
+def test_cute_stamps_report_by_tile_count(capsys):
+    """CTAs with different tile counts (the last split's extra tile): the report says when
+    each count's CTAs finished the loop and left."""
+    sys.path.insert(0, TOOLS)
+    try:
+        import cute_stamps
+    finally:
+        sys.path.remove(TOOLS)
+    from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
+
+    at = {s: i for i, s in enumerate(STAMP_SLOTS)}
+    words = torch.zeros(3, STAMPS, dtype=torch.int32)
+    for cta, (tiles, loop_done, exit_ns) in enumerate(((16, 20_000, 12_000),
+                                                       (16, 22_000, 13_000),
+                                                       (17, 30_000, 17_000))):
+        words[cta, at["entry ns"]], words[cta, at["exit ns"]] = 0, exit_ns
+        words[cta, at["sm"]], words[cta, at["tiles"]] = cta, tiles
+        words[cta, at["loop done"]], words[cta, at["end"]] = loop_done, 2 * exit_ns
+    cute_stamps._report("tiles", words.flatten(), 20.0, STAMP_SLOTS, STAMPS)
+    text = capsys.readouterr().out
+    assert "16 tiles (2 CTAs): 11.00 / 13.00, 17 tiles (1 CTAs): 15.00 / 17.00" in text, text
