@@ -174,7 +174,9 @@ class MlaDecodeKernel:
     the kit, the stress loop and memcheck not yet run on it): the last split walks its tail
     tiles first (``_walk``); the merge stores a thread's 4 columns at once (``_store4``: 8
     bytes into the output, 16 into a group's partial); the fused merge loads
-    ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``).
+    ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``). ``work_list``
+    (``kernel_wl``; not yet run on a GPU): clusters over the balanced work list, one per
+    program (``_program``, ``_share``), the grid's last dimension the programs.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -226,8 +228,8 @@ class MlaDecodeKernel:
                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
                  parents: cute.Pointer, counter: cute.Pointer, batch: Int32, row_tiles: Int32,
-                 programs: Int32, step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32,
-                 s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
+                 programs: Int32, step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32,
+                 s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
                  s_mot: Int32, s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32,
                  s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
                  cap: Float32, stream):
@@ -380,8 +382,12 @@ class MlaDecodeKernel:
     @cute.jit
     def _store_lse(self, mid_lse: cute.Pointer, q_start: Int32, row, group: Int32,
                    s_mlt: Int32, s_mlh: Int32, lse: Float32):
-        """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``)."""
-        dst = _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh) + group
+        """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``); with
+        the work list ``mid_lse[group, row]`` (slot stride ``s_mlt``)."""
+        if cutlass.const_expr(self.work_list):
+            dst = mid_lse + (Int64(group) * s_mlt + row)
+        else:
+            dst = _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh) + group
         cute.make_tensor(dst, cute.make_layout(1))[0] = lse
 
     @cute.jit
@@ -595,40 +601,33 @@ class MlaDecodeKernel:
         inv = Float32(0.0)
         if wsum > 0.0:
             inv = 1.0 / wsum
-        H = self.heads
-        if cutlass.const_expr(to_mid and self.work_list):
-            # Slot ``group`` of the work list's partials: [slots, rows, 512] / [slots, rows].
-            g = cute.make_tensor(mid_o + (Int64(group) * s_mop + row * D_MAIN + chunk * 4),
-                                 cute.make_layout(4))
-            for j in cutlass.range_constexpr(4):
-                g[j] = acc[j] * inv
-            if chunk == 0:
-                lse = -Float32.inf
-                if wsum > 0.0:
-                    lse = top + cute.math.log2(wsum) * LN2
-                cute.make_tensor(mid_lse + (Int64(group) * s_mlt + row),
-                                 cute.make_layout(1))[0] = lse
-        elif cutlass.const_expr(to_mid):
-            dst = _head_row(mid_o, q_start, row, H, s_mot, s_moh) + (group * s_mop + chunk * 4)
-            if cutlass.const_expr(self.trial):  # one 16-byte store
-                self._store4(dst, Float32, [a * inv for a in acc], 16)
+        if cutlass.const_expr(to_mid):
+            if cutlass.const_expr(self.work_list):
+                # Slot ``group`` of the work list's partials: [slots, rows, 512].
+                dst = mid_o + (Int64(group) * s_mop + row * D_MAIN + chunk * 4)
             else:
-                g = cute.make_tensor(dst, cute.make_layout(4))
-                for j in cutlass.range_constexpr(4):
-                    g[j] = acc[j] * inv
+                dst = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + (
+                    group * s_mop + chunk * 4)
+            self._store_row4(dst, Float32, lambda j: acc[j] * inv, 16)
             if chunk == 0:
                 lse = -Float32.inf
                 if wsum > 0.0:
                     lse = top + cute.math.log2(wsum) * LN2
                 self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh, lse)
         else:
-            dst = _head_row(out, q_start, row, H, s_ot, s_oh) + chunk * 4
-            if cutlass.const_expr(self.trial):  # one 8-byte store
-                self._store4(dst, self.dtype, [(a * inv).to(self.dtype) for a in acc], 8)
-            else:
-                g = cute.make_tensor(dst, cute.make_layout(4))
-                for j in cutlass.range_constexpr(4):
-                    g[j] = (acc[j] * inv).to(self.dtype)
+            dst = _head_row(out, q_start, row, self.heads, s_ot, s_oh) + chunk * 4
+            self._store_row4(dst, self.dtype, lambda j: (acc[j] * inv).to(self.dtype), 8)
+
+    @cute.jit
+    def _store_row4(self, dst: cute.Pointer, dtype, value, align: cutlass.Constexpr[int]):
+        """``value(j)``, ``j < 4``, to global ``dst``: one store of ``align`` bytes (trial)
+        or four."""
+        if cutlass.const_expr(self.trial):
+            self._store4(dst, dtype, [value(j) for j in range(4)], align)
+        else:
+            g = cute.make_tensor(dst, cute.make_layout(4))
+            for j in cutlass.range_constexpr(4):
+                g[j] = value(j)
 
     @cute.jit
     def _store4(self, dst: cute.Pointer, dtype, values: list, align: cutlass.Constexpr[int]):
