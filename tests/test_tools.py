@@ -217,11 +217,7 @@ def test_cute_stamps_report_from_known_stamps(capsys):
     """Two CTAs whose stamps say: started 100 ns apart (the timer wrapping past 2^32), 20 us
     long at 2 GHz, tile 0 landed after 1,000 cycles and the last of 5 tiles 8,000 cycles
     later: the report shows 0.5 us to the landing and 1 us from tile to tile."""
-    sys.path.insert(0, TOOLS)
-    try:
-        import cute_stamps
-    finally:
-        sys.path.remove(TOOLS)
+    cute_stamps = _tool("cute_stamps")
     from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
 
     at = {s: i for i, s in enumerate(STAMP_SLOTS)}
@@ -245,11 +241,7 @@ def test_cute_stamps_report_from_known_stamps(capsys):
 def test_cute_stamps_report_by_tile_count(capsys):
     """CTAs with different tile counts (the last split's extra tile): the report says when
     each count's CTAs finished the loop and left."""
-    sys.path.insert(0, TOOLS)
-    try:
-        import cute_stamps
-    finally:
-        sys.path.remove(TOOLS)
+    cute_stamps = _tool("cute_stamps")
     from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
 
     at = {s: i for i, s in enumerate(STAMP_SLOTS)}

@@ -3,8 +3,8 @@ every CTA writes (``MlaDecodeKernel`` diag 6: right results, a few extra stores)
 step of each case, on the last of the bench's rotating layers, after warm-up calls.
 
 Per case, one row per point of a CTA's life (``_cute_mla_kernel.STAMP_SLOTS``, in the
-order of their medians): the time since the CTA started (SM clock, converted with the clock rate measured from the same
-stamps), as the median and the 90th percentile over the CTAs, and the step to the next
+order of their medians): the time since the CTA started (SM clock, converted with the clock
+rate measured from the same stamps), as the median and the 90th percentile over the CTAs, and the step to the next
 point; then the launch itself: how far apart the CTAs started and ended (``%globaltimer``),
 the SMs used, and the call's device time (CUDA events); where CTAs walk different tile
 counts, when each count's CTAs finished the loop and exited.
