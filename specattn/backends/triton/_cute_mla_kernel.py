@@ -833,12 +833,10 @@ class MlaDecodeKernel:
             ok_a, new_a, slot_a, lane_a = self._key_source(walk(Int32(1)), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(walk(Int32(1)), *args_b)
             mark(4, tidx == 128)
-        if cutlass.const_expr(self.write_new and self.work_list):
-            if first:  # this call's keys into the pool, at hist[lane, step]
-                self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
-                                     num_steps, num_slots, s_kv, s_kin)
-        elif cutlass.const_expr(self.write_new):
-            if split == 0:  # this call's keys into the pool, at hist[lane, step]
+        if cutlass.const_expr(self.write_new):
+            # The CTA holding the request's first keys stores this call's keys into the
+            # pool, at hist[lane, step].
+            if (first if self.work_list else split == 0):
                 self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
                                      num_steps, num_slots, s_kv, s_kin)
 
