@@ -255,6 +255,19 @@ gluon_first() {
 # CUTE_BENCH_OPTIONS: the Triton variants, as GLUON_OPTIONS there); CUTE_DIAG=1 adds tools/gluon_diag.py on the CuTe and Gluon kernels
 # (CUTE_DIAG_CASES) at the end.
 CUTE_CONFIG="m64 n64 w8 s2 kv-first gluon cute"
+
+cute_stress_job() {  # cute_stress_job LIMIT_S VARIANT WORKERS: the 100-batch stress loop
+  job gpu-stress-cute "$1" env SPECATTN_GLUON_VARIANTS="$2" python -m pytest -v \
+    -p no:cacheprovider -rfE -n "$3" tests/gpu/test_gluon_mla_gpu.py -k stress
+}
+
+cute_memcheck_job() {  # cute_memcheck_job LABEL: memcheck over a small ragged round
+  job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
+    --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
+    --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check \
+    --option "triton:config=$1"
+}
+
 cute_probe() {
   vendor_libs
   local checks=" ${CUTE_CHECKS:-} " t="python -m pytest -v -p no:cacheprovider -rfE"
@@ -273,12 +286,8 @@ cute_probe() {
     if tail -n 1 "$logs/gpu-tests-cute-gate.log" | grep -q "exit status 0$"; then
       local s="--seed ${SOAK_SEED:-600000} --rounds 40000 --max-seconds ${SOAK_SECONDS:-120}"
       local side=" ${CUTE_SIDE:-stress memcheck soak} "
-      [[ $side == *" stress "* ]] && job gpu-stress-cute 200 env SPECATTN_GLUON_VARIANTS=cute \
-        $t -n 3 tests/gpu/test_gluon_mla_gpu.py -k stress &
-      [[ $side == *" memcheck "* ]] && job memcheck-cute 200 compute-sanitizer \
-        --tool memcheck --report-api-errors no --error-exitcode 9 python -m specattn bench \
-        --mla --batch 3 --prefix 300 --topk 4 --num-steps 3 --steps --backend triton \
-        --check-only --out /tmp/cute-check --option "triton:config=$CUTE_CONFIG" &
+      [[ $side == *" stress "* ]] && cute_stress_job 200 cute 3 &
+      [[ $side == *" memcheck "* ]] && cute_memcheck_job "$CUTE_CONFIG" &
       [[ $side == *" soak "* ]] && job soak-triton-cute 200 $SOAK --backend triton $s \
         --workers 3 --same-config 50 --option "triton:config=$CUTE_CONFIG" &
       wait
@@ -366,12 +375,8 @@ cute_final() {
   job gpu-tests-cute "${GATE_S:-260}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
     SPECATTN_CUTE_KIT_LABEL="$label" $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py \
     tests/gpu/test_cute_mla_gpu.py -k "not stress" &
-  job gpu-stress-cute 260 env SPECATTN_GLUON_VARIANTS="${CUTE_STRESS_VARIANT:-cute}" $t -n 2 \
-    tests/gpu/test_gluon_mla_gpu.py -k stress &
-  job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
-    --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
-    --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check \
-    --option "triton:config=$label" &
+  cute_stress_job 260 "${CUTE_STRESS_VARIANT:-cute}" 2 &
+  cute_memcheck_job "$label" &
   job soak-triton-cute 200 $SOAK --backend triton --seed "${SOAK_SEED:-1000000}" --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
     --option "triton:config=${CUTE_SOAK_LABEL:-$label}" &
