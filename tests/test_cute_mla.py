@@ -93,6 +93,13 @@ def test_forced_config_refused_off_its_device(monkeypatch):
     assert info.value.argument == "config" and "not a CUDA device" in str(info.value)
 
 
+@pytest.fixture
+def cute_serves(monkeypatch):
+    """The sm90 guards of the Gluon and CuTe kernels pass (here, on a CPU)."""
+    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
+    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
+
+
 @pytest.mark.parametrize("topk,work_list,want", [
     (8, None, CUTE),  # 8 lanes x 16 heads: two row tiles
     (8, False, CUTE),
@@ -100,14 +107,12 @@ def test_forced_config_refused_off_its_device(monkeypatch):
     (4, None, "m64 n64 w8 s2 kv-first gluon pf wl"),  # one row tile: the work list
     (4, False, "m64 n64 w8 s2 kv-first gluon pf"),
 ])
-def test_default_takes_the_cute_kernel_above_one_row_tile(monkeypatch, caplog, topk,
-                                                           work_list, want):
+def test_default_takes_the_cute_kernel_above_one_row_tile(cute_serves, monkeypatch, caplog,
+                                                           topk, work_list, want):
     """Where the sm90 guards pass and CuTe-DSL serves the runner, a request of several
     64-row tiles gets the CuTe kernel by default (its clusters merge on chip); one row tile
     keeps the Gluon work list (faster on ragged batches) and ``work_list=True`` keeps it
     everywhere. The choice is logged once, naming the kernel."""
-    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
-    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
     monkeypatch.setattr(cute_mla, "_LOGGED", set())
     r, _ = mla_round([5, 6, 7], topk=topk)
     with caplog.at_level("INFO", logger="specattn.backends.triton.cute_mla"):
@@ -223,9 +228,7 @@ class _StandIn:
 
 
 @pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"])
-def test_launcher_sends_the_cute_config_to_its_kernel(monkeypatch, label):
-    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
-    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
+def test_launcher_sends_the_cute_config_to_its_kernel(cute_serves, monkeypatch, label):
     r, batch = mla_round([7, 18], topk=2)
     stand_in = _StandIn(r, batch)
     monkeypatch.setattr(cute_mla, "attention", stand_in)
@@ -277,12 +280,10 @@ class _WorkListStandIn:
         worklist.merge(mid_o, mid_lse, out, work, programs, topk)
 
 
-def test_launcher_sends_the_work_list_to_the_cute_kernel(monkeypatch):
+def test_launcher_sends_the_work_list_to_the_cute_kernel(cute_serves, monkeypatch):
     """``... gluon wl cute``: the round's work list (programs from ``work_list_shape``) and
     its partial slots reach ``cute_mla.attention``; a long request is split over several
     programs and merged, short ones are written directly."""
-    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
-    monkeypatch.setattr(cute_mla, "cute_reason", lambda runner, interpret=False: None)
     monkeypatch.setattr(cute_mla, "work_list_shape", lambda row_tiles, batch, device: (2, 5))
     r, batch = mla_round([7, 300, 18], topk=2)
     stand_in = _WorkListStandIn(r, batch, 5)
