@@ -59,10 +59,6 @@ def test_config_label_and_rules():
     assert fused.cute and fused.fuse_merge
     with pytest.raises(InvalidInputError, match="fuse_merge only with cute"):
         kernel_config("m64 n64 w8 s2 kv-first fm gluon")
-    trial = kernel_config(CUTE + " trial")
-    assert trial.cute_trial and trial.label() == CUTE + " trial"
-    with pytest.raises(InvalidInputError, match="only with cute"):
-        kernel_config("m64 n64 w8 s2 kv-first gluon trial")
 
 
 def test_kernel_reads_the_metadata_rows_the_metadata_kernels_write():

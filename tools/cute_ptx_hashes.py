@@ -34,8 +34,6 @@ def main() -> int:
     from specattn.backends.triton import cute_mla
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trial", action="store_true",
-                    help="the version on trial (MlaDecodeKernel's trial) instead")
     ap.add_argument("--ptx-dir", default=None,
                     help="also write each variant's PTX there (variant-N.ptx)")
     args = ap.parse_args()
@@ -47,7 +45,7 @@ def main() -> int:
     hashes = []
     for n, (dtype, heads, path, cap, cluster, groups, r2t, parent) in enumerate(variants):
         compiled = cute_mla._compiled(dtype, heads, path, cap, True, cluster, groups, r2t,
-                                      parent, options="--keep-ptx", trial=args.trial)
+                                      parent, options="--keep-ptx")
         hashes.append(hashlib.sha1(compiled.__ptx__.encode()).hexdigest()[:12])
         if args.ptx_dir:
             os.makedirs(args.ptx_dir, exist_ok=True)

@@ -261,11 +261,14 @@ cute_stress_job() {  # cute_stress_job LIMIT_S VARIANT WORKERS: the 100-batch st
     -p no:cacheprovider -rfE -n "$3" tests/gpu/test_gluon_mla_gpu.py -k stress
 }
 
-cute_memcheck_job() {  # cute_memcheck_job LABEL: memcheck over a small ragged round
+cute_memcheck_job() {  # cute_memcheck_job LABELS: memcheck over a small ragged round, per
+  # `;`-separated label (one after the other, one log)
+  local options=() c
+  IFS=';' read -r -a configs <<< "$1"
+  for c in "${configs[@]}"; do options+=(--option "triton:config=$c"); done
   job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
-    --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check \
-    --option "triton:config=$1"
+    --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check "${options[@]}"
 }
 
 cute_probe() {
@@ -363,27 +366,33 @@ cute_bench() {
 
 # A CuTe kernel made the default, checked in one call (after `fa4-first`; same carry), side
 # by side: the GPU tests of the variants CUTE_VARIANTS (default `cute`: the Gluon suite, every
-# cluster shape, the kit with CUTE_LABEL), the 100-batch stress loop of CUTE_STRESS_VARIANT
-# (default `cute`) and memcheck with CUTE_LABEL, a soak of CUTE_SOAK_LABEL (default
-# CUTE_LABEL; session 13: its trial); then the stamps of CUTE_STAMP_LABELS (`;`-separated;
-# default CUTE_LABEL) on STAMPS_CASES. CUTE_LABEL defaults to the kernel's config; a version
-# on trial: CUTE_VARIANTS=cute-trial CUTE_STRESS_VARIANT=cute-trial CUTE_LABEL="... trial". `cute-bench` is the second call. The stress loop needs about 180 s alone
-# (four batches side by side): beside the rest it can pass its limit (session 13).
+# cluster shape, the kit with each of CUTE_LABEL's `;`-separated labels), the 100-batch
+# stress loop of CUTE_STRESS_VARIANT (default `cute`) and memcheck with each label, a soak of
+# CUTE_SOAK_LABEL (default the first label); then the stamps of CUTE_STAMP_LABELS
+# (`;`-separated; default CUTE_LABEL) on STAMPS_CASES (CUTE_NO_STAMPS=1 skips them), and with
+# CUTE_FINAL_BENCH=1 the bench of CUTE_BENCH_OPTIONS (`cute-bench`'s). CUTE_LABEL defaults to
+# the kernel's config; CUTE_NO_STRESS=1 skips the stress loop; session 14: CUTE_VARIANTS=cute,cute-wl CUTE_LABEL="$CUTE_CONFIG;...
+# gluon wl cute". The stress loop needs about 180 s alone (four batches side by side): beside
+# the rest it can pass its limit (session 13).
 cute_final() {
   vendor_libs
   local t="python -m pytest -v -p no:cacheprovider -rfE" label="${CUTE_LABEL:-$CUTE_CONFIG}"
   job gpu-tests-cute "${GATE_S:-260}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
     SPECATTN_CUTE_KIT_LABEL="$label" $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py \
     tests/gpu/test_cute_mla_gpu.py -k "not stress" &
-  cute_stress_job 260 "${CUTE_STRESS_VARIANT:-cute}" 2 &
+  [ -z "${CUTE_NO_STRESS:-}" ] && cute_stress_job 260 "${CUTE_STRESS_VARIANT:-cute}" 2 &
   cute_memcheck_job "$label" &
   job soak-triton-cute 200 $SOAK --backend triton --seed "${SOAK_SEED:-1000000}" --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
-    --option "triton:config=${CUTE_SOAK_LABEL:-$label}" &
+    --option "triton:config=${CUTE_SOAK_LABEL:-${label%%;*}}" &
   wait
-  IFS=';' read -r -a stamp_labels <<< "${CUTE_STAMP_LABELS:-$label}"
-  job cute-stamps "${STAMPS_S:-100}" python tools/cute_stamps.py \
-    --case ${STAMPS_CASES:-mla-long mla-k1} --config "${stamp_labels[@]}"
+  if [ -z "${CUTE_NO_STAMPS:-}" ]; then
+    IFS=';' read -r -a stamp_labels <<< "${CUTE_STAMP_LABELS:-$label}"
+    job cute-stamps "${STAMPS_S:-100}" python tools/cute_stamps.py \
+      --case ${STAMPS_CASES:-mla-long mla-k1} --config "${stamp_labels[@]}"
+  fi
+  [ -n "${CUTE_FINAL_BENCH:-}" ] && \
+    cute_bench_job "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG;${CUTE_CONFIG/kv-first/kv-first fm}}"
   check
 }
 

@@ -128,8 +128,7 @@ _FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages",
 _FLAGS = {"mla3": {"mla_v3": True}, "vr": {"v_reload": True}, "fm": {"fuse_merge": True},
           "gluon": {"gluon": True}, "gluon-ov": {"gluon": True, "gluon_overlap": True},
           "pf": {"gluon_prefetch": True}, "ws": {"gluon_ws": True},
-          "wl": {"gluon_worklist": True}, "cute": {"cute": True},
-          "trial": {"cute_trial": True}}
+          "wl": {"gluon_worklist": True}, "cute": {"cute": True}}
 
 
 def kernel_config(label: str):

@@ -31,10 +31,8 @@ def _require_cute():
         pytest.skip("the CuTe-DSL MLA kernel is built for sm90")
 
 
-@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute",
-                                   "m64 n64 w8 s2 kv-first gluon cute trial",
-                                   "m64 n64 w8 s2 kv-first fm gluon cute trial"],
-                         ids=["merge-launch", "fused-merge", "trial", "trial-fused-merge"])
+@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"],
+                         ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("splits,cluster", [(4, 2), (6, 2), (3, 1), (8, 4), (5, 5)])
 @pytest.mark.parametrize("dtype,H,K,tree_mode", [(torch.bfloat16, 16, 4, "path"),
                                                  (torch.float16, 16, 2, "lane"),
@@ -65,14 +63,14 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
     assert not backend._active.counter.any(), "the fused merge left a counter set"
 
 
-def test_conformance_kit_with_the_cute_config():
-    """The kit with the CuTe kernel's config (``SPECATTN_CUTE_KIT_LABEL`` names another, e.g.
-    the version on trial)."""
+@pytest.mark.parametrize("label", os.environ.get("SPECATTN_CUTE_KIT_LABEL", CUTE).split(";"))
+def test_conformance_kit_with_the_cute_config(label):
+    """The kit with the CuTe kernel's config (``SPECATTN_CUTE_KIT_LABEL``: other labels,
+    ``;``-separated, e.g. ``... gluon wl cute`` for its work list)."""
     _require_cute()
     from specattn.bench.options import kernel_config
     from specattn.testing import check_backend
 
-    label = os.environ.get("SPECATTN_CUTE_KIT_LABEL", CUTE)
     report = check_backend("triton", device="cuda", kinds=("decode",), models=("mla",),
                            level="full", decode_options={"config": kernel_config(label)},
                            raise_on_failure=False)

@@ -47,9 +47,6 @@ def _variants():
         "cute": "m64 n64 w8 s2 kv-first gluon cute",
         # With the merge of several clusters' partials fused into it (slower: session 12).
         "cute-fm": "m64 n64 w8 s2 kv-first fm gluon cute",
-        # Its next version on trial (KernelConfig.cute_trial).
-        "cute-trial": "m64 n64 w8 s2 kv-first gluon cute trial",
-        "cute-trial-fm": "m64 n64 w8 s2 kv-first fm gluon cute trial",
         # Its clusters over the balanced work list (not yet run on a GPU: session 13).
         "cute-wl": "m64 n64 w8 s2 kv-first gluon wl cute",
     }

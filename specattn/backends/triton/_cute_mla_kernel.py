@@ -170,13 +170,8 @@ class MlaDecodeKernel:
     points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
     or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
-    ``trial``: the next version on trial (session 13, measured 2-6% faster on the H200;
-    the kit, the stress loop and memcheck not yet run on it): the last split walks its tail
-    tiles first (``_walk``); the merge stores a thread's 4 columns at once (``_store4``: 8
-    bytes into the output, 16 into a group's partial); the fused merge loads
-    ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``). ``work_list``
-    (``kernel_wl``; not yet run on a GPU): clusters over the balanced work list, one per
-    program (``_program``, ``_share``), the grid's last dimension the programs.
+    ``work_list`` (``kernel_wl``; not yet run on a GPU): clusters over the balanced work list, one per program
+    (``_program``, ``_share``), the grid's last dimension the programs.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
@@ -189,7 +184,11 @@ class MlaDecodeKernel:
     ``MERGE_BATCH`` rows' partials at once. v8 (session 13): P stored with ``stmatrix``;
     the interior tiles' scale folded into the exponent (one FFMA a score); a tail of at most
     ``SMALL_KEYS`` keys as one wgmma N 16 tile and a single k block of ``P.V``; the
-    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH``.
+    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH``. v9
+    (session 14; measured 2-6% faster than v8 on the H200 in session 13): the last split
+    walks its tail tiles first (``_tail_first``); the merge stores a thread's 4 columns at
+    once (``_store4``: 8 bytes into the output, 16 into a partial); the fused merge loads
+    ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``).
 
     Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
     behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
@@ -199,8 +198,7 @@ class MlaDecodeKernel:
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
                  cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False, trial: bool = False,
-                 work_list: bool = False):
+                 diag: int = 0, fuse: bool = False, work_list: bool = False):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -213,7 +211,6 @@ class MlaDecodeKernel:
         self.parent_dtype = parent_dtype
         self.diag = diag
         self.fuse = fuse
-        self.trial = trial
         self.work_list = work_list
         if diag not in (0, 4, 5, 6):
             raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
@@ -262,17 +259,12 @@ class MlaDecodeKernel:
         if when:
             cute.make_tensor(stamps + (cta * STAMPS + slot), cute.make_layout(1))[0] = value
 
-    def _walk(self, n_pref, total, t):
-        """The key tile that loop step ``t`` walks: ``t`` itself, or (``trial``) the tail
-        tiles first, then the prefix, so that the last split's extra tile, a small one, is
-        done while the first prefix tile lands (steps past the end stay past it)."""
-        if self.trial:
-            return self._tail_first(n_pref, total, t)
-        return t
-
     @cute.jit
     def _tail_first(self, n_pref: Int32, total: Int32, t: Int32):
-        """Step ``t`` of ``total`` -> tile: ``n_pref + t`` for the tail, then ``t - tails``."""
+        """Step ``t`` of ``total`` -> the key tile it walks: the tail tiles first
+        (``n_pref + t``), then the prefix (``t - tails``), so that the last split's extra
+        tile, a small one, is done while its first prefix tile lands (steps past the end
+        stay past it)."""
         tt = t
         if t < total:
             tt = t + n_pref
@@ -608,7 +600,7 @@ class MlaDecodeKernel:
             else:
                 dst = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + (
                     group * s_mop + chunk * 4)
-            self._store_row4(dst, Float32, lambda j: acc[j] * inv, 16)
+            self._store4(dst, Float32, [acc[j] * inv for j in range(4)], 16)
             if chunk == 0:
                 lse = -Float32.inf
                 if wsum > 0.0:
@@ -616,18 +608,7 @@ class MlaDecodeKernel:
                 self._store_lse(mid_lse, q_start, row, group, s_mlt, s_mlh, lse)
         else:
             dst = _head_row(out, q_start, row, self.heads, s_ot, s_oh) + chunk * 4
-            self._store_row4(dst, self.dtype, lambda j: (acc[j] * inv).to(self.dtype), 8)
-
-    @cute.jit
-    def _store_row4(self, dst: cute.Pointer, dtype, value, align: cutlass.Constexpr[int]):
-        """``value(j)``, ``j < 4``, to global ``dst``: one store of ``align`` bytes (trial)
-        or four."""
-        if cutlass.const_expr(self.trial):
-            self._store4(dst, dtype, [value(j) for j in range(4)], align)
-        else:
-            g = cute.make_tensor(dst, cute.make_layout(4))
-            for j in cutlass.range_constexpr(4):
-                g[j] = value(j)
+            self._store4(dst, self.dtype, [(acc[j] * inv).to(self.dtype) for j in range(4)], 8)
 
     @cute.jit
     def _store4(self, dst: cute.Pointer, dtype, values: list, align: cutlass.Constexpr[int]):
@@ -791,7 +772,7 @@ class MlaDecodeKernel:
         if cutlass.const_expr(self.diag == 4):
             total = Int32(0)  # the fixed cost alone
         r2t_row = r2t + rpi * s_r2t
-        walk = functools.partial(self._walk, n_pref, total)
+        walk = functools.partial(self._tail_first, n_pref, total)
 
         # Shared memory.
         alloc = SmemAllocator()
@@ -1043,35 +1024,13 @@ class MlaDecodeKernel:
             cute.arch.fence_acq_rel_gpu()
             dst = (out, mid_o, mid_lse, q_start, Int32(0), chunk, s_ot, s_oh, s_mot, s_moh,
                    s_mop, s_mlt, s_mlh)
-            if cutlass.const_expr(self.trial):
-                self._merge_groups_batched(dst, rank, half, row_lo, n_rows)
-            else:
-                self._merge_groups_by_row(dst, rank, half, row_lo, n_rows)
+            self._merge_groups_batched(dst, rank, half, row_lo, n_rows)
             if tidx == 0:
                 cute.make_tensor(slot, cute.make_layout(1))[0] = Int32(0)
 
     @cute.jit
-    def _merge_groups_by_row(self, dst: tuple, rank, half, row_lo, n_rows):
-        """The fused merge's rows, one row's loads at a time."""
-        C = self.cluster
-        out, mid_o, mid_lse, q_start, _, chunk, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, \
-            s_mlh = dst
-        for k in cutlass.range_constexpr((ROWS + 2 * C - 1) // (2 * C)):
-            m = rank + C * (2 * k + half)
-            if (m < ROWS) & (row_lo + m < n_rows):
-                row = row_lo + m
-                lse_row = cute.make_tensor(
-                    _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh),
-                    cute.make_layout(self.groups))
-                o_row = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + chunk * 4
-                lses = [lse_row[g] for g in range(self.groups)]
-                parts = [cute.make_tensor(o_row + g * s_mop, cute.make_layout(4))
-                         for g in range(self.groups)]
-                self._merge_row(lses, parts, row, False, *dst)
-
-    @cute.jit
     def _merge_groups_batched(self, dst: tuple, rank, half, row_lo, n_rows):
-        """The fused merge's rows (trial): the groups' LSEs and partials of ``MERGE_BATCH``
+        """The fused merge's rows: the groups' LSEs and partials of ``MERGE_BATCH``
         rows loaded together (16 bytes at a time) before any of them is merged and stored,
         so the loads overlap instead of each waiting for the previous row's stores."""
         C = self.cluster

@@ -168,7 +168,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = "", trial: bool = False,
+              diag: int = 0, fuse: bool = False, options: str = "",
               work_list: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
@@ -179,8 +179,7 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_n
     from . import _cute_mla_kernel as K
 
     kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, write_new, cluster,
-                               groups, STAGES, _dtype(parent_dtype), diag, fuse, trial,
-                               work_list)
+                               groups, STAGES, _dtype(parent_dtype), diag, fuse, work_list)
     ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
         [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
         [_ptr(_dtype(parent_dtype), 256), _ptr(cutlass.Int32, 256)]
@@ -218,7 +217,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               write_new: bool, mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None,
               counter: Optional[torch.Tensor] = None, diag: int = 0,
-              stamps: Optional[torch.Tensor] = None, trial: bool = False,
+              stamps: Optional[torch.Tensor] = None,
               work: Optional[torch.Tensor] = None, programs: int = 0) -> None:
     """Launch the kernel: ``out`` written, merged on chip (``gluon_mla.attention``'s contract)
     and, when the splits take more than one cluster per request row tile
@@ -236,13 +235,12 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``num_splits``: 1 to ``MAX_SPLITS``.
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
-    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``trial``: the kernel's
-    next version on trial (``MlaDecodeKernel``). ``work`` (int32, ``worklist.fill``'s table
-    for ``programs`` programs per row tile, ``work_list_shape``): the balanced work list
-    instead of ``num_splits`` splits per request: each program is a cluster on one segment
-    of one request; ``mid_o`` / ``mid_lse`` are then ``worklist_scratch``'s slots ``[slots,
-    rows, 512]`` / ``[slots, rows]`` and ``worklist.merge`` combines them (not yet run on a
-    GPU)."""
+    least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``work`` (int32,
+    ``worklist.fill``'s table for ``programs`` programs per row tile, ``work_list_shape``):
+    the balanced work list instead of ``num_splits`` splits per request: each program is a
+    cluster on one segment of one request; ``mid_o`` / ``mid_lse`` are then
+    ``worklist_scratch``'s slots ``[slots, rows, 512]`` / ``[slots, rows]`` and
+    ``worklist.merge`` combines them (not yet run on a GPU)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
@@ -265,8 +263,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                                     mode=mode, batch=batch, topk=topk, num_steps=num_steps,
                                     step=step, sm_scale=sm_scale, logit_cap=logit_cap,
                                     write_new=write_new, mid_o=mid_o, mid_lse=mid_lse,
-                                    work=work, programs=programs, row_tiles=row_tiles,
-                                    trial=trial)
+                                    work=work, programs=programs, row_tiles=row_tiles)
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
     fuse = counter is not None and groups > 1 and diag != 6
     if diag == 6:
@@ -289,7 +286,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, groups,
-                   req_to_token.dtype, par.dtype, diag, fuse, trial=trial)
+                   req_to_token.dtype, par.dtype, diag, fuse)
     _run(fn, (q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par,
               stamps if diag == 6 else counter if fuse else meta),
          (batch, row_tiles, 0, step, topk, num_steps),
@@ -375,7 +372,7 @@ def work_list_shares(prefix_lens: list, tail_keys: list, tail_units: int, cluste
 
 def _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents, *, mode,
                          batch, topk, num_steps, step, sm_scale, logit_cap, write_new, mid_o,
-                         mid_lse, work, programs, row_tiles, trial) -> None:
+                         mid_lse, work, programs, row_tiles) -> None:
     """``attention`` over the work list (``work``, ``programs`` per row tile)."""
     from .worklist import merge, work_numel
 
@@ -399,7 +396,7 @@ def _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents, *
     path = mode == 1
     par = parents if path else meta
     fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, write_new, cluster, 1,
-                   req_to_token.dtype, par.dtype, trial=trial, work_list=True)
+                   req_to_token.dtype, par.dtype, work_list=True)
     _run(fn, (q, kv, k_new, out, mid_o, mid_lse, req_to_token, meta, hist, par, work),
          (batch, row_tiles, programs, step, topk, num_steps),
          (0, 0, mid_o.stride(0), mid_lse.stride(0), 0), path, sm_scale, logit_cap)

@@ -48,9 +48,7 @@ class KernelConfig:
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
     ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
     partials is fused into it: correct on the H200, slower; with ``gluon_worklist``, its
-    clusters walk the balanced work list: not yet run on a GPU); ``cute_trial``: its next
-    version on trial (label ``trial``; ``_cute_mla_kernel.MlaDecodeKernel`` says what
-    changes))."""
+    clusters walk the balanced work list: not yet run on a GPU))."""
 
     block_m: int
     block_n: int
@@ -67,7 +65,6 @@ class KernelConfig:
     gluon_ws: bool = False
     gluon_worklist: bool = False
     cute: bool = False
-    cute_trial: bool = False
 
     def __post_init__(self) -> None:
         from ...errors import InvalidInputError
@@ -99,8 +96,6 @@ class KernelConfig:
             raise InvalidInputError("config.cute", "gluon with block_n 64, 2 stages, "
                                     "kv_write='first', no gluon_overlap / gluon_ws, not both "
                                     "gluon_worklist and fuse_merge", self.label())
-        if self.cute_trial and not self.cute:
-            raise InvalidInputError("config.cute_trial", "True only with cute", self.label())
         if self.gluon_ws and (self.gluon_overlap or self.num_stages % 2 or
                               self.block_n not in (32, 64)):
             raise InvalidInputError("config.gluon_ws", "an even stage count, block_n 32 or 64, "
@@ -113,8 +108,7 @@ class KernelConfig:
             (" fm" if self.fuse_merge else "") + \
             ((" gluon-ov" if self.gluon_overlap else " gluon") if self.gluon else "") + \
             (" pf" if self.gluon_prefetch else "") + (" ws" if self.gluon_ws else "") + \
-            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "") + \
-            (" trial" if self.cute_trial else "")
+            (" wl" if self.gluon_worklist else "") + (" cute" if self.cute else "")
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -418,7 +412,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             write_new=write == "first", mid_o=mid_o, mid_lse=mid_lse,
             counter=_counters(counter, num_groups * num_row_tiles(rows_per_group)
                               * cute_mla.MAX_CLUSTER, q.device) if cfg.fuse_merge else None,
-            trial=cfg.cute_trial, work=work if cfg.gluon_worklist else None,
+            work=work if cfg.gluon_worklist else None,
             programs=num_splits if cfg.gluon_worklist else 0)
         return out
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
