@@ -299,6 +299,30 @@ def test_launcher_sends_the_work_list_to_the_cute_kernel(cute_serves, monkeypatc
         kernel_config("m64 n64 w8 s2 kv-first fm gluon wl cute")
 
 
+def test_work_list_launch_takes_more_programs_than_splits(cute_serves, monkeypatch):
+    """Over the work list the launcher's ``num_splits`` is the program count (66 per row
+    tile on the H200, past ``MAX_SPLITS``): ``cute_mla.attention`` launches it (session 14's
+    first H200 run refused it). The real checks run; the compile, the launch and the merge
+    are recorded."""
+    from specattn.backends.triton import worklist
+
+    programs = cute_mla.MAX_SPLITS + 50
+    monkeypatch.setattr(cute_mla, "work_list_shape",
+                        lambda row_tiles, batch, device: (2, programs))
+    compiled, launched, merged = [], [], []
+    monkeypatch.setattr(cute_mla, "_compiled", lambda *a, **kw: compiled.append(kw) or "fn")
+    monkeypatch.setattr(cute_mla, "_run", lambda fn, tensors, ints, *rest: launched.append(ints))
+    monkeypatch.setattr(worklist, "merge", lambda *a: merged.append(a[4]))
+    r, batch = mla_round([7, 300, 18], topk=2)
+    backend = TritonDecode(r, 2, 3, tree_mode="path",
+                           config=kernel_config("m64 n64 w8 s2 kv-first gluon wl cute"))
+    backend.init_forward_metadata(batch)
+    q, k, _ = randn_qkv(r, 3 * 2, torch.Generator().manual_seed(0))
+    backend.forward(0, AttentionLayer(0, 576 ** -0.5), q, k, None)
+    assert compiled == [{"work_list": True}]
+    assert [ints[2] for ints in launched] == [programs] and merged == [programs]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_work_list_shares_cover_every_key_once(seed):
     """The CTAs' shares of the work list's segments (the kernel's arithmetic, mirrored in

@@ -241,8 +241,6 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     cluster on one segment of one request; ``mid_o`` / ``mid_lse`` are then
     ``worklist_scratch``'s slots ``[slots, rows, 512]`` / ``[slots, rows]`` and
     ``worklist.merge`` combines them (not yet run on a GPU)."""
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     _check("q", q, 3, (0, 1))
     _check("kv", kv, 2, (0,))
     _check("k_new", k_new, 2, (0,))
@@ -264,6 +262,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                                     step=step, sm_scale=sm_scale, logit_cap=logit_cap,
                                     write_new=write_new, mid_o=mid_o, mid_lse=mid_lse,
                                     work=work, programs=programs, row_tiles=row_tiles)
+    # (Over the work list the launcher's num_splits is the program count: checked there.)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
     fuse = counter is not None and groups > 1 and diag != 6
     if diag == 6:
