@@ -371,7 +371,8 @@ cute_bench() {
 # CUTE_SOAK_LABEL (default the first label); then the stamps of CUTE_STAMP_LABELS
 # (`;`-separated; default CUTE_LABEL) on STAMPS_CASES (CUTE_NO_STAMPS=1 skips them), and with
 # CUTE_FINAL_BENCH=1 the bench of CUTE_BENCH_OPTIONS (`cute-bench`'s). CUTE_LABEL defaults to
-# the kernel's config; CUTE_NO_STRESS=1 skips the stress loop; session 14: CUTE_VARIANTS=cute,cute-wl CUTE_LABEL="$CUTE_CONFIG;...
+# the kernel's config; CUTE_NO_STRESS=1 skips the stress loop (CUTE_STRESS_S, CUTE_STRESS_WORKERS: its limit and
+# workers); session 14: CUTE_VARIANTS=cute,cute-wl CUTE_LABEL="$CUTE_CONFIG;...
 # gluon wl cute". The stress loop needs about 180 s alone (four batches side by side): beside
 # the rest it can pass its limit (session 13).
 cute_final() {
@@ -380,7 +381,8 @@ cute_final() {
   job gpu-tests-cute "${GATE_S:-260}" env SPECATTN_GLUON_VARIANTS="${CUTE_VARIANTS:-cute}" \
     SPECATTN_CUTE_KIT_LABEL="$label" $t -n 3 --timeout 240 tests/gpu/test_gluon_mla_gpu.py \
     tests/gpu/test_cute_mla_gpu.py -k "not stress" &
-  [ -z "${CUTE_NO_STRESS:-}" ] && cute_stress_job 260 "${CUTE_STRESS_VARIANT:-cute}" 2 &
+  [ -z "${CUTE_NO_STRESS:-}" ] && cute_stress_job "${CUTE_STRESS_S:-260}" "${CUTE_STRESS_VARIANT:-cute}" \
+    "${CUTE_STRESS_WORKERS:-2}" &
   cute_memcheck_job "$label" &
   job soak-triton-cute 200 $SOAK --backend triton --seed "${SOAK_SEED:-1000000}" --rounds 40000 \
     --max-seconds "${SOAK_SECONDS:-90}" --workers 2 --same-config 50 \
