@@ -70,8 +70,13 @@ def make_round(dtype, heads, topk, steps, page, lens, tree_mode):
 def make_backend(r, topk, steps, tree_mode, variant, num_splits=None):
     from specattn.backends.triton import TritonDecode
 
+    config = _variants()[variant]
+    if config.cute and config.gluon_worklist:
+        # The CuTe work list refuses a split override (its programs follow the cluster
+        # limits); the case's shape still runs.
+        num_splits = None
     return TritonDecode(r, topk, steps, tree_mode=tree_mode, num_splits=num_splits,
-                        config=_variants()[variant])
+                        config=config)
 
 
 def poisoned_forward(backend, step, layer, q, k):
