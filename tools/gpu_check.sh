@@ -413,6 +413,29 @@ cute_next() {
     cute_quick
 }
 
+# The default at one row tile by batch size (session 14; after `fa4-first`, same carry): the
+# stress loop of CUTE_STRESS_VARIANT (default `cute-wl`; CUTE_NO_STRESS=1 skips it), then,
+# alone, `specattn bench` of the `;`-separated CUTE_BENCH_OPTIONS beside the default and
+# FlashInfer at MLA H 16, K SWEEP_TOPK (4), prefix SWEEP_PREFIX (4096), 5 steps and each batch
+# of SWEEP_BATCHES (8 16), then the bench of GLUON_CASES (when set) with CUTE_BENCH_ARGS.
+cute_sweep() {
+  vendor_libs
+  [ -z "${CUTE_NO_STRESS:-}" ] && cute_stress_job "${CUTE_STRESS_S:-280}" \
+    "${CUTE_STRESS_VARIANT:-cute-wl}" "${CUTE_STRESS_WORKERS:-4}"
+  local options=() c b
+  IFS=';' read -r -a configs <<< "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
+  for c in "${configs[@]}"; do options+=("triton:config=$c"); done
+  for b in ${SWEEP_BATCHES:-8 16}; do
+    job "sweep-b$b" "${SWEEP_S:-100}" python -m specattn bench --mla --batch "$b" \
+      --prefix "${SWEEP_PREFIX:-4096}" --topk "${SWEEP_TOPK:-4}" --num-steps 5 \
+      --backend triton flashinfer --option "${options[@]}" --no-sweep --no-round --no-raw \
+      --out "/tmp/sweep-b$b"
+    cp "/tmp/sweep-b$b/table.md" "$logs/sweep-b$b.md" 2>/dev/null
+  done
+  [ -n "${GLUON_CASES:-}" ] && cute_bench_job "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
+  check
+}
+
 CLUSTERS="import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
 from specattn.backends.triton.cute_mla import max_active_clusters as c
 print('clusters at once, by size:', {s: c(0, s) for s in range(1, 9)})"
@@ -443,7 +466,8 @@ case "${1:-}" in
   cute-bench) cute_bench ;;
   cute-final) cute_final ;;
   cute-next) cute_next ;;
+  cute-sweep) cute_sweep ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-final|cute-next" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-final|cute-next|cute-sweep" >&2; exit 2 ;;
 esac
 exit $status
