@@ -212,12 +212,13 @@ def _stress_batches():
 
 
 @pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3", "cute")
+@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3", "cute", "cute-wl")
                                      if v in VARIANT_NAMES])
 def test_random_stress_100_batches(variant, chunk):
     """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default (the work
-    list at H 16 but K 8, the split per request otherwise) and the split per request
-    everywhere. Each chunk runs a quarter of the 100 batches."""
+    list at H 16 but K 8, the split per request otherwise), the split per request
+    everywhere, the CuTe kernel and its work list (which drops the batch's split count).
+    Each chunk runs a quarter of the 100 batches."""
     for it, dtype, H, K, S, P, tree_mode, lens, splits, cap, step in \
             _stress_batches()[chunk::STRESS_CHUNKS]:
         gen = torch.Generator().manual_seed(1234 + it)
