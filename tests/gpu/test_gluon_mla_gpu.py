@@ -47,7 +47,7 @@ def _variants():
         "cute": "m64 n64 w8 s2 kv-first gluon cute",
         # With the merge of several clusters' partials fused into it (slower: session 12).
         "cute-fm": "m64 n64 w8 s2 kv-first fm gluon cute",
-        # Its clusters over the balanced work list (not yet run on a GPU: session 13).
+        # Its clusters over the balanced work list (opt-in; first run in session 14).
         "cute-wl": "m64 n64 w8 s2 kv-first gluon wl cute",
     }
     every = {name: label and kernel_config(label) for name, label in every.items()}

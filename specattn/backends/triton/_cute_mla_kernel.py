@@ -170,8 +170,9 @@ class MlaDecodeKernel:
     points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
     or more groups): the groups' merge fused into the kernel
     (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
-    ``work_list`` (``kernel_wl``; not yet run on a GPU): clusters over the balanced work list, one per program
-    (``_program``, ``_share``), the grid's last dimension the programs.
+    ``work_list`` (``kernel_wl``; run on the H200 in session 14): clusters over the
+    balanced work list, one per program (``_program``, ``_share``), the grid's last
+    dimension the programs.
 
     The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
     N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q

@@ -29,21 +29,22 @@ request); the splits of a (request, row tile) form ``groups`` thread-block clust
   output (one group) or the cluster's merged partial, which ``merge_kernel`` then combines
   (several groups).
 
-Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v8 (session
-13; measured as that session's first ``trial`` build, whose sm90 PTX the kernel keeps): the
-Gluon kernel's GPU tests (variant ``cute``: every shape forced onto this kernel), every
-cluster shape with and without the fused merge, the conformance kit with its
-config, the 100-batch stress loop, memcheck over a small ragged run (0 errors), a soak.
-Same run (session 13, call 5): mla-long 66.5 us (Gluon default 69.9, FlashInfer 65.1),
-mla-k1 60.6 (64.2, 65.0), mla-wide (H 128) 161.1: 454 TFLOP/s, 67% of the bf16 matmul rate
-(the Gluon split kernel 206.6 in session 12); call 8: mla-long-k8 92.4 against the Gluon
-split kernel's 113.4. On ragged batches at H 16 it is about even with the Gluon work list,
-and it is slower at mla-small (B 4). The version on trial (``KernelConfig.cute_trial``,
-``MlaDecodeKernel``'s ``trial``) measured 2-6% faster again (call 8: mla-long 63.3, mla-k1
-58.0) and passed the GPU tests, every cluster shape and a soak; the kit, the stress loop and
-memcheck have not run on it yet. Versions, profile and next steps:
-``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla`` backend (a
-vendor MLA kernel for Blackwell).
+Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36). v9 (session
+14; the sm90 PTX of session 13's ``trial`` build, measured then): the Gluon kernel's GPU
+tests (variant ``cute``: every shape forced onto this kernel), every cluster shape with and
+without the fused merge, the conformance kit with its config, the 100-batch stress loop,
+memcheck over a small ragged run (0 errors), a soak. Same run (session 14, call 4):
+mla-long 63.2 us (Gluon default 69.8, FlashInfer 65.6), mla-k1 58.1 (63.8, 65.3),
+mla-long-k8 90.8 (FlashInfer 91.5; the Gluon split kernel 113.4 in session 13); call 8:
+mla-wide (H 128) 161.2, about 450 TFLOP/s, two thirds of the bf16 matmul rate (the Gluon
+split kernel 206.6 in session 12). On ragged batches at one row tile it is about even with
+the Gluon work list (mla-long 77.4 against 77.2), and it is slower at small batches
+(mla-small, B 4: 20.1 against 16.1). Over the work list (``work``; label ``... gluon wl
+cute``; the same checks in session 14) it is 5-6% faster than the Gluon work list at 32
+requests of one row tile, uniform or ragged (mla-long 66.6 / 72.6, mla-k1 60.4 / 69.6), but
+slower at 8 and 16 requests and at mla-wide (179.5 uniform): opt-in. Versions, profile and
+next steps: ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla``
+backend (a vendor MLA kernel for Blackwell).
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     the balanced work list instead of ``num_splits`` splits per request: each program is a
     cluster on one segment of one request; ``mid_o`` / ``mid_lse`` are then
     ``worklist_scratch``'s slots ``[slots, rows, 512]`` / ``[slots, rows]`` and
-    ``worklist.merge`` combines them (not yet run on a GPU)."""
+    ``worklist.merge`` combines them."""
     _check("q", q, 3, (0, 1))
     _check("kv", kv, 2, (0,))
     _check("k_new", k_new, 2, (0,))

@@ -48,7 +48,7 @@ class KernelConfig:
     splits in thread-block clusters merged on chip; block_n 64, 2 stages, at most
     ``cute_mla.MAX_SPLITS`` splits; with ``fuse_merge``, the merge of several clusters'
     partials is fused into it: correct on the H200, slower; with ``gluon_worklist``, its
-    clusters walk the balanced work list: not yet run on a GPU))."""
+    clusters walk the balanced work list: opt-in, ``cute_mla`` says when it is faster))."""
 
     block_m: int
     block_n: int
