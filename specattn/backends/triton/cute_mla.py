@@ -169,8 +169,7 @@ def _dtype(torch_dtype: torch.dtype):
 @functools.lru_cache(maxsize=None)
 def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
               cluster: int, groups: int, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
-              diag: int = 0, fuse: bool = False, options: str = "",
-              work_list: bool = False):
+              diag: int = 0, fuse: bool = False, options: str = "", work_list: bool = False):
     """The kernel compiled for one variant (CuTe-DSL JIT, a few seconds the first time);
     ``options``: CuTe-DSL compile options (``tools/cute_ptx_hashes.py`` keeps the PTX)."""
     import cuda.bindings.driver as cuda
@@ -233,7 +232,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     the groups' merge is fused into the kernel (the last group's CTAs merge; they leave the
     counters at 0; correct on the H200 and slower than the launch, session 12), else one
     more launch merges them.
-    ``num_splits``: 1 to ``MAX_SPLITS``.
+    ``num_splits``: 1 to ``MAX_SPLITS`` (ignored with ``work``: ``programs`` counts its
+    clusters).
     ``diag``: timing experiments (``MlaDecodeKernel``; 4 and 5 give wrong results,
     ``tools/gluon_diag.py``); 6 writes each CTA's timestamps into ``stamps`` (int32, at
     least ``STAMPS`` per CTA of the grid; ``tools/cute_stamps.py``). ``work`` (int32,
@@ -263,7 +263,6 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                                     step=step, sm_scale=sm_scale, logit_cap=logit_cap,
                                     write_new=write_new, mid_o=mid_o, mid_lse=mid_lse,
                                     work=work, programs=programs, row_tiles=row_tiles)
-    # (Over the work list the launcher's num_splits is the program count: checked there.)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
