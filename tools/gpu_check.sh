@@ -416,21 +416,24 @@ cute_next() {
 # The default at one row tile by batch size (session 14; after `fa4-first`, same carry): the
 # stress loop of CUTE_STRESS_VARIANT (default `cute-wl`; CUTE_NO_STRESS=1 skips it), then,
 # alone, `specattn bench` of the `;`-separated CUTE_BENCH_OPTIONS beside the default and
-# FlashInfer at MLA H 16, K SWEEP_TOPK (4), prefix SWEEP_PREFIX (4096), 5 steps and each batch
-# of SWEEP_BATCHES (8 16), then the bench of GLUON_CASES (when set) with CUTE_BENCH_ARGS.
+# FlashInfer at MLA H 16, K SWEEP_TOPK (4), 5 steps, each prefix of SWEEP_PREFIX (4096) and
+# each batch of SWEEP_BATCHES (8 16), decode only, then the bench of GLUON_CASES (when set)
+# with CUTE_BENCH_ARGS.
 cute_sweep() {
   vendor_libs
   [ -z "${CUTE_NO_STRESS:-}" ] && cute_stress_job "${CUTE_STRESS_S:-280}" \
     "${CUTE_STRESS_VARIANT:-cute-wl}" "${CUTE_STRESS_WORKERS:-4}"
-  local options=() c b
+  local options=() c b n
   IFS=';' read -r -a configs <<< "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
   for c in "${configs[@]}"; do options+=("triton:config=$c"); done
-  for b in ${SWEEP_BATCHES:-8 16}; do
-    job "sweep-b$b" "${SWEEP_S:-100}" python -m specattn bench --mla --batch "$b" \
-      --prefix "${SWEEP_PREFIX:-4096}" --topk "${SWEEP_TOPK:-4}" --num-steps 5 \
-      --backend triton flashinfer --option "${options[@]}" --no-sweep --no-round --no-raw \
-      --out "/tmp/sweep-b$b"
-    cp "/tmp/sweep-b$b/table.md" "$logs/sweep-b$b.md" 2>/dev/null
+  for n in ${SWEEP_PREFIX:-4096}; do
+    for b in ${SWEEP_BATCHES:-8 16}; do
+      job "sweep-b$b-p$n" "${SWEEP_S:-100}" python -m specattn bench --mla --steps \
+        --batch "$b" --prefix "$n" --topk "${SWEEP_TOPK:-4}" --num-steps 5 \
+        --backend triton flashinfer --option "${options[@]}" --no-sweep --no-round --no-raw \
+        --out "/tmp/sweep-b$b-p$n"
+      cp "/tmp/sweep-b$b-p$n/table.md" "$logs/sweep-b$b-p$n.md" 2>/dev/null
+    done
   done
   [ -n "${GLUON_CASES:-}" ] && cute_bench_job "${CUTE_BENCH_OPTIONS:-$CUTE_CONFIG}"
   check
