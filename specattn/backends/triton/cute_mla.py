@@ -41,8 +41,9 @@ split kernel 206.6 in session 12). On ragged batches at one row tile it is about
 the Gluon work list (mla-long 77.4 against 77.2), and it is slower at small batches
 (mla-small, B 4: 20.1 against 16.1). Over the work list (``work``; label ``... gluon wl
 cute``; the same checks in session 14) it is 5-6% faster than the Gluon work list at 32
-requests of one row tile, uniform or ragged (mla-long 66.6 / 72.6, mla-k1 60.4 / 69.6), but
-slower at 8 and 16 requests and at mla-wide (179.5 uniform): opt-in. Versions, profile and
+requests of one row tile with 4096-key prefixes, uniform or ragged (mla-long 66.6 / 72.6,
+mla-k1 60.4 / 69.6), and by 8-21% at 48, but slower at 8 and 16 requests, at 32 with 1024-
+or 2048-key prefixes and at mla-wide (179.5 uniform): opt-in. Versions, profile and
 next steps: ``benchmarks/results/2026-12-01-h200/cute-notes.md``. Not the ``cutedsl_mla``
 backend (a vendor MLA kernel for Blackwell).
 """
