@@ -376,7 +376,7 @@ def _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents, *
                          batch, topk, num_steps, step, sm_scale, logit_cap, write_new, mid_o,
                          mid_lse, work, programs, row_tiles) -> None:
     """``attention`` over the work list (``work``, ``programs`` per row tile)."""
-    from .worklist import merge, work_numel
+    from .worklist import merge, partial_rows, work_numel
 
     cluster, planned = work_list_shape(row_tiles, batch, q.device)
     if programs != planned:
@@ -387,7 +387,7 @@ def _attention_work_list(q, kv, k_new, out, req_to_token, meta, hist, parents, *
         raise InvalidInputError("work", f"the work list's contiguous int32 table, at least "
                                 f"{work_numel(programs, batch)} words",
                                 f"{work.dtype} {tuple(work.shape)}")
-    rows = row_tiles * 64
+    rows = partial_rows(topk, q.shape[1])
     for name, t, dims in (("mid_o", mid_o, 3), ("mid_lse", mid_lse, 2)):
         if t is None or t.dtype != torch.float32 or t.dim() != dims or \
                 not t.is_contiguous() or t.shape[0] < programs + batch or t.shape[1] < rows:

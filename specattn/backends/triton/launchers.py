@@ -399,12 +399,12 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     parts = num_parts(cfg, num_splits)
     fused = dict(NEW_KV=_NEW_KV.get(write, 0), BLOCK_KW=_pow2(shape.d_main + shape.d_pe),
                  FUSE_MERGE=cfg.fuse_merge, BLOCK_P=_pow2(parts, lo=2))
+    if cfg.gluon_worklist and work is None:  # the Gluon or the CuTe kernel's work list
+        raise ValueError("config gluon_worklist needs the round's work list (work)")
     if cfg.cute:  # merged on chip (a merge launch only with several clusters per row tile)
         from . import cute_mla
         from .gluon_mla import num_row_tiles
 
-        if cfg.gluon_worklist and work is None:
-            raise ValueError("config gluon_worklist needs the round's work list (work)")
         cute_mla.attention(
             q, kb, new_kv[0], out, req_to_token, meta, hist, parents, mode=mode,
             batch=num_groups, topk=topk, num_steps=num_steps, step=step,
@@ -418,8 +418,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     if cfg.gluon_worklist:  # implies cfg.gluon (KernelConfig's rule)
         from . import gluon_mla, worklist
 
-        if work is None:
-            raise ValueError("config gluon_worklist needs the round's work list (work)")
         gluon_mla.attention_worklist(
             q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist, parents,
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
