@@ -255,3 +255,46 @@ def test_cute_stamps_report_by_tile_count(capsys):
     cute_stamps._report("tiles", words.flatten(), 20.0, STAMP_SLOTS, STAMPS)
     text = capsys.readouterr().out
     assert "16 tiles (2 CTAs): 11.00 / 13.00, 17 tiles (1 CTAs): 15.00 / 17.00" in text, text
+
+
+def test_read_floor_kernels_read_every_byte():
+    """The read-floor probe's two read kernels (Triton interpreter on the CPU) sum every
+    element they are given, so their times are for the bytes the floor counts: the
+    contiguous read over a length that is not a multiple of its block, the paged read over
+    an MLA row (512 + 64) gathered through slots in random order, with a partial last
+    program."""
+    read_floor = _tool("read_floor")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3 * 256 + 37, generator=gen).to(torch.bfloat16)
+    out = torch.zeros(8)
+    read_floor._read[(4,)](x, out, x.numel(), BLOCK=256)
+    assert torch.allclose(out[:4].sum(), x.float().sum(), atol=1e-2)
+    assert out[3] != 0  # the partial block is read too
+
+    rows, row = 37, 576
+    pool = torch.randn(rows, row, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(rows, generator=gen).to(torch.int32)
+    head, tail = read_floor._split_row(row)
+    assert (head, tail) == (512, 64)
+    out = torch.zeros(8)
+    programs = -(-rows // 16)
+    read_floor._gather[(programs,)](pool, slots, out, rows, ROW=row, HEAD=head, TAIL=tail,
+                                    KEYS=16)
+    for p in range(programs):  # each program: its slots' rows, all 576 columns
+        mine = slots[p * 16:(p + 1) * 16].long()
+        assert torch.allclose(out[p], pool[mine].float().sum(), rtol=1e-4, atol=1e-2)
+
+
+def test_read_floor_row_split_and_table():
+    """Rows split as two powers of two (GQA's 2 x 8 x 128 = 2048 has no tail; 768 = 512 +
+    256); a row that is not such a sum is refused; the table gives each read as a multiple
+    of the floor."""
+    read_floor = _tool("read_floor")
+    assert read_floor._split_row(2048) == (2048, 0)
+    assert read_floor._split_row(768) == (512, 256)
+    with pytest.raises(ValueError, match="576 \\+ 0|not a sum"):
+        read_floor._split_row(704)  # 512 + 192
+    text = read_floor.table([("mla-small", {"bytes": 4.7e6, "layers": 12, "floor": 1.1,
+                                            "empty launch": 1.9, "contiguous read": 3.3,
+                                            "paged read": 4.4})], "header")
+    assert "| mla-small | 4.7 | 12 | 1.1 | 1.90 | 3.3 (3.00) | 4.4 (4.00) |" in text, text

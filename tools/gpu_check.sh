@@ -439,6 +439,52 @@ cute_sweep() {
   check
 }
 
+# Session 15, call 1 (carry .gpu/fa4-first .gpu/install.sh .whl: the sgl-flash-mla wheel):
+# unpacks fa4-first and the wheel into /tmp for call 2 (the machine keeps /tmp while warm),
+# then alone on the GPU: tools/read_floor.py (what any one launch needs to read each case's
+# bytes) and `specattn bench --parts` at mla-long-p64 on flashmla and triton (FlashMLA's
+# own kernels' share of its step: page 64 only).
+floors() {
+  bash .gpu/install.sh "$site" fa4-first >/dev/null || exit 3
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+  job read-floor "${FLOOR_S:-150}" python tools/read_floor.py --out "$logs/read-floor.md"
+  job parts-p64 "${PARTS_S:-200}" python -m specattn bench --quick --no-sweep --no-round \
+    --no-raw --case ${PARTS_CASES:-mla-long-p64} --backend flashmla triton --parts \
+    --out /tmp/parts-p64
+  cp /tmp/parts-p64/table.md "$logs/parts-p64.md" 2>/dev/null
+  check
+}
+
+# The triton backend's default config on the H200 (call 2 of session 15, right after
+# `floors` or `fa4-first`; carry .gpu/flashinfer .gpu/fa4 .gpu/install.sh), side by side: the
+# kit on the default config at the full level (its K 8 cases take the CuTe kernel, the rest
+# the Gluon work list) and the quick kit on triton, the Triton GPU suite and the Gluon suite's
+# `default` variant with its stress loop, memcheck over a small ragged round; then alone the
+# MLA bench of the default beside FlashInfer (and FlashMLA where its wheel is in /tmp/site)
+# on DEFAULT_CASES, uniform and ragged, a case at a time into one table (BENCH_S each).
+default_check() {
+  vendor_libs
+  local t="python -m pytest -v -p no:cacheprovider -rfE" limit=${CHECKS_S:-280}
+  job kit-default-full "$limit" $t tests/gpu/test_cute_mla_gpu.py -k default_config &
+  job kit-triton "$limit" $KIT -n 2 -k test_triton &
+  job gpu-tests-triton "$limit" env SPECATTN_GLUON_VARIANTS=default $t -n 3 --timeout 240 \
+    tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py &
+  job memcheck-triton "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+    --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
+    --num-steps 3 --steps --backend triton --check-only --out /tmp/default-check
+  wait
+  local backends="triton flashinfer"
+  python -c "import flash_mla" 2>/dev/null && backends="$backends flashmla"
+  local c
+  for c in ${DEFAULT_CASES:-mla-long mla-k1 mla-small mla-long-p64 mla-wide}; do  # one table
+    job "bench-$c" "${BENCH_S:-70}" python -m specattn bench --no-sweep --no-round --no-raw \
+      --case "$c" --backend $backends --out /tmp/bench-default --append
+    cp /tmp/bench-default/table.md "$logs/bench-default.md" 2>/dev/null
+  done
+  check
+}
+
 CLUSTERS="import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
 from specattn.backends.triton.cute_mla import max_active_clusters as c
 print('clusters at once, by size:', {s: c(0, s) for s in range(1, 9)})"
@@ -470,7 +516,9 @@ case "${1:-}" in
   cute-final) cute_final ;;
   cute-next) cute_next ;;
   cute-sweep) cute_sweep ;;
+  floors) floors ;;
+  default-check) default_check ;;
   fa4-first) bash .gpu/install.sh "$site" fa4-first ;;
-  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-final|cute-next|cute-sweep" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first|cute-probe|cute-ncu|cute-quick|cute-bench|cute-final|cute-next|cute-sweep|floors|default-check" >&2; exit 2 ;;
 esac
 exit $status

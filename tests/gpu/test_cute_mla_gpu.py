@@ -79,3 +79,29 @@ def test_conformance_kit_with_the_cute_config(label):
     # Cases the kernel does not serve (fp32, FP8 layouts, per-branch mode) are skipped; the
     # rest must have run.
     assert report.passed >= 10, report
+
+
+def test_conformance_kit_on_the_default_config(monkeypatch):
+    """The kit on ``triton`` as it is built by default, at the full level: its K 8 cases (128
+    query rows per request at H 16) take the CuTe kernel, its smaller ones the Gluon work
+    list; both must have served (the configs the default chose are recorded)."""
+    _require_cute()
+    from specattn.backends.triton import launchers
+    from specattn.testing import check_backend
+
+    chosen = []
+    choose = launchers.gluon_config
+
+    def recording(*args, **kwargs):
+        cfg = choose(*args, **kwargs)
+        chosen.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(launchers, "gluon_config", recording)
+    report = check_backend("triton", device="cuda", kinds=("decode",), models=("mla",),
+                           level="full", raise_on_failure=False)
+    print(report)
+    assert report.ok, report
+    assert report.passed >= 10, report
+    assert any(c is not None and c.cute for c in chosen), chosen
+    assert any(c is not None and c.gluon_worklist for c in chosen), chosen
