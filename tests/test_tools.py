@@ -296,5 +296,6 @@ def test_read_floor_row_split_and_table():
         read_floor._split_row(704)  # 512 + 192
     text = read_floor.table([("mla-small", {"bytes": 4.7e6, "layers": 12, "floor": 1.1,
                                             "empty launch": 1.9, "contiguous read": 3.3,
-                                            "paged read": 4.4})], "header")
-    assert "| mla-small | 4.7 | 12 | 1.1 | 1.90 | 3.3 (3.00) | 4.4 (4.00) |" in text, text
+                                            "paged read": 4.4, "shuffled read": 5.5})],
+                           "header")
+    assert "| mla-small | 4.7 | 12 | 1.1 | 1.90 | 3.3 (3.00) | 4.4 (4.00) | 5.5 (5.00) |" in text, text

@@ -10,8 +10,10 @@ history, ``Case.kv_bytes``):
   costs before any byte is read;
 - ``contiguous read``: one launch of a streaming read (load and sum) of the bytes, the best
   of a few block sizes: the bandwidth a kernel reaches at this size, latency included;
-- ``paged read``: the same rows gathered through a slot table (page size 1, slots in random
-  order): a chain of two dependent loads per program, as every paged attention kernel has.
+- ``paged read``: the same rows gathered through a slot table (page size 1): a chain of two
+  dependent loads per program, as every paged attention kernel has; slots in order, as the
+  bench's allocator lays a request out;
+- ``shuffled read``: the same with the slots in random order (a fragmented pool).
 
 These are not attention kernels. They answer whether a target stated as a multiple of the
 floor can be met by *any* single launch at that size: ``mla-small``'s 2x target is 2.2 us.
@@ -34,6 +36,7 @@ import triton.language as tl  # noqa: E402
 
 DEFAULT_CASES = ("mla-small", "mla-long", "mla-k1", "gqa-small", "gqa-long")
 READ_BLOCKS = (4096, 8192, 16384)  # elements per program of the contiguous read
+READS = ("contiguous read", "paged read", "shuffled read")
 GATHER_BYTES = 32768  # at most this much per program of the paged read (a power-of-two row count)
 
 
@@ -112,27 +115,28 @@ def measure(case, clock, bandwidth: float, device: torch.device) -> dict[str, fl
     result["contiguous read"] = best
 
     head, tail = _split_row(row)
-    slots = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
     keys = 1 << max(0, (GATHER_BYTES // case.row_bytes).bit_length() - 1)
     grid = (triton.cdiv(rows, keys),)
-    launches = [(lambda p=p: _gather[grid](p, slots, out, rows, ROW=row, HEAD=head, TAIL=tail,
-                                           KEYS=keys, num_warps=4))
-                for p in pools]
-    result["paged read"] = _per_layer_us(clock, launches)
+    for name, slots in (("paged read", torch.arange(rows, device=device, dtype=torch.int32)),
+                        ("shuffled read", torch.randperm(rows, device=device, generator=gen)
+                         .to(torch.int32))):
+        launches = [(lambda p=p, slots=slots: _gather[grid](
+            p, slots, out, rows, ROW=row, HEAD=head, TAIL=tail, KEYS=keys, num_warps=4))
+            for p in pools]
+        result[name] = _per_layer_us(clock, launches)
     return result
 
 
 def table(rows: list[tuple[str, dict[str, float]]], header: str) -> str:
     lines = [header, "",
-             "| case | MB per layer | layers | floor us | empty launch us | contiguous read us "
-             "(x floor) | paged read us (x floor) |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | MB per layer | layers | floor us | empty launch us | "
+             + " | ".join(f"{r} us (x floor)" for r in READS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(READS)]
     for name, r in rows:
         f = r["floor"]
         lines.append(f"| {name} | {r['bytes'] / 1e6:.1f} | {int(r['layers'])} | {f:.1f} | "
-                     f"{r['empty launch']:.2f} | {r['contiguous read']:.1f} "
-                     f"({r['contiguous read'] / f:.2f}) | {r['paged read']:.1f} "
-                     f"({r['paged read'] / f:.2f}) |")
+                     f"{r['empty launch']:.2f} | "
+                     + " | ".join(f"{r[k]:.1f} ({r[k] / f:.2f})" for k in READS) + " |")
     return "\n".join(lines) + "\n"
 
 
