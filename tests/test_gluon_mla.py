@@ -293,3 +293,26 @@ def test_issue_19_bench_cases():
     note = tflops_note(wide, lens, 0.2, 700.0)[0]
     assert note.startswith("365 TFLOP/s (52% of the bf16 matmul rate 700 TFLOP/s")
     assert tflops_note(got["mla-long"], lens, 0.2, 700.0) == []
+
+
+def test_gpu_suite_harness_builds_every_variant():
+    """The GPU suite's variants (``tests/gpu/test_gluon_mla_gpu.py``) resolve on the CPU and
+    its split override handles each: the ``default`` variant (no config) keeps a case's split
+    count, the CuTe work list drops it, the others keep it. Session 14's version read
+    ``config.cute`` of the default's None and failed every ``default`` case on the H200 (found
+    in session 15's run)."""
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+    try:
+        suite = importlib.import_module("test_gluon_mla_gpu")
+    finally:
+        sys.path.pop(0)
+    variants = suite._variants()
+    assert variants["default"] is None and "cute-wl" in variants
+    for name, config in variants.items():
+        expected = None if name == "cute-wl" else 4
+        assert suite.split_override(config, 4) == expected, name
+        assert suite.split_override(config, None) is None, name

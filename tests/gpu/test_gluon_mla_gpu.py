@@ -67,16 +67,21 @@ def make_round(dtype, heads, topk, steps, page, lens, tree_mode):
     return r, place_decode_round(r, lens, topk, steps, page, tree_mode)
 
 
+def split_override(config, num_splits):
+    """The split count a case passes with ``config`` (None: the default config): the CuTe
+    work list refuses an override (its programs follow the cluster limits), so its cases run
+    their shape without one."""
+    if config is not None and config.cute and config.gluon_worklist:
+        return None
+    return num_splits
+
+
 def make_backend(r, topk, steps, tree_mode, variant, num_splits=None):
     from specattn.backends.triton import TritonDecode
 
     config = _variants()[variant]
-    if config.cute and config.gluon_worklist:
-        # The CuTe work list refuses a split override (its programs follow the cluster
-        # limits); the case's shape still runs.
-        num_splits = None
-    return TritonDecode(r, topk, steps, tree_mode=tree_mode, num_splits=num_splits,
-                        config=config)
+    return TritonDecode(r, topk, steps, tree_mode=tree_mode,
+                        num_splits=split_override(config, num_splits), config=config)
 
 
 def poisoned_forward(backend, step, layer, q, k):
