@@ -89,14 +89,13 @@ def _per_layer_us(clock, launches: list[Callable[[], None]]) -> float:
 
 
 def measure(case, clock, bandwidth: float, device: torch.device) -> dict[str, float]:
-    from specattn.bench.harness import L2_BYTES
+    from specattn.bench.harness import _num_layers  # as many layers as the bench rotates
 
     lengths = case.lengths()
     nbytes = case.kv_bytes(lengths)
-    elem = case.element_size
-    row = case.row_bytes // elem
+    row = case.row_bytes // case.element_size
     rows = nbytes // case.row_bytes
-    layers = max(2, min(12, -(-3 * L2_BYTES // nbytes)))
+    layers = _num_layers(case, lengths, device, None)
     gen = torch.Generator(device=device).manual_seed(0)
     pools = [torch.randn(rows, row, device=device, generator=gen).to(case.dtype)
              for _ in range(layers)]
