@@ -261,12 +261,13 @@ cute_stress_job() {  # cute_stress_job LIMIT_S VARIANT WORKERS: the 100-batch st
     -p no:cacheprovider -rfE -n "$3" tests/gpu/test_gluon_mla_gpu.py -k stress
 }
 
-cute_memcheck_job() {  # cute_memcheck_job LABELS: memcheck over a small ragged round, per
-  # `;`-separated label (one after the other, one log)
+cute_memcheck_job() {  # cute_memcheck_job LABELS [LOG]: memcheck over a small ragged round,
+  # the default config and each `;`-separated label (one after the other, one log, default
+  # memcheck-cute; LABELS "" for the default alone)
   local options=() c
   IFS=';' read -r -a configs <<< "$1"
   for c in "${configs[@]}"; do options+=(--option "triton:config=$c"); done
-  job memcheck-cute 200 compute-sanitizer --tool memcheck --report-api-errors no \
+  job "${2:-memcheck-cute}" 200 compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
     --num-steps 3 --steps --backend triton --check-only --out /tmp/cute-check "${options[@]}"
 }
@@ -470,9 +471,7 @@ default_check() {
   job kit-triton "$limit" $KIT -n 2 -k test_triton &
   job gpu-tests-triton "$limit" env SPECATTN_GLUON_VARIANTS=default $t -n 3 --timeout 240 \
     tests/gpu/test_triton_gpu.py tests/gpu/test_gluon_mla_gpu.py &
-  job memcheck-triton "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
-    --error-exitcode 9 python -m specattn bench --mla --batch 3 --prefix 300 --topk 4 \
-    --num-steps 3 --steps --backend triton --check-only --out /tmp/default-check
+  cute_memcheck_job "" memcheck-triton &
   wait
   local backends="triton flashinfer"
   python -c "import flash_mla" 2>/dev/null && backends="$backends flashmla"
