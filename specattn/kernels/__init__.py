@@ -5,7 +5,7 @@ from each other). Importing this package imports no Triton; its Triton modules d
   LSE of a finished state;
 - ``latent``: latent (MLA) row loads, FP8 pools (``specattn.kv_layouts``) dequantized in
   registers, and one latent key tile in either layout;
-- ``merge``: split-KV LSE merges (a stage-2 kernel, and rows merged inside stage 1);
+- ``merge``: split-KV LSE merges (a stage-2 kernel);
 - ``history_merge``: the shared-prefix decode's history pass + merge after a library's
   prefix pass (``flashinfer``, ``flashmla``, ``fa3``/``fa4``);
 - ``lse``: the same merge in plain torch, where Triton cannot run.

@@ -102,11 +102,25 @@ def in_pool(slot, num_slots):
 
 @triton.jit
 def finite(x):
-    """``x`` with NaN / inf replaced by 0. For tiles whose keys not every row sees (history
-    tails, causal new tokens): a masked key gets probability 0, but ``0 * NaN`` is NaN in
-    ``P.V``. A row that does see the key scores it from the same zeroed tile (garbage in,
-    garbage out); the others stay exact."""
+    """``x`` with NaN / inf replaced by 0. For the values of tiles whose keys not every row
+    sees (history tails, causal new tokens): a masked key gets probability 0, but ``0 * NaN``
+    is NaN in ``P.V`` (``poison_rows`` gives the rows that do see it their NaN back)."""
     return tl.where((x - x) == 0, x, tl.zeros_like(x))
+
+
+@triton.jit
+def nonfinite_rows(x):
+    """``[R]`` bool: which rows of the tile ``x [R, C]`` hold a NaN or an infinity."""
+    return tl.max(((x - x) != 0).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def poison_rows(vis, bad, acc):
+    """``acc [M, C]`` with NaN in the rows that see (``vis [M, N]``) a key marked ``bad [N]``:
+    with ``finite`` values in P.V, the rows that attend a non-finite key still get NaN, as
+    exact attention gives them, and no other row does."""
+    hit = tl.max((vis & bad[None, :]).to(tl.int32), 1) > 0
+    return tl.where(hit[:, None], float("nan"), acc)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Triton kernels: shared-prefix split-KV attention (decode and extend) and the LSE merge.
+"""Triton kernels: shared-prefix split-KV attention (decode and extend) and the KV write.
 
 Algorithm (one kernel family serves draft decode, per-branch decode and draft extend):
 
@@ -8,7 +8,7 @@ Algorithm (one kernel family serves draft decode, per-branch decode and draft ex
   ``n_q * G`` query rows (``G = H_q / H_kv``; MLA: ``G = H``, one latent head), row
   ``m -> (m // G, kv_head * G + m % G)``, tiled ``BLOCK_M`` at a time so QK and PV run on
   tensor cores (``tl.dot``).
-- Stage 1 (generic, ``_partial_attn_kernel``), grid ``(row_blocks, groups * H_kv,
+- ``_partial_attn_kernel`` (plans ``dot*``), grid ``(row_blocks, groups * H_kv,
   NUM_SPLITS + 1)``: programs ``split < NUM_SPLITS`` walk one slice of the prefix
   ``R_b[0 : prefix_len]`` (split length computed on the device by the metadata kernel, so the
   grid is fixed: graph-safe); each prefix tile is loaded once for every row of the group.
@@ -17,20 +17,14 @@ Algorithm (one kernel family serves draft decode, per-branch decode and draft ex
   ``parents`` at run time), masked to the key's own lane; extend: the new tokens
   ``R_b[prefix_len + u]``, causal (``u <= t``). Each program writes a normalised partial
   output and its natural-log LSE (``-inf`` when it saw no key). Row blocks are grid axis 0,
-  so programs sharing a prefix slice run together and a re-read hits L2.
-- Stage 1 for MLA with >= 64 rows per group (v3, ``_mla_partial_kernel``), grid
-  ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``: all ``K * H`` rows of a request in one
-  64-row tile; the latent row is read as two halves + rope, so ``S`` is three chained dots
-  and the 512-wide ``P.V`` accumulator stays in one program (``DV_SPLIT = 1``) or is split
-  over two adjacent programs (``DV_SPLIT = 2``); the last split also walks the tail (no
-  extra program wave; here that measured faster, for the generic kernel it did not).
-- Stage 2, grid ``(rows, H_q)``: merges the partials (``NUM_SPLITS + 1`` generic,
-  ``NUM_SPLITS`` MLA v3) by natural-log LSE; with ``FUSE_MERGE`` the last stage-1 program of
-  each tile merges instead (no second launch; measured slower on the H200, kept as an option).
-
-The call's new KV: written before stage 1 by one launch (``_write_kv_kernel``), or by
-stage 1 itself (``NEW_KV``: the tail or each tile's first split stores it, the tail reads it
-from ``k``/``v``, so no program waits on another's store).
+  so programs sharing a prefix slice run together and a re-read hits L2. The call's new KV
+  is in the pool before it runs (``_write_kv_kernel``, one launch).
+- ``_mla_partial_kernel`` (plan ``dot-mla``), grid ``(row_blocks, groups, NUM_SPLITS)``: all
+  ``K * H`` rows of a request in one 64-row tile; the latent row is read as two halves + rope,
+  so ``S`` is three chained dots and the 512-wide ``P.V`` accumulator stays in one program;
+  the last split also walks the tail (no extra program wave), and split 0 stores the call's
+  new keys, which the tail reads from ``k`` (no program waits on another's store).
+- The partials are merged by ``specattn.kernels.merge.merge_partials`` (natural-log LSE).
 
 Limits: token-level gathers through ``req_to_token`` (any page size, no page-table fast
 path); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16`` (``tl.dot``); fp32 partials.
@@ -42,9 +36,8 @@ import triton
 import triton.language as tl
 
 from ...kernels.latent import load_latent
-from ...kernels.merge import arrived_last, merge_rows
 from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, load_q, lse,
-                              softmax_update)
+                              nonfinite_rows, poison_rows, softmax_update)
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
@@ -53,48 +46,30 @@ MODE_LANE = tl.constexpr(0)
 MODE_PATH = tl.constexpr(1)
 MODE_EXTEND = tl.constexpr(2)
 
-# Where the call's new KV gets into the pool (NEW_KV): the caller wrote it (POOL), the tail
-# programs store it (TAIL) or each tile's first prefix split does (FIRST); with TAIL / FIRST
-# the tail reads those keys from the call's k / v, so no program waits for another's store.
-NEW_KV_POOL = tl.constexpr(0)
-NEW_KV_TAIL = tl.constexpr(1)
-NEW_KV_FIRST = tl.constexpr(2)
 
 
 @triton.jit
 def _partial_attn_kernel(
-        Q, Kb, Vb, Kin, Vin, MidO, MidLse, Out, Counter, ReqToToken, Meta, Hist, Parents,
+        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h,
-        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
         stride_r2t, stride_par_s, stride_par_b, num_slots,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
         D_MAIN: tl.constexpr, D_PE: tl.constexpr,
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
-        BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
         DOT_F32: tl.constexpr):
-    """Stage 1, generic (MHA/GQA, extend, MLA below 64 rows per group). Grid
-    ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS`` walks
-    the tail (fusing it into the last split, tried in v3, was ~10% slower on the H200).
+    """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
+    walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
     Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
-    V = its first D_V columns); MidO: [rows, H_q, NUM_SPLITS + 1, D_V] fp32;
-    MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32; Hist: [lanes, NUM_STEPS]
-    int32 (decode; extend: [tokens, 1], the new tokens' slots); Parents: [NUM_STEPS, B, TOPK]
-    (path mode).
-
-    NEW_KV (TAIL / FIRST): Kin/Vin [rows, H_kv, D] are this call's new keys/values (decode:
-    each lane's step ``step``; extend: the new tokens), stored at ``Hist[row, step]`` by the
-    tail program or by split 0 of the same tile; the tail reads them from Kin/Vin, not the
-    pool (no separate write launch, no ordering between programs). FUSE_MERGE: the last
-    program of a (row block, group, KV head) to finish (``Counter`` [row_blocks * groups *
-    H_kv] int32, zero, reset after use) merges the partials into Out [rows, H_q, D_V] (no
-    second launch).
+    V = its first D_V columns), this call's KV already stored; MidO: [rows, H_q,
+    NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32;
+    Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
+    Parents: [NUM_STEPS, B, TOPK] (path mode).
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -122,16 +97,6 @@ def _partial_attn_kernel(
     r2t_row = ReqToToken + rpi * stride_r2t
 
     if split < NUM_SPLITS:
-        if NEW_KV == NEW_KV_FIRST:
-            if split == 0:
-                n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M,
-                                             MODE)
-                for n0 in range(n_lo, n_hi, BLOCK_N):
-                    new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
-                    _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
-                                  stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
-                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, num_slots,
-                                  D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
         start, end = _split_bounds(split, split_len, prefix_len, live)
         for n0 in range(start, end, BLOCK_N):
             slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
@@ -147,33 +112,22 @@ def _partial_attn_kernel(
                                                 b, step, r2t_row, prefix_len, Hist, Parents,
                                                 stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                                                 num_slots, MODE)
-            k_rows = Kb + slot * stride_ks + kvh * stride_kh
-            v_rows = Vb + slot * stride_vs + kvh * stride_vh
-            k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D,
-                                BLOCK_DPE, BLOCK_DV, V_IS_K)
-            if NEW_KV != NEW_KV_POOL:
-                new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
-                if NEW_KV == NEW_KV_TAIL:
-                    _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t,
-                                  stride_kin_h, stride_vin_t, stride_vin_h, stride_ks,
-                                  stride_kh, stride_vs, stride_vh, NUM_STEPS, num_slots,
-                                  D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV, V_IS_K)
-                # This call's keys from k / v: select on loaded tiles, not on row pointers
-                # (a pointer select unpipelines the loop, triton_ir_stats.py).
-                k_n, kpe_n, v_n = load_kv(Kin + src * stride_kin_t + kvh * stride_kin_h,
-                                          Vin + src * stride_vin_t + kvh * stride_vin_h,
-                                          new, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
-                                          BLOCK_DV, V_IS_K)
-                k = tl.where(new[:, None], k_n, k)
-                kpe = tl.where(new[:, None], kpe_n, kpe)
-                v = tl.where(new[:, None], v_n, v)
+            k, kpe, v = load_kv(Kb + slot * stride_ks + kvh * stride_kh,
+                                Vb + slot * stride_vs + kvh * stride_vh, key_ok, D_MAIN, D_PE,
+                                D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K)
             if MODE == MODE_EXTEND:
-                # Causal new tokens: a non-finite later one must not reach the earlier rows
-                # through P.V. (Decode tails skip this: zeroing the tile there costs 40
-                # registers, an occupancy step, 18% at gqa-long; a declared limit.)
-                k, v = finite(k), finite(v)
-            acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
-                                      logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
+                # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN.
+                # (Decode tails skip this: zeroing the tile there costs 40 registers, an
+                # occupancy step, 18% at gqa-long; a declared limit.)
+                bad = nonfinite_rows(v)
+                acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, finite(v), vis,
+                                          sm_scale, logit_cap, D_PE, False, USE_CAP, DOT_PREC,
+                                          DOT_F32)
+                acc = poison_rows(vis, bad, acc)
+            else:
+                acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
+                                          logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -183,11 +137,6 @@ def _partial_attn_kernel(
     ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
     tl.store(mo + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
     tl.store(ml + split, lse(m_i, l_i), mask=row_ok)
-    if FUSE_MERGE:
-        if arrived_last(Counter + rb * tl.num_programs(1) + gh, NUM_SPLITS + 1):
-            merge_rows(mo, ml, stride_mo_s, NUM_SPLITS + 1, row_ok,
-                       Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh, offs_dv,
-                       offs_dv < D_V, BLOCK_M, BLOCK_DV, BLOCK_P)
 
 
 @triton.jit
@@ -223,20 +172,13 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
 
 
 @triton.jit
-def _store_new_kv(new, src, Kin, Vin, Kb, Vb, Hist, step, kvh, stride_kin_t, stride_kin_h,
-                  stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
-                  NUM_STEPS, num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr,
-                  D_V: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
-    """Store the new keys ``new [BLOCK_N]`` (rows ``src`` of Kin / Vin, KV head ``kvh``) at
-    their slots ``Hist[src, step]`` (``KW`` = key width; V_IS_K: the latent row only); a slot
-    outside the pool is not written."""
+def _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs, NUM_STEPS,
+                    num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Store the new latent rows ``new [BLOCK_N]`` (rows ``src`` of Kin) at their slots
+    ``Hist[src, step]`` (``KW`` = the row width); a slot outside the pool is not written."""
     dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
     new = new & (dst >= 0) & (dst < num_slots)
-    _copy_rows(Kin + src * stride_kin_t + kvh * stride_kin_h, Kb + dst * stride_ks +
-               kvh * stride_kh, new, KW, BLOCK_KW)
-    if not V_IS_K:
-        _copy_rows(Vin + src * stride_vin_t + kvh * stride_vin_h, Vb + dst * stride_vs +
-                   kvh * stride_vh, new, D_V, BLOCK_DV)
+    _copy_rows(Kin + src * stride_kin_t, KV + dst * stride_kvs, new, KW, BLOCK_KW)
 
 
 @triton.jit
@@ -318,78 +260,55 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
 
 
 @triton.jit
-def _value_half(k_half, ptrs, mask, V_RELOAD: tl.constexpr, FINITE: tl.constexpr):
-    """A latent half as value: the key tile ``k_half`` itself, or reloaded from ``ptrs``."""
-    if V_RELOAD:
-        v = tl.load(ptrs, mask=mask, other=0.0).to(k_half.dtype)
-        if FINITE:
-            v = finite(v)
-    else:
-        v = k_half
-    return v
-
-
-@triton.jit
-def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
-              logit_cap,
+def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_DPE: tl.constexpr, DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr,
-              USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-              FINITE: tl.constexpr = False):
+              BLOCK_DPE: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+              DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = False):
     """One MLA key tile, ``rows [BLOCK_N]``: pointers to each key's latent row (pool or new
-    k). The latent row ``[2 * D_HALF + D_PE]`` is loaded as two halves
-    (``off_a``: the half this program accumulates, ``off_b``: the other) and the rope part;
-    ``S = qa.ka + qb.kb + qpe.kpe``; ``acc_a += P.ka`` (and ``acc_b += P.kb`` when one
-    program owns both halves). ``V_RELOAD`` reloads V instead of reusing the K tile."""
-    offs_h = tl.arange(0, BLOCK_H)
-    row = rows[:, None]
-    hmask = key_ok[:, None] & (offs_h < D_HALF)[None, :]
-    ka, kb, kpe = load_latent(row, key_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
-                              DOT_F32)
-    if FINITE:  # an extend tail tile: causal keys (``finite``; decode tails skip it: spills)
-        ka, kb = finite(ka), finite(kb)
+    k), loaded as two halves ``ka``, ``kb`` and the rope part; ``S = qa.ka + qb.kb +
+    qpe.kpe``, ``acc_a += P.ka``, ``acc_b += P.kb``. ``CAUSAL`` (extend tails): P.V reads the
+    tile with non-finite values zeroed and the rows that see such a key become NaN, so a bad
+    key reaches exactly the rows that attend to it (``0 * NaN`` is NaN in P.V)."""
+    ka, kb, kpe = load_latent(rows[:, None], key_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H,
+                              BLOCK_DPE, DOT_F32)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
-    va = _value_half(ka, row + off_a + offs_h[None, :], hmask, V_RELOAD, FINITE)
+    va, vb = ka, kb
+    if CAUSAL:
+        bad = nonfinite_rows(ka) | nonfinite_rows(kb)
+        va, vb = finite(ka), finite(kb)
     p = p.to(ka.dtype)
     acc_a = tl.dot(p, va, acc_a * alpha[:, None], input_precision=DOT_PREC)
-    if DV_SPLIT == 1:
-        vb = _value_half(kb, row + off_b + offs_h[None, :], hmask, V_RELOAD, FINITE)
-        acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PREC)
+    acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PREC)
+    if CAUSAL:
+        acc_a, acc_b = poison_rows(vis, bad, acc_a), poison_rows(vis, bad, acc_b)
     return acc_a, acc_b, m_new, l_i
 
 
 @triton.jit
 def _mla_partial_kernel(
-        Q, KV, Kin, MidO, MidLse, Out, Counter, ReqToToken, Meta, Hist, Parents,
+        Q, KV, Kin, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
-        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
+        stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
         stride_r2t, stride_par_s, stride_par_b, num_slots,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
         GROUP: tl.constexpr, MODE: tl.constexpr, D_HALF: tl.constexpr, D_PE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, ACC_B_W: tl.constexpr,
-        DV_SPLIT: tl.constexpr, V_RELOAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, NEW_KV: tl.constexpr,
-        BLOCK_KW: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, BLOCK_KW: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """Stage 1 for MLA (v3). Grid ``(row_blocks * DV_SPLIT, groups, NUM_SPLITS)``.
+    """Grid ``(row_blocks, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
-    (V = its first 2 * D_HALF columns); MidO: [rows, H, >= NUM_SPLITS, 2 * D_HALF] fp32;
-    MidLse: [rows, H, >= NUM_SPLITS] fp32. All ``K * H`` rows of a group are one tile
-    (``BLOCK_M`` = 64 fits ``K = 4, H = 16``: the wgmma height), q stays on chip, each key
-    tile is loaded once for S and P.V. ``DV_SPLIT = 2``: two adjacent programs own one half
-    of the 512-wide output each (half the accumulator registers; the second one's key reads
-    hit L2); ``ACC_B_W`` is the width of the second accumulator (unused, 16, when split).
-    NEW_KV / FUSE_MERGE as in ``_partial_attn_kernel`` (Kin: [rows, 2 * D_HALF + D_PE],
-    Out: [rows, H, 2 * D_HALF]; FUSE_MERGE needs DV_SPLIT = 1).
+    (V = its first 2 * D_HALF columns); Kin: this call's latent rows [rows, 2 * D_HALF +
+    D_PE]; MidO: [rows, H, >= NUM_SPLITS, 2 * D_HALF] fp32; MidLse: [rows, H, >= NUM_SPLITS]
+    fp32. All ``K * H`` rows of a group are one tile (``BLOCK_M`` = 64 fits ``K = 4, H =
+    16``: the wgmma height), q stays on chip, each key tile is loaded once for S and P.V.
+    Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin.
     """
-    pid0 = tl.program_id(0)
-    rb = pid0 // DV_SPLIT
-    half = pid0 % DV_SPLIT
+    rb = tl.program_id(0)
     gi = tl.program_id(1)
     split = tl.program_id(2)
     b, q_start, n_q, rpi, prefix_len, split_len = _group_of(gi, Meta, TOPK, LANES_PER_GROUP,
@@ -404,37 +323,30 @@ def _mla_partial_kernel(
     head = offs_m % GROUP
     q_row = (q_start + q_local).to(tl.int64)
     q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
-    off_a = half * D_HALF
-    off_b = (1 - half) * D_HALF
     offs_h = tl.arange(0, BLOCK_H)
     hmask = row_ok[:, None] & (offs_h < D_HALF)[None, :]
-    qa, qb, qpe = load_latent(q_base, row_ok, off_a, off_b, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
+    qa, qb, qpe = load_latent(q_base, row_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
                               DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    acc_b = tl.zeros([BLOCK_M, ACC_B_W], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = ReqToToken + rpi * stride_r2t
 
-    if NEW_KV == NEW_KV_FIRST:
-        if split == 0:
-            n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, half == 0, step, GROUP, BLOCK_M,
-                                         MODE)
-            for n0 in range(n_lo, n_hi, BLOCK_N):
-                new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
-                _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
-                              stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
-                              num_slots, 2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW,
-                              True)
+    if split == 0:
+        n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
+            _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs,
+                            NUM_STEPS, num_slots, 2 * D_HALF + D_PE, BLOCK_KW)
     start, end = _split_bounds(split, split_len, prefix_len, live)
     for n0 in range(start, end, BLOCK_N):
         slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
         acc_a, acc_b, m_i, l_i = _mla_tile(
-            acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis, off_a,
-            off_b, sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD,
-            USE_CAP, DOT_PREC, DOT_F32)
+            acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis,
+            sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32)
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
                                  BLOCK_M, MODE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -442,35 +354,19 @@ def _mla_partial_kernel(
                                             step, r2t_row, prefix_len, Hist, Parents,
                                             stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                                             num_slots, MODE)
-        rows = KV + slot * stride_kvs
-        if NEW_KV != NEW_KV_POOL:
-            new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
-            if NEW_KV == NEW_KV_TAIL:
-                _store_new_kv(new, src, Kin, Kin, KV, KV, Hist, step, 0, stride_kin_t, 0,
-                              stride_kin_t, 0, stride_kvs, 0, stride_kvs, 0, NUM_STEPS,
-                              num_slots, 2 * D_HALF + D_PE, BLOCK_KW, 2 * D_HALF, BLOCK_KW,
-                              True)
-            rows = tl.where(new, Kin + src * stride_kin_t, rows)
+        new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
+        rows = tl.where(new, Kin + src * stride_kin_t, KV + slot * stride_kvs)
         acc_a, acc_b, m_i, l_i = _mla_tile(
-            acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, off_a, off_b, sm_scale,
-            logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, DV_SPLIT, V_RELOAD, USE_CAP,
-            DOT_PREC, DOT_F32, MODE == MODE_EXTEND)
+            acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
+            D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32, MODE == MODE_EXTEND)
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
-    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
-    mo_split = mo + split * stride_mo_s
-    tl.store(mo_split + off_a + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
-    if DV_SPLIT == 1:
-        tl.store(mo_split + off_b + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
-    ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
-    tl.store(ml + split, lse(m_i, l_i), mask=row_ok & (offs_m * 0 + half == 0))
-    if FUSE_MERGE:  # DV_SPLIT == 1 (the launcher checks)
-        if arrived_last(Counter + rb * tl.num_programs(1) + gi, NUM_SPLITS):
-            out = Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh
-            for c in range(0, 2):  # one 256-wide half at a time: bounded registers
-                merge_rows(mo, ml, stride_mo_s, NUM_SPLITS, row_ok, out, c * D_HALF + offs_h,
-                           offs_h < D_HALF, BLOCK_M, BLOCK_H, BLOCK_P)
+    mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
+    tl.store(mo + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
+    tl.store(mo + D_HALF + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
+    tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse(m_i, l_i),
+             mask=row_ok)
 
 
 @triton.jit

@@ -1,8 +1,7 @@
-"""The CuTe-DSL MLA draft-decode kernel for sm90 (issue #19): a key-tile loop with one
+"""The CuTe-DSL MLA draft-decode kernel for sm90 (plan ``cute``): a key-tile loop with one
 warpgroup on S and the softmax and the other on the gathers, the prefix splits of a request
-in thread-block clusters, merged on chip. Run only
-through ``cute_mla`` (which checks for CuTe-DSL first and documents the algorithm);
-``tools/cute_mla_tile_probe.py`` builds its probe from this module's helpers.
+in thread-block clusters, merged on chip. Run only through ``cute_mla`` (which checks for
+CuTe-DSL first and documents the algorithm).
 
 Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared memory):
 
@@ -50,13 +49,6 @@ O_PITCH = D_MAIN + 8
 MAX_SLACK = 8.0  # base-2 growth of a row maximum absorbed without rescaling O
 MERGE_BATCH = 8  # rows per thread whose partials the on-chip merge loads at once
 SMALL_KEYS = 16  # a tail of at most this many keys is one wgmma N 16 / k-block tile
-STAMPS = 16  # int32 words per CTA that ``diag`` 6 writes (``STAMP_SLOTS``)
-# diag 6: where each CTA's time goes. Slot 0: %globaltimer_lo at entry (ns), 1: the SM, 2: the
-# CTA's key tiles, 3: %globaltimer_lo at exit; the rest: SM clock cycles since entry when
-# the named point was passed (thread 0, or 128 for warpgroup 1's).
-STAMP_SLOTS = ("entry ns", "sm", "tiles", "exit ns", "issued", "landed", "s done", "p shared",
-               "tile 0 done", "last landed", "loop done", "partial shared", "merged", "end",
-               "merge stored", "wg1 issued 1")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 TILE_BYTES = ROWS * WIDTH * 2
@@ -159,106 +151,59 @@ def _ld_cluster_v4(ptr):
 
 class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
-    ``use_cap`` (logit cap), ``write_new`` (split 0 stores the call's keys), ``cluster``
-    (CTAs per thread-block cluster, merged on chip), ``groups`` (clusters per request row
-    tile: the prefix is cut into ``cluster * groups`` splits; with more than one group each
-    cluster writes its merged fp32 partial and LSE for ``merge_kernel``), ``stages`` (key
-    tiles in the ring), ``parent_dtype`` (Int32 / Int64). ``diag`` (timing experiments;
-    ``tools/gluon_diag.py``): 4 no key tiles (the fixed cost of a call; wrong results), 5
-    no merge on chip (each CTA writes its own partial to the output straight from its
-    registers; wrong results), 6 each CTA's timestamps into the buffer that ``counter``
-    points to (``STAMP_SLOTS``; ``tools/cute_stamps.py``; right results). ``fuse`` (two
-    or more groups): the groups' merge fused into the kernel
-    (``kernel_fused``, ``_merge_groups``; correct on the H200 but slower, session 12).
-    ``work_list`` (``kernel_wl``; run on the H200 in session 14): clusters over the
-    balanced work list, one per program (``_program``, ``_share``), the grid's last
-    dimension the programs.
+    ``use_cap`` (logit cap), ``cluster`` (CTAs per thread-block cluster, merged on chip),
+    ``groups`` (clusters per request row tile: the prefix is cut into ``cluster * groups``
+    splits; with more than one group each cluster writes its merged fp32 partial and LSE for
+    ``merge_kernel``), ``stages`` (key tiles in the ring), ``parent_dtype`` (Int32 / Int64).
 
-    The tile loop (v6, session 11): warpgroup 0 computes S over the whole key tile (wgmma
-    N 64: Q and the tile read from shared memory once, where two warpgroups at N 32 read Q
-    twice; whole rows, so no row maxima are exchanged) and the softmax, keeping a row's
-    running maximum until a new one exceeds it by more than ``MAX_SLACK`` (then O needs no
-    rescale); warpgroup 1 alone gathers the key tiles, a tile ahead; both add ``P.V`` into
-    their output halves. Two barriers per tile. v7 (session 12): a tile wholly inside the
-    slice is not masked key by key; a cluster of one writes its result through shared
-    memory as larger clusters do (coalesced stores); the on-chip merge loads
-    ``MERGE_BATCH`` rows' partials at once. v8 (session 13): P stored with ``stmatrix``;
-    the interior tiles' scale folded into the exponent (one FFMA a score); a tail of at most
-    ``SMALL_KEYS`` keys as one wgmma N 16 tile and a single k block of ``P.V``; the
-    normalised partial stored as column pairs (8 bytes) at row pitch ``O_PITCH``. v9
-    (session 14; measured 2-6% faster than v8 on the H200 in session 13): the last split
-    walks its tail tiles first (``_tail_first``); the merge stores a thread's 4 columns at
-    once (``_store4``: 8 bytes into the output, 16 into a partial); the fused merge loads
-    ``MERGE_BATCH`` rows' partials at once (``_merge_groups_batched``).
+    The tile loop: warpgroup 0 computes S over the whole key tile (wgmma N 64: Q and the
+    tile read from shared memory once, where two warpgroups at N 32 read Q twice; whole rows,
+    so no row maxima are exchanged) and the softmax, keeping a row's running maximum until a
+    new one exceeds it by more than ``MAX_SLACK`` (then O needs no rescale); warpgroup 1
+    alone gathers the key tiles, a tile ahead; both add ``P.V`` into their output halves. Two
+    barriers per tile. A tile wholly inside the slice is not masked key by key, and its
+    scale is folded into the exponent (one FFMA a score); P is stored with ``stmatrix``; a
+    tail of at most ``SMALL_KEYS`` keys is one wgmma N 16 tile and a single k block of
+    ``P.V``; the last split walks its tail tiles first (``_tail_first``), so its extra tile
+    is done while the first prefix tile lands. The normalised partial goes to shared memory
+    as column pairs (8 bytes) at row pitch ``O_PITCH``; the on-chip merge loads
+    ``MERGE_BATCH`` rows' partials at once and stores a thread's 4 columns at once
+    (``_store4``: 8 bytes into the output, 16 into a partial).
 
-    Tried and dropped (session 11): leaving a tile's ``P.V`` running into the next tile
-    behind its S chain makes ptxas serialize the wgmma (C7514, "non wgmma instructions
-    reading accumulator registers of a wgmma between start and end of the pipeline stage"),
-    and overlapping ``P.V`` with the next S inside one iteration needs a third 72 KB stage,
-    which does not fit beside Q."""
+    Not done, and why: leaving a tile's ``P.V`` running into the next tile behind its S chain
+    makes ptxas serialize the wgmma (C7514, "non wgmma instructions reading accumulator
+    registers of a wgmma between start and end of the pipeline stage"), and overlapping
+    ``P.V`` with the next S inside one iteration needs a third 72 KB stage, which does not
+    fit beside Q."""
 
-    def __init__(self, dtype, heads: int, path: bool, use_cap: bool, write_new: bool,
-                 cluster: int, groups: int = 1, stages: int = 2, parent_dtype=Int32,
-                 diag: int = 0, fuse: bool = False, work_list: bool = False):
+    def __init__(self, dtype, heads: int, path: bool, use_cap: bool, cluster: int,
+                 groups: int = 1, stages: int = 2, parent_dtype=Int32):
         self.dtype = dtype
         self.heads = heads
         self.path = path
         self.use_cap = use_cap
-        self.write_new = write_new
         self.cluster = cluster
         self.groups = groups
         self.splits = cluster * groups
         self.stages = stages
         self.parent_dtype = parent_dtype
-        self.diag = diag
-        self.fuse = fuse
-        self.work_list = work_list
-        if diag not in (0, 4, 5, 6):
-            raise ValueError(f"diag {diag}: this kernel times diag 0 (none), 4, 5 and 6")
-        if fuse and (groups < 2 or diag):
-            raise ValueError("fuse: the groups' merge of two or more groups, no diag")
-        if work_list and (groups != 1 or fuse or diag):
-            # (diag 6's stamps would go where kernel_wl's unused counter points: r2t)
-            raise ValueError("work_list: one cluster per program (groups 1), no fuse or diag")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
-                 parents: cute.Pointer, counter: cute.Pointer, batch: Int32, row_tiles: Int32,
-                 programs: Int32, step: Int32, topk: Int32, num_steps: Int32, num_slots: Int32,
-                 s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32,
-                 s_mot: Int32, s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32,
-                 s_r2t: Int32, s_par_s: Int32, s_par_b: Int32, scale_log2: Float32,
-                 cap: Float32, stream):
-        args = (q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
-                num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh, s_mop,
-                s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap)
-        launch = dict(grid=(self.splits, row_tiles, programs if self.work_list else batch),
-                      block=(THREADS, 1, 1), cluster=(self.cluster, 1, 1),
-                      smem=smem_bytes(self.stages), stream=stream)
-        if cutlass.const_expr(self.work_list):
-            self.kernel_wl(*args, counter, batch, programs).launch(**launch)
-        elif cutlass.const_expr(self.fuse or self.diag == 6):
-            self.kernel_fused(*args, counter).launch(**launch)
-        else:
-            self.kernel(*args).launch(**launch)
+                 parents: cute.Pointer, batch: Int32, row_tiles: Int32, step: Int32,
+                 topk: Int32, num_steps: Int32, num_slots: Int32, s_qt: Int32, s_qh: Int32,
+                 s_kv: Int32, s_kin: Int32, s_ot: Int32, s_oh: Int32, s_mot: Int32,
+                 s_moh: Int32, s_mop: Int32, s_mlt: Int32, s_mlh: Int32, s_r2t: Int32,
+                 s_par_s: Int32, s_par_b: Int32, scale_log2: Float32, cap: Float32, stream):
+        self.kernel(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
+                    num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
+                    s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap).launch(
+            grid=(self.splits, row_tiles, batch), block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1), smem=smem_bytes(self.stages), stream=stream)
 
     # -- small pieces -------------------------------------------------------------------
-
-    def _mark(self, stamps: cute.Pointer, cta, clk0, slot: int, when, value=None):
-        """diag 6: ``value()`` (default: SM cycles since ``clk0``) into ``slot`` of this
-        CTA's stamps, by the thread for which ``when`` holds. Plain Python, so that without
-        diag 6 nothing is emitted (not even the special-register reads)."""
-        if self.diag == 6:
-            self._store_stamp(stamps, cta, slot, when,
-                              cute.arch.clock() - clk0 if value is None else value())
-
-    @cute.jit
-    def _store_stamp(self, stamps: cute.Pointer, cta, slot: cutlass.Constexpr[int], when,
-                     value):
-        if when:
-            cute.make_tensor(stamps + (cta * STAMPS + slot), cute.make_layout(1))[0] = value
 
     @cute.jit
     def _tail_first(self, n_pref: Int32, total: Int32, t: Int32):
@@ -375,12 +320,8 @@ class MlaDecodeKernel:
     @cute.jit
     def _store_lse(self, mid_lse: cute.Pointer, q_start: Int32, row, group: Int32,
                    s_mlt: Int32, s_mlh: Int32, lse: Float32):
-        """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``); with
-        the work list ``mid_lse[group, row]`` (slot stride ``s_mlt``)."""
-        if cutlass.const_expr(self.work_list):
-            dst = mid_lse + (Int64(group) * s_mlt + row)
-        else:
-            dst = _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh) + group
+        """``mid_lse[lane, head, group] = lse`` for query row ``row`` (lane ``row // H``)."""
+        dst = _head_row(mid_lse, q_start, row, self.heads, s_mlt, s_mlh) + group
         cute.make_tensor(dst, cute.make_layout(1))[0] = lse
 
     @cute.jit
@@ -530,14 +471,13 @@ class MlaDecodeKernel:
     def _tile_p(self, mma_s, thr_s, frag_q: cute.Tensor, tile: cute.Tensor,
                 c_rows: cute.Tensor, o_rows: cute.Tensor, row_max: cute.Tensor,
                 row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail, row_lo: Int32,
-                mask_args: tuple, mark, tidx, p_dst):
+                mask_args: tuple, p_dst):
         """Warpgroup 0 on key tile ``t``: S (wgmma N 64), the scores and softmax
         (``_scores_then_softmax``), and P into ``sP`` by ``stmatrix`` (``p_dst``: the copy
         and its partition of ``sP``)."""
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, KEYS)), Float32)
         frag_k = thr_s.make_fragment_B(thr_s.partition_B(tile))
         _wgmma(mma_s, acc_s, frag_q, frag_k, True)
-        mark(6, (tidx == 0) & (t == 0))
         s_rows = cute.make_tensor(acc_s.iterator, _acc_rows(acc_s.layout))
         self._scores_then_softmax(acc_s, s_rows, c_rows, o_rows, row_max, row_sum, sStat,
                                   lead, t, tail, row_lo, mask_args)
@@ -595,12 +535,8 @@ class MlaDecodeKernel:
         if wsum > 0.0:
             inv = 1.0 / wsum
         if cutlass.const_expr(to_mid):
-            if cutlass.const_expr(self.work_list):
-                # Slot ``group`` of the work list's partials: [slots, rows, 512].
-                dst = mid_o + (Int64(group) * s_mop + row * D_MAIN + chunk * 4)
-            else:
-                dst = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + (
-                    group * s_mop + chunk * 4)
+            dst = _head_row(mid_o, q_start, row, self.heads, s_mot, s_moh) + (
+                group * s_mop + chunk * 4)
             self._store4(dst, Float32, [acc[j] * inv for j in range(4)], 16)
             if chunk == 0:
                 lse = -Float32.inf
@@ -635,95 +571,6 @@ class MlaDecodeKernel:
         request ``b``'s row tile walks its prefix slice (the last split also the tail); each
         cluster merges its CTAs' partials on chip into the output or, with several groups,
         into partial ``split // cluster`` of ``mid_o`` / ``mid_lse``."""
-        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
-                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
-                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, r2t)
-
-    # A second entry point, not a parameter of ``kernel``: without ``fuse`` the kernel keeps
-    # the signature, and so the PTX, it was verified with on the H200.
-    @cute.kernel
-    def kernel_fused(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
-                     out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
-                     r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
-                     parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
-                     num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
-                     s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
-                     s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
-                     scale_log2: Float32, cap: Float32, counter: cute.Pointer):
-        """``kernel`` with the groups' merge fused (``fuse``): each CTA arrives on its
-        ``counter`` slot once its rows' partials are written, and the last group's CTA merges
-        them into the output."""
-        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
-                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
-                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, counter)
-
-    # The work list's entry point (a third, so that ``kernel`` keeps its signature and PTX).
-    @cute.kernel
-    def kernel_wl(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
-                  out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
-                  r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
-                  parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
-                  num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
-                  s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
-                  s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
-                  scale_log2: Float32, cap: Float32, work: cute.Pointer, batch: Int32,
-                  programs: Int32):
-        """Grid ``(cluster, row tiles, programs)`` over the balanced work list (``work``:
-        ``worklist``'s table, written once per round): cluster ``p`` takes program ``p``'s
-        segment of one request's key tiles, its CTAs a share each, merged on chip into the
-        output (the request's only segment) or into slot ``p + b`` of ``mid_o [slots, rows,
-        512]`` / ``mid_lse [slots, rows]`` (slot strides ``s_mop`` / ``s_mlt``), which
-        ``worklist.merge`` combines."""
-        self._body(q, kv, k_new, out, mid_o, mid_lse, r2t, meta, hist, parents, step, topk,
-                   num_steps, num_slots, s_qt, s_qh, s_kv, s_kin, s_ot, s_oh, s_mot, s_moh,
-                   s_mop, s_mlt, s_mlh, s_r2t, s_par_s, s_par_b, scale_log2, cap, r2t,
-                   (work, batch, programs))
-
-    @cute.jit
-    def _program(self, wl: tuple, p):
-        """Work list: program ``p``'s request and segment, ``(b, has_work, only, seg_lo,
-        seg_hi)``: units ``[seg_lo, seg_hi)`` of request ``b`` (key tiles, prefix then
-        tail); ``has_work`` False for a program past the last segment (``b`` clamped to a
-        real request, for its loads); ``only``: the request's only segment, written
-        directly."""
-        work, batch, programs = wl
-        chunk = cute.make_tensor(work, cute.make_layout(1))[0]
-        b_of = cute.make_tensor(work + (1 + p), cute.make_layout(1))[0]
-        b = cutlass.min(b_of, batch - 1)
-        u_b = cute.make_tensor(work + (1 + programs + b), cute.make_layout(1))[0]
-        u_end = cute.make_tensor(work + (2 + programs + b), cute.make_layout(1))[0]
-        return (b, b_of < batch, u_end - u_b <= chunk, p * chunk - u_b,
-                cutlass.min((p + 1) * chunk, u_end) - u_b)
-
-    @cute.jit
-    def _share(self, seg_lo, seg_hi, rank, has_work, prefix_len, n_lo, n_hi_all):
-        """Work list: this CTA's share of its cluster's segment, as the prefix slice
-        ``[start, end)`` and the tail's history indices ``[n_lo, n_hi)``, and whether it
-        holds the request's first unit (it stores the call's keys)."""
-        per_cta = (seg_hi - seg_lo + self.cluster - 1) // self.cluster
-        u0 = seg_lo + rank * per_cta
-        u1 = cutlass.min(u0 + per_cta, seg_hi)
-        n_pref_all = (prefix_len + KEYS - 1) // KEYS
-        start = u0 * KEYS
-        end = cutlass.min(prefix_len, cutlass.min(u1, n_pref_all) * KEYS)
-        t_lo = n_lo + cutlass.max(u0 - n_pref_all, 0) * KEYS
-        t_hi = cutlass.min(n_hi_all, n_lo + cutlass.max(u1 - n_pref_all, 0) * KEYS)
-        if not has_work:
-            end = start  # an idle cluster walks no keys and stores nothing
-            t_hi = t_lo
-        return start, end, t_lo, cutlass.max(t_hi, t_lo), has_work & (u0 == 0)
-
-    @cute.jit
-    def _body(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
-              out: cute.Pointer, mid_o: cute.Pointer, mid_lse: cute.Pointer,
-              r2t: cute.Pointer, meta: cute.Pointer, hist: cute.Pointer,
-              parents: cute.Pointer, step: Int32, topk: Int32, num_steps: Int32,
-              num_slots: Int32, s_qt: Int32, s_qh: Int32, s_kv: Int32, s_kin: Int32,
-              s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32, s_mop: Int32,
-              s_mlt: Int32, s_mlh: Int32, s_r2t: Int32, s_par_s: Int32, s_par_b: Int32,
-              scale_log2: Float32, cap: Float32, counter: cute.Pointer, wl=None):
-        """The kernel's work (``counter``: the fused merge's arrival counters, unused
-        without ``fuse``; ``wl``: ``(work, batch, programs)`` of the work list)."""
         dt = self.dtype
         H = self.heads
         tidx, _, _ = cute.arch.thread_idx()
@@ -733,19 +580,7 @@ class MlaDecodeKernel:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wtid = tidx % 128
         sub = tidx % 4  # the quarter of a key (or query) row this thread gathers
-        clk0 = Int32(0)
-        if cutlass.const_expr(self.diag == 6):
-            clk0 = cute.arch.clock()
-        cta = (b * cute.arch.grid_dim()[1] + rt) * self.splits + split
-        mark = functools.partial(self._mark, counter, cta, clk0)
-        mark(0, tidx == 0, cute.arch.globaltimer_lo)
-        mark(1, tidx == 0, cute.arch.smid)
 
-        if cutlass.const_expr(self.work_list):
-            # Grid z is the work list's program p: its request b, its segment's partial slot.
-            p = b
-            b, has_work, only, seg_lo, seg_hi = self._program(wl, p)
-            group = p + b
         m_row = cute.make_tensor(meta + b * META_W, cute.make_layout(META_W))
         rpi = Int64(m_row[0])
         prefix_len = m_row[1]
@@ -756,22 +591,14 @@ class MlaDecodeKernel:
         hl = step + 1
         lane_lo = row_lo // H
         lane_hi = cutlass.min(topk, (row_lo + ROWS + H - 1) // H)
-        if cutlass.const_expr(self.work_list):
-            start, end, n_lo, n_hi, first = self._share(seg_lo, seg_hi, rank, has_work,
-                                                        prefix_len, lane_lo * hl,
-                                                        lane_hi * hl)
-            n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
-        else:
-            start = split * split_len
-            end = cutlass.min(prefix_len, start + split_len)
-            n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
-            n_lo = lane_lo * hl
-            n_hi = n_lo
-            if split == self.splits - 1:
-                n_hi = lane_hi * hl
+        start = split * split_len
+        end = cutlass.min(prefix_len, start + split_len)
+        n_pref = (cutlass.max(end - start, 0) + KEYS - 1) // KEYS
+        n_lo = lane_lo * hl
+        n_hi = n_lo
+        if split == self.splits - 1:
+            n_hi = lane_hi * hl
         total = n_pref + (n_hi - n_lo + KEYS - 1) // KEYS
-        if cutlass.const_expr(self.diag == 4):
-            total = Int32(0)  # the fixed cost alone
         r2t_row = r2t + rpi * s_r2t
         walk = functools.partial(self._tail_first, n_pref, total)
 
@@ -814,13 +641,11 @@ class MlaDecodeKernel:
             cute.arch.cp_async_commit_group()
             ok_a, new_a, slot_a, lane_a = self._key_source(walk(Int32(1)), *args_a)
             ok_b, new_b, slot_b, lane_b = self._key_source(walk(Int32(1)), *args_b)
-            mark(4, tidx == 128)
-        if cutlass.const_expr(self.write_new):
-            # The CTA holding the request's first keys stores this call's keys into the
-            # pool, at hist[lane, step].
-            if (first if self.work_list else split == 0):
-                self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step,
-                                     num_steps, num_slots, s_kv, s_kin)
+        # The CTA holding the request's first keys stores this call's keys into the pool, at
+        # hist[lane, step].
+        if split == 0:
+            self._store_new_keys(kv, k_new, hist, lane_lo, lane_hi, q_start, step, num_steps,
+                                 num_slots, s_kv, s_kin)
 
         # Warpgroup 0: S over the whole tile (wgmma N 64: Q and the tile read from shared
         # memory once) and the softmax over whole rows. Both: output columns [256 wg, +256).
@@ -868,8 +693,6 @@ class MlaDecodeKernel:
             tail = tt >= n_pref
             if wg == 1:  # tile t has landed (this thread's copies), cleaned if a tail
                 cute.arch.cp_async_wait_group(0)
-                mark(5, (tidx == 128) & (t == 0))
-                mark(9, (tidx == 128) & (t == total - 1))
                 if tail:
                     for kq in (key_a, key_b):
                         self._finite_row(cute.local_tile(tile, (1, WIDTH), (kq, 0)), sub)
@@ -885,10 +708,9 @@ class MlaDecodeKernel:
                 cute.arch.cp_async_commit_group()
                 ok_a, new_a, slot_a, lane_a = self._key_source(walk(t + 2), *args_a)
                 ok_b, new_b, slot_b, lane_b = self._key_source(walk(t + 2), *args_b)
-                mark(15, (tidx == 128) & (t == 0))
             else:
                 full = (mma_s, thr_s, frag_q, tile, c_rows, o_rows, row_max, row_sum, sStat,
-                        lead, tt, tail, row_lo, mask_args, mark, tidx)
+                        lead, tt, tail, row_lo, mask_args)
                 if tail & small_tail:
                     self._small_tail_p(small, tile, o_rows, row_max, row_sum, sStat, lead, tt,
                                        row_lo, mask_args)
@@ -896,7 +718,6 @@ class MlaDecodeKernel:
                     self._tile_p(*full, (p_copy, p_smem))
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()  # P(t) and the rescale factors visible
-            mark(7, (tidx == 0) & (t == 0))
             if wg == 1:
                 for r in cutlass.range_constexpr(n_my_rows):
                     alpha = sStat[c_rows[r, 0][0], 0]
@@ -908,7 +729,6 @@ class MlaDecodeKernel:
                 _wgmma(mma_o, acc_o, frag_p, frag_v, False, k_blocks=1)
             else:
                 _wgmma(mma_o, acc_o, frag_p, frag_v, False)
-            mark(8, (tidx == 0) & (t == 0))
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
@@ -918,144 +738,47 @@ class MlaDecodeKernel:
             if lead:
                 sStat[c_rows[r, 0][0], 2 + wg] = row_sum[r]
         cute.arch.barrier()
-        mark(10, tidx == 0)
-        c_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, V_HALF)))
-        c_orows = cute.make_tensor(c_o.iterator, _acc_rows(c_o.layout))
-        if cutlass.const_expr(self.diag == 5):
-            # diag 5: every CTA writes its own partial, unmerged, into the output straight
-            # from registers. (Not the kernel's way for a cluster of one: these scalar
-            # stores took 14.6 us of a 212 us CTA at mla-wide, diag 6; shared memory and 8-
-            # or 16-byte stores below take about 7.)
-            for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                _, inv = _row_sum_and_inverse(sStat, m)
-                row = row_lo + m
-                if row < n_rows:
-                    g = cute.make_tensor(_head_row(out, q_start, row, H, s_ot, s_oh)
-                                         + wg * V_HALF, cute.make_layout(V_HALF))
-                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        g[c_orows[r, c][1]] = (o_rows[r, c] * inv).to(dt)
-        else:
-            # Normalised partial and LSE into this CTA's shared memory (the ring is free).
-            sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                  cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
-            for r in cutlass.range_constexpr(n_my_rows):
-                m = c_rows[r, 0][0]
-                total_sum, inv = _row_sum_and_inverse(sStat, m)
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    o_rows[r, c] = o_rows[r, c] * inv
-                if lead & (wg == 0):
-                    sLse[m] = _partial_lse(row_max[r], total_sum)
-            # Column pairs: 8-byte stores.
-            o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-                mma_o).get_slice(wtid)
-            cute.copy(o_copy, o_copy.retile(acc_o), o_copy.partition_D(
-                cute.local_tile(sO, (ROWS, V_HALF), (0, wg))))
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            mark(11, tidx == 0)
-            # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns,
-            # merged into the output or (several groups) into this group's partial.
-            to_mid = self.groups > 1
-            C = self.cluster
-            chunk = tidx % (D_MAIN // 4)
-            half = tidx // (D_MAIN // 4)
-            dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
-                   s_mop, s_mlt, s_mlh)
-            n_iter = (ROWS + 2 * C - 1) // (2 * C)
-            # Loads of MERGE_BATCH rows' partials issued together: one distributed
-            # shared memory round trip per batch instead of one per row.
-            for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
-                ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
-                rows = [rank + C * (2 * k + half) for k in ks]
-                # Past the tile's last row: load row 0 (in bounds), store nothing.
-                at = [cutlass.min(m, ROWS - 1) for m in rows]
-                lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
-                         for c in range(C)] for a in at]
-                parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
-                    sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
-                    for a in at]
-                for i in cutlass.range_constexpr(len(rows)):
-                    if cutlass.const_expr(self.work_list):
-                        # The request's only segment writes the output, the others a slot.
-                        if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows) & has_work:
-                            if only:
-                                self._merge_row(lses[i], parts[i], row_lo + rows[i], False,
-                                                *dst)
-                            else:
-                                self._merge_row(lses[i], parts[i], row_lo + rows[i], True,
-                                                *dst)
-                    elif (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
-                        self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid,
-                                        *dst)
-            mark(14, tidx == 0)
-            cute.arch.cluster_arrive()  # the others may still read this CTA's partial
-            cute.arch.cluster_wait()
-        mark(12, tidx == 0)
-        if cutlass.const_expr(self.fuse):
-            self._merge_groups(counter, out, mid_o, mid_lse, sStat, tidx, rank, rt, b, q_start,
-                               row_lo, n_rows, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, s_mlh)
-        mark(13, tidx == 0)
-        mark(2, tidx == 0, lambda: total)
-        mark(3, tidx == 0, cute.arch.globaltimer_lo)
-
-    @cute.jit
-    def _merge_groups(self, counter: cute.Pointer, out: cute.Pointer, mid_o: cute.Pointer,
-                      mid_lse: cute.Pointer, sStat: cute.Tensor, tidx, rank, rt, b, q_start,
-                      row_lo, n_rows, s_ot: Int32, s_oh: Int32, s_mot: Int32, s_moh: Int32,
-                      s_mop: Int32, s_mlt: Int32, s_mlh: Int32):
-        """The groups' merge, fused (``fuse``): this CTA's rows of its group's partial are
-        written; it arrives on the counter of (request, row tile, rank), and the last of the
-        groups' CTAs to arrive merges those rows from ``mid_o`` / ``mid_lse`` into the
-        output and sets the counter back to 0 (so a replayed CUDA graph finds it at 0)."""
+        # Normalised partial and LSE into this CTA's shared memory (the ring is free).
+        sO = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
+                              cute.make_layout((ROWS, D_MAIN), stride=(O_PITCH, 1)))
+        for r in cutlass.range_constexpr(n_my_rows):
+            m = c_rows[r, 0][0]
+            total_sum, inv = _row_sum_and_inverse(sStat, m)
+            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                o_rows[r, c] = o_rows[r, c] * inv
+            if lead & (wg == 0):
+                sLse[m] = _partial_lse(row_max[r], total_sum)
+        # Column pairs: 8-byte stores.
+        o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_o).get_slice(wtid)
+        cute.copy(o_copy, o_copy.retile(acc_o), o_copy.partition_D(
+            cute.local_tile(sO, (ROWS, V_HALF), (0, wg))))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        # CTA ``rank`` merges rows rank, rank + cluster, ...; a thread takes 4 columns,
+        # merged into the output or (several groups) into this group's partial.
+        to_mid = self.groups > 1
         C = self.cluster
         chunk = tidx % (D_MAIN // 4)
         half = tidx // (D_MAIN // 4)
-        slot = counter + ((b * cute.arch.grid_dim()[1] + rt) * C + rank)
-        # Every thread's partial stores before the CTA's one arrival (release); the last
-        # arriver's reads after it (acquire).
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        if tidx == 0:
-            sStat[0, 0] = Float32(cute.arch.atomic_add(slot, Int32(1), sem="acq_rel",
-                                                       scope="gpu"))
-        cute.arch.barrier()
-        if sStat[0, 0] == Float32(self.groups - 1):
-            cute.arch.fence_acq_rel_gpu()
-            dst = (out, mid_o, mid_lse, q_start, Int32(0), chunk, s_ot, s_oh, s_mot, s_moh,
-                   s_mop, s_mlt, s_mlh)
-            self._merge_groups_batched(dst, rank, half, row_lo, n_rows)
-            if tidx == 0:
-                cute.make_tensor(slot, cute.make_layout(1))[0] = Int32(0)
-
-    @cute.jit
-    def _merge_groups_batched(self, dst: tuple, rank, half, row_lo, n_rows):
-        """The fused merge's rows: the groups' LSEs and partials of ``MERGE_BATCH``
-        rows loaded together (16 bytes at a time) before any of them is merged and stored,
-        so the loads overlap instead of each waiting for the previous row's stores."""
-        C = self.cluster
-        out, mid_o, mid_lse, q_start, _, chunk, s_ot, s_oh, s_mot, s_moh, s_mop, s_mlt, \
-            s_mlh = dst
+        dst = (out, mid_o, mid_lse, q_start, group, chunk, s_ot, s_oh, s_mot, s_moh,
+               s_mop, s_mlt, s_mlh)
         n_iter = (ROWS + 2 * C - 1) // (2 * C)
+        # Loads of MERGE_BATCH rows' partials issued together: one distributed shared
+        # memory round trip per batch instead of one per row.
         for k0 in cutlass.range_constexpr(0, n_iter, MERGE_BATCH):
-            rows = [rank + C * (2 * k + half) for k in range(k0, min(k0 + MERGE_BATCH, n_iter))]
-            # A row past the request's: load its last row (in bounds), store nothing.
-            at = [cutlass.min(row_lo + cutlass.min(m, ROWS - 1), n_rows - 1) for m in rows]
-            lses = [[cute.make_tensor(_head_row(mid_lse, q_start, a, self.heads, s_mlt, s_mlh)
-                                      + g, cute.make_layout(1))[0]
-                     for g in range(self.groups)] for a in at]
-            parts = [[self._load4(_head_row(mid_o, q_start, a, self.heads, s_mot, s_moh)
-                                  + (g * s_mop + chunk * 4)) for g in range(self.groups)]
-                     for a in at]
+            ks = range(k0, min(k0 + MERGE_BATCH, n_iter))
+            rows = [rank + C * (2 * k + half) for k in ks]
+            # Past the tile's last row: load row 0 (in bounds), store nothing.
+            at = [cutlass.min(m, ROWS - 1) for m in rows]
+            lses = [[_ld_cluster_f32(cute.arch.map_dsmem_ptr(sLse.iterator + a, c))
+                     for c in range(C)] for a in at]
+            parts = [[_ld_cluster_v4(cute.arch.map_dsmem_ptr(
+                sO.iterator + (a * O_PITCH + chunk * 4), c)) for c in range(C)]
+                for a in at]
             for i in cutlass.range_constexpr(len(rows)):
                 if (rows[i] < ROWS) & (row_lo + rows[i] < n_rows):
-                    self._merge_row(lses[i], parts[i], row_lo + rows[i], False, *dst)
-
-    @cute.jit
-    def _load4(self, src: cute.Pointer):
-        """Four fp32 from 16-byte aligned global ``src``, as one load."""
-        g = cute.make_ptr(Float32, src.toint(), cute.AddressSpace.gmem, assumed_align=16)
-        vals = cute.make_rmem_tensor(4, Float32)
-        cute.autovec_copy(cute.make_tensor(g, cute.make_layout(4)), vals)
-        return vals
+                    self._merge_row(lses[i], parts[i], row_lo + rows[i], to_mid, *dst)
+        cute.arch.cluster_arrive()  # the others may still read this CTA's partial
+        cute.arch.cluster_wait()

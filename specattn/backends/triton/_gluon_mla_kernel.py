@@ -1,5 +1,5 @@
 """The Gluon MLA decode kernel (Hopper: wgmma, cp.async). Imported only through
-``gluon_mla._kernels()``, after the Triton version and Gluon's Hopper ops were checked;
+``gluon_mla.kernel_module()``, after the Triton version and Gluon's Hopper ops were checked;
 ``gluon_mla`` documents the algorithm."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ D_PE = gl.constexpr(64)
 BLOCK_M = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-# The 8-warp kernels (``_gluon_mla_kernel``, ``_gluon_mla_wl_kernel``): both warpgroups split
+# Both kernels (``_gluon_mla_kernel``, ``_gluon_mla_wl_kernel``): both warpgroups split
 # the columns of S [64, BLOCK_N] (``_acc_layout``) and O [64, 512] (256 each); P goes to the
 # P.V wgmma as a register operand of O's layout; copies are 16 bytes, 4 rows x 128 bytes per
 # warp instruction.
@@ -81,8 +81,8 @@ def _in_pool(slot, num_slots):
 def _prefix_slots(t, r2t_row, n_pref, start, end, BLOCK_N: gl.constexpr,
                   copy_layout: gl.constexpr):
     """Key tile ``t``'s raw ``req_to_token`` entries (zeros for a tail tile and past the
-    end). Only ``_issue_tile`` reads them: loaded a tile ahead (``PREFETCH``), the load's
-    latency passes behind the MMAs instead of stalling the copies."""
+    end). Only ``_issue_tile`` reads them: loaded a tile ahead, the load's latency passes
+    behind the MMAs instead of stalling the copies."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
     pos = start + t * BLOCK_N + offs_n
     return gl.load(r2t_row + pos, mask=(pos < end) & (t < n_pref), other=0)
@@ -191,81 +191,41 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
                r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi, hl,
                q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                num_slots, qk_scale, logit_cap, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
-               copy_layout: gl.constexpr, p_layout: gl.constexpr, DIAG: gl.constexpr = 0):
-    """One key tile ``t`` (OVERLAP off): refill the stage the previous tile used with tile
+               NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr, copy_layout: gl.constexpr,
+               p_layout: gl.constexpr):
+    """One key tile ``t``: refill the stage the previous tile used with tile
     ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
-    Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries
-    (``PREFETCH``). ``DIAG`` (timing experiments only, wrong results): 1 and 3 skip the math
-    (the copies and waits alone), 2 skips the copies after the prologue (the math alone, on
-    whatever the stages hold)."""
+    Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token``
+    entries."""
     dtype: gl.constexpr = k_smem.dtype
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = s_zero.type.layout
     # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
     gl.thread_barrier()
-    if DIAG != 2:
-        if not PREFETCH:
-            slots = _prefix_slots(t + NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
-                                  copy_layout)
-        _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                    stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                    Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
-                    BLOCK_N, NUM_STAGES, copy_layout)
+    _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
+                BLOCK_N, NUM_STAGES, copy_layout)
     async_copy.commit_group()
-    if PREFETCH and DIAG != 2:
-        # First read at the next issue, a tile's MMAs later.
-        slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
-                              copy_layout)
+    # First read at the next issue, a tile's MMAs later.
+    slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
     async_copy.wait_group(NUM_STAGES - 1)
     fence_async_shared()
     gl.thread_barrier()
-    if DIAG == 0 or DIAG == 2:
-        stage = t % NUM_STAGES
-        k_s = k_smem.index(stage)
-        _finite_tail(k_s, t, n_pref, copy_layout)
-        s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
-                              is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
-        p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+    stage = t % NUM_STAGES
+    k_s = k_smem.index(stage)
+    _finite_tail(k_s, t, n_pref, copy_layout)
+    s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
     return acc, m_i, l_i, slots
-
-
-# ``_split_range`` serves the warp-specialized kernel; ``_gluon_mla_kernel`` computes its
-# range inline (on the helper, ptxas orders the scalar prologue differently and fuses two
-# mul + add pairs: a different binary from the one run on the H200). ``_issue_q`` and
-# ``_store_result`` serve all three kernels (sm90 PTX of v3 unchanged by the move).
-@gluon.jit
-def _split_range(Meta, ReqToToken, stride_r2t, step, TOPK, NUM_SPLITS, H: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """This program's work: ``(b, split, q_start, row_lo, hl, lane_lo, lane_hi, start, end,
-    n_pref, n_lo, n_hi, total, r2t_row)``. Request ``b``'s rows ``[row_lo, row_lo + 64)``
-    (lanes ``[lane_lo, lane_hi)``), its prefix slice ``[start, end)`` in ``n_pref`` tiles, and
-    on the last split the tail keys ``[n_lo, n_hi)`` of those lanes (``hl`` per lane)."""
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    rpi = gl.load(Meta + b * META_W).to(gl.int64)
-    prefix_len = gl.load(Meta + b * META_W + 1)
-    split_len = gl.load(Meta + b * META_W + 2)
-    row_lo = gl.program_id(0) * BLOCK_M
-    hl = step + 1
-    lane_lo = row_lo // H
-    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
-    start = split * split_len
-    end = gl.minimum(prefix_len, start + split_len)
-    n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    n_lo = lane_lo * hl
-    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
-    total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
-    return (b, split, b * TOPK, row_lo, hl, lane_lo, lane_hi, start, end, n_pref, n_lo, n_hi,
-            total, ReqToToken + rpi * stride_r2t)
 
 
 @gluon.jit
@@ -325,19 +285,13 @@ def _gluon_mla_kernel(
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr, PREFETCH: gl.constexpr, USE_CAP: gl.constexpr,
-        DIRECT_OUT: gl.constexpr, WRITE_NEW: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``DIAG``: timing experiments, OVERLAP
-    off: ``_tile_step``'s 1 and 2; 3 as 1 without the result stores; 4 no tiles at all).
-    See ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV
-    ``[slots, 576]``, Kin ``[B*K, 576]``, MidO ``[B*K, H, parts, 512]``, MidLse
-    ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
+        USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr):
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
+    the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
+    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
     dtype: gl.constexpr = KV.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    o_layout: gl.constexpr = O_LAYOUT
-    p_layout: gl.constexpr = P_LAYOUT
     copy_layout: gl.constexpr = COPY_LAYOUT
-    kv_write_layout: gl.constexpr = KV_WRITE_LAYOUT
 
     rt = gl.program_id(0)
     b = gl.program_id(1)
@@ -354,10 +308,9 @@ def _gluon_mla_kernel(
     # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
     lane_lo = row_lo // H
     lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
-    if WRITE_NEW:
-        if split == 0:
-            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
-                            lane_hi, step, NUM_STEPS, num_slots, kv_write_layout)
+    if split == 0:
+        _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, lane_hi,
+                        step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
 
     start = split * split_len
     end = gl.minimum(prefix_len, start + split_len)
@@ -365,96 +318,39 @@ def _gluon_mla_kernel(
     n_lo = lane_lo * hl
     n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
-    if DIAG == 4:
-        total = 0  # the fixed cost alone: Q, the prologue's copies, the epilogue
 
     q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
     # Q rows (row m: lane m // H, head m % H), in the first copy group.
     _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
              copy_layout)
-    # Tiles in flight before the first MMA: OVERLAP refills a stage only after both of its
-    # reads (S and P.V) are done, so it starts with every stage issued.
-    PRO: gl.constexpr = NUM_STAGES if OVERLAP else NUM_STAGES - 1
-    for i in gl.static_range(PRO):
+    for i in gl.static_range(NUM_STAGES - 1):
         _issue_tile(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N, copy_layout),
                     k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
                     n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                     stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
                     copy_layout)
         async_copy.commit_group()
-    # The slots of the next tile to copy (PRO); without PREFETCH each issue loads its own.
-    slots = _prefix_slots(PRO, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
+    # The slots of the next tile to copy.
+    slots = _prefix_slots(NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_lane = offs_sm // H
     qk_scale = sm_scale * LOG2E
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, o_layout)
+    acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    if OVERLAP:
-        # Prologue: S and P of tile 0.
-        async_copy.wait_group(NUM_STAGES - 1)
-        fence_async_shared()
-        gl.thread_barrier()
-        _finite_tail(k_smem.index(0), 0, n_pref, copy_layout)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), s_tok,
-                              is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        vis = _tile_vis(0, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
-        p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for t in range(total):
-            # Tile t + 1 has landed (its copy group; past the end: zeros, all masked).
-            async_copy.wait_group(NUM_STAGES - 2)
-            fence_async_shared()
-            gl.thread_barrier()
-            nxt = (t + 1) % NUM_STAGES
-            _finite_tail(k_smem.index(nxt), t + 1, n_pref, copy_layout)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), s_tok,
-                                  is_async=True)
-            o_tok = warpgroup_mma(p_op, k_smem.index(t % NUM_STAGES), acc, is_async=True)
-            # S(t + 1) completes first (wgmma groups retire in order); its softmax runs
-            # while P(t).V is in flight.
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            vis = _tile_vis(t + 1, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N,
-                            s_layout)
-            p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-            p_prev = p_op
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc, p_prev = warpgroup_mma_wait(0, deps=[o_tok, p_prev])
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            # Every warp is done with stage t: refill it with tile t + NUM_STAGES.
-            gl.thread_barrier()
-            if not PREFETCH:
-                slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
-                                      copy_layout)
-            _issue_tile(t + NUM_STAGES, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
-                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
-                        MODE, BLOCK_N, NUM_STAGES, copy_layout)
-            async_copy.commit_group()
-            if PREFETCH:
-                slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end,
-                                      BLOCK_N, copy_layout)
-    else:
-        for t in range(total):
-            acc, m_i, l_i, slots = _tile_step(
-                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
-                r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi,
-                hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, PREFETCH,
-                USE_CAP, copy_layout, p_layout, DIAG)
+    for t in range(total):
+        acc, m_i, l_i, slots = _tile_step(
+            t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
+            r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi,
+            hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+            NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
+            copy_layout, P_LAYOUT)
     async_copy.wait_group(0)
 
-    # Epilogue: normalise; one split writes Out, several write partials + LSE (DIAG 3: none).
-    if DIAG != 3:
-        _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                      stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
-                      n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+    # Epilogue: normalise; one split writes Out, several write partials + LSE.
+    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
+                  n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))

@@ -1,13 +1,9 @@
-"""The Gluon MLA decode kernel on a balanced work list (``worklist``): each program takes its
-run of one request's key tiles from the table, with the v3 kernel's tile loop (two
-warpgroups split S's columns and O's halves; ``cp.async`` ring). Imported through
-``gluon_mla`` like ``_gluon_mla_kernel``.
-
-Run on the H200 (session 8) as a loop over the segments of a run, which could cross
-requests: GPU tests, kit, memcheck and soak passed. Since the table starts every run at a
-request start, the loop became one ``if``, which takes the kernel's spilled scalars from
-112 B of stack to none (sm90 compile); that form is the default at one row tile and ran on
-the H200 as the Gluon suite's default variant (session 13, call 4) and in every bench since."""
+"""The Gluon MLA decode kernel on a balanced work list (``worklist``; plan ``gluon-wl``):
+each program takes its run of one request's key tiles from the table, with
+``_gluon_mla_kernel``'s tile loop (two warpgroups split S's columns and O's halves;
+``cp.async`` ring). Imported through ``gluon_mla`` like ``_gluon_mla_kernel``. Every program
+starts at a request start, so a program walks one segment of one request (one ``if``, no
+loop over segments: the kernel keeps its scalars in registers)."""
 
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ def _gluon_mla_wl_kernel(
         stride_ot, stride_oh, stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK,
         NUM_STEPS, batch, num_programs,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PREFETCH: gl.constexpr, USE_CAP: gl.constexpr, WRITE_NEW: gl.constexpr):
+        USE_CAP: gl.constexpr):
     """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors as in ``_gluon_mla_kernel``."""
@@ -79,10 +75,9 @@ def _gluon_mla_wl_kernel(
         n_hi = gl.where(t_hi > n_pref,
                         n_lo + gl.minimum(tail_keys, (t_hi - n_pref) * BLOCK_N), n_lo)
         first = u_b >= u_begin
-        if WRITE_NEW:
-            if first:
-                _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
-                                lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
+        if first:
+            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
+                            lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
         _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
                  COPY_LAYOUT)
         for i in gl.static_range(NUM_STAGES - 1):
@@ -104,7 +99,7 @@ def _gluon_mla_wl_kernel(
                 t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
                 r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end, n_lo, n_hi, hl,
                 q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
-                num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, PREFETCH, USE_CAP,
+                num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
                 COPY_LAYOUT, P_LAYOUT)
         async_copy.wait_group(0)
 

@@ -3,19 +3,16 @@
 Importing this module does not import Triton: the kernels load on the first metadata call.
 
 Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel (request
-table + lane history table, all steps); per step and layer ``forward`` stores the new KV at
-the history table's step column (one Triton launch; the MLA kernel stores it in its first
-prefix split and reads it from ``k``: ``launchers.KernelConfig.kv_write``), then runs the
-split-KV attention kernel and the LSE merge. Shared-prefix MLA decode on sm90 with Triton
-3.6.x runs the Gluon wgmma kernel instead (``gluon_mla``; ``docs/gluon-mla.md``), else the
-``tl.dot`` kernel with the reason logged once. ``mode="shared"`` (default) reads each
-request's prefix once per KV head for all ``K`` lanes; ``mode="per-branch"`` treats every
-lane as its own sequence (the upstream design: prefix read ``K`` times), kept for benchmarks
-and as a fallback.
+table + lane history table, all steps; plan ``gluon-wl`` adds its work list); per step and
+layer ``forward`` stores the new KV, runs the plan's attention kernel and merges the
+partials (``launchers.attention``). Which kernel a call gets is a plan from the table in
+``plans`` (``plan=NAME`` forces one). ``mode="shared"`` (default) reads each request's
+prefix once per KV head for all ``K`` lanes; ``mode="per-branch"`` treats every lane as its
+own sequence (the upstream design: prefix read ``K`` times), kept for benchmarks.
 
 CUDA graphs: ``init_cuda_graph_state`` allocates every buffer for ``max_bs * K`` lanes; the
-capture/replay metadata calls refill them with one kernel launch and no host sync. The split
-count depends only on the (padded) batch size, so capture and replay agree.
+capture/replay metadata calls refill them with one or two kernel launches and no host sync.
+The split count depends only on the (padded) batch size, so capture and replay agree.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
 from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
                           triton_interpret_enabled)
+from . import plans as P
 
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
@@ -41,6 +39,7 @@ _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
 _TESTED_ON = "H200 (sm90) + CPU interpreter"
 DECODE_MODES = ("shared", "per-branch")
+MAX_SPLITS = 16  # launchers.MAX_SPLITS (that module imports Triton)
 
 
 def _launchers():
@@ -51,80 +50,66 @@ def _launchers():
 
 def _fp32_latent_rule(request) -> Optional[str]:
     """float32 at a wide MLA latent (DeepSeek's 512 + 64) needs 443 KB of shared memory in
-    the MLA kernels (the H200 has 227 KB: OutOfResources in the soak): refused here instead."""
+    the MLA kernels (the H200 has 227 KB): refused here instead."""
     if request.mla and request.dtype == torch.float32 and (request.head_dim or 0) > 320:
         return (f"float32 MLA with a latent row of {request.head_dim} does not fit shared "
                 "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
     return None
 
 
-def _check_config(config, runner, *, decode: bool, mode: str = "shared") -> None:
-    """A forced ``config`` (benchmarks, soaks) must be one these kernels run for ``runner``:
-    raises ``InvalidInputError`` naming ``config`` otherwise, at construction, instead of a
-    compiler error (the Gluon kernel on fp32 or MHA) or a refusal at the first forward."""
-    if config is None:
-        return
-    L = _launchers()
-    if not isinstance(config, L.KernelConfig):
-        raise InvalidInputError("config", "a launchers.KernelConfig or None", repr(config))
-    why = None
-    if config.gluon:
-        from . import cute_mla, gluon_mla
+def _check_splits(num_splits: Optional[int]) -> None:
+    if num_splits is not None and not (isinstance(num_splits, int)
+                                       and 1 <= num_splits <= MAX_SPLITS):
+        raise InvalidInputError("num_splits", f"an int in [1, {MAX_SPLITS}] or None",
+                                repr(num_splits))
 
-        if not decode or mode != "shared":
-            why = "shared-prefix draft decode (the Gluon kernel serves nothing else)"
-        elif (reason := gluon_mla.gluon_reason(runner, triton_interpret_enabled())) is not None:
-            why = f"a model and device the Gluon kernel serves (here: {reason})"
-        elif config.cute and (reason := cute_mla.cute_reason(
-                runner, triton_interpret_enabled())) is not None:
-            why = f"a model and device the CuTe-DSL kernel serves (here: {reason})"
-    elif config.mla_v3 and not L.AttnShape.of(runner).mla_kernel:
-        why = "an MLA model (rank + rope latent) for mla_v3"
-    if why is not None:
-        raise InvalidInputError("config", why, config.label())
+
+def _forced_plan(name: Optional[str], runner, job: str) -> Optional[P.Plan]:
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
+                                repr(name))
+    return P.plan_named(name, runner, job, triton_interpret_enabled())
 
 
 class _GraphBuffers:
-    """Fixed buffers for CUDA graphs (or the eager cache): meta, history (the new tokens'
-    slots), partials, the fused merge's arrival counters (zero between launches) and the
-    Gluon work list (``worklist``: ``work_rows`` partial rows at the least, ``work``)."""
+    """Fixed buffers for CUDA graphs (or the eager cache): meta, hist (the new tokens'
+    slots), partials and the ``gluon-wl`` work list (``work``; ``work_rows`` partial rows at
+    the least)."""
 
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
-                 d_v: int, device: torch.device, max_splits: int, work_rows: int = 0,
+                 d_v: int, device: torch.device, work_rows: int = 0,
                  work_numel: int = 0) -> None:
-        parts = max_splits + 1
-        rows = max(max_rows * num_q_heads * parts, work_rows)
+        rows = max(max_rows * num_q_heads * (MAX_SPLITS + 1), work_rows)
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(rows, dtype=torch.float32, device=device)
         self.work = torch.zeros(work_numel, dtype=torch.int32, device=device) \
             if work_numel else None
-        self.counter = torch.zeros(max(1, max_rows + max_reqs) * num_q_heads,
-                                   dtype=torch.int32, device=device)
+
+    def fits(self, reqs: int, rows: int) -> bool:
+        return self.meta.shape[0] >= reqs and self.hist.shape[0] >= rows
 
 
 class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     """Multi-step draft decode on Triton kernels (see the module doc).
 
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
-    (default: from the SM count and the grid size); ``config``: a ``launchers.KernelConfig``
-    overriding the block sizes, ``split_waves``: programs per SM the split count aims at
-    (default per kernel, ``launchers.default_waves``) (benchmarks); ``work_list``: where the
-    Gluon MLA kernel runs, give each request programs in proportion to its length
-    (``worklist``; no effect elsewhere). ``None`` (default): on where a request's ``K * H``
-    rows fit one 64-row tile (``launchers.gluon_config`` says why; above, the CuTe-DSL kernel
-    where CuTe-DSL is installed), ``True`` / ``False``: always / never."""
+    (``gluon-wl``: programs per row tile; default: from the SM count and the grid size);
+    ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
+    an error where the plan cannot serve this model here)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     known_limits = {"decode/*/isolation/*": (
         "the lanes of a request share one history tile: a non-finite value in one lane's "
-        "draft KV reaches its sibling lanes through P.V (0 * NaN). Zeroing the tile cost 40 "
-        "registers per thread, one occupancy step and 18% at gqa-long on the H200 "
-        "(156 -> 188 registers; 156 vs 184 us), so it is not done; the Gluon MLA kernel "
-        "(sm90) does zero it at no measurable cost")}
+        "draft KV reaches its sibling lanes through P.V (0 * NaN) in the tl.dot plans. "
+        "Zeroing the tile cost 40 registers per thread, one occupancy step and 18% at "
+        "gqa-long on the H200 (156 -> 188 registers; 156 vs 184 us), so it is not done; the "
+        "sm90 MLA plans do zero it at no measurable cost")}
 
     @classmethod
     def check_request(cls, request, platform) -> Optional[str]:
@@ -132,94 +117,82 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 config=None, split_waves: Optional[float] = None,
-                 work_list: Optional[bool] = None) -> None:
+                 plan: Optional[str] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
-        if work_list is not None and not isinstance(work_list, bool):
-            raise InvalidInputError("work_list", "a bool or None", repr(work_list))
-        if num_splits is not None and not 1 <= num_splits <= 16:
-            raise InvalidInputError("num_splits", "an int in [1, 16] or None", repr(num_splits))
-        _check_config(config, runner, decode=True, mode=mode)
-        if config is not None and config.cute and config.gluon_worklist and \
-                num_splits is not None:
-            raise InvalidInputError("num_splits", "None with the CuTe kernel's work list (its "
-                                    "programs follow the cluster limits)", num_splits)
+        _check_splits(num_splits)
         self.mode = mode
         self._num_splits_override = num_splits
-        self._config_override = config
-        self._split_waves = split_waves
-        self.work_list = work_list
+        self._forced = _forced_plan(plan, runner, "decode" if mode == "shared"
+                                    else "per-branch")
         self._bufs: Optional[_GraphBuffers] = None
         self._graph_bufs: Optional[_GraphBuffers] = None
+        self._plans: dict = {}
         self._round_plan = None
+
+    @property
+    def plan(self) -> P.Plan:
+        """The plan this backend's calls run (``plans.choose_plan`` unless forced)."""
+        if self._forced is not None:
+            return self._forced
+        shape = P.AttnShape.of(self.runner)
+        shared = self.mode == "shared"
+        rows = (self.topk if shared else 1) * shape.group
+        return P.choose_plan(self.runner, "decode" if shared else "per-branch", rows,
+                             triton_interpret_enabled())
 
     # --- planning (host ints only) -------------------------------------------------------
 
-    def _make_plan(self, bs: int):
+    def _make_plan(self, bs: int) -> dict:
+        """The round's launch plan for ``bs`` requests (cached: host ints only)."""
+        if bs in self._plans:
+            return self._plans[bs]
         L = _launchers()
         shape = L.AttnShape.of(self.runner)
         lanes = self.topk if self.mode == "shared" else 1
         rows_per_group = lanes * shape.group
-        cfg = self._config_override or self._gluon_config() or L.choose_config(
-            shape, rows_per_group)
+        plan = self.plan
         num_groups = bs * self.topk // lanes
-        splits = L.cap_splits(cfg, self._num_splits_override or L.plan_splits(
-            shape, cfg, rows_per_group, num_groups, self.runner.device, self._split_waves,
-            extend=False))
-        plan = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, cfg=cfg,
-                    num_groups=num_groups, num_splits=splits, bs=bs)
-        if cfg.gluon_worklist:
+        splits = self._num_splits_override or L.plan_splits(
+            plan, shape, rows_per_group, num_groups, self.runner.device, extend=False)
+        out = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, plan=plan,
+                   num_groups=num_groups, num_splits=splits, bs=bs)
+        if plan.kernel is P.Kernel.GLUON_WL:
             from . import worklist
 
             # A program per request at the least; partial slots p + b; tail units per request.
-            plan["num_splits"] = splits = max(splits, num_groups)
-            plan.update(wl_slots=splits + bs, wl_rows=worklist.partial_rows(self.topk,
-                                                                              shape.num_q_heads),
-                        wl_tail=worklist.tail_units(self.topk, shape.num_q_heads,
-                                                    self.num_steps, cfg.block_n))
-        return plan
-
-    def _gluon_config(self):
-        """Shared-prefix MLA decode: the Gluon kernel's config where it runs (else None)."""
-        if self.mode != "shared" or not self.runner.use_mla_backend:
-            return None
-        return _launchers().gluon_config(self.runner, triton_interpret_enabled(), self.topk,
-                                         self.work_list)
+            out["num_splits"] = splits = max(splits, num_groups)
+            out.update(wl_slots=splits + bs,
+                       wl_rows=worklist.partial_rows(self.topk, shape.num_q_heads),
+                       wl_tail=worklist.tail_units(self.topk, shape.num_q_heads,
+                                                   self.num_steps, plan.block_n))
+        self._plans[bs] = out
+        return out
 
     @classmethod
     def runtime_note(cls, platform) -> str:
-        """Which MLA decode kernel runs on ``platform`` (``specattn list`` / ``select``)."""
-        from importlib import metadata
-
-        from .cute_mla import installed
-        from .gluon_mla import platform_note
-
-        try:
-            version: Optional[str] = metadata.version("triton")
-        except metadata.PackageNotFoundError:
-            version = None
-        return platform_note(platform.device, platform.capability, platform.triton_interpret,
-                             version, installed())
+        """Which MLA decode plans run on ``platform`` (``specattn list`` / ``select``)."""
+        return P.platform_note(platform.device, platform.capability,
+                               platform.triton_interpret)
 
     def _new_buffers(self, bs: int) -> _GraphBuffers:
         """Buffers for ``bs`` requests (and the work list's slots when the plan uses one)."""
         plan = self._make_plan(bs)
         shape, work_rows, work_numel = plan["shape"], 0, 0
-        if plan["cfg"].gluon_worklist:
+        if plan["plan"].kernel is P.Kernel.GLUON_WL:
             from . import worklist
 
             work_rows = plan["wl_slots"] * plan["wl_rows"]
             work_numel = worklist.work_numel(plan["num_splits"], bs)
         return _GraphBuffers(bs, bs * self.topk, self.num_steps, shape.num_q_heads, shape.d_v,
-                             self.runner.device, 16, work_rows, work_numel)
+                             self.runner.device, work_rows, work_numel)
 
     def _buffers_for(self, bs: int) -> _GraphBuffers:
         if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:
             return self._graph_bufs
         b = self._bufs
-        if b is None or b.meta.shape[0] < bs or b.hist.shape[0] < bs * self.topk:
+        if b is None or not b.fits(bs, bs * self.topk):
             b = self._bufs = self._new_buffers(bs)
         return b
 
@@ -232,7 +205,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         bufs = self._buffers_for(bs)
         _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.out_cache_loc, bufs.meta, bufs.hist,
-                                     plan["num_splits"], plan["cfg"].block_n,
+                                     plan["num_splits"], plan["plan"].block_n,
                                      self.runner.num_slots, bufs.work, plan.get("wl_tail", 0))
         self._round_plan, self._active = plan, bufs
 
@@ -243,33 +216,34 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     # --- forward -------------------------------------------------------------------------
 
     def _kernel_writes_kv(self) -> bool:
-        return True  # the launcher stores it (launchers.KernelConfig.kv_write)
+        return True  # launchers.attention stores it
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         plan, bufs, lanes = self._round_plan, self._active, self.num_lanes
         parents = self.batch.parents if self.tree_mode == "path" else None
         L = _launchers()
-        shape, cfg = plan["shape"], plan["cfg"]
-        if cfg.gluon_worklist:
-            mid_o, mid_lse = L.worklist_scratch(plan["wl_slots"], plan["wl_rows"], shape.d_v,
-                                                q.device, bufs.mid_o, bufs.mid_lse)
+        shape, kernel_plan = plan["shape"], plan["plan"]
+        if kernel_plan.kernel is P.Kernel.GLUON_WL:
+            mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
+                                             q.device, bufs.mid_o, bufs.mid_lse)
         else:
-            mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(cfg, plan["num_splits"]),
+            mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(kernel_plan,
+                                                                 plan["num_splits"]),
                                        q.device, bufs.mid_o, bufs.mid_lse)
-        mode = 1 if self.tree_mode == "path" else 0
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
-                           mode=mode, num_groups=plan["num_groups"],
+                           mode=1 if self.tree_mode == "path" else 0,
+                           num_groups=plan["num_groups"],
                            rows_per_group=plan["rows_per_group"],
                            lanes_per_group=plan["lanes"], topk=self.topk,
                            num_steps=self.num_steps, step=step,
-                           num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
+                           num_splits=plan["num_splits"], plan=kernel_plan, mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
-                           new_kv=(k, v), counter=bufs.counter, work=bufs.work)
+                           new_kv=(k, v), work=bufs.work)
 
 
 class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
-    """Draft extend on the same split-KV kernel: per request and KV head, the ``E_b * G``
+    """Draft extend on the same split-KV kernels: per request and KV head, the ``E_b * G``
     query rows read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally.
 
     ``max_extend_len``: CUDA graphs only, the largest ``extend_lens`` value of any captured or
@@ -277,7 +251,8 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
     without it the grid covers any split of the ``T`` new tokens (``T - B + 1`` rows per
     request), which is correct for every split but launches mostly empty row blocks (the
     H200 bench measured 2.1x the eager-planned time at ``extend``). Values above it are an
-    error where they can be checked without a host sync (CPU tensors, debug checks)."""
+    error where they can be checked without a host sync (CPU tensors, debug checks).
+    ``num_splits`` and ``plan`` as in ``TritonDecode`` (the ``tl.dot`` plans serve extend)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graph = True
@@ -288,32 +263,36 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         return _fp32_latent_rule(request)
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
-                 num_splits: Optional[int] = None, config=None,
-                 split_waves: Optional[float] = None,
+                 num_splits: Optional[int] = None, plan: Optional[str] = None,
                  max_extend_len: Optional[int] = None) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         if max_extend_len is not None and not (isinstance(max_extend_len, int)
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
-        _check_config(config, runner, decode=False)
+        _check_splits(num_splits)
         self._num_splits_override = num_splits
-        self._config_override = config
-        self._split_waves = split_waves
+        self._forced = _forced_plan(plan, runner, "extend")
         self.max_extend_len = max_extend_len  # checked by the base class in graph rounds
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._bufs: Optional[_GraphBuffers] = None
+        self._plans: dict = {}
         self._round_plan = None
 
-    def _plan_for(self, bs: int, num_tokens: int, max_extend: int):
+    def _plan_for(self, bs: int, num_tokens: int, max_extend: int) -> dict:
+        key = (bs, num_tokens, max_extend)
+        if key in self._plans:
+            return self._plans[key]
         L = _launchers()
         shape = L.AttnShape.of(self.runner)
         rows_per_group = max_extend * shape.group
-        cfg = self._config_override or L.choose_config(shape, rows_per_group)
+        plan = self._forced or P.choose_plan(self.runner, "extend", rows_per_group,
+                                             triton_interpret_enabled())
         splits = self._num_splits_override or L.plan_splits(
-            shape, cfg, rows_per_group, bs, self.runner.device, self._split_waves, extend=True)
-        return dict(shape=shape, cfg=cfg, rows_per_group=rows_per_group, num_splits=splits,
-                    bs=bs, num_tokens=num_tokens)
+            plan, shape, rows_per_group, bs, self.runner.device, extend=True)
+        out = self._plans[key] = dict(shape=shape, plan=plan, rows_per_group=rows_per_group,
+                                      num_splits=splits, bs=bs, num_tokens=num_tokens)
+        return out
 
     def _plan(self, batch: "DraftExtendBatch") -> None:
         """Eager: reads ``max(extend_lens)`` to size the grid (one host sync, as upstream)."""
@@ -323,23 +302,23 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
         bufs = self._graph_bufs
-        if bufs is None or bufs.meta.shape[0] < bs or bufs.hist.shape[0] < num_tokens:
+        if bufs is None or not bufs.fits(bs, num_tokens):
             bufs = self._bufs
-            if bufs is None or bufs.meta.shape[0] < bs or bufs.hist.shape[0] < num_tokens:
+            if bufs is None or not bufs.fits(bs, num_tokens):
                 shape = plan["shape"]
                 bufs = self._bufs = _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads,
-                                                  shape.d_v, self.runner.device, 16)
+                                                  shape.d_v, self.runner.device)
         _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, bufs.meta, plan["num_splits"],
-                                     plan["cfg"].block_n)
+                                     plan["plan"].block_n)
         # Slots of the new tokens in a fixed buffer, so a replayed graph writes the new ones.
         bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
         self._round_plan, self._active = plan, bufs
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
-        shape = _launchers().AttnShape.of(self.runner)
+        shape = P.AttnShape.of(self.runner)
         self._graph_bufs = _GraphBuffers(max_bs, max_num_tokens, 1, shape.num_q_heads,
-                                         shape.d_v, self.runner.device, 16)
+                                         shape.d_v, self.runner.device)
 
     def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
@@ -349,20 +328,19 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                    else min(bound, self.max_extend_len))
 
     def _kernel_writes_kv(self) -> bool:
-        return True  # the launcher stores it (launchers.KernelConfig.kv_write)
+        return True  # launchers.attention stores it
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         plan, bufs = self._round_plan, self._active
         L = _launchers()
-        slots = bufs.hist[:plan["num_tokens"]]  # [T, 1]: out_cache_loc (fixed buffer)
         shape = plan["shape"]
         mid_o, mid_lse = L.scratch(plan["num_tokens"], shape,
-                                   L.num_parts(plan["cfg"], plan["num_splits"]), q.device,
+                                   L.num_parts(plan["plan"], plan["num_splits"]), q.device,
                                    bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
-                           num_splits=plan["num_splits"], cfg=plan["cfg"], mid_o=mid_o,
-                           mid_lse=mid_lse, hist=slots, new_kv=(k, v),
-                           counter=bufs.counter)
+                           num_splits=plan["num_splits"], plan=plan["plan"], mid_o=mid_o,
+                           mid_lse=mid_lse, hist=bufs.hist[:plan["num_tokens"]],
+                           new_kv=(k, v))

@@ -1,4 +1,5 @@
-"""A balanced work list for the Gluon MLA decode kernel: ragged batches at uniform speed.
+"""A balanced work list for the Gluon MLA decode kernel (plan ``gluon-wl``): ragged batches
+at uniform speed.
 
 Split-per-request (the grid ``(row_tiles, B, splits)``) gives every request the same number
 of programs, so the longest request sets the time (mla-long ragged: 87.6 vs 67.9 us uniform
@@ -20,9 +21,9 @@ length instead:
   ``[p_first + b, p_last + b]``; with ``P == B`` every request has one program and ``merge``
   is not launched.
 
-A first version cut one run of units into equal pieces across request boundaries: two
-segments per program at mla-long and 83 vs 68 us uniform (ragged 86 vs 88), so programs
-now start at request starts.
+Programs start at request starts: cutting one run of units into equal pieces across request
+boundaries gave programs two segments and measured slower (H200: mla-long 83 against 68 us
+uniform).
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
 U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
@@ -38,7 +39,11 @@ import triton
 import triton.language as tl
 
 from ...util import next_pow2, sm_count
-from .gluon_mla import BLOCK_M, num_row_tiles  # rows per program: the wgmma height
+from .plans import TILE_ROWS as BLOCK_M  # rows per program: the wgmma height
+
+
+def num_row_tiles(rows_per_group: int) -> int:
+    return -(-rows_per_group // BLOCK_M)
 
 
 def programs_per_row_tile(row_tiles: int, batch: int, device: torch.device) -> int:

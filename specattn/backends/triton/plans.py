@@ -1,0 +1,293 @@
+"""Which kernel runs a ``triton`` call, and with which tiles: the plan table.
+
+A plan is a kernel and its tiling. ``choose_plan`` picks one from ``PLANS`` by the model's
+shape, the job (shared-prefix decode, per-branch decode, extend), the query rows per
+request and KV head, and the device; everything else follows from the kernel (who stores
+the new KV, how partials merge, how many prefix splits: ``launchers``). The measured reason
+for each row is in ``docs/kernels.md``.
+
+Imports no Triton: ``specattn list`` and the backend classes read this module on any
+machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Optional
+
+import torch
+
+from ...errors import InvalidInputError
+
+log = logging.getLogger(__name__)
+
+# Triton releases whose Gluon API the Gluon kernel was written against and run with.
+GLUON_TRITON = ("3.6",)
+MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
+TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
+JOBS = ("decode", "per-branch", "extend")
+
+
+class Kernel(str, enum.Enum):
+    DOT = "tl.dot split-KV"            # _attn_kernels._partial_attn_kernel
+    DOT_MLA = "tl.dot MLA"             # _attn_kernels._mla_partial_kernel
+    GLUON_WL = "Gluon work list"       # _gluon_mla_wl_kernel (sm90, Triton 3.6)
+    GLUON_SPLIT = "Gluon split"        # _gluon_mla_kernel (sm90, Triton 3.6)
+    CUTE = "CuTe-DSL cluster merge"    # _cute_mla_kernel (sm90, CuTe-DSL)
+
+
+SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A kernel and its tiling. ``block_m``: query rows per tile, at most (a group of fewer
+    rows takes the next power of two, at least 16, and 4 warps at 32 rows or fewer);
+    ``block_n``: keys per tile; ``num_stages``: the key-tile pipeline depth."""
+
+    name: str
+    kernel: Kernel
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def tile(self, rows: int) -> tuple[int, int]:
+        """``(block_m, num_warps)`` for a group of ``rows`` query rows per KV head."""
+        if self.kernel is not Kernel.DOT:
+            return self.block_m, self.num_warps
+        block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
+        return block_m, (4 if block_m <= 32 else self.num_warps)
+
+    @property
+    def writes_kv_in_kernel(self) -> bool:
+        """The attention kernel's first split stores the call's new KV (else one launch
+        before it does)."""
+        return self.kernel is not Kernel.DOT
+
+    @property
+    def extra_tail_program(self) -> bool:
+        """The history runs in a program of its own (one more partial per row); the other
+        kernels walk it in their last split."""
+        return self.kernel is Kernel.DOT
+
+
+#            name           kernel               m   n  warps stages
+PLANS = {p.name: p for p in (
+    Plan("dot",         Kernel.DOT,          64, 64, 8, 3),  # MHA/GQA, head dim <= 128
+    Plan("dot-d256",    Kernel.DOT,          64, 32, 8, 3),  # head dim 129..256
+    Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
+    Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
+    Plan("gluon-wl",    Kernel.GLUON_WL,     64, 64, 8, 2),  # sm90 MLA decode, <= 64 rows
+    Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, no CuTe-DSL
+    Plan("cute",        Kernel.CUTE,         64, 64, 8, 2),  # sm90 MLA decode, CuTe-DSL
+)}
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What the kernels need to know about the model (MHA/GQA or MLA latent)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    d_main: int  # MHA: head_dim; MLA: kv_lora_rank
+    d_pe: int  # MLA rope width, 0 for MHA
+    d_v: int
+    v_is_k: bool  # MLA: V = the first d_v columns of the latent row
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def mla_kernel(self) -> bool:
+        """Whether the ``tl.dot`` MLA kernel (latent read as two halves + rope) can run."""
+        return self.v_is_k and self.d_pe > 0 and self.d_main % 2 == 0 and self.d_main >= 32 \
+            and self.d_v == self.d_main
+
+    @classmethod
+    def of(cls, runner) -> "AttnShape":
+        if runner.use_mla_backend:
+            return cls(runner.num_heads, 1, runner.kv_lora_rank, runner.qk_rope_head_dim,
+                       runner.kv_lora_rank, True)
+        return cls(runner.num_q_heads, runner.num_kv_heads, runner.head_dim, 0,
+                   runner.v_head_dim, False)
+
+
+def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
+    """The plan for ``job`` (``JOBS``) at ``rows`` query rows per request and KV head
+    (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
+    shape = AttnShape.of(runner)
+    if job == "decode" and runner.use_mla_backend:
+        gluon = gluon_reason(runner, interpret)
+        cute = cute_reason(runner, interpret)
+        if rows <= TILE_ROWS and gluon is None:
+            return PLANS["gluon-wl"]
+        if cute is None:
+            return PLANS["cute"]
+        if gluon is None:
+            _log_once(f"triton MLA decode at {rows} query rows per request: plan "
+                      f"gluon-split, not cute: {cute}")
+            return PLANS["gluon-split"]
+        _log_once(f"triton MLA decode: a tl.dot plan, not the sm90 kernels: {gluon}; {cute}")
+    if shape.mla_kernel and rows >= TILE_ROWS:
+        return PLANS["dot-mla"]
+    if shape.d_pe > 0 or shape.d_main > 256:
+        return PLANS["dot-wide"]
+    return PLANS["dot-d256" if shape.d_main > 128 else "dot"]
+
+
+def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
+    """The plan ``name`` (``--option triton:plan=NAME``), checked against what it serves."""
+    plan = PLANS.get(name)
+    if plan is None:
+        raise InvalidInputError("plan", f"one of {', '.join(PLANS)}", repr(name))
+    why = serve_reason(plan, runner, job, interpret)
+    if why is not None:
+        raise InvalidInputError("plan", f"a plan that serves this {job} here ({name}: {why})",
+                                repr(name))
+    return plan
+
+
+def serve_reason(plan: Plan, runner, job: str, interpret: bool) -> Optional[str]:
+    """Why ``plan`` cannot serve ``job`` for ``runner`` here (``None``: it can)."""
+    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
+        return "an MLA latent of an even rank >= 32 plus a rope part"
+    if plan.kernel in SM90_KERNELS:
+        if job != "decode":
+            return "shared-prefix draft decode only"
+        if plan.kernel is Kernel.CUTE:
+            return cute_reason(runner, interpret)
+        return gluon_reason(runner, interpret)
+    return None
+
+
+# --- what the sm90 kernels need ---------------------------------------------------------------
+
+def model_reason(runner) -> Optional[str]:
+    """Why the sm90 MLA kernels cannot take ``runner``'s model (``None``: they can)."""
+    if not runner.use_mla_backend:
+        return "not an MLA model"
+    if runner.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {str(runner.dtype).replace('torch.', '')}: the sm90 kernels take bf16/fp16"
+    if (runner.kv_lora_rank, runner.qk_rope_head_dim) != MLA_LATENT:
+        return (f"latent {runner.kv_lora_rank} + rope {runner.qk_rope_head_dim}: the sm90 "
+                f"kernels are built for {MLA_LATENT[0]} + {MLA_LATENT[1]}")
+    return None
+
+
+def sm90_reason(device: torch.device, interpret: bool) -> Optional[str]:
+    """Why an sm90 (Hopper wgmma) kernel cannot run on ``device`` (``None``: it can)."""
+    if interpret or device.type != "cuda":
+        return "not a CUDA device"
+    if getattr(torch.version, "hip", None):
+        return "ROCm: the sm90 kernels use NVIDIA Hopper wgmma"
+    cap = _capability(device_index(device))
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}: the sm90 kernels need Hopper"
+    return None
+
+
+def gluon_reason(runner, interpret: bool) -> Optional[str]:
+    """``None`` when the Gluon kernels serve ``runner``'s MLA decode here, else why not."""
+    return (model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
+            or gluon_import_reason())
+
+
+def cute_reason(runner, interpret: bool) -> Optional[str]:
+    """``None`` when the CuTe-DSL kernel serves ``runner``'s MLA decode here, else why not
+    (any Triton: the kernel is CuTe-DSL's)."""
+    return (model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
+            or cute_import_reason())
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_import_reason() -> Optional[str]:
+    """Why Gluon's Hopper ops are not usable with this Triton (``None``: they are)."""
+    try:
+        import triton
+    except Exception as exc:  # pragma: no cover - triton is a requirement of the backend
+        return f"triton does not import ({type(exc).__name__})"
+    version = getattr(triton, "__version__", "?")
+    if not _gluon_version(version):
+        return (f"triton {version}: the Gluon kernels run with triton "
+                f"{'/'.join(v + '.x' for v in GLUON_TRITON)} only (Gluon's API moves)")
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    except Exception as exc:
+        return f"Gluon's Hopper ops do not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cute_import_reason() -> Optional[str]:
+    """Why CuTe-DSL is not usable here (``None``: it is)."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as exc:
+        return f"CuTe-DSL does not import ({type(exc).__name__}: {exc}; the 'fa' extra)"
+    return None
+
+
+def platform_note(device: str, capability: Optional[tuple[int, int]],
+                  interpret: bool) -> str:
+    """The MLA decode plans a platform gets (``specattn list`` / ``select``; finds packages,
+    imports none)."""
+    if interpret or device != "cuda":
+        why = "not a CUDA device"
+    elif capability != (9, 0):
+        why = "needs sm90" if capability is None else \
+            f"sm{capability[0]}{capability[1]}, needs sm90"
+    else:
+        version = _version("triton")
+        gluon = version is not None and _gluon_version(version)
+        cute = _found("cutlass")
+        if gluon or cute:
+            small = "gluon-wl" if gluon else "cute"
+            large = "cute" if cute else "gluon-split (cute needs CuTe-DSL: the 'fa' extra)"
+            return (f"MLA draft decode: plan {small} up to {TILE_ROWS} query rows per "
+                    f"request, {large} above (sm90; bf16/fp16, rank 512 + rope 64)")
+        why = f"triton {version} has no tested Gluon and CuTe-DSL is not installed"
+    return f"MLA draft decode: plans dot-wide / dot-mla (sm90 kernels off: {why})"
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device ordinal ``device`` names (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gluon_version(version: str) -> bool:
+    return any(version == v or version.startswith(v + ".") for v in GLUON_TRITON)
+
+
+def _found(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+_LOGGED: set = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
