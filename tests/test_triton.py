@@ -5,8 +5,8 @@ Scratch buffers are NaN-poisoned before every call, so an unwritten partial show
 
 The contract checks (numerics against the reference, pools, graphs, refusals) live in the
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
-``mode``, ``config``, ``num_splits`` and ``max_extend_len`` options, kernel variants and the
-fused KV write / merge, split planning, an empty prefix, the sm90 compile check.
+``mode``, ``plan``, ``num_splits`` and ``max_extend_len`` options, every ``tl.dot`` plan and its
+KV write, the plan table and split planning, an empty prefix, NaN keys in extend.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from specattn.errors import InvalidInputError
 
 require_triton_interpret()
 
-from specattn.backends.triton import TritonDecode, TritonExtend, launchers  # noqa: E402
-from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
+from specattn.backends.triton import TritonDecode, TritonExtend, launchers, plans  # noqa: E402
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -96,37 +95,85 @@ def test_per_branch_decode_matches_reference(model, dtype, topk, page, tree_mode
     run_decode_round(runner, batch, backend, dtype, layer, tree_mode)
 
 
-MLA_VARIANTS = [
-    # topk, tree_mode, seq_lens, config (v3 MLA kernel variants; rows = topk * 4 heads)
-    (8, "path", [23, 40], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2)),
-    (4, "lane", [40, 9], KernelConfig(16, 32, 4, 2, mla_v3=True, v_reload=True)),
-    (2, "path", [31, 0], KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2, v_reload=True)),
+MLA_PLAN_CASES = [
+    # topk, tree_mode, seq_lens, heads: the tl.dot MLA plan forced below its 64 rows, and
+    # with 8 x 16 = 128 rows (two row blocks; the tail walked by the last split)
+    (8, "path", [23, 40], 4),
+    (4, "lane", [40, 9], 4),
+    (8, "lane", [31, 0], 16),
 ]
 
 
-@pytest.mark.parametrize("topk,tree_mode,seq_lens,config", MLA_VARIANTS)
-def test_mla_kernel_variants(topk, tree_mode, seq_lens, config):
-    """The MLA v3 stage-1 variants (V split over two programs, V reload, several row blocks;
-    tail fused into the last split, so the last partial must hold it)."""
-    runner, batch = make_decode("mla", torch.bfloat16, topk=topk, steps=3, page=1,
-                                seq_lens=seq_lens, tree_mode=tree_mode)
-    backend = TritonDecode(runner, topk, 3, tree_mode=tree_mode, config=config)
-    layer = AttentionLayer(layer_id=0, scaling=0.15)
-    run_decode_round(runner, batch, backend, torch.bfloat16, layer, tree_mode)
+@pytest.mark.parametrize("topk,tree_mode,seq_lens,heads", MLA_PLAN_CASES)
+def test_dot_mla_plan(topk, tree_mode, seq_lens, heads):
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, 3, 1)
+    runner = randomize_pools(DraftRunner.mla(heads, 32, 16, num_layers=2, num_slots=num_slots,
+                                             max_reqs=4, max_context_len=max_ctx,
+                                             dtype=torch.bfloat16, device=DEV))
+    batch = place_decode_round(runner, seq_lens, topk, 3, 1, tree_mode)
+    backend = TritonDecode(runner, topk, 3, tree_mode=tree_mode, plan="dot-mla")
+    assert backend.plan.name == "dot-mla"
+    run_decode_round(runner, batch, backend, torch.bfloat16,
+                     AttentionLayer(layer_id=0, scaling=0.15), tree_mode)
 
 
-def test_config_and_split_count():
-    """MLA with >= 64 rows per group takes the v3 kernel at one wave; below 2 waves the split
-    count rounds down (one full wave, no stragglers); the generic kernel adds a tail part."""
-    shape = launchers.AttnShape(16, 1, 512, 64, 512, True)
-    cfg = launchers.choose_config(shape, 64)
-    assert cfg.mla_v3 and not launchers.choose_config(shape, 16).mla_v3
-    assert launchers.num_parts(cfg, 4) == 4
-    assert launchers.num_parts(launchers.choose_config(shape, 16), 4) == 5
+def _runner_for(shape: plans.AttnShape, dtype=torch.bfloat16) -> DraftRunner:
+    if shape.v_is_k:
+        return DraftRunner.mla(shape.num_q_heads, shape.d_main, shape.d_pe, num_layers=1,
+                               num_slots=8, max_reqs=2, max_context_len=8, dtype=dtype,
+                               device=DEV)
+    return DraftRunner.mha(shape.num_q_heads, shape.num_kv_heads, shape.d_main, num_layers=1,
+                           num_slots=8, max_reqs=2, max_context_len=8, dtype=dtype, device=DEV)
+
+
+MLA = plans.AttnShape(16, 1, 512, 64, 512, True)
+GQA = plans.AttnShape(32, 8, 128, 0, 128, False)
+
+
+@pytest.mark.parametrize("shape,job,rows,name", [
+    (MLA, "decode", 64, "dot-mla"),      # off sm90 (the interpreter): the tl.dot MLA kernel
+    (MLA, "decode", 16, "dot-wide"),     # below one 64-row tile
+    (MLA, "extend", 96, "dot-mla"),
+    (MLA, "per-branch", 16, "dot-wide"),
+    (GQA, "decode", 32, "dot"),
+    (GQA, "extend", 24, "dot"),
+    (plans.AttnShape(8, 2, 256, 0, 256, False), "decode", 16, "dot-d256"),
+    (plans.AttnShape(8, 2, 512, 0, 512, False), "decode", 16, "dot-wide"),
+])
+def test_plan_table(shape, job, rows, name):
+    assert plans.choose_plan(_runner_for(shape), job, rows, True).name == name
+
+
+def test_plan_tiles_and_splits():
+    """Fewer rows take a smaller tile (4 warps at <= 32 rows); the wgmma plans one wave, the
+    tl.dot split-KV plan 4 programs per SM in decode and 2 in extend; below 2 waves the split
+    count rounds down (one full wave, no stragglers); split-KV adds a tail partial."""
+    dot, mla = plans.PLANS["dot"], plans.PLANS["dot-mla"]
+    assert dot.tile(4) == (16, 4) and dot.tile(32) == (32, 4) and dot.tile(33) == (64, 8)
+    assert plans.PLANS["dot-wide"].tile(128) == (32, 4) and mla.tile(16) == (64, 8)
+    assert launchers.num_parts(mla, 4) == 4 and launchers.num_parts(dot, 4) == 5
     cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
-    assert launchers.plan_splits(shape, cfg, 64, 3, cpu, 1.0, extend=False) == 1
-    assert launchers.plan_splits(shape, cfg, 64, 1, cpu, 1.0, extend=False) == 4
-    assert launchers.plan_splits(shape, cfg, 64, 3, cpu, 6.0, extend=False) == 8
+    assert launchers.plan_splits(mla, MLA, 64, 3, cpu, extend=False) == 1
+    assert launchers.plan_splits(mla, MLA, 64, 1, cpu, extend=False) == 4
+    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=False) == 2   # 16 / 8 heads
+    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=True) == 1
+
+
+def test_plan_errors_name_the_plan():
+    runner = _runner_for(GQA, torch.float32)
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-d256.*'dotx'"):
+        TritonDecode(runner, 2, 2, plan="dotx")
+    with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
+        TritonDecode(runner, 2, 2, plan="dot-mla")
+    mla = _runner_for(MLA)
+    with pytest.raises(InvalidInputError, match=r"plan.*gluon-wl: not a CUDA device"):
+        TritonDecode(mla, 4, 2, plan="gluon-wl")
+    with pytest.raises(InvalidInputError, match=r"plan.*cute: shared-prefix draft decode"):
+        TritonExtend(mla, plan="cute")
+    with pytest.raises(InvalidInputError, match="plan"):
+        TritonDecode(runner, 2, 2, plan=3)
+    for name, plan in plans.PLANS.items():
+        assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 6
 
 
 @pytest.mark.parametrize("num_splits", [1, 7])
@@ -155,14 +202,14 @@ def make_extend(model, dtype, *, page, seq_lens, ext_lens):
     return runner, place_extend_round(runner, seq_lens, ext_lens)
 
 
-def test_extend_mla_v_split_config():
-    """fp16 MLA extend through the V-split variant with several row blocks (6 tokens x 4
-    heads > 16 rows)."""
-    runner, batch = make_extend("mla", torch.float16, page=1, seq_lens=[36, 8], ext_lens=[6, 2])
-    backend = TritonExtend(runner, config=KernelConfig(16, 16, 4, 2, mla_v3=True, dv_split=2))
+def test_extend_dot_mla_several_row_blocks():
+    """fp16 MLA extend on the tl.dot MLA plan with two 64-row blocks (20 tokens x 4 heads)."""
+    runner, batch = make_extend("mla", torch.float16, page=1, seq_lens=[36, 28],
+                                ext_lens=[20, 2])
+    backend = TritonExtend(runner, plan="dot-mla")
     layer = AttentionLayer(layer_id=1, scaling=0.2)
     backend.init_forward_metadata(batch)
-    q, k, v = new_qkv(runner, 8, torch.float16)
+    q, k, v = new_qkv(runner, 22, torch.float16)
     _poison(backend)
     out = backend.forward(layer, q, k, v)
     _close(out, reference_extend(runner, layer, q, batch), torch.float16)
@@ -206,39 +253,35 @@ def test_bad_mode_and_order():
         backend.init_forward_metadata_replay_cuda_graph(batch, 1)
 
 
-def _check_fusion_state(runner, backend, layer_id: int, slots: torch.Tensor, k, v) -> None:
-    """After a forward: the new KV is in the pool at its slots, the counters are re-armed."""
+def _check_pool(runner, layer_id: int, slots: torch.Tensor, k, v) -> None:
+    """After a forward: the new KV is in the pool at its slots, bit for bit."""
     slots = slots.reshape(-1).long()
     if runner.use_mla_backend:
         torch.testing.assert_close(runner.kv_buffer[layer_id][slots], k, rtol=0, atol=0)
     else:
         torch.testing.assert_close(runner.k_buffer[layer_id][slots], k, rtol=0, atol=0)
         torch.testing.assert_close(runner.v_buffer[layer_id][slots], v, rtol=0, atol=0)
-    assert int(backend._active.counter.abs().sum()) == 0
 
 
-FUSION_CASES = [
-    # model, topk, tree_mode, mode, config: every KV write (in the kernel's first split or
-    # tail, one launch, torch) and the fused merge; MLA with topk 8 = 32 rows -> two 16-row
-    # blocks per request
-    ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
-    ("mha", 2, "lane", "per-branch", KernelConfig(16, 16, 4, 2, kv_write="tail",
-                                                  fuse_merge=True)),
-    ("mha", 4, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="torch")),
-    ("mha", 4, "path", "shared", KernelConfig(16, 16, 4, 2, kv_write="kernel")),
-    ("mla", 8, "lane", "shared", KernelConfig(16, 16, 4, 2, kv_write="tail", fuse_merge=True)),
-    ("mla", 8, "path", "shared", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
-    ("mla", 4, "path", "shared", KernelConfig(16, 32, 4, 2, mla_v3=True, kv_write="tail")),
-    ("mla", 2, "lane", "shared", KernelConfig(16, 32, 4, 2, kv_write="kernel")),
+DOT_PLAN_CASES = [
+    # model, topk, tree_mode, mode, plan: each tl.dot plan and its KV write (one launch before
+    # the split-KV kernel; the MLA kernel's first split); MLA topk 8 = 32 rows
+    ("mha", 4, "path", "shared", "dot"),
+    ("mha", 2, "lane", "per-branch", "dot"),
+    ("mha", 4, "lane", "shared", "dot-d256"),
+    ("mha", 4, "path", "shared", "dot-wide"),
+    ("mla", 8, "lane", "shared", "dot-wide"),
+    ("mla", 8, "path", "shared", "dot-mla"),
+    ("mla", 2, "lane", "per-branch", "dot-mla"),
 ]
 
 
-@pytest.mark.parametrize("model,topk,tree_mode,mode,config", FUSION_CASES)
-def test_fused_write_and_merge(model, topk, tree_mode, mode, config):
+@pytest.mark.parametrize("model,topk,tree_mode,mode,plan", DOT_PLAN_CASES)
+def test_dot_plans_write_and_attend(model, topk, tree_mode, mode, plan):
     dtype, steps = torch.bfloat16, 3
     runner, batch = make_decode(model, dtype, topk=topk, steps=steps, page=4,
                                 seq_lens=[26, 37], tree_mode=tree_mode)
-    backend = TritonDecode(runner, topk, steps, tree_mode=tree_mode, mode=mode, config=config,
+    backend = TritonDecode(runner, topk, steps, tree_mode=tree_mode, mode=mode, plan=plan,
                            num_splits=3)
     layer = AttentionLayer(layer_id=1, scaling=0.2)
     backend.init_forward_metadata(batch)
@@ -249,34 +292,42 @@ def test_fused_write_and_merge(model, topk, tree_mode, mode, config):
         _poison(backend)
         out = backend.forward(step, layer, q, k, v)
         _close(out, reference_decode(runner, layer, q, batch, step, tree_mode), dtype)
-        _check_fusion_state(runner, backend, 1, batch.out_cache_loc[:, :, step], k, v)
+        _check_pool(runner, 1, batch.out_cache_loc[:, :, step], k, v)
 
 
-@pytest.mark.parametrize("model,config", [
-    ("mha", KernelConfig(16, 16, 4, 2, fuse_merge=True)),
-    ("mha", KernelConfig(16, 16, 4, 2, kv_write="tail")),
-    ("mha", KernelConfig(16, 16, 4, 2, kv_write="torch")),
-    ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, fuse_merge=True)),
-    ("mla", KernelConfig(16, 16, 4, 2, mla_v3=True, kv_write="kernel")),
-])
-def test_extend_fused_write_and_merge(model, config):
+@pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mha", "dot-wide"),
+                                        ("mla", "dot-wide"), ("mla", "dot-mla")])
+def test_extend_dot_plans_write_and_attend(model, plan):
     runner, batch = make_extend(model, torch.bfloat16, page=1, seq_lens=[30, 19],
                                 ext_lens=[6, 3])
-    backend = TritonExtend(runner, config=config)
+    backend = TritonExtend(runner, plan=plan)
     layer = AttentionLayer(layer_id=0, scaling=0.2)
     backend.init_forward_metadata(batch)
     q, k, v = new_qkv(runner, 9, torch.bfloat16)
     _poison(backend)
     out = backend.forward(layer, q, k, v)
     _close(out, reference_extend(runner, layer, q, batch), torch.bfloat16)
-    _check_fusion_state(runner, backend, 0, batch.out_cache_loc, k, v)
+    _check_pool(runner, 0, batch.out_cache_loc, k, v)
 
 
-def test_fuse_merge_needs_one_output_program():
-    with pytest.raises(InvalidInputError, match="config.fuse_merge"):
-        KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, fuse_merge=True)
-    with pytest.raises(InvalidInputError, match="config.dv_split"):
-        KernelConfig(32, 32, 4, 2, dv_split=2)
-    with pytest.raises(InvalidInputError, match="config.kv_write"):
-        KernelConfig(32, 32, 4, 2, kv_write="later")
-
+@pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mla", "dot-wide"),
+                                        ("mla", "dot-mla")])
+def test_extend_nan_key_reaches_exactly_its_rows(model, plan):
+    """A NaN new key and value (request 0's third token) makes exactly the rows that attend
+    to it NaN, as exact attention does: that token's and the later ones of its request; the
+    earlier tokens and the other request stay equal to the reference."""
+    runner, batch = make_extend(model, torch.float32, page=1, seq_lens=[30, 19],
+                                ext_lens=[6, 3])
+    backend = TritonExtend(runner, plan=plan)
+    layer = AttentionLayer(layer_id=0, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    q, k, v = new_qkv(runner, 9, torch.float32)
+    k[2] = float("nan")
+    if v is not None:
+        v[2] = float("nan")
+    out = backend.forward(layer, q, k, v)
+    ref = reference_extend(runner, layer, q, batch)
+    bad = ~torch.isfinite(ref).reshape(9, -1).all(-1)
+    assert bad.tolist() == [False, False, True, True, True, True, False, False, False]
+    assert (~torch.isfinite(out[bad].reshape(int(bad.sum()), -1))).any(-1).all()
+    _close(out[~bad], ref[~bad], torch.float32)

@@ -6,11 +6,10 @@
 - ``merge_segments_kernel`` against a float64 softmax merge of random partials (NaN in every
   slot it must not read, and in the rows of requests written directly; up to 9 slots a
   request, more than one load of ``BLOCK_P``).
-- The launcher path with ``gluon_worklist``: a stand-in for the Gluon kernel that reads the
+- The launcher path of plan ``gluon-wl``: a stand-in for the Gluon kernel that reads the
   table ``fill`` wrote and writes ``torch_ref``'s answer as the kernel does (directly, or
   into slot ``p + b`` with a random LSE), merged by the real merge kernel; the kernel itself
-  runs on the H200 (``tests/gpu/test_gluon_mla_gpu.py``, variants ``n64s2-wl``,
-  ``n32s4-wl``).
+  runs on the H200 (``tests/gpu/test_sm90_mla_gpu.py``, plan ``gluon-wl``).
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from specattn.data import AttentionLayer
 
 require_triton_interpret()
 
-from specattn.backends.triton import gluon_mla, worklist  # noqa: E402
-from specattn.backends.triton.launchers import KernelConfig  # noqa: E402
+from specattn.backends.triton import gluon_mla, plans, worklist  # noqa: E402
 
 
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=12),
@@ -125,7 +123,7 @@ def test_merge_segments_kernel(programs):
 class _WorkListStandIn:
     """``_gluon_mla_wl_kernel[grid](...)`` in torch: walks the table the way the kernel does
     and writes ``torch_ref``'s answer per segment (direct rows, or slot ``p + b`` with a random
-    LSE); stores the call's keys in the pool (``WRITE_NEW``)."""
+    LSE); stores the call's keys in the pool."""
 
     def __init__(self, runner, batch, tree_mode):
         self.runner, self.batch, self.tree_mode, self.launches = runner, batch, tree_mode, []
@@ -136,8 +134,7 @@ class _WorkListStandIn:
                    *strides_and_ints, **const):
             self.launches.append((grid, const))
             topk, num_steps, batch, programs = strides_and_ints[-4:]
-            if const["WRITE_NEW"]:
-                KV[Hist[:, step].long()] = Kin
+            KV[Hist[:, step].long()] = Kin
             ref = reference_decode(self.runner, AttentionLayer(0, scale, cap), Q, self.batch,
                                    step, self.tree_mode).float()
             table = Work.tolist()
@@ -159,7 +156,7 @@ class _WorkListStandIn:
                                                   ([40, 41], None, 4), ([40, 41], 1, 2),
                                                   ([900, 5], 9, 9)])
 def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
-    from test_gluon_mla import mla_round, stand_in_steps
+    from test_sm90_plans import mla_round, stand_in_steps
 
     from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
 
@@ -168,76 +165,50 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
     merges = []
     real_merge = worklist._merge_launch
     monkeypatch.setattr(worklist, "_merge_launch", lambda *a: merges.append(a) or real_merge(*a))
-    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
-    monkeypatch.setattr(gluon_mla, "_kernels", lambda: (object(), ""))
+    monkeypatch.setattr(plans, "gluon_reason", lambda runner, interpret: None)
+    monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
     monkeypatch.setattr(_gluon_mla_wl_kernel, "_gluon_mla_wl_kernel", stand_in)
-    cfg = KernelConfig(64, 16, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True,
-                       gluon_worklist=True)
-    backend = TritonDecode(r, 2, 3, tree_mode="path", config=cfg, num_splits=programs)
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=programs)
+    assert backend.plan.name == "gluon-wl"  # 2 lanes x 16 heads: one row tile
     backend.init_forward_metadata(batch)
     plan = backend._round_plan
     P = want_p  # the interpreter's 4 "SMs" (one row tile), at least one per request
     assert plan["num_splits"] == P
     work = backend._active.work
-    want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, 16), 16, P)
+    block_n = plans.PLANS["gluon-wl"].block_n
+    want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, block_n), block_n, P)
     assert work[:worklist.work_numel(P, len(lens))].tolist() == \
         [want.chunk] + want.first_request + want.unit_starts
-    for grid, const in stand_in_steps(r, batch, backend, stand_in):
+    for grid, const in stand_in_steps(r, batch, backend, stand_in.launches):
         assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
-        assert const["BLOCK_N"] == 16 and const["num_warps"] == 8 and const["WRITE_NEW"]
-    # P == B: every request one program, written directly: no merge launch.
-    assert len(merges) == (0 if P == len(lens) else 3)
-
-
-def test_config_rules():
-    assert KernelConfig(64, 64, 8, 2, gluon=True, gluon_worklist=True).label().endswith(" wl")
-    for bad in (dict(gluon=False), dict(gluon_overlap=True), dict(gluon_ws=True)):
-        fields = dict(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=True,
-                      gluon_worklist=True)
-        with pytest.raises(Exception, match="config.gluon"):
-            KernelConfig(**{**fields, **bad})
-    from specattn.bench.options import kernel_config
-
-    assert kernel_config("m64 n64 w8 s2 kv-first gluon pf wl").gluon_worklist
-
-
-def test_work_list_keyword(monkeypatch):
-    """``TritonDecode(work_list=True / False)``: the work-list config or the split per request
-    where the Gluon kernel runs, the ``tl.dot`` kernel elsewhere (no error); anything but a
-    bool or None is refused by name."""
-    from test_gluon_mla import mla_round
-
-    from specattn.backends.triton import TritonDecode
-    from specattn.errors import InvalidInputError
-
-    r, _ = mla_round([5, 6, 7], topk=4)
-    assert not TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon  # CPU
-    monkeypatch.setattr(gluon_mla, "gluon_reason", lambda runner, interpret=False: None)
-    assert TritonDecode(r, 4, 3, work_list=True)._make_plan(3)["cfg"].gluon_worklist
-    assert not TritonDecode(r, 4, 3, work_list=False)._make_plan(3)["cfg"].gluon_worklist
-    assert TritonDecode(r, 4, 3)._make_plan(3)["cfg"].gluon_worklist  # 64 rows: one tile
-    with pytest.raises(InvalidInputError, match="work_list"):
-        TritonDecode(r, 4, 3, work_list="yes")
+        assert const["BLOCK_N"] == block_n and const["num_warps"] == 8
+    # A merge launch per step exactly when a request has several segments (never at P == B).
+    several = any(len(want.parts(b)) for b in range(len(lens)))
+    assert several == (P > len(lens))  # these cases: spare programs split a request
+    assert len(merges) == (3 if several else 0)
 
 
 def test_factory_backend_options_reach_the_classes_that_take_them():
-    """``DraftBackendFactory(backend_options={"triton": {"work_list": True}})``: the decode
-    class takes it, the extend class (which does not) is built without it; a keyword no
-    class of the backend takes is refused when the backend is built, naming it."""
-    from test_gluon_mla import mla_round
+    """``DraftBackendFactory(backend_options={"triton": {"mode": "per-branch"}})``: the
+    decode class takes it, the extend class (which does not) is built without it; a keyword
+    no class of the backend takes is refused when the backend is built, naming it."""
+    from test_sm90_plans import mla_round
 
     from specattn import DraftBackendFactory, SpecConfig
     from specattn.errors import InvalidInputError
 
     r, _ = mla_round([5, 6], topk=2)
     cfg = SpecConfig(attention_backend="triton")
-    f = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"work_list": True},
+    f = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"mode": "per-branch"},
                                                            "flashinfer": {"nope": 1}})
-    assert f.create_decode_backend().work_list is True
+    assert f.create_decode_backend().mode == "per-branch"
     assert type(f.create_draft_extend_backend()).__name__ == "TritonExtend"
-    assert DraftBackendFactory(cfg, r, 2, 3).create_decode_backend().work_list is None
-    bad = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"work_lst": True}})
-    with pytest.raises(InvalidInputError, match=r"backend_options\['triton'\].*work_lst"):
+    assert DraftBackendFactory(cfg, r, 2, 3).create_decode_backend().mode == "shared"
+    both = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"plan": "dot-wide"}})
+    assert both.create_decode_backend().plan.name == "dot-wide"
+    assert type(both.create_draft_extend_backend()).__name__ == "TritonExtend"
+    bad = DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": {"mdoe": True}})
+    with pytest.raises(InvalidInputError, match=r"backend_options\['triton'\].*mdoe"):
         bad.create_decode_backend()
     with pytest.raises(InvalidInputError, match="backend_options"):
         DraftBackendFactory(cfg, r, 2, 3, backend_options={"triton": True})
