@@ -29,7 +29,7 @@ class DraftBackendFactory:
     ``explain_*`` return the ``Selection`` with every step of the decision.
 
     ``backend_options``: constructor keywords per backend name, used when that backend is
-    selected, e.g. ``{"triton": {"work_list": True}}``. A keyword goes to the selected class
+    selected, e.g. ``{"triton": {"plan": "dot-mla"}}``. A keyword goes to the selected class
     if its constructor takes it (decode and extend classes take different ones); one that
     neither class of the backend takes is an ``InvalidInputError`` when the backend is
     created.

@@ -293,35 +293,28 @@ def test_relative_error():
 
 # --- --option, --parts, --check-only ------------------------------------------------------------
 
-def test_option_parsing_and_kernel_config_labels():
-    from specattn.backends.triton.launchers import KernelConfig
-    from specattn.bench.options import check_options, kernel_config, parse_option
+def test_option_parsing_and_plan_names():
+    from specattn.bench.options import check_options, parse_option
     from specattn.errors import InvalidInputError
     from specattn.registry import default_registry
 
-    opt = parse_option("triton:split_waves=2.5,mode=per-branch,num_splits=None")
-    assert opt.label == "triton[split_waves=2.5,mode=per-branch,num_splits=None]"
-    assert dict(opt.kwargs) == {"split_waves": 2.5, "mode": "per-branch", "num_splits": None}
+    opt = parse_option("triton:plan=dot-mla,mode=per-branch,num_splits=None")
+    assert opt.label == "triton[plan=dot-mla,mode=per-branch,num_splits=None]"
+    assert dict(opt.kwargs) == {"plan": "dot-mla", "mode": "per-branch", "num_splits": None}
     check_options([opt, parse_option("fa4:split_prefix=2"),
                    parse_option("intel_amx:cache_prefix=False")], default_registry)
-    for cfg in (KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True),
-                KernelConfig(64, 32, 8, 3, kv_write="first", gluon=True, gluon_overlap=True),
-                KernelConfig(64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True),
-                KernelConfig(64, 32, 8, 4, kv_write="first", gluon=True, gluon_prefetch=True,
-                             gluon_ws=True),
-                KernelConfig(64, 64, 8, 2, mla_v3=True, dv_split=2, v_reload=True),
-                KernelConfig(32, 64, 4, 3, kv_write="torch", fuse_merge=True)):
-        assert kernel_config(cfg.label()) == cfg  # the table's label, pasted back
     from specattn.backends.triton import TritonDecode
 
-    got = parse_option("triton:config=m32 n64 w4 s3,split_waves=6").kwargs_for(TritonDecode)
-    assert got == {"config": KernelConfig(32, 64, 4, 3), "split_waves": 6}
+    got = parse_option("triton:plan=gluon-wl,num_splits=6").kwargs_for(TritonDecode)
+    assert got == {"plan": "gluon-wl", "num_splits": 6}
     bad = ["triton", "triton:", "triton:=2", "no_such:x=1", "triton:blocks=2",
-           "triton:topk=2", "triton:config=m64 n32", "triton:config=m64 n32 w8 s3 big",
+           "triton:topk=2", "triton:plan=dotx", "triton:config=m64 n32 w8 s3",
            "fa4:split_prefix=2,cache_prefix=True"]
     for text in bad:
         with pytest.raises(InvalidInputError, match="--option"):
             check_options([parse_option(text)], default_registry)
+    with pytest.raises(InvalidInputError, match=r"--option plan.*one of dot, .*'dotx'"):
+        check_options([parse_option("triton:plan=dotx")], default_registry)
 
 
 def test_option_variants_join_the_backends_own(scoped_registry):
@@ -354,9 +347,9 @@ def test_parts_of_a_cpu_step_and_of_a_triton_step():
 
     setup = build_setup(tiny(), "cpu")
     variants, _ = discover_variants(tiny(), current_platform(), ["torch_ref", "triton"],
-                                    raw=False, options=[parse_option("triton:split_waves=2")])
+                                    raw=False, options=[parse_option("triton:plan=dot-wide")])
     assert [v.label for v in variants] == ["torch_ref", "triton", "triton/per-branch",
-                                           "triton[split_waves=2]"]
+                                           "triton[plan=dot-wide]"]
     for variant in variants[::3]:
         parts = measure_parts(variant, setup, WallClock(1), reps=1)
         assert parts[0]["part"] == "init_forward_metadata" and parts[0]["kind"] == "host"
@@ -397,14 +390,14 @@ def test_check_only_and_extra_cases(tmp_path, capsys):
     out = tmp_path / "check"
     code = cli_main(["--batch", "2", "--prefix", "24", "--topk", "2", "--num-steps", "3",
                      "--mla", "--steps", "--quick", "--backend", "triton", "--option",
-                     "triton:config=m16 n16 w4 s2,num_splits=2", "--check-only", "--out",
+                     "triton:plan=dot-wide,num_splits=2", "--check-only", "--out",
                      str(out)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     rows = report.read_csv(str(out / "bench.csv"))
     assert [(r["variant"], r["status"]) for r in rows] == [
         ("triton", "checked"), ("triton/per-branch", "checked"),
-        ("triton[config=m16 n16 w4 s2,num_splits=2]", "checked")]
+        ("triton[plan=dot-wide,num_splits=2]", "checked")]
     assert all(float(r["max_err"]) < 2e-2 and not r["time_us"] for r in rows)
     table = (out / "table.md").read_text()
     assert "--check-only" in table and "(not timed)" in table

@@ -44,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
     p.add_argument("--option", metavar="BACKEND:KEY=VALUE", nargs="+", action="extend",
                    help="one more variant of BACKEND built with these constructor keywords "
-                   "(comma-separated; e.g. triton:split_waves=2, fa4:split_prefix=2, "
-                   "intel_amx:cache_prefix=False, 'triton:config=m64 n32 w8 s3 kv-first "
-                   "gluon'); docs/performance.md lists them")
+                   "(comma-separated; e.g. triton:plan=dot-mla, fa4:split_prefix=2, "
+                   "intel_amx:cache_prefix=False); docs/performance.md lists them")
     p.add_argument("--parts", action="store_true", help="also where each step's time goes: "
                    "the metadata call's host time and the kernels (CPU: ops) of one step, "
                    "from torch.profiler (parts.csv, and a table)")

@@ -1,14 +1,12 @@
 """``specattn bench --option``: extra variants of a backend built with constructor keywords.
 
-    --option 'triton:split_waves=2' 'fa4:split_prefix=2' 'intel_amx:cache_prefix=False'
-    --option 'triton:config=m64 n32 w8 s3 kv-first gluon'
+    --option 'triton:plan=dot-mla' 'fa4:split_prefix=2' 'intel_amx:cache_prefix=False'
 
 ``BACKEND:KEY=VALUE[,KEY=VALUE...]`` adds one variant of ``BACKEND`` (a name or alias),
 labelled ``BACKEND[KEY=VALUE,...]``, beside the backend's own variants. A value is a Python
 literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``) or else the text itself
-(``mode=per-branch``); Triton's ``config`` is a ``KernelConfig`` written as the benchmark
-table prints it (``KernelConfig.label()``: ``m64 n32 w8 s3 kv-first gluon``). A keyword
-applies to the backend's classes whose constructor takes it (``split_prefix``: decode only);
+(``mode=per-branch``, ``plan=gluon-wl``: Triton's plans are named in
+``specattn.backends.triton.plans.PLANS``). A keyword applies to the backend's classes whose constructor takes it (``split_prefix``: decode only);
 one that no class of the backend takes is a bad argument.
 """
 
@@ -21,10 +19,9 @@ from typing import Any, Callable
 from ..errors import InvalidInputError
 from ..util import keyword_args
 
-__all__ = ["BackendOption", "parse_option", "parse_options", "check_options", "keywords",
-           "kernel_config"]
+__all__ = ["BackendOption", "parse_option", "parse_options", "check_options", "keywords"]
 
-_EXAMPLE = "BACKEND:KEY=VALUE[,KEY=VALUE...], e.g. triton:split_waves=2"
+_EXAMPLE = "BACKEND:KEY=VALUE[,KEY=VALUE...], e.g. triton:plan=dot-mla"
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,7 @@ class BackendOption:
                 if self.backend in (c.name, *c.aliases)]
 
     def kwargs_for(self, cls: type) -> dict[str, Any]:
-        """The keywords, values converted for ``cls`` (Triton's ``config`` label)."""
+        """The keywords, values checked or converted for ``cls`` (Triton's plan names)."""
         out = {}
         for key, value in self.kwargs:
             parse = _VALUE_PARSERS.get((cls.name, key))
@@ -85,7 +82,7 @@ def _literal(text: str) -> Any:
 
 
 def parse_option(text: str) -> BackendOption:
-    """``"triton:split_waves=2,num_splits=4"`` as a ``BackendOption``."""
+    """``"triton:plan=dot-mla,num_splits=4"`` as a ``BackendOption``."""
     backend, sep, rest = text.partition(":")
     pairs = [p.partition("=") for p in rest.split(",")] if rest else []
     if not sep or not backend or not pairs or any(not k or not eq for k, eq, _ in pairs):
@@ -121,40 +118,15 @@ def parse_options(texts: list[str], registry=None) -> list[BackendOption]:
     return options
 
 
-# --- Triton's KernelConfig, written as its label --------------------------------------------
+def plan_name(text: str) -> str:
+    """A Triton plan name (``plans.PLANS``), refused here when unknown: before any case runs."""
+    from ..backends.triton.plans import PLANS
 
-_FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages",
-           "dv": "dv_split"}
-_FLAGS = {"mla3": {"mla_v3": True}, "vr": {"v_reload": True}, "fm": {"fuse_merge": True},
-          "gluon": {"gluon": True}, "gluon-ov": {"gluon": True, "gluon_overlap": True},
-          "pf": {"gluon_prefetch": True}, "ws": {"gluon_ws": True},
-          "wl": {"gluon_worklist": True}, "cute": {"cute": True}}
-
-
-def kernel_config(label: str):
-    """``launchers.KernelConfig`` from its ``label()`` (``"m64 n32 w8 s3 kv-first gluon"``);
-    the four sizes ``m n w s`` are required."""
-    from ..backends.triton.launchers import KernelConfig
-
-    fields: dict[str, Any] = {}
-    for token in label.split():
-        if token in _FLAGS:
-            fields.update(_FLAGS[token])
-        elif token.startswith("kv-"):
-            fields["kv_write"] = token[3:]
-        else:
-            head = token.rstrip("0123456789")
-            if head not in _FIELDS or head == token:
-                raise InvalidInputError("--option config", "a KernelConfig label such as "
-                                        "'m64 n32 w8 s3 kv-first gluon'", repr(label))
-            fields[_FIELDS[head]] = int(token[len(head):])
-    missing = [f for f in ("block_m", "block_n", "num_warps", "num_stages") if f not in fields]
-    if missing:
-        raise InvalidInputError("--option config", "m, n, w and s sizes (e.g. m64 n32 w8 s3)",
-                                repr(label))
-    return KernelConfig(**fields)
+    if text not in PLANS:
+        raise InvalidInputError("--option plan", f"one of {', '.join(PLANS)}", repr(text))
+    return text
 
 
 _VALUE_PARSERS: dict[tuple[str, str], Callable[[str], Any]] = {
-    ("triton", "config"): kernel_config,
+    ("triton", "plan"): plan_name,
 }

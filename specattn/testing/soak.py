@@ -243,8 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "compiles; replay with the same N)")
     parser.add_argument("--option", action="append", default=[], metavar="BACKEND:KEY=VALUE",
                         help="constructor keywords for a backend's classes, as in specattn "
-                             "bench --option (e.g. 'triton:config=m64 n64 w8 s2 kv-first "
-                             "gluon pf wl')")
+                             "bench --option (e.g. 'triton:plan=gluon-split')")
     args = parser.parse_args(argv)
     from ..bench.options import parse_options
 

@@ -1,26 +1,23 @@
 """The CuTe-DSL MLA kernel on an sm90 GPU with CuTe-DSL (the FA4 part of the offline
 bundle), marked ``gpu``:
 
-- the conformance kit on the ``triton`` backend with the kernel forced (config ``cute``):
-  every MLA decode case the kit plans, against the reference;
+- the conformance kit on the ``triton`` backend with plan ``cute`` forced: every MLA
+  decode case the kit plans, against the reference; and on the default table, where its
+  K 8 cases take ``cute`` and the smaller ones ``gluon-wl``;
 - every cluster shape (``cute_mla.cluster_shape`` forced): one cluster of all the splits,
   clusters of 2 or 1 whose partials the merge launch combines, against the reference with
-  NaN-poisoned partial buffers, bf16 and fp16, lane and path mode, ragged lengths from 0;
-  with the merge launch and with the merge fused into the kernel (``fm``; its counters are
-  checked back at 0 after each round).
+  NaN-poisoned partial buffers, bf16 and fp16, lane and path mode, ragged lengths from 0.
 
-The kernel's other tests are the ``cute`` variant of ``test_gluon_mla_gpu.py``."""
+The kernel's other tests are the ``cute`` variant of ``test_sm90_mla_gpu.py``."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-CUTE = "m64 n64 w8 s2 kv-first gluon cute"
 
 
 def _require_cute():
@@ -31,18 +28,15 @@ def _require_cute():
         pytest.skip("the CuTe-DSL MLA kernel is built for sm90")
 
 
-@pytest.mark.parametrize("label", [CUTE, "m64 n64 w8 s2 kv-first fm gluon cute"],
-                         ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("splits,cluster", [(4, 2), (6, 2), (3, 1), (8, 4), (5, 5)])
 @pytest.mark.parametrize("dtype,H,K,tree_mode", [(torch.bfloat16, 16, 4, "path"),
                                                  (torch.float16, 16, 2, "lane"),
                                                  (torch.bfloat16, 128, 1, "lane")])
-def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mode, label):
+def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mode):
     _require_cute()
-    from test_gluon_mla_gpu import make_round, run_round  # this folder (pytest's sys.path)
+    from test_sm90_mla_gpu import make_round, run_round  # this folder (pytest's sys.path)
 
     from specattn.backends.triton import TritonDecode, cute_mla
-    from specattn.bench.options import kernel_config
     from specattn.data import AttentionLayer
 
     shapes = []
@@ -55,53 +49,45 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
     rng = random.Random(splits * 100 + H + K)
     lens = [0, 1, 65] + [rng.randint(100, 3000) for _ in range(3)]
     r, batch = make_round(dtype, H, K, 3, 1 if H == 16 else 64, lens, tree_mode)
-    backend = TritonDecode(r, K, 3, tree_mode=tree_mode, num_splits=splits,
-                           config=kernel_config(label))
+    backend = TritonDecode(r, K, 3, tree_mode=tree_mode, num_splits=splits, plan="cute")
     gen = torch.Generator().manual_seed(splits)
     run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, 0.0), tree_mode, gen)
     assert shapes and all(s == (splits, cluster, splits // cluster) for s in shapes)
-    assert not backend._active.counter.any(), "the fused merge left a counter set"
 
 
-@pytest.mark.parametrize("label", os.environ.get("SPECATTN_CUTE_KIT_LABEL", CUTE).split(";"))
-def test_conformance_kit_with_the_cute_config(label):
-    """The kit with the CuTe kernel's config (``SPECATTN_CUTE_KIT_LABEL``: other labels,
-    ``;``-separated, e.g. ``... gluon wl cute`` for its work list)."""
+def test_conformance_kit_with_the_cute_plan():
     _require_cute()
-    from specattn.bench.options import kernel_config
     from specattn.testing import check_backend
 
     report = check_backend("triton", device="cuda", kinds=("decode",), models=("mla",),
-                           level="full", decode_options={"config": kernel_config(label)},
+                           level="full", decode_options={"plan": "cute"},
                            raise_on_failure=False)
     print(report)
     assert report.ok, report
-    # Cases the kernel does not serve (fp32, FP8 layouts, per-branch mode) are skipped; the
-    # rest must have run.
+    # Cases the kernel does not serve (fp32, per-branch mode) are skipped; the rest ran.
     assert report.passed >= 10, report
 
 
-def test_conformance_kit_on_the_default_config(monkeypatch):
+def test_conformance_kit_on_the_default_table(monkeypatch):
     """The kit on ``triton`` as it is built by default, at the full level: its K 8 cases (128
-    query rows per request at H 16) take the CuTe kernel, its smaller ones the Gluon work
-    list; both must have served (the configs the default chose are recorded)."""
+    query rows per request at H 16) take ``cute``, its smaller ones ``gluon-wl``; both must
+    have served (the plans the table chose are recorded)."""
     _require_cute()
-    from specattn.backends.triton import launchers
+    from specattn.backends.triton import plans
     from specattn.testing import check_backend
 
     chosen = []
-    choose = launchers.gluon_config
+    choose = plans.choose_plan
 
     def recording(*args, **kwargs):
-        cfg = choose(*args, **kwargs)
-        chosen.append(cfg)
-        return cfg
+        plan = choose(*args, **kwargs)
+        chosen.append(plan.name)
+        return plan
 
-    monkeypatch.setattr(launchers, "gluon_config", recording)
+    monkeypatch.setattr(plans, "choose_plan", recording)
     report = check_backend("triton", device="cuda", kinds=("decode",), models=("mla",),
                            level="full", raise_on_failure=False)
     print(report)
     assert report.ok, report
     assert report.passed >= 10, report
-    assert any(c is not None and c.cute for c in chosen), chosen
-    assert any(c is not None and c.gluon_worklist for c in chosen), chosen
+    assert "cute" in chosen and "gluon-wl" in chosen, sorted(set(chosen))

@@ -109,18 +109,15 @@ def test_decode_real_shapes(model, dtype, B, L, K, S, P, tree_mode, ragged, mode
               tree_mode, steps_to_check={0, S - 1})
 
 
-@pytest.mark.parametrize("dv_split,v_reload", [(2, False), (1, True)])
-def test_mla_kernel_variants_real_shapes(dv_split, v_reload):
-    """The v3 MLA stage-1 variants other than the default (V split over two programs; V
-    reloaded), ragged mla-long-like batch, path mode, logit cap."""
+@pytest.mark.parametrize("plan", ["dot-mla", "dot-wide"])
+def test_mla_tl_dot_plans_real_shapes(plan):
+    """The tl.dot MLA plans (the fallback off the sm90 kernels, forced here), ragged
+    mla-long-like batch, path mode, logit cap."""
     from specattn.backends.triton import TritonDecode
-    from specattn.backends.triton.launchers import KernelConfig
 
     lens = [random.randint(2048, 6144) for _ in range(4)]
     r, batch = make_decode("mla", torch.bfloat16, 4, 5, 1, lens, "path")
-    cfg = KernelConfig(64, 32, 4 if dv_split == 2 else 8, 2, mla_v3=True, dv_split=dv_split,
-                       v_reload=v_reload)
-    backend = TritonDecode(r, 4, 5, tree_mode="path", config=cfg)
+    backend = TritonDecode(r, 4, 5, tree_mode="path", plan=plan)
     run_round(r, batch, backend, torch.bfloat16, AttentionLayer(0, 576 ** -0.5, 30.0), "path",
               steps_to_check={0, 4})
 
@@ -218,44 +215,31 @@ def test_metadata_capturable():
     assert torch.equal(hist.view(2, 4, 5).long(), batch.out_cache_loc.long())
 
 
-def _flipped_merge(r, topk, mode):
-    """The default kernel config for this shape with the other merge (fused / launch)."""
-    import dataclasses
-
-    from specattn.backends.triton import launchers
-
-    shape = launchers.AttnShape.of(r)
-    cfg = launchers.choose_config(shape, (topk if mode == "shared" else 1) * shape.group)
-    return dataclasses.replace(cfg, fuse_merge=not cfg.fuse_merge)
-
-
-@pytest.mark.parametrize("model,K,tree_mode,mode", [
-    ("mha", 8, "path", "shared"), ("mha", 4, "lane", "per-branch"),
-    ("mla", 4, "path", "shared"), ("mla", 1, "lane", "shared")])
-def test_fused_write_and_merge_both_ways(model, K, tree_mode, mode):
-    """The kernel's own KV write (the pool holds k/v afterwards) with the merge both fused
-    and launched; ragged lengths, logit cap."""
+@pytest.mark.parametrize("model,K,tree_mode,mode,plan", [
+    ("mha", 8, "path", "shared", "dot"), ("mha", 4, "lane", "per-branch", "dot"),
+    ("mha", 4, "lane", "shared", "dot-d256"),
+    ("mla", 4, "path", "shared", "dot-mla"), ("mla", 1, "lane", "shared", "dot-wide")])
+def test_tl_dot_plans_write_and_attend(model, K, tree_mode, mode, plan):
+    """Each tl.dot plan's KV write (the pool holds k/v afterwards) and attention; ragged
+    lengths, logit cap."""
     from specattn.backends.triton import TritonDecode
 
     dtype, S = torch.bfloat16, 4
     lens = [random.randint(1000, 5000) for _ in range(5)]
     r, batch = make_decode(model, dtype, K, S, 16, lens, tree_mode)
-    for flip in (False, True):
-        backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode,
-                               config=_flipped_merge(r, K, mode) if flip else None)
-        layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5, 30.0)
-        backend.init_forward_metadata(batch)
-        for step in range(S):
-            if tree_mode == "path" and step:
-                batch.parents[step] = torch.randint(0, K, (5, K), device=DEV)
-            q, k, v = qkv(r, 5 * K, dtype)
-            backend._active.mid_o.fill_(float("nan"))
-            out = backend.forward(step, layer, q, k, v)
-            _close(out, reference_decode(r, layer, q, batch, step, tree_mode), dtype)
-            slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
-            pool = r.kv_buffer[0] if model == "mla" else r.k_buffer[0]
-            assert torch.equal(pool[slots], k)
-            assert int(backend._active.counter.abs().sum()) == 0
+    backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode, plan=plan)
+    layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5, 30.0)
+    backend.init_forward_metadata(batch)
+    for step in range(S):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, K, (5, K), device=DEV)
+        q, k, v = qkv(r, 5 * K, dtype)
+        backend._active.mid_o.fill_(float("nan"))
+        out = backend.forward(step, layer, q, k, v)
+        _close(out, reference_decode(r, layer, q, batch, step, tree_mode), dtype)
+        slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
+        pool = r.kv_buffer[0] if model == "mla" else r.k_buffer[0]
+        assert torch.equal(pool[slots], k)
 
 
 def test_random_stress_100_batches():
@@ -271,8 +255,7 @@ def test_random_stress_100_batches():
         lens = [rng.randint(0, 2500) for _ in range(B)]
         r, batch = make_decode(model, dtype, K, S, P, lens, tree_mode, gqa=(16, 4, 128))
         mode = "per-branch" if it % 7 == 0 else "shared"
-        backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode,
-                               config=_flipped_merge(r, K, mode) if it % 3 == 1 else None)
+        backend = TritonDecode(r, K, S, tree_mode=tree_mode, mode=mode)
         scale = (576 if model == "mla" else 128) ** -0.5
         run_round(r, batch, backend, dtype, AttentionLayer(0, scale), tree_mode,
                   steps_to_check={rng.randrange(S)})

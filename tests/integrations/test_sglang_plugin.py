@@ -37,15 +37,12 @@ def test_settings_opt_in():
 def test_settings_backend_options():
     """``SPECATTN_SGLANG_OPTIONS``: ``specattn bench --option`` items separated by ``;``,
     values converted as the bench converts them; a bad one is refused naming the variable."""
-    from specattn.backends.triton.launchers import KernelConfig
-
     s = read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS":
-                       "triton:work_list=True; triton:config=m64 n64 w8 s2 kv-first gluon pf"})
+                       "triton:mode=per-branch; triton:plan=gluon-split"})
     opts = s.backend_options()
-    assert opts == {"triton": {"work_list": True, "config": KernelConfig(
-        64, 64, 8, 2, kv_write="first", gluon=True, gluon_prefetch=True)}}
+    assert opts == {"triton": {"mode": "per-branch", "plan": "gluon-split"}}
     assert read_settings({"SPECATTN_SGLANG": "1"}).backend_options() == {}
-    for bad in ("triton", "triton:nope=1", "nosuch:x=1"):
+    for bad in ("triton", "triton:nope=1", "nosuch:x=1", "triton:plan=gluon"):
         with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_OPTIONS"):
             read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": bad})
 
@@ -125,11 +122,11 @@ def test_backend_options_reach_the_backend_sglang_gets(specattn_plugin):
     import test_sglang_draft as D
 
     fx, _, _, _ = D._setup(H.Shape(page_size=1), 2)
-    for options, want in (("triton:work_list=False", False), ("", None)):
+    for options, want in (("triton:mode=per-branch", "per-branch"), ("", "shared")):
         specattn_plugin({"SPECATTN_SGLANG_BACKEND": "triton",
                          "SPECATTN_SGLANG_OPTIONS": options})
         container = H.create_decode_container(fx, 2, D.STEPS)
-        assert container.adapter.backend.work_list is want
+        assert container.adapter.backend.mode == want
 
 
 def test_path_tree_mode_attends_to_ancestors(specattn_plugin):

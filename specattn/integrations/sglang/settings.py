@@ -10,7 +10,7 @@
   backends do; ``path`` attends each draft token to its real tree ancestors.
 - ``SPECATTN_SGLANG_OPTIONS='BACKEND:KEY=VALUE[,KEY=VALUE...][;...]'``: constructor keywords
   for a specattn backend when it serves (as ``specattn bench --option`` writes them), e.g.
-  ``triton:work_list=True`` (``DraftBackendFactory``'s ``backend_options``).
+  ``triton:plan=gluon-split`` (``DraftBackendFactory``'s ``backend_options``).
 """
 
 from __future__ import annotations
@@ -75,6 +75,6 @@ def _read_options(text: str) -> tuple:
         options = parse_options(items)
     except InvalidInputError as exc:
         raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
-                                "separated by ';' (e.g. 'triton:work_list=True'), backends and "
+                                "separated by ';' (e.g. 'triton:plan=gluon-split'), backends and "
                                 f"keywords that exist ({exc})", repr(text)) from exc
     return tuple(options)

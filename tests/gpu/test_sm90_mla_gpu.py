@@ -1,9 +1,11 @@
-"""The Gluon MLA decode kernel (``triton`` backend, sm90) against ``torch_ref``: K 1/2/4/8,
-H 16/128, page 1/64, lane/path, ragged, prefixes from 0, logit cap, bf16/fp16, direct
-output (one split) and merged splits; CUDA-graph capture/replay of padded batches; a
-100-batch random stress loop (in 4 tests, so xdist workers compile side by side). Outputs and partials are NaN-poisoned before each call. Every
-test asserts the Gluon kernel ran (``SPECATTN_GLUON_VARIANTS``: comma-separated variant names
-of ``VARIANTS`` to run; default all). Marked ``gpu``."""
+"""The sm90 MLA plans of the ``triton`` backend (``gluon-wl``, ``gluon-split``, ``cute``, and
+the default table's choice) against ``torch_ref``: K 1/2/4/8, H 16/128, page 1/64,
+lane/path, ragged, prefixes from 0, logit cap, bf16/fp16, direct output (one split) and
+merged splits; CUDA-graph capture/replay of padded batches; a 100-batch random stress loop
+(in 4 tests, so xdist workers compile side by side). Outputs and partials are NaN-poisoned
+before each call. Every test asserts an sm90 kernel ran (``SPECATTN_SM90_PLANS``:
+comma-separated variants to run; default all; ``cute`` only where CuTe-DSL imports).
+Marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -26,36 +28,22 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def _variants():
-    from specattn.bench.options import kernel_config  # the bench's config labels
-
-    every = {
-        # launchers.gluon_config: the work list where a request's rows fit one 64-row tile,
-        # else the split per request (v3).
-        "default": None,
-        # v3 everywhere (work_list=False, the opt-out).
-        "n64s2-v3": "m64 n64 w8 s2 kv-first gluon pf",
-        # The balanced work list (worklist) everywhere, H 128 included.
-        "n64s2-wl": "m64 n64 w8 s2 kv-first gluon pf wl",
-        "n32s4-wl": "m64 n32 w8 s4 kv-first gluon pf wl",
-        "n32s4-overlap": "m64 n32 w8 s4 kv-first gluon-ov pf",
-        "n64s2-kvkernel": "m64 n64 w8 s2 kv-kernel gluon wl",
-        # The warp-specialized (seesaw) kernel: experimental (no faster, session 8).
-        "n64s2-ws": "m64 n64 w8 s2 kv-first gluon pf ws",
-        "n32s4-ws": "m64 n32 w8 s4 kv-first gluon pf ws",
-        # The CuTe-DSL kernel (cute_mla): the splits of a request merged on chip (opt-in).
-        "cute": "m64 n64 w8 s2 kv-first gluon cute",
-        # With the merge of several clusters' partials fused into it (slower: session 12).
-        "cute-fm": "m64 n64 w8 s2 kv-first fm gluon cute",
-        # Its clusters over the balanced work list (opt-in; first run in session 14).
-        "cute-wl": "m64 n64 w8 s2 kv-first gluon wl cute",
-    }
-    every = {name: label and kernel_config(label) for name, label in every.items()}
-    names = os.environ.get("SPECATTN_GLUON_VARIANTS")
-    return {n: every[n] for n in names.split(",")} if names else every
+def _variants() -> list:
+    """``default`` (the table's choice: ``gluon-wl`` at one 64-row tile, ``cute`` above) and
+    each sm90 plan forced."""
+    every = ["default", "gluon-wl", "gluon-split", "cute"]
+    names = os.environ.get("SPECATTN_SM90_PLANS")
+    return names.split(",") if names else every
 
 
-VARIANT_NAMES = list(_variants()) if torch.cuda.is_available() else ["default"]
+VARIANT_NAMES = _variants() if torch.cuda.is_available() else ["default"]
+
+
+def _require(variant):
+    from specattn.backends.triton.plans import cute_import_reason
+
+    if variant == "cute" and cute_import_reason() is not None:
+        pytest.skip(cute_import_reason())
 
 
 def make_round(dtype, heads, topk, steps, page, lens, tree_mode):
@@ -67,21 +55,18 @@ def make_round(dtype, heads, topk, steps, page, lens, tree_mode):
     return r, place_decode_round(r, lens, topk, steps, page, tree_mode)
 
 
-def split_override(config, num_splits):
-    """The split count a case passes with ``config`` (None: the default config): the CuTe
-    work list refuses an override (its programs follow the cluster limits), so its cases run
-    their shape without one."""
-    if config is not None and config.cute and config.gluon_worklist:
-        return None
-    return num_splits
-
-
 def make_backend(r, topk, steps, tree_mode, variant, num_splits=None):
     from specattn.backends.triton import TritonDecode
 
-    config = _variants()[variant]
-    return TritonDecode(r, topk, steps, tree_mode=tree_mode,
-                        num_splits=split_override(config, num_splits), config=config)
+    _require(variant)
+    return TritonDecode(r, topk, steps, tree_mode=tree_mode, num_splits=num_splits,
+                        plan=None if variant == "default" else variant)
+
+
+def _sm90(backend) -> bool:
+    from specattn.backends.triton.plans import SM90_KERNELS
+
+    return backend.plan.kernel in SM90_KERNELS
 
 
 def poisoned_forward(backend, step, layer, q, k):
@@ -97,7 +82,7 @@ def poisoned_forward(backend, step, layer, q, k):
 def run_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
     bs, topk, steps = batch.out_cache_loc.shape
     backend.init_forward_metadata(batch)
-    assert backend._round_plan["cfg"].gluon, backend._round_plan["cfg"]
+    assert _sm90(backend), backend.plan
     for step in range(steps):
         if tree_mode == "path" and step:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
@@ -143,7 +128,7 @@ def test_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, cap, n
     run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, cap), tree_mode, gen,
               check_steps={0, S - 1} if big else None)
     if variant == "default":  # the work list where a request's rows fit one 64-row tile
-        assert backend._round_plan["cfg"].gluon_worklist == (K * H <= 64)
+        assert (backend.plan.name == "gluon-wl") == (K * H <= 64), backend.plan
 
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
@@ -159,7 +144,7 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     layer = AttentionLayer(0, 576 ** -0.5)
     qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
     backend.init_forward_metadata_capture_cuda_graph(batch)
-    assert backend._round_plan["cfg"].gluon
+    assert _sm90(backend), backend.plan
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -217,13 +202,10 @@ def _stress_batches():
 
 
 @pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
-@pytest.mark.parametrize("variant", [v for v in ("default", "n64s2-v3", "cute", "cute-wl")
-                                     if v in VARIANT_NAMES])
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_random_stress_100_batches(variant, chunk):
-    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0); the default (the work
-    list at H 16 but K 8, the split per request otherwise), the split per request
-    everywhere, the CuTe kernel and its work list (which drops the batch's split count).
-    Each chunk runs a quarter of the 100 batches."""
+    """Random K, S, P, H, dtype, tree mode, batch and lengths (from 0), on each plan. Each
+    chunk runs a quarter of the 100 batches."""
     for it, dtype, H, K, S, P, tree_mode, lens, splits, cap, step in \
             _stress_batches()[chunk::STRESS_CHUNKS]:
         gen = torch.Generator().manual_seed(1234 + it)
