@@ -11,13 +11,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
 from .errors import InvalidInputError
 from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
-from .validation import check_runner
 
-__all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch"]
+__all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch", "check_runner"]
 
 
 @dataclass
@@ -278,3 +278,77 @@ def _first_pool(name: str, pools: Sequence[torch.Tensor], ndim: int,
         raise InvalidInputError(f"{name}[0]", f"a {ndim}-D tensor {shape}", got)
     return first
 
+
+def check_runner(runner: DraftRunner) -> None:
+    """The runner's shape fields, pools and ``req_to_token`` agree with each other."""
+    if not _is_int(runner.page_size) or runner.page_size < 1:
+        raise InvalidInputError("runner.page_size", "an int >= 1", repr(runner.page_size))
+    if runner.dtype not in ACT_DTYPES:
+        raise InvalidInputError("runner.dtype", "bfloat16, float16 or float32",
+                                repr(runner.dtype))
+    if not _is_int(runner.num_layers) or runner.num_layers < 1:
+        raise InvalidInputError("runner.num_layers", "an int >= 1", repr(runner.num_layers))
+    _tensor("runner.req_to_token", runner.req_to_token, dtypes=INDEX_DTYPES, ndim=2,
+            device=runner.device)
+    _last_dim_contiguous("runner.req_to_token", runner.req_to_token)  # rows by stride
+    if runner.use_mla_backend:
+        for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(runner, field)
+            if not _is_int(value) or value < (0 if field == "qk_rope_head_dim" else 1):
+                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
+        pools = {"runner.kv_buffer": runner.kv_buffer}
+        width = runner.kv_lora_rank + runner.qk_rope_head_dim
+        expected = {"runner.kv_buffer": (width,)}
+        layout = getattr(runner, "kv_layout", None)
+        if layout is not None:  # FP8 byte layout (specattn.kv_layouts): uint8 pools
+            _check_layout_pools(runner, layout)
+            return
+    else:
+        for field in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+            value = getattr(runner, field)
+            if not _is_int(value) or value < 1:
+                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
+        if runner.num_q_heads % runner.num_kv_heads:
+            raise InvalidInputError("runner.num_q_heads",
+                                    f"a multiple of num_kv_heads={runner.num_kv_heads}",
+                                    runner.num_q_heads)
+        pools = {"runner.k_buffer": runner.k_buffer, "runner.v_buffer": runner.v_buffer}
+        expected = {"runner.k_buffer": (runner.num_kv_heads, runner.head_dim),
+                    "runner.v_buffer": (runner.num_kv_heads, runner.v_head_dim)}
+    num_slots = None
+    for name, pool in pools.items():
+        if pool is None or len(pool) != runner.num_layers:
+            got = None if pool is None else f"{len(pool)} tensors"
+            raise InvalidInputError(name, f"a list of {runner.num_layers} tensors (one per "
+                                    "layer)", got)
+        for i, t in enumerate(pool):
+            _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
+                expected[name]), device=runner.device)
+            if tuple(t.shape[1:]) != expected[name]:
+                raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
+                                        f"{', '.join(map(str, expected[name]))}]",
+                                        f"shape {tuple(t.shape)}")
+            _last_dim_contiguous(f"{name}[{i}]", t)
+            if num_slots is not None and t.shape[0] != num_slots:
+                raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
+                                        t.shape[0])
+            num_slots = t.shape[0]
+
+
+def _check_layout_pools(runner: DraftRunner, layout) -> None:
+    pool = runner.kv_buffer
+    if pool is None or len(pool) != runner.num_layers:
+        got = None if pool is None else f"{len(pool)} tensors"
+        raise InvalidInputError("runner.kv_buffer", f"a list of {runner.num_layers} tensors "
+                                "(one per layer)", got)
+    for i, t in enumerate(pool):
+        _tensor(f"runner.kv_buffer[{i}]", t, dtypes=(torch.uint8,), ndim=2,
+                device=runner.device)
+        layout.check_pool(f"runner.kv_buffer[{i}]", t)
+        if t.shape[0] != pool[0].shape[0]:
+            raise InvalidInputError(f"runner.kv_buffer[{i}]", f"{pool[0].shape[0]} slots like "
+                                    "layer 0", t.shape[0])
+
+
+def _fp8_dtypes() -> tuple:
+    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))

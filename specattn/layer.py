@@ -1,5 +1,5 @@
 """``AttentionLayer``: one attention layer as a backend sees it (pool index, softmax scale,
-soft cap). Its own module so that ``validation`` can check it without importing ``data``."""
+soft cap). A module of its own, importing nothing of ``data`` or ``validation``."""
 
 from __future__ import annotations
 

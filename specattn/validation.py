@@ -5,31 +5,40 @@ need the *values* of tensors (lengths against ``max_context_len``, slots inside 
 ``parents`` in range) run when those tensors are on the CPU (no device sync) or when
 ``SPECATTN_DEBUG_CHECKS=1`` / ``debug=True`` asks for them on a device. Every failure raises
 ``InvalidInputError`` naming the argument, the expectation and the value.
+
+``check_runner`` is ``specattn.data``'s (a runner checks itself when built) and the tensor
+checks are ``specattn._tensor_checks``'s; both are re-exported here. ``data`` imports neither
+this module nor anything that does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from ._tensor_checks import (
+    ACT_DTYPES,
+    INDEX_DTYPES,
+    _is_int,
+    _last_dim_contiguous,
+    _shape,
+    _tensor,
+    check_tensor,
+)
+from .data import DraftBatch, DraftExtendBatch, DraftRunner, check_runner
 from .errors import InvalidInputError
 from .keys import check_draft_params
-
 from .layer import AttentionLayer
-
-if TYPE_CHECKING:
-    from .data import DraftBatch, DraftExtendBatch, DraftRunner
 
 __all__ = [
     "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
     "check_decode_forward",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
+    "ACT_DTYPES", "INDEX_DTYPES",
 ]
-
-INDEX_DTYPES = (torch.int32, torch.int64)
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def debug_checks_enabled() -> bool:
@@ -40,129 +49,6 @@ def _scan_values(t: torch.Tensor, debug: Optional[bool]) -> bool:
     if debug is None:
         debug = debug_checks_enabled()
     return debug or t.device.type == "cpu"
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _tensor(name: str, t: object, *, dtypes: tuple, ndim: int,
-            device: Optional[torch.device] = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
-    if t.dtype not in dtypes:
-        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise InvalidInputError(name, f"dtype {names}", str(t.dtype).replace("torch.", ""))
-    if t.dim() != ndim:
-        raise InvalidInputError(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
-    if device is not None and not _same_device(t.device, device):
-        raise InvalidInputError(name, f"a tensor on {device}", f"a tensor on {t.device}")
-    return t
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
-    if len(t.shape) != len(expected) or any(
-            e is not None and n != e for n, e in zip(t.shape, expected)):
-        want = tuple("*" if e is None else e for e in expected)
-        raise InvalidInputError(name, f"shape {want}".replace("'", ""),
-                                f"shape {tuple(t.shape)}")
-
-
-def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
-    if t.stride(-1) != 1:
-        raise InvalidInputError(name, "unit stride in the last dimension",
-                                f"strides {tuple(t.stride())}")
-
-
-def check_tensor(name: str, t: object, *, dtypes: tuple, shape: tuple,
-                 device: Optional[torch.device] = None, unit_last_stride: bool = True,
-                 ) -> torch.Tensor:
-    """A backend's extra input (index keys, sinks, ...): a tensor of one of ``dtypes`` and
-    ``shape`` (``None`` entries: any size) on ``device``, with a unit last stride."""
-    t = _tensor(name, t, dtypes=dtypes, ndim=len(shape), device=device)
-    _shape(name, t, shape)
-    if unit_last_stride:
-        _last_dim_contiguous(name, t)
-    return t
-
-
-def check_runner(runner: "DraftRunner") -> None:
-    """The runner's shape fields, pools and ``req_to_token`` agree with each other."""
-    if not _is_int(runner.page_size) or runner.page_size < 1:
-        raise InvalidInputError("runner.page_size", "an int >= 1", repr(runner.page_size))
-    if runner.dtype not in ACT_DTYPES:
-        raise InvalidInputError("runner.dtype", "bfloat16, float16 or float32",
-                                repr(runner.dtype))
-    if not _is_int(runner.num_layers) or runner.num_layers < 1:
-        raise InvalidInputError("runner.num_layers", "an int >= 1", repr(runner.num_layers))
-    _tensor("runner.req_to_token", runner.req_to_token, dtypes=INDEX_DTYPES, ndim=2,
-            device=runner.device)
-    _last_dim_contiguous("runner.req_to_token", runner.req_to_token)  # rows by stride
-    if runner.use_mla_backend:
-        for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(runner, field)
-            if not _is_int(value) or value < (0 if field == "qk_rope_head_dim" else 1):
-                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
-        pools = {"runner.kv_buffer": runner.kv_buffer}
-        width = runner.kv_lora_rank + runner.qk_rope_head_dim
-        expected = {"runner.kv_buffer": (width,)}
-        layout = getattr(runner, "kv_layout", None)
-        if layout is not None:  # FP8 byte layout (specattn.kv_layouts): uint8 pools
-            _check_layout_pools(runner, layout)
-            return
-    else:
-        for field in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
-            value = getattr(runner, field)
-            if not _is_int(value) or value < 1:
-                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
-        if runner.num_q_heads % runner.num_kv_heads:
-            raise InvalidInputError("runner.num_q_heads",
-                                    f"a multiple of num_kv_heads={runner.num_kv_heads}",
-                                    runner.num_q_heads)
-        pools = {"runner.k_buffer": runner.k_buffer, "runner.v_buffer": runner.v_buffer}
-        expected = {"runner.k_buffer": (runner.num_kv_heads, runner.head_dim),
-                    "runner.v_buffer": (runner.num_kv_heads, runner.v_head_dim)}
-    num_slots = None
-    for name, pool in pools.items():
-        if pool is None or len(pool) != runner.num_layers:
-            got = None if pool is None else f"{len(pool)} tensors"
-            raise InvalidInputError(name, f"a list of {runner.num_layers} tensors (one per "
-                                    "layer)", got)
-        for i, t in enumerate(pool):
-            _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
-                expected[name]), device=runner.device)
-            if tuple(t.shape[1:]) != expected[name]:
-                raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
-                                        f"{', '.join(map(str, expected[name]))}]",
-                                        f"shape {tuple(t.shape)}")
-            _last_dim_contiguous(f"{name}[{i}]", t)
-            if num_slots is not None and t.shape[0] != num_slots:
-                raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
-                                        t.shape[0])
-            num_slots = t.shape[0]
-
-
-def _check_layout_pools(runner: "DraftRunner", layout) -> None:
-    pool = runner.kv_buffer
-    if pool is None or len(pool) != runner.num_layers:
-        got = None if pool is None else f"{len(pool)} tensors"
-        raise InvalidInputError("runner.kv_buffer", f"a list of {runner.num_layers} tensors "
-                                "(one per layer)", got)
-    for i, t in enumerate(pool):
-        _tensor(f"runner.kv_buffer[{i}]", t, dtypes=(torch.uint8,), ndim=2,
-                device=runner.device)
-        layout.check_pool(f"runner.kv_buffer[{i}]", t)
-        if t.shape[0] != pool[0].shape[0]:
-            raise InvalidInputError(f"runner.kv_buffer[{i}]", f"{pool[0].shape[0]} slots like "
-                                    "layer 0", t.shape[0])
-
-
-def _fp8_dtypes() -> tuple:
-    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
@@ -176,18 +62,13 @@ def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,
         raise InvalidInputError(name, f"values in [{lo}, {hi})", f"a value {bad}")
 
 
-_BATCH_FIELDS = {"DraftBatch": ("req_pool_indices", "seq_lens", "out_cache_loc", "parents"),
-                 "DraftExtendBatch": ("req_pool_indices", "seq_lens", "extend_lens",
-                                      "out_cache_loc")}
-
-
-def _requests(batch, kind: str, device: torch.device,
+def _requests(batch, kind: type, device: torch.device,
               max_bs: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of type ``kind`` (by its fields: ``data`` imports this module): its
+    """A batch with the fields of dataclass ``kind`` (any object that has them): its
     ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
-    fields = _BATCH_FIELDS[kind]
+    fields = tuple(f.name for f in dataclasses.fields(kind))
     if not all(hasattr(batch, f) for f in fields):
-        raise InvalidInputError("batch", f"a specattn.{kind} ({', '.join(fields)})",
+        raise InvalidInputError("batch", f"a specattn.{kind.__name__} ({', '.join(fields)})",
                                 type(batch).__name__)
     rpi = _tensor("batch.req_pool_indices", batch.req_pool_indices, dtypes=INDEX_DTYPES,
                   ndim=1, device=device)
@@ -216,7 +97,7 @@ def _check_distinct(name: str, loc: torch.Tensor, debug: Optional[bool]) -> None
                                 f"slot {slot} given to {int((flat == slot).sum())} tokens")
 
 
-def _check_prefix_slots(runner: "DraftRunner", rpi: torch.Tensor, lengths: torch.Tensor,
+def _check_prefix_slots(runner: DraftRunner, rpi: torch.Tensor, lengths: torch.Tensor,
                         debug: Optional[bool]) -> None:
     """``req_to_token[req_pool_indices[b], 0 : lengths[b]]`` are slots of the pool: a kernel
     gathers every one of them. Call after ``rpi`` and ``lengths`` are known in range."""
@@ -236,15 +117,15 @@ def _check_prefix_slots(runner: "DraftRunner", rpi: torch.Tensor, lengths: torch
             f"(request {b}, seq_lens {int(lengths[b])})")
 
 
-def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mode: str,
-                       batch: "DraftBatch", *, debug: Optional[bool] = None,
+def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode: str,
+                       batch: DraftBatch, *, debug: Optional[bool] = None,
                        max_bs: Optional[int] = None, graph: bool = False) -> None:
     """A ``DraftBatch`` fits the runner, ``topk`` and ``num_steps`` (``semantics.md``).
 
     ``graph``: a captured/replayed round, whose padded lanes share the padding slot (the
     distinct-slot rule is not checked there)."""
     dev = runner.device
-    rpi, seq = _requests(batch, "DraftBatch", dev, max_bs)
+    rpi, seq = _requests(batch, DraftBatch, dev, max_bs)
     bs = rpi.shape[0]
     loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=3,
                   device=dev)
@@ -265,7 +146,7 @@ def check_decode_batch(runner: "DraftRunner", topk: int, num_steps: int, tree_mo
     _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
 
 
-def check_parents_step(batch: "DraftBatch", step: int, topk: int,
+def check_parents_step(batch: DraftBatch, step: int, topk: int,
                        debug: Optional[bool] = None) -> None:
     """``parents[1 : step + 1]`` are lane indices in ``[0, topk)``."""
     if batch.parents is None or step == 0:
@@ -274,7 +155,7 @@ def check_parents_step(batch: "DraftBatch", step: int, topk: int,
                         debug)
 
 
-def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, step: int,
+def check_decode_forward(runner: DraftRunner, num_lanes: int, num_steps: int, step: int,
                          layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     """One ``forward(step, layer, q, k, v)`` call's arguments."""
@@ -284,14 +165,14 @@ def check_decode_forward(runner: "DraftRunner", num_lanes: int, num_steps: int, 
     _check_qkv(runner, num_lanes, q, k, v)
 
 
-def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
+def check_extend_batch(runner: DraftRunner, batch: DraftExtendBatch, *,
                        debug: Optional[bool] = None,
                        max_extend_len: Optional[int] = None, graph: bool = False) -> None:
     """``max_extend_len``: a backend's bound on ``extend_lens`` (its graph grid), checked
     where values are scanned (CPU tensors or debug checks). ``graph``: a captured/replayed
     batch, whose padding tokens may share a slot."""
     dev = runner.device
-    rpi, seq = _requests(batch, "DraftExtendBatch", dev, None)
+    rpi, seq = _requests(batch, DraftExtendBatch, dev, None)
     bs = rpi.shape[0]
     ext = _tensor("batch.extend_lens", batch.extend_lens, dtypes=INDEX_DTYPES, ndim=1,
                   device=dev)
@@ -323,14 +204,14 @@ def check_extend_batch(runner: "DraftRunner", batch: "DraftExtendBatch", *,
         _check_prefix_slots(runner, rpi, seq, debug)
 
 
-def check_extend_forward(runner: "DraftRunner", num_tokens: Optional[int],
+def check_extend_forward(runner: DraftRunner, num_tokens: Optional[int],
                          layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                          v: Optional[torch.Tensor]) -> None:
     _check_layer(runner, layer)
     _check_qkv(runner, num_tokens, q, k, v)
 
 
-def _check_layer(runner: "DraftRunner", layer: AttentionLayer) -> None:
+def _check_layer(runner: DraftRunner, layer: AttentionLayer) -> None:
     if not isinstance(layer, AttentionLayer):
         raise InvalidInputError("layer", "a specattn.AttentionLayer", type(layer).__name__)
     if layer.layer_id >= runner.num_layers:
@@ -338,7 +219,7 @@ def _check_layer(runner: "DraftRunner", layer: AttentionLayer) -> None:
                                 layer.layer_id)
 
 
-def _check_qkv(runner: "DraftRunner", rows: Optional[int], q: torch.Tensor, k: torch.Tensor,
+def _check_qkv(runner: DraftRunner, rows: Optional[int], q: torch.Tensor, k: torch.Tensor,
                v: Optional[torch.Tensor]) -> None:
     dev, dt = runner.device, (runner.dtype,)
     q = _tensor("q", q, dtypes=dt, ndim=3, device=dev)

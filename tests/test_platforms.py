@@ -198,3 +198,76 @@ def test_flash_attn_cute_probe_imports_nothing():
     module_available.cache_clear()
     module_available("flash_attn.cute")
     assert not {m for m in set(sys.modules) - before if m.startswith("flash_attn")}
+
+
+# --- AMX probe ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_detect():
+    """``detect()`` re-probes inside the test and again (unpatched) after it."""
+    detect.cache_clear()
+    yield detect
+    detect.cache_clear()
+
+
+def _fake_capabilities(monkeypatch, amx_tile: bool) -> None:
+    """torch's public CPU probe answers ``amx_tile``; torch's private per-feature probes are
+    gone, as in torch builds where ``get_capabilities`` is the one probe."""
+    import torch
+
+    caps = {"architecture": "x86_64", "avx512_f": True, "amx_tile": amx_tile}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch._C._cpu, "_is_amx_tile_supported", raising=False)
+
+
+@pytest.mark.parametrize("amx_tile", [True, False])
+def test_detect_reads_amx_from_torchs_public_probe(monkeypatch, fresh_detect, amx_tile):
+    _fake_capabilities(monkeypatch, amx_tile)
+    assert fresh_detect().cpu_has_amx is amx_tile
+
+
+@pytest.mark.parametrize("amx_tile,target", [(True, "intel_amx"), (False, "fa3")])
+def test_detected_amx_routes_hybrid_linear_attn(monkeypatch, fresh_detect, amx_tile, target):
+    from types import SimpleNamespace
+
+    from specattn import DraftBackendFactory, SpecConfig
+    from specattn.errors import BackendUnavailableError
+
+    _fake_capabilities(monkeypatch, amx_tile)
+    assert fresh_detect().device == "cpu"
+    factory = DraftBackendFactory(SpecConfig(attention_backend="hybrid_linear_attn"),
+                                  SimpleNamespace(use_mla_backend=False), 1, 3)
+    try:
+        name = factory.explain_decode_backend().backend.name
+    except BackendUnavailableError as exc:
+        name = exc.name
+    assert name == target
+
+
+def test_detect_without_any_torch_amx_probe_reports_none(monkeypatch, fresh_detect):
+    import torch
+
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert fresh_detect().cpu_has_amx is False
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def test_amx_probe_agrees_with_proc_cpuinfo(fresh_detect):
+    import platform as py_platform
+
+    flags = _cpuinfo_flags()
+    if flags is None or py_platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("no x86 /proc/cpuinfo flags line on this machine")
+    assert fresh_detect().cpu_has_amx is ("amx_tile" in flags)

@@ -17,6 +17,7 @@ import torch
 
 from .. import metadata
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..kernels.reference import attend, gather_kv, out_shape
 from ..platforms import any_platform
 
 if TYPE_CHECKING:
@@ -24,54 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchRefDecode", "TorchRefExtend", "reference_decode", "reference_extend",
            "attend"]
-
-
-def _gather_kv(runner: "DraftRunner", layer_id: int,
-               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``slots [n]`` in float32, heads expanded to the query heads.
-
-    MHA: ``k [n, H_q, D]``, ``v [n, H_q, D_v]``. MLA: ``k [n, 1, R + rope]`` (the whole
-    latent row), ``v [n, 1, R]`` (its first ``kv_lora_rank`` columns).
-    """
-    slots = slots.long()
-    if runner.use_mla_backend:
-        kv = runner.kv_buffer[layer_id][slots].float()
-        return kv[:, None, :], kv[:, None, :runner.kv_lora_rank]
-    k = runner.k_buffer[layer_id][slots].float()
-    v = runner.v_buffer[layer_id][slots].float()
-    group = runner.num_q_heads // runner.num_kv_heads
-    # q head h reads kv head h // group.
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-           logit_cap: float = 0.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Softmax attention in float32.
-
-    q: ``[m, H, D]``; k: ``[n, H or 1, D]``; v: ``[n, H or 1, D_v]``; mask: ``[m, n]`` bool
-    (True = visible) or None. Returns ``[m, H, D_v]`` float32.
-    """
-    s = torch.einsum("mhd,nhd->hmn", q.float(), k.expand(-1, q.shape[1], -1)) * scaling
-    if logit_cap > 0:
-        s = logit_cap * torch.tanh(s / logit_cap)
-    if mask is not None:
-        s = s.masked_fill(~mask[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    vv = v.expand(-1, q.shape[1], -1)
-    if mask is None:
-        return torch.einsum("hmn,nhd->mhd", p, vv)
-    # A key a query does not see must not reach it, not even as 0 * NaN: non-finite values
-    # are left out of the sum and reach exactly the queries that see them.
-    finite = torch.isfinite(vv)
-    out = torch.einsum("hmn,nhd->mhd", p, torch.where(finite, vv, 0.0))
-    seen = torch.einsum("mn,nhd->mhd", mask.float(), (~finite).float()) > 0
-    return out.masked_fill(seen, float("nan"))
-
-
-def _out_shape(runner: "DraftRunner", rows: int) -> tuple[int, int, int]:
-    if runner.use_mla_backend:
-        return rows, runner.num_heads, runner.kv_lora_rank
-    return rows, runner.num_q_heads, runner.v_head_dim
 
 
 def reference_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Tensor,
@@ -84,14 +37,14 @@ def reference_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Te
     """
     bs, topk = batch.out_cache_loc.shape[:2]
     hist = metadata.history_slots(batch.out_cache_loc, batch.parents, step, tree_mode)
-    out = torch.empty(_out_shape(runner, bs * topk), dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape(runner, bs * topk), dtype=q.dtype, device=q.device)
     for b in range(bs):
         req, seq_len = int(batch.req_pool_indices[b]), int(batch.seq_lens[b])
         prefix = runner.req_to_token[req, :seq_len]
         for j in range(topk):
             z = b * topk + j
             slots = torch.cat([prefix.long(), hist[b, j].long()])
-            k, v = _gather_kv(runner, layer.layer_id, slots)
+            k, v = gather_kv(runner, layer.layer_id, slots)
             o = attend(q[z:z + 1], k, v, layer.scaling, layer.logit_cap)
             out[z] = o[0].to(q.dtype)
     return out
@@ -104,12 +57,12 @@ def reference_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Te
     q: ``[T, H_q, D]`` (``T = sum(E)``, request-major). Query ``t`` of request ``b`` attends to
     ``R_b[0 : L'_b - E_b + t + 1]``. Returns ``[T, H_q, D_v]`` (MLA ``[T, H, R]``).
     """
-    out = torch.empty(_out_shape(runner, q.shape[0]), dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape(runner, q.shape[0]), dtype=q.dtype, device=q.device)
     start = 0
     for b in range(batch.batch_size):
         req = int(batch.req_pool_indices[b])
         seq_len, ext = int(batch.seq_lens[b]), int(batch.extend_lens[b])
-        k, v = _gather_kv(runner, layer.layer_id, runner.req_to_token[req, :seq_len])
+        k, v = gather_kv(runner, layer.layer_id, runner.req_to_token[req, :seq_len])
         visible = seq_len - ext + torch.arange(ext, device=q.device)[:, None] + 1
         mask = torch.arange(seq_len, device=q.device)[None, :] < visible
         o = attend(q[start:start + ext], k, v, layer.scaling, layer.logit_cap, mask)

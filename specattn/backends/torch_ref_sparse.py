@@ -1,8 +1,8 @@
 """Sparse and windowed references: the executable form of the ``dsa`` and ``dsv4`` rows.
 
 Plain torch, float32, Python loops over lanes / tokens, like ``torch_ref`` (whose ``attend``
-and pool gathers this module reuses). The ``dsa`` and ``dsv4`` kernels are tested against
-these functions only. Nothing here writes to a pool.
+and pool gathers, ``specattn.kernels.reference``, this module uses too). The ``dsa`` and
+``dsv4`` kernels are tested against these functions only. Nothing here writes to a pool.
 
 ``dsa`` (DeepSeek V3.2 sparse MLA, exotic-rows.md 1.1). Lightning-indexer score of prefix
 position ``x`` for a query with index heads ``q_idx [nh, d]`` and head weights ``w [nh]``::
@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .. import metadata
+from ..kernels.reference import attend, gather_kv, out_shape
 from ..sink_window import window_key_pool
-from .torch_ref import _gather_kv, _out_shape, attend
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -73,10 +73,10 @@ def latent_rows(runner: "DraftRunner", layer_id: int, slots: torch.Tensor) -> to
 
 
 def _mla_kv(runner: "DraftRunner", layer_id: int, slots: torch.Tensor):
-    """``_gather_kv`` for MLA runners, FP8 pools included: ``k [n, 1, R + rope]``,
+    """``gather_kv`` for MLA runners, FP8 pools included: ``k [n, 1, R + rope]``,
     ``v [n, 1, R]`` float32."""
     if getattr(runner, "kv_layout", None) is None:
-        return _gather_kv(runner, layer_id, slots)
+        return gather_kv(runner, layer_id, slots)
     kv = latent_rows(runner, layer_id, slots)
     return kv[:, None, :], kv[:, None, :runner.kv_lora_rank]
 
@@ -158,7 +158,7 @@ def reference_dsa_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torc
     bs, topk = batch.out_cache_loc.shape[:2]
     hist = metadata.history_slots(batch.out_cache_loc, batch.parents, step, tree_mode)
     sel = dsa_decode_selection(runner, batch, index_topk, index_pool, index_q, index_weights)
-    out = torch.empty(_out_shape(runner, bs * topk), dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape(runner, bs * topk), dtype=q.dtype, device=q.device)
     for z in range(bs * topk):
         b, j = divmod(z, topk)
         row = runner.req_to_token[int(batch.req_pool_indices[b])]
@@ -175,7 +175,7 @@ def reference_dsa_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torc
                          index_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """DSA draft extend (no write). q: ``[T, H, R + rope]`` → ``[T, H, R]``."""
     sel = dsa_extend_selection(runner, batch, index_topk, index_pool, index_q, index_weights)
-    out = torch.empty(_out_shape(runner, q.shape[0]), dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape(runner, q.shape[0]), dtype=q.dtype, device=q.device)
     t_all = 0
     for b in range(batch.batch_size):
         row = runner.req_to_token[int(batch.req_pool_indices[b])]

@@ -9,4 +9,5 @@ from each other). Importing this package imports no Triton; its Triton modules d
 - ``history_merge``: the shared-prefix decode's history pass + merge after a library's
   prefix pass (``flashinfer``, ``flashmla``, ``fa3``/``fa4``);
 - ``lse``: the same merge in plain torch, where Triton cannot run.
+- ``reference``: the reference backends' plain-torch attention (``attend``) and pool gathers.
 """

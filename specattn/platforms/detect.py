@@ -24,10 +24,17 @@ _override: contextvars.ContextVar[Platform | None] = contextvars.ContextVar(
 
 
 def _cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles, by torch's CPU feature probe:
+    ``torch.cpu.get_capabilities()["amx_tile"]`` (public; cpuinfo's CPUID and OS-support
+    check). A torch without ``get_capabilities`` is asked through
+    ``torch.cpu._is_amx_tile_supported``; a torch with neither reports no AMX."""
     import torch
 
-    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
     try:
+        if capabilities is not None:
+            return bool(capabilities().get("amx_tile", False))
+        probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
         return bool(probe()) if probe is not None else False
     except RuntimeError:
         return False
