@@ -32,11 +32,8 @@ Run on: H200, torch 2.11 + cu130, Triton 3.6.0 (``docs/kernels.md``).
 from __future__ import annotations
 
 import functools
-from typing import Optional
-
 import torch
 
-from .launchers import parent_args
 from .plans import gluon_import_reason
 from .worklist import num_row_tiles
 
@@ -56,7 +53,7 @@ def kernel_module():
 
 def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch.Tensor,
               mid_o: torch.Tensor, mid_lse: torch.Tensor, req_to_token: torch.Tensor,
-              meta: torch.Tensor, hist: torch.Tensor, parents: Optional[torch.Tensor], *,
+              meta: torch.Tensor, hist: torch.Tensor, parents: tuple, *,
               mode: int, batch: int, topk: int, num_steps: int, step: int, num_splits: int,
               sm_scale: float, logit_cap: float, block_n: int, num_stages: int) -> None:
     """Launch the split kernel: one split writes ``out``, several write ``mid_o``/``mid_lse``
@@ -66,10 +63,10 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     (this step's keys, stored at ``hist[:, step]`` by split 0); out: ``[B*K, H, 512]``;
     mid_o: ``[B*K, H, >= splits, 512]`` fp32; mid_lse: ``[B*K, H, >= splits]`` fp32; meta:
     ``[>= B, 5]`` int32 (``_metadata_kernels``); hist: ``[B*K, S]`` int32; parents:
-    ``[S, B, K]`` (path mode, ``mode == 1``)."""
+    ``launchers.parent_args`` of ``[S, B, K]`` (path mode, ``mode == 1``)."""
     K = kernel_module()
     H = q.shape[1]
-    par, par_s, par_b = parent_args(parents, meta)
+    par, par_s, par_b = parents
     K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
         q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
         step, float(sm_scale), float(logit_cap),
@@ -84,7 +81,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
 def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
                        out: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
                        req_to_token: torch.Tensor, meta: torch.Tensor, work: torch.Tensor,
-                       hist: torch.Tensor, parents: Optional[torch.Tensor], *, mode: int,
+                       hist: torch.Tensor, parents: tuple, *, mode: int,
                        batch: int, topk: int, num_steps: int, step: int, programs: int,
                        sm_scale: float, logit_cap: float, block_n: int,
                        num_stages: int) -> None:
@@ -98,7 +95,7 @@ def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
     from . import _gluon_mla_wl_kernel as W
 
     H = q.shape[1]
-    par, par_s, par_b = parent_args(parents, meta)
+    par, par_s, par_b = parents
     W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), programs)](
         q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par,
         step, float(sm_scale), float(logit_cap),

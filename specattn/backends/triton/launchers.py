@@ -196,7 +196,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         if work is None:
             raise ValueError("plan gluon-wl needs the round's work list (work)")
         gluon_mla.attention_worklist(
-            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist, parents,
+            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist,
+            parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages)
@@ -206,7 +207,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         from . import gluon_mla
 
         gluon_mla.attention(
-            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, hist, parents,
+            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, hist,
+            parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages)
