@@ -127,9 +127,13 @@ def poison_rows(vis, bad, acc):
 def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
               DOT_F32: tl.constexpr):
-    """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``)."""
+    """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``). K / V
+    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly."""
     if DOT_F32:
         k = k.to(tl.float32)
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+        kpe = kpe.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if D_PE > 0:
         if DOT_F32:
@@ -140,6 +144,8 @@ def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: 
         v = k
     elif DOT_F32:
         v = v.to(tl.float32)
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 

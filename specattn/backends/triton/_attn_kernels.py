@@ -50,7 +50,7 @@ MODE_EXTEND = tl.constexpr(2)
 
 @triton.jit
 def _partial_attn_kernel(
-        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
+        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale, VScale,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
@@ -60,8 +60,8 @@ def _partial_attn_kernel(
         D_MAIN: tl.constexpr, D_PE: tl.constexpr,
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -69,7 +69,9 @@ def _partial_attn_kernel(
     V = its first D_V columns), this call's KV already stored; MidO: [rows, H_q,
     NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32;
     Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
-    Parents: [NUM_STEPS, B, TOPK] (path mode).
+    Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
+    key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
+    softmax scale, the value scale into the normalised output.
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -95,6 +97,8 @@ def _partial_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = ReqToToken + rpi * stride_r2t
+    if SCALED:
+        sm_scale = sm_scale * tl.load(KScale)
 
     if split < NUM_SPLITS:
         start, end = _split_bounds(split, split_len, prefix_len, live)
@@ -131,6 +135,8 @@ def _partial_attn_kernel(
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SCALED:
+        o = o * tl.load(VScale)
     offs_dv = tl.arange(0, BLOCK_DV)
     o_mask = row_ok[:, None] & (offs_dv < D_V)[None, :]
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
@@ -271,6 +277,8 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, 
     key reaches exactly the rows that attend to it (``0 * NaN`` is NaN in P.V)."""
     ka, kb, kpe = load_latent(rows[:, None], key_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H,
                               BLOCK_DPE, DOT_F32)
+    if ka.dtype != qa.dtype:  # FP8 codes, widened exactly
+        ka, kb, kpe = ka.to(qa.dtype), kb.to(qa.dtype), kpe.to(qa.dtype)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision=DOT_PREC)
@@ -289,7 +297,7 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, 
 
 @triton.jit
 def _mla_partial_kernel(
-        Q, KV, Kin, MidO, MidLse, ReqToToken, Meta, Hist, Parents,
+        Q, KV, Kin, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
@@ -298,7 +306,7 @@ def _mla_partial_kernel(
         GROUP: tl.constexpr, MODE: tl.constexpr, D_HALF: tl.constexpr, D_PE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, BLOCK_KW: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        SCALED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Grid ``(row_blocks, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -306,7 +314,9 @@ def _mla_partial_kernel(
     D_PE]; MidO: [rows, H, >= NUM_SPLITS, 2 * D_HALF] fp32; MidLse: [rows, H, >= NUM_SPLITS]
     fp32. All ``K * H`` rows of a group are one tile (``BLOCK_M`` = 64 fits ``K = 4, H =
     16``: the wgmma height), q stays on chip, each key tile is loaded once for S and P.V.
-    Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin.
+    Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
+    (FP8 pools): the caller stored this call's codes, the tail reads them from the pool, and
+    a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output).
     """
     rb = tl.program_id(0)
     gi = tl.program_id(1)
@@ -334,13 +344,17 @@ def _mla_partial_kernel(
     acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = ReqToToken + rpi * stride_r2t
+    if SCALED:
+        kv_scale = tl.load(KScale)
+        sm_scale = sm_scale * kv_scale
 
-    if split == 0:
-        n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
-            _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs,
-                            NUM_STEPS, num_slots, 2 * D_HALF + D_PE, BLOCK_KW)
+    if not SCALED:
+        if split == 0:
+            n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                new, src = _new_keys(n0 + offs_n, n0 + offs_n < n_hi, hl, q_start, MODE)
+                _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs,
+                                NUM_STEPS, num_slots, 2 * D_HALF + D_PE, BLOCK_KW)
     start, end = _split_bounds(split, split_len, prefix_len, live)
     for n0 in range(start, end, BLOCK_N):
         slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
@@ -354,14 +368,18 @@ def _mla_partial_kernel(
                                             step, r2t_row, prefix_len, Hist, Parents,
                                             stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                                             num_slots, MODE)
-        new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
-        rows = tl.where(new, Kin + src * stride_kin_t, KV + slot * stride_kvs)
+        rows = KV + slot * stride_kvs
+        if not SCALED:
+            new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
+            rows = tl.where(new, Kin + src * stride_kin_t, rows)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
             D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32, MODE == MODE_EXTEND)
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
+    if SCALED:
+        inv = inv * kv_scale
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
     tl.store(mo + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
     tl.store(mo + D_HALF + offs_h[None, :], acc_b * inv[:, None], mask=hmask)

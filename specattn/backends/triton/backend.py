@@ -38,6 +38,7 @@ _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
 _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
 _TESTED_ON = "H200 (sm90) + CPU interpreter"
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: the tl.dot plans
 DECODE_MODES = ("shared", "per-branch")
 MAX_SPLITS = 16  # launchers.MAX_SPLITS (that module imports Triton)
 
@@ -102,6 +103,7 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     an error where the plan cannot serve this model here)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
     known_limits = {"decode/*/isolation/*": (
@@ -255,6 +257,7 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
     ``num_splits`` and ``plan`` as in ``TritonDecode`` (the ``tl.dot`` plans serve extend)."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = _KV_CACHE_DTYPES
     supports_cuda_graph = True
     tested_on = _TESTED_ON
 

@@ -170,7 +170,9 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
 
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``), by one
-    launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split.
+    launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split; into an
+    FP8 pool by ``runner.write_kv`` (torch's codes), read back by the ``tl.dot`` kernels with
+    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in.
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``)."""
     if not hist.is_contiguous():
@@ -178,10 +180,19 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     out = torch.empty(q.shape[0], shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
     kernel = plan.kernel
-    if kernel is Kernel.DOT:
+    scaled = getattr(runner, "fp8", False)
+    k_scale = v_scale = meta  # placeholders, never read without FP8
+    if scaled:  # torch quantizes (bit for bit its codes); the kernels read them from the pool
+        from ...fp8 import scale_tensor
+
+        runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
+                        v_scale=layer.v_scale)
+        k_scale = scale_tensor(layer.k_scale, q.device)
+        v_scale = scale_tensor(layer.v_scale, q.device)
+    elif kernel is Kernel.DOT:
         write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
-    elif kernel is not Kernel.DOT_MLA and mode == 2:
-        raise ValueError(f"plan {plan.name} serves decode only")
+    if kernel in (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE) and (mode == 2 or scaled):
+        raise ValueError(f"plan {plan.name} serves decode of bf16/fp16 pools only")
     if kernel is Kernel.CUTE:  # a request's splits merged on chip
         from . import cute_mla
 
@@ -226,7 +237,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         half = shape.d_main // 2
         k_in = new_kv[0]
         K._mla_partial_kernel[(triton.cdiv(rows_per_group, block_m), num_groups, num_splits)](
-            q, kb, k_in, mid_o, mid_lse, req_to_token, meta, hist, par, *common,
+            q, kb, k_in, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale, *common,
             q.stride(0), q.stride(1), sks, k_in.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), req_to_token.stride(0), par_s, par_b, kb.shape[0], topk,
@@ -234,13 +245,14 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             GROUP=shape.group, MODE=mode, D_HALF=half, D_PE=shape.d_pe,
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe), BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0,
-            BLOCK_KW=_pow2(shape.d_main + shape.d_pe), **dots, num_warps=num_warps,
-            num_stages=plan.num_stages)
+            BLOCK_KW=_pow2(shape.d_main + shape.d_pe), SCALED=scaled, **dots,
+            num_warps=num_warps, num_stages=plan.num_stages)
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
         K._partial_attn_kernel[grid](
-            q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist, par, *common,
+            q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale,
+            k_scale if shape.v_is_k else v_scale, *common,
             q.stride(0), q.stride(1), sks, skh, svs, svh,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), req_to_token.stride(0), par_s, par_b, kb.shape[0], topk,
@@ -249,7 +261,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             D_MAIN=shape.d_main, D_PE=shape.d_pe, D_V=shape.d_v,
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=block_m,
-            BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, **dots,
+            BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, SCALED=scaled, **dots,
             num_warps=num_warps, num_stages=plan.num_stages)
     merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits))
     return out

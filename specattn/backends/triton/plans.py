@@ -172,6 +172,8 @@ def model_reason(runner) -> Optional[str]:
     """Why the sm90 MLA kernels cannot take ``runner``'s model (``None``: they can)."""
     if not runner.use_mla_backend:
         return "not an MLA model"
+    if getattr(runner, "fp8", False):
+        return "FP8 KV pools take the tl.dot plans"
     if runner.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(runner.dtype).replace('torch.', '')}: the sm90 kernels take bf16/fp16"
     if (runner.kv_lora_rank, runner.qk_rope_head_dim) != MLA_LATENT:
