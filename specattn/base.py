@@ -437,7 +437,7 @@ class DraftDecodeBackend(DraftBackend):
         bs = batch.batch_size
         if self.tree_mode == "path":
             graph.parents[bs] = batch.parents
-        self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+        self._graph_round(graph, batch, bs)
         self._plan_graph(self.batch, capture=True)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
@@ -455,12 +455,27 @@ class DraftDecodeBackend(DraftBackend):
             # The graph reads the tensor given at capture ([S, bs, K], validated then); this
             # batch's values go into it.
             captured[:, :raw].copy_(batch.parents)
-        self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+        self._graph_round(graph, batch, bs)
         self._plan_graph(self.batch, capture=False)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value for padded requests in a captured batch."""
         return 1
+
+    def _graph_round(self, graph: "_FixedRound", batch: "DraftBatch", bs: int) -> None:
+        """The round's fixed views, padded to ``bs`` requests: copied here, or (a backend
+        whose ``_fills_graph_round`` is True) by its ``_plan_graph``, which reads the caller's
+        ``batch`` from ``self.graph_source``: one launch instead of six copies."""
+        if self._fills_graph_round():
+            self.graph_source = batch
+            self._begin(graph.views(batch, bs))
+        else:
+            self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+
+    def _fills_graph_round(self) -> bool:
+        """True when ``_plan_graph`` copies ``self.graph_source`` into the fixed views itself
+        (requests past its batch padded: request row 0, ``seq_lens`` 1, slot 0)."""
+        return False
 
     def _check_graph_batch(self, batch: "DraftBatch") -> None:
         """A graph round's batch is valid within ``cuda_graph_max_bs`` (no debug pass:
@@ -590,6 +605,12 @@ class _FixedRound:
                               (self.loc, batch.out_cache_loc, 0)):
             buf[:raw].copy_(src)
             buf[raw:bs].fill_(pad)
+        return self.views(batch, bs)
+
+    def views(self, batch: "DraftBatch", bs: int) -> "DraftBatch":
+        """The fixed views for ``bs`` requests (filled by ``round``, or by a backend's own
+        metadata kernel: ``DraftDecodeBackend._fills_graph_round``)."""
+        raw = batch.batch_size
         parents = self.parents.get(bs, batch.parents)
         if parents is not None and parents.shape[1] < bs:  # no capture at this size: pad
             parents = torch.cat([parents, parents.new_zeros(

@@ -143,7 +143,8 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
     _check_index_values("batch.seq_lens", seq, 0, runner.max_context_len + 1, debug)
     if not graph:
         _check_distinct("batch.out_cache_loc", loc, debug)
-    _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
+    if _scan_values(rpi, debug):  # (the clamp is a launch: only where the scan runs)
+        _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
 
 
 def check_parents_step(batch: DraftBatch, step: int, topk: int,

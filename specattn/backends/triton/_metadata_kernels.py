@@ -20,27 +20,40 @@ from ._attn_kernels import META_W
 
 
 @triton.jit
-def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist,
+def _decode_metadata_kernel(ReqPoolIdx, SeqLens, OutLoc, Meta, Hist, FixRpi, FixSeq, FixLoc,
                             stride_rpi, stride_seq, stride_loc_b, stride_loc_k, stride_loc_s,
-                            num_slots,
+                            num_slots, raw_bs,
                             TOPK: tl.constexpr, NUM_STEPS: tl.constexpr,
                             BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """Grid ``(B * K,)``: lane ``z`` copies its slots; lane ``j == 0`` writes its request."""
+                            BLOCK_N: tl.constexpr, FIXED: tl.constexpr):
+    """Grid ``(B * K,)``: lane ``z`` copies its slots; lane ``j == 0`` writes its request.
+    Requests ``b >= raw_bs`` are padding (request row 0, ``seq_lens`` 1, slot 0). ``FIXED``
+    (CUDA-graph rounds): the round's fixed ``req_pool_indices`` / ``seq_lens`` /
+    ``out_cache_loc`` buffers (int64, contiguous) get the padded batch too."""
     z = tl.program_id(0)
     b = z // TOPK
     j = z % TOPK
+    real = b < raw_bs
+    src = tl.minimum(b, raw_bs - 1)  # padding loads a real request, then drops it
     offs_s = tl.arange(0, BLOCK_S)
-    loc = tl.load(OutLoc + b * stride_loc_b + j * stride_loc_k + offs_s * stride_loc_s,
-                  mask=offs_s < NUM_STEPS, other=0)
+    s_ok = offs_s < NUM_STEPS
+    loc = tl.load(OutLoc + src * stride_loc_b + j * stride_loc_k + offs_s * stride_loc_s,
+                  mask=s_ok, other=0)
+    loc = tl.where(real, loc, 0)
+    if FIXED:
+        tl.store(FixLoc + z * NUM_STEPS + offs_s, loc.to(tl.int64), mask=s_ok)
     # Clamped into the pool once per round: the attention kernels read and write through it.
     loc = tl.minimum(tl.maximum(loc, 0), num_slots - 1)
-    tl.store(Hist + z * NUM_STEPS + offs_s, loc.to(tl.int32), mask=offs_s < NUM_STEPS)
+    tl.store(Hist + z * NUM_STEPS + offs_s, loc.to(tl.int32), mask=s_ok)
     if j == 0:
-        seq = tl.load(SeqLens + b * stride_seq).to(tl.int32)
+        seq = tl.where(real, tl.load(SeqLens + src * stride_seq).to(tl.int32), 1)
+        rpi = tl.where(real, tl.load(ReqPoolIdx + src * stride_rpi), 0)
+        if FIXED:
+            tl.store(FixRpi + b, rpi.to(tl.int64))
+            tl.store(FixSeq + b, seq.to(tl.int64))
         per = (seq + NUM_SPLITS - 1) // NUM_SPLITS
         split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        tl.store(Meta + b * META_W, tl.load(ReqPoolIdx + b * stride_rpi).to(tl.int32))
+        tl.store(Meta + b * META_W, rpi.to(tl.int32))
         tl.store(Meta + b * META_W + 1, seq)
         tl.store(Meta + b * META_W + 2, split_len)
         tl.store(Meta + b * META_W + 3, b * TOPK)

@@ -200,16 +200,26 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     # --- metadata ------------------------------------------------------------------------
 
-    def _plan(self, batch: "DraftBatch") -> None:
-        """One metadata launch for all steps of the round (no host sync on a GPU)."""
+    def _plan(self, batch: "DraftBatch", source: Optional["DraftBatch"] = None) -> None:
+        """One metadata launch for all steps of the round (no host sync on a GPU); with
+        ``source`` (graph rounds) it also copies the caller's batch into ``batch``'s fixed
+        buffers, padded."""
         bs = batch.batch_size
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs)
-        _launchers().decode_metadata(batch.req_pool_indices, batch.seq_lens,
-                                     batch.out_cache_loc, bufs.meta, bufs.hist,
-                                     plan["num_splits"], plan["plan"].block_n,
-                                     self.runner.num_slots, bufs.work, plan.get("wl_tail", 0))
+        src = source or batch
+        _launchers().decode_metadata(
+            src.req_pool_indices, src.seq_lens, src.out_cache_loc, bufs.meta, bufs.hist,
+            plan["num_splits"], plan["plan"].block_n, self.runner.num_slots, bufs.work,
+            plan.get("wl_tail", 0), fixed=None if source is None else (
+                batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc))
         self._round_plan, self._active = plan, bufs
+
+    def _fills_graph_round(self) -> bool:
+        return True
+
+    def _plan_graph(self, batch: "DraftBatch", *, capture: bool) -> None:
+        self._plan(batch, self.graph_source)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""

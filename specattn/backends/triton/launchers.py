@@ -81,23 +81,30 @@ def layer_pools(runner, layer_id: int):
 def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
                     num_splits: int, block_n: int, num_slots: int,
-                    work: Optional[torch.Tensor] = None, tail: int = 0) -> None:
+                    work: Optional[torch.Tensor] = None, tail: int = 0,
+                    fixed: Optional[tuple] = None) -> None:
     """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch
     (two with ``work``: the ``gluon-wl`` work list for ``num_splits`` programs per row tile
     and ``tail`` tail units per request, ``worklist.fill``).
 
-    out_cache_loc: ``[B, K, S]``."""
-    bs, topk, steps = out_cache_loc.shape
+    out_cache_loc: ``[B, K, S]``. fixed: a CUDA-graph round's fixed ``(req_pool_indices
+    [bs], seq_lens [bs], out_cache_loc [bs, K, S])`` (int64, contiguous), filled from the
+    ``B <= bs`` requests given and padded (request row 0, ``seq_lens`` 1, slot 0): the
+    metadata then covers ``bs`` requests."""
+    raw, topk, steps = out_cache_loc.shape
+    bs = raw if fixed is None else fixed[0].shape[0]
+    fix = fixed if fixed is not None else (meta, meta, meta)
     _decode_metadata_kernel[(bs * topk,)](
-        req_pool_indices, seq_lens, out_cache_loc, meta, hist,
+        req_pool_indices, seq_lens, out_cache_loc, meta, hist, *fix,
         req_pool_indices.stride(0), seq_lens.stride(0),
         out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots,
-        TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, num_warps=1)
+        raw, TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, num_warps=1)
     if work is not None:
         from . import worklist
 
-        worklist.fill(seq_lens, work, num_splits, tail, block_n)
+        worklist.fill(seq_lens if fixed is None else fixed[1], work, num_splits, tail,
+                      block_n)
 
 
 def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
