@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -30,12 +31,70 @@ require_triton_interpret()
 from specattn.backends.triton import gluon_mla, plans, worklist  # noqa: E402
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# The plan ``worklist.fill`` writes and the kernel walks, in Python: the tests' oracle.
+@dataclass(frozen=True)
+class Segment:
+    program: int
+    request: int
+    first_unit: int  # request-relative
+    end_unit: int
+    only: bool  # the request's only segment: written directly
+
+    @property
+    def slot(self) -> int:
+        return self.program + self.request
+
+
+@dataclass(frozen=True)
+class Schedule:
+    chunk: int
+    first_request: list  # per program
+    unit_starts: list  # U[0..B]
+    segments: list
+
+    def parts(self, b: int) -> range:
+        """Slots of request ``b``'s partials (empty when it is written directly)."""
+        lo, hi = self.unit_starts[b] // self.chunk, (self.unit_starts[b + 1] - 1) // self.chunk
+        return range(lo + b, hi + b + 1) if hi > lo else range(0)
+
+
+def schedule(prefix_lens: list, tail: int, block_n: int, programs: int) -> Schedule:
+    """The plan ``fill`` writes and the kernel walks, in Python (``programs >= B``)."""
+    if programs < len(prefix_lens):
+        raise ValueError(f"programs must be at least the batch ({len(prefix_lens)}), got "
+                         f"{programs}")
+    units = [_cdiv(n, block_n) + tail for n in prefix_lens]
+    chunk = max(1, _cdiv(sum(units), programs))
+    while sum(_cdiv(u, chunk) for u in units) > programs:
+        chunk += 1
+    starts = [0]
+    for u in units:
+        starts.append(starts[-1] + _cdiv(u, chunk) * chunk)
+    first, segments = [], []
+    for p in range(programs):
+        lo, hi = p * chunk, (p + 1) * chunk
+        b = sum(1 for e in starts[1:] if e <= lo)
+        first.append(b)
+        while b < len(units) and starts[b] < hi:
+            segments.append(Segment(p, b, max(lo, starts[b]) - starts[b],
+                                    min(hi, starts[b] + units[b]) - starts[b],
+                                    lo <= starts[b] and starts[b + 1] <= hi))
+            b += 1
+    return Schedule(chunk, first, starts, segments)
+
+
+
+
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=12),
        tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
        extra=st.integers(0, 20))
 def test_schedule_covers_every_unit_once(lens, tail, block_n, extra):
     programs = len(lens) + extra
-    plan = worklist.schedule(lens, tail, block_n, programs)
+    plan = schedule(lens, tail, block_n, programs)
     units = [math.ceil(n / block_n) + tail for n in lens]
     # The smallest chunk that gives every request whole programs within the P programs.
     c = plan.chunk
@@ -68,7 +127,7 @@ def test_schedule_covers_every_unit_once(lens, tail, block_n, extra):
        extra=st.integers(0, 100))
 def test_fill_writes_the_schedule(lens, tail, block_n, extra):
     programs = len(lens) + extra
-    plan = worklist.schedule(lens, tail, block_n, programs)
+    plan = schedule(lens, tail, block_n, programs)
     # Engine-style: the prefix lengths as a strided int64 column of a wider tensor.
     seq = torch.tensor([[n, -1] for n in lens], dtype=torch.int64, device=DEV)[:, 0]
     work = torch.full((worklist.work_numel(programs, len(lens)) + 3,), -7, dtype=torch.int32,
@@ -93,7 +152,7 @@ def test_tail_units(topk, heads, steps, block_n, want):
 def test_merge_segments_kernel(programs):
     gen = torch.Generator().manual_seed(programs)
     lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 16
-    plan = worklist.schedule(lens, tail, block_n, programs)
+    plan = schedule(lens, tail, block_n, programs)
     bs, rows = len(lens), worklist.partial_rows(topk, heads)
     work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,
                         dtype=torch.int32, device=DEV)
@@ -176,7 +235,7 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
     assert plan["num_splits"] == P
     work = backend._active.work
     block_n = plans.PLANS["gluon-wl"].block_n
-    want = worklist.schedule(lens, worklist.tail_units(2, 16, 3, block_n), block_n, P)
+    want = schedule(lens, worklist.tail_units(2, 16, 3, block_n), block_n, P)
     assert work[:worklist.work_numel(P, len(lens))].tolist() == \
         [want.chunk] + want.first_request + want.unit_starts
     for grid, const in stand_in_steps(r, batch, backend, stand_in.launches):

@@ -26,13 +26,11 @@ boundaries gave programs two segments and measured slower (H200: mla-long 83 aga
 uniform).
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
-U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
-``schedule`` is the same plan in Python (tests and docs).
+U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe); the tests
+hold the same plan in Python as their oracle.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,57 +70,6 @@ def work_numel(programs: int, batch: int) -> int:
 def partial_rows(topk: int, heads: int) -> int:
     """Rows of one partial slot: a request's ``topk * heads`` rows, padded to row tiles."""
     return num_row_tiles(topk * heads) * BLOCK_M
-
-
-@dataclass(frozen=True)
-class Segment:
-    program: int
-    request: int
-    first_unit: int  # request-relative
-    end_unit: int
-    only: bool  # the request's only segment: written directly
-
-    @property
-    def slot(self) -> int:
-        return self.program + self.request
-
-
-@dataclass(frozen=True)
-class Schedule:
-    chunk: int
-    first_request: list  # per program
-    unit_starts: list  # U[0..B]
-    segments: list
-
-    def parts(self, b: int) -> range:
-        """Slots of request ``b``'s partials (empty when it is written directly)."""
-        lo, hi = self.unit_starts[b] // self.chunk, (self.unit_starts[b + 1] - 1) // self.chunk
-        return range(lo + b, hi + b + 1) if hi > lo else range(0)
-
-
-def schedule(prefix_lens: list, tail: int, block_n: int, programs: int) -> Schedule:
-    """The plan ``fill`` writes and the kernel walks, in Python (``programs >= B``)."""
-    if programs < len(prefix_lens):
-        raise ValueError(f"programs must be at least the batch ({len(prefix_lens)}), got "
-                         f"{programs}")
-    units = [triton.cdiv(n, block_n) + tail for n in prefix_lens]
-    chunk = max(1, triton.cdiv(sum(units), programs))
-    while sum(triton.cdiv(u, chunk) for u in units) > programs:
-        chunk += 1
-    starts = [0]
-    for u in units:
-        starts.append(starts[-1] + triton.cdiv(u, chunk) * chunk)
-    first, segments = [], []
-    for p in range(programs):
-        lo, hi = p * chunk, (p + 1) * chunk
-        b = sum(1 for e in starts[1:] if e <= lo)
-        first.append(b)
-        while b < len(units) and starts[b] < hi:
-            segments.append(Segment(p, b, max(lo, starts[b]) - starts[b],
-                                    min(hi, starts[b] + units[b]) - starts[b],
-                                    lo <= starts[b] and starts[b + 1] <= hi))
-            b += 1
-    return Schedule(chunk, first, starts, segments)
 
 
 @triton.jit
