@@ -24,6 +24,7 @@ from .errors import (
 )
 from .factory import DraftBackendFactory
 from .keys import BackendRequest
+from .kv_layouts import KV_CACHE_DTYPES
 from .listing import BackendInfo, list_backends
 from .registry import Registry, default_registry, scoped_registry
 from .selection import Selection, select
@@ -38,7 +39,7 @@ __all__ = [
     "AttentionLayer", "BackendInfo", "BackendRequest", "BackendUnavailableError",
     "DraftBackend", "DraftBackendFactory", "DraftBatch", "DraftDecodeBackend",
     "DraftExtendBackend", "DraftExtendBatch", "DraftRunner", "DuplicateBackendError",
-    "InvalidInputError", "ModelMismatchError", "Registry", "RegistrationError", "Selection",
+    "InvalidInputError", "KV_CACHE_DTYPES", "ModelMismatchError", "Registry", "RegistrationError", "Selection",
     "SpecAttnError", "SpecConfig", "UnknownBackendError", "default_registry",
     "list_backends", "scoped_registry", "select", "__version__",
 ]

@@ -5,7 +5,7 @@ and why.
     specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
     specattn list --order [--kind ...] [--platform P] [--with-library NAME ...] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
-        --with-library flashinfer
+        --with-library flashinfer [--explain]
     specattn demo ...         (the main job: ``specattn.demo.cli_main``)
     specattn bench ...        (``specattn.bench.cli_main``)
 
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from .kv_layouts import KV_CACHE_DTYPES
 from .listing import known_libraries
 
 __all__ = ["main", "parse_platform"]
@@ -287,8 +288,18 @@ _ERROR_STEPS = {
 }
 
 
-def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
-    """(resolved?, answer text, printed lines) for one kind."""
+@dataclasses.dataclass
+class _Outcome:
+    """One kind's answer: the short text, the steps behind it (``--explain``), the warnings
+    selection logged or raised on the way, and the selection error, if any."""
+
+    answer: str
+    trace: list[str]
+    notes: list[str]
+    error: Optional[BaseException] = None
+
+
+def _resolve_kind(factory, config, kind: str) -> _Outcome:
     explain = (factory.explain_decode_backend if kind == "decode"
                else factory.explain_draft_extend_backend)
     handler = _Collect()
@@ -305,36 +316,39 @@ def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
 
                 if not isinstance(exc, (SpecAttnError, ValueError)):
                     raise
-                lines = [f"{kind}: requested {config.backend_name(kind)!r}"]
                 steps = [f"name precedence (rule 2): {s}" for s in config.name_trail(kind)]
                 for qualname, reasons in getattr(exc, "reasons", {}).items():
                     steps.append(f"{qualname}: rejected: " + "; ".join(reasons))
                 steps += _ERROR_STEPS.get(type(exc).__name__, [])
-                lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
-                lines.append(f"  => {type(exc).__name__} (message below)")
-                return False, f"error: {describe_error(exc)}", _with_notes(
-                    lines, handler.messages, caught)
+                trace = [f"{kind}: requested {config.backend_name(kind)!r}"]
+                trace += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
+                trace.append(f"  => {type(exc).__name__}: {exc}")
+                return _Outcome(f"error: {describe_error(exc)}", trace,
+                                _notes(handler.messages, caught), exc)
     finally:
         log.removeHandler(handler)
-    lines = sel.explain().splitlines()
+    trace = sel.explain().splitlines()
     if sel.backend is None:
         answer = "None"
-        lines.append("  => None: no backend for this kind (see the last step)")
+        trace.append("  => None: no backend for this kind (see the last step)")
     else:
         cls = sel.backend
         answer = f"{cls.qualified_name()} (name {cls.name!r}, flavour {cls.flavour!r})"
-        lines.append(f"  => {answer}")
-    return True, answer, _with_notes(lines, handler.messages, caught)
+        trace.append(f"  => {answer}")
+        note = cls.runtime_note(sel.platform) if hasattr(cls, "runtime_note") else ""
+        answer += f"; {note}" if note else ""  # which kernel runs here (e.g. Gluon MLA)
+    return _Outcome(answer, trace, _notes(handler.messages, caught))
 
 
-def _with_notes(lines: list[str], logged: list[str], caught: list) -> list[str]:
-    return (lines + [f"  warning: {m}" for m in logged]
-            + [f"  {w.category.__name__}: {w.message}" for w in caught])
+def _notes(logged: list[str], caught: list) -> list[str]:
+    return [f"warning: {m}" for m in logged] + [f"{w.category.__name__}: {w.message}"
+                                                for w in caught]
 
 
 def _cmd_select(args: argparse.Namespace) -> int:
     from . import DraftBackendFactory, SpecConfig
-    from .errors import InvalidInputError
+    from .errors import InvalidInputError, UnknownBackendError
+    from .selection import describe_error
 
     try:
         platform = parse_platform(args.platform, args.with_library)
@@ -351,6 +365,12 @@ def _cmd_select(args: argparse.Namespace) -> int:
     except InvalidInputError as exc:
         print(f"specattn select: error: {exc}", file=sys.stderr)
         return 2
+    outcomes = {kind: _resolve_kind(factory, config, kind) for kind in ("decode", "extend")}
+    unknown = [o.error for o in outcomes.values() if isinstance(o.error, UnknownBackendError)]
+    if unknown and not args.explain:  # a misspelled name: the one line that corrects it
+        for text in dict.fromkeys(describe_error(e) for e in unknown):
+            print(f"specattn select: error: {text}", file=sys.stderr)
+        return 1
     set_fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                   if getattr(config, f.name) != f.default}
     print(f"platform: {platform}")
@@ -358,17 +378,22 @@ def _cmd_select(args: argparse.Namespace) -> int:
     print(f"model: {'MLA' if args.mla else 'MHA'}; topk={args.topk} num_steps={args.num_steps} "
           f"tree_mode={args.tree_mode}")
     print("config: SpecConfig(" + ", ".join(f"{k}={v!r}" for k, v in set_fields.items()) + ")")
-    answers, ok = {}, True
-    for kind in ("decode", "extend"):
-        resolved, answers[kind], lines = _explain_kind(factory, config, kind)
-        ok = ok and resolved
-        print()
-        print("\n".join(lines))
+    if args.explain:
+        for outcome in outcomes.values():
+            print()
+            print("\n".join(outcome.trace))
     print()
     print("answer:")
-    for kind in ("decode", "extend"):
-        print(f"  {kind}: {answers[kind]}")
-    return 0 if ok else 1
+    decode, extend = outcomes["decode"].answer, outcomes["extend"].answer
+    if decode == extend:
+        print(f"  decode, extend: {decode}")
+    else:
+        print(f"  decode: {decode}\n  extend: {extend}")
+    for note in dict.fromkeys(n for o in outcomes.values() for n in o.notes):
+        print(note)
+    if not args.explain:
+        print("(--explain: every step of the choice and each candidate's reasons)")
+    return 1 if any(o.error for o in outcomes.values()) else 0
 
 
 # --- demo / bench --------------------------------------------------------------------------------
@@ -421,9 +446,10 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    "prefill-attention-backend or decode-attention-backend (default: prefill)")
     p.add_argument("--page-size", type=int, default=1, metavar="P",
                    help="KV cache page size in tokens (default: 1)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV cache dtype: auto (the model's), fp8_ds_mla or fp8_ds_v4 for the "
-                        "DeepSeek FP8 layouts (default: auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   metavar="DTYPE", help="KV cache dtype: " + ", ".join(KV_CACHE_DTYPES)
+                   + " (auto: the model's dtype; fp8_ds_mla and fp8_ds_v4: the DeepSeek FP8 "
+                   "layouts) (default: auto)")
     p.add_argument("--topk", type=int, default=1, metavar="K",
                    help="draft branches (lanes) per request (default: 1)")
     p.add_argument("--num-steps", type=int, default=3, metavar="S",
@@ -433,12 +459,24 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
                    help="lane: each lane attends to its own history, as upstream engines do; "
                         "path: the exact EAGLE ancestry (default: lane)")
+    p.add_argument("--explain", action="store_true",
+                   help="print every step of the choice, each candidate's reasons and the "
+                        "full error messages (default: the answers only)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, the error and where the options are listed: argparse's
+    default prints the whole usage first (a dozen lines for ``select``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        hint = "" if "choose from" in message else f" ({self.prog} --help lists the options)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specattn", description="Attention backends for the draft phase of "
         "speculative decoding: list them, explain a selection, run the demo or the "
         "benchmark. Docs: docs/index.md in the repository.")
@@ -464,10 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="every field, as JSON")
     _add_platform_args(p)
 
-    p = sub.add_parser("select", help="explain which backends a configuration gets",
-                       description="Resolve a SpecConfig for draft decode and draft extend "
-                       "and explain every step (rule numbers: docs/selection.md). Exit "
-                       "status 1 when a kind has no backend because of an error.")
+    p = sub.add_parser("select", help="which backends a configuration gets, and why",
+                       description="Resolve a SpecConfig for draft decode and draft extend: "
+                       "the answer for each; --explain prints every step (rule numbers: "
+                       "docs/selection.md). Exit status 1 when a kind has no backend because "
+                       "of an error.")
     _add_select_args(p)
     _add_platform_args(p)
 

@@ -110,7 +110,9 @@ def test_demo_selects_for_the_device_it_runs_on():
     (["--min-len", "9", "--max-len", "3"], 2, "--min-len 9 > --max-len 3"),
     (["--topk", "0"], 2, "expected an int >= 1"),
     (["--tree-mode", "tree"], 2, "invalid choice"),
-    (["--backend", "no_such_backend"], 1, "EAGLE is not supported"),
+    (["--backend", "no_such_backend"], 1, "unknown backend 'no_such_backend'; known names: "),
+    (["--backend", "torch_rf"], 1, "error: unknown backend 'torch_rf'; did you mean "
+                                   "'torch_ref'?\n"),
     (["--backend", "flashmla", "--mla"], 1, "BackendUnavailableError"),
 ])
 def test_demo_usage_errors(argv, code, message, capsys):

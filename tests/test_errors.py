@@ -144,6 +144,30 @@ def test_unavailable_message_snapshot(empty_registry):
         "needs CUDA, this platform is cpu without AMX",
         "needs the 'vendorlib' package, which is not installed (pip install vendor-lib)",
         "supports page sizes [64], got 1"]}
+    assert info.value.summary == "only: needs CUDA"  # the platform is the caller's to name
+
+
+def test_summary_and_describe_error_are_one_short_line(empty_registry):
+    """The cause a person reads: what the candidates that run here refuse (not the reasons
+    of the ones that cannot run here), one short line; an unknown name gets the closest name
+    when one is close, else the known names."""
+    from specattn.selection import describe_error
+
+    base = {"__module__": "fakes", "init_forward_metadata": lambda s, b: None,
+            "forward": lambda s, *a: None}
+    type("Gpu", (DraftDecodeBackend,), dict(base), name="gpu", platforms=is_cuda)
+    type("Paged", (DraftDecodeBackend,), dict(base, page_sizes=frozenset({64})),
+         name="paged")
+    with pytest.raises(BackendUnavailableError) as info:
+        select("decode", "auto", BackendRequest(kind="decode", num_steps=3), CPU)
+    assert info.value.summary == ("auto: no decode backend can serve the request here: "
+                                  "supports page sizes [64], got 1")
+    assert describe_error(info.value) == "BackendUnavailableError: " + info.value.summary
+    for name, line in [("pagd", "unknown backend 'pagd'; did you mean 'paged'?"),
+                       ("zzzz", "unknown backend 'zzzz'; known names: gpu, paged")]:
+        with pytest.raises(UnknownBackendError) as info:
+            select("decode", name, BackendRequest(kind="decode", num_steps=3), CPU)
+        assert describe_error(info.value) == line
 
 
 def test_auto_with_nothing_usable(empty_registry):
