@@ -8,6 +8,12 @@
 
 from __future__ import annotations
 
+import time as _time
+
+# When the package was first imported: the commands (``specattn demo``) count their time from
+# here, so the time they print includes importing torch.
+_STARTED = _time.perf_counter()
+
 from importlib import metadata as _metadata
 
 from .base import DraftBackend, DraftDecodeBackend, DraftExtendBackend

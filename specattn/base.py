@@ -21,6 +21,7 @@ per-class settings are read from ``cls.__dict__``.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
@@ -135,7 +136,15 @@ class DraftBackend(ABC):
         """Reasons this class cannot run on ``platform`` (platform and libraries only)."""
         reasons = []
         if not cls.platforms(platform):
-            reasons.append(f"needs {cls.platforms.description}, this platform is {platform}")
+            interpreted = dataclasses.replace(platform, triton_interpret=True)
+            if platform.device == "cpu" and cls.platforms(interpreted):
+                # The only thing missing is the interpreter switch: say that first, since
+                # installing triton alone does not change the answer.
+                reasons.append("set TRITON_INTERPRET=1 to run its Triton kernels on this CPU "
+                               "(Triton's interpreter: slow, for checking)")
+            else:
+                reasons.append(f"needs {cls.platforms.description}, this platform is "
+                               f"{platform}")
         for module, pip_name in cls.requires:
             if not platform.has_library(module):
                 reasons.append(f"needs the '{module}' package, which is not installed "

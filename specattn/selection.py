@@ -179,8 +179,9 @@ def _cause(classes: list, sel: Selection, platform: Platform) -> str:
         causes = [f"{c.flavour if same_name else c.name}: "
                   + ", ".join(sel.rejected.get(c.qualified_name(), [])) for c in here]
     else:
-        causes = [sel.rejected[c.qualified_name()][0].split(", this platform is")[0]
-                  for c in classes if sel.rejected.get(c.qualified_name())]
+        first = [sel.rejected.get(c.qualified_name(), []) for c in classes]
+        first = first[0] if len(first) == 1 else [r[0] for r in first if r]
+        causes = [r.split(", this platform is")[0] for r in first]
     return "; ".join(dict.fromkeys(causes))
 
 

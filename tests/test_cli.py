@@ -354,10 +354,12 @@ def test_bench_is_delegated(monkeypatch):
 def test_demo_is_delegated(capsys, monkeypatch):
     seen = []
     fake = types.ModuleType("specattn.demo")
-    fake.cli_main = lambda argv: seen.append(argv) or 7
+    fake.cli_main = lambda argv, started: seen.append((argv, started)) or 7
     monkeypatch.setitem(sys.modules, "specattn.demo", fake)
     assert main(["demo", "--steps", "3", "--mla"]) == 7
-    assert seen == [["--steps", "3", "--mla"]]
+    (argv, started), = seen
+    assert argv == ["--steps", "3", "--mla"]
+    assert started <= specattn._STARTED  # the total counts from the process's start
 
 
 def test_demo_missing_is_a_clear_message(capsys, monkeypatch):
