@@ -254,3 +254,23 @@ def test_platform_errors_say_what_is_expected():
                                "'cpu'), got 'gpu'")
     with pytest.raises(InvalidInputError, match=r"capability: expected \(major, minor\)"):
         Platform("cuda", (9,))
+
+
+def test_a_cpu_backend_that_lacks_only_the_interpreter_says_so_first():
+    """After ``pip install triton`` on a CPU the Triton backends still need
+    TRITON_INTERPRET=1: the reason says that, not the list of GPU platforms."""
+    import dataclasses
+
+    from specattn.backends.triton import TritonDecode
+
+    cpu = Platform("cpu", libraries=frozenset({"triton"}))
+    assert TritonDecode.platform_reasons(cpu) == [
+        "set TRITON_INTERPRET=1 to run its Triton kernels on this CPU (Triton's interpreter: "
+        "slow, for checking)"]
+    assert TritonDecode.platform_reasons(dataclasses.replace(cpu, triton_interpret=True)) == []
+    reasons = TritonDecode.platform_reasons(CPU)  # triton missing as well: both, in order
+    assert reasons[0].startswith("set TRITON_INTERPRET=1") and "pip install" in reasons[1]
+    amx_only = Platform("cpu", cpu_has_amx=False, libraries=frozenset())
+    from specattn.backends.flashinfer import FlashInferDecode
+
+    assert FlashInferDecode.platform_reasons(amx_only)[0].startswith("needs CUDA")
