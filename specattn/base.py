@@ -140,8 +140,8 @@ class DraftBackend(ABC):
             if platform.device == "cpu" and cls.platforms(interpreted):
                 # The only thing missing is the interpreter switch: say that first, since
                 # installing triton alone does not change the answer.
-                reasons.append("set TRITON_INTERPRET=1 to run its Triton kernels on this CPU "
-                               "(Triton's interpreter: slow, for checking)")
+                reasons.append("set TRITON_INTERPRET=1 to run it on this CPU (Triton's "
+                               "interpreter, slow)")
             else:
                 reasons.append(f"needs {cls.platforms.description}, this platform is "
                                f"{platform}")

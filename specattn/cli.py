@@ -184,6 +184,52 @@ def _render_list(rows: list, platform, console) -> None:
                   "`specattn list --json` gives every field")
 
 
+def _brief_entries(rows: list) -> list[tuple[str, str, str]]:
+    """(name, runs here, short reason) per backend name: a name runs here when one of
+    its classes (or its dispatcher's target) does; the reason is each row's first one without
+    the platform (printed above), or, when it runs, the note on which kernels run."""
+    by_name: dict[str, list] = {}
+    for r in rows:
+        by_name.setdefault(r.name, []).append(r)
+    entries = []
+    for name, group in by_name.items():
+        classes = [r for r in group if r.flavour != "dispatcher"]
+        if not classes:  # a dispatcher: where it goes here
+            runs = _runs_text(group[0])
+            why = "" if group[0].runs_here else group[0].reason.removeprefix("here -> ")
+        else:
+            group = classes
+            runs = "yes" if any(r.runs_here for r in group) else "no"
+            pick = [r for r in group if r.runs_here] or group
+            why = "; ".join(dict.fromkeys(r.reason.split("; ")[0].split(", this platform is")[0]
+                                          for r in pick if r.reason))
+        entries.append((name, runs, why))
+    return entries
+
+
+def _render_brief(rows: list, platform, console) -> None:
+    """The default ``list``: one line per backend name, whether it runs here and why not."""
+    from ._console import make_table
+
+    found = [m for m in known_libraries() if platform.has_library(m)]
+    given = " (given with --with-library)" if platform.libraries is not None else ""
+    console.print(f"platform: {platform}; libraries found: {', '.join(found) or 'none'}{given}")
+    table = make_table("NAME", "RUNS HERE?", "WHY NOT / NOTE", no_wrap=("NAME", "RUNS HERE?"),
+                       truncate=("WHY NOT / NOTE",))
+    entries = _brief_entries(rows)
+    for entry in entries:
+        table.add_row(*entry)
+    # Only the reason gives way to a narrow terminal: cut with an ellipsis, one line a row.
+    fixed = sum(max([len(e[i]) for e in entries] + [len(c.header)])
+                for i, c in enumerate(table.columns[:2]))
+    table.columns[2].max_width = max(console.width - fixed - 4, 10)  # 4: the column gaps
+    console.print(table)
+    usable = sum(1 for e in entries if e[1] == "yes" or (e[1].startswith("->")
+                                                          and not e[1].endswith("(no)")))
+    console.print(f"{len(entries)} backends, {usable} run here; --details: every declaration "
+                  "and reason")
+
+
 def _platform_json(platform) -> dict[str, Any]:
     return {"device": platform.device,
             "capability": list(platform.capability) if platform.capability else None,
@@ -257,7 +303,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     else:
         rows = list_backends(kind=args.kind, pattern=args.pattern,
                              available_only=args.available, platform=platform)
-        key, render = "backends", _render_list
+        key, render = "backends", _render_list if args.details else _render_brief
     if args.json:
         print(json.dumps({"platform": _platform_json(platform),
                           key: [_row_json(r) for r in rows]}, indent=2))
@@ -505,10 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("list", help="every backend, its declaration and whether it runs here",
-                       description="Every registered backend and dispatcher: kinds, models, "
-                       "platforms, kernel library, capabilities, where it was tested, and "
-                       "whether it runs here (and why not).")
+    p = sub.add_parser("list", help="every backend and whether it runs here",
+                       description="Every registered backend and dispatcher, one line each: "
+                       "whether it runs here and, if not, the first reason. --details: kinds, "
+                       "models, platforms, kernel library, capabilities, where it was tested "
+                       "and every reason.")
     p.add_argument("--kind", choices=("decode", "extend"),
                    help="only this kind (default: both)")
     p.add_argument("--pattern", metavar="GLOB",
@@ -518,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", action="store_true",
                    help="the order in which auto tries the backends here (or on --platform), "
                         "one table per kind: rank, priority, runs here or why not")
+    p.add_argument("--details", action="store_true",
+                   help="the full table: every declaration and every reason (default: one "
+                        "line per backend)")
     p.add_argument("--json", action="store_true", help="every field, as JSON")
     _add_platform_args(p)
 

@@ -25,9 +25,35 @@ def run(capsys, *argv):
 
 # --- list --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("columns", [80, 120])
+def test_list_is_one_line_per_backend(capsys, monkeypatch, columns):
+    """The default: a line per name (runs here?, the first reason or the kernel note), the
+    full reasons only with --details."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cpu = ["--platform", "cpu", "--with-library", "triton"]
+    code, out, _ = run(capsys, "list", *cpu)
+    assert code == 0
+    lines = out.splitlines()
+    names = sorted({n for k in ("decode", "extend") for n in default_registry.names(k)})
+    rows = [line for line in lines if line.split() and line.split()[0] in names]
+    assert [line.split()[0] for line in rows] == names
+    assert len(lines) <= len(names) + 5 and all(len(line) <= columns for line in lines)
+    assert len(out) < (columns + 1) * (len(names) + 5)
+    table = {line.split()[0]: line.rstrip().split(None, 2)[1:] for line in rows}
+    assert table["torch_ref"] == ["yes"]
+    if not parse_platform("cpu").triton_interpret:
+        assert table["triton"][0] == "no"
+        assert table["triton"][1].startswith("set TRITON_INTERPRET=1 to run it on this CPU")
+    assert table["flashinfer"] == ["no", "needs CUDA"]
+    assert f"{len(names)} backends, " in lines[-1] and "--details" in lines[-1]
+    assert "capabilities" not in out and "this platform is" not in out
+    code, details, _ = run(capsys, "list", *cpu, "--details")
+    assert code == 0 and "capabilities: " in details and len(details) > 3 * len(out)
+
+
 def test_list_table(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run(capsys, "list", "--details")
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == f"platform: {current_platform()}"
@@ -45,7 +71,7 @@ def test_list_table(capsys, monkeypatch):
 
 def test_list_counts_what_it_shows_and_splits_no_number(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")  # the narrowest table: the most wrapping
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run(capsys, "list", "--details")
     assert code == 0
     lines = out.splitlines()
     rows = specattn.list_backends()
@@ -121,9 +147,13 @@ def test_list_for_another_platform(capsys):
     assert hybrid["reason"].startswith("here -> triton, which cannot run here")
     assert hybrid["runs_here"] is False
     code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
-                       "flashinfer")
+                       "flashinfer", "--details")
     assert out.splitlines()[0] == "platform: cuda 10.0"
     assert "libraries: flashinfer (given with --with-library)" in out
+    code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
+                       "flashinfer")
+    assert out.splitlines()[0] == ("platform: cuda 10.0; libraries found: flashinfer (given "
+                                   "with --with-library)")
 
 
 def test_list_order_is_autos_order_per_kind(capsys, monkeypatch):

@@ -265,8 +265,7 @@ def test_a_cpu_backend_that_lacks_only_the_interpreter_says_so_first():
 
     cpu = Platform("cpu", libraries=frozenset({"triton"}))
     assert TritonDecode.platform_reasons(cpu) == [
-        "set TRITON_INTERPRET=1 to run its Triton kernels on this CPU (Triton's interpreter: "
-        "slow, for checking)"]
+        "set TRITON_INTERPRET=1 to run it on this CPU (Triton's interpreter, slow)"]
     assert TritonDecode.platform_reasons(dataclasses.replace(cpu, triton_interpret=True)) == []
     reasons = TritonDecode.platform_reasons(CPU)  # triton missing as well: both, in order
     assert reasons[0].startswith("set TRITON_INTERPRET=1") and "pip install" in reasons[1]
