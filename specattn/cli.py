@@ -2,7 +2,7 @@
 and why.
 
     specattn [--log-level LEVEL] COMMAND ...
-    specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
+    specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--details] [--json]
     specattn list --order [--kind ...] [--platform P] [--with-library NAME ...] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
         --with-library flashinfer [--explain]
