@@ -453,26 +453,11 @@ def _cmd_demo(argv: list[str]) -> int:
         print(f"specattn demo: the demo (specattn.demo.cli_main) is not available in this "
               f"installation ({exc})", file=sys.stderr)
         return 2
-    return int(cli_main(argv, started=_process_started()) or 0)
-
-
-def _process_started() -> float:
-    """``time.perf_counter()`` at this process's start, so a command's printed total is the
-    time its user waited: from ``/proc`` on Linux (Python's own start-up counts), else when
-    specattn was first imported."""
-    import os
-    import time
-
     import specattn
 
-    try:
-        with open("/proc/self/stat") as f:  # field 22, starttime, in ticks after boot
-            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            age = float(f.read().split()[0]) - start
-    except (OSError, ValueError, IndexError):
-        return specattn._STARTED
-    return min(time.perf_counter() - max(age, 0.0), specattn._STARTED)
+    # From the package's import, not the process's start: a shell that runs the command
+    # last in a subshell execs it, so the process may be older than the command.
+    return int(cli_main(argv, started=specattn._STARTED) or 0)
 
 
 def _cmd_bench(argv: list[str]) -> int:

@@ -92,7 +92,7 @@ def test_demo_is_deterministic_per_seed():
 
 def test_demo_explain_and_a_true_total(capsys):
     """--explain prints the selection's steps; the total counts from ``started`` (the
-    command passes its process's start), with the rounds' own share beside it."""
+    command passes specattn's import), with the rounds' own share beside it."""
     import time
 
     code, text = run(SMALL + ["--trees", "0", "--explain"])

@@ -118,7 +118,7 @@ def run_demo(args: argparse.Namespace, out: TextIO, started: Optional[float] = N
 
     Selection is made for the platform of ``--device``: on a GPU machine, ``--device cpu``
     selects among the CPU backends. ``started``: the ``time.perf_counter()`` the printed
-    total counts from (the command passes its process's start; default: now)."""
+    total counts from (the command passes specattn's import; default: now)."""
     started = time.perf_counter() if started is None else started
     detected = current_platform()
     if torch_device_type(detected) == args.device:
@@ -218,7 +218,7 @@ def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
             say(line)
     now = time.perf_counter()
     say(f"done in {now - started:.1f} s" + (f" ({now - t0:.1f} s of draft rounds and checks; "
-                                            "the rest: starting Python, importing torch)"
+                                            "the rest: importing torch and specattn)"
                                             if t0 - started >= 0.05 else ""))
     return 0 if meter is None or meter.ok else 1
 
