@@ -8,6 +8,12 @@
 
 from __future__ import annotations
 
+import time as _time
+
+# When the package was first imported: the commands (``specattn demo``) count their time from
+# here, so the time they print includes importing torch.
+_STARTED = _time.perf_counter()
+
 from importlib import metadata as _metadata
 
 from .base import DraftBackend, DraftDecodeBackend, DraftExtendBackend
@@ -24,6 +30,7 @@ from .errors import (
 )
 from .factory import DraftBackendFactory
 from .keys import BackendRequest
+from .kv_layouts import KV_CACHE_DTYPES
 from .listing import BackendInfo, list_backends
 from .registry import Registry, default_registry, scoped_registry
 from .selection import Selection, select
@@ -38,7 +45,7 @@ __all__ = [
     "AttentionLayer", "BackendInfo", "BackendRequest", "BackendUnavailableError",
     "DraftBackend", "DraftBackendFactory", "DraftBatch", "DraftDecodeBackend",
     "DraftExtendBackend", "DraftExtendBatch", "DraftRunner", "DuplicateBackendError",
-    "InvalidInputError", "ModelMismatchError", "Registry", "RegistrationError", "Selection",
+    "InvalidInputError", "KV_CACHE_DTYPES", "ModelMismatchError", "Registry", "RegistrationError", "Selection",
     "SpecAttnError", "SpecConfig", "UnknownBackendError", "default_registry",
     "list_backends", "scoped_registry", "select", "__version__",
 ]

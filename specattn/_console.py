@@ -32,15 +32,18 @@ def make_console(file: Optional[TextIO] = None, width: Optional[int] = None) -> 
                    soft_wrap=False)
 
 
-def make_table(*columns: str, no_wrap: tuple[str, ...] = ()) -> "Table":
-    """A borderless table with a header row; ``no_wrap`` columns are never wrapped."""
+def make_table(*columns: str, no_wrap: tuple[str, ...] = (),
+               truncate: tuple[str, ...] = ()) -> "Table":
+    """A borderless table with a header row; ``no_wrap`` columns are never wrapped;
+    ``truncate`` columns are cut with an ellipsis at the terminal's edge (one line a row)."""
     from rich import box
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold",
                   collapse_padding=True)
     for name in columns:
-        table.add_column(name, no_wrap=name in no_wrap, overflow="fold")
+        table.add_column(name, no_wrap=name in no_wrap or name in truncate,
+                         overflow="ellipsis" if name in truncate else "fold")
     return table
 
 

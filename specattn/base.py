@@ -21,6 +21,8 @@ per-class settings are read from ``cls.__dict__``.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
@@ -30,7 +32,8 @@ import torch
 from .data import DraftBatch, DraftExtendBatch
 from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
 from .install import install_hint
-from .keys import BackendRequest, check_draft_params
+from .keys import BackendRequest, a_kind, check_draft_params
+from .kv_layouts import KV_CACHE_DTYPES
 from .platforms import Platform, Predicate, any_platform, current_platform
 from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
                          check_extend_forward, check_parents_step)
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["DraftBackend", "DraftDecodeBackend", "DraftExtendBackend", "MODELS"]
 
 MODELS = frozenset({"mha", "mla"})
+_KV_DTYPES = frozenset(KV_CACHE_DTYPES)
 _DECLARATION_KEYWORDS = ("name", "aliases", "deprecated_aliases", "flavour", "platforms",
                          "models", "requires", "priority", "kernel_library", "mla_required_name",
                          "replace")
@@ -102,6 +106,7 @@ class DraftBackend(ABC):
                 f"{cls.__module__}.{cls.__qualname__}: unknown class keyword(s) "
                 f"{sorted(unknown)}; expected some of {list(_DECLARATION_KEYWORDS)}")
         super().__init_subclass__()
+        _check_capabilities(cls)
         if name is None:
             if declaration:
                 raise RegistrationError(
@@ -135,7 +140,15 @@ class DraftBackend(ABC):
         """Reasons this class cannot run on ``platform`` (platform and libraries only)."""
         reasons = []
         if not cls.platforms(platform):
-            reasons.append(f"needs {cls.platforms.description}, this platform is {platform}")
+            interpreted = dataclasses.replace(platform, triton_interpret=True)
+            if platform.device == "cpu" and cls.platforms(interpreted):
+                # The only thing missing is the interpreter switch: say that first, since
+                # installing triton alone does not change the answer.
+                reasons.append("set TRITON_INTERPRET=1 to run it on this CPU (Triton's "
+                               "interpreter, slow)")
+            else:
+                reasons.append(f"needs {cls.platforms.description}, this platform is "
+                               f"{platform}")
         for module, pip_name in cls.requires:
             if not platform.has_library(module):
                 reasons.append(f"needs the '{module}' package, which is not installed "
@@ -151,7 +164,7 @@ class DraftBackend(ABC):
         platform = current_platform() if platform is None else platform
         reasons = []
         if request.kind != cls.kind:
-            reasons.append(f"is a {cls.kind} backend, {request.kind} was asked for")
+            reasons.append(f"is {a_kind(cls.kind)} backend, {request.kind} was asked for")
         if request.model not in cls.models:
             served = "/".join(sorted(m.upper() for m in cls.models))
             reasons.append(f"serves {served} models, the model is {request.model.upper()}")
@@ -280,6 +293,59 @@ class DraftBackend(ABC):
         """Build the round's metadata into the fixed buffers, outside the graph (capture
         and replay); default: ``_plan``."""
         self._plan(batch)
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, frozenset) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+
+
+def _strings(value: Any, allowed: Optional[frozenset] = None) -> bool:
+    return all(isinstance(v, str) and (allowed is None or v in allowed) for v in value)
+
+
+# Each capability ClassVar: (what it must be, the check). A wrong type would otherwise pass
+# silently (a list of page sizes works with `in`) or fail at the first request.
+_CAPABILITIES: dict[str, tuple[str, Any]] = {
+    "dtypes": ("a non-empty tuple of torch dtypes", lambda v: isinstance(v, tuple) and v and all(
+        isinstance(d, torch.dtype) for d in v)),
+    "kv_cache_dtypes": ("a non-empty tuple of names from specattn.kv_layouts.KV_CACHE_DTYPES",
+                        lambda v: isinstance(v, tuple) and v and _strings(v, _KV_DTYPES)),
+    "page_sizes": ("None or a frozenset of ints >= 1", lambda v: v is None or _ints(v)),
+    "max_topk": ("None or an int >= 1", lambda v: v is None or (
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
+    "tree_modes": ("a non-empty frozenset of 'lane' / 'path'", lambda v: isinstance(
+        v, frozenset) and v and _strings(v, frozenset({"lane", "path"}))),
+    "head_dims": ("None or a frozenset of ints >= 1", lambda v: v is None or _ints(v)),
+    "supports_cuda_graph": ("a bool", lambda v: isinstance(v, bool)),
+    "soft_cap_models": ("a frozenset of 'mha' / 'mla'", lambda v: isinstance(
+        v, frozenset) and _strings(v, MODELS)),
+    "tested_on": ("a str", lambda v: isinstance(v, str)),
+    "pending": ("None or a str", lambda v: v is None or isinstance(v, str)),
+    "auto_eligible": ("a bool", lambda v: isinstance(v, bool)),
+    "known_limits": ("a mapping of case-id patterns to reasons (str: str)", lambda v: isinstance(
+        v, Mapping) and _strings(v) and _strings(v.values())),
+    "kit_options": ("a mapping of constructor keywords (str) to values", lambda v: isinstance(
+        v, Mapping) and _strings(v)),
+}
+
+
+def _check_capabilities(cls: type) -> None:
+    """The capability ClassVars a class body sets (``cls.__dict__``: inherited ones were
+    checked on their class) have the right types, and no name in it is a misspelled
+    capability (``max_top_k``), which would otherwise be ignored."""
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    for field, value in cls.__dict__.items():
+        if field in _CAPABILITIES:
+            expected, ok = _CAPABILITIES[field]
+            if not ok(value):
+                raise RegistrationError(f"{where}: {field} must be {expected}, got {value!r}")
+        elif not field.startswith("_") and not callable(value) and not isinstance(
+                value, (classmethod, staticmethod, property)):
+            close = difflib.get_close_matches(field, _CAPABILITIES, n=1, cutoff=0.8)
+            if close:
+                raise RegistrationError(f"{where}: {field}: expected a capability name (did "
+                                        f"you mean {close[0]!r}?), got {field} = {value!r}")
 
 
 def _apply_declaration(cls: type, name: str, decl: dict[str, Any]) -> None:
@@ -411,7 +477,29 @@ class DraftDecodeBackend(DraftBackend):
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
-        """Attention of one layer at draft step ``step`` (see the class doc)."""
+        """Attention of one layer at draft step ``step``: ``q [N, H_q, D]`` (``N = B * topk``,
+        lane ``z = b * topk + j``) -> ``o [N, H_q, D_v]`` (MLA: see the class doc).
+
+        The call is checked and ``k``/``v`` are already in the pool at
+        ``self.batch.out_cache_loc[:, :, step]`` (unless ``_kernel_writes_kv()``). What it may
+        read:
+
+        - ``self.batch`` (``DraftBatch``): ``req_pool_indices [B]``, ``seq_lens [B]`` (the
+          committed prefix ``L_b``), ``out_cache_loc [B, K, S]`` (the slot of lane ``j`` at each
+          step), ``parents [S, B, K]`` (``path`` mode; row ``step`` is filled);
+        - ``self.runner`` (``DraftRunner``): ``req_to_token [max_reqs, max_context_len]``
+          (request row -> slot of each position), the pools ``k_buffer[layer.layer_id]
+          [slots, H_kv, D]`` / ``v_buffer[...] [slots, H_kv, D_v]`` (MLA: ``kv_buffer[...]
+          [slots, kv_lora_rank + rope]``), ``page_size``, ``num_q_heads``, ``num_kv_heads``,
+          ``head_dim``, ``v_head_dim``;
+        - ``self.topk``, ``self.num_steps``, ``self.tree_mode``; ``layer.scaling``,
+          ``layer.logit_cap``.
+
+        Lane ``(b, j)`` attends to ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` and to
+        its draft history: ``out_cache_loc[b, j, :step + 1]`` in ``lane`` mode, the slots of
+        its ancestors (through ``parents``) in ``path`` mode. Whatever ``_plan`` stored on
+        ``self`` is there too. ``specattn.backends.torch_ref.reference_decode`` is this
+        computation in plain torch."""
         raise NotImplementedError(f"{type(self).qualified_name()} implements no _attend")
 
     def _begin(self, batch: "DraftBatch") -> None:
@@ -531,7 +619,18 @@ class DraftExtendBackend(DraftBackend):
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
-        """Causal attention of the batch's new tokens (see the class doc)."""
+        """Causal attention of the batch's new tokens: ``q [T, H_q, D]`` -> ``o [T, H_q, D_v]``
+        (``T = sum(extend_lens)``, request-major; MLA: see the class doc).
+
+        The new KV is already in the pool at ``self.batch.out_cache_loc`` (unless
+        ``_kernel_writes_kv()``). What it may read: ``self.batch`` (``DraftExtendBatch``:
+        ``req_pool_indices [B]``, ``seq_lens [B]`` including the new tokens, ``extend_lens
+        [B]``, ``out_cache_loc [T]``), ``self.num_tokens`` (``T``), ``self.runner`` (as for
+        decode: ``req_to_token``, the pools of ``layer.layer_id``, ``page_size`` and the head
+        shape), ``layer.scaling``, ``layer.logit_cap``. Query ``t`` of request ``b`` attends to
+        ``req_to_token[req_pool_indices[b], :seq_lens[b] - extend_lens[b] + t + 1]``;
+        ``specattn.backends.torch_ref.reference_extend`` is this computation in plain
+        torch."""
         raise NotImplementedError(f"{type(self).qualified_name()} implements no _attend")
 
     def _begin(self, batch: "DraftExtendBatch") -> None:

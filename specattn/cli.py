@@ -2,10 +2,10 @@
 and why.
 
     specattn [--log-level LEVEL] COMMAND ...
-    specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--json]
+    specattn list [--kind decode|extend] [--pattern GLOB] [--available] [--details] [--json]
     specattn list --order [--kind ...] [--platform P] [--with-library NAME ...] [--json]
     specattn select --attention-backend cutedsl_mla --mla --platform cuda:10.0 \\
-        --with-library flashinfer
+        --with-library flashinfer [--explain]
     specattn demo ...         (the main job: ``specattn.demo.cli_main``)
     specattn bench ...        (``specattn.bench.cli_main``)
 
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from .kv_layouts import KV_CACHE_DTYPES
 from .listing import known_libraries
 
 __all__ = ["main", "parse_platform"]
@@ -183,6 +184,52 @@ def _render_list(rows: list, platform, console) -> None:
                   "`specattn list --json` gives every field")
 
 
+def _brief_entries(rows: list) -> list[tuple[str, str, str]]:
+    """(name, runs here, short reason) per backend name: a name runs here when one of
+    its classes (or its dispatcher's target) does; the reason is each row's first one without
+    the platform (printed above), or, when it runs, the note on which kernels run."""
+    by_name: dict[str, list] = {}
+    for r in rows:
+        by_name.setdefault(r.name, []).append(r)
+    entries = []
+    for name, group in by_name.items():
+        classes = [r for r in group if r.flavour != "dispatcher"]
+        if not classes:  # a dispatcher: where it goes here
+            runs = _runs_text(group[0])
+            why = "" if group[0].runs_here else group[0].reason.removeprefix("here -> ")
+        else:
+            group = classes
+            runs = "yes" if any(r.runs_here for r in group) else "no"
+            pick = [r for r in group if r.runs_here] or group
+            why = "; ".join(dict.fromkeys(r.reason.split("; ")[0].split(", this platform is")[0]
+                                          for r in pick if r.reason))
+        entries.append((name, runs, why))
+    return entries
+
+
+def _render_brief(rows: list, platform, console) -> None:
+    """The default ``list``: one line per backend name, whether it runs here and why not."""
+    from ._console import make_table
+
+    found = [m for m in known_libraries() if platform.has_library(m)]
+    given = " (given with --with-library)" if platform.libraries is not None else ""
+    console.print(f"platform: {platform}; libraries found: {', '.join(found) or 'none'}{given}")
+    table = make_table("NAME", "RUNS HERE?", "WHY NOT / NOTE", no_wrap=("NAME", "RUNS HERE?"),
+                       truncate=("WHY NOT / NOTE",))
+    entries = _brief_entries(rows)
+    for entry in entries:
+        table.add_row(*entry)
+    # Only the reason gives way to a narrow terminal: cut with an ellipsis, one line a row.
+    fixed = sum(max([len(e[i]) for e in entries] + [len(c.header)])
+                for i, c in enumerate(table.columns[:2]))
+    table.columns[2].max_width = max(console.width - fixed - 4, 10)  # 4: the column gaps
+    console.print(table)
+    usable = sum(1 for e in entries if e[1] == "yes" or (e[1].startswith("->")
+                                                          and not e[1].endswith("(no)")))
+    console.print(f"{len(entries)} backends, {usable} run here; --details: every declaration "
+                  "and reason")
+
+
 def _platform_json(platform) -> dict[str, Any]:
     return {"device": platform.device,
             "capability": list(platform.capability) if platform.capability else None,
@@ -256,7 +303,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     else:
         rows = list_backends(kind=args.kind, pattern=args.pattern,
                              available_only=args.available, platform=platform)
-        key, render = "backends", _render_list
+        key, render = "backends", _render_list if args.details else _render_brief
     if args.json:
         print(json.dumps({"platform": _platform_json(platform),
                           key: [_row_json(r) for r in rows]}, indent=2))
@@ -287,8 +334,18 @@ _ERROR_STEPS = {
 }
 
 
-def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
-    """(resolved?, answer text, printed lines) for one kind."""
+@dataclasses.dataclass
+class _Outcome:
+    """One kind's answer: the short text, the steps behind it (``--explain``), the warnings
+    selection logged or raised on the way, and the selection error, if any."""
+
+    answer: str
+    trace: list[str]
+    notes: list[str]
+    error: Optional[BaseException] = None
+
+
+def _resolve_kind(factory, config, kind: str) -> _Outcome:
     explain = (factory.explain_decode_backend if kind == "decode"
                else factory.explain_draft_extend_backend)
     handler = _Collect()
@@ -305,36 +362,39 @@ def _explain_kind(factory, config, kind: str) -> tuple[bool, str, list[str]]:
 
                 if not isinstance(exc, (SpecAttnError, ValueError)):
                     raise
-                lines = [f"{kind}: requested {config.backend_name(kind)!r}"]
                 steps = [f"name precedence (rule 2): {s}" for s in config.name_trail(kind)]
                 for qualname, reasons in getattr(exc, "reasons", {}).items():
                     steps.append(f"{qualname}: rejected: " + "; ".join(reasons))
                 steps += _ERROR_STEPS.get(type(exc).__name__, [])
-                lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
-                lines.append(f"  => {type(exc).__name__} (message below)")
-                return False, f"error: {describe_error(exc)}", _with_notes(
-                    lines, handler.messages, caught)
+                trace = [f"{kind}: requested {config.backend_name(kind)!r}"]
+                trace += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
+                trace.append(f"  => {type(exc).__name__}: {exc}")
+                return _Outcome(f"error: {describe_error(exc)}", trace,
+                                _notes(handler.messages, caught), exc)
     finally:
         log.removeHandler(handler)
-    lines = sel.explain().splitlines()
+    trace = sel.explain().splitlines()
     if sel.backend is None:
         answer = "None"
-        lines.append("  => None: no backend for this kind (see the last step)")
+        trace.append("  => None: no backend for this kind (see the last step)")
     else:
         cls = sel.backend
         answer = f"{cls.qualified_name()} (name {cls.name!r}, flavour {cls.flavour!r})"
-        lines.append(f"  => {answer}")
-    return True, answer, _with_notes(lines, handler.messages, caught)
+        trace.append(f"  => {answer}")
+        note = cls.runtime_note(sel.platform) if hasattr(cls, "runtime_note") else ""
+        answer += f"; {note}" if note else ""  # which kernel runs here (e.g. Gluon MLA)
+    return _Outcome(answer, trace, _notes(handler.messages, caught))
 
 
-def _with_notes(lines: list[str], logged: list[str], caught: list) -> list[str]:
-    return (lines + [f"  warning: {m}" for m in logged]
-            + [f"  {w.category.__name__}: {w.message}" for w in caught])
+def _notes(logged: list[str], caught: list) -> list[str]:
+    return [f"warning: {m}" for m in logged] + [f"{w.category.__name__}: {w.message}"
+                                                for w in caught]
 
 
 def _cmd_select(args: argparse.Namespace) -> int:
     from . import DraftBackendFactory, SpecConfig
-    from .errors import InvalidInputError
+    from .errors import InvalidInputError, UnknownBackendError
+    from .selection import describe_error
 
     try:
         platform = parse_platform(args.platform, args.with_library)
@@ -351,6 +411,12 @@ def _cmd_select(args: argparse.Namespace) -> int:
     except InvalidInputError as exc:
         print(f"specattn select: error: {exc}", file=sys.stderr)
         return 2
+    outcomes = {kind: _resolve_kind(factory, config, kind) for kind in ("decode", "extend")}
+    unknown = [o.error for o in outcomes.values() if isinstance(o.error, UnknownBackendError)]
+    if unknown and not args.explain:  # a misspelled name: the one line that corrects it
+        for text in dict.fromkeys(describe_error(e) for e in unknown):
+            print(f"specattn select: error: {text}", file=sys.stderr)
+        return 1
     set_fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                   if getattr(config, f.name) != f.default}
     print(f"platform: {platform}")
@@ -358,17 +424,22 @@ def _cmd_select(args: argparse.Namespace) -> int:
     print(f"model: {'MLA' if args.mla else 'MHA'}; topk={args.topk} num_steps={args.num_steps} "
           f"tree_mode={args.tree_mode}")
     print("config: SpecConfig(" + ", ".join(f"{k}={v!r}" for k, v in set_fields.items()) + ")")
-    answers, ok = {}, True
-    for kind in ("decode", "extend"):
-        resolved, answers[kind], lines = _explain_kind(factory, config, kind)
-        ok = ok and resolved
-        print()
-        print("\n".join(lines))
+    if args.explain:
+        for outcome in outcomes.values():
+            print()
+            print("\n".join(outcome.trace))
     print()
     print("answer:")
-    for kind in ("decode", "extend"):
-        print(f"  {kind}: {answers[kind]}")
-    return 0 if ok else 1
+    decode, extend = outcomes["decode"].answer, outcomes["extend"].answer
+    if decode == extend:
+        print(f"  decode, extend: {decode}")
+    else:
+        print(f"  decode: {decode}\n  extend: {extend}")
+    for note in dict.fromkeys(n for o in outcomes.values() for n in o.notes):
+        print(note)
+    if not args.explain:
+        print("(--explain: every step of the choice and each candidate's reasons)")
+    return 1 if any(o.error for o in outcomes.values()) else 0
 
 
 # --- demo / bench --------------------------------------------------------------------------------
@@ -382,7 +453,11 @@ def _cmd_demo(argv: list[str]) -> int:
         print(f"specattn demo: the demo (specattn.demo.cli_main) is not available in this "
               f"installation ({exc})", file=sys.stderr)
         return 2
-    return int(cli_main(argv) or 0)
+    import specattn
+
+    # From the package's import, not the process's start: a shell that runs the command
+    # last in a subshell execs it, so the process may be older than the command.
+    return int(cli_main(argv, started=specattn._STARTED) or 0)
 
 
 def _cmd_bench(argv: list[str]) -> int:
@@ -421,9 +496,10 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    "prefill-attention-backend or decode-attention-backend (default: prefill)")
     p.add_argument("--page-size", type=int, default=1, metavar="P",
                    help="KV cache page size in tokens (default: 1)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV cache dtype: auto (the model's), fp8_ds_mla or fp8_ds_v4 for the "
-                        "DeepSeek FP8 layouts (default: auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   metavar="DTYPE", help="KV cache dtype: " + ", ".join(KV_CACHE_DTYPES)
+                   + " (auto: the model's dtype; fp8_ds_mla and fp8_ds_v4: the DeepSeek FP8 "
+                   "layouts) (default: auto)")
     p.add_argument("--topk", type=int, default=1, metavar="K",
                    help="draft branches (lanes) per request (default: 1)")
     p.add_argument("--num-steps", type=int, default=3, metavar="S",
@@ -433,12 +509,24 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-mode", choices=("lane", "path"), default="lane",
                    help="lane: each lane attends to its own history, as upstream engines do; "
                         "path: the exact EAGLE ancestry (default: lane)")
+    p.add_argument("--explain", action="store_true",
+                   help="print every step of the choice, each candidate's reasons and the "
+                        "full error messages (default: the answers only)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, the error and where the options are listed: argparse's
+    default prints the whole usage first (a dozen lines for ``select``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        hint = "" if "choose from" in message else f" ({self.prog} --help lists the options)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specattn", description="Attention backends for the draft phase of "
         "speculative decoding: list them, explain a selection, run the demo or the "
         "benchmark. Docs: docs/index.md in the repository.")
@@ -448,10 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("list", help="every backend, its declaration and whether it runs here",
-                       description="Every registered backend and dispatcher: kinds, models, "
-                       "platforms, kernel library, capabilities, where it was tested, and "
-                       "whether it runs here (and why not).")
+    p = sub.add_parser("list", help="every backend and whether it runs here",
+                       description="Every registered backend and dispatcher, one line each: "
+                       "whether it runs here and, if not, the first reason. --details: kinds, "
+                       "models, platforms, kernel library, capabilities, where it was tested "
+                       "and every reason.")
     p.add_argument("--kind", choices=("decode", "extend"),
                    help="only this kind (default: both)")
     p.add_argument("--pattern", metavar="GLOB",
@@ -461,13 +550,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", action="store_true",
                    help="the order in which auto tries the backends here (or on --platform), "
                         "one table per kind: rank, priority, runs here or why not")
+    p.add_argument("--details", action="store_true",
+                   help="the full table: every declaration and every reason (default: one "
+                        "line per backend)")
     p.add_argument("--json", action="store_true", help="every field, as JSON")
     _add_platform_args(p)
 
-    p = sub.add_parser("select", help="explain which backends a configuration gets",
-                       description="Resolve a SpecConfig for draft decode and draft extend "
-                       "and explain every step (rule numbers: docs/selection.md). Exit "
-                       "status 1 when a kind has no backend because of an error.")
+    p = sub.add_parser("select", help="which backends a configuration gets, and why",
+                       description="Resolve a SpecConfig for draft decode and draft extend: "
+                       "the answer for each; --explain prints every step (rule numbers: "
+                       "docs/selection.md). Exit status 1 when a kind has no backend because "
+                       "of an error.")
     _add_select_args(p)
     _add_platform_args(p)
 

@@ -49,14 +49,17 @@ class BackendUnavailableError(SpecAttnError, RuntimeError):
     """A known backend that cannot run here.
 
     ``reasons`` maps each candidate class (``module.qualname``) to the list of reasons it
-    was rejected, so callers can print or inspect them.
+    was rejected, so callers can print or inspect them. ``summary`` is the cause in one short
+    line, for a person (the message itself names every candidate); it defaults to the
+    message.
     """
 
     def __init__(self, message: str, name: str = "",
-                 reasons: Mapping[str, Sequence[str]] | None = None):
+                 reasons: Mapping[str, Sequence[str]] | None = None, summary: str = ""):
         super().__init__(message)
         self.name = name
         self.reasons = {k: list(v) for k, v in (reasons or {}).items()}
+        self.summary = summary or message
 
 
 class RegistrationError(SpecAttnError, TypeError):

@@ -13,7 +13,12 @@ Kind = Literal["decode", "extend"]
 KINDS: tuple[str, str] = ("decode", "extend")
 TREE_MODES: tuple[str, str] = ("lane", "path")
 
-__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "check_draft_params"]
+__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "a_kind", "check_draft_params"]
+
+
+def a_kind(kind: str) -> str:
+    """``"a decode"`` / ``"an extend"``, for messages."""
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
 
 
 def _is_int(x: object) -> bool:

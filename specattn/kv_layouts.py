@@ -48,12 +48,17 @@ import torch
 
 from .errors import InvalidInputError
 
-__all__ = ["KVLayout", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
+__all__ = ["KVLayout", "KV_CACHE_DTYPES", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
            "rope_for_width", "e4m3_decode", "E4M3_MAX"]
 
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_V4 = "fp8_ds_v4"
 LAYOUT_NAMES = (FP8_DS_MLA, FP8_DS_V4)
+# Every ``kv_cache_dtype`` specattn knows, the one list that ``SpecConfig``, the runner, the
+# backends' ``kv_cache_dtypes`` declarations and ``specattn select --kv-cache-dtype`` accept:
+# "auto" (pools in the model's dtype), "fp8_e4m3" (a plain e4m3 pool, tokenspeed_mla) and the
+# DeepSeek byte layouts above.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", FP8_DS_MLA, FP8_DS_V4)
 E4M3_MAX = 448.0
 _V4_ROPE = 64
 _UE8M0_FLOOR = 1e-4  # FlashMLA's FP8_AMAX_MARGIN: smallest scale before rounding
@@ -195,7 +200,11 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
 def layout_for(kv_cache_dtype: str, *, use_mla_backend: bool, kv_lora_rank: Optional[int],
                qk_rope_head_dim: Optional[int], page_size: int) -> Optional[KVLayout]:
     """The layout a runner's ``kv_cache_dtype`` names, bound to its shape; ``None`` for the
-    plain dtypes (``"auto"``, ...). Raises ``InvalidInputError`` for a shape it cannot hold."""
+    plain dtypes (``"auto"``, ...). Raises ``InvalidInputError`` for a name that is not in
+    ``KV_CACHE_DTYPES`` or a shape the layout cannot hold."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidInputError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}",
+                                repr(kv_cache_dtype))
     if kv_cache_dtype not in LAYOUT_NAMES:
         return None
     if not use_mla_backend:

@@ -120,7 +120,7 @@ def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
         raise BackendUnavailableError(
             f"{name}: no {kind} backend registered as {name!r} can serve {request} on "
             f"{platform}. Candidates: {detail}. Run `specattn list` to see what runs here.",
-            name, sel.rejected)
+            name, sel.rejected, summary=f"{name}: " + _cause(classes, sel, platform))
     best = max(usable, key=lambda c: (c.priority_on(platform), c.qualified_name()))
     if len(usable) > 1:
         sel.steps.append(f"several flavours fit; highest priority wins: {best.flavour}")
@@ -147,9 +147,15 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
             usable.append(cls)
     if not usable:
         detail = "; ".join(f"{q}: {', '.join(r)}" for q, r in sel.rejected.items())
+        eligible = [c for c in registry.classes(kind) if c.auto_eligible]
+        if any(not c.platform_reasons(platform) for c in eligible):
+            summary = (f"auto: no {kind} backend can serve the request here: "
+                       + _cause(eligible, sel, platform))
+        else:
+            summary = f"auto: no {kind} backend runs here (`specattn list` says why)"
         raise BackendUnavailableError(
             f"auto: no {kind} backend can serve {request} on {platform}. "
-            f"Candidates: {detail}", AUTO, sel.rejected)
+            f"Candidates: {detail}", AUTO, sel.rejected, summary=summary)
     ranked = sorted(usable, key=lambda c: _auto_rank(c, platform))
     sel.steps.append("usable, best first: " + ", ".join(
         f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))
@@ -159,6 +165,24 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
     log.info("auto selected %s backend %s for %s on %s", kind, ranked[0].name, request,
              platform)
     return sel
+
+
+def _cause(classes: list, sel: Selection, platform: Platform) -> str:
+    """The short cause of a rejection: what the candidates that run here refuse in the
+    request (page size, dtype, ...); when none runs here, each candidate's first reason
+    without the platform (the caller names it), each once."""
+    here = [c for c in classes if not c.platform_reasons(platform)]
+    if len(here) == 1:
+        causes = sel.rejected.get(here[0].qualified_name(), [])
+    elif here:
+        same_name = len({c.name for c in here}) == 1
+        causes = [f"{c.flavour if same_name else c.name}: "
+                  + ", ".join(sel.rejected.get(c.qualified_name(), [])) for c in here]
+    else:
+        first = [sel.rejected.get(c.qualified_name(), []) for c in classes]
+        first = first[0] if len(first) == 1 else [r[0] for r in first if r]
+        causes = [r.split(", this platform is")[0] for r in first]
+    return "; ".join(dict.fromkeys(causes))
 
 
 def _note(cls: type, platform: Platform) -> str:
@@ -217,10 +241,15 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for a person: for an unknown name, ``unknown backend 'flashinfr'; did you mean
-    'flashinfer'?`` first, then the exception's own message (which keeps the original
-    factory's sentence first, for code that matches it); else ``Type: message``."""
+    """One short line for a person. An unknown name: ``unknown backend 'flashinfr'; did you
+    mean 'flashinfer'?`` (the known names when none is close; the exception's own message
+    keeps the original factory's sentence, for code that matches it). A backend that cannot
+    run: ``BackendUnavailableError: `` and its ``summary``. Else ``Type: message``."""
     if isinstance(exc, UnknownBackendError):
-        hint = f"; did you mean {exc.closest!r}?" if exc.closest else ""
-        return f"unknown backend {exc.name!r}{hint} ({type(exc).__name__}: {exc})"
+        if exc.closest and difflib.get_close_matches(str(exc.name), [exc.closest], n=1):
+            return f"unknown backend {exc.name!r}; did you mean {exc.closest!r}?"
+        known = ", ".join(n for n in exc.valid_names if n != AUTO)
+        return f"unknown backend {exc.name!r}; known names: {known}"
+    if isinstance(exc, BackendUnavailableError):
+        return f"{type(exc).__name__}: {exc.summary}"
     return f"{type(exc).__name__}: {exc}"

@@ -25,9 +25,35 @@ def run(capsys, *argv):
 
 # --- list --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("columns", [80, 120])
+def test_list_is_one_line_per_backend(capsys, monkeypatch, columns):
+    """The default: a line per name (runs here?, the first reason or the kernel note), the
+    full reasons only with --details."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cpu = ["--platform", "cpu", "--with-library", "triton"]
+    code, out, _ = run(capsys, "list", *cpu)
+    assert code == 0
+    lines = out.splitlines()
+    names = sorted({n for k in ("decode", "extend") for n in default_registry.names(k)})
+    rows = [line for line in lines if line.split() and line.split()[0] in names]
+    assert [line.split()[0] for line in rows] == names
+    assert len(lines) <= len(names) + 5 and all(len(line) <= columns for line in lines)
+    assert len(out) < (columns + 1) * (len(names) + 5)
+    table = {line.split()[0]: line.rstrip().split(None, 2)[1:] for line in rows}
+    assert table["torch_ref"] == ["yes"]
+    if not parse_platform("cpu").triton_interpret:
+        assert table["triton"][0] == "no"
+        assert table["triton"][1].startswith("set TRITON_INTERPRET=1 to run it on this CPU")
+    assert table["flashinfer"] == ["no", "needs CUDA"]
+    assert f"{len(names)} backends, " in lines[-1] and "--details" in lines[-1]
+    assert "capabilities" not in out and "this platform is" not in out
+    code, details, _ = run(capsys, "list", *cpu, "--details")
+    assert code == 0 and "capabilities: " in details and len(details) > 3 * len(out)
+
+
 def test_list_table(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run(capsys, "list", "--details")
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == f"platform: {current_platform()}"
@@ -45,7 +71,7 @@ def test_list_table(capsys, monkeypatch):
 
 def test_list_counts_what_it_shows_and_splits_no_number(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")  # the narrowest table: the most wrapping
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run(capsys, "list", "--details")
     assert code == 0
     lines = out.splitlines()
     rows = specattn.list_backends()
@@ -121,9 +147,13 @@ def test_list_for_another_platform(capsys):
     assert hybrid["reason"].startswith("here -> triton, which cannot run here")
     assert hybrid["runs_here"] is False
     code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
-                       "flashinfer")
+                       "flashinfer", "--details")
     assert out.splitlines()[0] == "platform: cuda 10.0"
     assert "libraries: flashinfer (given with --with-library)" in out
+    code, out, _ = run(capsys, "list", "--platform", "cuda:10.0", "--with-library",
+                       "flashinfer")
+    assert out.splitlines()[0] == ("platform: cuda 10.0; libraries found: flashinfer (given "
+                                   "with --with-library)")
 
 
 def test_list_order_is_autos_order_per_kind(capsys, monkeypatch):
@@ -163,14 +193,19 @@ def test_list_order_is_autos_order_per_kind(capsys, monkeypatch):
 # --- select ------------------------------------------------------------------------------------
 
 def _answers(out):
+    """``{kind: answer}`` from the answer block (``decode, extend: X`` when they agree)."""
     tail = out[out.index("\nanswer:\n"):].splitlines()
-    return {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
-            for line in tail if line.startswith("  ")}
+    answers = {}
+    for line in tail:
+        if line.startswith("  "):
+            kinds, answer = line.split(":", 1)
+            answers.update({k.strip(): answer.strip() for k in kinds.split(",")})
+    return answers
 
 
 def test_select_cutedsl_mla_on_blackwell(capsys):
     argv = ["select", "--platform", "cuda:10.0", "--with-library", "flashinfer", "--mla",
-            "--attention-backend", "cutedsl_mla"]
+            "--attention-backend", "cutedsl_mla", "--explain"]
     code, out, _ = run(capsys, *argv)
     assert out.splitlines()[0] == "platform: cuda 10.0"
     assert "decode: requested 'cutedsl_mla'" in out
@@ -194,18 +229,66 @@ def test_select_cutedsl_mla_on_blackwell(capsys):
         assert "name 'trtllm_mla'" in answers["extend"]
 
 
-def test_select_unknown_name_exits_1(capsys):
-    code, out, _ = run(capsys, "select", "--attention-backend", "flashinfr")
+def test_select_unknown_name_is_one_short_line(capsys):
+    """A misspelled name: one line naming the closest name, exit 1; the trace, the valid
+    names and the original factory's sentences behind --explain."""
+    code, out, err = run(capsys, "select", "--attention-backend", "tritno")
+    assert code == 1 and out == ""
+    assert err == "specattn select: error: unknown backend 'tritno'; did you mean 'triton'?\n"
+    code, out, err = run(capsys, "select", "--attention-backend", "qqqq",
+                         "--prefill-attention-backend", "torch_ref")
+    assert code == 1 and len(err.splitlines()) == 1 and len(err) < 250
+    assert "unknown backend 'qqqq'; known names: " in err and "torch_ref" in err
+    code, out, _ = run(capsys, "select", "--attention-backend", "flashinfr", "--explain")
     assert code == 1
     assert "EAGLE is not supported in decode attention backend flashinfr." in out
     assert "EAGLE is not supported in attention backend flashinfr." in out
     assert "Did you mean 'flashinfer'?" in out
     assert "not a known name, alias or dispatcher (rule 3)" in out
     answers = _answers(out)
-    for kind in ("decode", "extend"):  # the friendly line first, the original sentence next
-        assert answers[kind].startswith("error: unknown backend 'flashinfr'; did you mean "
-                                        "'flashinfer'? (UnknownBackendError: EAGLE is not "
-                                        "supported in ")
+    for kind in ("decode", "extend"):
+        assert answers[kind] == "error: unknown backend 'flashinfr'; did you mean 'flashinfer'?"
+
+
+def test_select_kv_cache_dtype_is_checked_at_parse_time(capsys):
+    """Every value the library accepts (one tuple), listed by --help; any other is one
+    line that names them all."""
+    from specattn.cli import build_parser
+    from specattn.kv_layouts import KV_CACHE_DTYPES
+
+    select = build_parser()._subparsers._group_actions[0].choices["select"]
+    action = next(a for a in select._actions if a.dest == "kv_cache_dtype")
+    assert action.choices is KV_CACHE_DTYPES
+    code, out, err = run(capsys, "select", "--kv-cache-dtype", "fp8")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and len(err) < 200
+    assert all(repr(value) in err for value in KV_CACHE_DTYPES)
+    code, out, _ = run(capsys, "select", "--help")
+    assert code == 0 and all(value in " ".join(out.split()) for value in KV_CACHE_DTYPES)
+    with pytest.raises(InvalidInputError, match="kv_cache_dtype"):
+        specattn.SpecConfig(kv_cache_dtype="fp8")
+    import torch
+
+    pools = [torch.zeros(4, 1, 8)]
+    with pytest.raises(InvalidInputError, match="kv_cache_dtype"):
+        specattn.DraftRunner.wrap_mha(torch.zeros(1, 4, dtype=torch.int32), pools, pools, 1,
+                                      kv_cache_dtype="fp8")
+
+
+def test_select_answers_briefly_and_explains_on_request(capsys):
+    """A request no backend here accepts: the cause in the answer (what the backends that
+    run here refuse), each candidate's reasons only with --explain."""
+    argv = ["select", "--platform", "cpu", "--with-library", "none", "--kv-cache-dtype",
+            "fp8_ds_mla"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 1 and len(out) < 1200 and "rejected" not in out
+    answers = _answers(out)
+    assert answers["decode"].startswith("error: BackendUnavailableError: auto: no decode "
+                                        "backend can serve the request here: ")
+    assert "torch_ref: supports kv_cache_dtype ['auto'], got 'fp8_ds_mla'" in answers["decode"]
+    assert "needs" not in answers["decode"]  # the backends that cannot run here stay out
+    assert "--explain" in out.splitlines()[-1]
+    code, out, _ = run(capsys, *argv, "--explain")
+    assert code == 1 and "specattn.backends.aiter.AiterDecode: rejected: needs ROCm" in out
 
 
 def test_select_mla_only_name_for_mha(capsys):
@@ -217,7 +300,7 @@ def test_select_mla_only_name_for_mha(capsys):
 
 def test_select_torch_ref_step_by_step(capsys):
     code, out, _ = run(capsys, "select", "--platform", "cpu", "--with-library", "none",
-                       "--decode-attention-backend", "torch_ref",
+                       "--explain", "--decode-attention-backend", "torch_ref",
                        "--prefill-attention-backend", "torch_ref", "--topk", "4",
                        "--num-steps", "5", "--tree-mode", "path")
     assert code == 0
@@ -233,7 +316,7 @@ def test_select_none_answers_exit_0(capsys):
     reset_once_registry()
     code, out, _ = run(capsys, "select", "--platform", "cpu", "--attention-backend",
                        "torch_ref", "--prefill-attention-backend", "flashmla",
-                       "--num-steps", "1")
+                       "--num-steps", "1", "--explain")
     assert code == 0
     assert _answers(out) == {"decode": "None", "extend": "None"}
     assert "no multi-step draft decode backend is needed (rule 1)" in out
@@ -248,7 +331,7 @@ def test_select_shows_the_deprecation_and_the_dispatch(capsys):
     assert code == 1  # nsa -> dsa needs CUDA or HIP and an MLA model
     assert "DeprecationWarning: attention backend name 'nsa' is deprecated; use 'dsa'" in out
     code, out, _ = run(capsys, "select", "--platform", "cpu+amx", "--attention-backend",
-                       "hybrid_linear_attn")
+                       "hybrid_linear_attn", "--explain")
     assert "'hybrid_linear_attn' dispatches" in out and "-> 'intel_amx'" in out
 
 
@@ -301,10 +384,12 @@ def test_bench_is_delegated(monkeypatch):
 def test_demo_is_delegated(capsys, monkeypatch):
     seen = []
     fake = types.ModuleType("specattn.demo")
-    fake.cli_main = lambda argv: seen.append(argv) or 7
+    fake.cli_main = lambda argv, started: seen.append((argv, started)) or 7
     monkeypatch.setitem(sys.modules, "specattn.demo", fake)
     assert main(["demo", "--steps", "3", "--mla"]) == 7
-    assert seen == [["--steps", "3", "--mla"]]
+    (argv, started), = seen
+    assert argv == ["--steps", "3", "--mla"]
+    assert started == specattn._STARTED  # the total counts from importing torch on
 
 
 def test_demo_missing_is_a_clear_message(capsys, monkeypatch):

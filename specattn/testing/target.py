@@ -16,7 +16,7 @@ import torch
 
 from ..base import DraftBackend, DraftDecodeBackend
 from ..errors import InvalidInputError, UnknownBackendError
-from ..keys import KINDS
+from ..keys import KINDS, a_kind
 from ..platforms import Platform, current_platform, torch_device_type, use_platform
 from ..registry import active_registry
 from ..selection import select
@@ -130,7 +130,7 @@ def _resolve_name(name: str, platform: Platform) -> dict:
         known = known or target is not None or why is not None
         for model in MODELS:
             if target is None:
-                found[(kind, model)] = why or f"{name!r} is not a {kind} backend name"
+                found[(kind, model)] = why or f"{name!r} is not {a_kind(kind)} backend name"
                 continue
             classes = [c for c in registry.classes(kind, target) if model in c.models]
             usable = [c for c in classes if not c.platform_reasons(platform)]

@@ -21,9 +21,11 @@ import torch
 
 from .llama import Llama
 from .tokenizer import SmolTokenizer, build_tokenizer
-from .weights import GGUF_ENV, PIP_HINT, ModelMissingError, find_gguf, load_weights, read_gguf
+from .weights import (GGUF_ENV, PIP_HINT, ModelMissingError, check_requirements, find_gguf,
+                      load_weights, read_gguf)
 
-__all__ = ["GGUF_ENV", "PIP_HINT", "ModelMissingError", "SmolLM2", "load_smollm2", "find_gguf"]
+__all__ = ["GGUF_ENV", "PIP_HINT", "ModelMissingError", "SmolLM2", "check_requirements",
+           "load_smollm2", "find_gguf"]
 
 
 @dataclass
@@ -46,6 +48,7 @@ def load_smollm2() -> SmolLM2:
     """Read the GGUF once per process (a few seconds); later calls return the same object.
 
     Raises ``ModelMissingError`` (with the pip command) when the package is missing."""
+    check_requirements()
     path = find_gguf()
     tokenizer = build_tokenizer(read_gguf(path))
     weights = load_weights(path, torch.float32)

