@@ -59,6 +59,52 @@ def test_standard_cases_are_the_performance_table():
     assert min(c.prefix for c in sweep) == 512 and max(c.prefix for c in sweep) == 32768
 
 
+def test_serving_cases_are_the_serving_regime():
+    """The serving set: batch 1-8 at long contexts, each decode case with its extend case
+    (E_b = S + 1), S 5, bf16; selectable as a set, in the default GPU run; B 1 cases run
+    uniform lengths only (a ragged run at B 1 is a uniform one at another length)."""
+    got = {c.name: (c.model, c.batch, c.prefix, c.topk, c.steps, c.page_size, c.kind)
+           for c in C.SERVING_CASES}
+    assert got == {
+        "gqa-b1-32k": ("mha", 1, 32768, 4, 5, 1, "decode"),
+        "gqa-b1-k8": ("mha", 1, 4096, 8, 5, 1, "decode"),
+        "gqa-b8-p16": ("mha", 8, 4096, 4, 5, 16, "decode"),
+        "mla-b1-32k": ("mla", 1, 32768, 4, 5, 1, "decode"),
+        "mla-b8-p64": ("mla", 8, 4096, 4, 5, 64, "decode"),
+        "gqa-b1-32k-extend": ("mha", 1, 32768, 1, 5, 1, "extend"),
+        "gqa-b1-k8-extend": ("mha", 1, 4096, 1, 5, 1, "extend"),
+        "gqa-b8-p16-extend": ("mha", 8, 4096, 1, 5, 16, "extend"),
+        "mla-b1-32k-extend": ("mla", 1, 32768, 1, 5, 1, "extend"),
+        "mla-b8-p64-extend": ("mla", 8, 4096, 1, 5, 64, "extend"),
+    }
+    assert all(c.dtype == torch.bfloat16 for c in C.SERVING_CASES)
+    mla = C.find_cases(["mla-b1-32k"])[0]
+    assert mla.shape == C.MLA_SHAPE and C.find_cases(["gqa-b1-32k"])[0].shape == C.GQA_SHAPE
+    assert C.find_cases(["mla-b8-p64-extend"])[0].lanes == 8 * 6
+    assert C.find_cases(["serving"]) == list(C.SERVING_CASES)
+    # A set and a name in it: each case once, in the order given.
+    assert [c.name for c in C.find_cases(["gqa-b8-p16", "serving"])][:2] == [
+        "gqa-b8-p16", "gqa-b1-32k"]
+    assert len(C.find_cases(["gqa-b8-p16", "serving"])) == len(C.SERVING_CASES)
+    default = {c.name for c in C.default_cases(True)}
+    assert set(got) <= default and {c.name for c in C.STANDARD_CASES} <= default
+    assert not set(got) & {c.name for c in C.default_cases(False)}
+
+
+def test_ragged_runs_skip_batch_one():
+    from specattn.bench import _select_cases, build_parser
+
+    args = build_parser().parse_args(["--case", "serving"])
+    runs = [(c.name, c.lengths_label) for c in _select_cases(args, True)[0]]
+    assert ("gqa-b8-p16", "ragged") in runs and ("mla-b8-p64-extend", "ragged") in runs
+    assert ("gqa-b1-32k", "uniform") in runs
+    assert not any(name.split("-")[1] == "b1" and lengths == "ragged"
+                   for name, lengths in runs)
+    assert len(runs) == 6 + 2 * 4
+    quick = _select_cases(build_parser().parse_args(["--case", "serving", "--quick"]), True)
+    assert [c.lengths_label for c in quick[0]] == ["uniform"] * 10
+
+
 def test_ragged_lengths_are_seeded_and_in_range():
     case = C.STANDARD_CASES[0].with_(ragged=True)
     lens = case.lengths(seed=3)

@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         "copy-bandwidth floor and the per-branch baselines. The protocol, the cases and how "
         "to read the table: docs/performance.md in the repository.")
     p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
-                   help="standard cases to run (default: all for this device; "
-                   "--list-cases shows them)")
+                   help="cases to run, by name or set: 'standard', 'serving' (batch 1-8, "
+                   "long contexts), 'cpu' (default: standard and serving on a GPU, cpu on "
+                   "a CPU; --list-cases shows them)")
     p.add_argument("--backend", metavar="NAME", nargs="+", action="extend",
                    help="backends to run (names or aliases; flashinfer-raw, fa4-raw, "
                    "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
@@ -117,7 +118,8 @@ def _select_cases(args, on_gpu: bool):
         chosen = [c for c in chosen if c.kind == kind]
     chosen = [c.with_(dtype=dtype) for c in chosen]
     lengths = (False,) if args.quick else (False, True)
-    return [c.with_(ragged=r) for c in chosen for r in lengths], custom
+    # At B 1 a ragged run is the uniform one at another length: uniform only.
+    return [c.with_(ragged=r) for c in chosen for r in lengths if c.has_ragged or not r], custom
 
 
 def _default_root() -> str:
@@ -234,8 +236,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"specattn bench: error: {exc}", file=sys.stderr)
         return 2
     if args.list_cases:
+        sets = {c.name: name for name, group in C.CASE_SETS.items() for c in group}
         for c in C.all_cases():
-            print(c.describe())
+            where = f" [{sets[c.name]}]" if c.name in sets else " [named only]"
+            print(c.describe() + where + ("" if c.has_ragged else " (uniform lengths only)"))
         return 0
     if not cases:
         print("specattn bench: error: no case left to run (check --case, --steps, --extend)",
