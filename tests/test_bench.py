@@ -26,10 +26,11 @@ from specattn.bench import cases as C
 from specattn.bench import report
 from specattn.bench.baselines import SDPAPerLane, per_lane_table
 from specattn.bench.harness import (
-    Variant, WallClock, build_setup, discover_variants, measure_variant, relative_error,
+    ENGINE_ROUNDS, ENGINE_SPANS, Variant, WallClock, build_setup, discover_variants,
+    measure_variant, relative_error,
 )
 from specattn._console import ItemProgress
-from specattn.bench.run import floor_row
+from specattn.bench.run import floor_row, result_row
 from specattn.metadata import history_slots
 from specattn.platforms import current_platform
 
@@ -462,7 +463,8 @@ def test_check_only_and_extra_cases(tmp_path, capsys):
 # --- the GPU control flow with a fake clock ---------------------------------------------------
 
 class FakeGraphClock:
-    """Stands in for CudaClock: 'captures' by returning the function, fixed times."""
+    """Stands in for CudaClock: 'captures' by returning the function, fixed times (a device
+    span: 5 ms)."""
 
     name = "fake"
     graphs = True
@@ -470,10 +472,16 @@ class FakeGraphClock:
     def __init__(self, fail_capture=False):
         self.fail_capture = fail_capture
         self.captured = 0
+        self.spans = 0
 
     def time(self, fn):
         fn()
         return 2.0
+
+    def span(self, fn):
+        self.spans += 1
+        fn()
+        return 5.0
 
     def graph(self, fn):
         if self.fail_capture:
@@ -513,9 +521,19 @@ def test_graph_step_and_round_protocol(scoped_registry):
     assert res.status == "ok" and res.step_timing == "graph"
     assert res.step_ms == pytest.approx(2.0 / len(setup.layers))
     assert res.round_eager_ms == 2.0 and res.round_graph_ms == 2.0 and res.round_layers == 2
-    # The step backend and the round backend both go through the graph protocol.
-    assert calls[:4] == [("state", case.batch, case.lanes), "capture"] * 2
-    assert calls[-1] == ("replay", case.batch) and clock.captured == 2
+    # The step, round and engine-round backends all go through the graph protocol (the
+    # round's graph: one replay call, timed once by the fake clock); the engine round
+    # captures one graph per rotating layer and calls the replay metadata before each
+    # replay: a warm-up loop, then ENGINE_SPANS spans of ENGINE_ROUNDS rounds.
+    state = [("state", case.batch, case.lanes), "capture"]
+    assert calls[:7] == state * 2 + [("replay", case.batch)] + state
+    assert calls[7:] == [("replay", case.batch)] * (ENGINE_SPANS + 1) * ENGINE_ROUNDS
+    assert clock.captured == 2 + len(setup.layers) and clock.spans == ENGINE_SPANS
+    assert res.engine_round_ms == pytest.approx(5.0 / ENGINE_ROUNDS)
+    assert res.engine_host_ms >= 0 and not res.notes
+    row = result_row(case, setup.lengths, variant, res, 1e12)
+    assert row["round_us"] == pytest.approx(5e3 / ENGINE_ROUNDS)
+    assert row["round_host_us"] == pytest.approx(res.engine_host_ms * 1e3)
 
 
 def test_graph_capture_failure_falls_back_to_eager(scoped_registry):
@@ -527,6 +545,181 @@ def test_graph_capture_failure_falls_back_to_eager(scoped_registry):
     assert res.status == "ok" and res.step_timing == "eager" and res.round_graph_ms is None
     assert any("graph capture failed" in n for n in res.notes)
     assert any("round graph failed" in n for n in res.notes)
+    assert any("engine round failed" in n for n in res.notes) and res.engine_round_ms is None
+
+
+class FakeNow:
+    """A host clock that a call moves on by a fixed amount."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def after(self, seconds, log=None, name=""):
+        def fn():
+            self.t += seconds
+            if log is not None:
+                log.append(name)
+        return fn
+
+
+def test_engine_round_times_host_around_the_metadata_call_only():
+    """[metadata; replay] back to back, layers rotating; host time around the metadata
+    call alone (a replay's host time is not in it), the device span over the rounds."""
+    from specattn.bench.harness import engine_round
+
+    now, log = FakeNow(), []
+    metadata = now.after(40e-6, log, "m")
+    replays = [now.after(1.0, log, f"r{i}") for i in range(3)]
+    clock = FakeGraphClock()
+    round_ms, host_ms = engine_round(metadata, replays, clock, rounds=4, spans=3, now=now)
+    assert log[:8] == ["m", "r0", "m", "r1", "m", "r2", "m", "r0"]
+    assert len(log) == 2 * 4 * (1 + 3) and clock.spans == 3
+    assert round_ms == pytest.approx(5.0 / 4) and host_ms == pytest.approx(0.040)
+
+
+def test_parts_host_time_leaves_the_synchronisation_out():
+    from specattn.bench.parts import host_us
+
+    now, log = FakeNow(), []
+    us = host_us(now.after(25e-6, log, "call"), now.after(1.0, log, "sync"), reps=3, now=now)
+    assert us == pytest.approx(25.0)
+    assert log == ["call"] + ["sync", "call"] * 3 + ["sync"]
+
+
+# --- the read floor (Triton interpreter on the CPU) -------------------------------------------
+
+@pytest.mark.parametrize("kind,model,page,ragged", [
+    ("decode", "mha", 1, True), ("decode", "mla", 4, True), ("decode", "mha", 16, False),
+    ("extend", "mha", 4, True), ("extend", "mla", 1, False)])
+def test_read_floor_reads_every_byte_of_the_case(kind, model, page, ragged):
+    """The read-floor kernel reads the copy floor's bytes, no more, no less: the case's
+    prefix slots through its slot table and every lane's history at the timed step
+    (extend: every request's tokens), each row whole from the layer's own pools (MHA: K and
+    V, rows of 2 x 16; MLA: 32 + 8, a row with a tail), with a partial last program."""
+    from specattn.bench import floors
+    from specattn.metadata import prefix_token_slots
+
+    case = dataclasses.replace(tiny(kind, model, ragged=ragged, page=page), batch=4)
+    setup = build_setup(case, "cpu", max_layers=2)
+    slots = floors.case_slots(setup)
+    assert slots.dtype == torch.int32
+    assert slots.numel() * case.row_bytes == case.kv_bytes(setup.lengths)
+    b = setup.batch
+    prefix, valid = prefix_token_slots(setup.runner.req_to_token, b.req_pool_indices,
+                                       b.seq_lens)
+    listed = set(prefix[valid].tolist())
+    if kind == "decode":
+        listed |= set(b.out_cache_loc[:, :, :case.timed_step + 1].reshape(-1).tolist())
+    assert set(slots.tolist()) == listed and len(listed) == slots.numel()  # each slot once
+    n = slots.numel()
+    keys = (n & -n) * 2  # rows a program: the least power of two that does not divide n
+    launches, out = floors.read_launches(setup, tile_bytes=keys * case.row_bytes)
+    assert len(launches) == len(setup.layers) and out.numel() == -(-n // keys)
+    assert n % keys  # the last program is partial
+    for layer, launch in enumerate(launches):
+        out.zero_()
+        launch()
+        pools = floors.case_pools(setup, layer)
+        assert len(pools) == (1 if model == "mla" else 2)
+        for p in range(out.numel()):  # each program: its slots' rows, every element
+            mine = slots[keys * p:keys * (p + 1)].long()
+            want = sum(pool[mine].double().sum() for pool in pools)
+            assert float(out[p]) == pytest.approx(float(want), rel=1e-4, abs=1e-3)
+
+
+def test_read_floor_row_split():
+    from specattn.bench.floors import split_row
+    from specattn.errors import InvalidInputError
+
+    assert split_row(1024) == (1024, 0) and split_row(576) == (512, 64)
+    assert split_row(40) == (32, 8) and split_row(1) == (1, 0)
+    with pytest.raises(InvalidInputError, match="row: expected a sum of two powers"):
+        split_row(704)  # 512 + 192
+    with pytest.raises(InvalidInputError, match="row: expected an int >= 1"):
+        split_row(0)
+
+
+class ListClock(FakeGraphClock):
+    """A graph clock whose timings are taken from a list."""
+
+    def __init__(self, times, **kw):
+        super().__init__(**kw)
+        self.times = list(times)
+
+    def time(self, fn):
+        fn()
+        return self.times.pop(0)
+
+
+def test_read_floor_is_timed_as_a_step_and_keeps_the_least_tile():
+    """Each tile size: one warm-up call of every layer's launch, one graph of them all, its
+    time over the layers (as time_step); the least tile's time; a tile that fails is a
+    note and the others stand; when every tile fails the error propagates."""
+    from specattn.bench.floors import read_floor_ms
+
+    setup = build_setup(tiny(), "cpu", max_layers=2)
+    tiles = ((256, 4), (512, 4), (1024, 8))
+    clock = ListClock([3.0, 1.0, 2.0])
+    ms, timing, notes = read_floor_ms(setup, clock, tiles)
+    assert (ms, timing, notes) == (pytest.approx(1.0 / len(setup.layers)), "graph", [])
+    assert clock.captured == 3
+    ms, _, _ = read_floor_ms(setup, ListClock([6.0, 4.0, 8.0]), ((256, 4), (7, 4), (512, 4)))
+    assert ms == pytest.approx(2.0)  # the tile under one row: one key a program
+    failing = FakeGraphClock(fail_capture=True)
+    ms, timing, notes = read_floor_ms(setup, failing, ((256, 4),))
+    assert timing == "eager" and any("graph capture failed" in n for n in notes)
+    bad = dataclasses.replace(tiny(), shape=(6, 3, 8))  # rows of 24 elements: 16 + 8
+    ms, _, _ = read_floor_ms(build_setup(bad, "cpu", max_layers=2), FakeGraphClock(),
+                             ((256, 4),))
+    assert ms == pytest.approx(1.0)
+    odd = dataclasses.replace(tiny(), shape=(7, 7, 4))  # 28 = 16 + 12: no kernel for it
+    from specattn.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="row"):
+        read_floor_ms(build_setup(odd, "cpu", max_layers=2), FakeGraphClock(), ((256, 4),))
+
+
+def test_read_floor_rows_and_ratios(scoped_registry, monkeypatch, tmp_path):
+    """run_cases with the read floor: per case the copy floor, the read floor, then the
+    variants; every row but the copy floor's gets its ratio to the read floor, in the CSV
+    and both tables; a read floor that fails is a failed row with the reason."""
+    from specattn.bench import run
+
+    case = tiny()
+    plans = run.plan_cases([case], current_platform(), ["torch_ref"], raw=False)
+    progress = ItemProgress(2, "t", io.StringIO())
+    rows = run.run_cases(plans, torch.device("cpu"), FakeGraphClock(), 1e12, progress,
+                         round_layers=1, read_floor=True)
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        (report.FLOOR, "floor"), (report.READ_FLOOR, "floor"), ("torch_ref", "ok")]
+    assert progress.done == 2
+    report.add_ratios(rows)
+    copy, read, ref = rows
+    read_us = 2.0e3 / 2  # the fake clock's 2 ms over the two rotating layers
+    assert read["time_us"] == pytest.approx(read_us) and read["timing"] == "graph"
+    assert read["x_read_floor"] == pytest.approx(1.0)
+    assert read["x_floor"] == pytest.approx(read_us / copy["time_us"])
+    assert ref["x_read_floor"] == pytest.approx(ref["time_us"] / read_us)
+    assert copy.get("x_read_floor") is None
+    table = report.render_table(rows)
+    assert "| x copy floor | x read floor |" in table and f"| {report.READ_FLOOR} |" in table
+    report.write_csv(rows, str(tmp_path / "bench.csv"))
+    back = report.read_csv(str(tmp_path / "bench.csv"))
+    assert float(back[2]["x_read_floor"]) == pytest.approx(ref["x_read_floor"], rel=1e-5)
+    assert float(back[2]["read_floor_us"]) == pytest.approx(read_us)
+    from specattn.bench import floors
+
+    def boom(*a, **k):
+        raise RuntimeError("out of resources: shared memory")
+    monkeypatch.setattr(floors, "read_floor_ms", boom)
+    rows = run.run_cases(plans, torch.device("cpu"), FakeGraphClock(), 1e12,
+                         ItemProgress(2, "t", io.StringIO()), round_layers=1, read_floor=True)
+    assert rows[1]["status"] == "failed" and "out of resources" in rows[1]["error"]
+    assert rows[2].get("read_floor_us") is None
+    assert report.add_ratios(rows)[2].get("x_read_floor") is None
 
 
 def test_sdpa_baseline_matches_reference():

@@ -166,12 +166,19 @@ def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, row
         "",
         f"`time us`: {step}, {clock_name}"
         + (", layers rotated past L2 in one CUDA graph" if on_gpu else "")
-        + ". `x floor`: over the copy-bandwidth floor (every prefix once + every lane's "
-        "history). `x vs per-branch`: speedup over the backend's own per-branch mode, else "
-        "the raw per-lane baseline. `round`: metadata + S-1 steps (extend: one call) x "
+        + ". `x copy floor`: over the copy-bandwidth floor (every prefix once + every lane's "
+        "history, over the copy bandwidth)."
+        + (" `x read floor`: over the read floor (`read-floor`: one launch that only reads "
+           "those bytes through the case's slots, timed as a step)." if on_gpu else "")
+        + " `x vs per-branch`: speedup over the backend's own per-branch mode, else "
+        "the raw per-lane baseline. `round us`: the round an engine feels, device time per "
+        "round of [replay metadata call; graph replay of one layer's S-1 steps (extend: one "
+        "call)] back to back; `host us`: the replay metadata call's host time"
+        + ("" if on_gpu else " (n/a: no CUDA graphs on a CPU)")
+        + ". `round eager us`" + (" / `round graph us`" if on_gpu else "")
+        + ": metadata + S-1 steps (extend: one call) x "
         f"{round_layers} layers" + ("" if on_gpu else f" ({clock_name}, eager)")
-        + ". `check`: max error against "
-        "torch_ref on sampled requests.",
+        + ". `check`: max error against torch_ref on sampled requests.",
     ]
     return "\n".join(lines)
 
@@ -260,7 +267,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
                             platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu,
                             options=options)
-    total = sum(len(p.variants) for p in plans + sweep)
+    read_floor = on_gpu and not args.check_only  # Triton kernels on the case's pools
+    total = sum(len(p.variants) for p in plans + sweep) + (len(plans) if read_floor else 0)
     info = report.versions(device)
     out = _out_dir(args, info)
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
@@ -270,7 +278,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
                              rounds=not (args.no_round or args.check_only),
                              round_layers=args.round_layers, timed=not args.check_only,
-                             parts=args.parts)
+                             parts=args.parts, read_floor=read_floor)
         sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
     parts = report.parts_rows(rows)
     os.makedirs(out, exist_ok=True)

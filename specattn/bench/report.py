@@ -1,10 +1,11 @@
 """Rows, ratios and outputs of ``specattn bench``: the table (markdown), CSV, PNG charts and
 the versions record.
 
-One row per (case, lengths, variant), plus one ``floor`` row per case (the copy-bandwidth
-floor: every prefix once plus every lane's history, over the copy bandwidth measured in the
-same process). ``add_ratios`` fills the derived columns from the measured ones, so they are
-computed in one place (and tested without a GPU).
+One row per (case, lengths, variant), plus two ``floor`` rows per case: the copy-bandwidth
+floor (every prefix once plus every lane's history, over the copy bandwidth measured in the
+same process) and, on a GPU, the read floor (``floors.py``: one launch that only reads those
+bytes through the case's slots, timed as a step). ``add_ratios`` fills the derived columns
+from the measured ones, so they are computed in one place (and tested without a GPU).
 """
 
 from __future__ import annotations
@@ -21,19 +22,22 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios",
-           "render_table", "print_table", "parts_rows", "render_parts", "rate_lines",
-           "noise_warning", "write_csv", "read_csv", "write_pngs", "versions", "device_slug"]
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
+           "add_ratios", "render_table", "print_table",
+           "parts_rows", "render_parts", "rate_lines", "noise_warning", "write_csv",
+           "read_csv", "write_pngs", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
+READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's bytes
 # A timing whose runs spread more than this (interquartile range over the median) is noisy.
 NOISY_SPREAD = 0.10
 COLUMNS = [
     "case", "lengths", "kind", "model", "batch", "prefix", "topk", "steps", "page_size",
     "dtype", "lanes", "variant", "backend", "mode", "kernel_library", "status", "error", "max_err",
-    "time_us", "spread", "timing", "floor_us", "x_floor", "kv_bytes", "bandwidth_gbs", "per_branch",
-    "x_vs_per_branch", "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us",
-    "round_graph_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
+    "time_us", "spread", "timing", "floor_us", "x_floor", "read_floor_us", "x_read_floor",
+    "kv_bytes", "bandwidth_gbs", "per_branch", "x_vs_per_branch", "tokens_per_s",
+    "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us", "round_us",
+    "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
 SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
                  "x_floor", "error"]
@@ -51,10 +55,13 @@ def _num(value: Any) -> Optional[float]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fill ``x_floor``, ``bandwidth_gbs``, ``tokens_per_s``, ``per_branch``,
-    ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and return ``rows``).
+    """Fill ``x_floor``, ``read_floor_us``, ``x_read_floor``, ``bandwidth_gbs``,
+    ``tokens_per_s``, ``per_branch``, ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and
+    return ``rows``).
 
-    Per (case, lengths): ``x_floor = time / floor``; ``bandwidth = kv_bytes / time``;
+    Per (case, lengths): ``x_floor = time / floor`` (the copy floor); ``x_read_floor = time /
+    read floor`` (the group's ``read-floor`` row; every row but the copy floor's);
+    ``bandwidth = kv_bytes / time``;
     ``tokens_per_s`` = query rows of one call per second (one layer), ``round_tokens_per_s``
     the rows of a whole round (``S - 1`` steps) over its eager time; ``x_vs_per_branch`` =
     per-branch time / time (above 1 = faster than per-branch), against the backend's own
@@ -69,12 +76,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         own_pb = {r["backend"]: r for r in ok if r.get("mode") == "per-branch"}
         raw_pb = next((r for r in ok if r.get("mode") == "raw"), None)
         ref = next((r for r in ok if r.get("backend") == "torch_ref"), None)
+        read = next((_num(r.get("time_us")) for r in group if r.get("variant") == READ_FLOOR
+                     and r.get("status") == "floor"), None)
         for r in group:
             t = _num(r.get("time_us"))
             if r.get("status") not in ("ok", "floor") or not t:
                 continue
             floor = _num(r.get("floor_us"))
             r["x_floor"] = t / floor if floor else None
+            if r.get("variant") != FLOOR:
+                r["read_floor_us"] = read
+                r["x_read_floor"] = t / read if read else None
             kv = _num(r.get("kv_bytes"))
             r["bandwidth_gbs"] = kv / (t * 1e-6) / 1e9 if kv else None
             if r["status"] == "floor":
@@ -106,9 +118,11 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the results table (one line per row; failed rows say why)."""
     head = ["case", "lengths", "variant", "time us"] + (["spread"] if cpu else [])
-    head += ["x floor", "x vs per-branch", "GB/s"]
+    head += ["x copy floor"] + ([] if cpu else ["x read floor"])
+    head += ["x vs per-branch", "GB/s"]
     head += ["tokens/s", "x vs torch_ref"] if cpu else []
-    head += ["round eager us", "round graph us" if not cpu else "round tokens/s", "check"]
+    head += ["round us", "host us", "round eager us"]
+    head += ["round tokens/s" if cpu else "round graph us", "check"]
     body = []
     for r in rows:
         status = r.get("status")
@@ -122,10 +136,18 @@ def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list
             cells.append(_fmt(r.get("time_us"), ",.1f"))
             if cpu:
                 cells.append(_fmt(r.get("spread"), ".0%"))
-            cells += [_fmt(r.get("x_floor"), ".2f"), vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
+            cells.append(_fmt(r.get("x_floor"), ".2f"))
+            if not cpu:
+                cells.append(_fmt(r.get("x_read_floor"), ".2f"))
+            cells += [vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
             if cpu:
                 cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
                           _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
+            if status == "floor":  # no round
+                cells += ["", ""]
+            else:  # n/a: no graph round here (CPU, raw baselines, no graph support)
+                cells += ["n/a" if _num(r.get(k)) is None else _fmt(r.get(k), ",.1f")
+                          for k in ("round_us", "round_host_us")]
             cells.append(_fmt(r.get("round_eager_us"), ",.0f"))
             if cpu:
                 cells.append(_fmt(r.get("round_tokens_per_s"), ",.0f"))
