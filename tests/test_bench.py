@@ -29,7 +29,7 @@ from specattn.bench.harness import (
     ENGINE_ROUNDS, ENGINE_SPANS, Variant, WallClock, build_setup, discover_variants,
     measure_variant, relative_error,
 )
-from specattn._console import ItemProgress
+from specattn._console import ItemProgress, make_console
 from specattn.bench.run import floor_row, result_row
 from specattn.metadata import history_slots
 from specattn.platforms import current_platform
@@ -199,6 +199,85 @@ def test_csv_columns_and_failed_rows(tmp_path):
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert "FAILED: wrong result" in table and "not run: needs CUDA" in table
     assert "tokens/s" in report.render_table(rows, cpu=True)
+
+
+def _gpu_rows():
+    def row(case, variant, t, status="ok", **kw):
+        base = {"case": case, "lengths": "uniform", "kind": "decode", "steps": 5, "lanes": 4,
+                "kv_bytes": 1.3e8, "floor_us": 31.2, "variant": variant, "mode": "shared",
+                "backend": variant.split("/")[0].split("[")[0], "status": status,
+                "time_us": t, "max_err": 3.1e-3, "round_eager_us": 2345.0,
+                "round_graph_us": 1234.0, "round_us": 171.3, "round_host_us": 38.2}
+        base.update(kw)
+        return base
+
+    rows = []
+    for case in ("gqa-b1-32k-extend", "mla-b8-p64"):
+        rows += [
+            row(case, report.FLOOR, 31.2, status="floor", mode="floor"),
+            row(case, report.READ_FLOOR, 40.1, status="floor", mode="read-floor"),
+            row(case, "triton", 44.0), row(case, "triton/per-branch", 120.3, mode="per-branch"),
+            row(case, "triton[config=m64 n32 w8 s3 kv-first gluon-ov]", 43.0, mode="option"),
+            row(case, "flashinfer decode per lane (raw)", 300.0, mode="raw", round_us=None,
+                round_host_us=None),
+            row(case, "fa4", None, status="failed", error="crashed while timed: RuntimeError: "
+                "CUDA error: an illegal memory access was encountered at /a/very/long/path/"
+                "to/flash_attn/cute/interface.py:1234"),
+            row(case, "flashmla", None, status="unsupported", error="needs the flash_mla "
+                "package")]
+    return report.add_ratios(rows)
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["device-table", "cpu-table"])
+def test_terminal_table_fits_120_columns_and_wraps_whole_words(cpu):
+    """At 120 columns: one table (no split), no line wider, every header and cell word of
+    the columns shown printed whole; columns left out in TERMINAL_DROP_ORDER's order and
+    named; failed and not-run reasons as numbered notes below the table. Wide enough,
+    nothing is left out."""
+    rows = _gpu_rows()
+    head, body = report._table_cells(rows, cpu)
+    buf = io.StringIO()
+    report.print_table(rows, make_console(buf, width=120), cpu=cpu)
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 120
+    rules = [i for i, line in enumerate(lines) if set(line.strip()) == {"─"}]
+    assert len(rules) == 1  # one table
+    header = " ".join(lines[:rules[0]]).split()
+    left_out = next((line for line in lines if line.startswith("Left out at 120")), "")
+    dropped = [h for h in report.TERMINAL_DROP_ORDER if h in head and h in left_out]
+    assert dropped == [h for h in report.TERMINAL_DROP_ORDER if h in head][:len(dropped)]
+    shown = [i for i, h in enumerate(head) if h not in dropped]
+    assert {"case", "variant", "time us", "x copy floor"} <= {head[i] for i in shown}
+    for i in shown:
+        assert all(word in header for word in head[i].split()), head[i]
+    printed = set(" ".join(lines[rules[0] + 1:]).split())
+    for cells in body:
+        for i in shown[:3] + shown[4:]:  # the time column holds the failure markers
+            assert set(cells[i].split()) <= printed, cells[i]
+    assert "FAILED[1]" in printed and "not-run[2]" in printed
+    notes = [line for line in lines if line.startswith("[")]
+    assert notes[0].startswith("[1] gqa-b1-32k-extend uniform fa4: FAILED: crashed while")
+    assert notes[1] == "[2] gqa-b1-32k-extend uniform flashmla: not run: needs the " \
+        "flash_mla package"
+    wide = io.StringIO()
+    report.print_table(rows, make_console(wide, width=400), cpu=cpu)
+    assert "Left out" not in wide.getvalue()
+    assert all(h in wide.getvalue() for h in head)
+
+
+def test_fit_columns_rule():
+    head = ["case", "variant", "a b", "GB/s", "check"]
+    body = [["x" * 10, "long-word and more", "1", "22", "3.1e-03"]]
+    keep, widths, dropped = report.fit_columns(head, body, 200)
+    assert keep == [0, 1, 2, 3, 4] and not dropped
+    assert widths == [10, 18, 3, 4, 7]  # each at its longest text
+    # At least: the longest words, 10 + 9 + 1 + 4 + 7 and 2 between columns: 39.
+    assert report.fit_columns(head, body, 39)[2] == []
+    keep, widths, dropped = report.fit_columns(head, body, 36)
+    assert dropped == ["GB/s"] and keep == [0, 1, 2, 4]  # GB/s goes before check
+    assert widths == [10, 12, 1, 7]  # the 3 characters left widen the variant column
+    keep, widths, dropped = report.fit_columns(head, body, 30)
+    assert dropped == ["GB/s", "check"] and widths == [10, 15, 1]
 
 
 def test_device_slug():

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
-           "add_ratios", "render_table", "print_table",
+           "TERMINAL_DROP_ORDER", "add_ratios", "render_table", "print_table", "fit_columns",
            "parts_rows", "render_parts", "rate_lines", "noise_warning", "write_csv",
            "read_csv", "write_pngs", "versions", "device_slug"]
 
@@ -171,35 +171,77 @@ def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     return "\n".join(lines)
 
 
+# The terminal table leaves columns out, in this order, until it fits the terminal's width
+# (table.md and bench.csv have them all); case, lengths, variant and time stay.
+TERMINAL_DROP_ORDER = ("round eager us", "round graph us", "round tokens/s", "GB/s",
+                       "tokens/s", "spread", "check", "host us", "x vs torch_ref",
+                       "round us", "x vs per-branch", "x read floor", "x copy floor")
+_GAP = 2  # characters between two columns of make_table's tables
+
+
+def fit_columns(head: list[str], body: list[list[str]], width: int,
+                drop_order: tuple[str, ...] = TERMINAL_DROP_ORDER,
+                ) -> tuple[list[int], list[int], list[str]]:
+    """Which columns of the table fit in ``width`` characters, and how wide each is.
+
+    A column is at least as wide as its longest word (header or cell: text wraps at spaces
+    only, never inside a word) and at most as its longest text. Columns named in
+    ``drop_order`` are left out in that order until the narrowest table fits; the room
+    left widens the kept columns from the left. Returns the kept column indices, their
+    widths and the headers left out."""
+    def longest(i, split):
+        return max(len(p) for cells in [head] + body
+                   for p in (cells[i].split() if split else [cells[i]]) or [""])
+
+    least = [longest(i, True) for i in range(len(head))]
+    most = [max(longest(i, False), least[i]) for i in range(len(head))]
+    keep = list(range(len(head)))
+    dropped: list[str] = []
+    order = [head.index(h) for h in drop_order if h in head]
+
+    def total(cols):
+        return sum(least[i] for i in cols) + _GAP * (len(cols) - 1)
+    while total(keep) > width and order:
+        i = order.pop(0)
+        keep.remove(i)
+        dropped.append(head[i])
+    widths = [least[i] for i in keep]
+    room = width - total(keep)
+    for n, i in enumerate(keep):
+        more = min(max(room, 0), most[i] - least[i])
+        widths[n] += more
+        room -= more
+    return keep, widths, dropped
+
+
 def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> None:
-    """The same table on a terminal, fitted by ``rich``: headers and text wrap at spaces, a
-    number is never folded; when the columns do not fit the width, they are printed in
-    several tables, each starting with case, lengths and variant."""
+    """The same table on a terminal, in the terminal's width (``fit_columns``): text wraps
+    at spaces only, columns are left out by a fixed rule (``TERMINAL_DROP_ORDER``, said
+    below the table), and the reasons of failed or not run rows are numbered notes below it
+    instead of cells."""
     from .._console import make_table
 
     head, body = _table_cells(rows, cpu)
-    widths = [max(len(word) for cells in body + [head]
-                  for word in (cells[i].split() or [""])) for i in range(len(head))]
-    key, groups, group = 3, [], []
-    room = console.width - sum(widths[:key]) - 2 * key
-    for i in range(key, len(head)):
-        if group and room < widths[i] + 2:
-            groups.append(group)
-            group, room = [], console.width - sum(widths[:key]) - 2 * key
-        group.append(i)
-        room -= widths[i] + 2
-    groups.append(group)
-    for n, group in enumerate(groups):
-        columns = list(range(key)) + group
-        table = make_table(*(head[i] for i in columns))
-        table.padding = (0, 1)
-        for column, i in zip(table.columns, columns):
-            column.min_width = widths[i]
-        for cells in body:
-            table.add_row(*(cells[i] for i in columns))
-        if n:
-            console.print()
-        console.print(table)
+    reasons = []
+    for r, cells in zip(rows, body):
+        if r.get("status") in ("failed", "unsupported"):
+            word = "FAILED" if r["status"] == "failed" else "not run"
+            reasons.append(f"[{len(reasons) + 1}] {r['case']} {r['lengths']} {r['variant']}: "
+                           f"{word}: {r.get('error', '')}")
+            cells[3] = f"{word.replace(' ', '-')}[{len(reasons)}]"  # one word: never wrapped
+    keep, widths, dropped = fit_columns(head, body, console.width)
+    table = make_table(*(head[i] for i in keep))
+    table.padding = (0, 1)
+    for column, w in zip(table.columns, widths):
+        column.width = w
+    for cells in body:
+        table.add_row(*(cells[i] for i in keep))
+    console.print(table)
+    if dropped:
+        console.print(f"Left out at {console.width} characters: {', '.join(dropped)} "
+                      "(table.md and bench.csv have every column).")
+    for line in reasons:
+        console.print(line)
 
 
 def rate_lines(rows: list[dict[str, Any]]) -> list[str]:
