@@ -280,6 +280,71 @@ def test_fit_columns_rule():
     assert dropped == ["GB/s", "check"] and widths == [10, 15, 1]
 
 
+def test_bar_axis_label_says_scale_and_direction():
+    assert report.bar_axis_label(True) == "time, us (log scale; lower is better)"
+    assert report.bar_axis_label(False) == "time, us (lower is better)"
+    assert report._log_axis([1.0, 31.0]) and not report._log_axis([1.0, 29.0, 0.0])
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_case_chart_labels_its_axis_and_shows_both_floors():
+    """matplotlib objects of a case chart: the y label names the scale and says lower is
+    better (log when the times span more than 30x), both floors drawn, the legend outside
+    the plot."""
+    pytest.importorskip("matplotlib")
+    plt = report._pyplot()
+    rows = [r for r in _gpu_rows() if r["case"] == "mla-b8-p64"]
+    fig = report.case_figure(plt, "mla-b8-p64", "uniform", rows, "H200")
+    try:
+        ax = fig.axes[0]
+        assert ax.get_yscale() == "linear" and ax.get_ylabel() == report.bar_axis_label(False)
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == ["copy floor 31.2 us",
+                                                             "read floor 40.1 us"]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert not _boxes_overlap(legend.get_window_extent(renderer),
+                                  ax.get_window_extent(renderer))
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert report.READ_FLOOR not in labels and "triton" in labels  # floors are lines
+    finally:
+        plt.close(fig)
+    rows.append(dict(rows[2], variant="torch_ref", time_us=40000.0))
+    fig = report.case_figure(plt, "mla-b8-p64", "uniform", rows, "H200")
+    try:
+        assert fig.axes[0].get_yscale() == "log"
+        assert fig.axes[0].get_ylabel() == "time, us (log scale; lower is better)"
+    finally:
+        plt.close(fig)
+
+
+def test_sweep_chart_has_one_legend_outside_the_panels():
+    pytest.importorskip("matplotlib")
+    plt = report._pyplot()
+    sweep = [{"topk": k, "prefix": n, "variant": v, "status": "ok", "time_us": n / 100 * i,
+              "floor_us": n / 200} for k in (1, 4, 8) for n in (512, 1024, 2048)
+             for i, v in enumerate(("triton", "flashinfer", "fa4"), 1)]
+    fig = report.sweep_figure(plt, sweep, "H200")
+    try:
+        assert all(ax.get_legend() is None for ax in fig.axes)
+        assert len(fig.legends) == 1
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert texts == ["triton", "flashinfer", "fa4", "copy floor"]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.legends[0].get_window_extent(renderer)
+        assert not any(_boxes_overlap(box, ax.get_window_extent(renderer)) for ax in fig.axes)
+        assert fig.axes[0].get_ylabel() == "time, us (log scale; lower is better)"
+        # Each variant in one colour, the same in every panel (the one legend holds).
+        colours = [{ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes]
+        assert all(c == colours[0] for c in colours) and len(set(colours[0].values())) == 4
+    finally:
+        plt.close(fig)
+
+
 def test_device_slug():
     assert report.device_slug({"gpu": "NVIDIA H200"}) == "h200"
     assert report.device_slug({"gpu": None}) == "cpu"

@@ -25,7 +25,8 @@ import torch
 __all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
            "TERMINAL_DROP_ORDER", "add_ratios", "render_table", "print_table", "fit_columns",
            "parts_rows", "render_parts", "rate_lines", "noise_warning", "write_csv",
-           "read_csv", "write_pngs", "versions", "device_slug"]
+           "read_csv", "write_pngs", "case_figure", "sweep_figure", "bar_axis_label", "versions",
+           "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
 READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's bytes
@@ -328,9 +329,103 @@ def _pyplot():
     return plt
 
 
+def bar_axis_label(log: bool) -> str:
+    """The time axis of the charts: what it is, its scale, and which way is better."""
+    return "time, us (log scale; lower is better)" if log else "time, us (lower is better)"
+
+
+def _log_axis(values: list[float]) -> bool:
+    """A log axis when the times span more than 30x (torch_ref next to fast kernels)."""
+    positive = [v for v in values if v > 0]
+    return bool(positive) and max(positive) > 30 * min(positive)
+
+
+def case_figure(plt, case: str, lengths: str, group: list[dict[str, Any]], title: str):
+    """One case's chart: a bar per variant (one step of one layer), the copy floor and the
+    read floor as lines, their legend outside the plot; ``None`` without a bar."""
+    def floor_of(variant):
+        return next((_num(r["time_us"]) for r in group if r.get("status") == "floor"
+                     and r.get("variant") == variant), None)
+
+    floors = [(name, floor_of(variant), style) for name, variant, style in (
+        ("copy floor", FLOOR, "--"), ("read floor", READ_FLOOR, ":")) if floor_of(variant)]
+    bars = [r for r in group if r.get("status") in ("ok", "failed")
+            and r.get("mode") != "read-floor"]
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2) + 1.6, 3.6))
+    labels = [r["variant"] for r in bars]
+    values = [_num(r.get("time_us")) or 0.0 for r in bars]
+    colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
+              for r in bars]
+    drawn = ax.bar(range(len(bars)), values, color=colors)
+    ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7)
+    log = _log_axis(values + [v for _, v, _ in floors])
+    if log:
+        ax.set_yscale("log")
+    positive = [v for v in values if v > 0]
+    for i, r in enumerate(bars):
+        if r.get("status") == "failed":
+            ax.text(i, min(positive or [1.0]), "failed", ha="center", va="bottom",
+                    color="#b03a3a")
+    for name, value, style in floors:
+        ax.axhline(value, color="#b03a3a", linestyle=style, label=f"{name} {value:,.1f} us")
+    if floors:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel(bar_axis_label(log), fontsize=8)
+    ax.set_title(f"{case} ({lengths}): one step of one layer - {title}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figure(plt, sweep_rows: list[dict[str, Any]], title: str):
+    """Latency against prefix length, one panel per ``K`` (log axes), each variant in one
+    colour in every panel, one legend for all of them to the right of the panels."""
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 20 and 2048, not 2x10^1 and 2^11
+    # Minor ticks of a log axis: 2, 3 and 5 of each decade labelled, the others not.
+    some = FuncFormatter(lambda v, _pos: f"{v:g}" if f"{v:e}"[0] in "235" else "")
+    topks = sorted({int(r["topk"]) for r in sweep_rows})
+    variants = list(dict.fromkeys(r["variant"] for r in sweep_rows))
+    color = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    fig, axes = plt.subplots(1, len(topks), figsize=(4.2 * len(topks), 3.6), squeeze=False)
+    lines: dict[str, Any] = {}
+    for ax, k in zip(axes[0], topks):
+        at_k = [r for r in sweep_rows if int(r["topk"]) == k]
+        for variant in variants:
+            pts = sorted((int(r["prefix"]), _num(r["time_us"])) for r in at_k
+                         if r["variant"] == variant and r.get("status") == "ok")
+            if pts:
+                lines[variant], = ax.plot(*zip(*pts), marker="o", color=color[variant],
+                                          label=variant)
+        floor = sorted({(int(r["prefix"]), _num(r["floor_us"])) for r in at_k
+                        if _num(r.get("floor_us"))})
+        if floor:
+            lines["copy floor"], = ax.plot(*zip(*floor), linestyle="--", color="#b03a3a",
+                                           label="copy floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(some)
+        ax.set_xlabel("prefix length")
+        ax.set_title(f"K = {k}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(bar_axis_label(True), fontsize=8)
+    fig.suptitle(f"one step of one layer against prefix length - {title}", fontsize=9)
+    fig.tight_layout()
+    if lines:
+        fig.legend(list(lines.values()), list(lines), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    return fig
+
+
 def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out_dir: str,
                title: str) -> tuple[list[str], str]:
-    """Per case: bars per variant (step time) with the floor as a line; and latency against
+    """Per case: bars per variant (step time) with the floors as lines; and latency against
     prefix length per ``K``. Returns the files written and a note ('' or why none)."""
     plt = _pyplot()
     if plt is None:
@@ -340,68 +435,19 @@ def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out
     for r in rows:
         cases[(r["case"], r["lengths"])].append(r)
     for (case, lengths), group in cases.items():
-        floor = next((_num(r["time_us"]) for r in group if r.get("status") == "floor"), None)
-        bars = [r for r in group if r.get("status") in ("ok", "failed")]
-        if not bars:
+        fig = case_figure(plt, case, lengths, group, title)
+        if fig is None:
             continue
-        fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2), 3.6))
-        labels = [r["variant"] for r in bars]
-        values = [_num(r.get("time_us")) or 0.0 for r in bars]
-        colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
-                  for r in bars]
-        drawn = ax.bar(range(len(bars)), values, color=colors)
-        ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7)
-        positive = [v for v in values + [floor or 0.0] if v > 0]
-        if positive and max(positive) > 30 * min(positive):
-            ax.set_yscale("log")  # torch_ref next to fast kernels
-        for i, r in enumerate(bars):
-            if r.get("status") == "failed":
-                ax.text(i, min(positive or [1.0]), "failed", ha="center", va="bottom",
-                        color="#b03a3a")
-        if floor:
-            ax.axhline(floor, color="#b03a3a", linestyle="--", label=f"floor {floor:,.0f} us")
-            ax.legend(loc="upper left", fontsize=8)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
-        ax.set_ylabel("one step, one layer (us)")
-        ax.set_title(f"{case} ({lengths}) - {title}", fontsize=9)
-        fig.tight_layout()
         name = f"case-{case}-{lengths}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(name)
     if sweep_rows:
-        written.append(_sweep_png(plt, sweep_rows, out_dir, title))
+        fig = sweep_figure(plt, sweep_rows, title)
+        fig.savefig(os.path.join(out_dir, "prefix-sweep.png"), dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append("prefix-sweep.png")
     return written, ""
-
-
-def _sweep_png(plt, sweep_rows, out_dir: str, title: str) -> str:
-    topks = sorted({int(r["topk"]) for r in sweep_rows})
-    fig, axes = plt.subplots(1, len(topks), figsize=(4.2 * len(topks), 3.6), squeeze=False)
-    for ax, k in zip(axes[0], topks):
-        at_k = [r for r in sweep_rows if int(r["topk"]) == k]
-        for variant in dict.fromkeys(r["variant"] for r in at_k):
-            pts = sorted((int(r["prefix"]), _num(r["time_us"])) for r in at_k
-                         if r["variant"] == variant and r.get("status") == "ok")
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant)
-        floor = sorted({(int(r["prefix"]), _num(r["floor_us"])) for r in at_k
-                        if _num(r.get("floor_us"))})
-        if floor:
-            ax.plot(*zip(*floor), linestyle="--", color="#b03a3a", label="floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prefix length")
-        ax.set_title(f"K = {k}", fontsize=9)
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("one step, one layer (us)")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"latency against prefix length - {title}", fontsize=9)
-    fig.tight_layout()
-    name = "prefix-sweep.png"
-    fig.savefig(os.path.join(out_dir, name), dpi=110)
-    plt.close(fig)
-    return name
 
 
 # --- versions --------------------------------------------------------------------------------
