@@ -243,9 +243,16 @@ def test_terminal_table_fits_120_columns_and_wraps_whole_words(cpu):
     rules = [i for i, line in enumerate(lines) if set(line.strip()) == {"─"}]
     assert len(rules) == 1  # one table
     header = " ".join(lines[:rules[0]]).split()
-    left_out = next((line for line in lines if line.startswith("Left out at 120")), "")
-    dropped = [h for h in report.TERMINAL_DROP_ORDER if h in head and h in left_out]
-    assert dropped == [h for h in report.TERMINAL_DROP_ORDER if h in head][:len(dropped)]
+    note = next((line for line in lines if line.startswith("Left out at 120 characters: ")),
+                "")
+    dropped = note[len("Left out at 120 characters: "):].split(" (table.md")[0].split(", ")
+    dropped = [h for h in dropped if h]
+    assert dropped  # these rows do not fit at 120 columns whole
+    # The rule: columns without a value first, then TERMINAL_DROP_ORDER's order.
+    order = [h for h in report.TERMINAL_DROP_ORDER if h in head]
+    empty = [h for h in order if all(c[head.index(h)] in ("", "-", "n/a") for c in body)]
+    rule = empty + [h for h in order if h not in empty]
+    assert dropped == rule[:len(dropped)]
     shown = [i for i, h in enumerate(head) if h not in dropped]
     assert {"case", "variant", "time us", "x copy floor"} <= {head[i] for i in shown}
     for i in shown:
@@ -278,6 +285,10 @@ def test_fit_columns_rule():
     assert widths == [10, 12, 1, 7]  # the 3 characters left widen the variant column
     keep, widths, dropped = report.fit_columns(head, body, 30)
     assert dropped == ["GB/s", "check"] and widths == [10, 15, 1]
+    # A column without a value in any row goes first (the CPU's n/a round columns).
+    empty = [["x" * 10, "long-word and more", "1", "22", "n/a"]]
+    assert report.fit_columns(head, empty, 36)[2] == ["check"]
+    assert report.fit_columns(head, empty, 39)[2] == []
 
 
 def test_bar_axis_label_says_scale_and_direction():

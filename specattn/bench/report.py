@@ -172,8 +172,9 @@ def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     return "\n".join(lines)
 
 
-# The terminal table leaves columns out, in this order, until it fits the terminal's width
-# (table.md and bench.csv have them all); case, lengths, variant and time stay.
+# The terminal table leaves columns out until it fits the terminal's width (table.md and
+# bench.csv have them all): first those with no value in any row, then these, in this
+# order; case, lengths, variant and time stay.
 TERMINAL_DROP_ORDER = ("round eager us", "round graph us", "round tokens/s", "GB/s",
                        "tokens/s", "spread", "check", "host us", "x vs torch_ref",
                        "round us", "x vs per-branch", "x read floor", "x copy floor")
@@ -187,7 +188,8 @@ def fit_columns(head: list[str], body: list[list[str]], width: int,
 
     A column is at least as wide as its longest word (header or cell: text wraps at spaces
     only, never inside a word) and at most as its longest text. Columns named in
-    ``drop_order`` are left out in that order until the narrowest table fits; the room
+    ``drop_order`` are left out until the narrowest table fits: first those without a
+    value in any row (every cell empty, ``-`` or ``n/a``), then in that order; the room
     left widens the kept columns from the left. Returns the kept column indices, their
     widths and the headers left out."""
     def longest(i, split):
@@ -199,6 +201,8 @@ def fit_columns(head: list[str], body: list[list[str]], width: int,
     keep = list(range(len(head)))
     dropped: list[str] = []
     order = [head.index(h) for h in drop_order if h in head]
+    empty = [i for i in order if all(cells[i] in ("", "-", "n/a") for cells in body)]
+    order = empty + [i for i in order if i not in empty]
 
     def total(cols):
         return sum(least[i] for i in cols) + _GAP * (len(cols) - 1)
