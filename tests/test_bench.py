@@ -735,6 +735,25 @@ def test_engine_round_times_host_around_the_metadata_call_only():
     assert round_ms == pytest.approx(5.0 / 4) and host_ms == pytest.approx(0.040)
 
 
+def test_parts_report_the_replay_metadata_host_time(scoped_registry):
+    """--parts with graphs: the host time of the replay metadata call, after a capture of
+    the graph protocol, beside the metadata call's."""
+    from specattn.bench.parts import measure_parts
+
+    calls = []
+    cls = _graph_backend(calls)
+    setup = build_setup(tiny(), "cpu", max_layers=2)
+    variant = Variant("g", "bench_graphs", "default", "torch", lambda s: cls(s.runner, 2, 4),
+                      graphs=True)
+    parts = measure_parts(variant, setup, FakeGraphClock(), reps=1)
+    host = [p for p in parts if p["kind"] == "host"]
+    assert [p["part"] for p in host] == ["init_forward_metadata",
+                                         "init_forward_metadata_replay_cuda_graph"]
+    assert all(p["us"] > 0 for p in host)
+    assert calls[:2] == [("state", 3, 6), "capture"]
+    assert calls[2:] == [("replay", 3)] * 11  # one warm-up call, then ten timed
+
+
 def test_parts_host_time_leaves_the_synchronisation_out():
     from specattn.bench.parts import host_us
 

@@ -5,10 +5,12 @@
                    [--option BACKEND:KEY=VALUE ...] [--parts] [--check-only]
                    [--dtype bf16] [--out DIR] [--quick]
 
-Per case (``cases.py``): the copy-bandwidth floor, then every variant (each backend in its
-shared-prefix and ``per-branch`` modes where it has both, ``--option`` variants built with
-constructor keywords (``options.py``), and raw-library per-lane baselines) checked against
-``torch_ref`` and timed (``harness.py``); ``--parts`` adds where each step's time goes
+Per case (``cases.py``; ``--case`` also takes the sets ``standard``, ``serving``, ``cpu``):
+the copy-bandwidth floor, on a GPU the read floor (``floors.py``), then every variant (each
+backend in its shared-prefix and ``per-branch`` modes where it has both, ``--option``
+variants built with constructor keywords (``options.py``), and raw-library per-lane
+baselines) checked against ``torch_ref`` and timed, with the engine round where the backend
+has CUDA graphs (``harness.py``); ``--parts`` adds where each step's time goes
 (``parts.py``); a table, CSV, PNG charts and the versions go to ``--out``, by default
 ``~/.cache/specattn/bench/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the small cases
 run for ``torch_ref`` and ``intel_amx`` (``torch.utils.benchmark`` medians with their
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
-        "copy-bandwidth floor and the per-branch baselines. The protocol, the cases and how "
+        "copy-bandwidth floor, the read floor (GPU) and the per-branch baselines. The protocol, the cases and how "
         "to read the table: docs/performance.md in the repository.")
     p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
                    help="cases to run, by name or set: 'standard', 'serving' (batch 1-8, "

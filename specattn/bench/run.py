@@ -139,7 +139,8 @@ def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, r
               round_layers: int, timed: bool = True, parts: bool = False,
               read: Optional[dict] = None) -> list[tuple[list[int], Variant, Result]]:
     """Every variant of the plan on one setup; ``read``: a dict that gets the case's read
-    floor (``_read_floor``) measured on the same setup first."""
+    floor (``_read_floor``), measured on the same setup after the variants (a launch that
+    failed on the device leaves their results standing)."""
     case = plan.case
     try:
         setup = build_setup(case, device, seed=seed)
@@ -154,8 +155,6 @@ def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, r
             progress.advance()
         _free(device)
         return [(lengths, v, err) for v in plan.variants]
-    if read is not None:
-        read.update(_read_floor(setup, clock, progress))
     out = []
     for variant in plan.variants:
         progress.start(f"{case.label} | {variant.label}")
@@ -166,6 +165,8 @@ def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, r
         out.append((setup.lengths, variant, result))
         progress.advance()
         _free(device)
+    if read is not None:
+        read.update(_read_floor(setup, clock, progress))
     del setup
     _free(device)
     return out
