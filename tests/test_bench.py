@@ -26,10 +26,11 @@ from specattn.bench import cases as C
 from specattn.bench import report
 from specattn.bench.baselines import SDPAPerLane, per_lane_table
 from specattn.bench.harness import (
-    Variant, WallClock, build_setup, discover_variants, measure_variant, relative_error,
+    ENGINE_ROUNDS, ENGINE_SPANS, Variant, WallClock, build_setup, discover_variants,
+    measure_variant, relative_error,
 )
-from specattn._console import ItemProgress
-from specattn.bench.run import floor_row
+from specattn._console import ItemProgress, make_console
+from specattn.bench.run import floor_row, result_row
 from specattn.metadata import history_slots
 from specattn.platforms import current_platform
 
@@ -57,6 +58,52 @@ def test_standard_cases_are_the_performance_table():
     sweep = C.sweep_cases(True, False, torch.bfloat16)
     assert {c.topk for c in sweep} == {1, 4, 8}
     assert min(c.prefix for c in sweep) == 512 and max(c.prefix for c in sweep) == 32768
+
+
+def test_serving_cases_are_the_serving_regime():
+    """The serving set: batch 1-8 at long contexts, each decode case with its extend case
+    (E_b = S + 1), S 5, bf16; selectable as a set, in the default GPU run; B 1 cases run
+    uniform lengths only (a ragged run at B 1 is a uniform one at another length)."""
+    got = {c.name: (c.model, c.batch, c.prefix, c.topk, c.steps, c.page_size, c.kind)
+           for c in C.SERVING_CASES}
+    assert got == {
+        "gqa-b1-32k": ("mha", 1, 32768, 4, 5, 1, "decode"),
+        "gqa-b1-k8": ("mha", 1, 4096, 8, 5, 1, "decode"),
+        "gqa-b8-p16": ("mha", 8, 4096, 4, 5, 16, "decode"),
+        "mla-b1-32k": ("mla", 1, 32768, 4, 5, 1, "decode"),
+        "mla-b8-p64": ("mla", 8, 4096, 4, 5, 64, "decode"),
+        "gqa-b1-32k-extend": ("mha", 1, 32768, 1, 5, 1, "extend"),
+        "gqa-b1-k8-extend": ("mha", 1, 4096, 1, 5, 1, "extend"),
+        "gqa-b8-p16-extend": ("mha", 8, 4096, 1, 5, 16, "extend"),
+        "mla-b1-32k-extend": ("mla", 1, 32768, 1, 5, 1, "extend"),
+        "mla-b8-p64-extend": ("mla", 8, 4096, 1, 5, 64, "extend"),
+    }
+    assert all(c.dtype == torch.bfloat16 for c in C.SERVING_CASES)
+    mla = C.find_cases(["mla-b1-32k"])[0]
+    assert mla.shape == C.MLA_SHAPE and C.find_cases(["gqa-b1-32k"])[0].shape == C.GQA_SHAPE
+    assert C.find_cases(["mla-b8-p64-extend"])[0].lanes == 8 * 6
+    assert C.find_cases(["serving"]) == list(C.SERVING_CASES)
+    # A set and a name in it: each case once, in the order given.
+    assert [c.name for c in C.find_cases(["gqa-b8-p16", "serving"])][:2] == [
+        "gqa-b8-p16", "gqa-b1-32k"]
+    assert len(C.find_cases(["gqa-b8-p16", "serving"])) == len(C.SERVING_CASES)
+    default = {c.name for c in C.default_cases(True)}
+    assert set(got) <= default and {c.name for c in C.STANDARD_CASES} <= default
+    assert not set(got) & {c.name for c in C.default_cases(False)}
+
+
+def test_ragged_runs_skip_batch_one():
+    from specattn.bench import _select_cases, build_parser
+
+    args = build_parser().parse_args(["--case", "serving"])
+    runs = [(c.name, c.lengths_label) for c in _select_cases(args, True)[0]]
+    assert ("gqa-b8-p16", "ragged") in runs and ("mla-b8-p64-extend", "ragged") in runs
+    assert ("gqa-b1-32k", "uniform") in runs
+    assert not any(name.split("-")[1] == "b1" and lengths == "ragged"
+                   for name, lengths in runs)
+    assert len(runs) == 6 + 2 * 4
+    quick = _select_cases(build_parser().parse_args(["--case", "serving", "--quick"]), True)
+    assert [c.lengths_label for c in quick[0]] == ["uniform"] * 10
 
 
 def test_ragged_lengths_are_seeded_and_in_range():
@@ -152,6 +199,161 @@ def test_csv_columns_and_failed_rows(tmp_path):
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert "FAILED: wrong result" in table and "not run: needs CUDA" in table
     assert "tokens/s" in report.render_table(rows, cpu=True)
+
+
+def _gpu_rows():
+    def row(case, variant, t, status="ok", **kw):
+        base = {"case": case, "lengths": "uniform", "kind": "decode", "steps": 5, "lanes": 4,
+                "kv_bytes": 1.3e8, "floor_us": 31.2, "variant": variant, "mode": "shared",
+                "backend": variant.split("/")[0].split("[")[0], "status": status,
+                "time_us": t, "max_err": 3.1e-3, "round_eager_us": 2345.0,
+                "round_graph_us": 1234.0, "round_us": 171.3, "round_host_us": 38.2}
+        base.update(kw)
+        return base
+
+    rows = []
+    for case in ("gqa-b1-32k-extend", "mla-b8-p64"):
+        rows += [
+            row(case, report.FLOOR, 31.2, status="floor", mode="floor"),
+            row(case, report.READ_FLOOR, 40.1, status="floor", mode="read-floor"),
+            row(case, "triton", 44.0), row(case, "triton/per-branch", 120.3, mode="per-branch"),
+            row(case, "triton[config=m64 n32 w8 s3 kv-first gluon-ov]", 43.0, mode="option"),
+            row(case, "flashinfer decode per lane (raw)", 300.0, mode="raw", round_us=None,
+                round_host_us=None),
+            row(case, "fa4", None, status="failed", error="crashed while timed: RuntimeError: "
+                "CUDA error: an illegal memory access was encountered at /a/very/long/path/"
+                "to/flash_attn/cute/interface.py:1234"),
+            row(case, "flashmla", None, status="unsupported", error="needs the flash_mla "
+                "package")]
+    return report.add_ratios(rows)
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["device-table", "cpu-table"])
+def test_terminal_table_fits_120_columns_and_wraps_whole_words(cpu):
+    """At 120 columns: one table (no split), no line wider, every header and cell word of
+    the columns shown printed whole; columns left out in TERMINAL_DROP_ORDER's order and
+    named; failed and not-run reasons as numbered notes below the table. Wide enough,
+    nothing is left out."""
+    rows = _gpu_rows()
+    head, body = report._table_cells(rows, cpu)
+    buf = io.StringIO()
+    report.print_table(rows, make_console(buf, width=120), cpu=cpu)
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 120
+    rules = [i for i, line in enumerate(lines) if set(line.strip()) == {"─"}]
+    assert len(rules) == 1  # one table
+    header = " ".join(lines[:rules[0]]).split()
+    note = next((line for line in lines if line.startswith("Left out at 120 characters: ")),
+                "")
+    dropped = note[len("Left out at 120 characters: "):].split(" (table.md")[0].split(", ")
+    dropped = [h for h in dropped if h]
+    assert dropped  # these rows do not fit at 120 columns whole
+    # The rule: columns without a value first, then TERMINAL_DROP_ORDER's order.
+    order = [h for h in report.TERMINAL_DROP_ORDER if h in head]
+    empty = [h for h in order if all(c[head.index(h)] in ("", "-", "n/a") for c in body)]
+    rule = empty + [h for h in order if h not in empty]
+    assert dropped == rule[:len(dropped)]
+    shown = [i for i, h in enumerate(head) if h not in dropped]
+    assert {"case", "variant", "time us", "x copy floor"} <= {head[i] for i in shown}
+    for i in shown:
+        assert all(word in header for word in head[i].split()), head[i]
+    printed = set(" ".join(lines[rules[0] + 1:]).split())
+    for cells in body:
+        for i in shown[:3] + shown[4:]:  # the time column holds the failure markers
+            assert set(cells[i].split()) <= printed, cells[i]
+    assert "FAILED[1]" in printed and "not-run[2]" in printed
+    notes = [line for line in lines if line.startswith("[")]
+    assert notes[0].startswith("[1] gqa-b1-32k-extend uniform fa4: FAILED: crashed while")
+    assert notes[1] == "[2] gqa-b1-32k-extend uniform flashmla: not run: needs the " \
+        "flash_mla package"
+    wide = io.StringIO()
+    report.print_table(rows, make_console(wide, width=400), cpu=cpu)
+    assert "Left out" not in wide.getvalue()
+    assert all(h in wide.getvalue() for h in head)
+
+
+def test_fit_columns_rule():
+    head = ["case", "variant", "a b", "GB/s", "check"]
+    body = [["x" * 10, "long-word and more", "1", "22", "3.1e-03"]]
+    keep, widths, dropped = report.fit_columns(head, body, 200)
+    assert keep == [0, 1, 2, 3, 4] and not dropped
+    assert widths == [10, 18, 3, 4, 7]  # each at its longest text
+    # At least: the longest words, 10 + 9 + 1 + 4 + 7 and 2 between columns: 39.
+    assert report.fit_columns(head, body, 39)[2] == []
+    keep, widths, dropped = report.fit_columns(head, body, 36)
+    assert dropped == ["GB/s"] and keep == [0, 1, 2, 4]  # GB/s goes before check
+    assert widths == [10, 12, 1, 7]  # the 3 characters left widen the variant column
+    keep, widths, dropped = report.fit_columns(head, body, 30)
+    assert dropped == ["GB/s", "check"] and widths == [10, 15, 1]
+    # A column without a value in any row goes first (the CPU's n/a round columns).
+    empty = [["x" * 10, "long-word and more", "1", "22", "n/a"]]
+    assert report.fit_columns(head, empty, 36)[2] == ["check"]
+    assert report.fit_columns(head, empty, 39)[2] == []
+
+
+def test_bar_axis_label_says_scale_and_direction():
+    assert report.bar_axis_label(True) == "time, us (log scale; lower is better)"
+    assert report.bar_axis_label(False) == "time, us (lower is better)"
+    assert report._log_axis([1.0, 31.0]) and not report._log_axis([1.0, 29.0, 0.0])
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_case_chart_labels_its_axis_and_shows_both_floors():
+    """matplotlib objects of a case chart: the y label names the scale and says lower is
+    better (log when the times span more than 30x), both floors drawn, the legend outside
+    the plot."""
+    pytest.importorskip("matplotlib")
+    plt = report._pyplot()
+    rows = [r for r in _gpu_rows() if r["case"] == "mla-b8-p64"]
+    fig = report.case_figure(plt, "mla-b8-p64", "uniform", rows, "H200")
+    try:
+        ax = fig.axes[0]
+        assert ax.get_yscale() == "linear" and ax.get_ylabel() == report.bar_axis_label(False)
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == ["copy floor 31.2 us",
+                                                             "read floor 40.1 us"]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert not _boxes_overlap(legend.get_window_extent(renderer),
+                                  ax.get_window_extent(renderer))
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert report.READ_FLOOR not in labels and "triton" in labels  # floors are lines
+    finally:
+        plt.close(fig)
+    rows.append(dict(rows[2], variant="torch_ref", time_us=40000.0))
+    fig = report.case_figure(plt, "mla-b8-p64", "uniform", rows, "H200")
+    try:
+        assert fig.axes[0].get_yscale() == "log"
+        assert fig.axes[0].get_ylabel() == "time, us (log scale; lower is better)"
+    finally:
+        plt.close(fig)
+
+
+def test_sweep_chart_has_one_legend_outside_the_panels():
+    pytest.importorskip("matplotlib")
+    plt = report._pyplot()
+    sweep = [{"topk": k, "prefix": n, "variant": v, "status": "ok", "time_us": n / 100 * i,
+              "floor_us": n / 200} for k in (1, 4, 8) for n in (512, 1024, 2048)
+             for i, v in enumerate(("triton", "flashinfer", "fa4"), 1)]
+    fig = report.sweep_figure(plt, sweep, "H200")
+    try:
+        assert all(ax.get_legend() is None for ax in fig.axes)
+        assert len(fig.legends) == 1
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert texts == ["triton", "flashinfer", "fa4", "copy floor"]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.legends[0].get_window_extent(renderer)
+        assert not any(_boxes_overlap(box, ax.get_window_extent(renderer)) for ax in fig.axes)
+        assert fig.axes[0].get_ylabel() == "time, us (log scale; lower is better)"
+        # Each variant in one colour, the same in every panel (the one legend holds).
+        colours = [{ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes]
+        assert all(c == colours[0] for c in colours) and len(set(colours[0].values())) == 4
+    finally:
+        plt.close(fig)
 
 
 def test_device_slug():
@@ -409,7 +611,8 @@ def test_check_only_and_extra_cases(tmp_path, capsys):
 # --- the GPU control flow with a fake clock ---------------------------------------------------
 
 class FakeGraphClock:
-    """Stands in for CudaClock: 'captures' by returning the function, fixed times."""
+    """Stands in for CudaClock: 'captures' by returning the function, fixed times (a device
+    span: 5 ms)."""
 
     name = "fake"
     graphs = True
@@ -417,10 +620,16 @@ class FakeGraphClock:
     def __init__(self, fail_capture=False):
         self.fail_capture = fail_capture
         self.captured = 0
+        self.spans = 0
 
     def time(self, fn):
         fn()
         return 2.0
+
+    def span(self, fn):
+        self.spans += 1
+        fn()
+        return 5.0
 
     def graph(self, fn):
         if self.fail_capture:
@@ -460,9 +669,19 @@ def test_graph_step_and_round_protocol(scoped_registry):
     assert res.status == "ok" and res.step_timing == "graph"
     assert res.step_ms == pytest.approx(2.0 / len(setup.layers))
     assert res.round_eager_ms == 2.0 and res.round_graph_ms == 2.0 and res.round_layers == 2
-    # The step backend and the round backend both go through the graph protocol.
-    assert calls[:4] == [("state", case.batch, case.lanes), "capture"] * 2
-    assert calls[-1] == ("replay", case.batch) and clock.captured == 2
+    # The step, round and engine-round backends all go through the graph protocol (the
+    # round's graph: one replay call, timed once by the fake clock); the engine round
+    # captures one graph per rotating layer and calls the replay metadata before each
+    # replay: a warm-up loop, then ENGINE_SPANS spans of ENGINE_ROUNDS rounds.
+    state = [("state", case.batch, case.lanes), "capture"]
+    assert calls[:7] == state * 2 + [("replay", case.batch)] + state
+    assert calls[7:] == [("replay", case.batch)] * (ENGINE_SPANS + 1) * ENGINE_ROUNDS
+    assert clock.captured == 2 + len(setup.layers) and clock.spans == ENGINE_SPANS
+    assert res.engine_round_ms == pytest.approx(5.0 / ENGINE_ROUNDS)
+    assert res.engine_host_ms >= 0 and not res.notes
+    row = result_row(case, setup.lengths, variant, res, 1e12)
+    assert row["round_us"] == pytest.approx(5e3 / ENGINE_ROUNDS)
+    assert row["round_host_us"] == pytest.approx(res.engine_host_ms * 1e3)
 
 
 def test_graph_capture_failure_falls_back_to_eager(scoped_registry):
@@ -474,6 +693,200 @@ def test_graph_capture_failure_falls_back_to_eager(scoped_registry):
     assert res.status == "ok" and res.step_timing == "eager" and res.round_graph_ms is None
     assert any("graph capture failed" in n for n in res.notes)
     assert any("round graph failed" in n for n in res.notes)
+    assert any("engine round failed" in n for n in res.notes) and res.engine_round_ms is None
+
+
+class FakeNow:
+    """A host clock that a call moves on by a fixed amount."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def after(self, seconds, log=None, name=""):
+        def fn():
+            self.t += seconds
+            if log is not None:
+                log.append(name)
+        return fn
+
+
+def test_engine_round_times_host_around_the_metadata_call_only():
+    """[metadata; replay] back to back, layers rotating; host time around the metadata
+    call alone (a replay's host time is not in it), the device span over the rounds."""
+    from specattn.bench.harness import engine_round
+
+    now, log = FakeNow(), []
+    metadata = now.after(40e-6, log, "m")
+    replays = [now.after(1.0, log, f"r{i}") for i in range(3)]
+    clock = FakeGraphClock()
+    round_ms, host_ms = engine_round(metadata, replays, clock, rounds=4, spans=3, now=now)
+    assert log[:8] == ["m", "r0", "m", "r1", "m", "r2", "m", "r0"]
+    assert len(log) == 2 * 4 * (1 + 3) and clock.spans == 3
+    assert round_ms == pytest.approx(5.0 / 4) and host_ms == pytest.approx(0.040)
+
+
+def test_parts_report_the_replay_metadata_host_time(scoped_registry):
+    """--parts with graphs: the host time of the replay metadata call, after a capture of
+    the graph protocol, beside the metadata call's."""
+    from specattn.bench.parts import measure_parts
+
+    calls = []
+    cls = _graph_backend(calls)
+    setup = build_setup(tiny(), "cpu", max_layers=2)
+    variant = Variant("g", "bench_graphs", "default", "torch", lambda s: cls(s.runner, 2, 4),
+                      graphs=True)
+    parts = measure_parts(variant, setup, FakeGraphClock(), reps=1)
+    host = [p for p in parts if p["kind"] == "host"]
+    assert [p["part"] for p in host] == ["init_forward_metadata",
+                                         "init_forward_metadata_replay_cuda_graph"]
+    assert all(p["us"] > 0 for p in host)
+    assert calls[:2] == [("state", 3, 6), "capture"]
+    assert calls[2:] == [("replay", 3)] * 11  # one warm-up call, then ten timed
+
+
+def test_parts_host_time_leaves_the_synchronisation_out():
+    from specattn.bench.parts import host_us
+
+    now, log = FakeNow(), []
+    us = host_us(now.after(25e-6, log, "call"), now.after(1.0, log, "sync"), reps=3, now=now)
+    assert us == pytest.approx(25.0)
+    assert log == ["call"] + ["sync", "call"] * 3 + ["sync"]
+
+
+# --- the read floor (Triton interpreter on the CPU) -------------------------------------------
+
+@pytest.mark.parametrize("kind,model,page,ragged", [
+    ("decode", "mha", 1, True), ("decode", "mla", 4, True), ("decode", "mha", 16, False),
+    ("extend", "mha", 4, True), ("extend", "mla", 1, False)])
+def test_read_floor_reads_every_byte_of_the_case(kind, model, page, ragged):
+    """The read-floor kernel reads the copy floor's bytes, no more, no less: the case's
+    prefix slots through its slot table and every lane's history at the timed step
+    (extend: every request's tokens), each row whole from the layer's own pools (MHA: K and
+    V, rows of 2 x 16; MLA: 32 + 8, a row with a tail), with a partial last program."""
+    from specattn.bench import floors
+    from specattn.metadata import prefix_token_slots
+
+    case = dataclasses.replace(tiny(kind, model, ragged=ragged, page=page), batch=4)
+    setup = build_setup(case, "cpu", max_layers=2)
+    slots = floors.case_slots(setup)
+    assert slots.dtype == torch.int32
+    assert slots.numel() * case.row_bytes == case.kv_bytes(setup.lengths)
+    b = setup.batch
+    prefix, valid = prefix_token_slots(setup.runner.req_to_token, b.req_pool_indices,
+                                       b.seq_lens)
+    listed = set(prefix[valid].tolist())
+    if kind == "decode":
+        listed |= set(b.out_cache_loc[:, :, :case.timed_step + 1].reshape(-1).tolist())
+    assert set(slots.tolist()) == listed and len(listed) == slots.numel()  # each slot once
+    n = slots.numel()
+    keys = (n & -n) * 2  # rows a program: the least power of two that does not divide n
+    launches, out = floors.read_launches(setup, tile_bytes=keys * case.row_bytes)
+    assert len(launches) == len(setup.layers) and out.numel() == -(-n // keys)
+    assert n % keys  # the last program is partial
+    for layer, launch in enumerate(launches):
+        out.zero_()
+        launch()
+        pools = floors.case_pools(setup, layer)
+        assert len(pools) == (1 if model == "mla" else 2)
+        for p in range(out.numel()):  # each program: its slots' rows, every element
+            mine = slots[keys * p:keys * (p + 1)].long()
+            want = sum(pool[mine].double().sum() for pool in pools)
+            assert float(out[p]) == pytest.approx(float(want), rel=1e-4, abs=1e-3)
+
+
+def test_read_floor_row_split():
+    from specattn.bench.floors import split_row
+    from specattn.errors import InvalidInputError
+
+    assert split_row(1024) == (1024, 0) and split_row(576) == (512, 64)
+    assert split_row(40) == (32, 8) and split_row(1) == (1, 0)
+    with pytest.raises(InvalidInputError, match="row: expected a sum of two powers"):
+        split_row(704)  # 512 + 192
+    with pytest.raises(InvalidInputError, match="row: expected an int >= 1"):
+        split_row(0)
+
+
+class ListClock(FakeGraphClock):
+    """A graph clock whose timings are taken from a list."""
+
+    def __init__(self, times, **kw):
+        super().__init__(**kw)
+        self.times = list(times)
+
+    def time(self, fn):
+        fn()
+        return self.times.pop(0)
+
+
+def test_read_floor_is_timed_as_a_step_and_keeps_the_least_tile():
+    """Each tile size: one warm-up call of every layer's launch, one graph of them all, its
+    time over the layers (as time_step); the least tile's time; a tile that fails is a
+    note and the others stand; when every tile fails the error propagates."""
+    from specattn.bench.floors import read_floor_ms
+
+    setup = build_setup(tiny(), "cpu", max_layers=2)
+    tiles = ((256, 4), (512, 4), (1024, 8))
+    clock = ListClock([3.0, 1.0, 2.0])
+    ms, timing, notes = read_floor_ms(setup, clock, tiles)
+    assert (ms, timing, notes) == (pytest.approx(1.0 / len(setup.layers)), "graph", [])
+    assert clock.captured == 3
+    ms, _, _ = read_floor_ms(setup, ListClock([6.0, 4.0, 8.0]), ((256, 4), (7, 4), (512, 4)))
+    assert ms == pytest.approx(2.0)  # the tile under one row: one key a program
+    failing = FakeGraphClock(fail_capture=True)
+    ms, timing, notes = read_floor_ms(setup, failing, ((256, 4),))
+    assert timing == "eager" and any("graph capture failed" in n for n in notes)
+    bad = dataclasses.replace(tiny(), shape=(6, 3, 8))  # rows of 24 elements: 16 + 8
+    ms, _, _ = read_floor_ms(build_setup(bad, "cpu", max_layers=2), FakeGraphClock(),
+                             ((256, 4),))
+    assert ms == pytest.approx(1.0)
+    odd = dataclasses.replace(tiny(), shape=(7, 7, 4))  # 28 = 16 + 12: no kernel for it
+    from specattn.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="row"):
+        read_floor_ms(build_setup(odd, "cpu", max_layers=2), FakeGraphClock(), ((256, 4),))
+
+
+def test_read_floor_rows_and_ratios(scoped_registry, monkeypatch, tmp_path):
+    """run_cases with the read floor: per case the copy floor, the read floor, then the
+    variants; every row but the copy floor's gets its ratio to the read floor, in the CSV
+    and both tables; a read floor that fails is a failed row with the reason."""
+    from specattn.bench import run
+
+    case = tiny()
+    plans = run.plan_cases([case], current_platform(), ["torch_ref"], raw=False)
+    progress = ItemProgress(2, "t", io.StringIO())
+    rows = run.run_cases(plans, torch.device("cpu"), FakeGraphClock(), 1e12, progress,
+                         round_layers=1, read_floor=True)
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        (report.FLOOR, "floor"), (report.READ_FLOOR, "floor"), ("torch_ref", "ok")]
+    assert progress.done == 2
+    report.add_ratios(rows)
+    copy, read, ref = rows
+    read_us = 2.0e3 / 2  # the fake clock's 2 ms over the two rotating layers
+    assert read["time_us"] == pytest.approx(read_us) and read["timing"] == "graph"
+    assert read["x_read_floor"] == pytest.approx(1.0)
+    assert read["x_floor"] == pytest.approx(read_us / copy["time_us"])
+    assert ref["x_read_floor"] == pytest.approx(ref["time_us"] / read_us)
+    assert copy.get("x_read_floor") is None
+    table = report.render_table(rows)
+    assert "| x copy floor | x read floor |" in table and f"| {report.READ_FLOOR} |" in table
+    report.write_csv(rows, str(tmp_path / "bench.csv"))
+    back = report.read_csv(str(tmp_path / "bench.csv"))
+    assert float(back[2]["x_read_floor"]) == pytest.approx(ref["x_read_floor"], rel=1e-5)
+    assert float(back[2]["read_floor_us"]) == pytest.approx(read_us)
+    from specattn.bench import floors
+
+    def boom(*a, **k):
+        raise RuntimeError("out of resources: shared memory")
+    monkeypatch.setattr(floors, "read_floor_ms", boom)
+    rows = run.run_cases(plans, torch.device("cpu"), FakeGraphClock(), 1e12,
+                         ItemProgress(2, "t", io.StringIO()), round_layers=1, read_floor=True)
+    assert rows[1]["status"] == "failed" and "out of resources" in rows[1]["error"]
+    assert rows[2].get("read_floor_us") is None
+    assert report.add_ratios(rows)[2].get("x_read_floor") is None
 
 
 def test_sdpa_baseline_matches_reference():

@@ -440,16 +440,19 @@ cute_sweep() {
   check
 }
 
-# Session 15, call 1 (carry .gpu/fa4-first .gpu/install.sh .whl: the sgl-flash-mla wheel):
-# unpacks fa4-first and the wheel into /tmp for call 2 (the machine keeps /tmp while warm),
-# then alone on the GPU: tools/read_floor.py (what any one launch needs to read each case's
-# bytes) and `specattn bench --parts` at mla-long-p64 on flashmla and triton (FlashMLA's
-# own kernels' share of its step: page 64 only).
+# Carry .gpu/fa4-first .gpu/install.sh .whl (the sgl-flash-mla wheel): unpacks fa4-first and
+# the wheel into /tmp for a later call (the machine keeps /tmp while warm), then alone on the
+# GPU: the read floors of the cases (the bench's `read-floor` rows: what one launch needs to
+# read each case's bytes through its slots) and `specattn bench --parts` at mla-long-p64 on
+# flashmla and triton (FlashMLA's own kernels' share of its step: page 64 only).
 floors() {
   bash .gpu/install.sh "$site" fa4-first >/dev/null || exit 3
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD
-  job read-floor "${FLOOR_S:-150}" python tools/read_floor.py --out "$logs/read-floor.md"
+  job read-floor "${FLOOR_S:-240}" python -m specattn bench --quick --no-sweep --no-round \
+    --no-raw --case ${FLOOR_CASES:-mla-small mla-long mla-k1 gqa-small gqa-long serving} \
+    --backend triton --out /tmp/read-floor
+  cp /tmp/read-floor/table.md "$logs/read-floor.md" 2>/dev/null
   job parts-p64 "${PARTS_S:-200}" python -m specattn bench --quick --no-sweep --no-round \
     --no-raw --case ${PARTS_CASES:-mla-long-p64} --backend flashmla triton --parts \
     --out /tmp/parts-p64

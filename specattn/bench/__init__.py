@@ -5,10 +5,12 @@
                    [--option BACKEND:KEY=VALUE ...] [--parts] [--check-only]
                    [--dtype bf16] [--out DIR] [--quick]
 
-Per case (``cases.py``): the copy-bandwidth floor, then every variant (each backend in its
-shared-prefix and ``per-branch`` modes where it has both, ``--option`` variants built with
-constructor keywords (``options.py``), and raw-library per-lane baselines) checked against
-``torch_ref`` and timed (``harness.py``); ``--parts`` adds where each step's time goes
+Per case (``cases.py``; ``--case`` also takes the sets ``standard``, ``serving``, ``cpu``):
+the copy-bandwidth floor, on a GPU the read floor (``floors.py``), then every variant (each
+backend in its shared-prefix and ``per-branch`` modes where it has both, ``--option``
+variants built with constructor keywords (``options.py``), and raw-library per-lane
+baselines) checked against ``torch_ref`` and timed, with the engine round where the backend
+has CUDA graphs (``harness.py``); ``--parts`` adds where each step's time goes
 (``parts.py``); a table, CSV, PNG charts and the versions go to ``--out``, by default
 ``~/.cache/specattn/bench/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the small cases
 run for ``torch_ref`` and ``intel_amx`` (``torch.utils.benchmark`` medians with their
@@ -34,11 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
-        "copy-bandwidth floor and the per-branch baselines. The protocol, the cases and how "
+        "copy-bandwidth floor, the read floor (GPU) and the per-branch baselines. The protocol, the cases and how "
         "to read the table: docs/performance.md in the repository.")
     p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
-                   help="standard cases to run (default: all for this device; "
-                   "--list-cases shows them)")
+                   help="cases to run, by name or set: 'standard', 'serving' (batch 1-8, "
+                   "long contexts), 'cpu' (default: standard and serving on a GPU, cpu on "
+                   "a CPU; --list-cases shows them)")
     p.add_argument("--backend", metavar="NAME", nargs="+", action="extend",
                    help="backends to run (names or aliases; flashinfer-raw, fa4-raw, "
                    "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
@@ -116,7 +119,8 @@ def _select_cases(args, on_gpu: bool):
         chosen = [c for c in chosen if c.kind == kind]
     chosen = [c.with_(dtype=dtype) for c in chosen]
     lengths = (False,) if args.quick else (False, True)
-    return [c.with_(ragged=r) for c in chosen for r in lengths], custom
+    # At B 1 a ragged run is the uniform one at another length: uniform only.
+    return [c.with_(ragged=r) for c in chosen for r in lengths if c.has_ragged or not r], custom
 
 
 def _default_root() -> str:
@@ -163,12 +167,19 @@ def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, row
         "",
         f"`time us`: {step}, {clock_name}"
         + (", layers rotated past L2 in one CUDA graph" if on_gpu else "")
-        + ". `x floor`: over the copy-bandwidth floor (every prefix once + every lane's "
-        "history). `x vs per-branch`: speedup over the backend's own per-branch mode, else "
-        "the raw per-lane baseline. `round`: metadata + S-1 steps (extend: one call) x "
+        + ". `x copy floor`: over the copy-bandwidth floor (every prefix once + every lane's "
+        "history, over the copy bandwidth)."
+        + (" `x read floor`: over the read floor (`read-floor`: one launch that only reads "
+           "those bytes through the case's slots, timed as a step)." if on_gpu else "")
+        + " `x vs per-branch`: speedup over the backend's own per-branch mode, else "
+        "the raw per-lane baseline. `round us`: the round an engine feels, device time per "
+        "round of [replay metadata call; graph replay of one layer's S-1 steps (extend: one "
+        "call)] back to back; `host us`: the replay metadata call's host time"
+        + ("" if on_gpu else " (n/a: no CUDA graphs on a CPU)")
+        + ". `round eager us`" + (" / `round graph us`" if on_gpu else "")
+        + ": metadata + S-1 steps (extend: one call) x "
         f"{round_layers} layers" + ("" if on_gpu else f" ({clock_name}, eager)")
-        + ". `check`: max error against "
-        "torch_ref on sampled requests.",
+        + ". `check`: max error against torch_ref on sampled requests.",
     ]
     return "\n".join(lines)
 
@@ -233,8 +244,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"specattn bench: error: {exc}", file=sys.stderr)
         return 2
     if args.list_cases:
+        sets = {c.name: name for name, group in C.CASE_SETS.items() for c in group}
         for c in C.all_cases():
-            print(c.describe())
+            where = f" [{sets[c.name]}]" if c.name in sets else " [named only]"
+            print(c.describe() + where + ("" if c.has_ragged else " (uniform lengths only)"))
         return 0
     if not cases:
         print("specattn bench: error: no case left to run (check --case, --steps, --extend)",
@@ -255,7 +268,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         else run.plan_cases(C.sweep_cases(on_gpu, args.quick, C.DTYPES[args.dtype]),
                             platform, args.backend, raw=not args.no_raw, on_gpu=on_gpu,
                             options=options)
-    total = sum(len(p.variants) for p in plans + sweep)
+    read_floor = on_gpu and not args.check_only  # Triton kernels on the case's pools
+    total = sum(len(p.variants) for p in plans + sweep) + (len(plans) if read_floor else 0)
     info = report.versions(device)
     out = _out_dir(args, info)
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
@@ -265,7 +279,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
                              rounds=not (args.no_round or args.check_only),
                              round_layers=args.round_layers, timed=not args.check_only,
-                             parts=args.parts)
+                             parts=args.parts, read_floor=read_floor)
         sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
     parts = report.parts_rows(rows)
     os.makedirs(out, exist_ok=True)

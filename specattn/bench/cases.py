@@ -18,9 +18,9 @@ import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["Case", "STANDARD_CASES", "EXTRA_CASES", "SMALL_CASES", "SWEEP_PREFIXES",
-           "SWEEP_TOPKS", "all_cases", "default_cases", "find_cases", "custom_case",
-           "sweep_cases", "DTYPES"]
+__all__ = ["Case", "STANDARD_CASES", "SERVING_CASES", "EXTRA_CASES", "SMALL_CASES",
+           "CASE_SETS", "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases",
+           "find_cases", "custom_case", "sweep_cases", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Per-layer shapes of docs/performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
@@ -75,6 +75,12 @@ class Case:
     @property
     def label(self) -> str:
         return f"{self.name} {self.lengths_label}"
+
+    @property
+    def has_ragged(self) -> bool:
+        """Whether a ragged run differs from the uniform one: not at ``B`` 1, where the one
+        request's random length only moves ``L``."""
+        return self.batch > 1
 
     @property
     def lanes(self) -> int:
@@ -162,6 +168,19 @@ STANDARD_CASES = (
     _std("extend", "mha", 32, 4096, 1, 5, kind="extend"),
 )
 
+# docs/performance.md, "The serving regime": batch 1-8 at long contexts, each decode case
+# with its draft extend (E_b = S + 1). B 1 cases run with uniform lengths only.
+_SERVING_DECODE = (
+    _std("gqa-b1-32k", "mha", 1, 32768, 4, 5),
+    _std("gqa-b1-k8", "mha", 1, 4096, 8, 5),
+    _std("gqa-b8-p16", "mha", 8, 4096, 4, 5, 16),
+    _std("mla-b1-32k", "mla", 1, 32768, 4, 5),
+    _std("mla-b8-p64", "mla", 8, 4096, 4, 5, 64),
+)
+SERVING_CASES = tuple(
+    c for d in _SERVING_DECODE
+    for c in (d, d.with_(name=f"{d.name}-extend", kind="extend", topk=1)))
+
 # Not in the default run (--case names them): mla-long at K = 8, issue #4's per-branch
 # ratio for MLA.
 EXTRA_CASES = (
@@ -183,21 +202,28 @@ SWEEP_PREFIXES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_TOPKS = (1, 4, 8)
 
 
+# Names of case sets ``--case`` takes beside single case names.
+CASE_SETS = {"standard": STANDARD_CASES, "serving": SERVING_CASES, "cpu": SMALL_CASES}
+
+
 def all_cases() -> tuple[Case, ...]:
-    return STANDARD_CASES + EXTRA_CASES + SMALL_CASES
+    return STANDARD_CASES + SERVING_CASES + EXTRA_CASES + SMALL_CASES
 
 
 def default_cases(on_gpu: bool) -> tuple[Case, ...]:
-    return STANDARD_CASES if on_gpu else SMALL_CASES
+    return STANDARD_CASES + SERVING_CASES if on_gpu else SMALL_CASES
 
 
 def find_cases(names: list[str]) -> list[Case]:
-    """The cases named (standard or small), in the order given."""
+    """The cases named (single cases or the sets of ``CASE_SETS``), in the order given, each
+    once."""
     known = {c.name: c for c in all_cases()}
-    missing = [n for n in names if n not in known]
+    missing = [n for n in names if n not in known and n not in CASE_SETS]
     if missing:
-        raise InvalidInputError("--case", f"one of {sorted(known)}", ", ".join(missing))
-    return [known[n] for n in names]
+        raise InvalidInputError("--case", f"case names or sets {sorted(CASE_SETS)} "
+                                "(--list-cases shows the names)", ", ".join(missing))
+    chosen = [c for n in names for c in (CASE_SETS[n] if n in CASE_SETS else (known[n],))]
+    return list({c.name: c for c in chosen}.values())
 
 
 def custom_case(*, batch: int = 4, prefix: int = 1024, topk: int = 4, steps: int = 5,

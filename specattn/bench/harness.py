@@ -12,7 +12,11 @@ Per variant and case:
 - ``step``: one ``forward`` of one layer at the timed step (KV write included);
 - ``round``: one whole draft round, metadata + ``S - 1`` steps x ``round_layers`` layers
   (decode), or metadata + one extend per layer; eagerly, and as one CUDA graph replay
-  (metadata replay call + graph replay) where the backend supports graphs.
+  (metadata replay call + graph replay) where the backend supports graphs;
+- ``engine round`` (graphs only): the round an engine feels for one draft layer, rounds back
+  to back of [``init_forward_metadata_replay_cuda_graph``; replay of a graph of one layer's
+  ``S - 1`` steps (extend: one call)], the layer rotating from round to round; device time
+  per round, and the host time of the metadata call (``engine_round``).
 
 The clock is an object (``WallClock``, ``CudaClock``) so tests drive the same control flow with
 a fake one.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -37,13 +42,18 @@ from .baselines import RAW_BASELINES, has_module
 from .cases import Case
 from .options import BackendOption
 
-__all__ = ["WallClock", "CudaClock", "Setup", "Variant", "Result", "build_setup",
+__all__ = ["WallClock", "CudaClock", "HostTimer", "Setup", "Variant", "Result", "build_setup",
            "copy_bandwidth", "discover_variants", "check_variant", "measure_variant",
-           "timed_step_fn", "short_error", "tolerance", "CPU_DEFAULT_BACKENDS"]
+           "timed_step_fn", "time_per_layer", "engine_round", "time_engine_round",
+           "short_error", "tolerance", "CPU_DEFAULT_BACKENDS", "ENGINE_ROUNDS",
+           "ENGINE_SPANS"]
 
 log = logging.getLogger("specattn.bench")
 
 L2_BYTES = 50 * 2 ** 20  # H200: 50 MiB; the rotation covers three times that
+# The engine round: spans of this many rounds back to back; the median span is reported.
+ENGINE_ROUNDS = 50
+ENGINE_SPANS = 5
 CPU_DEFAULT_BACKENDS = ("torch_ref", "intel_amx")
 _TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
@@ -117,6 +127,39 @@ class CudaClock:
             fn()
         torch.cuda.synchronize()
         return g.replay
+
+    def span(self, fn: Callable[[], Any]) -> float:
+        """Milliseconds between device events recorded before and after one ``fn()`` on an
+        idle device: its device work, and the time the device waits for the host."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+
+class HostTimer:
+    """Host time of calls: ``now()`` (``time.perf_counter``) read around each ``call(fn)``;
+    nothing else (no device synchronisation) is inside the interval."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+        self.seconds: list[float] = []
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        t0 = self.now()
+        out = fn()
+        self.seconds.append(self.now() - t0)
+        return out
+
+    def clear(self) -> None:
+        self.seconds.clear()
+
+    def median_ms(self) -> float:
+        return statistics.median(self.seconds) * 1e3
 
 
 def copy_bandwidth(device: torch.device, clock) -> float:
@@ -410,6 +453,8 @@ class Result:
     round_eager_ms: Optional[float] = None
     round_graph_ms: Optional[float] = None
     round_layers: int = 0
+    engine_round_ms: Optional[float] = None  # engine_round: device span per round
+    engine_host_ms: Optional[float] = None  # and the replay metadata call's host time
     notes: list[str] = field(default_factory=list)
     parts: list[dict[str, Any]] = field(default_factory=list)  # --parts (parts.py)
 
@@ -446,9 +491,27 @@ def timed_step_fn(backend, setup: Setup) -> Callable[[], None]:
     return all_layers
 
 
+def time_per_layer(clock, all_layers: Callable[[], None], layers: int,
+                   device: torch.device) -> tuple[float, str, list[str]]:
+    """Milliseconds per layer of ``all_layers`` (one call per rotating layer): a replay of
+    one CUDA graph of it where the clock has graphs (eagerly if the capture fails), else
+    the clock's own timing; how it was timed; notes."""
+    notes: list[str] = []
+    if clock.graphs:
+        try:
+            all_layers()  # plans and compiles outside the capture
+            replay = clock.graph(all_layers)
+            return clock.time(replay) / layers, "graph", notes
+        except Exception as exc:  # report, then time eagerly
+            notes.append(f"graph capture failed ({short_error(exc)}); eager timing")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    return clock.time(all_layers) / layers, "eager" if clock.graphs else clock.name, notes
+
+
 def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[str]]:
     """Milliseconds of one step of one layer (rotating layers), how it was timed, notes."""
-    case, notes = setup.case, []
+    case = setup.case
     backend = variant.make(setup)
     if clock.graphs and variant.graphs:  # the backend's own graph protocol (fixed buffers)
         backend.init_cuda_graph_state(case.batch, case.lanes)
@@ -456,17 +519,7 @@ def time_step(variant: Variant, setup: Setup, clock) -> tuple[float, str, list[s
     else:
         backend.init_forward_metadata(setup.batch)
     all_layers = timed_step_fn(backend, setup)
-    layers = setup.layers
-    if clock.graphs:
-        try:
-            all_layers()  # plans and compiles outside the capture
-            replay = clock.graph(all_layers)
-            return clock.time(replay) / len(layers), "graph", notes
-        except Exception as exc:  # report, then time eagerly
-            notes.append(f"graph capture failed ({short_error(exc)}); eager timing")
-            if setup.device.type == "cuda":
-                torch.cuda.synchronize()
-    return clock.time(all_layers) / len(layers), "eager" if clock.graphs else clock.name, notes
+    return time_per_layer(clock, all_layers, len(setup.layers), setup.device)
 
 
 def _round_fn(backend, setup: Setup, layers: list[AttentionLayer], metadata: Callable):
@@ -515,6 +568,46 @@ def time_round(variant: Variant, setup: Setup, clock, round_layers: int,
     return eager, graph, notes
 
 
+def engine_round(metadata: Callable[[], Any], replays: Sequence[Callable[[], Any]], clock, *,
+                 rounds: int = ENGINE_ROUNDS, spans: int = ENGINE_SPANS,
+                 now: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """The round an engine feels: ``rounds`` times [``metadata()``; the next of ``replays``]
+    back to back, inside one ``clock.span`` (device events around the whole loop), host time
+    (``HostTimer``) around each ``metadata()``. After one loop as warm-up, ``spans`` loops;
+    returns the median over the loops of span / rounds and the median host time of the
+    metadata call, in ms."""
+    host = HostTimer(now)
+
+    def loop():
+        for i in range(rounds):
+            host.call(metadata)
+            replays[i % len(replays)]()
+    loop()
+    host.clear()
+    per_round = [clock.span(loop) / rounds for _ in range(spans)]
+    return statistics.median(per_round), host.median_ms()
+
+
+def time_engine_round(variant: Variant, setup: Setup, clock, **kw) -> tuple[float, float]:
+    """``engine_round`` of ``variant`` on ``setup``: a backend in the graph protocol, one
+    captured graph of one layer's ``S - 1`` steps (extend: one call) per rotating layer, the
+    replay metadata call (``init_forward_metadata_replay_cuda_graph``) before each replay.
+    Returns (round ms, host ms)."""
+    case = setup.case
+    backend = variant.make(setup)
+    backend.init_cuda_graph_state(case.batch, case.lanes)
+    backend.init_forward_metadata_capture_cuda_graph(setup.batch)
+    replays = []
+    for layer in setup.layers:
+        body = _round_fn(backend, setup, [layer], lambda: None)
+        body()  # warm-up outside the capture
+        replays.append(clock.graph(body))
+
+    def metadata():
+        backend.init_forward_metadata_replay_cuda_graph(setup.batch, case.batch)
+    return engine_round(metadata, replays, clock, **kw)
+
+
 def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True,
                     rounds: bool = True, round_layers: int = 4) -> Result:
     """Check, then time one variant on one case. Never raises: failures become the result."""
@@ -541,6 +634,12 @@ def measure_variant(variant: Variant, setup: Setup, clock, *, timed: bool = True
             res.round_eager_ms, res.round_graph_ms, notes = time_round(
                 variant, setup, clock, res.round_layers)
             res.notes += notes
+            if clock.graphs and variant.graphs:
+                try:
+                    res.engine_round_ms, res.engine_host_ms = time_engine_round(
+                        variant, setup, clock)
+                except Exception as exc:
+                    res.notes.append(f"engine round failed ({short_error(exc)})")
     except Exception as exc:
         log.debug("timing of %s failed", variant.label, exc_info=True)
         res.status, res.error = "failed", f"crashed while timed: {short_error(exc)}"

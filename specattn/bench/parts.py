@@ -4,8 +4,9 @@ Per variant (after its check and timing):
 
 - ``host``: the host time of the metadata call of a round (``init_forward_metadata``), and on
   a GPU, for backends with CUDA graphs, of the call before each replay
-  (``init_forward_metadata_replay_cuda_graph``); median of several calls, each followed by a
-  device synchronisation;
+  (``init_forward_metadata_replay_cuda_graph``); median of several calls, each timed alone
+  (``harness.HostTimer``) on an idle device (a synchronisation before it, outside the
+  interval);
 - ``kernel`` (GPU) / ``op`` (CPU): what one eager step of one layer runs, from
   ``torch.profiler`` over the rotating layers: per kernel, its device time per step and how
   many launches a step makes (CPU: the self time of each torch op). The largest parts are
@@ -17,13 +18,12 @@ history + merge kernel, the KV write...), named as the profiler names them.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from .harness import Setup, Variant, timed_step_fn
+from .harness import HostTimer, Setup, Variant, timed_step_fn
 
 __all__ = ["measure_parts", "profile_parts", "host_us"]
 
@@ -34,17 +34,17 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def host_us(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 10) -> float:
-    """Median microseconds of ``fn(); sync()`` after one warm-up call."""
+def host_us(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 10,
+            now: Callable[[], float] = time.perf_counter) -> float:
+    """Median microseconds of host time of ``fn()`` after one warm-up call; ``sync()`` before
+    each call, outside the interval."""
+    timer = HostTimer(now)
     fn()
-    sync()
-    times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        timer.call(fn)
+    sync()
+    return timer.median_ms() * 1e3
 
 
 def _short_name(key: str) -> str:

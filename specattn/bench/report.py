@@ -1,10 +1,11 @@
 """Rows, ratios and outputs of ``specattn bench``: the table (markdown), CSV, PNG charts and
 the versions record.
 
-One row per (case, lengths, variant), plus one ``floor`` row per case (the copy-bandwidth
-floor: every prefix once plus every lane's history, over the copy bandwidth measured in the
-same process). ``add_ratios`` fills the derived columns from the measured ones, so they are
-computed in one place (and tested without a GPU).
+One row per (case, lengths, variant), plus two ``floor`` rows per case: the copy-bandwidth
+floor (every prefix once plus every lane's history, over the copy bandwidth measured in the
+same process) and, on a GPU, the read floor (``floors.py``: one launch that only reads those
+bytes through the case's slots, timed as a step). ``add_ratios`` fills the derived columns
+from the measured ones, so they are computed in one place (and tested without a GPU).
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "NOISY_SPREAD", "add_ratios",
-           "render_table", "print_table", "parts_rows", "render_parts", "rate_lines",
-           "noise_warning", "write_csv", "read_csv", "write_pngs", "versions", "device_slug"]
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
+           "TERMINAL_DROP_ORDER", "add_ratios", "render_table", "print_table", "fit_columns",
+           "parts_rows", "render_parts", "rate_lines", "noise_warning", "write_csv",
+           "read_csv", "write_pngs", "case_figure", "sweep_figure", "bar_axis_label", "versions",
+           "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
+READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's bytes
 # A timing whose runs spread more than this (interquartile range over the median) is noisy.
 NOISY_SPREAD = 0.10
 COLUMNS = [
     "case", "lengths", "kind", "model", "batch", "prefix", "topk", "steps", "page_size",
     "dtype", "lanes", "variant", "backend", "mode", "kernel_library", "status", "error", "max_err",
-    "time_us", "spread", "timing", "floor_us", "x_floor", "kv_bytes", "bandwidth_gbs", "per_branch",
-    "x_vs_per_branch", "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us",
-    "round_graph_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
+    "time_us", "spread", "timing", "floor_us", "x_floor", "read_floor_us", "x_read_floor",
+    "kv_bytes", "bandwidth_gbs", "per_branch", "x_vs_per_branch", "tokens_per_s",
+    "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us", "round_us",
+    "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
 SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
                  "x_floor", "error"]
@@ -51,10 +56,13 @@ def _num(value: Any) -> Optional[float]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fill ``x_floor``, ``bandwidth_gbs``, ``tokens_per_s``, ``per_branch``,
-    ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and return ``rows``).
+    """Fill ``x_floor``, ``read_floor_us``, ``x_read_floor``, ``bandwidth_gbs``,
+    ``tokens_per_s``, ``per_branch``, ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and
+    return ``rows``).
 
-    Per (case, lengths): ``x_floor = time / floor``; ``bandwidth = kv_bytes / time``;
+    Per (case, lengths): ``x_floor = time / floor`` (the copy floor); ``x_read_floor = time /
+    read floor`` (the group's ``read-floor`` row; every row but the copy floor's);
+    ``bandwidth = kv_bytes / time``;
     ``tokens_per_s`` = query rows of one call per second (one layer), ``round_tokens_per_s``
     the rows of a whole round (``S - 1`` steps) over its eager time; ``x_vs_per_branch`` =
     per-branch time / time (above 1 = faster than per-branch), against the backend's own
@@ -69,12 +77,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         own_pb = {r["backend"]: r for r in ok if r.get("mode") == "per-branch"}
         raw_pb = next((r for r in ok if r.get("mode") == "raw"), None)
         ref = next((r for r in ok if r.get("backend") == "torch_ref"), None)
+        read = next((_num(r.get("time_us")) for r in group if r.get("variant") == READ_FLOOR
+                     and r.get("status") == "floor"), None)
         for r in group:
             t = _num(r.get("time_us"))
             if r.get("status") not in ("ok", "floor") or not t:
                 continue
             floor = _num(r.get("floor_us"))
             r["x_floor"] = t / floor if floor else None
+            if r.get("variant") != FLOOR:
+                r["read_floor_us"] = read
+                r["x_read_floor"] = t / read if read else None
             kv = _num(r.get("kv_bytes"))
             r["bandwidth_gbs"] = kv / (t * 1e-6) / 1e9 if kv else None
             if r["status"] == "floor":
@@ -106,9 +119,11 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the results table (one line per row; failed rows say why)."""
     head = ["case", "lengths", "variant", "time us"] + (["spread"] if cpu else [])
-    head += ["x floor", "x vs per-branch", "GB/s"]
+    head += ["x copy floor"] + ([] if cpu else ["x read floor"])
+    head += ["x vs per-branch", "GB/s"]
     head += ["tokens/s", "x vs torch_ref"] if cpu else []
-    head += ["round eager us", "round graph us" if not cpu else "round tokens/s", "check"]
+    head += ["round us", "host us", "round eager us"]
+    head += ["round tokens/s" if cpu else "round graph us", "check"]
     body = []
     for r in rows:
         status = r.get("status")
@@ -122,10 +137,18 @@ def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list
             cells.append(_fmt(r.get("time_us"), ",.1f"))
             if cpu:
                 cells.append(_fmt(r.get("spread"), ".0%"))
-            cells += [_fmt(r.get("x_floor"), ".2f"), vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
+            cells.append(_fmt(r.get("x_floor"), ".2f"))
+            if not cpu:
+                cells.append(_fmt(r.get("x_read_floor"), ".2f"))
+            cells += [vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
             if cpu:
                 cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
                           _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
+            if status == "floor":  # no round
+                cells += ["", ""]
+            else:  # n/a: no graph round here (CPU, raw baselines, no graph support)
+                cells += ["n/a" if _num(r.get(k)) is None else _fmt(r.get(k), ",.1f")
+                          for k in ("round_us", "round_host_us")]
             cells.append(_fmt(r.get("round_eager_us"), ",.0f"))
             if cpu:
                 cells.append(_fmt(r.get("round_tokens_per_s"), ",.0f"))
@@ -149,35 +172,81 @@ def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     return "\n".join(lines)
 
 
+# The terminal table leaves columns out until it fits the terminal's width (table.md and
+# bench.csv have them all): first those with no value in any row, then these, in this
+# order; case, lengths, variant and time stay.
+TERMINAL_DROP_ORDER = ("round eager us", "round graph us", "round tokens/s", "GB/s",
+                       "tokens/s", "spread", "check", "host us", "x vs torch_ref",
+                       "round us", "x vs per-branch", "x read floor", "x copy floor")
+_GAP = 2  # characters between two columns of make_table's tables
+
+
+def fit_columns(head: list[str], body: list[list[str]], width: int,
+                drop_order: tuple[str, ...] = TERMINAL_DROP_ORDER,
+                ) -> tuple[list[int], list[int], list[str]]:
+    """Which columns of the table fit in ``width`` characters, and how wide each is.
+
+    A column is at least as wide as its longest word (header or cell: text wraps at spaces
+    only, never inside a word) and at most as its longest text. Columns named in
+    ``drop_order`` are left out until the narrowest table fits: first those without a
+    value in any row (every cell empty, ``-`` or ``n/a``), then in that order; the room
+    left widens the kept columns from the left. Returns the kept column indices, their
+    widths and the headers left out."""
+    def longest(i, split):
+        return max(len(p) for cells in [head] + body
+                   for p in (cells[i].split() if split else [cells[i]]) or [""])
+
+    least = [longest(i, True) for i in range(len(head))]
+    most = [max(longest(i, False), least[i]) for i in range(len(head))]
+    keep = list(range(len(head)))
+    dropped: list[str] = []
+    order = [head.index(h) for h in drop_order if h in head]
+    empty = [i for i in order if all(cells[i] in ("", "-", "n/a") for cells in body)]
+    order = empty + [i for i in order if i not in empty]
+
+    def total(cols):
+        return sum(least[i] for i in cols) + _GAP * (len(cols) - 1)
+    while total(keep) > width and order:
+        i = order.pop(0)
+        keep.remove(i)
+        dropped.append(head[i])
+    widths = [least[i] for i in keep]
+    room = width - total(keep)
+    for n, i in enumerate(keep):
+        more = min(max(room, 0), most[i] - least[i])
+        widths[n] += more
+        room -= more
+    return keep, widths, dropped
+
+
 def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> None:
-    """The same table on a terminal, fitted by ``rich``: headers and text wrap at spaces, a
-    number is never folded; when the columns do not fit the width, they are printed in
-    several tables, each starting with case, lengths and variant."""
+    """The same table on a terminal, in the terminal's width (``fit_columns``): text wraps
+    at spaces only, columns are left out by a fixed rule (``TERMINAL_DROP_ORDER``, said
+    below the table), and the reasons of failed or not run rows are numbered notes below it
+    instead of cells."""
     from .._console import make_table
 
     head, body = _table_cells(rows, cpu)
-    widths = [max(len(word) for cells in body + [head]
-                  for word in (cells[i].split() or [""])) for i in range(len(head))]
-    key, groups, group = 3, [], []
-    room = console.width - sum(widths[:key]) - 2 * key
-    for i in range(key, len(head)):
-        if group and room < widths[i] + 2:
-            groups.append(group)
-            group, room = [], console.width - sum(widths[:key]) - 2 * key
-        group.append(i)
-        room -= widths[i] + 2
-    groups.append(group)
-    for n, group in enumerate(groups):
-        columns = list(range(key)) + group
-        table = make_table(*(head[i] for i in columns))
-        table.padding = (0, 1)
-        for column, i in zip(table.columns, columns):
-            column.min_width = widths[i]
-        for cells in body:
-            table.add_row(*(cells[i] for i in columns))
-        if n:
-            console.print()
-        console.print(table)
+    reasons = []
+    for r, cells in zip(rows, body):
+        if r.get("status") in ("failed", "unsupported"):
+            word = "FAILED" if r["status"] == "failed" else "not run"
+            reasons.append(f"[{len(reasons) + 1}] {r['case']} {r['lengths']} {r['variant']}: "
+                           f"{word}: {r.get('error', '')}")
+            cells[3] = f"{word.replace(' ', '-')}[{len(reasons)}]"  # one word: never wrapped
+    keep, widths, dropped = fit_columns(head, body, console.width)
+    table = make_table(*(head[i] for i in keep))
+    table.padding = (0, 1)
+    for column, w in zip(table.columns, widths):
+        column.width = w
+    for cells in body:
+        table.add_row(*(cells[i] for i in keep))
+    console.print(table)
+    if dropped:
+        console.print(f"Left out at {console.width} characters: {', '.join(dropped)} "
+                      "(table.md and bench.csv have every column).")
+    for line in reasons:
+        console.print(line)
 
 
 def rate_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -264,9 +333,103 @@ def _pyplot():
     return plt
 
 
+def bar_axis_label(log: bool) -> str:
+    """The time axis of the charts: what it is, its scale, and which way is better."""
+    return "time, us (log scale; lower is better)" if log else "time, us (lower is better)"
+
+
+def _log_axis(values: list[float]) -> bool:
+    """A log axis when the times span more than 30x (torch_ref next to fast kernels)."""
+    positive = [v for v in values if v > 0]
+    return bool(positive) and max(positive) > 30 * min(positive)
+
+
+def case_figure(plt, case: str, lengths: str, group: list[dict[str, Any]], title: str):
+    """One case's chart: a bar per variant (one step of one layer), the copy floor and the
+    read floor as lines, their legend outside the plot; ``None`` without a bar."""
+    def floor_of(variant):
+        return next((_num(r["time_us"]) for r in group if r.get("status") == "floor"
+                     and r.get("variant") == variant), None)
+
+    floors = [(name, floor_of(variant), style) for name, variant, style in (
+        ("copy floor", FLOOR, "--"), ("read floor", READ_FLOOR, ":")) if floor_of(variant)]
+    bars = [r for r in group if r.get("status") in ("ok", "failed")
+            and r.get("mode") != "read-floor"]
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2) + 1.6, 3.6))
+    labels = [r["variant"] for r in bars]
+    values = [_num(r.get("time_us")) or 0.0 for r in bars]
+    colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
+              for r in bars]
+    drawn = ax.bar(range(len(bars)), values, color=colors)
+    ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7)
+    log = _log_axis(values + [v for _, v, _ in floors])
+    if log:
+        ax.set_yscale("log")
+    positive = [v for v in values if v > 0]
+    for i, r in enumerate(bars):
+        if r.get("status") == "failed":
+            ax.text(i, min(positive or [1.0]), "failed", ha="center", va="bottom",
+                    color="#b03a3a")
+    for name, value, style in floors:
+        ax.axhline(value, color="#b03a3a", linestyle=style, label=f"{name} {value:,.1f} us")
+    if floors:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel(bar_axis_label(log), fontsize=8)
+    ax.set_title(f"{case} ({lengths}): one step of one layer - {title}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figure(plt, sweep_rows: list[dict[str, Any]], title: str):
+    """Latency against prefix length, one panel per ``K`` (log axes), each variant in one
+    colour in every panel, one legend for all of them to the right of the panels."""
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 20 and 2048, not 2x10^1 and 2^11
+    # Minor ticks of a log axis: 2, 3 and 5 of each decade labelled, the others not.
+    some = FuncFormatter(lambda v, _pos: f"{v:g}" if f"{v:e}"[0] in "235" else "")
+    topks = sorted({int(r["topk"]) for r in sweep_rows})
+    variants = list(dict.fromkeys(r["variant"] for r in sweep_rows))
+    color = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    fig, axes = plt.subplots(1, len(topks), figsize=(4.2 * len(topks), 3.6), squeeze=False)
+    lines: dict[str, Any] = {}
+    for ax, k in zip(axes[0], topks):
+        at_k = [r for r in sweep_rows if int(r["topk"]) == k]
+        for variant in variants:
+            pts = sorted((int(r["prefix"]), _num(r["time_us"])) for r in at_k
+                         if r["variant"] == variant and r.get("status") == "ok")
+            if pts:
+                lines[variant], = ax.plot(*zip(*pts), marker="o", color=color[variant],
+                                          label=variant)
+        floor = sorted({(int(r["prefix"]), _num(r["floor_us"])) for r in at_k
+                        if _num(r.get("floor_us"))})
+        if floor:
+            lines["copy floor"], = ax.plot(*zip(*floor), linestyle="--", color="#b03a3a",
+                                           label="copy floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(some)
+        ax.set_xlabel("prefix length")
+        ax.set_title(f"K = {k}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(bar_axis_label(True), fontsize=8)
+    fig.suptitle(f"one step of one layer against prefix length - {title}", fontsize=9)
+    fig.tight_layout()
+    if lines:
+        fig.legend(list(lines.values()), list(lines), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    return fig
+
+
 def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out_dir: str,
                title: str) -> tuple[list[str], str]:
-    """Per case: bars per variant (step time) with the floor as a line; and latency against
+    """Per case: bars per variant (step time) with the floors as lines; and latency against
     prefix length per ``K``. Returns the files written and a note ('' or why none)."""
     plt = _pyplot()
     if plt is None:
@@ -276,68 +439,19 @@ def write_pngs(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], out
     for r in rows:
         cases[(r["case"], r["lengths"])].append(r)
     for (case, lengths), group in cases.items():
-        floor = next((_num(r["time_us"]) for r in group if r.get("status") == "floor"), None)
-        bars = [r for r in group if r.get("status") in ("ok", "failed")]
-        if not bars:
+        fig = case_figure(plt, case, lengths, group, title)
+        if fig is None:
             continue
-        fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2), 3.6))
-        labels = [r["variant"] for r in bars]
-        values = [_num(r.get("time_us")) or 0.0 for r in bars]
-        colors = ["#bbbbbb" if r.get("mode") in ("per-branch", "raw") else "#3a76b0"
-                  for r in bars]
-        drawn = ax.bar(range(len(bars)), values, color=colors)
-        ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7)
-        positive = [v for v in values + [floor or 0.0] if v > 0]
-        if positive and max(positive) > 30 * min(positive):
-            ax.set_yscale("log")  # torch_ref next to fast kernels
-        for i, r in enumerate(bars):
-            if r.get("status") == "failed":
-                ax.text(i, min(positive or [1.0]), "failed", ha="center", va="bottom",
-                        color="#b03a3a")
-        if floor:
-            ax.axhline(floor, color="#b03a3a", linestyle="--", label=f"floor {floor:,.0f} us")
-            ax.legend(loc="upper left", fontsize=8)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
-        ax.set_ylabel("one step, one layer (us)")
-        ax.set_title(f"{case} ({lengths}) - {title}", fontsize=9)
-        fig.tight_layout()
         name = f"case-{case}-{lengths}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(name)
     if sweep_rows:
-        written.append(_sweep_png(plt, sweep_rows, out_dir, title))
+        fig = sweep_figure(plt, sweep_rows, title)
+        fig.savefig(os.path.join(out_dir, "prefix-sweep.png"), dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append("prefix-sweep.png")
     return written, ""
-
-
-def _sweep_png(plt, sweep_rows, out_dir: str, title: str) -> str:
-    topks = sorted({int(r["topk"]) for r in sweep_rows})
-    fig, axes = plt.subplots(1, len(topks), figsize=(4.2 * len(topks), 3.6), squeeze=False)
-    for ax, k in zip(axes[0], topks):
-        at_k = [r for r in sweep_rows if int(r["topk"]) == k]
-        for variant in dict.fromkeys(r["variant"] for r in at_k):
-            pts = sorted((int(r["prefix"]), _num(r["time_us"])) for r in at_k
-                         if r["variant"] == variant and r.get("status") == "ok")
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant)
-        floor = sorted({(int(r["prefix"]), _num(r["floor_us"])) for r in at_k
-                        if _num(r.get("floor_us"))})
-        if floor:
-            ax.plot(*zip(*floor), linestyle="--", color="#b03a3a", label="floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prefix length")
-        ax.set_title(f"K = {k}", fontsize=9)
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("one step, one layer (us)")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"latency against prefix length - {title}", fontsize=9)
-    fig.tight_layout()
-    name = "prefix-sweep.png"
-    fig.savefig(os.path.join(out_dir, name), dpi=110)
-    plt.close(fig)
-    return name
 
 
 # --- versions --------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from .options import BackendOption
 from .parts import measure_parts
 from .harness import (Result, Variant, build_setup, discover_variants, measure_variant,
                       short_error)
-from .report import FLOOR
+from .report import FLOOR, READ_FLOOR
 
 __all__ = ["Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
-           "result_row", "floor_row", "matmul_tflops", "tflops_note"]
+           "result_row", "floor_row", "read_floor_row", "matmul_tflops", "tflops_note"]
 
 
 def case_fields(case: Case, lengths: list[int]) -> dict[str, Any]:
@@ -32,6 +32,19 @@ def floor_row(case: Case, lengths: list[int], bandwidth: float) -> dict[str, Any
     return {**case_fields(case, lengths), "variant": FLOOR, "backend": "", "mode": "floor",
             "kernel_library": "", "status": "floor", "time_us": floor_us,
             "timing": "computed", "floor_us": floor_us, "copy_bw_gbs": bandwidth / 1e9}
+
+
+def read_floor_row(case: Case, lengths: list[int], bandwidth: Optional[float],
+                   ms: Optional[float], timing: str = "", notes: Sequence[str] = (),
+                   error: str = "") -> dict[str, Any]:
+    """The case's read floor (``floors.py``): ``ms`` per launch, or the ``error`` that
+    stopped its measurement (then a failed row)."""
+    return {**case_fields(case, lengths), "variant": READ_FLOOR, "backend": "",
+            "mode": "read-floor", "kernel_library": "triton",
+            "status": "failed" if ms is None else "floor", "error": error,
+            "time_us": None if ms is None else ms * 1e3, "timing": timing,
+            "floor_us": case.kv_bytes(lengths) / bandwidth * 1e6 if bandwidth else None,
+            "copy_bw_gbs": bandwidth / 1e9 if bandwidth else None, "notes": list(notes)}
 
 
 def matmul_tflops(device) -> Optional[float]:
@@ -77,6 +90,7 @@ def result_row(case: Case, lengths: list[int], variant: Variant, result: Result,
             "round_layers": result.round_layers if result.round_eager_ms else "",
             "round_eager_us": us(result.round_eager_ms),
             "round_graph_us": us(result.round_graph_ms),
+            "round_us": us(result.engine_round_ms), "round_host_us": us(result.engine_host_ms),
             "copy_bw_gbs": bandwidth / 1e9 if bandwidth else None, "parts": result.parts,
             "notes": result.notes + tflops_note(case, lengths, result.step_ms, matmul)}
 
@@ -106,16 +120,38 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _read_floor(setup, clock, progress: ItemProgress) -> dict[str, Any]:
+    """``read_floor_ms``'s answer as ``read_floor_row`` keywords (a failure: its error)."""
+    from .floors import read_floor_ms  # Triton kernels: imported when measured
+
+    progress.start(f"{setup.case.label} | {READ_FLOOR}")
+    try:
+        ms, timing, notes = read_floor_ms(setup, clock)
+        found = {"ms": ms, "timing": timing, "notes": notes}
+    except Exception as exc:
+        found = {"ms": None, "error": f"crashed while timed: {short_error(exc)}"}
+    progress.advance()
+    _free(setup.device)
+    return found
+
+
 def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, rounds: bool,
-              round_layers: int, timed: bool = True,
-              parts: bool = False) -> list[tuple[list[int], Variant, Result]]:
+              round_layers: int, timed: bool = True, parts: bool = False,
+              read: Optional[dict] = None) -> list[tuple[list[int], Variant, Result]]:
+    """Every variant of the plan on one setup; ``read``: a dict that gets the case's read
+    floor (``_read_floor``), measured on the same setup after the variants (a launch that
+    failed on the device leaves their results standing)."""
     case = plan.case
     try:
         setup = build_setup(case, device, seed=seed)
     except Exception as exc:  # e.g. out of memory: every variant of the case fails
         lengths = case.lengths(seed)
-        err = Result(status="failed", error=f"setup failed: {type(exc).__name__}: {exc}"[:240])
+        why = f"setup failed: {type(exc).__name__}: {exc}"[:240]
+        err = Result(status="failed", error=why)
         for _ in plan.variants:
+            progress.advance()
+        if read is not None:
+            read.update(ms=None, error=why)
             progress.advance()
         _free(device)
         return [(lengths, v, err) for v in plan.variants]
@@ -129,6 +165,8 @@ def _run_plan(plan: Plan, device, clock, progress: ItemProgress, *, seed: int, r
         out.append((setup.lengths, variant, result))
         progress.advance()
         _free(device)
+    if read is not None:
+        read.update(_read_floor(setup, clock, progress))
     del setup
     _free(device)
     return out
@@ -145,19 +183,23 @@ def _add_parts(result: Result, variant: Variant, setup, clock) -> None:
 def run_cases(plans: list[Plan], device, clock, bandwidth: Optional[float],
               progress: ItemProgress, *, seed: int = 0, rounds: bool = True,
               round_layers: int = 4, timed: bool = True, parts: bool = False,
-              ) -> list[dict[str, Any]]:
-    """Rows of every planned case: its floor (when ``bandwidth`` was measured), then one row
-    per variant (skipped variants of a named backend are reported with the reason).
-    ``timed=False``: check only; ``parts``: each timed variant's step parts in its row's
-    ``parts`` (``parts.py``)."""
+              read_floor: bool = False) -> list[dict[str, Any]]:
+    """Rows of every planned case: its copy floor (when ``bandwidth`` was measured), its
+    read floor (``read_floor``: one more progress item per case), then one row per variant
+    (skipped variants of a named backend are reported with the reason). ``timed=False``:
+    check only; ``parts``: each timed variant's step parts in its row's ``parts``
+    (``parts.py``)."""
     rows = []
     for plan in plans:
         lengths = plan.case.lengths(seed)
         if bandwidth:
             rows.append(floor_row(plan.case, lengths, bandwidth))
-        for lengths, variant, result in _run_plan(plan, device, clock, progress, seed=seed,
-                                                  rounds=rounds, round_layers=round_layers,
-                                                  timed=timed, parts=parts):
+        read: Optional[dict] = {} if read_floor and timed else None
+        results = _run_plan(plan, device, clock, progress, seed=seed, rounds=rounds,
+                            round_layers=round_layers, timed=timed, parts=parts, read=read)
+        if read is not None:
+            rows.append(read_floor_row(plan.case, lengths, bandwidth, **read))
+        for lengths, variant, result in results:
             matmul = (matmul_tflops(device) if plan.case.compute_bound and result.step_ms
                       else None)
             rows.append(result_row(plan.case, lengths, variant, result, bandwidth, matmul))
