@@ -19,7 +19,7 @@
 # .gpu/install.sh with .gpu/flashinfer, and .gpu/fa4 after fa4-first), installs .whl/*.whl
 # when carried, and prints the GPU and the library versions.
 #
-# Environment: OUT (the folder that comes back; the device call sets it); GPU_PARTS (bundle
+# Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
 # parts to unpack; default: flashinfer if carried, plus fa4 if carried and fa4-first ran);
 # CHECK_STEPS (default "gpu-tests kit memcheck"); AB_ROUNDS (default 2); STEP_TIMEOUT_S (a
 # limit per step, default none); GPU_COMMIT (a commit to name in summary.md); GPU_DRY_RUN=1
@@ -35,7 +35,7 @@ die() { echo "gpu.sh: $*" >&2; exit 3; }
 cmd=$1
 shift
 case "$cmd" in fa4-first | check | bench | ab) ;; *) usage ;; esac
-: "${OUT:?OUT must name the folder whose files come back (the device call sets it)}"
+: "${OUT:?OUT must name the folder whose files come back (the GPU host sets it)}"
 
 BUNDLE=${GPU_BUNDLE:-.gpu}
 SITE=${GPU_SITE:-/tmp/gpu-site}
