@@ -60,6 +60,20 @@ def test_every_docs_file_the_package_cites_exists():
     assert not missing, [(str(p.relative_to(ROOT)), ref) for p, ref in missing]
 
 
+def test_every_relative_link_in_the_docs_resolves():
+    """A relative link in a page under docs/ points to a file of the repository (the build
+    checks links between pages; this also covers links out of docs/)."""
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    broken = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for target in link.findall(page.read_text()):
+            path = target.split("#")[0]
+            if path and not re.match(r"[a-z][a-z0-9+.-]*:", path) and \
+                    not (page.parent / path).exists():
+                broken.append((str(page.relative_to(ROOT)), target))
+    assert not broken, broken
+
+
 def test_the_tools_cite_the_repositorys_docs_not_the_spec():
     """selection.md / performance.md in a message: written as docs/..., which exists."""
     for path in sorted((ROOT / "specattn").rglob("*.py")):

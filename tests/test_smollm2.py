@@ -398,23 +398,3 @@ def test_cli_model_synthetic_is_default_and_selectable():
         assert "GQA draft model" in out.getvalue()
     assert cli_main(["--model", "nonesuch"], out=io.StringIO()) == 2
 
-
-# --- GPU hand-off script (tools/smollm2_gpu.sh) ---------------------------------------------
-
-def _gpu_sh(tmp_path, *args, **env):
-    import os
-    import subprocess
-
-    script = os.path.join(os.path.dirname(__file__), "..", "tools", "smollm2_gpu.sh")
-    return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "SMOLLM2_ROOT": str(tmp_path / "root"),
-                               "OUT": str(tmp_path / "out"), **env})
-
-
-def test_gpu_script_run_fails_loudly_when_the_stash_is_gone(tmp_path):
-    """Call 2 on a machine that went cold: a clear error, no benchmark."""
-    res = _gpu_sh(tmp_path, "run")
-    assert res.returncode == 3
-    assert "went cold" in res.stderr and "smollm2_gpu.sh stash" in res.stderr
-    assert not (tmp_path / "out" / "smollm2-gpu.md").exists()
-    assert _gpu_sh(tmp_path, "bogus").returncode == 2

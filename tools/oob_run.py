@@ -1,5 +1,5 @@
 """Small ragged rounds through a GPU backend, clean and with ``req_to_token`` entries outside
-the pool, for ``compute-sanitizer --tool memcheck`` (issue #17).
+the pool, for ``compute-sanitizer --tool memcheck`` (``bash tools/gpu.sh check`` runs it).
 
 Value checks are off (``SPECATTN_DEBUG_CHECKS`` unset: what production runs), so nothing
 refuses the bad entries and the kernels must keep every read inside the pool by themselves.

@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# The GPU script: run it from the repository root on a GPU host without network (the H200).
+#
+#   bash tools/gpu.sh fa4-first            unpack the first half of FlashAttention-4 into
+#                                          /tmp/gpu-site (carry .gpu/install.sh .gpu/fa4-first);
+#                                          the next command, on the same warm machine, carries
+#                                          .gpu/fa4 (a transfer holds 64 MiB: FA4 takes two)
+#   bash tools/gpu.sh check [PYTEST_ARGS]  the GPU test suites (tests/gpu, PYTEST_ARGS added),
+#                                          the conformance kit on every GPU backend, and
+#                                          compute-sanitizer memcheck over tools/oob_run.py
+#   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS (no --out: the
+#                                          results go to $OUT/bench/ and $OUT/bench.tgz)
+#   bash tools/gpu.sh ab REF [ARGS]        the same bench of an older package (REF/specattn,
+#                                          made here by `mkdir -p .ab && git archive TAG
+#                                          specattn | tar -x -C .ab`) and of this tree, run
+#                                          A B A B; both times and the ratio in $OUT/ab.md
+#
+# Every command but fa4-first first unpacks the offline bundle (.gpu/, git-ignored: carry
+# .gpu/install.sh with .gpu/flashinfer, and .gpu/fa4 after fa4-first), installs .whl/*.whl
+# when carried, and prints the GPU and the library versions.
+#
+# Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
+# parts to unpack; default: flashinfer if carried, plus fa4 if carried and fa4-first ran);
+# CHECK_STEPS (default "gpu-tests kit memcheck"); AB_ROUNDS (default 2); STEP_TIMEOUT_S (a
+# limit per step, default none); GPU_COMMIT (a commit to name in summary.md); GPU_DRY_RUN=1
+# (print the commands, run nothing).
+# Output: $OUT/summary.md (one line per step), $OUT/logs.tgz (each step's log), and the
+# command's results. Every step runs; the exit status is 1 when one failed.
+set -euo pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
+die() { echo "gpu.sh: $*" >&2; exit 3; }
+
+[ $# -ge 1 ] || usage
+cmd=$1
+shift
+case "$cmd" in fa4-first | check | bench | ab) ;; *) usage ;; esac
+: "${OUT:?OUT must name the folder whose files come back (the GPU host sets it)}"
+
+BUNDLE=${GPU_BUNDLE:-.gpu}
+SITE=${GPU_SITE:-/tmp/gpu-site}
+WHEELS=/tmp/site
+PY=${PYTHON:-python}
+DRY=${GPU_DRY_RUN:-}
+LOGS=$OUT/logs
+SUMMARY=$OUT/summary.md
+KIT_K="test_triton or test_dsa or (test_dsv4 and not hip and not npu) or test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu or test_flashmla_gpu"
+failed=0
+mkdir -p "$LOGS"
+: > "$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME COMMAND...: its output into $LOGS/NAME.log, a pass/FAIL line into summary.md.
+step() {
+  local name=$1 rc=0 start=$SECONDS last
+  shift
+  if [ -n "$DRY" ]; then echo "$name: $(printf '%q ' "$@")"; return 0; fi
+  echo "== $name: $*"
+  { echo "# $*"; timeout "${STEP_TIMEOUT_S:-0}" "$@"; } > "$LOGS/$name.log" 2>&1 || rc=$?
+  last=$(grep -v '^[[:space:]]*$' "$LOGS/$name.log" | tail -n 1 | cut -c1-160)
+  if [ "$rc" = 0 ]; then
+    note "- $name: pass ($((SECONDS - start)) s): $last"
+  else
+    note "- $name: FAIL (exit $rc, $((SECONDS - start)) s): $last"
+    failed=1
+  fi
+}
+
+setup() {
+  local parts line
+  if [ -n "${GPU_PARTS+set}" ]; then
+    parts=$GPU_PARTS
+  else
+    parts=""
+    [ -d "$BUNDLE/flashinfer" ] && parts=flashinfer
+    if [ -d "$BUNDLE/fa4" ]; then
+      compgen -G "$SITE/.parts/*.part-0" > /dev/null \
+        || die "$BUNDLE/fa4 needs the first half: run 'bash tools/gpu.sh fa4-first' in the call before"
+      parts="$parts fa4"
+    fi
+  fi
+  export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws PYTHONUNBUFFERED=1
+  if [ -f "$BUNDLE/install.sh" ]; then
+    if [ -n "$DRY" ]; then
+      echo "setup: eval \"\$(bash $BUNDLE/install.sh $SITE $parts)\""
+    else
+      line=$(bash "$BUNDLE/install.sh" "$SITE" $parts) || die "$BUNDLE/install.sh $parts failed"
+      eval "$line"
+    fi
+  else
+    echo "setup: no $BUNDLE/install.sh carried: no vendor libraries"
+  fi
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    if [ -n "$DRY" ]; then
+      echo "setup: $PY -m pip install -q --no-index --no-deps --no-compile --target $WHEELS .whl/*.whl"
+    else
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS" .whl/*.whl
+    fi
+    export PYTHONPATH=$WHEELS${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  LIBPATH=${PYTHONPATH:-}
+  export PYTHONPATH=$PWD${LIBPATH:+:$LIBPATH}  # this tree first
+  [ -n "$DRY" ] && return 0
+  note "# $cmd on $(date -u +%FT%TZ)${GPU_COMMIT:+, commit $GPU_COMMIT}; bundle parts: ${parts:-none}"
+  nvidia-smi -L 2>&1 | tee -a "$SUMMARY" || true
+  "$PY" - << 'EOF' 2>&1 | tee -a "$SUMMARY" || true
+import importlib, importlib.metadata as md
+dists = {"triton": "triton", "flashinfer": "flashinfer-python", "flash_attn": "flash-attn-4",
+         "cutlass": "nvidia-cutlass-dsl", "flash_mla": "sgl-flash-mla"}
+import torch
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda})", end="")
+for mod, dist in dists.items():
+    try:
+        m = importlib.import_module(mod)
+        v = getattr(m, "__version__", None)
+        if v is None:
+            try:
+                v = md.version(dist)
+            except md.PackageNotFoundError:
+                v = "?"
+        print(f", {mod} {v}", end="")
+    except Exception as exc:  # not carried, or broken: say which
+        print(f", {mod} not importable ({type(exc).__name__})", end="")
+print()
+EOF
+}
+
+sanitizer() {  # compute-sanitizer from PATH, else beside nvcc (the CUDA toolkit's bin/)
+  local c d
+  c=$(command -v compute-sanitizer || true)
+  if [ -z "$c" ] && command -v nvcc > /dev/null; then
+    d=$(dirname "$(command -v nvcc)")
+    for c in "$d/compute-sanitizer" "$d/../extras/compute-sanitizer/compute-sanitizer" ""; do
+      [ -x "$c" ] && break
+    done
+  fi
+  echo "$c"
+}
+
+check() {
+  local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
+  setup
+  if [[ $steps == *" gpu-tests "* ]]; then
+    step gpu-tests "$PY" -m pytest -q -n 0 -p no:cacheprovider -rfE --continue-on-collection-errors \
+      -m gpu tests/gpu "$@"
+  fi
+  if [[ $steps == *" kit "* ]]; then
+    step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE tests/conformance -k "$KIT_K"
+  fi
+  if [[ $steps == *" memcheck "* ]]; then
+    cs=$(sanitizer)
+    if [ -n "$cs" ]; then
+      step memcheck "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 \
+        "$PY" tools/oob_run.py --backend triton
+    else
+      note "- memcheck: skipped (no compute-sanitizer on PATH or beside nvcc)"
+    fi
+  fi
+}
+
+collect() {  # collect DIR NAME: the bench's text files into $OUT/NAME/, everything into NAME.tgz
+  [ -n "$DRY" ] && return 0
+  mkdir -p "$OUT/$2"
+  local f
+  for f in table.md bench.csv sweep.csv parts.csv versions.json; do
+    if [ -f "$1/$f" ]; then cp "$1/$f" "$OUT/$2/"; fi
+  done
+  if [ -d "$1" ]; then tar czf "$OUT/$2.tgz" -C "$1" .; fi
+}
+
+bench() {
+  setup
+  [ -n "$DRY" ] || rm -rf /tmp/gpu-bench
+  step bench "$PY" -m specattn bench --out /tmp/gpu-bench "$@"
+  collect /tmp/gpu-bench bench
+}
+
+ab() {
+  [ $# -ge 1 ] || usage
+  local label=$1 ref r
+  ref=$(cd "$1" && pwd) || die "no folder $1"
+  shift
+  [ -d "$ref/specattn" ] || die "$ref holds no specattn/ package (here: mkdir -p .ab && git archive TAG specattn | tar -x -C .ab)"
+  setup
+  [ -n "$DRY" ] || rm -rf /tmp/gpu-ab
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    # A from inside REF: `python -m` puts the working directory first on sys.path.
+    step "a$r" env -C "$ref" PYTHONPATH="$ref${LIBPATH:+:$LIBPATH}" "$PY" -m specattn bench \
+      --out "/tmp/gpu-ab/a$r" "$@"
+    step "b$r" "$PY" -m specattn bench --out "/tmp/gpu-ab/b$r" "$@"
+  done
+  step ab-table "$PY" tools/ab_table.py /tmp/gpu-ab --a-label "$label" --out "$OUT/ab.md"
+  if [ -z "$DRY" ] && [ -d /tmp/gpu-ab ]; then tar czf "$OUT/ab.tgz" -C /tmp/gpu-ab .; fi
+}
+
+case "$cmd" in
+  fa4-first)
+    if [ -n "$DRY" ]; then echo "fa4-first: bash $BUNDLE/install.sh $SITE fa4-first"
+    else bash "$BUNDLE/install.sh" "$SITE" fa4-first > /dev/null && note "- fa4-first: unpacked into $SITE"
+    fi ;;
+  check) check "$@" ;;
+  bench) bench "$@" ;;
+  ab) ab "$@" ;;
+esac
+if [ -z "$DRY" ] && compgen -G "$LOGS/*" > /dev/null; then tar czf "$OUT/logs.tgz" -C "$LOGS" .; fi
+rm -rf "$LOGS"
+exit "$failed"
