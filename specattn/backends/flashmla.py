@@ -1,9 +1,8 @@
 """``flashmla``: MLA draft decode through FlashMLA's dense paged decode
 (``flash_mla.flash_mla_with_kvcache``, page size 64). Run on an H200 (sm90, torch 2.11) with
 the ``sgl-flash-mla`` 1.0.0 wheel's legacy dense decode (``use_legacy=True``): 5 GPU tests
-against ``torch_ref`` (K 1/4, lane/path, bf16/fp16, padded CUDA-graph replay;
-``benchmarks/results/2026-11-29-h200/flashmla-gpu-tests.log``), which also confirms the
-natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``.
+against ``torch_ref`` (K 1/4, lane/path, bf16/fp16, padded CUDA-graph replay), which also
+confirm the natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``.
 
 Draft extend is not provided (original behaviour): the factory logs
 ``EXTEND_WARNING`` and returns ``None`` (the dispatcher below).
@@ -22,8 +21,7 @@ Algorithm (draft step ``i``, ``N = B*K`` lanes), per layer:
    prefix pass never reads them). Otherwise (``fused_history = False``, or no Triton):
    write first, a torch fp32 history pass, then ``kernels.lse.merge_states``. Both ran on
    the H200 (``tests/gpu/test_flashmla_gpu.py``, 8 passed); at mla-long-p64 the fused pass
-   made the step 89.6 us instead of 163.2 (same run, ``benchmarks/results/2026-11-29-h200/
-   flashmla-fused-ab-s4.md``).
+   made the step 89.6 us instead of 163.2 (H200, 2026-11-29, one run).
 
 Upstream refuses ``topk > 1`` ("Currently FlashMLA only supports topk=1 for speculative
 decoding"); the split above lifts that and also gives exact ``path`` trees. Note the

@@ -10,7 +10,7 @@
   softmax_lse [B, h_q, s_q] fp32, natural log)``. ``causal=True`` aligns bottom-right.
 
 ``make(sgl_legacy=True)`` models the ``sgl-flash-mla`` 1.0 wheel (seen on the H200,
-2026-11-29: ``benchmarks/results/2026-11-29-h200/flashmla-probe.log``): it adds
+2026-11-29): it adds
 ``has_legacy()`` and a ``use_legacy`` keyword, and its current kernels refuse dense decoding
 ("Dense MLA decoding was removed from the current kernels; pass use_legacy=True").
 """

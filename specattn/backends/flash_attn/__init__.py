@@ -27,8 +27,7 @@ libraries that follow their documented APIs (``tests/test_flash_attn.py``). On t
 ``torch_ref`` with the real FA4 kernel: decode (topk 1/4/8, page 1/16/64, lane/path,
 shared/per-branch/split-prefix/auto, Triton history+merge and the torch-merge fallback),
 random shapes, extend, ``fa3`` through FA4's sm90 kernel, and CUDA-graph capture/replay
-(``benchmarks/results/2026-11-29-h200/flash-attn-*-v2*``: gqa-long 1.42x the floor, 5.9x
-faster than FA4 per-branch). The
+(H200, 2026-11-29: gqa-long 1.42x the floor, 5.9x faster than FA4 per-branch). The
 FA3 library path (sm8x, or sm90 with ``flash_attn_interface``) and MUSA are untested on
 hardware.
 

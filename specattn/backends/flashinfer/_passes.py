@@ -167,7 +167,7 @@ def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -
     for the prefix pass: ``K`` per request), so the tile fits. Graph mode also always takes
     the split-KV path (partials + a merge kernel); when the ``seqs x H_kv`` grid already
     fills every SM, no request would be split anyway, so ``disable_split_kv`` drops that
-    detour. Measured in ``benchmarks/results/2026-11-29-h200/flashinfer-bench-v2.md``.
+    detour (measured on the H200, 2026-11-29).
     """
     kw = {}
     if rows:

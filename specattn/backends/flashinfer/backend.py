@@ -59,7 +59,7 @@ class FlashInferDecode(_MHA, FlashInferDecodeGlue, name="flashinfer", flavour="m
     (``fixed_split_size``, ...; they override the graph plan's ``uniform_q_len`` and
     ``disable_split_kv``), for benchmarks. ``auto`` resolves to fa2 here (FlashInfer
     takes fa2 for <= 64 query rows per request); forcing fa3 measured 3.9x slower on the
-    H200 with page-size-1 gathers (``benchmarks/results/2026-11-29-h200/flashinfer-bench.md``).
+    H200 with page-size-1 gathers (2026-11-29).
     """
 
     prefix_backend = "auto"

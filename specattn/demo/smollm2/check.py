@@ -3,7 +3,7 @@
 Round by round the trees' tokens and parents must be equal and their scores close. Two
 backends may legitimately pick different nodes at a near tie (the chosen cumulative scores
 agree, as multisets, within the tolerance); after such a round the runs may diverge, so the
-comparison stops there. Used by ``tests/test_smollm2.py`` and ``tools/smollm2_gpu.py``.
+comparison stops there. Used by ``tests/test_smollm2.py``.
 """
 
 from __future__ import annotations
