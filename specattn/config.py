@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from .errors import InvalidInputError
+from .kv_layouts import KV_CACHE_DTYPES
 
 __all__ = ["SpecConfig"]
 
@@ -37,6 +38,9 @@ class SpecConfig:
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) \
                 or self.page_size < 1:
             raise InvalidInputError("page_size", "an int >= 1", repr(self.page_size))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidInputError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}",
+                                    repr(self.kv_cache_dtype))
         for field in ("attention_backend", "decode_attention_backend",
                       "prefill_attention_backend", "speculative_draft_attention_backend"):
             value = getattr(self, field)
