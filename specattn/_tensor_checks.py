@@ -1,20 +1,28 @@
 """Tensor checks shared by ``specattn.validation`` (batches, forward arguments, a backend's
 extra inputs) and ``specattn.data`` (a runner checks its own pools): type, dtype, rank, device,
 shape and a unit last stride. Each failure raises ``InvalidInputError`` naming the argument,
-the expectation and the value. Depends on ``specattn.errors`` alone."""
+the expectation and the value. Also ``debug_checks_enabled`` (``SPECATTN_DEBUG_CHECKS=1``:
+check tensor values on a device too). Depends on ``specattn.errors`` alone."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from .errors import InvalidInputError
 
-__all__ = ["INDEX_DTYPES", "ACT_DTYPES", "check_tensor"]
+__all__ = ["INDEX_DTYPES", "ACT_DTYPES", "check_tensor", "debug_checks_enabled"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def debug_checks_enabled() -> bool:
+    """``SPECATTN_DEBUG_CHECKS`` is set (not ``0``): checks that read tensor values run on a
+    device too, at the cost of a host sync."""
+    return os.environ.get("SPECATTN_DEBUG_CHECKS", "0") not in ("", "0")
 
 
 def _is_int(x: object) -> bool:

@@ -472,7 +472,8 @@ class DraftDecodeBackend(DraftBackend):
         self._check_layer(layer)
         options = self._forward_options(layer, **options)
         if not self._kernel_writes_kv():
-            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v)
+            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v,
+                                 layer.k_scale, layer.v_scale)
         return self._attend(step, layer, q, k, v, **options)
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
@@ -614,7 +615,8 @@ class DraftExtendBackend(DraftBackend):
         self._check_layer(layer)
         options = self._forward_options(layer, **options)
         if not self._kernel_writes_kv():
-            self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v)
+            self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v,
+                                 layer.k_scale, layer.v_scale)
         return self._attend(layer, q, k, v, **options)
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 
 from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
 from .errors import InvalidInputError
+from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize
 from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
@@ -79,9 +80,14 @@ class DraftRunner:
     ``kv_buffer[layer] [num_slots, kv_lora_rank + qk_rope_head_dim]`` (compressed KV ``c``
     first, then the rotary key). ``req_to_token [max_reqs, max_context_len]`` int32 maps a
     request's token positions to slots. Slot ``s`` lies in page ``s // page_size``.
-    ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"`` (MLA only): ``kv_buffer[layer]`` is a
-    uint8 ``[num_slots, bytes_per_token]`` pool in that FP8 layout (``runner.kv_layout``,
-    ``specattn.kv_layouts``); ``write_kv`` quantizes into it.
+    ``kv_cache_dtype`` (one of ``kv_layouts.KV_CACHE_DTYPES``): ``"auto"``, pools of the model's
+    dtype. ``"fp8_e4m3"`` / ``"fp8_e5m2"``: pools of the same shapes in
+    ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (``runner.fp8``; ``specattn.fp8``); a
+    ``uint8`` pool (SGLang's storage of the same bytes) is viewed as that dtype, no copy.
+    ``"fp8_ds_mla"`` / ``"fp8_ds_v4"`` (MLA only): ``kv_buffer[layer]`` is a uint8
+    ``[num_slots, bytes_per_token]`` pool in that FP8 layout (``runner.kv_layout``,
+    ``specattn.kv_layouts``). ``write_kv`` quantizes into either kind of FP8 pool.
+    ``runner.kv_dtype`` is the dtype of the pools as backends read them.
 
     Build one with ``DraftRunner.mha(...)`` / ``DraftRunner.mla(...)`` (allocates zeroed
     pools) or ``DraftRunner.wrap_mha(...)`` / ``wrap_mla(...)`` (uses an engine's tensors,
@@ -105,11 +111,16 @@ class DraftRunner:
         self.page_size = page_size
         self.num_layers = num_layers
         self.req_to_token = req_to_token
-        self.kv_cache_dtype = kv_cache_dtype
         # An FP8 byte layout (``specattn.kv_layouts``) or None: plain pools of the pool's dtype.
         self.kv_layout = layout_for(kv_cache_dtype, use_mla_backend=self.use_mla_backend,
                                     kv_lora_rank=kv_lora_rank,
                                     qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
+        self.kv_cache_dtype = kv_cache_dtype
+        fp8 = FP8_KV_DTYPES.get(kv_cache_dtype)
+        if fp8 is not None:  # SGLang stores FP8 pools as uint8: the same bytes, viewed
+            k_buffer, v_buffer, kv_buffer = (None if pools is None else [
+                t.view(fp8) if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 else t
+                for t in pools] for pools in (k_buffer, v_buffer, kv_buffer))
         if self.use_mla_backend:
             self.num_heads = num_heads
             self.kv_lora_rank = kv_lora_rank
@@ -138,18 +149,22 @@ class DraftRunner:
             v_head_dim: Optional[int] = None, *, num_layers: int, num_slots: int,
             max_reqs: int, max_context_len: int, page_size: int = 1,
             dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-            ) -> "DraftRunner":
-        """Allocate zeroed MHA/GQA pools and an all-zero ``req_to_token``."""
+            kv_cache_dtype: str = "auto") -> "DraftRunner":
+        """Allocate zeroed MHA/GQA pools and an all-zero ``req_to_token``.
+
+        ``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: FP8 pools (``dtype`` stays the
+        activation dtype)."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        store = _pool_dtype(kv_cache_dtype, dtype)
+        k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=store, device=device)
              for _ in range(num_layers)]
-        v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device)
+        v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=store, device=device)
              for _ in range(num_layers)]
         r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         return cls(use_mla_backend=False, dtype=dtype, device=device, page_size=page_size,
                    num_layers=num_layers, req_to_token=r2t, num_q_heads=num_q_heads,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                   k_buffer=k, v_buffer=v)
+                   k_buffer=k, v_buffer=v, kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
@@ -159,15 +174,17 @@ class DraftRunner:
             ) -> "DraftRunner":
         """Allocate zeroed MLA latent pools and an all-zero ``req_to_token``.
 
-        ``kv_cache_dtype`` ``"fp8_ds_mla"`` / ``"fp8_ds_v4"``: uint8 pools in that FP8 layout
-        (``specattn.kv_layouts``; ``dtype`` stays the activation dtype)."""
+        ``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: FP8 pools; ``"fp8_ds_mla"`` /
+        ``"fp8_ds_v4"``: uint8 pools in that FP8 layout (``specattn.kv_layouts``). ``dtype``
+        stays the activation dtype."""
         layout = layout_for(kv_cache_dtype, use_mla_backend=True, kv_lora_rank=kv_lora_rank,
                             qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
         if layout is not None:
             kv = [layout.allocate(num_slots, device) for _ in range(num_layers)]
         else:
-            kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim, dtype=dtype,
-                              device=device) for _ in range(num_layers)]
+            kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim,
+                              dtype=_pool_dtype(kv_cache_dtype, dtype), device=device)
+                  for _ in range(num_layers)]
         r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         return cls(use_mla_backend=True, dtype=dtype, device=device, page_size=page_size,
                    num_layers=num_layers, req_to_token=r2t, num_heads=num_heads,
@@ -177,11 +194,15 @@ class DraftRunner:
     @classmethod
     def wrap_mha(cls, req_to_token: torch.Tensor, k_buffer: Sequence[torch.Tensor],
                  v_buffer: Sequence[torch.Tensor], num_q_heads: int, *, page_size: int = 1,
-                 kv_cache_dtype: str = "auto") -> "DraftRunner":
-        """Wrap an engine's MHA pools (no copy); shapes are read from the tensors."""
+                 kv_cache_dtype: str = "auto",
+                 dtype: Optional[torch.dtype] = None) -> "DraftRunner":
+        """Wrap an engine's MHA pools (no copy); shapes are read from the tensors. ``dtype``
+        (activations) defaults to the pools' dtype, bfloat16 for FP8 pools."""
         k0 = _first_pool("k_buffer", k_buffer, 3, "[num_slots, num_kv_heads, head_dim]")
         _first_pool("v_buffer", v_buffer, 3, "[num_slots, num_kv_heads, v_head_dim]")
-        return cls(use_mla_backend=False, dtype=k0.dtype, device=k0.device,
+        if dtype is None:
+            dtype = torch.bfloat16 if kv_cache_dtype != "auto" else k0.dtype
+        return cls(use_mla_backend=False, dtype=dtype, device=k0.device,
                    page_size=page_size, num_layers=len(k_buffer), req_to_token=req_to_token,
                    num_q_heads=num_q_heads, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
                    v_head_dim=v_buffer[0].shape[2], k_buffer=k_buffer, v_buffer=v_buffer,
@@ -193,7 +214,8 @@ class DraftRunner:
                  kv_cache_dtype: str = "auto",
                  dtype: Optional[torch.dtype] = None) -> "DraftRunner":
         """Wrap an engine's MLA latent pools (no copy). FP8 layouts (uint8 pools): the rope
-        width is solved from the byte width; ``dtype`` (activations) defaults to bfloat16."""
+        width is solved from the byte width. ``dtype`` (activations) defaults to the pools'
+        dtype, bfloat16 for FP8 pools."""
         kv0 = _first_pool("kv_buffer", kv_buffer, 2,
                           "[num_slots, kv_lora_rank + qk_rope_head_dim]")
         if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or (
@@ -204,7 +226,8 @@ class DraftRunner:
             rope = rope_for_width(kv_cache_dtype, kv_lora_rank, int(kv0.shape[1]))
             dtype = dtype or torch.bfloat16
         else:
-            rope, dtype = kv0.shape[1] - kv_lora_rank, dtype or kv0.dtype
+            rope = kv0.shape[1] - kv_lora_rank
+            dtype = dtype or (torch.bfloat16 if kv_cache_dtype != "auto" else kv0.dtype)
         return cls(use_mla_backend=True, dtype=dtype, device=kv0.device,
                    page_size=page_size, num_layers=len(kv_buffer), req_to_token=req_to_token,
                    num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -230,6 +253,25 @@ class DraftRunner:
     def model(self) -> str:
         return "mla" if self.use_mla_backend else "mha"
 
+    @property
+    def fp8(self) -> bool:
+        """The pools hold FP8 codes with one scale per tensor (``"fp8_e4m3"`` /
+        ``"fp8_e5m2"``; the layer's ``k_scale`` / ``v_scale``). The DeepSeek byte layouts are
+        ``kv_layout`` instead."""
+        return self.kv_cache_dtype in FP8_KV_DTYPES
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the pools as backends read them: the FP8 dtype, ``uint8`` for a byte
+        layout, else the pools' own dtype."""
+        if self.kv_layout is not None:
+            return torch.uint8
+        fp8 = FP8_KV_DTYPES.get(self.kv_cache_dtype)
+        if fp8 is not None:
+            return fp8
+        pool = self.kv_buffer if self.use_mla_backend else self.k_buffer
+        return pool[0].dtype
+
     def backend_request(self, kind: str, *, topk: int = 1, num_steps: int = 2,
                         tree_mode: str = "lane") -> BackendRequest:
         """The full ``BackendRequest`` for this runner (dtype and head dim included)."""
@@ -239,18 +281,20 @@ class DraftRunner:
                               dtype=self.dtype, head_dim=self.head_dim)
 
     def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
-                 v: Optional[torch.Tensor]) -> None:
+                 v: Optional[torch.Tensor], k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
         """Store new KV at slots ``loc [N]``: MHA ``k [N, H_kv, D]``, ``v [N, H_kv, D_v]``;
-        MLA ``k [N, kv_lora_rank + rope]`` and ``v = None``."""
+        MLA ``k [N, kv_lora_rank + rope]`` and ``v = None``. FP8 pools (``fp8``) store
+        ``fp8.quantize(k, k_scale)`` and ``fp8.quantize(v, v_scale)`` (MLA: ``k_scale``);
+        other pools ignore the scales."""
         loc = loc.reshape(-1).long()
         if self.kv_layout is not None:  # FP8 byte layout: quantize on write
             self.kv_layout.write(self.kv_buffer[layer_id], loc, k.reshape(loc.shape[0], -1))
-        elif self.use_mla_backend:
-            self.kv_buffer[layer_id][loc] = k.reshape(loc.shape[0], -1).to(
-                self.kv_buffer[layer_id].dtype)
-        else:
-            self.k_buffer[layer_id][loc] = k.to(self.k_buffer[layer_id].dtype)
-            self.v_buffer[layer_id][loc] = v.to(self.v_buffer[layer_id].dtype)
+            return
+        pools = [self.kv_buffer[layer_id]] if self.use_mla_backend else [
+            self.k_buffer[layer_id], self.v_buffer[layer_id]]
+        rows = [k.reshape(loc.shape[0], -1)] if self.use_mla_backend else [k, v]
+        for pool, x, scale in zip(pools, rows, (k_scale, v_scale)):
+            pool[loc] = quantize(x, scale, pool.dtype) if self.fp8 else x.to(pool.dtype)
 
     def __repr__(self) -> str:
         if self.use_mla_backend:
@@ -261,7 +305,12 @@ class DraftRunner:
                      f"head_dim={self.head_dim} v_head_dim={self.v_head_dim}")
         return (f"DraftRunner({shape}, layers={self.num_layers}, slots={self.num_slots}, "
                 f"page_size={self.page_size}, dtype={str(self.dtype).replace('torch.', '')}, "
-                f"device={self.device})")
+                f"kv_cache_dtype={self.kv_cache_dtype}, device={self.device})")
+
+
+def _pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a constructor allocates pools in: the FP8 dtype, else the model's."""
+    return FP8_KV_DTYPES.get(kv_cache_dtype, dtype)
 
 
 def _first_pool(name: str, pools: Sequence[torch.Tensor], ndim: int,
@@ -324,6 +373,7 @@ def check_runner(runner: DraftRunner) -> None:
         for i, t in enumerate(pool):
             _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
                 expected[name]), device=runner.device)
+            _check_pool_dtype(runner, f"{name}[{i}]", t)
             if tuple(t.shape[1:]) != expected[name]:
                 raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
                                         f"{', '.join(map(str, expected[name]))}]",
@@ -351,4 +401,19 @@ def _check_layout_pools(runner: DraftRunner, layout) -> None:
 
 
 def _fp8_dtypes() -> tuple:
-    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+    return tuple(FP8_KV_DTYPES.values())
+
+
+def _check_pool_dtype(runner: DraftRunner, name: str, pool: torch.Tensor) -> None:
+    """A pool's dtype agrees with ``runner.kv_cache_dtype``: its FP8 dtype, or a model dtype
+    for ``"auto"``."""
+    want = FP8_KV_DTYPES.get(runner.kv_cache_dtype)
+    if want is not None and pool.dtype != want:
+        names = f"{str(want).replace('torch.', '')} (or uint8 storage)"
+    elif want is None and is_fp8_dtype(pool.dtype):
+        names = "bfloat16/float16/float32 (an FP8 pool needs kv_cache_dtype 'fp8_e4m3' or " \
+                "'fp8_e5m2')"
+    else:
+        return
+    raise InvalidInputError(name, f"dtype {names} for kv_cache_dtype="
+                            f"{runner.kv_cache_dtype!r}", str(pool.dtype).replace("torch.", ""))

@@ -5,6 +5,9 @@ d_rope``) into bytes of a ``uint8`` pool ``[num_slots, bytes_per_token]``. Ask f
 ``kv_cache_dtype=`` on the runner (``DraftRunner.mla(..., kv_cache_dtype="fp8_ds_mla")``):
 the runner allocates the pool and ``write_kv`` quantizes on write.
 
+The per-tensor FP8 pools (``"fp8_e4m3"``, ``"fp8_e5m2"``) are no byte layout: their pools have
+the shapes of bf16 ones (``specattn.fp8``); ``layout_for`` answers ``None`` for them.
+
 ``"fp8_ds_mla"`` (DeepSeek V3.2, FlashMLA's ``V32_FP8Sparse``; vLLM's ``fp8_ds_mla``, KsanaLLM's
 ``kFp8DsMla``; SGLang writes it with ``dsa_kv_cache_store_fp8``). Each token is one contiguous
 row (656 bytes for ``kv_lora_rank`` 512 + rope 64)::
@@ -47,6 +50,7 @@ from typing import Optional
 import torch
 
 from .errors import InvalidInputError
+from .fp8 import FP8_KV_DTYPES
 
 __all__ = ["KVLayout", "KV_CACHE_DTYPES", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
            "rope_for_width", "e4m3_decode", "E4M3_MAX"]
@@ -54,11 +58,10 @@ __all__ = ["KVLayout", "KV_CACHE_DTYPES", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_V4 = "fp8_ds_v4"
 LAYOUT_NAMES = (FP8_DS_MLA, FP8_DS_V4)
-# Every ``kv_cache_dtype`` specattn knows, the one list that ``SpecConfig``, the runner, the
-# backends' ``kv_cache_dtypes`` declarations and ``specattn select --kv-cache-dtype`` accept:
-# "auto" (pools in the model's dtype), "fp8_e4m3" (a plain e4m3 pool, tokenspeed_mla) and the
-# DeepSeek byte layouts above.
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", FP8_DS_MLA, FP8_DS_V4)
+# Every ``kv_cache_dtype`` specattn knows, the one list that ``SpecConfig``, the runner and the
+# backends' ``kv_cache_dtypes`` declarations and ``specattn select --kv-cache-dtype`` accept: "auto" (pools in the model's dtype), the
+# FP8 pools with one scale per tensor (``specattn.fp8``) and the DeepSeek byte layouts above.
+KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES, FP8_DS_MLA, FP8_DS_V4)
 E4M3_MAX = 448.0
 _V4_ROPE = 64
 _UE8M0_FLOOR = 1e-4  # FlashMLA's FP8_AMAX_MARGIN: smallest scale before rounding

@@ -7,14 +7,14 @@ need the *values* of tensors (lengths against ``max_context_len``, slots inside 
 ``InvalidInputError`` naming the argument, the expectation and the value.
 
 ``check_runner`` is ``specattn.data``'s (a runner checks itself when built) and the tensor
-checks are ``specattn._tensor_checks``'s; both are re-exported here. ``data`` imports neither
+checks and ``debug_checks_enabled`` are ``specattn._tensor_checks``'s; all are re-exported
+here. ``data`` imports neither
 this module nor anything that does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -27,6 +27,7 @@ from ._tensor_checks import (
     _shape,
     _tensor,
     check_tensor,
+    debug_checks_enabled,
 )
 from .data import DraftBatch, DraftExtendBatch, DraftRunner, check_runner
 from .errors import InvalidInputError
@@ -39,10 +40,6 @@ __all__ = [
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
     "ACT_DTYPES", "INDEX_DTYPES",
 ]
-
-
-def debug_checks_enabled() -> bool:
-    return os.environ.get("SPECATTN_DEBUG_CHECKS", "0") not in ("", "0")
 
 
 def _scan_values(t: torch.Tensor, debug: Optional[bool]) -> bool:

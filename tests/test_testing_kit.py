@@ -10,8 +10,9 @@ import torch
 
 from specattn import DraftDecodeBackend, DraftExtendBackend
 from specattn.backends.torch_ref import reference_decode, reference_extend
-from specattn.data import DraftBatch
+from specattn.data import AttentionLayer, DraftBatch
 from specattn.errors import InvalidInputError
+from specattn.fp8 import KV_DTYPES_WITH_FP8
 from specattn.platforms import any_platform
 from specattn.testing import ConformanceError, check_backend, conformance_tests
 from specattn.testing.plan import plan_cases
@@ -30,6 +31,8 @@ class _Decode(DraftDecodeBackend):
     path_as_lane = False      # computes path trees as lanes
     skip_kv_write = False     # claims its kernel stores the new KV, then never does
     stale_padding = False     # a replay refreshes only the requests that are not padding
+    ignore_scales = False     # reads FP8 codes as values (k_scale = v_scale = 1)
+    stale_scales = False      # keeps the FP8 scale values of its first call (a host copy)
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -53,6 +56,12 @@ class _Decode(DraftDecodeBackend):
 
     def _attend(self, step, layer, q, k, v):
         mode = "lane" if self.path_as_lane else self.tree_mode
+        if self.ignore_scales:
+            layer = AttentionLayer(layer.layer_id, layer.scaling, layer.logit_cap)
+        if self.stale_scales:
+            kept = self.__dict__.setdefault("kept", (float(layer.k_scale),
+                                                     float(layer.v_scale)))
+            layer = AttentionLayer(layer.layer_id, layer.scaling, layer.logit_cap, *kept)
         return reference_decode(self.runner, layer, q, self.batch, step, mode)
 
 
@@ -133,6 +142,29 @@ def test_padding_rows_left_stale_fail(scoped_registry):
     for detail in failed.values():  # a stray write into the pool, or a lane reading it
         assert detail.startswith("after replay 1: pool") and "no token writes it" in detail \
             or detail.startswith("replay 1 (2 requests padded to 3)"), detail
+
+
+def test_fp8_cases_run_for_a_declared_fp8_backend_and_catch_ignored_scales(scoped_registry):
+    dec, _ = _register(scoped_registry, {"kv_cache_dtypes": KV_DTYPES_WITH_FP8})
+    report = check_backend("mine", kinds=("decode",), models=("mha", "mla"), select="kv-fp8")
+    ids = {r.case for r in report.results if r.status == "passed"}
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        for model in ("mha", "mla"):
+            assert {f"decode/{model}/numerics/bf16/k2/p16/path/kv-{kv}/ragged",
+                    f"decode/{model}/engine/uint8_pools/bf16/k2/p1/path/kv-{kv}",
+                    f"decode/{model}/graph/bf16/k2/p16/path/kv-{kv}/scale_change"} <= ids, ids
+    dec.ignore_scales = True
+    failed = _failures(check_backend("mine", kinds=("decode",), models=("mha",),
+                                     select="kv-fp8", raise_on_failure=False))
+    assert len(failed) == 6 and all("first difference at lane" in d for d in failed.values())
+
+
+def test_a_graph_that_keeps_the_first_scales_fails_at_the_replay(scoped_registry):
+    _register(scoped_registry, {"kv_cache_dtypes": KV_DTYPES_WITH_FP8, "stale_scales": True})
+    report = check_backend("mine", kinds=("decode",), models=("mla",), select="scale_change",
+                           raise_on_failure=False)
+    failed = _failures(report)
+    assert len(failed) == 2 and all(d.startswith("replay 1") for d in failed.values()), failed
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

@@ -29,6 +29,11 @@ output columns.
 Draft extend: one masked call per layer over the batch padded to the longest extend and the
 longest total length; query ``t`` of request ``b`` sees ``R_b[0 : L'_b - E_b + t + 1]``.
 
+FP8 pools (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``): the gathers convert the codes
+to the compute dtype (exact: every e4m3 and e5m2 value is a bf16 value) and the scales go to
+the small side of each product: the query is multiplied by ``k_scale`` before the scores, the
+output by ``v_scale`` (MLA: ``k_scale``) after them, so the cached prefix holds codes.
+
 Limits: CPU tensors only; no CUDA graphs (the graph methods fill a round like an eager one).
 """
 
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 
 from .._logging import get_logger
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..fp8 import KV_DTYPES_WITH_FP8, layer_scales, scale_rows
 from ..metadata import extend_token_slots, history_slots, prefix_token_slots
 from ..platforms import Platform, is_cpu
 
@@ -143,6 +149,7 @@ class _Pools:
     def __init__(self, runner: "DraftRunner") -> None:
         self.runner = runner
         self.mla = runner.use_mla_backend
+        self.fp8 = runner.fp8
         self.num_kv_heads = 1 if self.mla else runner.num_kv_heads
         # Query heads per KV head: MLA's latent row is one KV head for all heads.
         self.group = runner.num_heads if self.mla else runner.num_q_heads // runner.num_kv_heads
@@ -172,6 +179,16 @@ class _Pools:
         out = self.ws.get("stage", (slots.numel(),) + tuple(pool.shape[1:]), pool.dtype)
         return torch.index_select(pool, 0, slots.reshape(-1), out=out)
 
+    def attend(self, layer: "AttentionLayer", q: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, mask: torch.Tensor, check_from: int = 0) -> torch.Tensor:
+        """``_attend`` over buffers of pool values: FP8 buffers hold codes, so the query is
+        scaled by ``k_scale`` first and the output by ``v_scale`` after (module doc).
+        Returns the first ``v_width`` output columns."""
+        k_scale, v_scale = layer_scales(layer, self.mla) if self.fp8 else (1.0, 1.0)
+        o = _attend(scale_rows(q, k_scale), keys, values, mask, layer.scaling,
+                    layer.logit_cap, check_from)
+        return scale_rows(o[..., :self.v_width], v_scale)
+
 
 def _copy_grouped(dst: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...]) -> None:
     """``dst [B, H_kv, *lead[1:], E] <- rows [prod(lead), H_kv, E]`` (converting dtype)."""
@@ -187,6 +204,7 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
     """Multi-step draft decode on CPU with a shared-prefix batched SDPA (see module doc)."""
 
     dtypes = _DTYPES
+    kv_cache_dtypes = KV_DTYPES_WITH_FP8
     tested_on = "CPU (x86-64 AVX-512, no AMX)"
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
@@ -267,9 +285,9 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
             _copy_grouped(tail, pool.index_select(0, hist.reshape(-1)), tuple(hist.shape))
 
         qg = _group_queries(q, bs, topk, pools.num_kv_heads, pools.dtype)
-        o = _attend(qg, keys, values, self._mask(step), layer.scaling, layer.logit_cap,
-                    check_from=max_len)  # the prefix is seen by every row of its request
-        return _ungroup(o[..., :pools.v_width], topk, self.runner.dtype)
+        o = pools.attend(layer, qg, keys, values, self._mask(step),
+                         check_from=max_len)  # the prefix is seen by every row of its request
+        return _ungroup(o, topk, self.runner.dtype)
 
 
 # --- draft extend -----------------------------------------------------------------------------
@@ -279,6 +297,7 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
     """Draft extend on CPU: one causal masked SDPA per layer over the padded batch."""
 
     dtypes = _DTYPES
+    kv_cache_dtypes = KV_DTYPES_WITH_FP8
     tested_on = "CPU (x86-64 AVX-512, no AMX)"
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
@@ -333,5 +352,5 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
         q_pad = q.new_zeros(bs * self._max_ext, q.shape[1], q.shape[2])
         q_pad[self._rows] = q
         qg = _group_queries(q_pad, bs, self._max_ext, pools.num_kv_heads, pools.dtype)
-        o = _attend(qg, keys, values, self._mask, layer.scaling, layer.logit_cap)
-        return _ungroup(o[..., :pools.v_width], self._max_ext, self.runner.dtype)[self._rows]
+        o = pools.attend(layer, qg, keys, values, self._mask)
+        return _ungroup(o, self._max_ext, self.runner.dtype)[self._rows]

@@ -3,7 +3,9 @@
 Plain torch, float32 accumulation, a Python loop over lanes (decode) and requests (extend):
 obviously correct rather than fast. Every other backend is tested against it. Works for
 MHA/GQA and MLA, ``lane`` and ``path`` trees, any topk, any page size (slots are read through
-``req_to_token``, so pages need no special casing), with an optional logit soft-cap.
+``req_to_token``, so pages need no special casing), with an optional logit soft-cap. FP8 pools
+(``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``) are read dequantized with the layer's
+``k_scale`` / ``v_scale``.
 
 ``reference_decode`` and ``reference_extend`` are the pure functions (no KV write) that tests
 of other backends compare against.
@@ -17,6 +19,7 @@ import torch
 
 from .. import metadata
 from ..base import DraftDecodeBackend, DraftExtendBackend
+from ..fp8 import KV_DTYPES_WITH_FP8
 from ..kernels.reference import attend, gather_kv, out_shape
 from ..platforms import any_platform
 
@@ -44,7 +47,8 @@ def reference_decode(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Te
         for j in range(topk):
             z = b * topk + j
             slots = torch.cat([prefix.long(), hist[b, j].long()])
-            k, v = gather_kv(runner, layer.layer_id, slots)
+            k, v = gather_kv(runner, layer.layer_id, slots, k_scale=layer.k_scale,
+                             v_scale=layer.v_scale)
             o = attend(q[z:z + 1], k, v, layer.scaling, layer.logit_cap)
             out[z] = o[0].to(q.dtype)
     return out
@@ -62,7 +66,8 @@ def reference_extend(runner: "DraftRunner", layer: "AttentionLayer", q: torch.Te
     for b in range(batch.batch_size):
         req = int(batch.req_pool_indices[b])
         seq_len, ext = int(batch.seq_lens[b]), int(batch.extend_lens[b])
-        k, v = gather_kv(runner, layer.layer_id, runner.req_to_token[req, :seq_len])
+        k, v = gather_kv(runner, layer.layer_id, runner.req_to_token[req, :seq_len],
+                         k_scale=layer.k_scale, v_scale=layer.v_scale)
         visible = seq_len - ext + torch.arange(ext, device=q.device)[:, None] + 1
         mask = torch.arange(seq_len, device=q.device)[None, :] < visible
         o = attend(q[start:start + ext], k, v, layer.scaling, layer.logit_cap, mask)
@@ -77,6 +82,7 @@ class TorchRefDecode(DraftDecodeBackend, name="torch_ref", platforms=any_platfor
 
     tested_on = "CPU"
     supports_cuda_graph = False
+    kv_cache_dtypes = KV_DTYPES_WITH_FP8
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -89,6 +95,7 @@ class TorchRefExtend(DraftExtendBackend, name="torch_ref", platforms=any_platfor
 
     tested_on = "CPU"
     supports_cuda_graph = False
+    kv_cache_dtypes = KV_DTYPES_WITH_FP8
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:

@@ -6,12 +6,15 @@ Every body takes a ``Session`` (the backend under test, device, seeds, shape cho
 expected result is always the reference (``torch_ref``'s ``reference_decode`` /
 ``reference_extend``) over the kit's own copy of the pools, into which the kit writes each
 call's new KV itself: a backend that forgets the write, writes elsewhere or reads a stale slot
-differs from it.
+differs from it. For a quantized pool (FP8 with the layer's ``k_scale`` / ``v_scale``, or a
+DeepSeek byte layout) the kit's copy holds the codes ``runner.write_kv`` gives, compared bit
+for bit, and the reference is float64 attention over that copy dequantized.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -23,15 +26,19 @@ from .. import metadata
 from ..backends.torch_ref import reference_decode, reference_extend
 from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from ..errors import SpecAttnError
+from ..fp8 import Scale, dequantize
 from .compare import output_mismatch, pool_mismatch
 from .outcomes import CaseFailed, CaseSkipped
 from .rounds import (DecodeRound, EngineStyle, ExtendRound, ModelShape, RoundMaker, pools_of,
                      random_qkv, shadow_runner)
 from .target import Target
 
-__all__ = ["Case", "Session", "CaseFailed", "CaseSkipped"]
+__all__ = ["Case", "Session", "CaseFailed", "CaseSkipped", "FP8_SCALES", "FP8_SCALE_ROUNDS"]
 
 NUM_STEPS = 3
+# (k_scale, v_scale) of the FP8 cases; a graph case's rounds (capture, replays) change them.
+FP8_SCALES = (0.37, 1.9)
+FP8_SCALE_ROUNDS = (FP8_SCALES, (0.61, 1.3), (1.7, 0.45))
 
 
 @dataclass(frozen=True)
@@ -115,9 +122,11 @@ class Session:
     def maker(self, case: Case, shape: ModelShape, *, max_tokens: int, max_reqs: int = 5,
               style: EngineStyle = EngineStyle(), gen: Optional[torch.Generator] = None,
               ) -> RoundMaker:
+        k_scale, v_scale = case.params.get("scales", (1.0, 1.0))
         return RoundMaker(shape, case.dtype, self.device, case.page_size, max_tokens,
                           max_reqs, gen or self.generator(case, "pools"),
-                          kv_cache_dtype=case.kv_cache_dtype, style=style)
+                          kv_cache_dtype=case.kv_cache_dtype, style=style, k_scale=k_scale,
+                          v_scale=v_scale)
 
     @contextlib.contextmanager
     def value_checks(self) -> Iterator[None]:
@@ -139,18 +148,24 @@ class Session:
 # --- expected pools and references ---------------------------------------------------------------
 
 
-def _dense(shadow: DraftRunner) -> DraftRunner:
-    """The runner the reference reads: ``shadow`` itself, or for an FP8 layout its pools
-    dequantized to float32 (the reference is "dequantize, then exact attention")."""
+def _dense(shadow: DraftRunner, layer: AttentionLayer) -> DraftRunner:
+    """The runner the reference reads: ``shadow`` itself, or for a quantized pool (an FP8
+    layout, or FP8 codes with ``layer``'s scales) its pools dequantized to float64 (the
+    reference is "dequantize, then exact attention")."""
     layout = shadow.kv_layout
-    if layout is None:
+    if layout is None and not shadow.fp8:
         return shadow
-    return DraftRunner(use_mla_backend=True, dtype=torch.float32, device=shadow.device,
-                       page_size=shadow.page_size, num_layers=shadow.num_layers,
-                       req_to_token=shadow.req_to_token, num_heads=shadow.num_heads,
-                       kv_lora_rank=shadow.kv_lora_rank,
-                       qk_rope_head_dim=shadow.qk_rope_head_dim,
-                       kv_buffer=[layout.read_all(p) for p in shadow.kv_buffer])
+    dense = copy.copy(shadow)
+    dense.kv_layout, dense.kv_cache_dtype = None, "auto"
+    if layout is not None:
+        dense.kv_buffer = [layout.read_all(p).double() for p in shadow.kv_buffer]
+    elif shadow.use_mla_backend:
+        dense.kv_buffer = [dequantize(p, layer.k_scale, torch.float64)
+                           for p in shadow.kv_buffer]
+    else:
+        dense.k_buffer = [dequantize(p, layer.k_scale, torch.float64) for p in shadow.k_buffer]
+        dense.v_buffer = [dequantize(p, layer.v_scale, torch.float64) for p in shadow.v_buffer]
+    return dense
 
 
 def _check_pools(runner: DraftRunner, shadow: DraftRunner, written: torch.Tensor, where: str,
@@ -161,12 +176,13 @@ def _check_pools(runner: DraftRunner, shadow: DraftRunner, written: torch.Tensor
             raise CaseFailed(f"{where}: {msg}")
 
 
-def _layers(shape: ModelShape, logit_cap: float = 0.0, both: bool = False
-            ) -> list[AttentionLayer]:
+def _layers(shape: ModelShape, logit_cap: float = 0.0, both: bool = False,
+            scales: tuple[Scale, Scale] = (1.0, 1.0)) -> list[AttentionLayer]:
     """Layer 1 (a backend that ignores ``layer_id`` reads layer 0's pool and differs); with
     ``both``, layer 1 then layer 0 at every step (pools of one layer must not leak into the
-    other)."""
-    return [AttentionLayer(i, shape.scaling, logit_cap) for i in ((1, 0) if both else (1,))]
+    other). ``scales``: their ``(k_scale, v_scale)``."""
+    return [AttentionLayer(i, shape.scaling, logit_cap, *scales)
+            for i in ((1, 0) if both else (1,))]
 
 
 def _forward(fn: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
@@ -226,9 +242,9 @@ def _checked_call(call: Callable[[], torch.Tensor], where: str, runner: DraftRun
     a missing write), then the output must match ``reference`` computed from that copy.
     Returns the max abs error."""
     out = _forward(call, where)
-    shadow.write_kv(layer.layer_id, loc, k, v)
+    shadow.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
     _check_pools(runner, shadow, loc, where)
-    ref = reference(_dense(shadow))
+    ref = reference(_dense(shadow, layer))
     msg = output_mismatch(out, ref, dtype, free_rows=_free_rows(ref) if poison else None,
                           **compare)
     if msg:
@@ -250,7 +266,7 @@ def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: M
     for step in range(rnd.num_steps):
         _fill_parents(rnd, step)
         loc = rnd.batch.out_cache_loc[:, :, step].reshape(-1)
-        layers = _layers(shape, logit_cap, both_layers)
+        layers = _layers(shape, logit_cap, both_layers, case.params.get("scales", (1.0, 1.0)))
         for layer in layers:
             where = f"step {step}, layer {layer.layer_id}"
             q, k, v = random_qkv(runner, rnd.lanes, gen, fused=fused_qkv)
@@ -304,6 +320,26 @@ def decode_determinism(s: Session, case: Case) -> str:
             raise CaseFailed(f"call {i} (step {i // 2}) gave different outputs on identical "
                              f"inputs (max difference {diff:.3g})")
     return f"{len(outs[0])} calls bitwise identical"
+
+
+def _graph_scales(s: Session, case: Case, maker: RoundMaker) -> tuple[Scale, Scale]:
+    """The layers' ``(k_scale, v_scale)`` of a graph case: with ``tensor_scales``,
+    one-element device tensors (the maker fills the pools with them too) that
+    ``_round_scales`` changes between capture and replays; else the case's floats."""
+    if not case.params.get("tensor_scales"):
+        return case.params.get("scales", (1.0, 1.0))
+    pair = tuple(torch.tensor([x], dtype=torch.float32, device=s.device)
+                 for x in FP8_SCALE_ROUNDS[0])
+    maker.k_scale, maker.v_scale = pair
+    return pair
+
+
+def _round_scales(scales: tuple[Scale, Scale], n: int) -> None:
+    """Round ``n``'s values into a graph case's scale tensors (in place, as an engine that
+    updates ``layer.k_scale`` does)."""
+    for t, value in zip(scales, FP8_SCALE_ROUNDS[n % len(FP8_SCALE_ROUNDS)]):
+        if isinstance(t, torch.Tensor):
+            t.fill_(value)
 
 
 class _GraphRunner:
@@ -383,7 +419,8 @@ def decode_graph(s: Session, case: Case) -> str:
     pos = metadata.draft_slot_positions(torch.tensor([fill]), topk, slots,
                                         case.page_size)[0].to(dev)
     pad = {"req_pool_indices": 0, "seq_lens": fill}
-    layers = _layers(shape)
+    scales = _graph_scales(s, case, maker)
+    layers = _layers(shape, scales=scales)
     gen = s.generator(case, "qkv")
     inputs = [[random_qkv(runner, max_bs * topk, gen) for _ in layers] for _ in range(NUM_STEPS)]
 
@@ -411,6 +448,7 @@ def decode_graph(s: Session, case: Case) -> str:
         return f"refuses to capture step S-1 (outside the serving loop): {exc}"
     details = []
     for n, lens in enumerate(rounds_lens):
+        _round_scales(scales, n)  # the pools of the round and the replay use the new values
         rnd = place(lens)
         bs_real = len(lens)
         backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
@@ -431,12 +469,14 @@ def decode_graph(s: Session, case: Case) -> str:
             loc = t["out_cache_loc"][:, :, step].reshape(-1)
             written.append(loc)
             for i, layer in enumerate(layers):
-                shadow.write_kv(layer.layer_id, loc, inputs[step][i][1], inputs[step][i][2])
+                shadow.write_kv(layer.layer_id, loc, inputs[step][i][1], inputs[step][i][2],
+                                layer.k_scale, layer.v_scale)
         exempt = torch.arange(case.page_size)  # page 0: the padding lanes' slots
         for step in range(NUM_STEPS):
             for i, layer in enumerate(layers):
                 q = inputs[step][i][0][:real]
-                ref = reference_decode(_dense(shadow), layer, q, ref_batch, step, case.tree_mode)
+                ref = reference_decode(_dense(shadow, layer), layer, q, ref_batch, step,
+                                       case.tree_mode)
                 msg = output_mismatch(outs[step * len(layers) + i][:real], ref, case.dtype,
                                       topk=topk)
                 if msg:
@@ -446,7 +486,8 @@ def decode_graph(s: Session, case: Case) -> str:
         _check_pools(runner, shadow, torch.cat(written), f"after replay {n}", exempt)
         details.append(f"{bs_real}/{max_bs}")
     mode = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
-    return f"{mode}; rounds of {', '.join(details)} requests match the reference"
+    changed = "; scales changed at every replay" if case.params.get("tensor_scales") else ""
+    return f"{mode}; rounds of {', '.join(details)} requests match the reference{changed}"
 
 
 # --- extend ------------------------------------------------------------------------------------------
@@ -475,7 +516,7 @@ def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelSh
     backend.init_forward_metadata(rnd.batch)
     loc = rnd.batch.out_cache_loc
     worst = 0.0
-    layers = _layers(shape, logit_cap, both_layers)
+    layers = _layers(shape, logit_cap, both_layers, case.params.get("scales", (1.0, 1.0)))
     for layer in layers:
         where = f"layer {layer.layer_id}"
         q, k, v = random_qkv(runner, rnd.num_tokens, gen, fused=fused_qkv)
@@ -555,7 +596,8 @@ def extend_graph(s: Session, case: Case) -> str:
                              t["out_cache_loc"])
     backend = s.construct(case, runner)
     backend.init_cuda_graph_state(max_bs, total)
-    layers = _layers(shape)
+    scales = _graph_scales(s, case, maker)
+    layers = _layers(shape, scales=scales)
     gen = s.generator(case, "qkv")
     inputs = [random_qkv(runner, total, gen) for _ in layers]
 
@@ -579,6 +621,7 @@ def extend_graph(s: Session, case: Case) -> str:
     backend.init_forward_metadata_capture_cuda_graph(batch)
     graph = _GraphRunner(dev, calls)
     for n, (seq, ext) in enumerate(plans):
+        _round_scales(scales, n)
         bs_real = place(seq, ext)
         backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
         for qkv in inputs:
@@ -591,9 +634,10 @@ def extend_graph(s: Session, case: Case) -> str:
         ref_batch = DraftExtendBatch(t["req_pool_indices"][:bs_real], t["seq_lens"][:bs_real],
                                      t["extend_lens"][:bs_real], t["out_cache_loc"][:real])
         for i, layer in enumerate(layers):
-            shadow.write_kv(layer.layer_id, t["out_cache_loc"], inputs[i][1], inputs[i][2])
+            shadow.write_kv(layer.layer_id, t["out_cache_loc"], inputs[i][1], inputs[i][2],
+                            layer.k_scale, layer.v_scale)
         for i, layer in enumerate(layers):
-            ref = reference_extend(_dense(shadow), layer, inputs[i][0][:real], ref_batch)
+            ref = reference_extend(_dense(shadow, layer), layer, inputs[i][0][:real], ref_batch)
             msg = output_mismatch(outs[i][:real], ref, case.dtype)
             if msg:
                 raise CaseFailed(f"round {n} ({bs_real} requests in a graph of {max_bs}), "
@@ -601,4 +645,5 @@ def extend_graph(s: Session, case: Case) -> str:
         _check_pools(runner, shadow, t["out_cache_loc"], f"after round {n}",
                      torch.arange(case.page_size))
     mode = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
-    return f"{mode}; 3 rounds (one padded) match the reference"
+    changed = "; scales changed at every replay" if case.params.get("tensor_scales") else ""
+    return f"{mode}; 3 rounds (one padded) match the reference{changed}"

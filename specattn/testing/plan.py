@@ -6,6 +6,12 @@ Case ids read like paths: ``decode/mha/numerics/bf16/k3/p1/path/ragged``,
 
 ``quick`` (the default, and what CI runs on the CPU): every contract point once per model and
 dtype. ``full`` adds the grid of topk 1/2/4/8 x page sizes x tree modes x dtypes (GPU runs).
+
+Each declared ``kv_cache_dtype`` other than ``"auto"`` gets a decode round and an extend
+(``.../kv-<name>/...``); a per-tensor FP8 one (``"fp8_e4m3"``, ``"fp8_e5m2"``) runs them with
+``k_scale`` / ``v_scale`` != 1 (``checks.FP8_SCALES``), adds a decode round on ``uint8`` pool
+storage, and a decode and an extend graph case whose scales are one-element device tensors
+that change value between capture and every replay (``scale_change``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..fp8 import FP8_KV_DTYPES
 from . import checks
 from .checks import Case
 from .refusals import DECODE_REFUSALS, EXTEND_REFUSALS, run_refusal
@@ -49,6 +56,12 @@ def _dtypes(cls: type) -> tuple[torch.dtype, list[torch.dtype]]:
     half = [d for d in declared if d != torch.float32]
     main = torch.float32 if torch.float32 in declared else half[0]
     return main, [d for d in half if d != main]
+
+
+def _kv_dtype_model(cls: type, main: torch.dtype, others: list[torch.dtype]) -> torch.dtype:
+    """The model dtype of the quantized-KV cases: bf16 where declared (what FP8 serving
+    runs), else the first 16-bit dtype."""
+    return torch.bfloat16 if torch.bfloat16 in cls.dtypes else (others or [main])[0]
 
 
 def _pages(cls: type) -> tuple[int, Optional[int]]:
@@ -98,11 +111,18 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
     if model == "mha":
         yield _case("decode", model, "numerics", num, main, k2, p1, path,
                     tail="one_kv_head", one_kv=True)
+    kv_dt = _kv_dtype_model(cls, main, others)
     for kv in cls.kv_cache_dtypes:
-        if kv != "auto":
-            half = (others or [main])[0]
-            yield _case("decode", model, "numerics", num, half, k2, pbig or p1, path, kv,
-                        tail="ragged")
+        if kv == "auto":
+            continue
+        fp8 = {"scales": checks.FP8_SCALES} if kv in FP8_KV_DTYPES else {}
+        yield _case("decode", model, "numerics", num, kv_dt, k2, pbig or p1, path, kv,
+                    tail="ragged", **fp8)
+        if fp8:
+            yield _case("decode", model, "engine/uint8_pools", num, kv_dt, k2, p1, path, kv,
+                        style=EngineStyle(uint8_pools=True), **fp8)
+            yield _case("decode", model, "graph", checks.decode_graph, kv_dt, k2, pbig or p1,
+                        path, kv, tail="scale_change", tensor_scales=True)
     for name, style in _ENGINE.items():
         if name == "shared_kv_buffer" and model == "mla":
             continue
@@ -143,9 +163,15 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
     yield _case("extend", model, "numerics", num, main, page=p1, tail="softcap",
                 logit_cap=2.5)
     for kv in cls.kv_cache_dtypes:
-        if kv != "auto":
-            yield _case("extend", model, "numerics", num, (others or [main])[0],
-                        page=pbig or p1, kv=kv, tail="ragged")
+        if kv == "auto":
+            continue
+        fp8 = {"scales": checks.FP8_SCALES} if kv in FP8_KV_DTYPES else {}
+        kv_dt = _kv_dtype_model(cls, main, others)
+        yield _case("extend", model, "numerics", num, kv_dt, page=pbig or p1, kv=kv,
+                    tail="ragged", **fp8)
+        if fp8:
+            yield _case("extend", model, "graph", checks.extend_graph, kv_dt, page=pbig or p1,
+                        kv=kv, tail="scale_change", tensor_scales=True)
     for name, style in _ENGINE.items():
         if name == "shared_kv_buffer" and model == "mla":
             continue

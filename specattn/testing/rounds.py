@@ -16,7 +16,12 @@ runner (and the same tensors, as a captured CUDA graph needs) serves several rou
 
 Engine-style layouts (``EngineStyle``) build the same data with the strides engines produce:
 strided index tensors, q/k/v as views of one fused projection, ``req_to_token`` as a column
-slice of a wider table, K and V pools as two views of one buffer.
+slice of a wider table, K and V pools as two views of one buffer, FP8 pools handed over as
+``uint8`` storage (SGLang's).
+
+FP8 pools (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``) hold ``fp8.quantize`` codes of the
+random values with the maker's ``k_scale`` / ``v_scale`` (MLA: ``k_scale``), the same scales the
+round's layers carry; poisoned slots hold the FP8 NaN code.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from .. import metadata
 from ..data import DraftBatch, DraftExtendBatch, DraftRunner
+from ..fp8 import Scale, pool_dtype, quantize
 
 __all__ = ["ModelShape", "EngineStyle", "RoundMaker", "DecodeRound", "ExtendRound",
            "random_qkv", "shadow_runner", "pools_of"]
@@ -63,11 +69,17 @@ class EngineStyle:
     fused_qkv: bool = False         # q, k, v as views of one projection output
     sliced_req_to_token: bool = False  # req_to_token as a column slice of a wider table
     shared_kv_buffer: bool = False  # MHA: K and V pools as two views of one buffer
+    uint8_pools: bool = False  # FP8 pools given to the runner as uint8 storage (SGLang's)
 
     def label(self) -> str:
         on = [f for f in ("strided_index", "fused_qkv", "sliced_req_to_token",
-                          "shared_kv_buffer") if getattr(self, f)]
+                          "shared_kv_buffer", "uint8_pools") if getattr(self, f)]
         return "+".join(on) if on else "contiguous"
+
+
+def scale_of(name: str, k_scale: Scale, v_scale: Scale) -> Scale:
+    """The scale of the pool ``name`` (``pools_of``): ``v_scale`` for value pools."""
+    return v_scale if name.startswith("v_buffer") else k_scale
 
 
 def pools_of(runner: DraftRunner) -> list[tuple[str, torch.Tensor]]:
@@ -98,27 +110,32 @@ def _make_runner(shape: ModelShape, *, dtype: torch.dtype, device: torch.device,
                        device=device)
     req_to_token = wide[:, :max_context_len] if extra_cols else wide
     a, b, c = shape.heads
+    store = pool_dtype(kv_cache_dtype) or dtype
+    if style.uint8_pools and store != dtype:
+        store = torch.uint8  # the runner views the bytes as the FP8 dtype
+
+    def zeros(*size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=store, device=device)
+
     if shape.model == "mla":
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype != "auto" and pool_dtype(kv_cache_dtype) is None:  # byte layouts
             base = DraftRunner.mla(a, b, c, num_layers=num_layers, num_slots=num_slots,
                                    max_reqs=1, max_context_len=1, page_size=page_size,
                                    dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
             kv = base.kv_buffer
         else:
-            kv = [torch.zeros(num_slots, b + c, dtype=dtype, device=device)
-                  for _ in range(num_layers)]
+            kv = [zeros(num_slots, b + c) for _ in range(num_layers)]
         return DraftRunner.wrap_mla(req_to_token, kv, a, b, page_size=page_size,
                                     kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     if style.shared_kv_buffer:
-        bufs = [torch.zeros(num_slots, 2, b, c, dtype=dtype, device=device)
-                for _ in range(num_layers)]
+        bufs = [zeros(num_slots, 2, b, c) for _ in range(num_layers)]
         k = [buf[:, 0] for buf in bufs]
         v = [buf[:, 1] for buf in bufs]
     else:
-        k = [torch.zeros(num_slots, b, c, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(num_slots, b, c, dtype=dtype, device=device) for _ in range(num_layers)]
+        k = [zeros(num_slots, b, c) for _ in range(num_layers)]
+        v = [zeros(num_slots, b, c) for _ in range(num_layers)]
     return DraftRunner.wrap_mha(req_to_token, k, v, a, page_size=page_size,
-                                kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
@@ -168,7 +185,9 @@ class ExtendRound:
 @dataclass
 class RoundMaker:
     """Builds a runner sized for rounds of up to ``max_tokens`` tokens per request and
-    ``max_reqs - 1`` requests, and places rounds on it (see the module doc)."""
+    ``max_reqs - 1`` requests, and places rounds on it (see the module doc). ``k_scale`` /
+    ``v_scale``: the scales FP8 pools are filled with (floats or one-element tensors; set
+    them between rounds to change them)."""
 
     shape: ModelShape
     dtype: torch.dtype
@@ -180,6 +199,8 @@ class RoundMaker:
     num_layers: int = 2
     kv_cache_dtype: str = "auto"
     style: EngineStyle = field(default_factory=EngineStyle)
+    k_scale: Scale = 1.0
+    v_scale: Scale = 1.0
     runner: DraftRunner = field(init=False)
 
     def __post_init__(self) -> None:
@@ -203,29 +224,34 @@ class RoundMaker:
             return (self.page_size, self.shape.heads[1] + self.shape.heads[2])
         return (self.page_size,) + tuple(pool.shape[1:])
 
-    def _write_rows(self, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor):
+    def _write_rows(self, name: str, pool: torch.Tensor, slots: torch.Tensor,
+                    values: torch.Tensor):
         layout = self.runner.kv_layout
         slots = slots.to(self.device).long()
+        values = values.to(self.device)
         if layout is not None:
-            layout.write(pool, slots, values.to(self.device).to(self.dtype))
+            layout.write(pool, slots, values.to(self.dtype))
+        elif self.runner.fp8:
+            pool[slots] = quantize(values.to(self.dtype), scale_of(name, self.k_scale,
+                                                                    self.v_scale), pool.dtype)
         else:
-            pool[slots] = values.to(pool.dtype).to(self.device)
+            pool[slots] = values.to(pool.dtype)
 
     def _reset_pools(self) -> None:
         pad = torch.arange(self.page_size)
-        for (_, pool), values in zip(pools_of(self.runner), self._pad_values):
+        for (name, pool), values in zip(pools_of(self.runner), self._pad_values):
             if self.runner.kv_layout is not None:
                 pool.fill_(255)  # e4m3 NaN codes, NaN scales: every unread slot is NaN
             else:
                 pool.fill_(float("nan"))
-            self._write_rows(pool, pad, values)
+            self._write_rows(name, pool, pad, values)
 
     def _fill_random(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        for _, pool in pools_of(self.runner):
+        for name, pool in pools_of(self.runner):
             shape = (slots.numel(),) + self._row_shape(pool)[1:]
-            self._write_rows(pool, slots, torch.randn(shape, generator=self.gen))
+            self._write_rows(name, pool, slots, torch.randn(shape, generator=self.gen))
 
     def _allocate(self, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and page-aligned slot rows for requests of ``lens`` tokens (CPU tensors)."""
