@@ -284,7 +284,7 @@ def test_select_answers_briefly_and_explains_on_request(capsys):
     answers = _answers(out)
     assert answers["decode"].startswith("error: BackendUnavailableError: auto: no decode "
                                         "backend can serve the request here: ")
-    assert "torch_ref: supports kv_cache_dtype ['auto'], got 'fp8_ds_mla'" in answers["decode"]
+    assert "torch_ref: supports kv_cache_dtype ['auto', 'fp8_e4m3', 'fp8_e5m2'], got 'fp8_ds_mla'" in answers["decode"]
     assert "needs" not in answers["decode"]  # the backends that cannot run here stay out
     assert "--explain" in out.splitlines()[-1]
     code, out, _ = run(capsys, *argv, "--explain")
