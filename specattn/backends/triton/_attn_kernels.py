@@ -124,6 +124,8 @@ def _partial_attn_kernel(
                 # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN.
                 # (Decode tails skip this: zeroing the tile there costs 40 registers, an
                 # occupancy step, 18% at gqa-long; a declared limit.)
+                if v.dtype != q.dtype:  # FP8 codes: widened before any arithmetic on them
+                    v = v.to(q.dtype)
                 bad = nonfinite_rows(v)
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, finite(v), vis,
                                           sm_scale, logit_cap, D_PE, False, USE_CAP, DOT_PREC,
