@@ -1,33 +1,24 @@
-"""Triton kernels: shared-prefix split-KV attention (decode and extend) and the KV write.
+"""Triton ``tl.dot`` kernels: shared-prefix split-KV attention (decode and extend), the KV write.
 
-Algorithm (one kernel family serves draft decode, per-branch decode and draft extend):
+A *group* is the query rows sharing one request's prefix: a request's ``K`` lanes (shared
+decode), one lane (``per-branch``) or a request's ``E_b`` new tokens (extend); per KV head
+its ``n_q * G`` rows (``G = H_q / H_kv``; MLA: ``G = H``) map ``m -> (m // G, kv_head * G +
+m % G)`` and are tiled ``BLOCK_M`` at a time so QK and PV run on tensor cores.
 
-- A *group* is a set of query rows that share one request's prefix: the ``K`` lanes of a
-  request (shared-prefix decode), a single lane (``per-branch`` decode, the upstream design)
-  or the ``E_b`` new tokens of a request (extend). Per KV head, the group's rows are
-  ``n_q * G`` query rows (``G = H_q / H_kv``; MLA: ``G = H``, one latent head), row
-  ``m -> (m // G, kv_head * G + m % G)``, tiled ``BLOCK_M`` at a time so QK and PV run on
-  tensor cores (``tl.dot``).
-- ``_partial_attn_kernel`` (plans ``dot*``), grid ``(row_blocks, groups * H_kv,
-  NUM_SPLITS + 1)``: programs ``split < NUM_SPLITS`` walk one slice of the prefix
-  ``R_b[0 : prefix_len]`` (split length computed on the device by the metadata kernel, so the
-  grid is fixed: graph-safe); each prefix tile is loaded once for every row of the group.
-  Program ``split == NUM_SPLITS`` walks the *tail*: decode: each lane's ``step + 1`` history
-  slots (lane mode: the metadata table; path mode: the ancestor chain followed through
-  ``parents`` at run time), masked to the key's own lane; extend: the new tokens
-  ``R_b[prefix_len + u]``, causal (``u <= t``). Each program writes a normalised partial
-  output and its natural-log LSE (``-inf`` when it saw no key). Row blocks are grid axis 0,
-  so programs sharing a prefix slice run together and a re-read hits L2. The call's new KV
-  is in the pool before it runs (``_write_kv_kernel``, one launch).
-- ``_mla_partial_kernel`` (plan ``dot-mla``), grid ``(row_blocks, groups, NUM_SPLITS)``: all
-  ``K * H`` rows of a request in one 64-row tile; the latent row is read as two halves + rope,
-  so ``S`` is three chained dots and the 512-wide ``P.V`` accumulator stays in one program;
-  the last split also walks the tail (no extra program wave), and split 0 stores the call's
-  new keys, which the tail reads from ``k`` (no program waits on another's store).
-- The partials are merged by ``specattn.kernels.merge.merge_partials`` (natural-log LSE).
+- ``_partial_attn_kernel`` (plans ``dot*``), grid ``(row_blocks, groups * H_kv, NUM_SPLITS +
+  1)``: split programs walk slices of ``R_b[0 : prefix_len]`` (lengths from the metadata
+  kernel: a fixed, graph-safe grid), each prefix tile loaded once for the whole group; the
+  last program walks the tail (decode: each lane's ``step + 1`` history slots, ``path`` mode
+  through ``parents``; extend: the new tokens, causal). The call's KV is in the pool first
+  (``_write_kv_kernel``, one launch).
+- ``_mla_partial_kernel`` (plan ``dot-mla``), grid ``(row_blocks, groups, NUM_SPLITS)``: a
+  request's ``K * H`` rows in one 64-row tile, the latent read as two halves + rope, the
+  tail walked by the last split, the call's new keys stored by split 0 and read from ``k``.
+- Each program writes a normalised fp32 partial and its natural-log LSE (``-inf``: no key),
+  merged by ``specattn.kernels.merge.merge_partials``.
 
-Limits: token-level gathers through ``req_to_token`` (any page size, no page-table fast
-path); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16`` (``tl.dot``); fp32 partials.
+Limits: token-level gathers through ``req_to_token`` (any page size); ``BLOCK_M, BLOCK_N,
+BLOCK_D >= 16``.
 """
 
 from __future__ import annotations

@@ -151,30 +151,17 @@ def _ld_cluster_v4(ptr):
 
 class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
-    ``use_cap`` (logit cap), ``cluster`` (CTAs per thread-block cluster, merged on chip),
-    ``groups`` (clusters per request row tile: the prefix is cut into ``cluster * groups``
-    splits; with more than one group each cluster writes its merged fp32 partial and LSE for
-    ``merge_kernel``), ``stages`` (key tiles in the ring), ``parent_dtype`` (Int32 / Int64).
+    ``use_cap`` (logit cap), ``cluster`` (CTAs per cluster, merged on chip), ``groups``
+    (clusters per request row tile; with more than one each writes a merged fp32 partial and
+    LSE for ``merge_kernel``), ``stages`` (key tiles in the ring), ``parent_dtype``.
 
-    The tile loop: warpgroup 0 computes S over the whole key tile (wgmma N 64: Q and the
-    tile read from shared memory once, where two warpgroups at N 32 read Q twice; whole rows,
-    so no row maxima are exchanged) and the softmax, keeping a row's running maximum until a
-    new one exceeds it by more than ``MAX_SLACK`` (then O needs no rescale); warpgroup 1
-    alone gathers the key tiles, a tile ahead; both add ``P.V`` into their output halves. Two
-    barriers per tile. A tile wholly inside the slice is not masked key by key, and its
-    scale is folded into the exponent (one FFMA a score); P is stored with ``stmatrix``; a
-    tail of at most ``SMALL_KEYS`` keys is one wgmma N 16 tile and a single k block of
-    ``P.V``; the last split walks its tail tiles first (``_tail_first``), so its extra tile
-    is done while the first prefix tile lands. The normalised partial goes to shared memory
-    as column pairs (8 bytes) at row pitch ``O_PITCH``; the on-chip merge loads
-    ``MERGE_BATCH`` rows' partials at once and stores a thread's 4 columns at once
-    (``_store4``: 8 bytes into the output, 16 into a partial).
-
-    Not done, and why: leaving a tile's ``P.V`` running into the next tile behind its S chain
-    makes ptxas serialize the wgmma (C7514, "non wgmma instructions reading accumulator
-    registers of a wgmma between start and end of the pipeline stage"), and overlapping
-    ``P.V`` with the next S inside one iteration needs a third 72 KB stage, which does not
-    fit beside Q."""
+    Per tile: warpgroup 0 computes S over the whole tile (wgmma N 64: Q read once) and the
+    softmax, keeping a row's maximum until a new one exceeds it by ``MAX_SLACK`` (then O needs
+    no rescale); warpgroup 1 gathers the next tile; both add ``P.V``. Interior tiles are not
+    masked and fold the scale into the exponent; P goes out by ``stmatrix``; a tail of at
+    most ``SMALL_KEYS`` keys is one N 16 tile; the last split walks its tail first
+    (``_tail_first``). Overlapping ``P.V`` with the next S is not done: ptxas serializes the
+    wgmma (C7514), and a third 72 KB stage does not fit beside Q."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, cluster: int,
                  groups: int = 1, stages: int = 2, parent_dtype=Int32):

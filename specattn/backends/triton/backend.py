@@ -1,18 +1,11 @@
-"""``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA.
+"""``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA
+(imports no Triton: the kernels load on the first metadata call).
 
-Importing this module does not import Triton: the kernels load on the first metadata call.
-
-Decode, per draft round: ``init_forward_metadata`` launches one metadata kernel (request
-table + lane history table, all steps; plan ``gluon-wl`` adds its work list); per step and
-layer ``forward`` stores the new KV, runs the plan's attention kernel and merges the
-partials (``launchers.attention``). Which kernel a call gets is a plan from the table in
-``plans`` (``plan=NAME`` forces one). ``mode="shared"`` (default) reads each request's
-prefix once per KV head for all ``K`` lanes; ``mode="per-branch"`` treats every lane as its
-own sequence (the upstream design: prefix read ``K`` times), kept for benchmarks.
-
-CUDA graphs: ``init_cuda_graph_state`` allocates every buffer for ``max_bs * K`` lanes; the
-capture/replay metadata calls refill them with one or two kernel launches and no host sync.
-The split count depends only on the (padded) batch size, so capture and replay agree.
+A round's metadata is one launch (two with plan ``gluon-wl``'s work list), on the fixed
+buffers of a CUDA graph too, with no host sync; ``forward`` stores the call's KV, runs the
+plan's kernel (``plans``: ``plan=NAME`` forces one) and merges the partials.
+``mode="per-branch"`` treats every lane as its own sequence (the upstream design), for
+benchmarks. The split count depends only on the (padded) batch size: capture and replay agree.
 """
 
 from __future__ import annotations
@@ -37,8 +30,6 @@ _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
 _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
-_TESTED_ON = "H200 (sm90) + CPU interpreter"
-_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: the tl.dot plans
 DECODE_MODES = ("shared", "per-branch")
 MAX_SPLITS = 16  # launchers.MAX_SPLITS (that module imports Triton)
 
@@ -58,20 +49,37 @@ def _fp32_latent_rule(request) -> Optional[str]:
     return None
 
 
-def _check_splits(num_splits: Optional[int]) -> None:
-    if num_splits is not None and not (isinstance(num_splits, int)
-                                       and 1 <= num_splits <= MAX_SPLITS):
-        raise InvalidInputError("num_splits", f"an int in [1, {MAX_SPLITS}] or None",
-                                repr(num_splits))
+class _TritonCommon:
+    """What the decode and extend classes share: capabilities and the keyword checks."""
 
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: the tl.dot plans
+    supports_cuda_graph = True
+    tested_on = "H200 (sm90) + CPU interpreter"
 
-def _forced_plan(name: Optional[str], runner, job: str) -> Optional[P.Plan]:
-    if name is None:
-        return None
-    if not isinstance(name, str):
-        raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
-                                repr(name))
-    return P.plan_named(name, runner, job, triton_interpret_enabled())
+    @classmethod
+    def check_request(cls, request, platform) -> Optional[str]:
+        return _fp32_latent_rule(request)
+
+    def _options(self, num_splits: Optional[int], plan: Optional[str], job: str) -> None:
+        """``num_splits`` / ``plan`` checked and kept; the per-round caches emptied."""
+        if num_splits is not None and not (isinstance(num_splits, int)
+                                           and 1 <= num_splits <= MAX_SPLITS):
+            raise InvalidInputError("num_splits", f"an int in [1, {MAX_SPLITS}] or None",
+                                    repr(num_splits))
+        if plan is not None and not isinstance(plan, str):
+            raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
+                                    repr(plan))
+        self._num_splits_override = num_splits
+        self._forced = None if plan is None else P.plan_named(
+            plan, self.runner, job, triton_interpret_enabled())
+        self._bufs: Optional[_GraphBuffers] = None
+        self._graph_bufs: Optional[_GraphBuffers] = None
+        self._plans: dict = {}
+        self._round_plan = None
+
+    def _kernel_writes_kv(self) -> bool:
+        return True  # launchers.attention stores it
 
 
 class _GraphBuffers:
@@ -94,7 +102,7 @@ class _GraphBuffers:
         return self.meta.shape[0] >= reqs and self.hist.shape[0] >= rows
 
 
-class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
+class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
     """Multi-step draft decode on Triton kernels (see the module doc).
 
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
@@ -102,10 +110,6 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
     ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
     an error where the plan cannot serve this model here)."""
 
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = _KV_CACHE_DTYPES
-    supports_cuda_graph = True
-    tested_on = _TESTED_ON
     known_limits = {"decode/*/isolation/*": (
         "the lanes of a request share one history tile: a non-finite value in one lane's "
         "draft KV reaches its sibling lanes through P.V (0 * NaN) in the tl.dot plans. "
@@ -113,25 +117,14 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
         "gqa-long on the H200 (156 -> 188 registers; 156 vs 184 us), so it is not done; the "
         "sm90 MLA plans do zero it at no measurable cost")}
 
-    @classmethod
-    def check_request(cls, request, platform) -> Optional[str]:
-        return _fp32_latent_rule(request)
-
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
                  plan: Optional[str] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
-        _check_splits(num_splits)
         self.mode = mode
-        self._num_splits_override = num_splits
-        self._forced = _forced_plan(plan, runner, "decode" if mode == "shared"
-                                    else "per-branch")
-        self._bufs: Optional[_GraphBuffers] = None
-        self._graph_bufs: Optional[_GraphBuffers] = None
-        self._plans: dict = {}
-        self._round_plan = None
+        self._options(num_splits, plan, "decode" if mode == "shared" else "per-branch")
 
     @property
     def plan(self) -> P.Plan:
@@ -227,9 +220,6 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
 
     # --- forward -------------------------------------------------------------------------
 
-    def _kernel_writes_kv(self) -> bool:
-        return True  # launchers.attention stores it
-
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
         plan, bufs, lanes = self._round_plan, self._active, self.num_lanes
@@ -254,26 +244,14 @@ class TritonDecode(DraftDecodeBackend, name="triton", **_DECL):
                            new_kv=(k, v), work=bufs.work)
 
 
-class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
-    """Draft extend on the same split-KV kernels: per request and KV head, the ``E_b * G``
-    query rows read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally.
+class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
+    """Draft extend on the same kernels: per request and KV head, the ``E_b * G`` query rows
+    read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally.
 
-    ``max_extend_len``: CUDA graphs only, the largest ``extend_lens`` value of any captured or
-    replayed batch (EAGLE's draft extend: ``num_steps + 1``). The graph's grid is sized for it;
-    without it the grid covers any split of the ``T`` new tokens (``T - B + 1`` rows per
-    request), which is correct for every split but launches mostly empty row blocks (the
-    H200 bench measured 2.1x the eager-planned time at ``extend``). Values above it are an
-    error where they can be checked without a host sync (CPU tensors, debug checks).
-    ``num_splits`` and ``plan`` as in ``TritonDecode`` (the ``tl.dot`` plans serve extend)."""
-
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = _KV_CACHE_DTYPES
-    supports_cuda_graph = True
-    tested_on = _TESTED_ON
-
-    @classmethod
-    def check_request(cls, request, platform) -> Optional[str]:
-        return _fp32_latent_rule(request)
+    ``max_extend_len``: CUDA graphs only, the largest ``extend_lens`` of any graph round
+    (EAGLE: ``num_steps + 1``), which sizes the grid; without it the grid covers any split of
+    the ``T`` tokens (mostly empty row blocks: 2.1x the eager time at ``extend`` on the
+    H200). ``num_splits`` and ``plan`` as in ``TritonDecode`` (the ``tl.dot`` plans)."""
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, plan: Optional[str] = None,
@@ -283,14 +261,8 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
-        _check_splits(num_splits)
-        self._num_splits_override = num_splits
-        self._forced = _forced_plan(plan, runner, "extend")
+        self._options(num_splits, plan, "extend")
         self.max_extend_len = max_extend_len  # checked by the base class in graph rounds
-        self._graph_bufs: Optional[_GraphBuffers] = None
-        self._bufs: Optional[_GraphBuffers] = None
-        self._plans: dict = {}
-        self._round_plan = None
 
     def _plan_for(self, bs: int, num_tokens: int, max_extend: int) -> dict:
         key = (bs, num_tokens, max_extend)
@@ -339,9 +311,6 @@ class TritonExtend(DraftExtendBackend, name="triton", **_DECL):
         bound = self.num_tokens - batch.batch_size + 1
         self._fill(batch, bound if self.max_extend_len is None
                    else min(bound, self.max_extend_len))
-
-    def _kernel_writes_kv(self) -> bool:
-        return True  # launchers.attention stores it
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,34 +1,14 @@
-"""MLA draft decode on Hopper in CuTe-DSL, with the prefix splits merged on chip (plan
-``cute``).
+"""MLA draft decode on Hopper in CuTe-DSL, the prefix splits merged on chip (plan ``cute``).
 
-``plans.choose_plan`` takes it for sm90 MLA decode of more than 64 query rows per request
-wherever CuTe-DSL (NVIDIA's ``nvidia-cutlass-dsl``, installed with FlashAttention-4) imports,
-whatever the Triton version, and at 64 rows or fewer where the Gluon kernels cannot run.
-Gluon in Triton 3.6 cannot address another CTA's shared memory, hence CuTe-DSL here. The
-kernel compiles at first use per (dtype, heads, tree mode, logit cap, cluster shape).
-
-Kernel (``_cute_mla_kernel``; one CTA of 256 threads per (prefix split, 64-row tile,
-request); the splits of a (request, row tile) form ``groups`` thread-block clusters of
-``cluster`` CTAs, ``cluster_shape``):
-
-- the 64 query rows (``K`` lanes x ``H`` heads) stay in shared memory; key tiles of 64 are
-  gathered through ``req_to_token`` (any page size) by 16-byte ``cp.async`` into a ring of
-  2 stages, one tile ahead of the MMAs;
-- roles: warpgroup 1 alone gathers the key tiles; warpgroup 0 computes ``S = Q K^T`` over the
-  whole tile (wgmma m64n64k16 over the 576-wide row) and the online softmax (base 2) over
-  whole rows, and writes ``P`` and each row's rescale factor to shared memory; each
-  warpgroup adds ``P V`` into its 256 output columns, ``V`` read in place from the key tile;
-- the last split also walks the tail (each lane's ``step + 1`` history keys, ``lane`` or
-  ``path`` mode, masked to the key's lane; the call's new key is read from ``k_new``, and
-  split 0 stores it in the pool);
-- after the loop each CTA leaves its normalised fp32 partial and LSE in its own shared
-  memory; after a cluster barrier, CTA ``r`` of a cluster merges rows ``r, r + cluster,
-  ...`` reading the others' partials through distributed shared memory, and writes the
-  output (one group) or the cluster's merged partial, which ``merge_kernel`` then combines
-  (several groups).
-
-Run on: H200, torch 2.11 + cu130, CuTe-DSL 4.8.1 (with flash-attn 4.0.0b36); measurements in
-``docs/kernels.md``. Not the ``cutedsl_mla`` backend (a vendor MLA kernel for Blackwell).
+One CTA of 256 threads per (prefix split, 64-row tile, request): warpgroup 1 gathers key
+tiles of 64 through ``req_to_token`` (16-byte ``cp.async``, a 2-stage ring); warpgroup 0
+computes ``S = Q K^T`` over whole rows and the online softmax; both add ``P V`` into their
+256 output columns. The last split walks the lanes' history (the call's new key read from
+``k_new``; split 0 stores it). A request's splits form ``groups`` thread-block clusters of
+``cluster`` CTAs (``cluster_shape``): each cluster merges its partials through distributed
+shared memory into the output, or (several groups) into a partial that ``merge_kernel``
+combines. Compiled at first use per (dtype, heads, tree mode, logit cap, cluster shape).
+Run on the H200 with CuTe-DSL 4.8.1 (``docs/kernels.md``). Not the ``cutedsl_mla`` backend.
 """
 
 from __future__ import annotations

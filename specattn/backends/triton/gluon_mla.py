@@ -1,32 +1,14 @@
-"""MLA draft decode on Hopper in Gluon (``triton.experimental.gluon``): wgmma + async copies.
+"""MLA draft decode on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``; sm90,
+Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``).
 
-Plans ``gluon-wl`` and ``gluon-split`` (``plans``): shared-prefix MLA draft decode on CUDA
-sm90 with Triton 3.6.x, a 512 + 64 latent in bf16 or fp16 (``plans.gluon_reason``).
-
-Kernel (one program per (64-row tile, request, prefix split); 8 warps = two warpgroups):
-
-- The request's ``K * H`` query rows (``K`` lanes x ``H`` heads: 64 at K 4 / H 16; more
-  rows: more 64-row tiles, each its own program) stay in shared memory (the latent
-  ``[64, 512]`` and rope ``[64, 64]`` parts) for the whole program, so the request's prefix
-  is read once per row tile and step.
-- Keys arrive ``BLOCK_N`` at a time through ``cp.async`` row gathers (``req_to_token``, any
-  page size) into a ring of ``NUM_STAGES`` shared-memory stages, ``NUM_STAGES - 1`` tiles
-  ahead of the MMAs; each tile's ``req_to_token`` entries are loaded one tile earlier and
-  first read at its copy issue, so that load's latency passes behind the MMAs.
-- ``S = Q.K^T`` is one wgmma chain per tile (latent, then rope); the two warpgroups each
-  compute half of the tile's columns, so S is computed once. The online softmax (base 2)
-  reduces across both; ``P`` reaches the ``P.V`` wgmma as a register operand (a layout
-  conversion through shared memory), and each warpgroup owns one 256-wide half of the
-  ``[64, 512]`` fp32 output accumulator.
-- The last prefix split also walks the tail (each lane's ``step + 1`` history keys, ``lane``
-  or ``path`` mode, masked to the key's own lane); the call's new key is read from ``k``
-  (split 0 stores it in the pool, so no program waits on another).
-- One split: the program normalises and writes the output directly (no merge launch);
-  several: fp32 partials + natural-log LSE, merged by ``specattn.kernels.merge``.
-- ``gluon-wl`` (``_gluon_mla_wl_kernel``, ``attention_worklist``): the same tile loop over
-  ``worklist``'s balanced work list, programs in proportion to each request's length.
-
-Run on: H200, torch 2.11 + cu130, Triton 3.6.0 (``docs/kernels.md``).
+One program per (64-row tile, request, prefix split), 8 warps: the tile's ``K * H`` query
+rows stay in shared memory; key tiles of ``BLOCK_N`` arrive by ``cp.async`` row gathers into
+a ``NUM_STAGES`` ring, their ``req_to_token`` entries loaded a tile ahead; ``S`` is one wgmma
+chain per tile with each warpgroup on half its columns, ``P`` reaches the ``P.V`` wgmma from
+registers, each warpgroup owns 256 of the 512 output columns. The last split walks the
+lanes' history (the new key read from ``k``; split 0 stores it). One split writes the
+output, several write partials for ``merge_partials``; ``gluon-wl`` walks ``worklist``'s
+balanced work list instead. Run on the H200 (``docs/kernels.md``).
 """
 
 from __future__ import annotations

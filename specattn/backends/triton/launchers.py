@@ -1,9 +1,6 @@
 """Launchers: split counts, scratch buffers, grids and the launch of each plan's kernel.
-
-Plan step (host, outside graph capture): ``plan_splits`` from Python ints only (shapes,
-batch size, SM count), never from tensor values, so one plan serves every replay of a
-captured graph. Run step (``decode_metadata``, ``extend_metadata``, ``attention``): kernel
-launches on tensors only, graph-safe, no host sync.
+``plan_splits`` reads Python ints only (one plan serves every replay of a graph); the rest
+launches on tensors only: graph-safe, no host sync.
 """
 
 from __future__ import annotations

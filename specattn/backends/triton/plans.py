@@ -1,13 +1,8 @@
 """Which kernel runs a ``triton`` call, and with which tiles: the plan table.
 
-A plan is a kernel and its tiling. ``choose_plan`` picks one from ``PLANS`` by the model's
-shape, the job (shared-prefix decode, per-branch decode, extend), the query rows per
-request and KV head, and the device; everything else follows from the kernel (who stores
-the new KV, how partials merge, how many prefix splits: ``launchers``). The measured reason
-for each row is in ``docs/kernels.md``.
-
-Imports no Triton: ``specattn list`` and the backend classes read this module on any
-machine.
+``choose_plan`` picks a row of ``PLANS`` by the model's shape, the job, the query rows per
+request and KV head, and the device; the rest follows from the kernel (``launchers``). The
+measured reason for each row: ``docs/kernels.md``. Imports no Triton.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ log = logging.getLogger(__name__)
 GLUON_TRITON = ("3.6",)
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
-JOBS = ("decode", "per-branch", "extend")
 
 
 class Kernel(str, enum.Enum):
@@ -62,12 +56,6 @@ class Plan:
             return self.block_m, self.num_warps
         block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
         return block_m, (4 if block_m <= 32 else self.num_warps)
-
-    @property
-    def writes_kv_in_kernel(self) -> bool:
-        """The attention kernel's first split stores the call's new KV (else one launch
-        before it does)."""
-        return self.kernel is not Kernel.DOT
 
     @property
     def extra_tail_program(self) -> bool:
@@ -119,7 +107,7 @@ class AttnShape:
 
 
 def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
-    """The plan for ``job`` (``JOBS``) at ``rows`` query rows per request and KV head
+    """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query rows per request and KV head
     (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
@@ -196,15 +184,16 @@ def sm90_reason(device: torch.device, interpret: bool) -> Optional[str]:
 
 def gluon_reason(runner, interpret: bool) -> Optional[str]:
     """``None`` when the Gluon kernels serve ``runner``'s MLA decode here, else why not."""
-    return (model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
-            or gluon_import_reason())
+    return _sm90_model(runner, interpret) or gluon_import_reason()
 
 
 def cute_reason(runner, interpret: bool) -> Optional[str]:
-    """``None`` when the CuTe-DSL kernel serves ``runner``'s MLA decode here, else why not
-    (any Triton: the kernel is CuTe-DSL's)."""
-    return (model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
-            or cute_import_reason())
+    """``None`` when the CuTe-DSL kernel serves ``runner``'s MLA decode here (any Triton)."""
+    return _sm90_model(runner, interpret) or cute_import_reason()
+
+
+def _sm90_model(runner, interpret: bool) -> Optional[str]:
+    return model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
 
 
 @functools.lru_cache(maxsize=None)

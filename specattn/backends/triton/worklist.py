@@ -1,33 +1,15 @@
-"""A balanced work list for the Gluon MLA decode kernel (plan ``gluon-wl``): ragged batches
-at uniform speed.
+"""The balanced work list of plan ``gluon-wl``: ragged batches at uniform speed.
 
-Split-per-request (the grid ``(row_tiles, B, splits)``) gives every request the same number
-of programs, so the longest request sets the time (mla-long ragged: 87.6 vs 67.9 us uniform
-on the H200). The work list gives each request a number of programs in proportion to its
-length instead:
-
-- request ``b`` holds ``units_b`` key tiles: ``ceil(prefix_len / BLOCK_N)`` prefix tiles,
-  then ``tail_units`` tail tiles (a bound on its history tiles at the round's last step;
-  earlier steps leave the last ones empty);
-- ``chunk`` is the smallest tile count with ``sum_b ceil(units_b / chunk) <= P`` (``P``, the
-  programs per row tile, is at least ``B``, so one exists): request ``b`` gets
-  ``ceil(units_b / chunk)`` programs of at most ``chunk`` tiles each;
-- laid end to end, request ``b`` starts at unit ``U[b]`` (a multiple of ``chunk``), and
-  program ``p`` takes the units ``[p * chunk, (p + 1) * chunk)``: one *segment* of one
-  request;
-- a request with one program is written directly; the others write an fp32 partial and a
-  natural-log LSE into slot ``p + b`` (no two segments share one: a later program starts
-  past an earlier request's end), merged by ``merge_segments_kernel`` over the slots
-  ``[p_first + b, p_last + b]``; with ``P == B`` every request has one program and ``merge``
-  is not launched.
-
-Programs start at request starts: cutting one run of units into equal pieces across request
-boundaries gave programs two segments and measured slower (H200: mla-long 83 against 68 us
-uniform).
+Request ``b`` holds ``units_b`` key tiles (its prefix tiles, then ``tail_units`` for its
+history at the round's last step); ``chunk`` is the smallest tile count with
+``sum_b ceil(units_b / chunk) <= P`` (``P``: programs per row tile, at least ``B``). Laid end
+to end, request ``b`` starts at unit ``U[b]`` (a multiple of ``chunk``) and program ``p``
+takes units ``[p * chunk, (p + 1) * chunk)``: one segment of one request. A request with one
+program is written directly; the others write an fp32 partial and natural-log LSE into slot
+``p + b``, merged by ``merge_segments_kernel`` (no launch at ``P == B``).
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
-U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe); the tests
-hold the same plan in Python as their oracle.
+U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
 """
 
 from __future__ import annotations
