@@ -13,7 +13,7 @@ import torch
 
 from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
 from .errors import InvalidInputError
-from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize
+from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize, write_rows
 from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
@@ -294,7 +294,10 @@ class DraftRunner:
             self.k_buffer[layer_id], self.v_buffer[layer_id]]
         rows = [k.reshape(loc.shape[0], -1)] if self.use_mla_backend else [k, v]
         for pool, x, scale in zip(pools, rows, (k_scale, v_scale)):
-            pool[loc] = quantize(x, scale, pool.dtype) if self.fp8 else x.to(pool.dtype)
+            if self.fp8:
+                write_rows(pool, loc, quantize(x, scale, pool.dtype))
+            else:
+                pool[loc] = x.to(pool.dtype)
 
     def __repr__(self) -> str:
         if self.use_mla_backend:

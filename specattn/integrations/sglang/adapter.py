@@ -22,7 +22,7 @@ import torch
 
 from ...data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from ...errors import InvalidInputError
-from ...fp8 import FP8_KV_DTYPES, dequantize, layer_scales
+from ...fp8 import FP8_KV_DTYPES, dequantize, layer_scales, read_rows
 
 __all__ = ["wrap_pools", "LayerMap", "DecodeAdapter", "ExtendAdapter", "EXTEND_MODES"]
 
@@ -153,10 +153,11 @@ class _Adapter:
             lid = layer.layer_id
             pools = [r.kv_buffer[lid]] if r.use_mla_backend else [r.k_buffer[lid],
                                                                     r.v_buffer[lid]]
-            stored = [pool[slots] for pool in pools]
             if r.fp8:
-                stored = [dequantize(x, scale, r.dtype) for x, scale in
-                          zip(stored, layer_scales(layer, r.use_mla_backend))]
+                stored = [dequantize(read_rows(pool, slots), scale, r.dtype) for pool, scale
+                          in zip(pools, layer_scales(layer, r.use_mla_backend))]
+            else:
+                stored = [pool[slots] for pool in pools]
             return stored[0], stored[1] if len(stored) > 1 else None
         if r.use_mla_backend:
             latent = k.reshape(rows, -1)
