@@ -3,7 +3,8 @@
 the ``sgl-flash-mla`` 1.0.0 wheel's legacy dense decode (``use_legacy=True``): 5 GPU tests
 against ``torch_ref`` (K 1/4, lane/path, bf16/fp16, padded CUDA-graph replay;
 ``benchmarks/results/2026-11-29-h200/flashmla-gpu-tests.log``), which also confirms the
-natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``.
+natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``. No FP8 KV
+pools (``fp8_e4m3`` / ``fp8_e5m2``): the dense decode reads bf16/fp16 latent pools.
 
 Draft extend is not provided (original behaviour): the factory logs
 ``EXTEND_WARNING`` and returns ``None`` (the dispatcher below).
