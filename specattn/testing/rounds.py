@@ -35,7 +35,7 @@ import torch
 
 from .. import metadata
 from ..data import DraftBatch, DraftExtendBatch, DraftRunner
-from ..fp8 import Scale, pool_dtype, quantize, write_rows
+from ..fp8 import Scale, pool_dtype, quantize, write_rows, zeros as fp8_zeros
 
 __all__ = ["ModelShape", "EngineStyle", "RoundMaker", "DecodeRound", "ExtendRound",
            "random_qkv", "shadow_runner", "pools_of"]
@@ -115,7 +115,7 @@ def _make_runner(shape: ModelShape, *, dtype: torch.dtype, device: torch.device,
         store = torch.uint8  # the runner views the bytes as the FP8 dtype
 
     def zeros(*size: int) -> torch.Tensor:
-        return torch.zeros(size, dtype=store, device=device)
+        return fp8_zeros(size, store, device)
 
     if shape.model == "mla":
         if kv_cache_dtype != "auto" and pool_dtype(kv_cache_dtype) is None:  # byte layouts
