@@ -13,7 +13,7 @@ import torch
 
 from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
 from .errors import InvalidInputError
-from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize
+from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize, write_rows, zeros
 from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
@@ -156,9 +156,9 @@ class DraftRunner:
         activation dtype)."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         store = _pool_dtype(kv_cache_dtype, dtype)
-        k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=store, device=device)
+        k = [zeros((num_slots, num_kv_heads, head_dim), store, device)
              for _ in range(num_layers)]
-        v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=store, device=device)
+        v = [zeros((num_slots, num_kv_heads, v_head_dim), store, device)
              for _ in range(num_layers)]
         r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         return cls(use_mla_backend=False, dtype=dtype, device=device, page_size=page_size,
@@ -182,9 +182,8 @@ class DraftRunner:
         if layout is not None:
             kv = [layout.allocate(num_slots, device) for _ in range(num_layers)]
         else:
-            kv = [torch.zeros(num_slots, kv_lora_rank + qk_rope_head_dim,
-                              dtype=_pool_dtype(kv_cache_dtype, dtype), device=device)
-                  for _ in range(num_layers)]
+            kv = [zeros((num_slots, kv_lora_rank + qk_rope_head_dim),
+                        _pool_dtype(kv_cache_dtype, dtype), device) for _ in range(num_layers)]
         r2t = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         return cls(use_mla_backend=True, dtype=dtype, device=device, page_size=page_size,
                    num_layers=num_layers, req_to_token=r2t, num_heads=num_heads,
@@ -294,7 +293,10 @@ class DraftRunner:
             self.k_buffer[layer_id], self.v_buffer[layer_id]]
         rows = [k.reshape(loc.shape[0], -1)] if self.use_mla_backend else [k, v]
         for pool, x, scale in zip(pools, rows, (k_scale, v_scale)):
-            pool[loc] = quantize(x, scale, pool.dtype) if self.fp8 else x.to(pool.dtype)
+            if self.fp8:
+                write_rows(pool, loc, quantize(x, scale, pool.dtype))
+            else:
+                pool[loc] = x.to(pool.dtype)
 
     def __repr__(self) -> str:
         if self.use_mla_backend:

@@ -11,6 +11,10 @@ stored value ``code * v_scale``; an MLA latent pool uses ``k_scale`` for all of 
   the fp32 reciprocal ``1 / float32(scale)`` (and by a tensor as a true division). A kernel
   that stores codes itself must reproduce the device's expression to match.
 - ``dequantize(codes, scale)``: ``codes.float() * scale`` (float32 unless asked otherwise).
+- ``read_rows(pool, index)`` / ``write_rows(pool, index, codes)``: ``pool[index]`` and
+  ``pool[index] = codes`` through the pool's bytes (a ``uint8`` view of the same memory), and
+  ``zeros(shape, dtype, device)`` a zeroed pool allocated as bytes, so no float8 indexing or
+  fill kernel of the device is relied on.
 - ``scale_tensor(scale, device)``: the scale as a one-element float32 tensor for kernels
   that read it from memory. A Python float gets one cached tensor per value and device, so a
   forward allocates nothing for it; a tensor that already is one is returned as is.
@@ -41,7 +45,8 @@ from .errors import InvalidInputError
 
 __all__ = ["FP8_KV_DTYPES", "KV_DTYPES_WITH_FP8", "Scale", "pool_dtype", "is_fp8_dtype",
            "quantize", "dequantize", "scale_tensor", "host_value", "check_scale",
-           "layer_scales", "scale_rows", "LibraryScales", "library_scales"]
+           "layer_scales", "scale_rows", "LibraryScales", "library_scales", "read_rows",
+           "write_rows", "zeros"]
 
 # kv_cache_dtype name -> the pool's torch dtype.
 FP8_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn,
@@ -71,8 +76,27 @@ def dequantize(codes: torch.Tensor, scale: Scale,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``codes`` (an FP8 tensor) as values ``codes * scale`` in ``out_dtype`` (computed in
     float32, or float64 when ``out_dtype`` is float64)."""
-    wide = torch.float64 if out_dtype == torch.float64 else torch.float32
-    return (codes.to(wide) * scale).to(out_dtype)
+    values = codes.float()  # exact; the widest conversion every device has from FP8
+    if out_dtype == torch.float64:
+        values = values.double()
+    return (values * scale).to(out_dtype)
+
+
+def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed tensor of ``shape``; one-byte dtypes are allocated as bytes and viewed."""
+    if torch.empty((), dtype=dtype).element_size() == 1 and dtype != torch.uint8:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def read_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``pool[index]`` of a one-byte pool, indexed as bytes (module doc)."""
+    return pool.view(torch.uint8)[index].view(pool.dtype)
+
+
+def write_rows(pool: torch.Tensor, index: torch.Tensor, codes: torch.Tensor) -> None:
+    """``pool[index] = codes`` (``codes`` of the pool's dtype), written as bytes."""
+    pool.view(torch.uint8)[index] = codes.view(torch.uint8)
 
 
 def scale_tensor(scale: Scale, device: Union[torch.device, str]) -> torch.Tensor:

@@ -58,9 +58,10 @@ __all__ = ["KVLayout", "KV_CACHE_DTYPES", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_V4 = "fp8_ds_v4"
 LAYOUT_NAMES = (FP8_DS_MLA, FP8_DS_V4)
-# Every ``kv_cache_dtype`` specattn knows, the one list that ``SpecConfig``, the runner and the
-# backends' ``kv_cache_dtypes`` declarations and ``specattn select --kv-cache-dtype`` accept: "auto" (pools in the model's dtype), the
-# FP8 pools with one scale per tensor (``specattn.fp8``) and the DeepSeek byte layouts above.
+# Every ``kv_cache_dtype`` specattn knows, the one list that ``SpecConfig``, the runner, the
+# backends' ``kv_cache_dtypes`` declarations and ``specattn select --kv-cache-dtype`` accept:
+# "auto" (pools in the model's dtype), "fp8_e4m3" / "fp8_e5m2" (FP8 pools with one scale per
+# tensor, ``specattn.fp8``) and the DeepSeek byte layouts above.
 KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES, FP8_DS_MLA, FP8_DS_V4)
 E4M3_MAX = 448.0
 _V4_ROPE = 64

@@ -267,6 +267,8 @@ def copy_kv_slots(runner: "DraftRunner", src: torch.Tensor, dst: torch.Tensor) -
              else [runner.k_buffer, runner.v_buffer])
     for pool in pools:
         for buf in pool:
+            if buf.element_size() == 1:  # FP8 codes: copied as bytes (no float8 indexing)
+                buf = buf.view(torch.uint8)
             buf[dst] = buf[src]
 
 

@@ -423,6 +423,68 @@ def test_shared_mode_plans_prefix_once_per_round(fake_flashinfer, mla):
 # --- the fused history + merge kernel (Triton; the interpreter on CPU) -------------------------
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_history_merge_reads_fp8_codes_with_the_scales(fp8):
+    """FP8 pools: history keys ``code * k_scale`` (folded into ``scale``), values
+    ``code * v_scale``; the prefix state is given in values."""
+    gen = torch.Generator().manual_seed(7)
+    lanes, hq, hkv, d, n, slots, plen = 4, 4, 2, 16, 3, 24, 5
+    ks, vs = 0.37, 1.9
+    q = torch.randn(lanes, hq, d, generator=gen).bfloat16()
+    k_pool = (torch.randn(slots, hkv, d, generator=gen) / ks).to(fp8)
+    v_pool = (torch.randn(slots, hkv, d, generator=gen) / vs).to(fp8)
+    hist = torch.randperm(slots, generator=gen)[:lanes * n].reshape(lanes, n)
+    pk, pv = torch.randn(lanes, plen, hkv, d, generator=gen), torch.randn(lanes, plen, hkv, d,
+                                                                          generator=gen)
+    o_p, lse_p, want = torch.zeros(lanes, hq, d, dtype=torch.bfloat16), torch.zeros(lanes, hq), []
+    for i in range(lanes):
+        o, lse_p[i] = _attend_rows(q[i], pk[i], pv[i], 0.3, 0.0)
+        o_p[i] = o.bfloat16()
+        k_all = torch.cat([pk[i], k_pool[hist[i]].float() * ks])
+        v_all = torch.cat([pv[i], v_pool[hist[i]].float() * vs])
+        want.append(_attend_rows(q[i], k_all, v_all, 0.3, 0.0)[0])
+    out = history_merge(q, k_pool, v_pool, hist, o_p, lse_p, 0.3 * ks, 0.0, v_scale=vs)
+    assert_close_rel(out, torch.stack(want).bfloat16(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("tensor_scales", [False, True], ids=["floats", "device-tensors"])
+@pytest.mark.parametrize("topk", [1, 2], ids=["one-pass", "shared-prefix"])
+def test_fp8_scales_go_to_flashinfer_as_floats_or_into_the_query(fake_flashinfer, monkeypatch,
+                                                                 tensor_scales, topk):
+    """FlashInfer reads ``k_scale`` / ``v_scale`` on the host: Python floats are its run
+    arguments; device tensors never reach it (folded into q and the output instead)."""
+    from specattn.fp8 import scale_rows
+    from specattn.testing.rounds import ModelShape, RoundMaker, random_qkv
+
+    calls = []
+    original = fi_standin.FakePrefill.run
+
+    def run(self, q, kv, **kw):
+        calls.append((q.clone(), kw))
+        return original(self, q, kv, **kw)
+
+    monkeypatch.setattr(fi_standin.FakePrefill, "run", run)
+    ks, vs = (torch.tensor([0.37]), torch.tensor([1.9])) if tensor_scales else (0.37, 1.9)
+    gen = torch.Generator().manual_seed(3)
+    maker = RoundMaker(ModelShape("mha", (4, 2, 16)), torch.bfloat16, torch.device("cpu"), 1,
+                       40, 4, gen, kv_cache_dtype="fp8_e4m3", k_scale=ks, v_scale=vs)
+    rnd = maker.decode([9, 17, 3], topk, 3)
+    backend = FlashInferDecode(maker.runner, topk, 3)
+    backend.init_forward_metadata(rnd.batch)
+    layer = AttentionLayer(0, 0.25, k_scale=ks, v_scale=vs)
+    q, k, v = random_qkv(maker.runner, rnd.lanes, gen)
+    out = backend.forward(0, layer, q, k, v)
+    (q_seen, kw), = calls
+    kw.pop("return_lse", None)  # the shared-prefix pass asks for its LSE
+    if tensor_scales:
+        assert kw == {"k_scale": 1.0, "v_scale": 1.0}
+        assert torch.equal(q_seen, scale_rows(q, ks))
+    else:
+        assert kw == {"k_scale": 0.37, "v_scale": 1.9} and torch.equal(q_seen, q)
+    ref = reference_decode(maker.runner, layer, q, rnd.batch, 0)
+    assert_close_rel(out, ref, torch.bfloat16)
+
+
 def _attend_rows(q, k, v, scale, cap):
     """q: [H, D]; k: [n, H_kv, D]; v: [n, H_kv, Dv] -> (o [H, Dv], lse base 2 [H]) in fp32."""
     group = q.shape[0] // k.shape[1]

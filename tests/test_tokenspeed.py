@@ -65,6 +65,39 @@ def test_decode_matches_reference(monkeypatch, fp8, topk, page, lens):
             assert_close(out, reference_decode(runner, layer, q, batch, step), torch.bfloat16)
 
 
+@pytest.mark.parametrize("tensor_scale", [False, True], ids=["float", "device-tensor"])
+def test_fp8_k_scale_reaches_the_library_or_the_query(monkeypatch, tensor_scale):
+    """A float ``k_scale`` is tokenspeed's ``softmax_scale`` / ``output_scale`` factor (as in
+    SGLang); a device tensor is folded into the query before its e4m3 cast and into the
+    output. Both against the reference over the dequantized pool with the rounded query."""
+    from specattn.fp8 import scale_rows
+
+    mod, calls = ts_standin.make()
+    install(monkeypatch, "tokenspeed_mla", mod)
+    gen = torch.Generator().manual_seed(35)
+    runner = _runner(32, torch.float8_e4m3fn)
+    ks = torch.tensor([0.37]) if tensor_scale else 0.37
+    backend = _make(TokenspeedMLADecode, runner, 2, 2)
+    batch = paged_round(runner, [9, 40], 2, 2, gen)
+    backend.init_forward_metadata(batch)
+    layer = AttentionLayer(0, 0.3, k_scale=ks)
+    q = torch.randn(4, H, R + ROPE, generator=gen).bfloat16()
+    k = torch.randn(4, R + ROPE, generator=gen).bfloat16()
+    out = backend.forward(0, layer, q, k, None)
+    (c,) = calls
+    if tensor_scale:
+        assert (c.args["softmax_scale"], c.args["output_scale"]) == (0.3, 1.0)
+        q_seen = scale_rows(q, ks).to(torch.float8_e4m3fn)
+        q_ref = (q_seen.float() / ks).bfloat16()
+    else:
+        assert (c.args["softmax_scale"], c.args["output_scale"]) == (0.3 * 0.37, 0.37)
+        q_seen = q.to(torch.float8_e4m3fn)
+        q_ref = q_seen.bfloat16()
+    assert torch.equal(c.args["query"].view(torch.uint8).reshape(-1),
+                       q_seen.view(torch.uint8).reshape(-1))
+    assert_close(out, reference_decode(runner, layer, q_ref, batch, 0), torch.bfloat16)
+
+
 def test_arguments_and_graph_buffers(monkeypatch):
     mod, calls = ts_standin.make()
     install(monkeypatch, "tokenspeed_mla", mod)

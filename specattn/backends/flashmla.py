@@ -3,6 +3,7 @@
 the ``sgl-flash-mla`` 1.0.0 wheel's legacy dense decode (``use_legacy=True``): 5 GPU tests
 against ``torch_ref`` (K 1/4, lane/path, bf16/fp16, padded CUDA-graph replay), which also
 confirm the natural-log LSE. CPU tests drive it through a recording stand-in of ``flash_mla``.
+No FP8 KV pools (``fp8_e4m3`` / ``fp8_e5m2``): the dense decode reads bf16/fp16 latent pools.
 
 Draft extend is not provided (original behaviour): the factory logs
 ``EXTEND_WARNING`` and returns ``None`` (the dispatcher below).
@@ -42,8 +43,10 @@ scheduler buffers for ``max_bs``; capture/replay refill them in place (the sched
 copied into the fixed buffers, as SGLang does). Padded requests get ``seq_lens = 1``.
 
 Limits: MLA with ``kv_lora_rank = 512`` and rope 64 (FlashMLA's only shape); bf16/fp16; no
-logit soft-cap; the pool's slot count must be a multiple of 64; every ``L_b >= 1``; FP8 KV
-(``descale_q/descale_k`` of SGLang's fork) is not wired.
+logit soft-cap; the pool's slot count must be a multiple of 64; every ``L_b >= 1``; no FP8 KV:
+the dense decode this backend runs on sm90 reads bf16/fp16 latent pools, FlashMLA's FP8 KV
+(``is_fp8_kvcache``) being its sparse V3.2 byte layout (the ``dsa`` backend); SGLang fork's
+``descale_q/descale_k`` are not wired.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ import torch
 from ..base import DraftDecodeBackend
 from ..buffers import Buffers
 from ..errors import BackendUnavailableError, InvalidInputError
+from ..fp8 import FP8_KV_DTYPES
+from ..keys import BackendRequest
 from ..kernels.lse import merge_states
 from ..metadata import history_slots, prefix_page_table
-from ..platforms import any_platform, cuda_capability
+from ..platforms import Platform, any_platform, cuda_capability
 from ..registry import Dispatcher, Route, default_registry
 from ..util import ceil_div, triton_runs, vendor_module
 
@@ -103,6 +108,14 @@ class FlashMLADecode(DraftDecodeBackend, name="flashmla",
                  "incl. CUDA-graph replay; stand-in tested on CPU")
     # The Triton history + merge kernel where Triton runs (H200: 89.6 vs 163.2 us per step).
     fused_history = True
+
+    @classmethod
+    def check_request(cls, request: BackendRequest, platform: Platform) -> Optional[str]:
+        if request.kv_cache_dtype in FP8_KV_DTYPES:
+            return ("FlashMLA's dense decode (the kernel this backend runs on sm90) reads "
+                    "bf16/fp16 latent pools only; its FP8 KV is the sparse V3.2 byte layout "
+                    "(the dsa backend)")
+        return None
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:

@@ -11,7 +11,10 @@ Call (per layer; TRT-LLM-MLA semantics, as SGLang's ``TokenspeedMLABackend``)::
     → out [rows, q_len, H, R] bf16
 
 ``causal_mask`` is left at its default (True): query ``j`` of a row sees
-``seq_len - q_len + j + 1`` keys. ``k_scale`` is 1 (the pool stores unscaled values).
+``seq_len - q_len + j + 1`` keys. ``k_scale`` is the layer's (``AttentionLayer.k_scale``, the
+scale of the whole latent row) with an FP8 pool, else 1; the library takes it as host floats,
+so a device-tensor scale is folded into the query and the output instead
+(``fp8.library_scales``).
 
 - Draft decode: one row per lane (``q_len = 1``), ``L_b + i + 1`` keys through the lane's
   page table (``metadata.lane_rows``: shared full prefix pages, then the lane's own
@@ -40,6 +43,7 @@ import torch
 from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..buffers import Buffers
 from ..errors import InvalidInputError
+from ..fp8 import library_scales, scale_rows
 from ..metadata import extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
 from ..util import ceil_div, sm_count, vendor_module
@@ -53,7 +57,6 @@ _DECL = dict(platforms=cuda_capability(10), models=("mla",), mla_required_name="
              requires=(("tokenspeed_mla", "tokenspeed-mla"),), kernel_library="tokenspeed-mla",
              priority={"cuda": 60})
 _TESTED = "not run on hardware (stand-in tested; needs sm100/sm103)"
-_K_SCALE = 1.0
 
 
 class _Tokenspeed:
@@ -63,6 +66,10 @@ class _Tokenspeed:
     dtypes = (torch.bfloat16,)
     kv_cache_dtypes = ("auto", "fp8_e4m3")
     tested_on = _TESTED
+    known_limits = {"*/kv-fp8_e4m3*": (
+        "tokenspeed-mla takes the query in the KV dtype: with an FP8 pool the bf16 query is "
+        "rounded to e4m3 (the library's contract, as in SGLang), beyond the kit's bf16 "
+        "tolerance; tests/test_tokenspeed.py checks it against the rounded query")}
     soft_cap_models = frozenset()  # tokenspeed-mla has no soft cap
 
     def _open_library(self, runner: "DraftRunner", max_keys: int) -> None:
@@ -85,15 +92,18 @@ class _Tokenspeed:
         """q: ``[rows, q_len, H, R + rope]`` → ``[rows, q_len, H, R]`` (runner dtype)."""
         r = self.runner
         kv = r.kv_buffer[layer.layer_id]
+        k_scale, out_scale = 1.0, 1.0
+        if r.fp8:
+            q, k_scale, _, out_scale = library_scales(layer, q, mla=True)
         if q.dtype != kv.dtype:  # fp8 KV: the kernel wants the query in the KV dtype
             q = q.to(kv.dtype)
         out = self._ts.tokenspeed_mla_decode(
             query=q, kv_cache=kv.view(-1, r.page_size, kv.shape[-1]),
             workspace_buffer=self._workspace(q.shape[1]), kv_lora_rank=r.kv_lora_rank,
             qk_rope_head_dim=r.qk_rope_head_dim, block_tables=table, seq_lens=lens,
-            max_seq_len=max_seq_len, softmax_scale=layer.scaling * _K_SCALE,
-            output_scale=_K_SCALE, enable_pdl=False)
-        return out.to(r.dtype)
+            max_seq_len=max_seq_len, softmax_scale=layer.scaling * k_scale,
+            output_scale=k_scale, enable_pdl=False)
+        return scale_rows(out.to(r.dtype), out_scale)
 
 
 class TokenspeedMLADecode(_Tokenspeed, DraftDecodeBackend, name="tokenspeed_mla", **_DECL):

@@ -16,6 +16,10 @@ also stores them at each lane's last slot and reads that key from them, not the 
 separate KV write (~9 us per layer on the H200 at ``gqa-long``), and nothing to order
 between programs (each (lane, KV head) is the only reader of its new key).
 
+FP8 pools (``specattn.fp8``) are read as codes and converted to float32: the caller folds
+``k_scale`` into ``scale`` and passes ``v_scale``, for a prefix state computed with the same
+scales. The step's new KV of an FP8 pool is written before (``runner.write_kv``), not here.
+
 Only element-wise products and row sums (no ``tl.dot``): the rows are few, and the CPU
 interpreter's low-precision ``tl.dot`` is not trusted.
 """
@@ -38,7 +42,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr,
-                         kn_ptr, vn_ptr, n_hist, scale, cap, topk, num_slots,
+                         kn_ptr, vn_ptr, n_hist, scale, cap, v_scale, topk, num_slots,
                          sq_l, sq_h, sk_s, sk_h, sv_s, sv_h, sh_l, sh_t,
                          so_l, so_h, sl_l, sl_h, sout_l, sout_h, skn_l, skn_h, svn_l, svn_h,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -46,10 +50,11 @@ def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr
                          D_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_CAP: tl.constexpr,
                          NEW_KV: tl.constexpr, WRITE_V: tl.constexpr,
                          LSE_TO_LOG2: tl.constexpr, CHUNKS: tl.constexpr,
-                         INF_IS_EMPTY: tl.constexpr):
+                         INF_IS_EMPTY: tl.constexpr, SCALE_V: tl.constexpr):
     """Grid ``(lanes, H_kv)``. Prefix states: ``CHUNKS`` rows per lane at
     ``(b * CHUNKS + c) * topk + j`` (lane ``b * topk + j``); an LSE of ``-inf`` (and
-    ``+inf`` with ``INF_IS_EMPTY``) is a state with no keys."""
+    ``+inf`` with ``INF_IS_EMPTY``) is a state with no keys. ``SCALE_V``: history values
+    times ``v_scale``."""
     lane = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -133,8 +138,10 @@ def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr
         m_new = tl.maximum(m, s)
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new)
-        v = tl.load(v_row + dv, mask=vm, other=0.0)
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+        v = tl.load(v_row + dv, mask=vm, other=0.0).to(tl.float32)
+        if SCALE_V:
+            v = v * v_scale
+        acc = acc * alpha[:, None] + p[:, None] * v[None, :]
         l_sum = l_sum * alpha + p
         m = m_new
     out = acc / l_sum[:, None]
@@ -146,7 +153,8 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   hist: torch.Tensor, o_prefix: torch.Tensor, lse_prefix: torch.Tensor,
                   scale: float, cap: float, k_new: Optional[torch.Tensor] = None,
                   v_new: Optional[torch.Tensor] = None, lse_base: str = "2", *,
-                  chunks: int = 1, topk: int = 1, inf_is_empty: bool = False) -> torch.Tensor:
+                  chunks: int = 1, topk: int = 1, inf_is_empty: bool = False,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """Attend each lane to its history slots and merge with its prefix state(s).
 
     q: ``[N, H_q, D]``; k_pool: ``[num_slots, H_kv, D]``; v_pool: ``[num_slots, H_kv, D_v]``
@@ -164,6 +172,9 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     k_new: ``[N, H_kv, D]`` (MLA ``[N, D]``), v_new: ``[N, H_kv, D_v]`` or None (MLA: V is
     the first ``D_v`` columns of ``k_new``, and ``v_pool`` a view of ``k_pool``): this step's
     KV, stored here at ``hist[:, -1]`` (unit last strides, pool dtype).
+
+    FP8 pools: the history's keys and values are ``code * k_scale`` and ``code * v_scale``
+    when ``scale`` includes ``k_scale`` and ``v_scale`` is given (a host float).
     """
     if lse_base not in ("2", "e"):
         raise ValueError(f"lse_base must be '2' or 'e', got {lse_base!r}")
@@ -190,7 +201,8 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         k_new = v_new = k_pool
         write_v = False
     history_merge_kernel[(lanes, hkv)](
-        q, k_pool, v_pool, hist, o_prefix, lse_prefix, out, k_new, v_new, n, scale, cap, topk,
+        q, k_pool, v_pool, hist, o_prefix, lse_prefix, out, k_new, v_new, n, scale, cap,
+        float(v_scale), topk,
         k_pool.shape[0],
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), hist.stride(0), hist.stride(1),
@@ -200,5 +212,5 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         BLOCK_TAIL=next_pow2(tail) if tail else 0, D_V=dv, BLOCK_V=block_v,
         HAS_CAP=cap > 0, NEW_KV=new_kv, WRITE_V=write_v,
         LSE_TO_LOG2=1.0 if lse_base == "2" else _LOG2E, CHUNKS=chunks,
-        INF_IS_EMPTY=inf_is_empty, num_warps=warps)
+        INF_IS_EMPTY=inf_is_empty, SCALE_V=float(v_scale) != 1.0, num_warps=warps)
     return out

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..fp8 import Scale, dequantize
+from ..fp8 import Scale, dequantize, read_rows
 
 if TYPE_CHECKING:
     from ..data import DraftRunner
@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["attend", "gather_kv", "out_shape"]
 
 
-def _values(rows: torch.Tensor, scale: Scale, fp8: bool) -> torch.Tensor:
-    """Pool rows as float32 values (float64 rows stay float64); FP8 codes times ``scale``."""
+def _values(pool: torch.Tensor, slots: torch.Tensor, scale: Scale, fp8: bool) -> torch.Tensor:
+    """Rows ``slots`` of ``pool`` as float32 values (float64 pools stay float64); FP8 codes
+    times ``scale``."""
     if fp8:
-        return dequantize(rows, scale)
+        return dequantize(read_rows(pool, slots), scale)
+    rows = pool[slots]
     return rows if rows.dtype == torch.float64 else rows.float()
 
 
@@ -35,10 +37,10 @@ def gather_kv(runner: DraftRunner, layer_id: int, slots: torch.Tensor, *,
     slots = slots.long()
     fp8 = runner.fp8
     if runner.use_mla_backend:
-        kv = _values(runner.kv_buffer[layer_id][slots], k_scale, fp8)
+        kv = _values(runner.kv_buffer[layer_id], slots, k_scale, fp8)
         return kv[:, None, :], kv[:, None, :runner.kv_lora_rank]
-    k = _values(runner.k_buffer[layer_id][slots], k_scale, fp8)
-    v = _values(runner.v_buffer[layer_id][slots], v_scale, fp8)
+    k = _values(runner.k_buffer[layer_id], slots, k_scale, fp8)
+    v = _values(runner.v_buffer[layer_id], slots, v_scale, fp8)
     group = runner.num_q_heads // runner.num_kv_heads
     # q head h reads kv head h // group.
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

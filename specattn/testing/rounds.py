@@ -35,7 +35,7 @@ import torch
 
 from .. import metadata
 from ..data import DraftBatch, DraftExtendBatch, DraftRunner
-from ..fp8 import Scale, pool_dtype, quantize
+from ..fp8 import Scale, pool_dtype, quantize, write_rows, zeros as fp8_zeros
 
 __all__ = ["ModelShape", "EngineStyle", "RoundMaker", "DecodeRound", "ExtendRound",
            "random_qkv", "shadow_runner", "pools_of"]
@@ -115,7 +115,7 @@ def _make_runner(shape: ModelShape, *, dtype: torch.dtype, device: torch.device,
         store = torch.uint8  # the runner views the bytes as the FP8 dtype
 
     def zeros(*size: int) -> torch.Tensor:
-        return torch.zeros(size, dtype=store, device=device)
+        return fp8_zeros(size, store, device)
 
     if shape.model == "mla":
         if kv_cache_dtype != "auto" and pool_dtype(kv_cache_dtype) is None:  # byte layouts
@@ -232,8 +232,8 @@ class RoundMaker:
         if layout is not None:
             layout.write(pool, slots, values.to(self.dtype))
         elif self.runner.fp8:
-            pool[slots] = quantize(values.to(self.dtype), scale_of(name, self.k_scale,
-                                                                    self.v_scale), pool.dtype)
+            write_rows(pool, slots, quantize(values.to(self.dtype), scale_of(
+                name, self.k_scale, self.v_scale), pool.dtype))
         else:
             pool[slots] = values.to(pool.dtype)
 
@@ -242,6 +242,8 @@ class RoundMaker:
         for (name, pool), values in zip(pools_of(self.runner), self._pad_values):
             if self.runner.kv_layout is not None:
                 pool.fill_(255)  # e4m3 NaN codes, NaN scales: every unread slot is NaN
+            elif self.runner.fp8:
+                pool.view(torch.uint8).fill_(0x7F)  # the NaN code of e4m3fn and e5m2
             else:
                 pool.fill_(float("nan"))
             self._write_rows(name, pool, pad, values)

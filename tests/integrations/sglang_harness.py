@@ -54,6 +54,8 @@ class Shape:
     page_size: int = 1
     prefix_lens: tuple = (5, 11, 2)
     tp_size: int = 1            # the attention tensor-parallel size the rank sees
+    kv_cache_dtype: str = "auto"  # or "fp8_e4m3" (SGLang's uint8-stored FP8 pool)
+    scales: tuple = (1.0, 1.0)  # the layer's (k_scale, v_scale) with an FP8 pool
 
 
 @dataclass
@@ -103,16 +105,46 @@ def build_fixture(shape: Shape, mode: ForwardMode = ForwardMode.DECODE,
     common = dict(hidden_size=HIDDEN, max_context_len=MAX_CTX, dtype=DTYPE, device=DEVICE,
                   disable_cuda_graph=True, loc_layout="contiguous",
                   runner_batch_size=batch_slots or len(shape.prefix_lens))
+    fp8 = shape.kv_cache_dtype == "fp8_e4m3"
     if shape.model == "mla":
         fx = mla_kit.build_mla_attention_fixture(_Case(), case, kv_lora_rank=KV_LORA_RANK,
-                                                 qk_rope_head_dim=ROPE_DIM, **common)
+                                                 qk_rope_head_dim=ROPE_DIM, fp8_kv_cache=fp8,
+                                                 **common)
     else:
         fx = dense_kit.build_dense_attention_fixture(_Case(), case, head_dim=HEAD_DIM, **common)
+        if fp8:
+            _fp8_dense_pool(fx.runner)
+    if fp8:
+        _set_scales(fx.actual_module.attn if shape.model == "mha"
+                    else fx.actual_module.attn_mqa, *shape.scales)
     if shape.tp_size > 1:  # the model's global head counts; the pools hold this rank's share
         config = fx.runner.model_config
         config.num_attention_heads = shape.num_heads * shape.tp_size
         config.num_key_value_heads = shape.num_kv_heads * shape.tp_size
     return Fixture(shape, fx.runner, fx.actual_module)
+
+
+def _fp8_dense_pool(runner) -> None:
+    """The runner's MHA pool replaced by SGLang's FP8 pool (uint8 storage of e4m3) of the
+    same shape, the prefix KV the fixture wrote kept (quantized with scale 1, then read
+    with the layer's scales: any codes will do)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    old = runner.token_to_kv_pool
+    new = MHATokenToKVPool(size=old.size, page_size=old.page_size, dtype=torch.float8_e4m3fn,
+                           head_num=old.head_num, head_dim=old.head_dim, layer_num=1,
+                           device=DEVICE, enable_memory_saver=False, enable_alt_stream=False)
+    for src, dst in ((old.k_buffer, new.k_buffer), (old.v_buffer, new.v_buffer)):
+        dst[0].copy_(src[0].to(torch.float8_e4m3fn).view(torch.uint8))
+    runner.token_to_kv_pool = new
+    runner.kv_cache_dtype, runner.kv_cache_dtype_str = torch.float8_e4m3fn, "fp8_e4m3"
+
+
+def _set_scales(layer, k_scale: float, v_scale: float) -> None:
+    """What SGLang's KV-scale loading leaves on a ``RadixAttention``: one-element tensors and
+    their host copies."""
+    layer.k_scale, layer.v_scale = torch.tensor(k_scale), torch.tensor(v_scale)
+    layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
 
 
 def slot(shape: Shape, b: int, pos: int) -> int:

@@ -149,3 +149,40 @@ def test_graph_metadata_calls_give_the_eager_result(specattn_plugin, model, topk
     assert torch.equal(tokens[:bs], ref_tokens)
     for out, ref in zip(outputs, ref_outputs):
         torch.testing.assert_close(out[:bs * topk], ref, **TOL)
+
+
+@pytest.mark.parametrize("model,topk,page", [("mha", 2, 1), ("mha", 1, 4), ("mla", 2, 4)])
+def test_fp8_pool_draft_through_the_plugin(specattn_plugin, model, topk, page):
+    """``--kv-cache-dtype fp8_e4m3``: SGLang's uint8-stored pool and the layer's scale tensors
+    (``k_scale`` 0.37, ``v_scale`` 1.9; MLA: ``k_scale``) reach specattn without copies.
+    SGLang's own Triton backend is no reference for the attention: its decode kernel casts
+    the query to the pool's FP8 dtype ("Cast q to the K buffer dtype", decode_attention.py),
+    so it is not the attention over the dequantized pool. What it does give: the codes of
+    step 0 (whose K/V do not depend on an attention output), which specattn writes bit for
+    bit alike. The draft itself runs through intel_amx (``auto`` on a CPU) against
+    ``torch_ref`` (the kit checks both against float64 attention over the dequantized pool).
+    """
+    shape = H.Shape(model=model, page_size=page, kv_cache_dtype="fp8_e4m3", scales=(0.37, 1.9))
+    fx, settings, draft_model, make_batch = _setup(shape, topk)
+    assert all(t.dtype == torch.uint8 for t in fx.pool_tensors())
+    saved = fx.snapshot()
+    _, sglang_pools = _sglang_reference(fx, settings, draft_model, make_batch, topk)
+    step0 = make_batch().out_cache_loc.view(len(shape.prefix_lens), topk, STEPS)[:, :, 0]
+    runs = {}
+    for name in ("torch_ref", "intel_amx"):
+        fx.restore(saved)
+        specattn_plugin({"SPECATTN_SGLANG_BACKEND": name})
+        container = H.create_decode_container(fx, topk, STEPS)
+        runner = container.specattn_backend.runner
+        assert type(container.specattn_backend).name == name
+        assert runner.kv_cache_dtype == "fp8_e4m3" and runner.dtype == torch.float32
+        pools = runner.kv_buffer if model == "mla" else runner.k_buffer + runner.v_buffer
+        assert [p.data_ptr() for p in pools] == [t.data_ptr() for t in fx.pool_tensors()]
+        runs[name] = H.run_draft(fx, container, topk, STEPS, settings, draft_model,
+                                 make_batch), fx.snapshot()
+    (ours, ours_pools), (ref, ref_pools) = runs["intel_amx"], runs["torch_ref"]
+    _assert_same_draft(ours, ref)
+    rows = step0.reshape(-1)
+    for a, b, theirs, before in zip(ours_pools, ref_pools, sglang_pools, saved):
+        assert torch.equal(a, b)
+        assert torch.equal(a[rows], theirs[rows]) and not torch.equal(a[rows], before[rows])

@@ -67,3 +67,40 @@ def test_extend_graph_metadata_calls_give_the_eager_result(specattn_plugin):
     backend.init_forward_metadata = lambda batch: None  # already prepared, as in a replay
     captured = H.run_extend(fx, backend, fb, hidden)
     torch.testing.assert_close(captured, eager, **TOL)
+
+
+
+@pytest.mark.parametrize("model,page,mode,extend_lens", [
+    ("mha", 4, ForwardMode.DRAFT_EXTEND_V2, (4, 4, 4)),
+    ("mla", 1, ForwardMode.EXTEND, (2, 5, 1)),
+])
+def test_fp8_pool_extend_through_the_plugin(specattn_plugin, model, page, mode, extend_lens):
+    """``--kv-cache-dtype fp8_e4m3`` with the layer's scale tensors, through the plugin:
+    intel_amx (``auto`` on a CPU) against ``torch_ref``, both over SGLang's uint8 pool in
+    place. SGLang's own Triton backend is no reference on the CPU (its MHA extend kernel
+    differs from the attention over the dequantized pool by ~1e-2, its MLA one stops in
+    the interpreter at an FP8 ``tl.dot``); where it runs (MHA), its pool writes are the
+    reference for the codes."""
+    fx = H.build_fixture(H.Shape(model=model, page_size=page, kv_cache_dtype="fp8_e4m3",
+                                 scales=(0.37, 1.9)))
+    H.configure_draft(fx, topk=1, steps=3)
+    hidden = torch.randn(sum(extend_lens), H.HIDDEN, generator=torch.Generator().manual_seed(5))
+    saved = fx.snapshot()
+    sglang_pools = None
+    if model == "mha":
+        H.run_extend(fx, H.create_extend_backend(fx, 1, 3),
+                     H.extend_batch(fx, mode, extend_lens), hidden)
+        sglang_pools = fx.snapshot()
+    runs = {}
+    for name in ("torch_ref", "intel_amx"):
+        fx.restore(saved)
+        specattn_plugin({"SPECATTN_SGLANG_BACKEND": name})
+        backend = H.create_extend_backend(fx, 1, 3)
+        assert backend.adapter.runner.kv_cache_dtype == "fp8_e4m3"
+        runs[name] = (H.run_extend(fx, backend, H.extend_batch(fx, mode, extend_lens), hidden),
+                      fx.snapshot())
+    (got, pools), (ref, ref_pools) = runs["intel_amx"], runs["torch_ref"]
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, ref, **TOL)
+    for ours, theirs, before in zip(pools, sglang_pools or ref_pools, saved):
+        assert torch.equal(ours, theirs) and not torch.equal(ours, before)

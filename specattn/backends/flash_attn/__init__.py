@@ -1,4 +1,6 @@
-"""FlashAttention backends: ``fa3`` and ``fa4`` (one family; a MUSA flavour on MUSA).
+"""FlashAttention backends: ``fa3`` and ``fa4`` (one family; a MUSA flavour on MUSA). No FP8 KV
+pools: FlashAttention-4 4.0.0b36 runs FP8 K/V on SM100 only and with the query in FP8 too,
+FlashAttention-3's FP8 kernel also wants the query in FP8 (``backend._FP8_REFUSALS``).
 
 - ``fa4`` (CUDA sm9x/sm10x): FlashAttention-4, ``flash_attn.cute.flash_attn_varlen_func``
   with ``page_table`` and ``seqused_k``.

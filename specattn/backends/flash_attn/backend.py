@@ -4,8 +4,12 @@ says what they compute."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from ...fp8 import FP8_KV_DTYPES
+from ...keys import BackendRequest
 from ...platforms import Platform, cuda_capability, is_musa
 from ._decode import MODES, FlashAttnDecodeGlue
 from ._extend import FlashAttnExtendGlue
@@ -22,6 +26,19 @@ _TESTED_FA4 = "H200 (sm90, FA4 4.0.0b36): GPU tests incl. CUDA-graph replay"
 _TESTED_FA3_VIA_FA4 = "H200 through FA4's sm90 kernel; FA3 library path untested"
 _TESTED_MUSA = "not run on hardware (MUSA port untested)"
 _MHA = ("mha",)
+# Why each library's FP8 K/V path cannot serve a bf16/fp16 query over an FP8 pool (read in
+# flash_attn_4 4.0.0b36, flash_attn/cute/interface.py: _flash_attn_fwd asserts "FP8 is only
+# supported on SM100" and "q, k, v, and qv must have the same dtype"; flash_attn_varlen_func
+# has no descale arguments).
+_FP8_REFUSALS = {
+    "fa4": "FlashAttention-4 (flash_attn.cute 4.0.0b36) runs FP8 K/V only on SM100, only with "
+           "the query in the same FP8 dtype, and its varlen API takes no descales",
+    "fa3": "FlashAttention-3's FP8 kernel wants q, k and v in one FP8 dtype (e4m3, with "
+           "descales): the bf16/fp16 query would be quantized to e4m3; FA4's sm90 kernel "
+           "(fa3's stand-in on Hopper) takes no FP8 K/V",
+    "mate": "the MUSA port's FP8 path (the FA3-style API, query in the K/V dtype) is not "
+            "wired",
+}
 
 
 def _fa3_library_reason(platform: Platform) -> str | None:
@@ -38,6 +55,13 @@ class _Caps:
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graph = False  # protocol implemented; set after the H200 capture test
     tested_on = _TESTED
+
+    @classmethod
+    def check_request(cls, request: BackendRequest, platform: Platform) -> Optional[str]:
+        """FP8 pools are refused with the library's reason (``_FP8_REFUSALS``)."""
+        if request.kv_cache_dtype in FP8_KV_DTYPES:
+            return _FP8_REFUSALS[cls.library]
+        return None
 
 
 class _FA3Cuda(_Caps):

@@ -5,7 +5,10 @@ prefill wrapper, ``K`` non-causal query rows per request) plus one small Triton 
 attends each lane to its history and merges with the prefix result by the prefix's base-2
 LSE (Triton ships with torch on CUDA). ``topk == 1`` is one plain decode over prefix +
 history. MLA does the same with ``BatchMLAPagedAttentionWrapper`` for the prefix pass, so
-``topk > 1`` works for MLA too.
+``topk > 1`` works for MLA too. FP8 KV pools (``fp8_e4m3`` / ``fp8_e5m2`` for MHA, ``fp8_e4m3`` on
+SM90 with a bf16 query, rank 512 and rope 0/64 for MLA: FlashInfer 0.7.4's FP8 kernels) run
+with the layer's scales as FlashInfer's arguments when they are Python floats, folded into the
+query and the output when they are device tensors.
 Draft extend is one causal paged prefill (MHA) or MLA pass over ragged requests.
 
 The token pool ``[num_slots, H_kv, D]`` (MLA ``[num_slots, R + rope]``) is viewed as pages

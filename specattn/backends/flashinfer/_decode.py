@@ -42,8 +42,9 @@ import torch
 
 from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
+from ...fp8 import scale_rows
 from ...metadata import path_history_slots
-from ._passes import Params, Pass, captured, capturing, replan
+from ._passes import Params, Pass, captured, capturing, fp8_scales, replan
 from ._slots import fill_ragged_slots, history_positions, host_indptr
 
 MODES = ("shared", "per-branch")
@@ -166,8 +167,9 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
     # --- forward -----------------------------------------------------------------------------
 
     def _kernel_writes_kv(self) -> bool:
-        # The shared path's history kernel stores the new KV itself (plain pools only).
-        return self.shared and self.runner.kv_layout is None
+        # The shared path's history kernel stores the new KV itself (pools of the model's
+        # dtype only: FP8 codes are runner.write_kv's, bit for bit fp8.quantize).
+        return self.shared and self.runner.kv_layout is None and not self.runner.fp8
 
     def _attend(self, step: int, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -184,18 +186,22 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if not self.shared and not rnd.planned[step]:
             self._plan_step(rnd, step)
         q = q if q.is_contiguous() else q.contiguous()
+        fp8 = fp8_scales(self.runner, layer, q)
+        q = fp8.q
         if not self.shared:
             if self._needs_path_refresh:
                 self._refresh_path(rnd, step)
-            o, _ = rnd.steps[step].run(q, layer.layer_id)
-            return o
-        o_p, lse_p = rnd.prefix.run(q, layer.layer_id)
+            o, _ = rnd.steps[step].run(q, layer.layer_id, fp8.k_scale, fp8.v_scale)
+            return scale_rows(o, fp8.out_scale)
+        o_p, lse_p = rnd.prefix.run(q, layer.layer_id, fp8.k_scale, fp8.v_scale)
         k_pool, v_pool = self._history_pools(layer.layer_id)
         new_kv = dict(k_new=k, v_new=v) if self._kernel_writes_kv() else {}
         from ...kernels.history_merge import history_merge
 
-        return history_merge(q, k_pool, v_pool, self._history(step, lanes), o_p, lse_p,
-                             self.params.scale, self.params.cap, **new_kv)
+        o = history_merge(q, k_pool, v_pool, self._history(step, lanes), o_p, lse_p,
+                          self.params.scale * fp8.k_scale, self.params.cap,
+                          v_scale=fp8.v_scale, **new_kv)
+        return scale_rows(o, fp8.out_scale)
 
     def _history(self, step: int, lanes: int) -> torch.Tensor:
         """``[lanes, step + 1]`` history slots of every lane (device ops, graph-safe)."""

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ...base import DraftExtendBackend
-from ._passes import Params, Pass, captured, replan
+from ...fp8 import scale_rows
+from ._passes import Params, Pass, captured, fp8_scales, replan
 from ._slots import fill_ragged_slots, host_indptr
 
 
@@ -74,8 +75,9 @@ class FlashInferExtendGlue(DraftExtendBackend):
             replan([self._pass], self.params, want)
             self.params = want
         q = q if q.is_contiguous() else q.contiguous()
-        o, _ = self._pass.run(q, layer.layer_id)
-        return o
+        fp8 = fp8_scales(self.runner, layer, q)
+        o, _ = self._pass.run(fp8.q, layer.layer_id, fp8.k_scale, fp8.v_scale)
+        return scale_rows(o, fp8.out_scale)
 
     # --- CUDA graphs -------------------------------------------------------------------------
 

@@ -12,6 +12,12 @@ histories) are what the kernel reads. The softmax scale and soft cap are plan ar
 FlashInfer; ``replan(params)`` re-plans with the last host arguments when a layer asks for
 other values (eager only).
 
+FP8 pools (``runner.fp8``): the plans name the pool's dtype as ``kv_data_type`` (the query
+stays in the model dtype), and ``run(q, layer_id, k_scale, v_scale)`` passes the scales as
+FlashInfer's host floats: ``k_scale=`` / ``v_scale=`` of the MHA wrappers (FlashInfer
+multiplies ``sm_scale`` by ``k_scale`` and the output by ``v_scale``), ``ckv_scale=`` /
+``kpe_scale=`` of the MLA wrapper (``scale_mode="kv-per-tensor"``; e4m3 only).
+
 Vendor imports happen only inside these functions.
 """
 
@@ -24,13 +30,14 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from ...errors import InvalidInputError
+from ...fp8 import LibraryScales, library_scales
 from ...util import sm_count
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
-           "flashinfer_module", "capturing", "captured", "replan"]
+           "flashinfer_module", "capturing", "captured", "replan", "fp8_scales"]
 
 log = logging.getLogger("specattn.backends.flashinfer")
 
@@ -72,6 +79,16 @@ def captured(table: dict, bs: int, capture: bool, make):
             raise InvalidInputError("bs", f"a captured batch size {sorted(table)}", bs)
         entry = table[bs] = make()
     return entry
+
+
+def fp8_scales(runner: "DraftRunner", layer, q: torch.Tensor) -> LibraryScales:
+    """An FP8 pool's scales for one call: Python floats as FlashInfer's (and the history
+    kernel's) arguments, device tensors folded into ``q`` and the output
+    (``fp8.library_scales``: FlashInfer reads its scales on the host). Other pools ignore
+    the layer's scales."""
+    if not runner.fp8:
+        return LibraryScales(q, 1.0, 1.0, 1.0)
+    return library_scales(layer, q, runner.use_mla_backend)
 
 
 def workspace(device: torch.device) -> torch.Tensor:
@@ -142,7 +159,8 @@ class Pass:
     def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
         raise NotImplementedError
 
-    def run(self, q: torch.Tensor, layer_id: int):
+    def run(self, q: torch.Tensor, layer_id: int, k_scale: float = 1.0, v_scale: float = 1.0):
+        """``(o, lse or None)``; ``k_scale`` / ``v_scale``: an FP8 pool's scales."""
         raise NotImplementedError
 
     def _graph_csr_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,11 +199,12 @@ def _graph_split_kwargs(runner: "DraftRunner", rows: Optional[int], seqs: int) -
 class _MHAPass(Pass):
     """A pass over the MHA token pools (NHD pages of one token)."""
 
-    def run(self, q: torch.Tensor, layer_id: int):
+    def run(self, q: torch.Tensor, layer_id: int, k_scale: float = 1.0, v_scale: float = 1.0):
         kv = _mha_kv(self.runner, layer_id)
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.runner.fp8 else {}
         if self.with_lse:
-            return self.wrapper.run(q, kv, return_lse=True)
-        return self.wrapper.run(q, kv), None
+            return self.wrapper.run(q, kv, return_lse=True, **scales)
+        return self.wrapper.run(q, kv, **scales), None
 
 
 class PrefillPass(_MHAPass):
@@ -225,7 +244,7 @@ class PrefillPass(_MHAPass):
                           r.num_kv_heads, r.head_dim, 1, head_dim_vo=r.v_head_dim,
                           causal=causal, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.dtype, **extra)
+                          q_data_type=r.dtype, kv_data_type=r.kv_dtype, **extra)
 
 
 class DecodePass(_MHAPass):
@@ -250,7 +269,7 @@ class DecodePass(_MHAPass):
         self.wrapper.plan(kv_indptr, self.indices[:total], last, r.num_q_heads, r.num_kv_heads,
                           r.head_dim, 1, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.dtype)
+                          q_data_type=r.dtype, kv_data_type=r.kv_dtype)
 
 
 class MLAPass(Pass):
@@ -274,18 +293,21 @@ class MLAPass(Pass):
         r = self.runner
         kv_len = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
         meta = fi.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, self.indices[:total], kv_len)
+        fp8 = dict(scale_mode="kv-per-tensor") if r.fp8 else {}
         self.wrapper.plan(metadata=meta, num_heads=r.num_heads, head_dim_ckv=r.kv_lora_rank,
                           head_dim_kpe=r.qk_rope_head_dim, page_size=1, causal=causal,
-                          sm_scale=params.scale, q_data_type=r.dtype, kv_data_type=r.dtype,
+                          sm_scale=params.scale, q_data_type=r.dtype, kv_data_type=r.kv_dtype,
                           query_layout="split", kv_cache_layout="split",
-                          lse_mode="base2" if self.with_lse else "none")
+                          lse_mode="base2" if self.with_lse else "none", **fp8)
 
-    def run(self, q: torch.Tensor, layer_id: int):
+    def run(self, q: torch.Tensor, layer_id: int, k_scale: float = 1.0, v_scale: float = 1.0):
+        """MLA's one latent pool: ``k_scale`` is the scale of both of its parts."""
         r = self.runner
         rank = r.kv_lora_rank
         kv = r.kv_buffer[layer_id]
         query = (q[..., :rank], q[..., rank:])
         cache = (kv[:, :rank].unsqueeze(1), kv[:, rank:].unsqueeze(1))
+        scales = dict(ckv_scale=k_scale, kpe_scale=k_scale) if r.fp8 else {}
         if self.with_lse:
-            return self.wrapper.run(query=query, kv_cache=cache, return_lse=True)
-        return self.wrapper.run(query=query, kv_cache=cache), None
+            return self.wrapper.run(query=query, kv_cache=cache, return_lse=True, **scales)
+        return self.wrapper.run(query=query, kv_cache=cache, **scales), None

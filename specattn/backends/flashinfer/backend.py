@@ -5,10 +5,14 @@ says what they compute."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
-from ...platforms import is_cuda
+from ...errors import BackendUnavailableError
+from ...fp8 import FP8_KV_DTYPES, KV_DTYPES_WITH_FP8
+from ...keys import BackendRequest
+from ...platforms import Platform, is_cuda, is_hopper
 from ._decode import MODES, FlashInferDecodeGlue
 from ._extend import FlashInferExtendGlue
 from ._passes import DecodePass, MLAPass, Params, PrefillPass, default_params
@@ -21,10 +25,18 @@ _PRIORITY = {"cuda": 70}
 _TESTED = "H200 (sm90)"
 
 
+# FlashInfer 0.7.4's MLA kernels (fa2/fa3, mla/_batch_mla/_backends/_fa_common.py) take an FP8
+# latent pool only as e4m3, on SM90, with a bf16 query, kv_lora_rank 512 and rope 0 or 64.
+_MLA_FP8_RANK, _MLA_FP8_ROPES = 512, (0, 64)
+_MLA_FP8 = ("FlashInfer 0.7.4's MLA kernels take an FP8 latent pool only as e4m3, on SM90, "
+            "with a bf16 query, kv_lora_rank 512 and rope 0 or 64")
+
+
 class _MHA:
     """Capabilities and plan parameters of the MHA flavour (decode and extend)."""
 
     dtypes = (torch.bfloat16, torch.float16)
+    kv_cache_dtypes = KV_DTYPES_WITH_FP8
     supports_cuda_graph = True
     tested_on = _TESTED
 
@@ -36,9 +48,29 @@ class _MLA:
     """Capabilities and plan parameters of the MLA flavour (decode and extend)."""
 
     dtypes = (torch.bfloat16, torch.float16)
+    kv_cache_dtypes = ("auto", "fp8_e4m3")
     supports_cuda_graph = True
     soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
     tested_on = _TESTED
+
+    @classmethod
+    def check_request(cls, request: BackendRequest, platform: Platform) -> Optional[str]:
+        """FlashInfer's FP8 MLA kernels (``_MLA_FP8``): e4m3, SM90, bf16."""
+        if request.kv_cache_dtype not in FP8_KV_DTYPES:
+            return None
+        fits = (request.kv_cache_dtype == "fp8_e4m3" and is_hopper(platform)
+                and request.dtype in (None, torch.bfloat16))
+        return None if fits else f"{_MLA_FP8}; asked for {request.kv_cache_dtype} with " \
+            f"{str(request.dtype).replace('torch.', '')} on {platform}"
+
+    def _check_fp8_shape(self) -> None:
+        r = self.runner
+        if r.fp8 and (r.kv_lora_rank != _MLA_FP8_RANK
+                      or r.qk_rope_head_dim not in _MLA_FP8_ROPES):
+            why = (f"{_MLA_FP8}; the runner has kv_lora_rank {r.kv_lora_rank}, rope "
+                   f"{r.qk_rope_head_dim}")
+            raise BackendUnavailableError(f"flashinfer: {why}", "flashinfer",
+                                          {type(self).qualified_name(): [why]})
 
     def _default_params(self) -> Params:
         r = self.runner
@@ -102,6 +134,11 @@ class FlashInferMLADecode(_MLA, FlashInferDecodeGlue, name="flashinfer", flavour
     planner validates it), one sync per planned pass.
     """
 
+    def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
+                 mode: str = "shared") -> None:
+        super().__init__(runner, topk, num_steps, tree_mode=tree_mode, mode=mode)
+        self._check_fp8_shape()
+
     def _new_pass(self, role, graph_rows, capacity):
         return MLAPass(self.runner, with_lse=role != "full", graph_rows=graph_rows,
                        capacity=capacity)
@@ -119,6 +156,10 @@ class FlashInferMLAExtend(_MLA, FlashInferExtendGlue, name="flashinfer", flavour
 
     q: ``[T, H, R + rope]``, k: ``[T, R + rope]``, v: ``None`` → ``[T, H, R]``.
     """
+
+    def __init__(self, runner, *, topk: int = 1, num_steps: int = 1) -> None:
+        super().__init__(runner, topk=topk, num_steps=num_steps)
+        self._check_fp8_shape()
 
     def _new_pass(self, graph_rows=None, capacity=0):
         return MLAPass(self.runner, with_lse=False, graph_rows=graph_rows, capacity=capacity)

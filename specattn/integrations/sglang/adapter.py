@@ -6,6 +6,12 @@ No SGLang module is imported here: SGLang objects are read by attribute, so this
 runs with stand-in objects (the GPU test does that). Nothing here does per-step host work:
 a round's ``DraftBatch`` is built once (views of SGLang's tensors, no copies) and each
 ``forward`` only reshapes.
+
+FP8 pools (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): SGLang keeps them as ``uint8`` storage of
+``pool.dtype``; the runner views the same bytes as that dtype (``kv_cache_dtype`` ``"fp8_e4m3"``
+/ ``"fp8_e5m2"``), and each layer's ``k_scale`` / ``v_scale`` (one-element tensors, read on the
+device) become the ``AttentionLayer``'s scales (``k_scale_float`` where no tensor is set; 1
+where neither is).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from ...data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from ...errors import InvalidInputError
+from ...fp8 import FP8_KV_DTYPES, dequantize, layer_scales, read_rows
 
 __all__ = ["wrap_pools", "LayerMap", "DecodeAdapter", "ExtendAdapter", "EXTEND_MODES"]
 
@@ -29,22 +36,37 @@ def wrap_pools(model_runner: Any, num_q_heads: int) -> DraftRunner:
 
     Reads ``req_to_token_pool.req_to_token``, ``token_to_kv_pool`` (``k_buffer`` /
     ``v_buffer``, or the MLA ``kv_buffer [slots, 1, kv_lora_rank + rope]`` seen as
-    ``[slots, kv_lora_rank + rope]``), ``page_size`` and ``use_mla_backend``.
+    ``[slots, kv_lora_rank + rope]``), ``page_size`` and ``use_mla_backend``; an FP8 pool
+    (module doc) with the model's dtype (``model_runner.dtype``).
     ``num_q_heads``: query heads of this rank (tensor parallel split applied)."""
     pool = model_runner.token_to_kv_pool
     store = getattr(pool, "store_dtype", pool.dtype)
-    if store != pool.dtype or getattr(pool, "is_quantized_kv_cache", False):
+    kv_cache_dtype = next((n for n, d in FP8_KV_DTYPES.items() if d == pool.dtype), "auto")
+    if getattr(pool, "is_quantized_kv_cache", False) or store not in (pool.dtype, (
+            torch.uint8 if kv_cache_dtype != "auto" else pool.dtype)):
         raise InvalidInputError("model_runner.token_to_kv_pool",
-                                "a KV pool stored in the model dtype (kv_cache_dtype 'auto')",
+                                "a KV pool of the model dtype, float8_e4m3fn or float8_e5m2 "
+                                "(kv_cache_dtype auto, fp8_e4m3, fp8_e5m2)",
                                 f"a {type(pool).__name__} of {pool.dtype} stored as {store}")
+    dtype = getattr(model_runner, "dtype", None) if kv_cache_dtype != "auto" else None
     req_to_token = model_runner.req_to_token_pool.req_to_token
     page_size = int(getattr(model_runner, "page_size", None) or 1)
     if model_runner.use_mla_backend:
         latent = [buf.view(buf.shape[0], -1) for buf in pool.kv_buffer]
         return DraftRunner.wrap_mla(req_to_token, latent, num_heads=num_q_heads,
-                                    kv_lora_rank=int(pool.kv_lora_rank), page_size=page_size)
+                                    kv_lora_rank=int(pool.kv_lora_rank), page_size=page_size,
+                                    kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     return DraftRunner.wrap_mha(req_to_token, pool.k_buffer, pool.v_buffer,
-                                num_q_heads=num_q_heads, page_size=page_size)
+                                num_q_heads=num_q_heads, page_size=page_size,
+                                kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+
+
+def _layer_scale(layer: Any, name: str) -> Any:
+    """``layer.k_scale`` (a tensor, used as is), else ``layer.k_scale_float``, else 1."""
+    scale = getattr(layer, name, None)
+    if scale is None:
+        scale = getattr(layer, f"{name}_float", None)
+    return 1.0 if scale is None else scale
 
 
 class LayerMap:
@@ -66,10 +88,13 @@ class LayerMap:
         return r.num_q_heads, r.num_kv_heads, r.head_dim, r.v_head_dim
 
     def get(self, layer: Any) -> Optional[AttentionLayer]:
+        # The scale objects are part of the key: a layer whose scale tensor is replaced
+        # (weights reloaded) is converted again.
         key = (layer.layer_id, layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
-               layer.v_head_dim)
+               layer.v_head_dim, id(_layer_scale(layer, "k_scale")),
+               id(_layer_scale(layer, "v_scale")))
         if key not in self._layers:
-            self._layers[key] = self._convert(layer, key[1:])
+            self._layers[key] = self._convert(layer, key[1:5])
         return self._layers[key]
 
     def require(self, layer: Any) -> AttentionLayer:
@@ -91,10 +116,6 @@ class LayerMap:
                                     "attention", window)
         if getattr(layer, "is_cross_attention", False):
             raise InvalidInputError("layer.is_cross_attention", "False", True)
-        for name in ("k_scale_float", "v_scale_float"):
-            scale = getattr(layer, name, None)
-            if scale not in (None, 1.0):
-                raise InvalidInputError(f"layer.{name}", "None or 1.0 (unscaled KV)", scale)
         cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
         method = getattr(layer, "logit_capping_method", "tanh")
         if cap > 0 and method != "tanh":
@@ -106,7 +127,9 @@ class LayerMap:
             raise InvalidInputError("layer.layer_id", f"in [{self.start_layer}, "
                                     f"{self.start_layer + self.runner.num_layers}) (the "
                                     "pool's layers)", layer.layer_id)
-        return AttentionLayer(local_id, scaling=float(layer.scaling), logit_cap=cap)
+        return AttentionLayer(local_id, scaling=float(layer.scaling), logit_cap=cap,
+                              k_scale=_layer_scale(layer, "k_scale"),
+                              v_scale=_layer_scale(layer, "v_scale"))
 
 
 class _Adapter:
@@ -117,18 +140,25 @@ class _Adapter:
         self.runner: DraftRunner = backend.runner
         self.layers = LayerMap(self.runner, start_layer)
 
-    def _new_kv(self, layer_id: int, rows: int, k: Optional[torch.Tensor],
+    def _new_kv(self, layer: AttentionLayer, rows: int, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], save_kv_cache: bool, slots: torch.Tensor,
                 k_rope: Optional[torch.Tensor]):
         """The ``k, v`` specattn's ``forward`` writes. When the model stored the KV itself
         (``save_kv_cache=False`` or ``k is None``), the stored rows are handed back, so the
-        write leaves the pool as it is."""
+        write leaves the pool as it is (FP8 rows dequantized: quantizing them again gives
+        the same codes)."""
         r = self.runner
         if k is None or not save_kv_cache:
             slots = slots.reshape(-1).long()
-            if r.use_mla_backend:
-                return r.kv_buffer[layer_id][slots], None
-            return r.k_buffer[layer_id][slots], r.v_buffer[layer_id][slots]
+            lid = layer.layer_id
+            pools = [r.kv_buffer[lid]] if r.use_mla_backend else [r.k_buffer[lid],
+                                                                    r.v_buffer[lid]]
+            if r.fp8:
+                stored = [dequantize(read_rows(pool, slots), scale, r.dtype) for pool, scale
+                          in zip(pools, layer_scales(layer, r.use_mla_backend))]
+            else:
+                stored = [pool[slots] for pool in pools]
+            return stored[0], stored[1] if len(stored) > 1 else None
         if r.use_mla_backend:
             latent = k.reshape(rows, -1)
             if k_rope is not None:
@@ -171,7 +201,7 @@ class _Adapter:
         """``call(layer, q, k, v)`` in specattn's shapes; ``o`` back as ``[rows, H * D_v]``."""
         spec_layer = self.layers.require(layer)
         rows = q.shape[0]
-        k, v = self._new_kv(spec_layer.layer_id, rows, k, v, save_kv_cache, slots, k_rope)
+        k, v = self._new_kv(spec_layer, rows, k, v, save_kv_cache, slots, k_rope)
         return call(spec_layer, self._query(q), k, v).reshape(rows, -1)
 
     def _query(self, q: torch.Tensor) -> torch.Tensor:

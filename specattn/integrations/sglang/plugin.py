@@ -85,7 +85,7 @@ def _specattn_factory(model_runner: Any, topk: int, num_steps: int, settings: Se
                       sglang_name: str) -> DraftBackendFactory:
     runner = _draft_runner(model_runner)
     config = SpecConfig(attention_backend=settings.specattn_name(sglang_name),
-                        page_size=runner.page_size)
+                        page_size=runner.page_size, kv_cache_dtype=runner.kv_cache_dtype)
     return DraftBackendFactory(config, runner, topk, num_steps, tree_mode=settings.tree_mode,
                                backend_options=settings.backend_options())
 

@@ -1,0 +1,154 @@
+"""FP8 KV pools (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``) on the GPU, for every backend
+that serves them here: ``flashinfer`` (MHA e4m3/e5m2; MLA e4m3 on SM90) and ``torch_ref``
+(the reference's own dequantizing path on CUDA). Marked ``gpu``.
+
+- The conformance kit's FP8 cases (``select="kv-fp8"``): decode rounds and extends with
+  ``k_scale`` / ``v_scale`` != 1, pools checked bit for bit against ``runner.write_kv``'s
+  codes, ``uint8`` pool storage, captured CUDA graphs whose scale tensors change value
+  before every replay.
+- The kit's case bodies at serving sizes (the kit's GPU shapes, MHA 8 query / 2 KV heads and
+  MLA 16 x 512 + 64; topk 4, page 16, prefixes up to 300, both layers): Python-float scales (FlashInfer's ``k_scale=`` / ``v_scale=`` and
+  ``ckv_scale=`` / ``kpe_scale=`` arguments) and device-tensor scales (folded into q and the
+  output), shared-prefix and per-branch decode, a captured graph with float scales.
+- Selection and refusals on this machine: ``auto`` picks a backend that declares the dtype;
+  fa4 refuses with FlashAttention-4's reason.
+
+Every comparison is with float64 attention over the pool dequantized (the kit's reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specattn.fp8 import FP8_KV_DTYPES
+from specattn.keys import BackendRequest
+from specattn.platforms import current_platform
+from specattn.platforms._probes import module_available
+from specattn.selection import select
+from specattn.testing import check_backend
+from specattn.testing.checks import (FP8_SCALES, Case, Session, decode_graph, decode_numerics,
+                                     extend_numerics)
+from specattn.testing.kit import run_case
+from specattn.testing.report import PASSED
+from specattn.testing.target import Target
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+LENS = [300, 129, 37, 5]
+EXTEND = ([300 + 4, 129 + 6, 5 + 1, 3], [4, 6, 1, 3])
+KVS = tuple(FP8_KV_DTYPES)
+
+
+def _needs_flashinfer():
+    if not module_available("flashinfer"):
+        pytest.skip("flashinfer is not installed here (shared/gpu/install.sh flashinfer)")
+
+
+def _run(name: str, case: Case, device: str = DEV, **target) -> str:
+    """One kit case body on ``name``; fails with the kit's detail."""
+    result = run_case(Session(Target.build(name, device=device, **target)), case)
+    print(result.line())
+    assert result.status == PASSED, result.line()
+    return result.detail
+
+
+def _case(kind: str, model: str, body, kv: str, *, topk: int = 4, page: int = 16,
+          tree: str = "path", tag: str = "serving", **params) -> Case:
+    cid = f"{kind}/{model}/fp8-gpu/bf16/k{topk}/p{page}/{tree}/kv-{kv}/{tag}"
+    return Case(cid, kind, model, body, torch.bfloat16, topk, page, tree, kv, params)
+
+
+# --- the conformance kit's FP8 cases -------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_flashinfer_kit_fp8_cases(model):
+    _needs_flashinfer()
+    report = check_backend("flashinfer", device=DEV, models=(model,), select="kv-fp8",
+                           raise_on_failure=False)
+    print(report)
+    assert report.ok, report
+    # MHA: both dtypes x (decode, uint8 pools, decode graph, extend, extend graph); MLA e4m3.
+    assert report.passed == (10 if model == "mha" else 5), report
+    graphs = [r for r in report.results if "/scale_change" in r.case]
+    assert graphs and all("captured CUDA graph" in r.detail for r in graphs), report
+
+
+def test_torch_ref_kit_fp8_cases_on_cuda():
+    report = check_backend("torch_ref", device=DEV, select="kv-fp8", raise_on_failure=False)
+    print(report)
+    assert report.ok and report.passed == 12, report  # 2 models x 2 dtypes x 3 (no graphs)
+
+
+# --- serving shapes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", KVS)
+@pytest.mark.parametrize("scales", ["floats", "tensors"])
+@pytest.mark.parametrize("mode", ["shared", "per-branch"])
+def test_flashinfer_mha_decode_at_serving_shapes(kv, scales, mode):
+    _needs_flashinfer()
+    case = _case("decode", "mha", decode_numerics, kv, tag=f"{scales}-{mode}", lens=LENS,
+                 scales=_scales(scales), both_layers=True)
+    _run("flashinfer", case, decode_options={"mode": mode})
+
+
+@pytest.mark.parametrize("scales", ["floats", "tensors"])
+@pytest.mark.parametrize("topk", [1, 4])
+def test_flashinfer_mla_decode_at_serving_shapes(scales, topk):
+    _needs_flashinfer()
+    case = _case("decode", "mla", decode_numerics, "fp8_e4m3", topk=topk,
+                 tree="path" if topk > 1 else "lane", tag=scales, lens=LENS,
+                 scales=_scales(scales), both_layers=True)
+    _run("flashinfer", case)
+
+
+@pytest.mark.parametrize("model,kv", [("mha", "fp8_e4m3"), ("mha", "fp8_e5m2"),
+                                      ("mla", "fp8_e4m3")])
+@pytest.mark.parametrize("scales", ["floats", "tensors"])
+def test_flashinfer_extend_at_serving_shapes(model, kv, scales):
+    _needs_flashinfer()
+    case = _case("extend", model, extend_numerics, kv, topk=1, tag=scales, lens=EXTEND,
+                 scales=_scales(scales), both_layers=True)
+    _run("flashinfer", case)
+
+
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_flashinfer_graph_with_float_scales(model):
+    """A captured graph whose layers carry Python-float scales (what SGLang's adapter passes
+    for a checkpoint without KV scales is 1.0; here 0.37 / 1.9): FlashInfer's float
+    arguments and the history kernel's, captured as constants."""
+    _needs_flashinfer()
+    case = _case("decode", model, decode_graph, "fp8_e4m3", topk=2, tag="float-scales",
+                 scales=FP8_SCALES)
+    assert "captured CUDA graph" in _run("flashinfer", case)
+
+
+def _scales(kind: str):
+    if kind == "floats":
+        return FP8_SCALES
+    return tuple(torch.tensor([x], dtype=torch.float32, device=DEV) for x in FP8_SCALES)
+
+
+# --- selection and refusals here -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", KVS)
+def test_auto_picks_a_backend_that_serves_the_dtype_here(kv):
+    sel = select("decode", "auto", BackendRequest("decode", topk=4, kv_cache_dtype=kv))
+    print(sel.explain())
+    assert kv in sel.backend.kv_cache_dtypes and sel.backend.name != "fa4", sel.explain()
+
+
+def test_fa4_refuses_fp8_with_flash_attention_4s_reason():
+    if not current_platform().has_library("flash_attn.cute"):
+        pytest.skip("flash_attn.cute (FlashAttention-4) is not installed here")
+    from specattn.backends.flash_attn import FA4Decode
+    from specattn.data import DraftRunner
+    from specattn.errors import BackendUnavailableError
+
+    runner = DraftRunner.mha(8, 2, 128, num_layers=1, num_slots=64, max_reqs=2,
+                             max_context_len=32, device=DEV, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(BackendUnavailableError, match="runs FP8 K/V only on SM100"):
+        FA4Decode(runner, 4, 3)
