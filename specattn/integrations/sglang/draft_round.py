@@ -43,7 +43,8 @@ from ...errors import BackendUnavailableError, InvalidInputError
 from . import stubs
 
 __all__ = ["RoundCase", "Fixture", "Record", "Verdict", "build_fixture", "sglang_hooks",
-           "make_container", "run_eager", "capture_graph", "run_graph", "compare",
+           "make_container", "run_eager", "capture_graph", "capture_graph_recorded",
+           "run_graph", "execute_tree", "compare",
            "check_tree", "time_graph_round", "time_steps", "install_stubs",
            "SPECATTN_ENV_KEYS", "draft_positions"]
 
@@ -54,15 +55,16 @@ SPECATTN_ENV_KEYS = ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGL
 def install_stubs(gpu: bool) -> list[str]:
     """Stand-ins for what SGLang imports but cannot have here (``stubs``). On a GPU host:
     ``sgl_kernel`` (``sgl_kernel.scalar_type`` left missing: SGLang falls back without it;
-    ``sgl_kernel.utils.is_arch_support_pdl``, a capability check, answered by SGLang's own JIT
-    copy of it), ``IPython``, ``datasets``; on a CPU: ``torchvision``, ``datasets``."""
+    ``sgl_kernel.utils.is_arch_support_pdl``, which SGLang's Triton backend asks at start, is
+    its pure-Python check: a CUDA device of compute capability 9.0 or more), ``IPython``,
+    ``datasets``; on a CPU: ``torchvision``, ``datasets``."""
     if not gpu:
         return stubs.install(stubs.CPU_PACKAGES)
 
     def is_arch_support_pdl() -> bool:
-        from sglang.kernels.jit.utils.arch import is_arch_support_pdl as sglang_jit
-
-        return bool(sglang_jit())
+        if torch.version.hip:
+            return False
+        return torch.cuda.get_device_capability(torch.cuda.current_device())[0] >= 9
 
     return stubs.install(stubs.GPU_PACKAGES + stubs.CPU_PACKAGES,
                          shims={"sgl_kernel.utils.is_arch_support_pdl": is_arch_support_pdl},
@@ -539,6 +541,14 @@ def run_graph(fx: Fixture, graph, model: DraftModel, inputs: dict, container) ->
             tree = graph.execute(batch)
         _sync(fx.device)
         return _record(fx, tree, calls, outputs, model, container)
+
+
+def execute_tree(fx: Fixture, graph, inputs: dict) -> tuple:
+    """One ``execute`` of a runner captured without records: the tree outputs."""
+    with torch.no_grad():
+        tree = graph.execute(fx.batch_of(inputs))
+    _sync(fx.device)
+    return tuple(t[:fx.batch].clone() if t is not None else None for t in tree[:3])
 
 
 def capture_graph_recorded(fx: Fixture, container, settings, model: DraftModel):
