@@ -29,7 +29,7 @@ def _tool(name: str):
 
 
 @pytest.mark.parametrize("script", ["gpu_session.sh", "gpu_check.sh", "gluon_session.sh",
-                                    "smollm2_gpu.sh"])
+                                    "smollm2_gpu.sh", "sglang_gpu.sh", "sglang_wheels.sh"])
 def test_session_scripts_parse(script):
     res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
                          text=True, timeout=30)
@@ -43,7 +43,8 @@ def test_gpu_session_usage_and_no_retired_script(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     # What the sessions run exists: no call of a script under benchmarks/ (retired), and
     # every python file they name is in the repository.
-    for script in ("gpu_session.sh", "gpu_check.sh", "gluon_session.sh", "smollm2_gpu.sh"):
+    for script in ("gpu_session.sh", "gpu_check.sh", "gluon_session.sh", "smollm2_gpu.sh",
+                   "sglang_gpu.sh"):
         text = open(os.path.join(TOOLS, script)).read()
         assert "benchmarks/" not in text, script
         for path in re.findall(r"\b((?:tools|tests/gpu)/[\w/]+\.py)\b", text):

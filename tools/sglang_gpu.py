@@ -38,6 +38,7 @@ import datetime
 import gc
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -146,13 +147,7 @@ class Rows:
     skipped: list = field(default_factory=list)   # what the budget left out
     stubs: dict = field(default_factory=dict)
     shims: dict = field(default_factory=dict)
-
-
-def served_by(container) -> str:
-    backend = getattr(container, "specattn_backend", None)
-    if backend is None:
-        return f"SGLang {type(container).__name__}"
-    return f"specattn {type(backend).name} ({type(backend).__name__})"
+    flush: Callable[[], None] = lambda: None  # rewrites the tables (after every case)
 
 
 def short(exc: BaseException) -> str:
@@ -198,6 +193,7 @@ def run_correctness(args, R, rows: Rows, deadline: float) -> None:
             traceback.print_exc()
             rows.correct.append(_row(case, "", "", "", "", "error", note=short(exc)))
         _free(args.device)
+        rows.flush()
 
 
 def _row(case: Corr, served: str, mode: str, run: str, against: str, status: str,
@@ -308,13 +304,13 @@ def _correct_case(args, R, rows: Rows, fx, case: Corr, tol: float, stock_cache: 
         envs.append(("auto", {"SPECATTN_SGLANG_BACKEND": "auto"}))
     for mode, env in envs:
         container, got = eager(env)
-        add(served_by(container), mode, "eager", against, R.compare(ref, got, rc.topk, tol))
+        add(R.served_by(container), mode, "eager", against, R.compare(ref, got, rc.topk, tol))
         if args.perturb:  # the comparison must catch a wrong attention output
-            add(served_by(container), f"{mode} perturbed", "eager", against,
+            add(R.served_by(container), f"{mode} perturbed", "eager", against,
                 R.compare(ref, _perturbed(got), rc.topk, tol))
         if args.graphs:
             got_graph = graph(env)
-            add(served_by(container), mode, "graph",
+            add(R.served_by(container), mode, "graph",
                 f"SGLang {ref_name} graph" if ref_graph is not None else against,
                 R.compare(ref_graph if ref_graph is not None else ref, got_graph, rc.topk,
                           tol))
@@ -322,10 +318,10 @@ def _correct_case(args, R, rows: Rows, fx, case: Corr, tol: float, stock_cache: 
         env = {"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "path"}
         container, got = eager(env)
         verdict = _tree_verdict(R, fx, got, "path", tol)
-        add(served_by(container), "path", "eager", "float32 path reference", verdict,
+        add(R.served_by(container), "path", "eager", "float32 path reference", verdict,
             note=verdict.problems[0] if verdict.problems else "")
         if args.graphs and case.backend == "triton":
-            add(served_by(container), "path", "graph", "specattn path eager",
+            add(R.served_by(container), "path", "graph", "specattn path eager",
                 R.compare(got, graph(env), rc.topk, tol))
 
 
@@ -382,6 +378,7 @@ def run_timing(args, R, rows: Rows, deadline: float) -> None:
                     rows.timing.append(_timing_row(model, backend, batch, prefix, topk,
                                                    note=short(exc)))
                 _free(args.device)
+                rows.flush()
             del fx
             _free(args.device)
 
@@ -398,59 +395,33 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def _time_unit(R, fx, model, backend, batch, prefix, topk, tol, reps: int) -> dict:
-    steps_n = fx.steps
-    rc = R.RoundCase(model, fx.lengths, topk, steps_n, 1, fx.shape, fx.hidden, fx.vocab,
+    rc = R.RoundCase(model, fx.lengths, topk, fx.steps, 1, fx.shape, fx.hidden, fx.vocab,
                      capture_bs=batch)
-    settings = fx.use(rc, backend)
-    dm = R.DraftModel(fx)
-    inputs = fx.inputs()
-    out: dict = {}
-    for who, env in (("stock", None), ("specattn", {"SPECATTN_SGLANG": "1"})):
-        try:
-            container = R.make_container(fx, env)
-            eager = R.run_eager(fx, container, settings, dm, inputs)
-            steps = R.time_steps(fx, eager, reps=max(3, reps * 2 // 3))
-            eager.steps_inputs = []  # the recorded batches hold the step backends
-            runner = R.capture_graph(fx, container, settings, dm)  # no records in the graph
-            tree = R.execute_tree(fx, runner, inputs)
-            times = R.time_graph_round(fx, runner, inputs, reps=reps)
-            out[who] = (container, eager, tree, steps, times)
-            del runner
-        except Exception as exc:
-            if who == "stock":
-                out["stock_error"] = short(exc)
-                continue
-            raise
-        finally:
-            _free(fx.device)
-    note = f"SGLang: {out['stock_error']}" if "stock_error" in out else ""
-    s = out.get("stock")
-    c, eager, tree, steps, times = out["specattn"]
+    res = R.time_pair(fx, rc, backend, tol, reps=reps, free=lambda: _free(fx.device))
+    spec, stock, verdict = res["specattn"], res["stock"], res["verdict"]
     check = ""
-    if s is not None:
-        verdict = R.compare(s[1], eager, topk, tol)
-        same = sum(all(torch.equal(x[b], y[b]) for x, y in zip(s[2], tree) if x is not None)
-                   for b in range(fx.batch))
+    if verdict is not None:
         check = (("ok" if verdict.ok else "FAIL") + f" (eager: {verdict.summary}; graph "
-                 f"tokens {same}/{fx.batch})")
+                 f"tokens {res['graph_tokens_equal']}/{fx.batch})")
 
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
 
-    row = _timing_row(model, backend, batch, prefix, topk, steps=steps_n,
-                      served_by=served_by(c), check=check, note=note,
-                      specattn_round_us=_fmt(times["round_wall_us"]),
-                      specattn_round_event_us=_fmt(times["round_event_us"]),
-                      specattn_step_us=_fmt(mean(steps)))
-    if s is not None:
-        st, ss = s[4], mean(s[3])
-        row.update(stock_round_us=_fmt(st["round_wall_us"]),
-                   stock_round_event_us=_fmt(st["round_event_us"]), stock_step_us=_fmt(ss))
-        if st["round_wall_us"] and times["round_wall_us"]:
-            row["round_speedup"] = f"{st['round_wall_us'] / times['round_wall_us']:.2f}"
-        if ss and mean(steps):
-            row["step_speedup"] = f"{ss / mean(steps):.2f}"
+    row = _timing_row(model, backend, batch, prefix, topk, steps=fx.steps,
+                      served_by=spec["served_by"], check=check,
+                      note=f"SGLang: {res['stock_error']}" if res["stock_error"] else "",
+                      specattn_round_us=_fmt(spec["round_wall_us"]),
+                      specattn_round_event_us=_fmt(spec["round_event_us"]),
+                      specattn_step_us=_fmt(mean(spec["step_us"])))
+    if stock is not None:
+        ss = mean(stock["step_us"])
+        row.update(stock_round_us=_fmt(stock["round_wall_us"]),
+                   stock_round_event_us=_fmt(stock["round_event_us"]), stock_step_us=_fmt(ss))
+        if stock["round_wall_us"] and spec["round_wall_us"]:
+            row["round_speedup"] = f"{stock['round_wall_us'] / spec['round_wall_us']:.2f}"
+        if ss and mean(spec["step_us"]):
+            row["step_speedup"] = f"{ss / mean(spec['step_us']):.2f}"
     print(f"[timing] {model} {backend} B{batch} L{prefix} K{topk}: "
           f"stock {row.get('stock_round_us', '-')} us, specattn {row['specattn_round_us']} us"
           f" {check[:60]}", flush=True)
@@ -563,6 +534,9 @@ def main(argv=None) -> int:
 
     stand_ins = R.install_stubs(gpu=args.device == "cuda")
     rows = Rows()
+    rows.flush = lambda: write_report(args, rows, time.monotonic() - start, stand_ins)
+    # A time-out's SIGTERM ends the run through the finally below (the tables get written).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         with torch._dynamo.config.patch(disable=True), torch.no_grad():
             share = 1.0 if args.no_timing else 0.5

@@ -45,7 +45,7 @@ from . import stubs
 __all__ = ["RoundCase", "Fixture", "Record", "Verdict", "build_fixture", "sglang_hooks",
            "make_container", "run_eager", "capture_graph", "capture_graph_recorded",
            "run_graph", "execute_tree", "compare",
-           "check_tree", "time_graph_round", "time_steps", "install_stubs",
+           "check_tree", "time_graph_round", "time_steps", "time_pair", "served_by", "install_stubs",
            "SPECATTN_ENV_KEYS", "draft_positions"]
 
 SPECATTN_ENV_KEYS = ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE",
@@ -778,6 +778,57 @@ def time_steps(fx: Fixture, rec: Record, reps: int = 20) -> list[float]:
                     call()
                     times.append((time.perf_counter() - t0) * 1e6)
             out.append(_median(times))
+    return out
+
+
+def served_by(container) -> str:
+    """``specattn NAME (Class)`` for the plugin's container, else SGLang's class."""
+    backend = getattr(container, "specattn_backend", None)
+    if backend is None:
+        return f"SGLang {type(container).__name__}"
+    return f"specattn {type(backend).name} ({type(backend).__name__})"
+
+
+def time_pair(fx: Fixture, case: RoundCase, backend: str, tol: float, reps: int = 30,
+              free: Callable[[], None] = lambda: None) -> dict:
+    """SGLang's draft round under the name ``backend``, stock and through the plugin
+    (``SPECATTN_SGLANG=1``): per side an eager round (checked, and each step's attention
+    timed), then the graph runner captured without records, one ``execute`` (its tree) and
+    ``time_graph_round``. Returns ``{"stock": side or None, "stock_error": str, "specattn":
+    side, "verdict": compare(stock, specattn) or None, "graph_tokens_equal": int}``; a side:
+    ``{"served_by", "round_wall_us", "round_event_us", "step_us": [...]}``. SGLang refusing
+    the case is ``stock_error``; specattn failing raises."""
+    settings = fx.use(case, backend)
+    model = DraftModel(fx)
+    inputs = fx.inputs()
+    out: dict = {"stock": None, "stock_error": "", "verdict": None, "graph_tokens_equal": 0}
+    kept = {}
+    for who, env in (("stock", None), ("specattn", {"SPECATTN_SGLANG": "1"})):
+        try:
+            container = make_container(fx, env)
+            eager = run_eager(fx, container, settings, model, inputs)
+            steps = time_steps(fx, eager, reps=max(3, reps * 2 // 3))
+            eager.steps_inputs = []  # the recorded batches hold the step backends
+            graph = capture_graph(fx, container, settings, model)  # no records in the graph
+            tree = execute_tree(fx, graph, inputs)
+            side = {"served_by": served_by(container), "step_us": steps,
+                    **time_graph_round(fx, graph, inputs, reps=reps)}
+            kept[who] = (eager, tree)
+            out[who] = side
+            del graph, container
+        except Exception as exc:
+            if who == "specattn":
+                raise
+            text = str(exc).strip().splitlines()
+            out["stock_error"] = f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+        finally:
+            free()
+    if "stock" in kept:
+        (ref, ref_tree), (got, tree) = kept["stock"], kept["specattn"]
+        out["verdict"] = compare(ref, got, case.topk, tol)
+        out["graph_tokens_equal"] = sum(
+            all(torch.equal(x[b], y[b]) for x, y in zip(ref_tree, tree) if x is not None)
+            for b in range(fx.batch))
     return out
 
 
