@@ -5,8 +5,8 @@
 #
 #   bash tools/sglang_gpu.sh [tools/sglang_gpu.py options, e.g. --budget-s 240]
 #
-# Unpacks the FlashInfer bundle into /tmp/gpu-site and the wheels into /tmp/site (SGLang with
-# --no-deps: its sglang-kernel is not installed), runs tools/sglang_gpu.py into $OUT/sglang
+# Unpacks the FlashInfer bundle into /tmp/gpu-site, SGLang (the recompressed wheel: no
+# dependencies, so no sglang-kernel) and the light wheels into /tmp/site, runs tools/sglang_gpu.py into $OUT/sglang
 # (results.md, results.csv, timing.csv, harness.log), then the quick GPU test
 # (tests/gpu/test_sglang_gpu.py, $OUT/sglang/gpu-test.log) on the warm compile caches.
 # Budget: install ~30 s + the harness's --budget-s (default here 240 s, plus the case in
@@ -18,7 +18,9 @@ export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws TRITON_CACHE_DIR=/tmp/triton-cache
 line=$(bash .gpu/install.sh /tmp/gpu-site flashinfer) || { echo "no FlashInfer bundle" >&2; exit 3; }
 eval "$line"
-ls .whl/sglang-0.5.23-*.whl >/dev/null 2>&1 || { echo ".whl/ lacks SGLang: run tools/sglang_wheels.sh" >&2; exit 3; }
+[ -f .whl/sglang-0.5.23-cp312.tar.xz ] || { echo ".whl/ lacks SGLang: run tools/sglang_wheels.sh" >&2; exit 3; }
+mkdir -p /tmp/site
+[ -d /tmp/site/sglang ] || tar xJf .whl/sglang-0.5.23-cp312.tar.xz -C /tmp/site || exit 3
 if ! python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>"$OUT/sglang/install.log"; then
   # pip refused a tag: unpack the wheels as they are (install.sh does the same)
   python3 -c 'import sys, zipfile

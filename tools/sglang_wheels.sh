@@ -12,6 +12,9 @@
 # backends, its EAGLE draft CUDA-graph runner and its attention test kit need that the GPU
 # image lacks (docs/sglang.md); apache-tvm-ffi comes with the FlashInfer bundle (.gpu/flashinfer).
 # Versions: ones SGLang 0.5.23's metadata accepts (it pins compressed-tensors 0.18.0).
+# SGLang's 39 MB wheel is unpacked and recompressed with xz into
+# .whl/sglang-0.5.23-cp312.tar.xz (the same files, 21 MB: a device call carries at most 64 MiB,
+# the repository and .gpu/flashinfer included); tools/sglang_gpu.sh unpacks it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # SGLang 0.5.23's wheel is tagged manylinux_2_34 (the GPU image's Python 3.12.3 has a newer glibc).
@@ -29,13 +32,23 @@ wheels=(
   opentelemetry-api==1.45.2
 )
 mkdir -p .whl
-python3 -m pip download -q --no-deps "${plat[@]}" -d .whl "${wheels[@]}"
+python3 -m pip download -q --no-deps "${plat[@]}" -d .whl "${wheels[@]:1}"
+sglang_xz=.whl/sglang-0.5.23-cp312.tar.xz
+if [ ! -f "$sglang_xz" ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp" "${wheels[0]}"
+  mkdir "$tmp/site"
+  python3 -c 'import glob, sys, zipfile
+zipfile.ZipFile(glob.glob(sys.argv[1] + "/sglang-*.whl")[0]).extractall(sys.argv[1] + "/site")' "$tmp"
+  tar cf - -C "$tmp/site" . | xz -T0 -9 > "$sglang_xz.part" && mv "$sglang_xz.part" "$sglang_xz"
+  rm -rf "$tmp"
+fi
 # Anything else in .whl/ travels too (and is installed by tools/sglang_gpu.sh): name it.
 python3 - "${wheels[@]}" <<'EOF'
 import os, re, sys
 want = {re.sub(r"[-_.]+", "_", w.split("==")[0]).lower() for w in sys.argv[1:]}
 extra = [f for f in sorted(os.listdir(".whl"))
-         if re.sub(r"[-_.]+", "_", f.split("-")[0]).lower() not in want]
+         if re.sub(r"[-_.]+", "_", f.split("-")[0]).lower() not in want]  # sglang: the .tar.xz
 if extra:
     print("sglang_wheels.sh: .whl/ also holds " + ", ".join(extra)
           + " (carried and installed with the others)", file=sys.stderr)
