@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run the graph runner (default: on cuda; on the CPU with an eager "
                    "stand-in for the CUDA graph)")
+    p.add_argument("--torch-compile", action="store_true", help="leave TorchDynamo on "
+                   "(SGLang compiles its later top-k selection; default off: it runs eagerly, "
+                   "on both sides, and no compile time is spent)")
     p.add_argument("--perturb", action="store_true", help="also compare a deliberately "
                    "wrong copy of each specattn eager output (rows '<mode> perturbed', which "
                    "must fail; they do not count in the exit status)")
@@ -482,7 +485,9 @@ def write_report(args, rows: Rows, elapsed: float, stand_ins: list) -> None:
         "`python tools/sglang_gpu.py " + " ".join(sys.argv[1:]) + "`. SGLang's attention "
         "test kit (its mock model runner and pools, a RadixAttention layer), its real "
         "`EagleDraftWorker.draft_forward` and `EAGLEDraftCudaGraphRunner`; specattn through "
-        "the plugin's hooks applied by SGLang's `HookRegistry`. Import-only stand-ins: "
+        "the plugin's hooks applied by SGLang's `HookRegistry`. TorchDynamo "
+        + ("on" if args.torch_compile else "off (SGLang's compiled top-k selection runs "
+           "eagerly, for both sides)") + ". Import-only stand-ins: "
         + (", ".join(stand_ins) or "none") + "; calls of them: "
         + (", ".join(f"{k} x{v}" for k, v in rows.stubs.items()) or "none")
         + "; pure-Python shims called: "
@@ -538,7 +543,7 @@ def main(argv=None) -> int:
     # A time-out's SIGTERM ends the run through the finally below (the tables get written).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
-        with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        with torch._dynamo.config.patch(disable=not args.torch_compile), torch.no_grad():
             share = 1.0 if args.no_timing else 0.5
             run_correctness(args, R, rows, start + share * args.budget_s)
             if not args.no_timing:

@@ -9,7 +9,8 @@ name (``triton``, ``flashinfer``; those named with ``--backend`` when it is give
 preparation + replay of one layer's ``S - 1`` steps, host wall time, median); ``time us``:
 one step's attention call in SGLang's loop (eager, CUDA events, mean over the steps), not the
 standard step of the other rows (a CUDA graph over rotated layers). The specattn row's check
-is the round against SGLang's (draft tokens, attention, KV).
+is the round against SGLang's (draft tokens, attention, KV). TorchDynamo is off (SGLang's
+compiled top-k selection runs eagerly on both sides).
 """
 
 from __future__ import annotations
