@@ -44,9 +44,10 @@ from . import stubs
 
 __all__ = ["RoundCase", "Fixture", "Record", "Verdict", "build_fixture", "sglang_hooks",
            "make_container", "run_eager", "capture_graph", "capture_graph_recorded",
-           "run_graph", "execute_tree", "compare",
-           "check_tree", "time_graph_round", "time_steps", "time_pair", "served_by", "install_stubs",
-           "SPECATTN_ENV_KEYS", "draft_positions"]
+           "run_graph", "execute_tree", "compare", "check_tree", "tree_reference",
+           "time_graph_round", "time_steps", "time_pair", "served_by", "install_stubs",
+           "SPECATTN_ENV_KEYS", "draft_positions", "DraftModel", "EagerGraphBackend",
+           "rel_err"]
 
 SPECATTN_ENV_KEYS = ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE",
                      "SPECATTN_SGLANG_OPTIONS")
