@@ -69,6 +69,16 @@ def _assert_paths_exist(argv: list[str]) -> None:
             assert os.path.exists(os.path.join(ROOT, arg)), arg
 
 
+@pytest.mark.parametrize("script", ["gpu.sh", "sglang_gpu.sh", "sglang_wheels.sh"])
+def test_shell_scripts_parse(script):
+    res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    text = open(os.path.join(TOOLS, script)).read()
+    for path in re.findall(r"\b((?:tools|tests/gpu)/[\w/]+\.py)\b", text):
+        assert os.path.isfile(os.path.join(ROOT, path)), (script, path)
+
+
 def test_gpu_script_parses_and_explains_itself():
     res = subprocess.run(["bash", "-n", GPU_SH], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr

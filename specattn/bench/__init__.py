@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only (with --append: add it to an earlier run's folder)")
     p.add_argument("--no-round", action="store_true", help="skip whole-round timing")
     p.add_argument("--no-raw", action="store_true", help="skip raw-library baselines")
+    p.add_argument("--no-sglang", action="store_true", help="skip the sglang/<name> rows "
+                   "(GPU, when SGLang is importable: SGLang's own draft round with its backend "
+                   "and with specattn's; docs/sglang.md)")
     p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
     p.add_argument("--reps", type=int, default=7, help="CPU: timed runs per measurement; the "
                    "median is reported with the spread (default: 7; --quick: 5)")
@@ -281,6 +284,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                              round_layers=args.round_layers, timed=not args.check_only,
                              parts=args.parts, read_floor=read_floor)
         sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
+    if on_gpu and not (args.check_only or args.only_sweep or args.no_sglang):
+        from .sglang_rows import merge_rows, sglang_rows
+
+        rows = merge_rows(rows, sglang_rows([p.case for p in plans], device, seed=args.seed,
+                                            backends=args.backend))
     parts = report.parts_rows(rows)
     os.makedirs(out, exist_ok=True)
     if args.append:
