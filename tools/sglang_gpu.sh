@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang's own EAGLE draft loop on the GPU host, SGLang's backends against specattn's (one
-# device call; carry .gpu/flashinfer .gpu/install.sh .whl, the wheels of
+# GPU run; carry .gpu/flashinfer .gpu/install.sh .whl, the wheels of
 # tools/sglang_wheels.sh):
 #
 #   bash tools/sglang_gpu.sh [tools/sglang_gpu.py options, e.g. --budget-s 240]

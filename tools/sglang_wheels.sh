@@ -13,7 +13,7 @@
 # image lacks (docs/sglang.md); apache-tvm-ffi comes with the FlashInfer bundle (.gpu/flashinfer).
 # Versions: ones SGLang 0.5.23's metadata accepts (it pins compressed-tensors 0.18.0).
 # SGLang's 39 MB wheel is unpacked and recompressed with xz into
-# .whl/sglang-0.5.23-cp312.tar.xz (the same files, 21 MB: a device call carries at most 64 MiB,
+# .whl/sglang-0.5.23-cp312.tar.xz (the same files, 21 MB: a GPU run carries at most 64 MiB,
 # the repository and .gpu/flashinfer included); tools/sglang_gpu.sh unpacks it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 import sglang_stubs
+from specattn.integrations.sglang.draft_round import draft_positions  # noqa: F401
 
 sglang_stubs.install()
 
@@ -149,18 +150,6 @@ def _set_scales(layer, k_scale: float, v_scale: float) -> None:
 
 def slot(shape: Shape, b: int, pos: int) -> int:
     return dense_kit._token_loc(b, pos, page_size=shape.page_size, max_context_len=MAX_CTX)
-
-
-def draft_positions(seq_len: int, topk: int, steps: int, page: int) -> list[list[int]]:
-    """Positions in ``R_b`` of lane ``j``'s step-``t`` slot, as SGLang allocates them: after
-    the prefix (``page == 1`` or ``topk == 1``), else per-branch pages after the last full
-    prefix page (the branch's first page starts with a copy of the partial prefix page)."""
-    if page == 1 or topk == 1:
-        return [[seq_len + j * steps + t for t in range(steps)] for j in range(topk)]
-    last = seq_len % page
-    base = seq_len - last
-    pages = (last + steps + page - 1) // page
-    return [[base + j * pages * page + last + t for t in range(steps)] for j in range(topk)]
 
 
 def draft_slots(fx: Fixture, topk: int, steps: int) -> torch.Tensor:
