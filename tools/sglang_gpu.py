@@ -243,7 +243,8 @@ def _correct_case(args, R, rows: Rows, fx, case: Corr, tol: float, stock_cache: 
     def eager(env):
         container = R.make_container(fx, env)
         try:
-            return container, R.run_eager(fx, container, settings, model, inputs)
+            return container, R.run_eager(fx, container, settings, model, inputs,
+                                          keep_pools=True)
         finally:
             fx.restore(saved)
 

@@ -339,10 +339,13 @@ class Record:
     kv: torch.Tensor
     parents: Optional[torch.Tensor] = None
     steps_inputs: list = field(default_factory=list)  # (backend, q, k, v, kwargs, batch)
+    pools_at: list = field(default_factory=list)  # per forward: the pools as attention read them
 
 
 @contextlib.contextmanager
-def _recording(fx: Fixture, model: DraftModel):
+def _recording(fx: Fixture, model: DraftModel, pools_at: Optional[list] = None):
+    """Records each attention call's inputs and output (and, given ``pools_at``, a copy of
+    the pools as the call left them: what it read, its new KV included)."""
     from sglang.srt.model_executor.forward_context import get_forward_context
 
     calls, outputs = [], []
@@ -359,6 +362,8 @@ def _recording(fx: Fixture, model: DraftModel):
 
     def post(module, args, kwargs, out):
         outputs.append(out.detach().clone())
+        if pools_at is not None:  # after the call: the backend may write the new KV itself
+            pools_at.append([p.clone() for p in fx.pools()])
 
     h1 = fx.layer.register_forward_pre_hook(pre, with_kwargs=True)
     h2 = fx.layer.register_forward_hook(post, with_kwargs=True)
@@ -370,7 +375,8 @@ def _recording(fx: Fixture, model: DraftModel):
         h2.remove()
 
 
-def _record(fx: Fixture, tree, calls, outputs, model: DraftModel, container) -> Record:
+def _record(fx: Fixture, tree, calls, outputs, model: DraftModel, container,
+            pools_at: Optional[list] = None) -> Record:
     n = fx.case.steps - 1
     calls, outputs, recs = calls[-n:], outputs[-n:], model.records[-n:]
     if len(outputs) != n or len(recs) != n:
@@ -382,7 +388,8 @@ def _record(fx: Fixture, tree, calls, outputs, model: DraftModel, container) -> 
     return Record(tuple(t[:bs].clone() if t is not None else None for t in tree[:3]),
                   [r[0] for r in recs], [r[1] for r in recs], [c[1] for c in calls],
                   outputs, fx.draft_rows(),
-                  None if parents is None else parents[:, :bs].clone(), list(calls))
+                  None if parents is None else parents[:, :bs].clone(), list(calls),
+                  (pools_at or [])[-n:])
 
 
 # --- SGLang's factory with or without the plugin -------------------------------------------------
@@ -454,17 +461,20 @@ def _worker(fx: Fixture, container, settings, model: DraftModel):
         model_forward=model, settings=settings)
 
 
-def run_eager(fx: Fixture, container, settings, model: DraftModel, inputs: dict) -> Record:
+def run_eager(fx: Fixture, container, settings, model: DraftModel, inputs: dict, *,
+              keep_pools: bool = False) -> Record:
     """SGLang's ``draft_forward`` over ``container``, eagerly (one metadata call, S - 1
-    forwards)."""
+    forwards). ``keep_pools``: the record keeps a copy of the pools per forward, as the
+    attention call read them (``tree_reference`` then attends to exactly those)."""
     worker = _worker(fx, container, settings, model)
     batch = fx.batch_of(inputs)
-    with _recording(fx, model) as (calls, outputs), torch.no_grad():
+    pools_at = [] if keep_pools else None
+    with _recording(fx, model, pools_at) as (calls, outputs), torch.no_grad():
         container.init_forward_metadata(batch)
         batch.mark_forward_metadata_ready()
         tree = worker.draft_forward(batch)
     _sync(fx.device)
-    return _record(fx, tree, calls, outputs, model, container)
+    return _record(fx, tree, calls, outputs, model, container, pools_at)
 
 
 # --- the graph runner ---------------------------------------------------------------------------
@@ -661,16 +671,24 @@ def _ancestors(parents: Optional[torch.Tensor], b: int, lane: int, step: int,
 
 
 def tree_reference(fx: Fixture, rec: Record, step: int, mode: str) -> torch.Tensor:
-    """Float32 attention of step ``step`` from the recorded queries: each row's prefix (the
-    pools) plus its lane's (``lane``) or its ancestors' (``path``) draft KV at steps
-    ``0..step`` (``rec.kv``, as the round left it)."""
+    """Float32 attention of step ``step`` from the recorded queries: each row's prefix plus
+    its lane's (``lane``) or its ancestors' (``path``) draft KV at steps ``0..step``, read
+    from the pools as that call saw them (``rec.pools_at``) or else as the round left them
+    (the pools now, ``rec.kv``)."""
     case, layer = fx.case, fx.layer
     topk = case.topk
     r2t = fx.runner.req_to_token_pool.req_to_token
     a, b_, c = fx.shape
+    pools = rec.pools_at[step] if rec.pools_at else fx.pools()
+    if rec.pools_at:  # the draft rows as this call read them, not as the round left them
+        loc = fx.loc.view(fx.batch, topk, case.steps)
+        kv = (pools[0][loc].float().flatten(3) if fx.model == "mla" else torch.cat(
+            [pools[0][loc].float().flatten(3), pools[1][loc].float().flatten(3)], dim=-1))
+    else:
+        kv = rec.kv
     if fx.model == "mla":
         hq, hkv, dk, dv = a, 1, b_ + c, b_
-        pool = fx.pools()[0]
+        pool = pools[0]
 
         def split(rows):  # [n, dk] -> keys, values
             rows = rows.view(rows.shape[0], 1, dk)
@@ -680,7 +698,7 @@ def tree_reference(fx: Fixture, rec: Record, step: int, mode: str) -> torch.Tens
             return pool[slots].float().flatten(1)
     else:
         hq, hkv, dk, dv = a, b_, c, c
-        k_pool, v_pool = fx.pools()
+        k_pool, v_pool = pools[:2]
 
         def split(rows):
             k, v = rows[:, :hkv * dk], rows[:, hkv * dk:]
@@ -693,13 +711,12 @@ def tree_reference(fx: Fixture, rec: Record, step: int, mode: str) -> torch.Tens
     q = q.view(q.shape[0], hq, dk)
     out = torch.empty(q.shape[0], hq, dv, device=q.device)
     group = hq // hkv
-    steps = torch.arange(step + 1, device=rec.kv.device)
+    steps = torch.arange(step + 1, device=kv.device)
     for b, n in enumerate(fx.lengths):
         prefix = prefix_rows(r2t[b, :n].long())
         for j in range(topk):
-            chain = torch.tensor(_ancestors(rec.parents, b, j, step, mode),
-                                 device=rec.kv.device)
-            keys, vals = split(torch.cat([prefix, rec.kv[b, chain, steps]]))
+            chain = torch.tensor(_ancestors(rec.parents, b, j, step, mode), device=kv.device)
+            keys, vals = split(torch.cat([prefix, kv[b, chain, steps]]))
             keys = keys.repeat_interleave(group, dim=1)
             vals = vals.repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,nhd->hn", q[b * topk + j], keys) * layer.scaling
@@ -804,7 +821,9 @@ def time_pair(fx: Fixture, case: RoundCase, backend: str, tol: float, reps: int 
     inputs = fx.inputs()
     out: dict = {"stock": None, "stock_error": "", "verdict": None, "graph_tokens_equal": 0}
     kept = {}
+    saved = fx.snapshot()  # each side starts from the same pools (a capture writes KV too)
     for who, env in (("stock", None), ("specattn", {"SPECATTN_SGLANG": "1"})):
+        fx.restore(saved)
         try:
             container = make_container(fx, env)
             eager = run_eager(fx, container, settings, model, inputs)
