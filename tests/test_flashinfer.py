@@ -399,14 +399,15 @@ def test_graph_buffers_replay_with_padding(fake_flashinfer, mla, topk, tree_mode
         backend.init_forward_metadata_replay_cuda_graph(small, 3)
 
 
+@pytest.mark.parametrize("topk", [1, 3])
 @pytest.mark.parametrize("mla", [False, True])
-def test_shared_mode_plans_prefix_once_per_round(fake_flashinfer, mla):
+def test_shared_mode_plans_prefix_once_per_round(fake_flashinfer, mla, topk):
     """Shared mode: one FlashInfer plan per round (the prefix pass), whatever the number of
-    steps or batch size; the history needs no pass of its own; the eager plan gives no
-    graph hint."""
-    case = make_decode_case(mla=mla, topk=3, seed=21)
+    steps, lanes (``K`` 1 included) or batch size; the history needs no pass of its own; the
+    eager plan gives no graph hint."""
+    case = make_decode_case(mla=mla, topk=topk, seed=21)
     cls = FlashInferMLADecode if mla else FlashInferDecode
-    backend = cls(case.runner, 3, 3)
+    backend = cls(case.runner, topk, 3)
     run_decode_round(backend, case, seed=1, steps=2)
     run_decode_round(backend, next_round(case), seed=2, steps=1)
     rnd = backend._eager

@@ -2,7 +2,7 @@
 
 Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane):
 
-- ``shared`` mode, ``K > 1``: a *prefix* pass (FlashInfer) attends the ``K`` query rows of
+- ``shared`` mode (the default, any ``K``): a *prefix* pass (FlashInfer) attends the ``K`` query rows of
   each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
   times); one Triton kernel then attends each lane to its
   ``n`` history slots and merges with the prefix result by its base-2 LSE
@@ -10,8 +10,10 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   is planned once per round and serves every step (its KV set does not change within a
   round); the history kernel needs no plan (it reads the slots from ``out_cache_loc`` /
   ``parents`` on the device).
-- ``K == 1``, or the ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per
-  step, each lane a sequence over ``R_b[0 : L_b]`` plus its history.
+  At ``K == 1`` the prefix is read once per lane anyway; the mode still saves host work: one
+  FlashInfer plan per round instead of one per step.
+- The ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per step, each
+  lane a sequence over ``R_b[0 : L_b]`` plus its history.
 
 Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, for the CSR
 indptrs FlashInfer's host scheduler needs); slot lists are built on the device. ``shared``
@@ -65,7 +67,7 @@ class _Round:
 class FlashInferDecodeGlue(DraftDecodeBackend):
     """Common body of ``FlashInferDecode`` and ``FlashInferMLADecode`` (not registered).
 
-    Extra keyword ``mode``: ``"shared"`` (default; shared-prefix passes when ``topk > 1``) or
+    Extra keyword ``mode``: ``"shared"`` (default; a shared-prefix pass per round) or
     ``"per-branch"`` (each lane its own sequence, the upstream baseline).
     """
 
@@ -75,7 +77,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if mode not in MODES:
             raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
         self.mode = mode
-        self.shared = topk > 1 and mode == "shared"
+        self.shared = mode == "shared"
         self.params = self._default_params()
         self._eager: Optional[_Round] = None
         self._graphs: dict[int, _Round] = {}
