@@ -1,9 +1,12 @@
-"""The CuTe-DSL MLA draft-decode kernel for sm90 (plan ``cute``): a key-tile loop with one
-warpgroup on S and the softmax and the other on the gathers, the prefix splits of a request
-in thread-block clusters, merged on chip. Run only through ``cute_mla`` (which checks for
-CuTe-DSL first and documents the algorithm).
+"""The CuTe-DSL MLA draft-decode kernel for sm90 (plan ``cute``), run only through
+``cute_mla``. One CTA of 256 threads (two warpgroups) per (prefix split, 64-row tile,
+request): warpgroup 1 gathers key tiles of 64 through ``req_to_token`` (16-byte ``cp.async``,
+a 2-stage ring), warpgroup 0 computes S and the online softmax over whole rows, both add P.V
+into their 256 output columns; a request's splits run as thread-block clusters and merge
+their partials on chip. The last split walks the lanes' history (the call's keys read from
+``k_new``; split 0 stores them).
 
-Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared memory):
+Shared memory of one CTA (about 226 KB):
 
 - ``sQ``: the 64 query rows, ``[64, 576]`` in 128-byte swizzle atoms (wgmma's K-major form);
 - the key ring: ``STAGES`` tiles ``[64, 576]``, same form. After the loop it holds this
@@ -27,13 +30,11 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 except ImportError:
-    # Without CuTe-DSL the module still imports (every specattn module does); nothing here
-    # runs then: ``cute_mla`` reaches it only when ``import_reason()`` finds CuTe-DSL. The
-    # stand-ins cover what is evaluated at import: the decorators and one default argument.
+    # Without CuTe-DSL the module still imports (every specattn module does) and nothing here
+    # runs (``plans.cute_import_reason``); the stand-in covers the decorators.
     import types
 
     cute = types.SimpleNamespace(jit=lambda fn: fn, kernel=lambda fn: fn)
-    Int32 = None
 
 ROWS = 64  # query rows per CTA: the wgmma height of one warpgroup
 KEYS = 64  # keys per tile
@@ -153,7 +154,7 @@ class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
     ``use_cap`` (logit cap), ``cluster`` (CTAs per cluster, merged on chip), ``groups``
     (clusters per request row tile; with more than one each writes a merged fp32 partial and
-    LSE for ``merge_kernel``), ``stages`` (key tiles in the ring), ``parent_dtype``.
+    LSE for ``merge_partials``), ``stages`` (key tiles in the ring).
 
     Per tile: warpgroup 0 computes S over the whole tile (wgmma N 64: Q read once) and the
     softmax, keeping a row's maximum until a new one exceeds it by ``MAX_SLACK`` (then O needs
@@ -164,7 +165,7 @@ class MlaDecodeKernel:
     wgmma (C7514), and a third 72 KB stage does not fit beside Q."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, cluster: int,
-                 groups: int = 1, stages: int = 2, parent_dtype=Int32):
+                 groups: int, stages: int):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -173,7 +174,6 @@ class MlaDecodeKernel:
         self.groups = groups
         self.splits = cluster * groups
         self.stages = stages
-        self.parent_dtype = parent_dtype
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,

@@ -1,14 +1,12 @@
 """MLA draft decode on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``; sm90,
-Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``).
+Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``); run on the H200.
 
-One program per (64-row tile, request, prefix split), 8 warps: the tile's ``K * H`` query
-rows stay in shared memory; key tiles of ``BLOCK_N`` arrive by ``cp.async`` row gathers into
-a ``NUM_STAGES`` ring, their ``req_to_token`` entries loaded a tile ahead; ``S`` is one wgmma
-chain per tile with each warpgroup on half its columns, ``P`` reaches the ``P.V`` wgmma from
-registers, each warpgroup owns 256 of the 512 output columns. The last split walks the
-lanes' history (the new key read from ``k``; split 0 stores it). One split writes the
-output, several write partials for ``merge_partials``; ``gluon-wl`` walks ``worklist``'s
-balanced work list instead. Run on the H200 (``docs/kernels.md``).
+One program of 8 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment of
+``worklist``'s work list): the tile's ``K * H`` query rows in shared memory, key tiles
+gathered by ``cp.async`` into a ring (``req_to_token`` read a tile ahead), S by wgmma with
+each warpgroup on half its columns, P.V from registers into each warpgroup's 256 output
+columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
+key read from ``k``). ``docs/kernels.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from __future__ import annotations
 import functools
 import torch
 
-from .plans import gluon_import_reason
-from .worklist import num_row_tiles
+from .plans import gluon_import_reason, num_row_tiles
 
 NUM_WARPS = 8  # two warpgroups
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 from importlib import metadata
@@ -20,10 +21,10 @@ from ...errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 
-# Triton releases whose Gluon API the Gluon kernel was written against and run with.
-GLUON_TRITON = ("3.6",)
+GLUON_TRITON = ("3.6",)  # Triton releases whose Gluon API the Gluon kernels run with
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
+MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
 
 
 class Kernel(str, enum.Enum):
@@ -35,6 +36,11 @@ class Kernel(str, enum.Enum):
 
 
 SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
+
+
+def num_row_tiles(rows: int) -> int:
+    """The sm90 kernels' ``TILE_ROWS``-row tiles over a request's ``rows`` query rows."""
+    return -(-rows // TILE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -107,8 +113,8 @@ class AttnShape:
 
 
 def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
-    """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query rows per request and KV head
-    (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
+    """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query
+    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -270,8 +276,6 @@ def _gluon_version(version: str) -> bool:
 
 
 def _found(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
