@@ -73,6 +73,14 @@ class _TritonCommon:
     def _kernel_writes_kv(self) -> bool:
         return True  # launchers.attention stores it
 
+    def _buffers_for(self, bs: int, rows: int) -> "_GraphBuffers":
+        """The graph's fixed buffers where they fit, else the eager ones (grown as needed)."""
+        for bufs in (self._graph_bufs, self._bufs):
+            if bufs is not None and bufs.fits(bs, rows):
+                return bufs
+        self._bufs = self._new_buffers(bs, rows)
+        return self._bufs
+
 
 class _GraphBuffers:
     """Fixed buffers for CUDA graphs (or the eager cache): meta, hist (the new tokens'
@@ -162,21 +170,13 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         return P.platform_note(platform.device, platform.capability,
                                platform.triton_interpret)
 
-    def _new_buffers(self, bs: int) -> _GraphBuffers:
+    def _new_buffers(self, bs: int, lanes: int) -> _GraphBuffers:
         """Buffers for ``bs`` requests (and the work list's slots when the plan uses one)."""
         plan = self._make_plan(bs)
-        return _GraphBuffers(bs, bs * self.topk, self.num_steps, plan["shape"].num_q_heads,
+        return _GraphBuffers(bs, lanes, self.num_steps, plan["shape"].num_q_heads,
                              plan["shape"].d_v, self.runner.device,
                              plan.get("wl_slots", 0) * plan.get("wl_rows", 0),
                              plan.get("wl_numel", 0))
-
-    def _buffers_for(self, bs: int) -> _GraphBuffers:
-        if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:
-            return self._graph_bufs
-        b = self._bufs
-        if b is None or not b.fits(bs, bs * self.topk):
-            b = self._bufs = self._new_buffers(bs)
-        return b
 
     def _plan(self, batch: "DraftBatch", source: Optional["DraftBatch"] = None) -> None:
         """One metadata launch for all steps of the round (no host sync on a GPU); with
@@ -184,7 +184,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         buffers, padded."""
         bs = batch.batch_size
         plan = self._make_plan(bs)
-        bufs = self._buffers_for(bs)
+        bufs = self._buffers_for(bs, bs * self.topk)
         src = source or batch
         _launchers().decode_metadata(
             src.req_pool_indices, src.seq_lens, src.out_cache_loc, bufs.meta, bufs.hist,
@@ -201,7 +201,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
-        self._graph_bufs = self._new_buffers(max_bs)
+        self._graph_bufs = self._new_buffers(max_bs, max_bs * self.topk)
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -269,11 +269,7 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
     def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
         bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
-        bufs = self._graph_bufs
-        if bufs is None or not bufs.fits(bs, num_tokens):
-            bufs = self._bufs
-            if bufs is None or not bufs.fits(bs, num_tokens):
-                bufs = self._bufs = self._new_buffers(bs, num_tokens)
+        bufs = self._buffers_for(bs, num_tokens)
         _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, bufs.meta, plan["num_splits"],
                                      plan["plan"].block_n)

@@ -176,25 +176,19 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
                            step=step, num_splits=num_splits, sm_scale=layer.scaling,
                            logit_cap=layer.logit_cap, mid_o=mid_o, mid_lse=mid_lse)
         return out
-    if kernel is Kernel.GLUON_WL:
-        if work is None:
+    if kernel in (Kernel.GLUON_WL, Kernel.GLUON_SPLIT):
+        wl = kernel is Kernel.GLUON_WL
+        if wl and work is None:
             raise ValueError("plan gluon-wl needs the round's work list (work)")
-        gluon_mla.attention_worklist(
-            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist,
-            parent_args(parents, meta),
-            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
-            programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages)
-        worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
-        return out
-    if kernel is Kernel.GLUON_SPLIT:
         gluon_mla.attention(
             q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, hist,
             parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages)
-        if num_splits > 1:
+            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None)
+        if wl:
+            worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
+        elif num_splits > 1:
             merge_partials(mid_o, mid_lse, out, num_splits)
         return out
     par, par_s, par_b = parent_args(parents, meta)
