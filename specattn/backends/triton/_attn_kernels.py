@@ -101,9 +101,8 @@ def _partial_attn_kernel(
                                 D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K)
             if MODE == MODE_EXTEND:
                 # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
-                # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN.
-                # (Decode tails skip this: zeroing the tile there costs 40 registers, an
-                # occupancy step, 18% at gqa-long; a declared limit.)
+                # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN
+                # (decode tails do not: ``TritonDecode.known_limits``).
                 if v.dtype != q.dtype:  # FP8 codes: widened before any arithmetic on them
                     v = v.to(q.dtype)
                 bad = nonfinite_rows(v)

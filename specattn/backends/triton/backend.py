@@ -8,7 +8,6 @@ the partials. ``mode="per-branch"``: every lane its own sequence (the upstream d
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -21,8 +20,6 @@ from . import plans as P
 
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
-
-log = logging.getLogger(__name__)
 
 _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}

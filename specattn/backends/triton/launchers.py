@@ -44,8 +44,9 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
 
 
 def num_parts(plan: Plan, num_splits: int) -> int:
-    """Partials per row: one per split, plus the history's own program (``tl.dot`` split-KV)."""
-    return num_splits + 1 if plan.extra_tail_program else num_splits
+    """Partials per row: one per split, plus the history's own program in the ``tl.dot``
+    split-KV kernel (the others walk it in their last split)."""
+    return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
 
 
 def layer_pools(runner, layer_id: int):

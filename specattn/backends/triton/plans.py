@@ -63,12 +63,6 @@ class Plan:
         block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
         return block_m, (4 if block_m <= 32 else self.num_warps)
 
-    @property
-    def extra_tail_program(self) -> bool:
-        """The history runs in a program of its own (one more partial per row); the other
-        kernels walk it in their last split."""
-        return self.kernel is Kernel.DOT
-
 
 #            name           kernel               m   n  warps stages
 PLANS = {p.name: p for p in (
