@@ -125,9 +125,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
               mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None) -> None:
-    """Launch the kernel: ``out`` written, merged on chip and, when the splits take more
-    than one cluster per request row tile (``cluster_shape``), the clusters' partials
-    merged by one more launch.
+    """Launch the kernel into ``out`` (with more than one cluster per request row tile,
+    ``cluster_shape``, their partials merged by one more launch).
 
     q: ``[B*K, H, 576]``; kv: ``[slots, 576]``; k_new: ``[B*K, 576]`` (this step's keys,
     stored at ``hist[:, step]`` by split 0); out: ``[B*K, H, 512]``; req_to_token: ``[pool

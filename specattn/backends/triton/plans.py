@@ -130,28 +130,21 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
-    """The plan ``name`` (``--option triton:plan=NAME``), checked against what it serves."""
+    """The plan ``name`` (``--option triton:plan=NAME``), refused where it cannot serve
+    ``job`` for ``runner`` here."""
     plan = PLANS.get(name)
     if plan is None:
         raise InvalidInputError("plan", f"one of {', '.join(PLANS)}", repr(name))
-    why = serve_reason(plan, runner, job, interpret)
+    why = None
+    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
+        why = "an MLA latent of an even rank >= 32 plus a rope part"
+    elif plan.kernel in SM90_KERNELS:
+        why = "shared-prefix draft decode only" if job != "decode" else \
+            (cute_reason if plan.kernel is Kernel.CUTE else gluon_reason)(runner, interpret)
     if why is not None:
         raise InvalidInputError("plan", f"a plan that serves this {job} here ({name}: {why})",
                                 repr(name))
     return plan
-
-
-def serve_reason(plan: Plan, runner, job: str, interpret: bool) -> Optional[str]:
-    """Why ``plan`` cannot serve ``job`` for ``runner`` here (``None``: it can)."""
-    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
-        return "an MLA latent of an even rank >= 32 plus a rope part"
-    if plan.kernel in SM90_KERNELS:
-        if job != "decode":
-            return "shared-prefix draft decode only"
-        if plan.kernel is Kernel.CUTE:
-            return cute_reason(runner, interpret)
-        return gluon_reason(runner, interpret)
-    return None
 
 
 # --- what the sm90 kernels need ---------------------------------------------------------------
