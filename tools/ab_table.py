@@ -21,9 +21,9 @@ from typing import Optional
 
 def read_runs(root: str) -> dict[str, list[dict[tuple, float]]]:
     """``{"a": [times of a1, a2, ...], "b": [...]}``, each ``{(case, lengths, variant): us}``."""
-    runs: dict[str, list[tuple[int, dict]]] = {"a": [], "b": []}
-    for name in sorted(os.listdir(root)):
-        found = re.fullmatch(r"([ab])(\d+)", name)
+    runs: dict[str, list[dict[tuple, float]]] = {"a": [], "b": []}
+    for name in sorted(os.listdir(root), key=lambda n: (len(n), n)):  # a1 a2 ... a10
+        found = re.fullmatch(r"([ab])\d+", name)
         path = os.path.join(root, name, "bench.csv")
         if not found or not os.path.isfile(path):
             continue
@@ -31,8 +31,8 @@ def read_runs(root: str) -> dict[str, list[dict[tuple, float]]]:
             times = {(r["case"], r["lengths"], r["variant"]): float(r["time_us"])
                      for r in csv.DictReader(f)
                      if r.get("status") in ("ok", "floor") and r.get("time_us")}
-        runs[found.group(1)].append((int(found.group(2)), times))
-    return {side: [t for _, t in sorted(v, key=lambda x: x[0])] for side, v in runs.items()}
+        runs[found.group(1)].append(times)
+    return runs
 
 
 def table(runs: dict[str, list[dict[tuple, float]]], a_label: str = "A") -> str:

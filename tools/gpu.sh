@@ -2,30 +2,27 @@
 # The GPU script: run it from the repository root on a GPU host without network (the H200).
 #
 #   bash tools/gpu.sh fa4-first            unpack the first half of FlashAttention-4 into
-#                                          /tmp/gpu-site (carry .gpu/install.sh .gpu/fa4-first);
-#                                          the next command, on the same warm machine, carries
-#                                          .gpu/fa4 (a transfer holds 64 MiB: FA4 takes two)
-#   bash tools/gpu.sh check [PYTEST_ARGS]  the GPU test suites (tests/gpu, PYTEST_ARGS added),
-#                                          the conformance kit on every GPU backend, and
-#                                          compute-sanitizer memcheck over tools/oob_run.py
-#   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS (no --out: the
-#                                          results go to $OUT/bench/ and $OUT/bench.tgz)
-#   bash tools/gpu.sh ab REF [ARGS]        the same bench of an older package (REF/specattn,
-#                                          made here by `mkdir -p .ab && git archive TAG
-#                                          specattn | tar -x -C .ab`) and of this tree, run
-#                                          A B A B; both times and the ratio in $OUT/ab.md
+#                                          /tmp/gpu-site (carry .gpu/install.sh .gpu/fa4-first;
+#                                          a transfer holds 64 MiB: the next command, on the
+#                                          same warm machine, carries .gpu/fa4)
+#   bash tools/gpu.sh check [PYTEST_ARGS]  tests/gpu (PYTEST_ARGS added), the conformance kit
+#                                          on every GPU backend, compute-sanitizer memcheck
+#                                          over tools/oob_run.py
+#   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS, results in $OUT/bench/
+#                                          and $OUT/bench.tgz
+#   bash tools/gpu.sh ab REF [ARGS]        that bench of REF/specattn (`mkdir -p .ab && git
+#                                          archive TAG specattn | tar -x -C .ab`) and of this
+#                                          tree, A B A B; times and ratio in $OUT/ab.md
 #
 # Every command but fa4-first first unpacks the offline bundle (.gpu/, git-ignored: carry
-# .gpu/install.sh with .gpu/flashinfer, and .gpu/fa4 after fa4-first), installs .whl/*.whl
-# when carried, and prints the GPU and the library versions.
-#
+# .gpu/install.sh with .gpu/flashinfer, and .gpu/fa4 after fa4-first), installs carried
+# .whl/*.whl and prints the GPU and the library versions.
 # Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
-# parts to unpack; default: flashinfer if carried, plus fa4 if carried and fa4-first ran);
-# CHECK_STEPS (default "gpu-tests kit memcheck"); AB_ROUNDS (default 2); STEP_TIMEOUT_S (a
-# limit per step, default none); GPU_COMMIT (a commit to name in summary.md); GPU_DRY_RUN=1
-# (print the commands, run nothing).
-# Output: $OUT/summary.md (one line per step), $OUT/logs.tgz (each step's log), and the
-# command's results. Every step runs; the exit status is 1 when one failed.
+# parts to unpack; default: those carried); CHECK_STEPS (default "gpu-tests kit memcheck");
+# AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
+# summary.md); GPU_DRY_RUN=1 (print the commands, run nothing).
+# Output: $OUT/summary.md (a line per step), $OUT/logs.tgz (each step's log) and the command's
+# results. Every step runs; the exit status is 1 when one failed.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
@@ -68,11 +65,8 @@ step() {
 }
 
 setup() {
-  local parts line
-  if [ -n "${GPU_PARTS+set}" ]; then
-    parts=$GPU_PARTS
-  else
-    parts=""
+  local parts=${GPU_PARTS-} line
+  if [ -z "${GPU_PARTS+set}" ]; then
     [ -d "$BUNDLE/flashinfer" ] && parts=flashinfer
     if [ -d "$BUNDLE/fa4" ]; then
       compgen -G "$SITE/.parts/*.part-0" > /dev/null \
@@ -81,21 +75,15 @@ setup() {
     fi
   fi
   export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws PYTHONUNBUFFERED=1
-  if [ -f "$BUNDLE/install.sh" ]; then
-    if [ -n "$DRY" ]; then
-      echo "setup: eval \"\$(bash $BUNDLE/install.sh $SITE $parts)\""
-    else
-      line=$(bash "$BUNDLE/install.sh" "$SITE" $parts) || die "$BUNDLE/install.sh $parts failed"
-      eval "$line"
-    fi
+  if [ ! -f "$BUNDLE/install.sh" ]; then echo "setup: no $BUNDLE/install.sh carried: no vendor libraries"
+  elif [ -n "$DRY" ]; then echo "setup: eval \"\$(bash $BUNDLE/install.sh $SITE $parts)\""
   else
-    echo "setup: no $BUNDLE/install.sh carried: no vendor libraries"
+    line=$(bash "$BUNDLE/install.sh" "$SITE" $parts) || die "$BUNDLE/install.sh $parts failed"
+    eval "$line"
   fi
   if compgen -G ".whl/*.whl" > /dev/null; then
-    if [ -n "$DRY" ]; then
-      echo "setup: $PY -m pip install -q --no-index --no-deps --no-compile --target $WHEELS .whl/*.whl"
-    else
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS" .whl/*.whl
+    if [ -n "$DRY" ]; then echo "setup: $PY -m pip install ... --target $WHEELS .whl/*.whl"
+    else "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS" .whl/*.whl
     fi
     export PYTHONPATH=$WHEELS${PYTHONPATH:+:$PYTHONPATH}
   fi
@@ -105,20 +93,17 @@ setup() {
   note "# $cmd on $(date -u +%FT%TZ)${GPU_COMMIT:+, commit $GPU_COMMIT}; bundle parts: ${parts:-none}"
   nvidia-smi -L 2>&1 | tee -a "$SUMMARY" || true
   "$PY" - << 'EOF' 2>&1 | tee -a "$SUMMARY" || true
-import importlib, importlib.metadata as md
+import importlib, importlib.metadata as md, torch
 dists = {"triton": "triton", "flashinfer": "flashinfer-python", "flash_attn": "flash-attn-4",
          "cutlass": "nvidia-cutlass-dsl", "flash_mla": "sgl-flash-mla"}
-import torch
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda})", end="")
 for mod, dist in dists.items():
     try:
         m = importlib.import_module(mod)
-        v = getattr(m, "__version__", None)
-        if v is None:
-            try:
-                v = md.version(dist)
-            except md.PackageNotFoundError:
-                v = "?"
+        try:
+            v = getattr(m, "__version__", None) or md.version(dist)
+        except md.PackageNotFoundError:
+            v = "?"
         print(f", {mod} {v}", end="")
     except Exception as exc:  # not carried, or broken: say which
         print(f", {mod} not importable ({type(exc).__name__})", end="")
@@ -128,52 +113,41 @@ EOF
 
 sanitizer() {  # compute-sanitizer from PATH, else beside nvcc (the CUDA toolkit's bin/)
   local c d
-  c=$(command -v compute-sanitizer || true)
-  if [ -z "$c" ] && command -v nvcc > /dev/null; then
-    d=$(dirname "$(command -v nvcc)")
-    for c in "$d/compute-sanitizer" "$d/../extras/compute-sanitizer/compute-sanitizer" ""; do
-      [ -x "$c" ] && break
-    done
-  fi
-  echo "$c"
+  command -v compute-sanitizer && return 0
+  d=$(dirname "$(command -v nvcc || echo /none/nvcc)")
+  for c in "$d/compute-sanitizer" "$d/../extras/compute-sanitizer/compute-sanitizer"; do
+    if [ -x "$c" ]; then echo "$c"; return 0; fi
+  done
 }
 
 check() {
   local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
   setup
-  if [[ $steps == *" gpu-tests "* ]]; then
-    step gpu-tests "$PY" -m pytest -q -n 0 -p no:cacheprovider -rfE --continue-on-collection-errors \
-      -m gpu tests/gpu "$@"
-  fi
-  if [[ $steps == *" kit "* ]]; then
-    step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE tests/conformance -k "$KIT_K"
-  fi
-  if [[ $steps == *" memcheck "* ]]; then
-    cs=$(sanitizer)
-    if [ -n "$cs" ]; then
-      step memcheck "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 \
-        "$PY" tools/oob_run.py --backend triton
-    else
-      note "- memcheck: skipped (no compute-sanitizer on PATH or beside nvcc)"
-    fi
+  [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -q -n 0 -p no:cacheprovider \
+    -rfE --continue-on-collection-errors -m gpu tests/gpu "$@"
+  [[ $steps != *" kit "* ]] || step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
+    tests/conformance -k "$KIT_K"
+  [[ $steps == *" memcheck "* ]] || return 0
+  cs=$(sanitizer)
+  if [ -n "$cs" ]; then
+    step memcheck "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 \
+      "$PY" tools/oob_run.py --backend triton
+  else
+    note "- memcheck: skipped (no compute-sanitizer on PATH or beside nvcc)"
   fi
 }
 
-collect() {  # collect DIR NAME: the bench's text files into $OUT/NAME/, everything into NAME.tgz
-  [ -n "$DRY" ] && return 0
-  mkdir -p "$OUT/$2"
+bench() {  # the bench's text files into $OUT/bench/, everything into $OUT/bench.tgz
   local f
-  for f in table.md bench.csv sweep.csv parts.csv versions.json; do
-    if [ -f "$1/$f" ]; then cp "$1/$f" "$OUT/$2/"; fi
-  done
-  if [ -d "$1" ]; then tar czf "$OUT/$2.tgz" -C "$1" .; fi
-}
-
-bench() {
   setup
   [ -n "$DRY" ] || rm -rf /tmp/gpu-bench
   step bench "$PY" -m specattn bench --out /tmp/gpu-bench "$@"
-  collect /tmp/gpu-bench bench
+  [ -n "$DRY" ] && return 0
+  mkdir -p "$OUT/bench"
+  for f in table.md bench.csv sweep.csv parts.csv versions.json; do
+    if [ -f "/tmp/gpu-bench/$f" ]; then cp "/tmp/gpu-bench/$f" "$OUT/bench/"; fi
+  done
+  if [ -d /tmp/gpu-bench ]; then tar czf "$OUT/bench.tgz" -C /tmp/gpu-bench .; fi
 }
 
 ab() {
@@ -199,9 +173,7 @@ case "$cmd" in
     if [ -n "$DRY" ]; then echo "fa4-first: bash $BUNDLE/install.sh $SITE fa4-first"
     else bash "$BUNDLE/install.sh" "$SITE" fa4-first > /dev/null && note "- fa4-first: unpacked into $SITE"
     fi ;;
-  check) check "$@" ;;
-  bench) bench "$@" ;;
-  ab) ab "$@" ;;
+  *) "$cmd" "$@" ;;  # check, bench, ab
 esac
 if [ -z "$DRY" ] && compgen -G "$LOGS/*" > /dev/null; then tar czf "$OUT/logs.tgz" -C "$LOGS" .; fi
 rm -rf "$LOGS"

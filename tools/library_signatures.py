@@ -10,6 +10,7 @@ Usage: ``python tools/library_signatures.py [--library flashinfer ...]``
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import sys
@@ -17,29 +18,14 @@ from typing import Optional
 
 # module -> attribute paths of the entry points the backends (and bench baselines) call
 ENTRY_POINTS = {
-    "flashinfer": [
-        "BatchPrefillWithPagedKVCacheWrapper.__init__",
-        "BatchPrefillWithPagedKVCacheWrapper.plan",
-        "BatchPrefillWithPagedKVCacheWrapper.run",
-        "BatchDecodeWithPagedKVCacheWrapper.__init__",
-        "BatchDecodeWithPagedKVCacheWrapper.plan",
-        "BatchDecodeWithPagedKVCacheWrapper.run",
-        "merge_state",
-        "mla.BatchMLAPagedAttentionWrapper.__init__",
-        "mla.BatchMLAPagedAttentionWrapper.plan",
-        "mla.BatchMLAPagedAttentionWrapper.run",
-    ],
+    "flashinfer": [f"{cls}.{method}" for cls in (
+        "BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
+        "mla.BatchMLAPagedAttentionWrapper") for method in ("__init__", "plan", "run")]
+    + ["merge_state"],
     "flash_attn.cute": ["flash_attn_varlen_func"],
     "flash_attn_interface": ["flash_attn_with_kvcache", "flash_attn_varlen_func"],
     "flash_mla": ["flash_mla_with_kvcache", "get_mla_metadata"],
 }
-
-
-def _resolve(module, path: str):
-    obj = module
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def signatures(module_name: str) -> list[str]:
@@ -52,7 +38,8 @@ def signatures(module_name: str) -> list[str]:
     lines = [f"{module_name} {version}"]
     for path in ENTRY_POINTS[module_name]:
         try:
-            lines.append(f"  {path}{inspect.signature(_resolve(module, path))}")
+            entry = functools.reduce(getattr, path.split("."), module)
+            lines.append(f"  {path}{inspect.signature(entry)}")
         except (AttributeError, TypeError, ValueError) as exc:
             lines.append(f"  {path}: {type(exc).__name__}: {exc}")
     return lines

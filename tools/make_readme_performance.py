@@ -1,15 +1,11 @@
 """Regenerate the README's "Performance" section from one ``specattn bench`` results folder.
 
-Usage::
+    python tools/make_readme_performance.py benchmarks/results/<date>-<device> [--check]
 
-    python tools/make_readme_performance.py benchmarks/results/<date>-<device>
-        [--readme README.md] [--check]
-
-Writes the text between ``<!-- performance:start -->`` and ``<!-- performance:end -->`` in
-the README: where and when it was measured, one headline line per case (uniform lengths: the
-fastest backend, its time, its ratio to the copy-bandwidth floor and to the per-branch
-baseline; on a CPU tokens/s and the ratio to ``torch_ref``) and the charts. ``--check``
-writes nothing and exits 1 when the README is out of date. Nothing is typed by hand.
+The text between ``<!-- performance:start -->`` and ``<!-- performance:end -->`` in the
+README: where and when it was measured, per case (uniform lengths) the fastest backend with
+its time and ratios, and the charts.
+``--check`` writes nothing and exits 1 when the README is out of date.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def headline_rows(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
     """Per case (uniform lengths, in file order): the fastest passing backend (its shared or
     only mode; ``torch_ref`` only when nothing else ran) with its ratios."""
     out: list[dict[str, Any]] = []
-    cases = list(dict.fromkeys(r["case"] for r in rows if r["lengths"] == "uniform"))
-    for case in cases:
+    for case in dict.fromkeys(r["case"] for r in rows if r["lengths"] == "uniform"):
         group = [r for r in rows if r["case"] == case and r["lengths"] == "uniform"]
         timed = [r for r in group if r["status"] == "ok" and _num(r["time_us"])
                  and r["mode"] in ("shared", "default")]
@@ -50,7 +45,6 @@ def headline_rows(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
             "case": case, "shape": _shape(best), "backend": best["variant"],
             "time_us": _num(best["time_us"]), "x_floor": _num(best["x_floor"]),
             "x_vs_per_branch": _num(best["x_vs_per_branch"]),
-            "per_branch": best.get("per_branch", ""),
             "x_vs_flashinfer": (_num(fi["time_us"]) / _num(best["time_us"])) if fi else None,
             "tokens_per_s": _num(best["tokens_per_s"]),
             "x_vs_torch_ref": _num(best["x_vs_torch_ref"]),
@@ -64,8 +58,8 @@ def _shape(r: dict[str, str]) -> str:
             f"P={r['page_size']}")
 
 
-def _x(value: Optional[float], digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}x"
+def _fmt(value: Optional[float], spec: str, unit: str) -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
 
 
 def render_section(results_dir: str, readme_dir: str) -> str:
@@ -90,35 +84,28 @@ def render_section(results_dir: str, readme_dir: str) -> str:
         "",
     ]
     heads = headline_rows(rows)
-    if cpu:
-        lines += ["| case | shape | fastest | tokens/s (one layer) | x vs torch_ref "
-                  "| x vs per-branch |", "|---|---|---|---|---|---|"]
-        for h in heads:
-            toks = "-" if h["tokens_per_s"] is None else f"{h['tokens_per_s']:,.0f}"
-            lines.append(f"| {h['case']} | {h['shape']} | {h['backend']} | {toks} | "
-                         f"{_x(h['x_vs_torch_ref'], 1)} | {_x(h['x_vs_per_branch'])} |")
+    if cpu:  # column: (headline key, format, unit)
+        cols = {"tokens/s (one layer)": ("tokens_per_s", ",.0f", ""),
+                "x vs torch_ref": ("x_vs_torch_ref", ".1f", "x"),
+                "x vs per-branch": ("x_vs_per_branch", ".2f", "x")}
     else:
-        lines += ["| case | shape | fastest | time (us) | x floor | x vs per-branch "
-                  "| x vs FlashInfer per-lane |", "|---|---|---|---|---|---|---|"]
-        for h in heads:
-            t = "-" if h["time_us"] is None else f"{h['time_us']:,.1f}"
-            lines.append(f"| {h['case']} | {h['shape']} | {h['backend']} | {t} | "
-                         f"{_x(h['x_floor'])} | {_x(h['x_vs_per_branch'])} | "
-                         f"{_x(h['x_vs_flashinfer'])} |")
+        cols = {"time (us)": ("time_us", ",.1f", ""), "x floor": ("x_floor", ".2f", "x"),
+                "x vs per-branch": ("x_vs_per_branch", ".2f", "x"),
+                "x vs FlashInfer per-lane": ("x_vs_flashinfer", ".2f", "x")}
+    lines += ["| case | shape | fastest | " + " | ".join(cols) + " |",
+              "|---" * (3 + len(cols)) + "|"]
+    lines += ["| " + " | ".join([h["case"], h["shape"], h["backend"]] + [
+        _fmt(h[key], spec, unit) for key, spec, unit in cols.values()]) + " |" for h in heads]
     lines += ["", "`x floor`: time over the copy-bandwidth floor (every prefix read once); "
               "`x vs per-branch`: speedup over each lane as its own sequence (the upstream "
               "design), with the same kernel library where it has that mode."]
-    pngs = sorted(p for p in os.listdir(results_dir) if p.endswith(".png"))
-    chosen = [p for p in pngs if p == "prefix-sweep.png"]
-    # The headline case's chart: gqa-long when it ran, else the first case of the table.
-    order = ["gqa-long"] + [h["case"] for h in heads]
-    first = next((f"case-{c}-uniform.png" for c in order if f"case-{c}-uniform.png" in pngs),
-                 None)
-    if first:
-        chosen.insert(0, first)
+    # The headline case's chart (gqa-long when it ran, else the table's first case), the sweep.
+    files = set(os.listdir(results_dir))
+    charts = [f"case-{c}-uniform.png" for c in ["gqa-long"] + [h["case"] for h in heads]]
+    chosen = [p for p in (next((p for p in charts if p in files), None), "prefix-sweep.png")
+              if p in files]
     if chosen:
-        lines.append("")
-        lines += [f"![{p[:-4]}]({rel}/{p})" for p in chosen]
+        lines += [""] + [f"![{p[:-4]}]({rel}/{p})" for p in chosen]
     return "\n".join(lines)
 
 
@@ -149,8 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.check:
         if new != text:
             print(f"{readme} is out of date; run without --check", file=sys.stderr)
-            return 1
-        return 0
+        return int(new != text)
     if new != text:
         with open(readme, "w") as f:
             f.write(new)

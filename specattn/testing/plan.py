@@ -135,7 +135,7 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
     # the H200 once (soak seed 364, flashinfer).
     yield _case("decode", model, "graph", checks.decode_graph, main, 1, p1, "lane")
     # Step S-1 captured too: outside the serving loop, so a backend may refuse it, but a
-    # stale plan replayed there must not pass silently (flashinfer, topk 1, before the fix).
+    # stale plan replayed there must not pass silently (one did: flashinfer, topk 1).
     yield _case("decode", model, "graph", checks.decode_graph, main, 1, p1, "lane",
                 tail="last_step", last_step=True)
     yield _case("decode", model, "determinism", checks.decode_determinism, main, k2, p1, path)

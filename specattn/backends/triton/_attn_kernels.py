@@ -3,22 +3,13 @@
 A *group* is the query rows sharing one request's prefix: a request's ``K`` lanes (shared
 decode), one lane (``per-branch``) or a request's ``E_b`` new tokens (extend); per KV head
 its ``n_q * G`` rows (``G = H_q / H_kv``; MLA: ``G = H``) map ``m -> (m // G, kv_head * G +
-m % G)`` and are tiled ``BLOCK_M`` at a time so QK and PV run on tensor cores.
-
-- ``_partial_attn_kernel`` (plans ``dot*``), grid ``(row_blocks, groups * H_kv, NUM_SPLITS +
-  1)``: split programs walk slices of ``R_b[0 : prefix_len]`` (lengths from the metadata
-  kernel: a fixed, graph-safe grid), each prefix tile loaded once for the whole group; the
-  last program walks the tail (decode: each lane's ``step + 1`` history slots, ``path`` mode
-  through ``parents``; extend: the new tokens, causal). The call's KV is in the pool first
-  (``_write_kv_kernel``, one launch).
-- ``_mla_partial_kernel`` (plan ``dot-mla``), grid ``(row_blocks, groups, NUM_SPLITS)``: a
-  request's ``K * H`` rows in one 64-row tile, the latent read as two halves + rope, the
-  tail walked by the last split, the call's new keys stored by split 0 and read from ``k``.
-- Each program writes a normalised fp32 partial and its natural-log LSE (``-inf``: no key),
-  merged by ``specattn.kernels.merge.merge_partials``.
-
-Limits: token-level gathers through ``req_to_token`` (any page size); ``BLOCK_M, BLOCK_N,
-BLOCK_D >= 16``.
+m % G)`` and are tiled ``BLOCK_M`` at a time so QK and PV run on tensor cores. Prefix splits walk
+slices of ``R_b[0 : prefix_len]`` (lengths from the metadata kernels: a fixed grid), each
+key tile loaded once for the group; the tail is each lane's ``step + 1`` history slots
+(decode; ``path`` mode through ``parents``) or the new tokens (extend, causal). Each program
+writes a normalised fp32 partial and its natural-log LSE (``-inf``: no key) for
+``specattn.kernels.merge.merge_partials``. Keys are gathered through ``req_to_token`` (any
+page size); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16``.
 """
 
 from __future__ import annotations
@@ -32,11 +23,9 @@ from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, 
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
-
-MODE_LANE = tl.constexpr(0)
+# MODE: 0 lane-mode decode, 1 path-mode decode, 2 extend.
 MODE_PATH = tl.constexpr(1)
 MODE_EXTEND = tl.constexpr(2)
-
 
 
 @triton.jit
@@ -112,9 +101,8 @@ def _partial_attn_kernel(
                                 D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K)
             if MODE == MODE_EXTEND:
                 # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
-                # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN.
-                # (Decode tails skip this: zeroing the tile there costs 40 registers, an
-                # occupancy step, 18% at gqa-long; a declared limit.)
+                # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN
+                # (decode tails do not: ``TritonDecode.known_limits``).
                 if v.dtype != q.dtype:  # FP8 codes: widened before any arithmetic on them
                     v = v.to(q.dtype)
                 bad = nonfinite_rows(v)

@@ -1,9 +1,5 @@
-"""The CuTe-DSL MLA draft-decode kernel for sm90 (plan ``cute``): a key-tile loop with one
-warpgroup on S and the softmax and the other on the gathers, the prefix splits of a request
-in thread-block clusters, merged on chip. Run only through ``cute_mla`` (which checks for
-CuTe-DSL first and documents the algorithm).
-
-Layout of one CTA (256 threads = two consumer warpgroups; about 226 KB of shared memory):
+"""The CuTe-DSL MLA draft-decode kernel for sm90 (plan ``cute``: ``MlaDecodeKernel``), run
+only through ``cute_mla``. Shared memory of one CTA (256 threads; about 226 KB):
 
 - ``sQ``: the 64 query rows, ``[64, 576]`` in 128-byte swizzle atoms (wgmma's K-major form);
 - the key ring: ``STAGES`` tiles ``[64, 576]``, same form. After the loop it holds this
@@ -27,13 +23,11 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 except ImportError:
-    # Without CuTe-DSL the module still imports (every specattn module does); nothing here
-    # runs then: ``cute_mla`` reaches it only when ``import_reason()`` finds CuTe-DSL. The
-    # stand-ins cover what is evaluated at import: the decorators and one default argument.
+    # Without CuTe-DSL the module still imports (every specattn module does) and nothing here
+    # runs (``plans.cute_import_reason``); the stand-in covers the decorators.
     import types
 
     cute = types.SimpleNamespace(jit=lambda fn: fn, kernel=lambda fn: fn)
-    Int32 = None
 
 ROWS = 64  # query rows per CTA: the wgmma height of one warpgroup
 KEYS = 64  # keys per tile
@@ -105,9 +99,8 @@ def _wgmma(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
 
 @cute.jit
 def _row_sum_and_inverse(sStat: cute.Tensor, m):
-    """Row ``m``'s softmax sum (``sStat[m, 2]`` from warpgroup 0, which keeps the softmax
-    statistics, plus ``sStat[m, 3]``, warpgroup 1's, always 0) and its inverse (0 for a row
-    that saw no key)."""
+    """Row ``m``'s softmax sum (``sStat[m, 2]``, warpgroup 0's, plus ``sStat[m, 3]``,
+    warpgroup 1's: 0) and its inverse (0 for a row that saw no key)."""
     total = sStat[m, 2] + sStat[m, 3]
     inv = Float32(0.0)
     if total > 0.0:
@@ -153,18 +146,21 @@ class MlaDecodeKernel:
     """One compiled variant: ``dtype`` (bf16/fp16), ``heads``, ``path`` (tree mode),
     ``use_cap`` (logit cap), ``cluster`` (CTAs per cluster, merged on chip), ``groups``
     (clusters per request row tile; with more than one each writes a merged fp32 partial and
-    LSE for ``merge_kernel``), ``stages`` (key tiles in the ring), ``parent_dtype``.
+    LSE for ``merge_partials``), ``stages`` (key tiles in the ring).
 
-    Per tile: warpgroup 0 computes S over the whole tile (wgmma N 64: Q read once) and the
-    softmax, keeping a row's maximum until a new one exceeds it by ``MAX_SLACK`` (then O needs
-    no rescale); warpgroup 1 gathers the next tile; both add ``P.V``. Interior tiles are not
-    masked and fold the scale into the exponent; P goes out by ``stmatrix``; a tail of at
-    most ``SMALL_KEYS`` keys is one N 16 tile; the last split walks its tail first
-    (``_tail_first``). Overlapping ``P.V`` with the next S is not done: ptxas serializes the
-    wgmma (C7514), and a third 72 KB stage does not fit beside Q."""
+    One CTA per (prefix split, 64-row tile, request), the splits of a request row tile in
+    clusters. Per key tile of 64: warpgroup 1 gathers the next tile (16-byte ``cp.async``
+    through ``req_to_token``); warpgroup 0 computes S over the whole tile (wgmma N 64: Q read
+    once) and the softmax over whole rows, keeping a row's maximum until a new one exceeds it
+    by ``MAX_SLACK`` (then O needs no rescale); both add ``P.V`` into their 256 output
+    columns. Interior tiles are not masked and fold the scale into the exponent; P goes out
+    by ``stmatrix``; a tail of at most ``SMALL_KEYS`` keys is one N 16 tile. The last split
+    walks the lanes' history (the call's keys read from ``k_new``; split 0 stores them),
+    first (``_tail_first``). Overlapping ``P.V`` with the next S is not done: ptxas
+    serializes the wgmma (C7514), and a third 72 KB stage does not fit beside Q."""
 
     def __init__(self, dtype, heads: int, path: bool, use_cap: bool, cluster: int,
-                 groups: int = 1, stages: int = 2, parent_dtype=Int32):
+                 groups: int, stages: int):
         self.dtype = dtype
         self.heads = heads
         self.path = path
@@ -173,7 +169,6 @@ class MlaDecodeKernel:
         self.groups = groups
         self.splits = cluster * groups
         self.stages = stages
-        self.parent_dtype = parent_dtype
 
     @cute.jit
     def __call__(self, q: cute.Pointer, kv: cute.Pointer, k_new: cute.Pointer,
@@ -194,10 +189,9 @@ class MlaDecodeKernel:
 
     @cute.jit
     def _tail_first(self, n_pref: Int32, total: Int32, t: Int32):
-        """Step ``t`` of ``total`` -> the key tile it walks: the tail tiles first
-        (``n_pref + t``), then the prefix (``t - tails``), so that the last split's extra
-        tile, a small one, is done while its first prefix tile lands (steps past the end
-        stay past it)."""
+        """Step ``t`` of ``total`` -> the key tile it walks: the tail tiles first, then the
+        prefix, so that the last split's small extra tile is done while its first prefix tile
+        lands (steps past the end stay past it)."""
         tt = t
         if t < total:
             tt = t + n_pref
@@ -247,12 +241,11 @@ class MlaDecodeKernel:
                     n_lo: Int32, n_hi: Int32, hl: Int32, q_start: Int32, b: Int32,
                     step: Int32, num_steps: Int32, num_slots: Int32, s_par_s: Int32,
                     s_par_b: Int32, total: Int32):
-        """Where key ``key`` of tile ``t`` comes from: ``(ok, new, slot, lane)``. Prefix
-        tiles read ``req_to_token``; tail tiles a lane's history (``path``: through
-        ``parents``) or, for the lane's last key (``new``), row ``lane`` of this call's
-        ``k_new``. ``ok`` False: past the end (or ``t`` past the last tile). Loaded a tile
-        ahead of the copies and first used there (``slot`` raw, clamped at the copy), so the
-        loads' latency passes behind the MMAs instead of stalling the warp here."""
+        """Where key ``key`` of tile ``t`` comes from: ``(ok, new, slot, lane)``: a
+        ``req_to_token`` entry (prefix tiles), a lane's history slot (``path``: through
+        ``parents``) or, for the lane's last key (``new``), row ``lane`` of ``k_new``; ``ok``
+        False past the end. Loaded a tile ahead of the copies (``slot`` raw, clamped there),
+        so the loads' latency passes behind the MMAs."""
         ok = Boolean(False)
         new = Boolean(False)
         slot = Int32(0)
@@ -396,9 +389,8 @@ class MlaDecodeKernel:
                              row_sum: cute.Tensor, sStat: cute.Tensor, lead, t: Int32, tail,
                              row_lo: Int32, mask_args: tuple):
         """Warpgroup 0's scores of tile ``t`` (base 2; masked only where the tile is not
-        wholly inside the slice: the visibility test was about 480 instructions of this
-        warpgroup's path per tile, sm90 SASS) and the online softmax of its rows, each row's
-        O rescale factor into ``sStat[:, 0]``."""
+        wholly inside the slice: the visibility test costs about 480 SASS instructions a
+        tile) and the online softmax of its rows, their O rescale factors into ``sStat[:, 0]``."""
         n_lo, n_pref, n_hi, hl, start, end, scale_log2, cap = mask_args
         interior = (t < n_pref) & (start + t * KEYS + KEYS <= end)
         if cutlass.const_expr(not self.use_cap):

@@ -9,7 +9,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
-# The metadata kernels' row layout and the tree-mode codes, shared with the tl.dot kernels.
 from ._attn_kernels import META_W, MODE_PATH
 
 D_MAIN = gl.constexpr(512)

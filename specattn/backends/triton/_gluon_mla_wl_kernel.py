@@ -1,9 +1,7 @@
-"""The Gluon MLA decode kernel on a balanced work list (``worklist``; plan ``gluon-wl``):
-each program takes its run of one request's key tiles from the table, with
-``_gluon_mla_kernel``'s tile loop (two warpgroups split S's columns and O's halves;
-``cp.async`` ring). Imported through ``gluon_mla`` like ``_gluon_mla_kernel``. Every program
-starts at a request start, so a program walks one segment of one request (one ``if``, no
-loop over segments: the kernel keeps its scalars in registers)."""
+"""The Gluon MLA decode kernel on ``worklist``'s balanced work list (plan ``gluon-wl``), with
+``_gluon_mla_kernel``'s tile loop; launched by ``gluon_mla``. Every program starts at a
+request start, so it walks one segment of one request (one ``if``, no loop over segments:
+its scalars stay in registers)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""Triton kernels that build the attention kernels' metadata on the device (no host sync).
-
-One launch per draft round (decode, all steps) or per extend batch, writing into buffers
-that the caller may keep fixed for CUDA graphs. Index tensors are read through their strides
-(engines pass slices and columns of larger tensors):
+"""Triton kernels that build the attention kernels' metadata on the device (no host sync):
+one launch per draft round or extend batch, into buffers the caller may keep fixed for CUDA
+graphs; index tensors are read through their strides (engines pass slices).
 
 - ``Meta [B, 5]`` int32 per request: ``req_pool_index, prefix_len, split_len, q_start, n_q``
-  (``split_len`` = the prefix slice of one split, a multiple of ``BLOCK_N``).
-- decode: ``Hist [B*K, S]`` int32, the lane-mode history table (``Hist[z, t]`` = the slot lane
-  ``z`` wrote at step ``t``); path mode reads it at the ancestor lanes it finds through
-  ``parents`` at run time, so one table serves every step of both modes.
+  (``split_len``: one split's prefix slice, a multiple of ``BLOCK_N``).
+- decode: ``Hist [B*K, S]`` int32, ``Hist[z, t]`` = the slot lane ``z`` wrote at step ``t``;
+  path mode reads it at the ancestor lanes found through ``parents``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA
 (imports no Triton: the kernels load on the first metadata call).
 
-A round's metadata is one launch (two with plan ``gluon-wl``'s work list), on the fixed
-buffers of a CUDA graph too, with no host sync; ``forward`` stores the call's KV, runs the
-plan's kernel (``plans``: ``plan=NAME`` forces one) and merges the partials.
-``mode="per-branch"`` treats every lane as its own sequence (the upstream design), for
-benchmarks. The split count depends only on the (padded) batch size: capture and replay agree.
+A round's metadata is one launch (two with ``gluon-wl``'s work list), graph-safe, no host
+sync; ``forward`` runs the plan's kernel (``plans``; ``plan=NAME`` forces one) and merges
+the partials. ``mode="per-branch"``: every lane its own sequence (the upstream design).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -24,29 +21,17 @@ from . import plans as P
 if TYPE_CHECKING:
     from ...data import AttentionLayer, DraftBatch, DraftExtendBatch
 
-log = logging.getLogger(__name__)
-
 _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
 _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
 DECODE_MODES = ("shared", "per-branch")
-MAX_SPLITS = 16  # launchers.MAX_SPLITS (that module imports Triton)
 
 
 def _launchers():
     from . import launchers
 
     return launchers
-
-
-def _fp32_latent_rule(request) -> Optional[str]:
-    """float32 at a wide MLA latent (DeepSeek's 512 + 64) needs 443 KB of shared memory in
-    the MLA kernels (the H200 has 227 KB): refused here instead."""
-    if request.mla and request.dtype == torch.float32 and (request.head_dim or 0) > 320:
-        return (f"float32 MLA with a latent row of {request.head_dim} does not fit shared "
-                "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
-    return None
 
 
 class _TritonCommon:
@@ -59,13 +44,17 @@ class _TritonCommon:
 
     @classmethod
     def check_request(cls, request, platform) -> Optional[str]:
-        return _fp32_latent_rule(request)
+        """float32 at DeepSeek's 512 + 64 latent needs 443 KB of shared memory (H200: 227)."""
+        if request.mla and request.dtype == torch.float32 and (request.head_dim or 0) > 320:
+            return (f"float32 MLA with a latent row of {request.head_dim} does not fit shared "
+                    "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
+        return None
 
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str) -> None:
         """``num_splits`` / ``plan`` checked and kept; the per-round caches emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
-                                           and 1 <= num_splits <= MAX_SPLITS):
-            raise InvalidInputError("num_splits", f"an int in [1, {MAX_SPLITS}] or None",
+                                           and 1 <= num_splits <= P.MAX_SPLITS):
+            raise InvalidInputError("num_splits", f"an int in [1, {P.MAX_SPLITS}] or None",
                                     repr(num_splits))
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
@@ -81,6 +70,14 @@ class _TritonCommon:
     def _kernel_writes_kv(self) -> bool:
         return True  # launchers.attention stores it
 
+    def _buffers_for(self, bs: int, rows: int) -> "_GraphBuffers":
+        """The graph's fixed buffers where they fit, else the eager ones (grown as needed)."""
+        for bufs in (self._graph_bufs, self._bufs):
+            if bufs is not None and bufs.fits(bs, rows):
+                return bufs
+        self._bufs = self._new_buffers(bs, rows)
+        return self._bufs
+
 
 class _GraphBuffers:
     """Fixed buffers for CUDA graphs (or the eager cache): meta, hist (the new tokens'
@@ -90,7 +87,7 @@ class _GraphBuffers:
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, work_rows: int = 0,
                  work_numel: int = 0) -> None:
-        rows = max(max_rows * num_q_heads * (MAX_SPLITS + 1), work_rows)
+        rows = max(max_rows * num_q_heads * (P.MAX_SPLITS + 1), work_rows)
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
@@ -137,8 +134,6 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         return P.choose_plan(self.runner, "decode" if shared else "per-branch", rows,
                              triton_interpret_enabled())
 
-    # --- planning (host ints only) -------------------------------------------------------
-
     def _make_plan(self, bs: int) -> dict:
         """The round's launch plan for ``bs`` requests (cached: host ints only)."""
         if bs in self._plans:
@@ -161,7 +156,8 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
             out.update(wl_slots=splits + bs,
                        wl_rows=worklist.partial_rows(self.topk, shape.num_q_heads),
                        wl_tail=worklist.tail_units(self.topk, shape.num_q_heads,
-                                                   self.num_steps, plan.block_n))
+                                                   self.num_steps, plan.block_n),
+                       wl_numel=worklist.work_numel(splits, bs))
         self._plans[bs] = out
         return out
 
@@ -171,27 +167,13 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         return P.platform_note(platform.device, platform.capability,
                                platform.triton_interpret)
 
-    def _new_buffers(self, bs: int) -> _GraphBuffers:
+    def _new_buffers(self, bs: int, lanes: int) -> _GraphBuffers:
         """Buffers for ``bs`` requests (and the work list's slots when the plan uses one)."""
         plan = self._make_plan(bs)
-        shape, work_rows, work_numel = plan["shape"], 0, 0
-        if plan["plan"].kernel is P.Kernel.GLUON_WL:
-            from . import worklist
-
-            work_rows = plan["wl_slots"] * plan["wl_rows"]
-            work_numel = worklist.work_numel(plan["num_splits"], bs)
-        return _GraphBuffers(bs, bs * self.topk, self.num_steps, shape.num_q_heads, shape.d_v,
-                             self.runner.device, work_rows, work_numel)
-
-    def _buffers_for(self, bs: int) -> _GraphBuffers:
-        if self._graph_bufs is not None and bs <= self.cuda_graph_max_bs:
-            return self._graph_bufs
-        b = self._bufs
-        if b is None or not b.fits(bs, bs * self.topk):
-            b = self._bufs = self._new_buffers(bs)
-        return b
-
-    # --- metadata ------------------------------------------------------------------------
+        return _GraphBuffers(bs, lanes, self.num_steps, plan["shape"].num_q_heads,
+                             plan["shape"].d_v, self.runner.device,
+                             plan.get("wl_slots", 0) * plan.get("wl_rows", 0),
+                             plan.get("wl_numel", 0))
 
     def _plan(self, batch: "DraftBatch", source: Optional["DraftBatch"] = None) -> None:
         """One metadata launch for all steps of the round (no host sync on a GPU); with
@@ -199,7 +181,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         buffers, padded."""
         bs = batch.batch_size
         plan = self._make_plan(bs)
-        bufs = self._buffers_for(bs)
+        bufs = self._buffers_for(bs, bs * self.topk)
         src = source or batch
         _launchers().decode_metadata(
             src.req_pool_indices, src.seq_lens, src.out_cache_loc, bufs.meta, bufs.hist,
@@ -216,9 +198,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
-        self._graph_bufs = self._new_buffers(max_bs)
-
-    # --- forward -------------------------------------------------------------------------
+        self._graph_bufs = self._new_buffers(max_bs, max_bs * self.topk)
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -230,9 +210,9 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
             mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
                                              q.device, bufs.mid_o, bufs.mid_lse)
         else:
-            mid_o, mid_lse = L.scratch(lanes, shape, L.num_parts(kernel_plan,
-                                                                 plan["num_splits"]),
-                                       q.device, bufs.mid_o, bufs.mid_lse)
+            parts = L.num_parts(kernel_plan, plan["num_splits"])
+            mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, parts), shape.d_v,
+                                             q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=1 if self.tree_mode == "path" else 0,
                            num_groups=plan["num_groups"],
@@ -286,13 +266,7 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
     def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
         bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
-        bufs = self._graph_bufs
-        if bufs is None or not bufs.fits(bs, num_tokens):
-            bufs = self._bufs
-            if bufs is None or not bufs.fits(bs, num_tokens):
-                shape = plan["shape"]
-                bufs = self._bufs = _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads,
-                                                  shape.d_v, self.runner.device)
+        bufs = self._buffers_for(bs, num_tokens)
         _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, bufs.meta, plan["num_splits"],
                                      plan["plan"].block_n)
@@ -300,10 +274,12 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
         self._round_plan, self._active = plan, bufs
 
-    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+    def _new_buffers(self, bs: int, num_tokens: int) -> _GraphBuffers:
         shape = P.AttnShape.of(self.runner)
-        self._graph_bufs = _GraphBuffers(max_bs, max_num_tokens, 1, shape.num_q_heads,
-                                         shape.d_v, self.runner.device)
+        return _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads, shape.d_v, self.runner.device)
+
+    def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph_bufs = self._new_buffers(max_bs, max_num_tokens)
 
     def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
@@ -317,9 +293,9 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         plan, bufs = self._round_plan, self._active
         L = _launchers()
         shape = plan["shape"]
-        mid_o, mid_lse = L.scratch(plan["num_tokens"], shape,
-                                   L.num_parts(plan["plan"], plan["num_splits"]), q.device,
-                                   bufs.mid_o, bufs.mid_lse)
+        parts = L.num_parts(plan["plan"], plan["num_splits"])
+        mid_o, mid_lse = L.partial_views((plan["num_tokens"], shape.num_q_heads, parts),
+                                         shape.d_v, q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,

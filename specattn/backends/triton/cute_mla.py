@@ -1,14 +1,11 @@
-"""MLA draft decode on Hopper in CuTe-DSL, the prefix splits merged on chip (plan ``cute``).
+"""MLA draft decode on Hopper in CuTe-DSL, the prefix splits merged on chip (plan ``cute``;
+the kernel: ``_cute_mla_kernel``). Run on the H200 with CuTe-DSL 4.8.1 (``docs/kernels.md``).
 
-One CTA of 256 threads per (prefix split, 64-row tile, request): warpgroup 1 gathers key
-tiles of 64 through ``req_to_token`` (16-byte ``cp.async``, a 2-stage ring); warpgroup 0
-computes ``S = Q K^T`` over whole rows and the online softmax; both add ``P V`` into their
-256 output columns. The last split walks the lanes' history (the call's new key read from
-``k_new``; split 0 stores it). A request's splits form ``groups`` thread-block clusters of
-``cluster`` CTAs (``cluster_shape``): each cluster merges its partials through distributed
-shared memory into the output, or (several groups) into a partial that ``merge_kernel``
-combines. Compiled at first use per (dtype, heads, tree mode, logit cap, cluster shape).
-Run on the H200 with CuTe-DSL 4.8.1 (``docs/kernels.md``). Not the ``cutedsl_mla`` backend.
+A request row tile's splits form ``groups`` thread-block clusters of ``cluster`` CTAs
+(``cluster_shape``): each cluster merges its partials through distributed shared memory into
+the output or (several groups) into a partial that ``merge_partials`` combines. Compiled at
+first use per (dtype, heads, tree mode, logit cap, cluster shape). Not the ``cutedsl_mla``
+backend.
 """
 
 from __future__ import annotations
@@ -20,12 +17,12 @@ from typing import Optional
 import torch
 
 from ...errors import InvalidInputError
-from .plans import TILE_ROWS, device_index
+from ...kernels.merge import merge_partials
+from .plans import MAX_SPLITS, device_index, num_row_tiles
 
 log = logging.getLogger(__name__)
 
 MAX_CLUSTER = 8  # the portable thread-block cluster size
-MAX_SPLITS = 16  # prefix splits in all (cluster x groups; the partial buffers hold 16)
 STAGES = 2  # key tiles in the ring (two 72 KB tiles + Q fill the 227 KB of shared memory)
 
 
@@ -41,10 +38,8 @@ def max_active_clusters(device_index: int, size: int) -> int:
 
 def cluster_shape(splits: int, programs: int, device: torch.device) -> tuple[int, int]:
     """``(cluster, groups)`` for ``splits`` prefix splits of each of ``programs`` (request,
-    row tile) pairs: the largest cluster size that divides ``splits`` (at most
-    ``MAX_CLUSTER``) whose ``programs * groups`` clusters all run at once, else the
-    largest that divides it. More than one group: each cluster merges its CTAs on chip
-    and the groups' partials are merged by one more launch."""
+    row tile) pairs: ``_one_wave_shape``, else the largest cluster size (at most
+    ``MAX_CLUSTER``) that divides ``splits``."""
     shape = _one_wave_shape(splits, programs, device)
     if shape is not None:
         return shape
@@ -91,22 +86,26 @@ def _compiled(dtype: torch.dtype, heads: int, path: bool, use_cap: bool, cluster
 
     from . import _cute_mla_kernel as K
 
-    kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, cluster, groups, STAGES,
-                               _dtype(parent_dtype))
-    ptrs = [_ptr(_dtype(dtype), 256)] * 4 + [_ptr(cutlass.Float32, 256)] * 2 + \
-        [_ptr(_dtype(r2t_dtype), 256)] + [_ptr(cutlass.Int32, 256)] * 2 + \
-        [_ptr(_dtype(parent_dtype), 256)]
+    kernel = K.MlaDecodeKernel(_dtype(dtype), heads, path, use_cap, cluster, groups, STAGES)
+    ptrs = _pointers(dtype, r2t_dtype, parent_dtype, [256] * 10)
     log.info("compiling the CuTe-DSL MLA decode kernel (%s, H %d, %s, cap %s, clusters of "
              "%d x %d)", dtype, heads, "path" if path else "lane", use_cap, cluster, groups)
     return cute.compile(kernel, *ptrs, *[cutlass.Int32(1)] * 20,
                         *[cutlass.Float32(1.0)] * 2, cuda.CUstream(0))
 
 
-def _ptr(dtype, address: int):
+def _pointers(dtype: torch.dtype, r2t_dtype: torch.dtype, parent_dtype: torch.dtype,
+              addresses: list) -> list:
+    """The kernel's pointers (q, kv, k_new, out, mid_o, mid_lse, req_to_token, meta, hist,
+    parents) at ``addresses``, 16-byte aligned."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=16)
+    types = [_dtype(dtype)] * 4 + [cutlass.Float32] * 2 + [_dtype(r2t_dtype)] + \
+        [cutlass.Int32] * 2 + [_dtype(parent_dtype)]
+    return [make_ptr(t, a, cute.AddressSpace.gmem, assumed_align=16)
+            for t, a in zip(types, addresses)]
 
 
 def _check(name: str, t: torch.Tensor, dims: int, aligned: tuple[int, ...]) -> None:
@@ -126,9 +125,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               num_steps: int, step: int, num_splits: int, sm_scale: float, logit_cap: float,
               mid_o: Optional[torch.Tensor] = None,
               mid_lse: Optional[torch.Tensor] = None) -> None:
-    """Launch the kernel: ``out`` written, merged on chip and, when the splits take more
-    than one cluster per request row tile (``cluster_shape``), the clusters' partials
-    merged by one more launch.
+    """Launch the kernel into ``out`` (with more than one cluster per request row tile,
+    ``cluster_shape``, their partials merged by one more launch).
 
     q: ``[B*K, H, 576]``; kv: ``[slots, 576]``; k_new: ``[B*K, 576]`` (this step's keys,
     stored at ``hist[:, step]`` by split 0); out: ``[B*K, H, 512]``; req_to_token: ``[pool
@@ -147,50 +145,32 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                                 "mode", None if parents is None else parents.stride())
     if not 1 <= num_splits <= MAX_SPLITS:
         raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
-    row_tiles = -(-topk * q.shape[1] // TILE_ROWS)
+    row_tiles = num_row_tiles(topk * q.shape[1])
     cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
     if groups > 1:
         _check_partials(mid_o, mid_lse, q, groups)
     path = mode == 1
     par = parents if path else meta
     mo, ml = (mid_o, mid_lse) if groups > 1 else (out, out)  # unused with one group
-    fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, cluster, groups,
-                   req_to_token.dtype, par.dtype)
-    _run(fn, (q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par),
-         (batch, row_tiles, step, topk, num_steps),
-         (mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1)), path,
-         sm_scale, logit_cap)
-    if groups > 1:
-        from ...kernels.merge import merge_partials
 
-        merge_partials(mid_o, mid_lse, out, groups)
-
-
-def _run(fn, tensors: tuple, counts: tuple, mid_strides: tuple, path: bool, sm_scale: float,
-         logit_cap: float) -> None:
-    """Call compiled ``fn`` on the current stream: ``tensors`` = (q, kv, k_new, out, mid_o,
-    mid_lse, req_to_token, meta, hist, parents), ``counts`` = (batch, row tiles, step, topk,
-    num_steps), ``mid_strides`` = the partials' five strides (``MlaDecodeKernel``'s
-    ``s_mo*``, ``s_ml*``)."""
     import cuda.bindings.driver as cuda
     import cutlass
 
     from ._cute_mla_kernel import LOG2E
 
-    q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par = tensors
-    i32 = cutlass.Int32
-    args = ([_ptr(_dtype(q.dtype), t.data_ptr()) for t in (q, kv, k_new, out)]
-            + [_ptr(cutlass.Float32, t.data_ptr()) for t in (mo, ml)]
-            + [_ptr(_dtype(req_to_token.dtype), req_to_token.data_ptr()),
-               _ptr(cutlass.Int32, meta.data_ptr()), _ptr(cutlass.Int32, hist.data_ptr()),
-               _ptr(_dtype(par.dtype), par.data_ptr())]
-            + [i32(v) for v in (
-                *counts, kv.shape[0], q.stride(0), q.stride(1), kv.stride(0),
-                k_new.stride(0), out.stride(0), out.stride(1), *mid_strides,
-                req_to_token.stride(0), par.stride(0) if path else 0,
-                par.stride(1) if path else 0)]
-            + [cutlass.Float32(sm_scale * LOG2E), cutlass.Float32(logit_cap)])
-    fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    fn = _compiled(q.dtype, q.shape[1], path, logit_cap > 0, cluster, groups,
+                   req_to_token.dtype, par.dtype)
+    tensors = (q, kv, k_new, out, mo, ml, req_to_token, meta, hist, par)
+    ints = (batch, row_tiles, step, topk, num_steps, kv.shape[0], q.stride(0), q.stride(1),
+            kv.stride(0), k_new.stride(0), out.stride(0), out.stride(1), mo.stride(0),
+            mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1), req_to_token.stride(0),
+            par.stride(0) if path else 0, par.stride(1) if path else 0)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fn(*_pointers(q.dtype, req_to_token.dtype, par.dtype, [t.data_ptr() for t in tensors]),
+       *[cutlass.Int32(v) for v in ints], cutlass.Float32(sm_scale * LOG2E),
+       cutlass.Float32(logit_cap), stream)
+    if groups > 1:
+        merge_partials(mid_o, mid_lse, out, groups)
 
 
 def _check_partials(mid_o: Optional[torch.Tensor], mid_lse: Optional[torch.Tensor],

@@ -1,23 +1,22 @@
 """MLA draft decode on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``; sm90,
-Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``).
+Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``); run on the H200.
 
-One program per (64-row tile, request, prefix split), 8 warps: the tile's ``K * H`` query
-rows stay in shared memory; key tiles of ``BLOCK_N`` arrive by ``cp.async`` row gathers into
-a ``NUM_STAGES`` ring, their ``req_to_token`` entries loaded a tile ahead; ``S`` is one wgmma
-chain per tile with each warpgroup on half its columns, ``P`` reaches the ``P.V`` wgmma from
-registers, each warpgroup owns 256 of the 512 output columns. The last split walks the
-lanes' history (the new key read from ``k``; split 0 stores it). One split writes the
-output, several write partials for ``merge_partials``; ``gluon-wl`` walks ``worklist``'s
-balanced work list instead. Run on the H200 (``docs/kernels.md``).
+One program of 8 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment of
+``worklist``'s work list): the tile's ``K * H`` query rows in shared memory, key tiles
+gathered by ``cp.async`` into a ring (``req_to_token`` read a tile ahead), S by wgmma with
+each warpgroup on half its columns, P.V from registers into each warpgroup's 256 output
+columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
+key read from ``k``). ``docs/kernels.md`` has the measurements.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
+
 import torch
 
-from .plans import gluon_import_reason
-from .worklist import num_row_tiles
+from .plans import gluon_import_reason, num_row_tiles
 
 NUM_WARPS = 8  # two warpgroups
 
@@ -35,54 +34,42 @@ def kernel_module():
 
 def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch.Tensor,
               mid_o: torch.Tensor, mid_lse: torch.Tensor, req_to_token: torch.Tensor,
-              meta: torch.Tensor, hist: torch.Tensor, parents: tuple, *,
-              mode: int, batch: int, topk: int, num_steps: int, step: int, num_splits: int,
-              sm_scale: float, logit_cap: float, block_n: int, num_stages: int) -> None:
-    """Launch the split kernel: one split writes ``out``, several write ``mid_o``/``mid_lse``
-    (``num_splits`` partials the caller merges).
+              meta: torch.Tensor, hist: torch.Tensor, parents: tuple, *, mode: int, batch: int,
+              topk: int, num_steps: int, step: int, num_splits: int, sm_scale: float,
+              logit_cap: float, block_n: int, num_stages: int,
+              work: Optional[torch.Tensor] = None) -> None:
+    """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
+    partials (``merge_partials``; ``worklist.merge``).
 
     q: ``[B*K, H, 576]``; kv: the layer's latent pool ``[slots, 576]``; k_new: ``[B*K, 576]``
-    (this step's keys, stored at ``hist[:, step]`` by split 0); out: ``[B*K, H, 512]``;
-    mid_o: ``[B*K, H, >= splits, 512]`` fp32; mid_lse: ``[B*K, H, >= splits]`` fp32; meta:
-    ``[>= B, 5]`` int32 (``_metadata_kernels``); hist: ``[B*K, S]`` int32; parents:
-    ``launchers.parent_args`` of ``[S, B, K]`` (path mode, ``mode == 1``)."""
-    K = kernel_module()
+    (this step's keys, stored at ``hist[:, step]``); out: ``[B*K, H, 512]``; meta: ``[>= B,
+    5]`` int32 (``_metadata_kernels``); hist: ``[B*K, S]`` int32; parents:
+    ``launchers.parent_args`` of ``[S, B, K]`` (path mode, ``mode == 1``).
+    Split: one split writes ``out``, several the fp32 partials ``mid_o [B*K, H, >= splits,
+    512]`` / ``mid_lse [B*K, H, >= splits]``. Work list (``worklist``'s table for
+    ``num_splits`` programs per row tile): requests with one program write ``out``, the
+    others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]`` /
+    ``mid_lse [slots, partial_rows]``."""
+    K = kernel_module()  # the version and Gluon checks
     H = q.shape[1]
     par, par_s, par_b = parents
-    K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
-        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
-        step, float(sm_scale), float(logit_cap),
-        q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        par_s, par_b, kv.shape[0], topk, num_steps, num_splits,
-        H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, USE_CAP=logit_cap > 0,
-        DIRECT_OUT=num_splits == 1, num_warps=NUM_WARPS)
-
-
-def attention_worklist(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor,
-                       out: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
-                       req_to_token: torch.Tensor, meta: torch.Tensor, work: torch.Tensor,
-                       hist: torch.Tensor, parents: tuple, *, mode: int,
-                       batch: int, topk: int, num_steps: int, step: int, programs: int,
-                       sm_scale: float, logit_cap: float, block_n: int,
-                       num_stages: int) -> None:
-    """The kernel on ``worklist``'s balanced work list (``work``, filled for this round with
-    ``programs`` per row tile): writes ``out`` for requests with one program, partials for
-    the others (the caller merges them: ``worklist.merge``).
-
-    mid_o: ``[slots >= programs + batch, worklist.partial_rows(topk, H), 512]`` fp32;
-    mid_lse: ``[slots, partial_rows]`` fp32; the rest as in ``attention``."""
-    kernel_module()  # the version and Gluon checks
+    consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
+                  USE_CAP=logit_cap > 0, num_warps=NUM_WARPS)
+    if work is None:
+        K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
+            q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
+            step, float(sm_scale), float(logit_cap),
+            q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
+            par_s, par_b, kv.shape[0], topk, num_steps, num_splits,
+            DIRECT_OUT=num_splits == 1, **consts)
+        return
     from . import _gluon_mla_wl_kernel as W
 
-    H = q.shape[1]
-    par, par_s, par_b = parents
-    W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), programs)](
+    W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), num_splits)](
         q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par,
         step, float(sm_scale), float(logit_cap),
         q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), mid_o.stride(0),
         mid_lse.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), par_s, par_b,
-        kv.shape[0], topk, num_steps, batch, programs,
-        H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages, USE_CAP=logit_cap > 0,
-        num_warps=NUM_WARPS)
+        kv.shape[0], topk, num_steps, batch, num_splits, **consts)

@@ -13,57 +13,40 @@ import triton
 
 from ...kernels.merge import merge_partials
 from ...kernels.tiles import dot_args
-from ...util import next_pow2, sm_count
+from ...util import next_pow2
 from . import _attn_kernels as K
+from . import cute_mla, gluon_mla, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
-from .plans import AttnShape, Kernel, Plan
-
-MAX_SPLITS = 16
-NEW_KV_FIRST = 2  # the kernels' NEW_KV code: the first prefix split stores the new KV
-
-
-def _sm_count(device: torch.device) -> int:
-    return sm_count(device) or 4  # interpreter: small, so tests see several splits
+from .plans import MAX_SPLITS, SM90_KERNELS, AttnShape, Kernel, Plan
 
 
 def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
 
 
-def choose_num_splits(programs: int, device: torch.device, waves: float) -> int:
-    """Prefix splits so that ``programs * splits`` fills about ``waves`` programs per SM
-    (rounded up; below 2 waves rounded down, so one full wave is not followed by a few
-    stragglers)."""
-    target = waves * _sm_count(device)
-    n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
-    return max(1, min(MAX_SPLITS, n))
-
-
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
                 device: torch.device, extend: bool) -> int:
     """Prefix splits of a round (host ints only: graph-safe); for ``gluon-wl`` the work
-    list's programs per row tile. The wgmma kernels take ~200 KB of shared memory, one
-    resident program per SM: one wave. The ``tl.dot`` split-KV kernel aims at 4 programs per
-    SM in decode, 2 in extend (H200 sweeps, ``docs/kernels.md``)."""
-    block_m = plan.tile(rows_per_group)[0]
-    row_tiles = triton.cdiv(rows_per_group, block_m)
+    list's programs per row tile. Splits fill about ``waves`` programs per SM: 4 for the
+    ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``), rounded up; 1
+    for the others (~200 KB of shared memory: one program per SM), rounded down so that a
+    full wave is not followed by a few stragglers (``cute``: one wave of clusters)."""
+    row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
-        from .worklist import programs_per_row_tile
-
-        return programs_per_row_tile(row_tiles, num_groups, device)
+        return worklist.programs_per_row_tile(row_tiles, num_groups, device)
     programs = row_tiles * num_groups * shape.num_kv_heads
     waves = (2.0 if extend else 4.0) if plan.kernel is Kernel.DOT else 1.0
-    splits = choose_num_splits(programs, device, waves)
-    if plan.kernel is Kernel.CUTE:  # one wave of clusters
-        from . import cute_mla
-
-        return cute_mla.plan_splits(programs, device, splits)
-    return splits
+    target = waves * worklist.sms(device)
+    n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
+    splits = max(1, min(MAX_SPLITS, n))
+    return cute_mla.plan_splits(programs, device, splits) if plan.kernel is Kernel.CUTE \
+        else splits
 
 
 def num_parts(plan: Plan, num_splits: int) -> int:
-    """Partials per row: one per split, plus the history's own program (``tl.dot`` split-KV)."""
-    return num_splits + 1 if plan.extra_tail_program else num_splits
+    """Partials per row: one per split, plus the history's own program in the ``tl.dot``
+    split-KV kernel (the others walk it in their last split)."""
+    return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
 
 
 def layer_pools(runner, layer_id: int):
@@ -98,8 +81,6 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         raw, TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
         NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, num_warps=1)
     if work is not None:
-        from . import worklist
-
         worklist.fill(seq_lens if fixed is None else fixed[1], work, num_splits, tail,
                       block_n)
 
@@ -116,18 +97,11 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         num_warps=4)
 
 
-def scratch(rows: int, shape: AttnShape, parts: int, device: torch.device,
-            flat_o: Optional[torch.Tensor] = None, flat_lse: Optional[torch.Tensor] = None):
-    """Partial-output buffers ``[rows, H_q, parts, D_v]`` / ``[rows, H_q, parts]`` (fp32),
-    views of ``flat_o``/``flat_lse`` when large enough (fixed CUDA-graph buffers)."""
-    return partial_views((rows, shape.num_q_heads, parts), shape.d_v, device, flat_o,
-                         flat_lse)
-
-
 def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
                   flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor]):
-    """fp32 ``(lse_shape + (d_v,), lse_shape)`` views of ``flat_o`` / ``flat_lse`` when they
-    are large enough, else of fresh buffers (``gluon-wl``: ``(slots, rows)``)."""
+    """fp32 partials ``(lse_shape + (d_v,), lse_shape)``: views of ``flat_o`` / ``flat_lse``
+    (fixed CUDA-graph buffers) when they are large enough, else fresh buffers.
+    ``lse_shape``: ``(rows, H_q, parts)``; ``gluon-wl``: ``(slots, rows)``."""
     n_l = math.prod(lse_shape)
     n_o = n_l * d_v
     if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
@@ -195,39 +169,27 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         v_scale = scale_tensor(layer.v_scale, q.device)
     elif kernel is Kernel.DOT:
         write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
-    if kernel in (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE) and (mode == 2 or scaled):
+    if kernel in SM90_KERNELS and (mode == 2 or scaled):
         raise ValueError(f"plan {plan.name} serves decode of bf16/fp16 pools only")
     if kernel is Kernel.CUTE:  # a request's splits merged on chip
-        from . import cute_mla
-
         cute_mla.attention(q, kb, new_kv[0], out, req_to_token, meta, hist, parents,
                            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps,
                            step=step, num_splits=num_splits, sm_scale=layer.scaling,
                            logit_cap=layer.logit_cap, mid_o=mid_o, mid_lse=mid_lse)
         return out
-    if kernel is Kernel.GLUON_WL:
-        from . import gluon_mla, worklist
-
-        if work is None:
+    if kernel in (Kernel.GLUON_WL, Kernel.GLUON_SPLIT):
+        wl = kernel is Kernel.GLUON_WL
+        if wl and work is None:
             raise ValueError("plan gluon-wl needs the round's work list (work)")
-        gluon_mla.attention_worklist(
-            q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, work, hist,
-            parent_args(parents, meta),
-            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
-            programs=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages)
-        worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
-        return out
-    if kernel is Kernel.GLUON_SPLIT:
-        from . import gluon_mla
-
         gluon_mla.attention(
             q, kb, new_kv[0], out, mid_o, mid_lse, req_to_token, meta, hist,
             parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages)
-        if num_splits > 1:
+            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None)
+        if wl:
+            worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
+        elif num_splits > 1:
             merge_partials(mid_o, mid_lse, out, num_splits)
         return out
     par, par_s, par_b = parent_args(parents, meta)

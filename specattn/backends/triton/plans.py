@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 from importlib import metadata
@@ -20,10 +21,10 @@ from ...errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 
-# Triton releases whose Gluon API the Gluon kernel was written against and run with.
-GLUON_TRITON = ("3.6",)
+GLUON_TRITON = ("3.6",)  # Triton releases whose Gluon API the Gluon kernels run with
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
+MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
 
 
 class Kernel(str, enum.Enum):
@@ -35,6 +36,11 @@ class Kernel(str, enum.Enum):
 
 
 SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
+
+
+def num_row_tiles(rows: int) -> int:
+    """The sm90 kernels' ``TILE_ROWS``-row tiles over a request's ``rows`` query rows."""
+    return -(-rows // TILE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,6 @@ class Plan:
             return self.block_m, self.num_warps
         block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
         return block_m, (4 if block_m <= 32 else self.num_warps)
-
-    @property
-    def extra_tail_program(self) -> bool:
-        """The history runs in a program of its own (one more partial per row); the other
-        kernels walk it in their last split."""
-        return self.kernel is Kernel.DOT
 
 
 #            name           kernel               m   n  warps stages
@@ -107,8 +107,8 @@ class AttnShape:
 
 
 def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
-    """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query rows per request and KV head
-    (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
+    """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query
+    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -130,28 +130,21 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
-    """The plan ``name`` (``--option triton:plan=NAME``), checked against what it serves."""
+    """The plan ``name`` (``--option triton:plan=NAME``), refused where it cannot serve
+    ``job`` for ``runner`` here."""
     plan = PLANS.get(name)
     if plan is None:
         raise InvalidInputError("plan", f"one of {', '.join(PLANS)}", repr(name))
-    why = serve_reason(plan, runner, job, interpret)
+    why = None
+    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
+        why = "an MLA latent of an even rank >= 32 plus a rope part"
+    elif plan.kernel in SM90_KERNELS:
+        why = "shared-prefix draft decode only" if job != "decode" else \
+            (cute_reason if plan.kernel is Kernel.CUTE else gluon_reason)(runner, interpret)
     if why is not None:
         raise InvalidInputError("plan", f"a plan that serves this {job} here ({name}: {why})",
                                 repr(name))
     return plan
-
-
-def serve_reason(plan: Plan, runner, job: str, interpret: bool) -> Optional[str]:
-    """Why ``plan`` cannot serve ``job`` for ``runner`` here (``None``: it can)."""
-    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
-        return "an MLA latent of an even rank >= 32 plus a rope part"
-    if plan.kernel in SM90_KERNELS:
-        if job != "decode":
-            return "shared-prefix draft decode only"
-        if plan.kernel is Kernel.CUTE:
-            return cute_reason(runner, interpret)
-        return gluon_reason(runner, interpret)
-    return None
 
 
 # --- what the sm90 kernels need ---------------------------------------------------------------
@@ -270,8 +263,6 @@ def _gluon_version(version: str) -> bool:
 
 
 def _found(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
