@@ -3,31 +3,16 @@
     python tools/sglang_gpu.py --out DIR [--quick] [--budget-s 300] [--no-timing]
                                [--device cuda|cpu] [--dtype bf16|fp32] [--tiny]
 
-Correctness, per case (MHA and MLA; topk 1/4/8; page 1/16, MLA 1/64; ragged lengths; the
-graph runner captured one batch larger than the batch, so replays pad), for SGLang's names
-``triton`` and ``flashinfer``: SGLang's own draft backend eagerly and through
-``EAGLEDraftCudaGraphRunner`` (the graph against the eager round), then specattn through the
-plugin under the same name (``SPECATTN_SGLANG=1``) against SGLang's run, eager and graph;
-``auto`` (``SPECATTN_SGLANG_BACKEND=auto``) against SGLang's ``triton``; ``path`` tree mode
-against a float32 attention over each token's ancestors (and the rows where that differs
-from ``lane`` counted). Draft tokens, each step's attention output and the KV it wrote
-(``specattn.integrations.sglang.draft_round.compare``; bf16 tolerance 2e-2 of the largest
-magnitude). Import-only stand-ins are counted: a call fails the case.
-
-Timing (``--no-timing`` skips it): SGLang's draft round, ``EAGLEDraftCudaGraphRunner.execute``
-(host preparation + graph replay: host wall time and CUDA-event span, medians) and each
-step's attention call (eager, CUDA events), stock against specattn of the same name, at
-B 1/8/32 x L 4096/32768 x K 1/4/8 x MHA/MLA (uniform lengths, 5 steps, page 1).
-
-Cases run from the most to the least important until ``--budget-s`` (correctness stops at
-half of it, timing uses the rest); what was not started is listed. Writes ``results.md``
-(the correctness table and the peer timing table), ``results.csv`` (correctness) and
-``timing.csv`` into ``--out``. Exit status 1 if a correctness case failed.
-
-On a GPU host: ``tools/sglang_gpu.sh`` installs what it needs and runs this (docs/sglang.md).
-``--device cpu --dtype fp32 --tiny`` runs the correctness path on the CPU at tiny shapes
-(Triton under ``TRITON_INTERPRET=1``; the graph runner with an eager stand-in for its CUDA
-graph backend, ``--graphs``), as ``tests/test_sglang_gpu_tool.py`` does.
+Correctness (MHA and MLA; topk 1/4/8; page 1/16, MLA 1/64; ragged lengths; graphs captured
+one batch larger, so replays pad), per SGLang name ``triton`` / ``flashinfer``: SGLang's
+backend eager and through ``EAGLEDraftCudaGraphRunner``; specattn through the plugin under
+the same name, ``auto`` against SGLang's ``triton``, ``path`` mode against a float32 tree
+reference (``draft_round.compare`` / ``check_tree``). Timing: the graph runner's
+``execute`` and each step's attention call, stock against specattn, B 1/8/32 x L
+4096/32768 x K 1/4/8. Cases run most important first until ``--budget-s`` (correctness
+gets half); ``results.md``, ``results.csv`` and ``timing.csv`` go to ``--out``; exit 1 if a
+case failed. ``tools/sglang_gpu.sh`` runs it on a GPU host (docs/sglang.md);
+``--device cpu --dtype fp32 --tiny`` runs it on a CPU (``tests/test_sglang_gpu_tool.py``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 #!/usr/bin/env bash
-# SGLang's own EAGLE draft loop on the GPU host, SGLang's backends against specattn's (one
-# GPU run; carry .gpu/flashinfer .gpu/install.sh .whl, the wheels of
-# tools/sglang_wheels.sh):
-#
-#   bash tools/sglang_gpu.sh [tools/sglang_gpu.py options, e.g. --budget-s 240]
-#
-# Unpacks the FlashInfer bundle into /tmp/gpu-site, SGLang (the recompressed wheel: no
-# dependencies, so no sglang-kernel) and the light wheels into /tmp/site, runs tools/sglang_gpu.py into $OUT/sglang
-# (results.md, results.csv, timing.csv, harness.log), then the quick GPU test
-# (tests/gpu/test_sglang_gpu.py, $OUT/sglang/gpu-test.log) on the warm compile caches.
-# Budget: install ~30 s + the harness's --budget-s (default here 240 s, plus the case in
-# flight) + the test ~60 s (SGLANG_GPU_TEST=0 skips it). The device's copy of .git can be stale: SPECATTN_COMMIT=<sha>.
+# SGLang's own EAGLE draft loop on the GPU host, SGLang's backends against specattn's:
+#   bash tools/sglang_gpu.sh [tools/sglang_gpu.py options]
+# Carry .gpu/flashinfer, .gpu/install.sh and .whl (tools/sglang_wheels.sh). Unpacks them,
+# runs tools/sglang_gpu.py into $OUT/sglang, then tests/gpu/test_sglang_gpu.py
+# (SGLANG_GPU_TEST=0 skips it). SPECATTN_COMMIT names the commit in the report.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the results}"
 mkdir -p "$OUT/sglang"
@@ -28,7 +21,7 @@ for w in sys.argv[2:]: zipfile.ZipFile(w).extractall(sys.argv[1])' /tmp/site .wh
 fi
 export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
 status=0
-timeout 420 python3 tools/sglang_gpu.py --out "$OUT/sglang" --budget-s 240 "$@" \
+timeout 420 python3 tools/sglang_gpu.py --out "$OUT/sglang" "$@" \
   > "$OUT/sglang/harness.log" 2>&1 || status=1
 tail -n 5 "$OUT/sglang/harness.log"
 if [ "${SGLANG_GPU_TEST:-1}" != 0 ]; then
