@@ -395,7 +395,7 @@ def test_demo_is_delegated(capsys, monkeypatch):
     assert main(["demo", "--steps", "3", "--mla"]) == 7
     (argv, started), = seen
     assert argv == ["--steps", "3", "--mla"]
-    assert started == specattn._STARTED  # the total counts from importing torch on
+    assert started == specattn._STARTED  # the total counts from the process's start
 
 
 def test_demo_missing_is_a_clear_message(capsys, monkeypatch):
