@@ -211,17 +211,16 @@ _CC = "CUDA compute capability "
 
 
 def _short_reason(reasons: list[str]) -> str:
-    """One name's reason in a few words: each class's first reason without the platform
-    (printed above); the TRITON_INTERPRET=1 hint alone when a flavour needs only that; the
-    flavours' needs as one ``needs CUDA compute capability 8.x/9.0 or MUSA``."""
-    firsts = list(dict.fromkeys(r.split("; ")[0].split(", this platform is")[0]
-                                for r in reasons))
-    interpret = [f for f in firsts if f.startswith("set TRITON_INTERPRET=1")]
-    if interpret:
-        return interpret[0]
-    needs = [f.removeprefix("needs ") for f in firsts if f.startswith("needs ")]
-    if len(firsts) < 2 or len(needs) < len(firsts):
-        return "; ".join(firsts)
+    """One name's reason in a few words, from each class's first reason without the platform
+    (printed above): the flavours whose platform fits say what else they need (a package,
+    ``TRITON_INTERPRET=1``); when none fits, their platforms in one ``needs CUDA compute
+    capability 8.x/9.0 or MUSA``."""
+    firsts = [r.split("; ")[0] for r in reasons]
+    near = [f for f in firsts if ", this platform is" not in f]
+    if near or not firsts:
+        return "; ".join(dict.fromkeys(near))
+    needs = list(dict.fromkeys(f.split(", this platform is")[0].removeprefix("needs ")
+                               for f in firsts))
     capabilities = [n.removeprefix(_CC) for n in needs if n.startswith(_CC)]
     return "needs " + " or ".join(([_CC + "/".join(capabilities)] if capabilities else [])
                                   + [n for n in needs if not n.startswith(_CC)])

@@ -51,6 +51,14 @@ def test_list_is_one_line_per_backend(capsys, monkeypatch, columns):
     assert table["flashinfer"] == ["no", "needs CUDA"]
     # The flavours' needs in one reason (fa3: sm8x, sm90 and MUSA classes).
     assert table["fa3"] == ["no", "needs CUDA compute capability 8.x/9.0 or MUSA"]
+    # A flavour whose platform fits says what else it needs; the others stay out.
+    code, out, _ = run(capsys, "list", "--platform", "cuda:9.0", "--with-library", "none")
+    table = {line.split()[0]: line.split(None, 2)[1:] for line in out.splitlines()
+             if line.split() and line.split()[0] in names}
+    assert table["dsv4"] == table["triton"]
+    assert table["dsv4"][1].startswith("needs the 'triton' package")
+    assert table["fa3"][1].startswith("needs a FlashAttention library")
+    assert table["torch_ref"] == ["yes"]
     assert f"{len(names)} backends, " in lines[-1] and "--details" in lines[-1]
     assert "capabilities" not in out and "this platform is" not in out
     code, details, _ = run(capsys, "list", *cpu, "--details")
