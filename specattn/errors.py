@@ -29,8 +29,8 @@ class UnknownBackendError(SpecAttnError, ValueError):
     """A backend name that no registered class, alias or dispatcher answers to.
 
     The message begins exactly like the original factory's
-    (``EAGLE is not supported in decode attention backend {name}``), then lists the valid
-    names and the closest match.
+    (``EAGLE is not supported in decode attention backend {name}``), then names the closest
+    match (``Did you mean 'triton'?``) and lists the valid names.
     """
 
     def __init__(self, message: str, name: object, valid_names: Sequence[str],

@@ -234,9 +234,10 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
     valid = [n for n in registry.all_names(kind)] + [AUTO]
     closest = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.0)
     hint = closest[0] if closest else None
-    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name)
-               + f". Valid {kind} backend names: {', '.join(sorted(valid))}."
-               + (f" Did you mean {hint!r}?" if hint else ""))
+    # The original's sentence, then the answer, then the list it comes from.
+    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name) + "."
+               + (f" Did you mean {hint!r}?" if hint else "")
+               + f" Valid {kind} backend names: {', '.join(sorted(valid))}.")
     return UnknownBackendError(message, name, sorted(valid), hint)
 
 

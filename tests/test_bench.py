@@ -349,6 +349,8 @@ def test_sweep_chart_has_one_legend_outside_the_panels():
         box = fig.legends[0].get_window_extent(renderer)
         assert not any(_boxes_overlap(box, ax.get_window_extent(renderer)) for ax in fig.axes)
         assert fig.axes[0].get_ylabel() == "time, us (log scale; lower is better)"
+        assert all(ax.get_xscale() == "log" and ax.get_xlabel().endswith("(log scale)")
+                   for ax in fig.axes)
         # Each variant in one colour, the same in every panel (the one legend holds).
         colours = [{ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes]
         assert all(c == colours[0] for c in colours) and len(set(colours[0].values())) == 4

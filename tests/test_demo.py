@@ -8,7 +8,11 @@ ancestry, so in ``path`` mode every cumulative score of the tree must match it.
 from __future__ import annotations
 
 import io
+import pathlib
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,6 +110,40 @@ def test_demo_explain_and_a_true_total(capsys):
     assert float(total) >= 100 > float(rounds)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_total_counts_from_the_process_start():
+    """specattn._STARTED is the process's start, not the import: half a second of work
+    before ``import specattn`` is in the total; a shell that forks, waits, then execs the
+    command (``sh -c 'sleep 3; exec ...'``) does not add its wait."""
+    probe = ("import time; {}before = time.perf_counter(); import specattn; "
+             "print(before - specattn._STARTED)")
+    root = pathlib.Path(__file__).resolve().parents[1]  # this checkout's specattn
+    since = float(subprocess.run([sys.executable, "-c", probe.format("time.sleep(0.5); ")],
+                                 capture_output=True, text=True, check=True, cwd=root,
+                                 timeout=120).stdout)
+    assert since >= 0.5
+    forked = subprocess.run(["sh", "-c", f"sleep 3; exec {shlex.quote(sys.executable)} -c "
+                             f"{shlex.quote(probe.format(''))}"], capture_output=True,
+                            text=True, check=True, cwd=root, timeout=120).stdout
+    assert float(forked) < 1  # from the import: the 3 s wait is not counted
+
+
+def test_the_command_skips_the_exit_collections_after_the_total(monkeypatch, capsys):
+    """Run as the program, ``main`` freezes the garbage collector's objects when the command
+    is done: the collections at exit over torch's objects took 0.4 s after the printed
+    total; in-process calls (tests, argv given) leave the collector alone."""
+    import gc
+
+    from specattn.cli import main
+
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(sys, "argv", ["specattn", "list", "--kind", "decode"])
+    assert main() == 0 and frozen == [True]
+    assert main(["list", "--kind", "decode"]) == 0 and frozen == [True]
+    capsys.readouterr()
+
+
 def test_demo_says_before_round_0_when_triton_kernels_make_it_slow(scoped_registry):
     from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend
 
@@ -124,6 +162,13 @@ def test_demo_says_before_round_0_when_triton_kernels_make_it_slow(scoped_regist
     assert note < text.index("round 0:")
     code, text = run(SMALL + ["--backend", "torch_ref", "--trees", "0"])
     assert code == 0 and "Triton" not in text
+    # On a GPU the first calls compile the kernels: the same line says so.
+    from specattn.demo.render import slow_start_note
+
+    gpu = Platform("cuda", (9, 0), libraries=frozenset({"triton"}))
+    assert slow_start_note([Extend.__new__(Extend), None], gpu) == (
+        "round 0 compiles the Triton kernels on their first calls (seconds)...")
+    assert slow_start_note([None, None], gpu) == ""
 
 
 def test_demo_through_the_specattn_command(capsys):

@@ -64,10 +64,11 @@ def test_unknown_name_message(kind, prefix, name, closest):
                    else f.resolve_draft_extend_backend)
     assert type(err) is UnknownBackendError
     text = str(err)
-    assert text.startswith(prefix + name + ". ")
+    # The original's sentence, then the answer, then the names: short enough to read.
+    assert text.startswith(f"{prefix}{name}. Did you mean {closest!r}? ")
     valid = sorted(set(default_registry.all_names(kind)) | {"auto"})
-    assert f"Valid {kind} backend names: {', '.join(valid)}." in text
-    assert text.endswith(f"Did you mean {closest!r}?")
+    assert text.endswith(f" Valid {kind} backend names: {', '.join(valid)}.")
+    assert text.count(f"{closest!r}") == 1 and len(text) < 300, text
     assert err.name == name and err.closest == closest and list(err.valid_names) == valid
 
 
@@ -79,8 +80,8 @@ def test_unknown_name_message_snapshot(empty_registry):
     with pytest.raises(UnknownBackendError) as info:
         select("decode", "alpah", BackendRequest(kind="decode"), CPU)
     assert str(info.value) == ("EAGLE is not supported in decode attention backend alpah. "
-                               "Valid decode backend names: alpha, auto, beta. "
-                               "Did you mean 'alpha'?")
+                               "Did you mean 'alpha'? "
+                               "Valid decode backend names: alpha, auto, beta.")
 
 
 # --- MLA-only names (rule 8) -------------------------------------------------------------------

@@ -101,6 +101,20 @@ def test_a_registered_backend_implements_attend(scoped_registry):
             pass
 
 
+@pytest.mark.parametrize("base,batch", [(DraftDecodeBackend, DraftBatch),
+                                        (DraftExtendBackend, DraftExtendBatch)])
+def test_attend_docstring_lists_what_it_may_read(base, batch):
+    """A backend author learns the inputs from ``_attend``'s docstring: every field of the
+    batch, the runner's table, pools and shape, and the layer's fields."""
+    import dataclasses
+
+    doc = " ".join(base._attend.__doc__.split())
+    assert "What it may read" in doc and "reference" in doc
+    for name in [f.name for f in dataclasses.fields(batch)] + [
+            "self.runner", "req_to_token", "page_size", "layer.scaling", "layer.logit_cap"]:
+        assert name in doc, name
+
+
 def test_padded_replay_matches_the_eager_reference():
     """A replay with fewer requests than captured: padded lanes (request 0, seq_lens 1,
     slot 0) leave the real lanes exactly as an eager call computes them."""

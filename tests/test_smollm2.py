@@ -379,6 +379,31 @@ def test_cli_smollm2(smol):
     assert "What the numbers mean:" in text and "docs/demos.md" in text
 
 
+@needs_model
+def test_cli_smollm2_says_before_round_0_when_triton_kernels_make_it_slow(smol,
+                                                                         scoped_registry):
+    from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend
+    from specattn.demo import cli_main
+
+    triton = (("triton", "triton>=3.2"),)
+
+    class Decode(TorchRefDecode, name="triton_like_smol", requires=triton, priority=-5):
+        pass
+
+    class Extend(TorchRefExtend, name="triton_like_smol", requires=triton, priority=-5):
+        pass
+
+    out = io.StringIO()
+    with use_platform(Platform("cpu", None, libraries=frozenset({"triton"}))):
+        code = cli_main(["--model", "smollm2", "--prompt", PROMPTS[0], "--max-new-tokens", "2",
+                         "--topk", "1", "--steps", "2", "--draft-layers", "2", "--backend",
+                         "triton_like_smol", "--no-check", "--trees", "0"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    note = text.index("Triton kernels run in Triton's interpreter on this CPU")
+    assert note < text.index("  round 0 (")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_cli_smollm2_device_cuda_without_a_gpu(capsys):
     from specattn.demo import cli_main

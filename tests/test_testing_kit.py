@@ -230,6 +230,31 @@ test_known_bug_marked_as_expected_failure = conformance_tests(
                                           "extend/mha/engine/*": "as above"})
 
 
+def test_pytest_entry_warns_when_nothing_runs_here(scoped_registry):
+    """A backend whose library is missing: every case skips, and a warning (shown by a plain
+    ``pytest -q``, which hides skip reasons) says why instead of a bare "4 skipped"."""
+    import warnings
+
+    from specattn.testing import NothingRunsHereWarning
+
+    class NeedsLib(_Decode, name="needs_lib", requires=(("no_such_lib_38", "no-such-lib"),)):
+        pass
+
+    with pytest.warns(NothingRunsHereWarning,
+                      match=r"kit for needs_lib: no case runs here \(.*'no_such_lib_38' "
+                            r"package, which is not installed.*`pytest -rs`"):
+        conformance_tests("needs_lib")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingRunsHereWarning)
+        conformance_tests("torch_ref", kinds=("decode",))  # cases run: no warning
+
+
+def test_check_backend_says_first_that_it_raises_on_a_failure():
+    summary = check_backend.__doc__.split("\n\n")[0]
+    assert "return its report" in summary and "raise ``ConformanceError``" in summary
+    assert "``raise_on_failure=False``" in summary
+
+
 def test_pytest_entry_rejects_unknown_options():
     with pytest.raises(TypeError, match="unexpected options"):
         conformance_tests("torch_ref", colour="blue")

@@ -224,7 +224,7 @@ def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> No
     at spaces only, columns are left out by a fixed rule (``TERMINAL_DROP_ORDER``, said
     below the table), and the reasons of failed or not run rows are numbered notes below it
     instead of cells."""
-    from .._console import make_table
+    from .._console import make_table, print_unpadded
 
     head, body = _table_cells(rows, cpu)
     reasons = []
@@ -241,7 +241,7 @@ def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> No
         column.width = w
     for cells in body:
         table.add_row(*(cells[i] for i in keep))
-    console.print(table)
+    print_unpadded(console, table)
     if dropped:
         console.print(f"Left out at {console.width} characters: {', '.join(dropped)} "
                       "(table.md and bench.csv have every column).")
@@ -415,7 +415,7 @@ def sweep_figure(plt, sweep_rows: list[dict[str, Any]], title: str):
         ax.xaxis.set_major_formatter(plain)
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(some)
-        ax.set_xlabel("prefix length")
+        ax.set_xlabel("prefix length, tokens (log scale)")
         ax.set_title(f"K = {k}", fontsize=9)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(bar_axis_label(True), fontsize=8)

@@ -19,7 +19,7 @@ from ..platforms import Platform, current_platform, torch_device_type, use_platf
 from ._args import non_negative, positive
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
-from .render import LEGEND, lane_divergence, render_meter, render_tree
+from .render import LEGEND, lane_divergence, render_meter, render_tree, slow_start_note
 
 __all__ = ["build_parser", "cli_main", "run_demo"]
 
@@ -118,7 +118,7 @@ def run_demo(args: argparse.Namespace, out: TextIO, started: Optional[float] = N
 
     Selection is made for the platform of ``--device``: on a GPU machine, ``--device cpu``
     selects among the CPU backends. ``started``: the ``time.perf_counter()`` the printed
-    total counts from (the command passes specattn's import; default: now)."""
+    total counts from (the command passes the process's start; default: now)."""
     started = time.perf_counter() if started is None else started
     detected = current_platform()
     if torch_device_type(detected) == args.device:
@@ -126,17 +126,6 @@ def run_demo(args: argparse.Namespace, out: TextIO, started: Optional[float] = N
     cpu = Platform("cpu", None, detected.cpu_has_amx, triton_interpret=detected.triton_interpret)
     with use_platform(cpu):
         return _run(args, out, started)
-
-
-def _slow_start_note(backends: list, platform: Platform) -> str:
-    """A line for before round 0 when it will be silent for long: Triton kernels are
-    interpreted on a CPU (slowly) and compiled on their first call on a GPU."""
-    if not any(m == "triton" for b in backends if b is not None for m, _ in type(b).requires):
-        return ""
-    if platform.device == "cpu":
-        return ("the Triton kernels run in Triton's interpreter on this CPU "
-                "(TRITON_INTERPRET=1): each round takes seconds...")
-    return "round 0 compiles the Triton kernels on their first calls (seconds)..."
 
 
 def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
@@ -185,7 +174,7 @@ def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
                            topk=args.topk, num_steps=args.steps, tree_mode=args.tree_mode,
                            meter=meter)
     say(LEGEND)
-    note = _slow_start_note([extend, decode], current_platform())
+    note = slow_start_note([extend, decode], current_platform())
     if note:
         say(note)
     new_tokens, diverged, could = None, 0, 0
@@ -217,9 +206,9 @@ def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
         for line in render_meter(meter, names):
             say(line)
     now = time.perf_counter()
-    say(f"done in {now - started:.1f} s" + (f" ({now - t0:.1f} s of draft rounds and checks; "
-                                            "the rest: importing torch and specattn)"
-                                            if t0 - started >= 0.05 else ""))
+    rest = (f" ({now - t0:.1f} s of draft rounds and checks; the rest: starting Python, "
+            "importing torch and specattn)")
+    say(f"done in {now - started:.1f} s" + (rest if t0 - started >= 0.05 else ""))
     return 0 if meter is None or meter.ok else 1
 
 

@@ -6,10 +6,22 @@ from typing import Optional
 
 from .eagle import TOLERANCES, DraftTree, ErrorMeter
 
-__all__ = ["render_tree", "render_meter", "lane_divergence", "LEGEND"]
+__all__ = ["render_tree", "render_meter", "lane_divergence", "slow_start_note", "LEGEND"]
 
 LEGEND = ("tree: token p=<cumulative score> L<lane>; '*' best path, '+' accepted, "
           "'~' lane history is not the node's ancestry (lane mode)")
+
+
+def slow_start_note(backends: list, platform) -> str:
+    """A line for before the first round when it will be silent for long: Triton kernels
+    are interpreted on a CPU (slowly) and compiled on their first call on a GPU; '' when
+    no backend of ``backends`` (None: none) runs Triton kernels."""
+    if not any(m == "triton" for b in backends if b is not None for m, _ in type(b).requires):
+        return ""
+    if platform.device == "cpu":
+        return ("the Triton kernels run in Triton's interpreter on this CPU "
+                "(TRITON_INTERPRET=1): each round takes seconds...")
+    return "round 0 compiles the Triton kernels on their first calls (seconds)..."
 
 
 def _lane_diverges(tree: DraftTree, d: int, b: int, j: int) -> bool:

@@ -16,10 +16,10 @@ as pytest tests in one line; ``specattn.testing.strategies`` has Hypothesis stra
 (imported on use: it needs the ``hypothesis`` package).
 """
 
-from .kit import check_backend, conformance_tests, run_case
+from .kit import NothingRunsHereWarning, check_backend, conformance_tests, run_case
 from .report import CaseResult, ConformanceError, ConformanceReport
 from .rounds import EngineStyle, ModelShape, RoundMaker
 
-__all__ = ["check_backend", "conformance_tests", "run_case", "CaseResult",
-           "ConformanceError", "ConformanceReport", "EngineStyle", "ModelShape",
+__all__ = ["check_backend", "conformance_tests", "run_case", "NothingRunsHereWarning",
+           "CaseResult", "ConformanceError", "ConformanceReport", "EngineStyle", "ModelShape",
            "RoundMaker"]

@@ -6,6 +6,7 @@ import fnmatch
 import logging
 import time
 import traceback
+import warnings
 from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import torch
@@ -17,9 +18,15 @@ from .report import (FAILED, LIMIT, PASSED, SKIPPED, CaseResult, ConformanceErro
                      ConformanceReport)
 from .target import BackendSpec, Target
 
-__all__ = ["check_backend", "conformance_tests", "run_case"]
+__all__ = ["check_backend", "conformance_tests", "run_case", "NothingRunsHereWarning"]
 
 log = logging.getLogger(__name__)
+
+
+class NothingRunsHereWarning(UserWarning):
+    """``conformance_tests``: every kit case of the backend is skipped on this machine, so a
+    plain ``pytest -q`` would print only "N skipped"; the warning says why (pytest shows it
+    in its summary)."""
 
 
 def _target(backend: BackendSpec, platform, device, setup, decode_options,
@@ -62,7 +69,9 @@ def check_backend(backend: BackendSpec, *, device: Union[str, torch.device, None
                   decode_options: Optional[Mapping[str, Any]] = None,
                   extend_options: Optional[Mapping[str, Any]] = None,
                   raise_on_failure: bool = True) -> ConformanceReport:
-    """Run the conformance kit on a backend and return its report.
+    """Run the conformance kit on a backend: return its report when every case passed (or
+    was skipped, with its reason), else raise ``ConformanceError``, which holds the report
+    (``raise_on_failure=False``: return the report either way).
 
     backend: a registered name (resolved like the factory: aliases, dispatchers, the flavour
         that runs here), a backend class, or a list of classes (a decode and an extend class).
@@ -76,7 +85,8 @@ def check_backend(backend: BackendSpec, *, device: Union[str, torch.device, None
         the grid of topk x page sizes x tree modes x dtypes).
     select: only cases whose id contains this substring.
     decode_options / extend_options: extra keyword arguments for the constructors.
-    raise_on_failure: raise ``ConformanceError`` (an ``AssertionError``) if a case failed.
+    raise_on_failure: raise ``ConformanceError`` (an ``AssertionError``) if a case failed
+        (default); ``False``: only report.
 
     What runs is decided by the class's declared capabilities (``dtypes``, ``page_sizes``,
     ``max_topk``, ``tree_modes``, ``kv_cache_dtypes``, ``supports_cuda_graph``, ``models``);
@@ -124,6 +134,11 @@ def conformance_tests(backend: BackendSpec, **options: Any):
         raise TypeError(f"conformance_tests: unexpected options {sorted(options)}")
     session = Session(target, seed=seed, level=level)
     planned = plan_cases(target, kinds=kinds, models=models, level=level)
+    if planned and all(reason for _, reason in planned):
+        reasons = "; ".join(dict.fromkeys(reason for _, reason in planned))
+        warnings.warn(NothingRunsHereWarning(
+            f"specattn conformance kit for {target.label}: no case runs here ({reasons}); "
+            "`pytest -rs` lists each case's reason"), stacklevel=2)
 
     params = []
     for case, reason in planned:

@@ -25,7 +25,7 @@ from ...selection import describe_error
 from ...platforms import Platform, current_platform, torch_device_type, use_platform
 from ..._console import ItemProgress
 from .._args import positive
-from ..render import render_tree
+from ..render import render_tree, slow_start_note
 
 __all__ = ["build_parser", "cli_main", "DEFAULT_PROMPTS"]
 
@@ -219,6 +219,9 @@ def _run(args: argparse.Namespace, model, load_s: float, out: TextIO,
     decoder = SelfSpeculativeDecoder(model.draft, model.target, args.draft_layers, runner,
                                      extend, decode, topk=args.topk, num_steps=args.steps,
                                      tree_mode=args.tree_mode)
+    note = slow_start_note([extend, decode], current_platform())
+    if note:
+        say(note)
     say(f"speculative decoding, up to {args.max_new_tokens} new tokens per prompt; per round: "
         "draft tokens the target accepted (requests still generating), and the text so far "
         "of the first request still generating")
