@@ -14,8 +14,8 @@ from specattn.bench import cli_main
 from specattn.bench import cases as C
 from specattn.bench import floors, report
 from specattn.bench.baselines import DequantStep
-from specattn.bench.harness import (WallClock, build_setup, discover_variants, measure_variant,
-                                    tolerance)
+from specattn.bench.harness import (Variant, WallClock, build_setup, discover_variants,
+                                    measure_variant, tolerance)
 from specattn.bench.run import floor_row
 from specattn.fp8 import dequantize, dequantize_into, quantize
 from specattn.platforms import Platform, current_platform
@@ -188,6 +188,24 @@ def test_dequant_step_runs_the_bf16_backend_over_the_dequantized_pool(name):
                        written.view(torch.uint8))
     err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
     assert 0 < err <= 1e-2  # bf16 values of the FP8 pool, not the pool itself
+
+
+def test_dequant_step_keeps_the_graph_protocol_of_its_backend(scoped_registry):
+    """With a graph-capable bf16 backend the dequant row is timed as a graph replay: the
+    graph calls reach the backend, and the step, round and engine round run."""
+    from test_bench import FakeGraphClock, _graph_backend
+
+    calls = []
+    cls = _graph_backend(calls)
+    case = small("gqa-long-fp8")
+    setup = build_setup(case, "cpu", max_layers=2)
+    variant = Variant("g/dequant", "bench_graphs", "dequant", "torch",
+                      lambda s: DequantStep(s.runner, lambda r: cls(r, 2, 4)), graphs=True)
+    res = measure_variant(variant, setup, FakeGraphClock(), round_layers=2)
+    assert res.status == "ok" and res.step_timing == "graph" and not res.notes
+    assert res.round_graph_ms == 2.0 and res.engine_round_ms is not None
+    assert calls[:2] == [("state", case.batch, case.lanes), "capture"]
+    assert ("replay", case.batch) in calls
 
 
 def test_fp8_variants_dequant_rows_and_refusals(scoped_registry):

@@ -11,9 +11,9 @@ Per case (``cases.py``; ``--case`` also takes the sets ``standard``, ``serving``
 variant (each backend in its shared-prefix and ``per-branch`` modes where it has both,
 ``--option`` variants built with constructor keywords (``options.py``), raw-library per-lane
 baselines, and on FP8 cases each backend's ``dequant`` baseline (``baselines.py``)) checked
-against ``torch_ref`` and timed, with the engine round where the backend
-has CUDA graphs (``harness.py``); ``--parts`` adds where each step's time goes
-(``parts.py``); a table, CSV, PNG charts and the versions go to ``--out``, by default
+against ``torch_ref`` and timed, with the engine round where the backend has CUDA graphs
+(``harness.py``); ``--parts`` adds where each step's time goes (``parts.py``); a table,
+CSV, PNG charts and the versions go to ``--out``, by default
 ``~/.cache/specattn/bench/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the small cases
 run for ``torch_ref`` and ``intel_amx`` (``torch.utils.benchmark`` medians with their
 spread, tokens/s, ratio to ``torch_ref``). The protocol: ``docs/performance.md``.

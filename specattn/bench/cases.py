@@ -21,8 +21,9 @@ from ..errors import InvalidInputError
 from ..fp8 import FP8_KV_DTYPES, check_scale
 
 __all__ = ["Case", "STANDARD_CASES", "SERVING_CASES", "FP8_CASES", "EXTRA_CASES",
-           "SMALL_CASES", "FP8_K_SCALE", "FP8_V_SCALE", "KV_CACHE_DTYPES", "CASE_SETS", "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases",
-           "find_cases", "custom_case", "fp8_case", "sweep_cases", "DTYPES"]
+           "SMALL_CASES", "FP8_K_SCALE", "FP8_V_SCALE", "KV_CACHE_DTYPES", "CASE_SETS",
+           "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases", "find_cases",
+           "custom_case", "fp8_case", "sweep_cases", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Per-layer shapes of docs/performance.md: GQA (q heads, kv heads, head dim), MLA (heads,

@@ -6,8 +6,8 @@ history at the timed step; extend: every request's KV), read from the case's own
 their layout (MHA: a row of ``k_buffer[layer]`` and one of ``v_buffer[layer]`` per token;
 MLA: a row of ``kv_buffer[layer]``; FP8 pools: one byte an element) through the slots its
 slot table lists: per request the prefix ``req_to_token[r, :L]``, then its lanes' history
-slots. One launch per layer; the
-layers rotate inside one CUDA graph as the step's do (``harness.time_per_layer``).
+slots. One launch per layer; the layers rotate inside one CUDA graph as the step's do
+(``harness.time_per_layer``).
 
 The kernel (``_gather_rows``) is not attention: each program loads a block of slots, then
 the rows they name, and stores the sum of what it read (so no load is dropped). The least

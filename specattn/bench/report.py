@@ -25,9 +25,8 @@ import torch
 __all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
            "TERMINAL_DROP_ORDER", "add_ratios", "has_fp8", "fp8_lines", "render_table",
            "print_table", "fit_columns", "parts_rows", "render_parts", "rate_lines",
-           "noise_warning", "write_csv",
-           "read_csv", "write_pngs", "case_figure", "sweep_figure", "bar_axis_label", "versions",
-           "device_slug"]
+           "noise_warning", "write_csv", "read_csv", "write_pngs", "case_figure",
+           "sweep_figure", "bar_axis_label", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
 READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's bytes
@@ -39,8 +38,8 @@ COLUMNS = [
     "mode", "kernel_library", "status", "error", "max_err",
     "time_us", "spread", "timing", "floor_us", "x_floor", "read_floor_us", "x_read_floor",
     "kv_bytes", "bandwidth_gbs", "per_branch", "x_vs_per_branch", "x_vs_dequant", "x_vs_bf16",
-    "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us", "round_us",
-    "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
+    "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us",
+    "round_us", "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
 SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
                  "x_floor", "error"]
@@ -84,7 +83,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         own_pb = {r["backend"]: r for r in ok if r.get("mode") == "per-branch"}
         own_dq = {r["backend"]: r for r in ok if r.get("mode") == "dequant"}
         raw_pb = next((r for r in ok if r.get("mode") == "raw"), None)
-        ref = next((r for r in ok if r.get("backend") == "torch_ref"), None)
+        ref = next((r for r in ok if r.get("backend") == "torch_ref"
+                    and r.get("mode") != "dequant"), None)
         read = next((_num(r.get("time_us")) for r in group if r.get("variant") == READ_FLOOR
                      and r.get("status") == "floor"), None)
         for r in group:
