@@ -10,7 +10,9 @@ stored value ``code * v_scale``; an MLA latent pool uses ``k_scale`` for all of 
   fp32 division; on CUDA torch computes a division by a Python float as a multiplication by
   the fp32 reciprocal ``1 / float32(scale)`` (and by a tensor as a true division). A kernel
   that stores codes itself must reproduce the device's expression to match.
-- ``dequantize(codes, scale)``: ``codes.float() * scale`` (float32 unless asked otherwise).
+- ``dequantize(codes, scale)``: ``codes.float() * scale`` (float32 unless asked otherwise);
+  ``dequantize_into(out, codes, scale)`` the same values written into ``out`` (an
+  activation-dtype tensor of the codes' shape) without a float32 copy.
 - ``read_rows(pool, index)`` / ``write_rows(pool, index, codes)``: ``pool[index]`` and
   ``pool[index] = codes`` through the pool's bytes (a ``uint8`` view of the same memory), and
   ``zeros(shape, dtype, device)`` a zeroed pool allocated as bytes, so no float8 indexing or
@@ -44,9 +46,9 @@ from ._tensor_checks import debug_checks_enabled
 from .errors import InvalidInputError
 
 __all__ = ["FP8_KV_DTYPES", "KV_DTYPES_WITH_FP8", "Scale", "pool_dtype", "is_fp8_dtype",
-           "quantize", "dequantize", "scale_tensor", "host_value", "check_scale",
-           "layer_scales", "scale_rows", "LibraryScales", "library_scales", "read_rows",
-           "write_rows", "zeros"]
+           "quantize", "dequantize", "dequantize_into", "scale_tensor", "host_value",
+           "check_scale", "layer_scales", "scale_rows", "LibraryScales", "library_scales",
+           "read_rows", "write_rows", "zeros"]
 
 # kv_cache_dtype name -> the pool's torch dtype.
 FP8_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn,
@@ -80,6 +82,18 @@ def dequantize(codes: torch.Tensor, scale: Scale,
     if out_dtype == torch.float64:
         values = values.double()
     return (values * scale).to(out_dtype)
+
+
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: Scale) -> torch.Tensor:
+    """``out[...] = codes * scale`` in ``out``'s dtype; returns ``out``.
+
+    Two element-wise passes over ``out``: the conversion (exact: every FP8 code is a
+    bfloat16, float16 and float32 value), then the scale in place (float32 arithmetic, one
+    rounding), so the values are ``dequantize(codes, scale, out.dtype)``'s."""
+    out.copy_(codes)
+    if isinstance(scale, torch.Tensor) or float(scale) != 1.0:
+        out.mul_(scale)
+    return out
 
 
 def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:

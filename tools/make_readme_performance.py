@@ -54,8 +54,9 @@ def headline_rows(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
 
 def _shape(r: dict[str, str]) -> str:
     k = f" K={r['topk']}" if r["kind"] == "decode" else " extend"
+    kv = r.get("kv_dtype") or ""
     return (f"{r['model'].upper()} B={r['batch']} L={r['prefix']}{k} S={r['steps']} "
-            f"P={r['page_size']}")
+            f"P={r['page_size']}" + (f" kv {kv}" if kv.startswith("fp8") else ""))
 
 
 def _fmt(value: Optional[float], spec: str, unit: str) -> str:

@@ -2,16 +2,18 @@
 
     specattn bench [--case NAME ...] [--backend NAME ...] [--steps] [--extend]
                    [--batch B --prefix L --topk K --num-steps S --page-size P --mla]
+                   [--kv-cache-dtype fp8_e4m3]
                    [--option BACKEND:KEY=VALUE ...] [--parts] [--check-only]
                    [--dtype bf16] [--out DIR] [--quick]
 
-Per case (``cases.py``; ``--case`` also takes the sets ``standard``, ``serving``, ``cpu``):
-the copy-bandwidth floor, on a GPU the read floor (``floors.py``), then every variant (each
-backend in its shared-prefix and ``per-branch`` modes where it has both, ``--option``
-variants built with constructor keywords (``options.py``), and raw-library per-lane
-baselines) checked against ``torch_ref`` and timed, with the engine round where the backend
-has CUDA graphs (``harness.py``); ``--parts`` adds where each step's time goes
-(``parts.py``); a table, CSV, PNG charts and the versions go to ``--out``, by default
+Per case (``cases.py``; ``--case`` also takes the sets ``standard``, ``serving``, ``fp8``,
+``cpu``): the copy-bandwidth floor, on a GPU the read floor (``floors.py``), then every
+variant (each backend in its shared-prefix and ``per-branch`` modes where it has both,
+``--option`` variants built with constructor keywords (``options.py``), raw-library per-lane
+baselines, and on FP8 cases each backend's ``dequant`` baseline (``baselines.py``)) checked
+against ``torch_ref`` and timed, with the engine round where the backend has CUDA graphs
+(``harness.py``); ``--parts`` adds where each step's time goes (``parts.py``); a table,
+CSV, PNG charts and the versions go to ``--out``, by default
 ``~/.cache/specattn/bench/<date>-<gpu or cpu>/`` (``report.py``). On a CPU the small cases
 run for ``torch_ref`` and ``intel_amx`` (``torch.utils.benchmark`` medians with their
 spread, tokens/s, ratio to ``torch_ref``). The protocol: ``docs/performance.md``.
@@ -33,6 +35,8 @@ log = logging.getLogger("specattn.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cases import KV_CACHE_DTYPES
+
     p = argparse.ArgumentParser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
@@ -40,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "to read the table: docs/performance.md in the repository.")
     p.add_argument("--case", metavar="NAME", nargs="+", action="extend",
                    help="cases to run, by name or set: 'standard', 'serving' (batch 1-8, "
-                   "long contexts), 'cpu' (default: standard and serving on a GPU, cpu on "
-                   "a CPU; --list-cases shows them)")
+                   "long contexts), 'fp8' (FP8 pools, with the dequant baseline), 'cpu' "
+                   "(default: standard, serving and fp8 on a GPU, cpu on a CPU; "
+                   "--list-cases shows them)")
     p.add_argument("--backend", metavar="NAME", nargs="+", action="extend",
                    help="backends to run (names or aliases; flashinfer-raw, fa4-raw, "
                    "sdpa-raw or 'raw' for the raw baselines); default: all that run here")
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--page-size", type=int, help="page size P (default 1)")
     shape.add_argument("--mla", action="store_true", help="MLA shape (16 heads, rank 512, "
                        "rope 64) instead of GQA (32/8 heads, head dim 128)")
+    shape.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="pools of the shape: 'auto' (the --dtype) or FP8 (k_scale 0.45, "
+                       "v_scale 0.3, as the fp8 cases; case custom-fp8)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--out", metavar="DIR", help="results folder (default: "
                    f"{_default_root()}/<date>-<gpu or cpu>, or its first free -2, -3... "
@@ -101,7 +109,8 @@ def _select_cases(args, on_gpu: bool):
     from . import cases as C
 
     custom = any(getattr(args, f) is not None for f in
-                 ("batch", "prefix", "topk", "num_steps", "page_size")) or args.mla
+                 ("batch", "prefix", "topk", "num_steps", "page_size")) or args.mla \
+        or args.kv_cache_dtype != "auto"
     dtype = C.DTYPES[args.dtype]
     chosen = []
     if args.case:
@@ -115,8 +124,9 @@ def _select_cases(args, on_gpu: bool):
                                               ("topk", "topk"), ("steps", "num_steps"),
                                               ("page_size", "page_size"))
               if getattr(args, a) is not None}
-        chosen.append(C.custom_case(mla=args.mla, dtype=dtype, **kw))
-        chosen.append(C.custom_case(mla=args.mla, dtype=dtype, extend=True, **kw))
+        kw.update(mla=args.mla, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
+        chosen.append(C.custom_case(**kw))
+        chosen.append(C.custom_case(extend=True, **kw))
     if args.steps != args.extend:  # exactly one of them: that kind only
         kind = "decode" if args.steps else "extend"
         chosen = [c for c in chosen if c.kind == kind]
@@ -207,6 +217,16 @@ def _merge(out: str, rows: list, sweep_rows: list,
             older("sweep.csv", lambda r: (str(r["topk"]), str(r["prefix"])), sweep_rows)
             + sweep_rows,
             older("parts.csv", case_key, rows) + list(parts))
+
+
+FP8_NOTE = ("Cases with FP8 pools (`kv_dtype`, `k_scale`, `v_scale` in bench.csv) count one "
+            "byte an element in both floors. `x vs dequant`: the time of the backend's "
+            "`<backend>/dequant` row (the layer's whole pool dequantized to bf16, then the "
+            "same backend's bf16 step, timed together as one step) over the row's. `x vs "
+            "bf16`: the same variant's time on the case's bf16 twin (`twin_case`, same shape "
+            "and lengths) over the row's. Targets (docs/performance.md): the fastest FP8 step "
+            "within 1.2x of its read floor at B 32, at most 0.6x its bf16 step (`x vs bf16` "
+            "1.67 or more), 3x or more faster than dequant.")
 
 
 PARTS_NOTE = ("`--parts`: per variant, the host time of the metadata call(s), and what one "
@@ -315,6 +335,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     rates = report.rate_lines(rows)
     if rates:
         notes += "\n## Compute rate (compute-bound cases)\n\n" + "\n".join(rates) + "\n"
+    if report.has_fp8(rows):
+        notes += (f"\n## FP8 pools\n\n{FP8_NOTE}\n\n" + "\n".join(report.fp8_lines(rows))
+                  + "\n")
     if parts:
         notes += f"\n## Step parts\n\n{PARTS_NOTE}\n\n{report.render_parts(parts)}\n"
     if sweep_rows:

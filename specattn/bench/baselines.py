@@ -1,4 +1,7 @@
-"""Raw-library ``per-branch`` baselines: each lane its own sequence (prefix + history), the
+"""Baselines of ``specattn bench``: raw-library ``per-branch`` calls, and ``dequant`` for FP8
+pools.
+
+Raw-library ``per-branch`` baselines: each lane its own sequence (prefix + history), the
 upstream design, called straight on the kernel library (no specattn backend in between).
 
 Each baseline has the decode call protocol (``init_forward_metadata(batch)``, then
@@ -13,23 +16,30 @@ Each baseline has the decode call protocol (``init_forward_metadata(batch)``, th
   a length mask (the CPU counterpart: the prefix is gathered and read ``K`` times).
 
 Vendor libraries are imported inside the calls only.
+
+``DequantStep`` (FP8 cases, variant ``<backend>/dequant``): an FP8 pool read by an engine
+whose attention takes bf16 KV only, as SGLang's MLA backends do every layer: the new KV is
+quantized into the FP8 pool, the layer's whole pool is dequantized into one bf16 scratch pool
+(``fp8.dequantize_into``: K codes times ``k_scale``, V codes times ``v_scale``), then the same
+backend's bf16 call runs over it. All three are one call, timed (and graphed) as one step.
 """
 
 from __future__ import annotations
 
 from importlib.util import find_spec
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from ..fp8 import dequantize_into, layer_scales
 from ..metadata import history_slots, prefix_token_slots
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftRunner
 
 __all__ = ["per_lane_table", "FlashInferPerLane", "FA4PerLane", "SDPAPerLane",
-           "RAW_BASELINES", "has_module"]
+           "RAW_BASELINES", "has_module", "DequantStep", "scratch_runner", "layer_pools"]
 
 
 def has_module(name: str) -> bool:
@@ -187,3 +197,72 @@ RAW_BASELINES = (
     ("fa4-raw", FA4PerLane, "flash_attn.cute", "cuda"),
     ("sdpa-raw", SDPAPerLane, "torch", "cpu"),
 )
+
+
+# --- dequant (FP8 cases) -------------------------------------------------------------------
+
+def layer_pools(runner: "DraftRunner", layer_id: int) -> list[torch.Tensor]:
+    """Layer ``layer_id``'s pools: ``[k, v]`` (MHA) or ``[kv]`` (MLA)."""
+    if runner.use_mla_backend:
+        return [runner.kv_buffer[layer_id]]
+    return [runner.k_buffer[layer_id], runner.v_buffer[layer_id]]
+
+
+def scratch_runner(runner: "DraftRunner") -> "DraftRunner":
+    """A runner of ``runner``'s shape and slot table with pools in the activation dtype, one
+    zeroed tensor per pool kind shared by every layer (a per-layer scratch)."""
+    from ..data import DraftRunner
+
+    pools = [torch.zeros(p.shape, dtype=runner.dtype, device=runner.device)
+             for p in layer_pools(runner, 0)]
+    layers = runner.num_layers
+    if runner.use_mla_backend:
+        return DraftRunner.wrap_mla(runner.req_to_token, pools * layers, runner.num_heads,
+                                    runner.kv_lora_rank, page_size=runner.page_size)
+    return DraftRunner.wrap_mha(runner.req_to_token, [pools[0]] * layers,
+                                [pools[1]] * layers, runner.num_q_heads,
+                                page_size=runner.page_size)
+
+
+class DequantStep:
+    """The ``dequant`` baseline (module doc) around the bf16 backend ``make(scratch)``.
+
+    The protocol of that backend: decode ``forward(step, layer, q, k, v)``, extend
+    ``forward(layer, q, k, v)``; metadata and CUDA-graph calls pass through. The bf16 call
+    gets the new rows as the scratch pool holds them (the FP8 values), so its output is the
+    attention of the FP8 pool. The batch of the capture is the one replayed (the bench's)."""
+
+    def __init__(self, runner: "DraftRunner", make: Callable[["DraftRunner"], Any]) -> None:
+        self.runner = runner
+        self.scratch = scratch_runner(runner)
+        self.backend = make(self.scratch)
+        self.supports_cuda_graph = bool(getattr(self.backend, "supports_cuda_graph", False))
+        self.batch = None
+
+    def init_forward_metadata(self, batch) -> None:
+        self.batch = batch
+        self.backend.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, *args) -> None:
+        self.backend.init_cuda_graph_state(*args)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
+        self.batch = batch
+        self.backend.init_forward_metadata_capture_cuda_graph(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, *args) -> None:
+        self.backend.init_forward_metadata_replay_cuda_graph(*args)
+
+    def forward(self, *args) -> torch.Tensor:
+        """Write, dequantize the layer's pools, attend in bf16 (the class doc)."""
+        *step, layer, q, k, v = args
+        loc = self.batch.out_cache_loc
+        loc = (loc[:, :, step[0]] if step else loc).reshape(-1)
+        self.runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
+        scratch = layer_pools(self.scratch, layer.layer_id)
+        scales = layer_scales(layer, self.runner.use_mla_backend)
+        for out, codes, scale in zip(scratch, layer_pools(self.runner, layer.layer_id),
+                                     scales):
+            dequantize_into(out, codes, scale)
+        new = [pool[loc] for pool in scratch]
+        return self.backend.forward(*step, layer, q, new[0], new[1] if v is not None else v)

@@ -2,9 +2,10 @@
 shapes.
 
 A ``Case`` is one model shape and batch: ``B`` requests of prefix ``L`` (uniform, or ragged
-in ``[L/2, 3L/2]``), ``K`` lanes, ``S`` draft steps, page size ``P``. Decode cases time one
-step (step 2: three history slots) and one draft round; extend cases (``E_b = S + 1`` new
-tokens per request, already in ``L``) time one draft extend.
+in ``[L/2, 3L/2]``), ``K`` lanes, ``S`` draft steps, page size ``P``, pools in the activation
+dtype or FP8 (``kv_cache_dtype``, ``k_scale``, ``v_scale``). Decode cases time one step (step
+2: three history slots) and one draft round; extend cases (``E_b = S + 1`` new tokens per
+request, already in ``L``) time one draft extend.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Optional
 import torch
 
 from ..errors import InvalidInputError
+from ..fp8 import FP8_KV_DTYPES, check_scale
 
-__all__ = ["Case", "STANDARD_CASES", "SERVING_CASES", "EXTRA_CASES", "SMALL_CASES",
-           "CASE_SETS", "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases",
-           "find_cases", "custom_case", "sweep_cases", "DTYPES"]
+__all__ = ["Case", "STANDARD_CASES", "SERVING_CASES", "FP8_CASES", "EXTRA_CASES",
+           "SMALL_CASES", "FP8_K_SCALE", "FP8_V_SCALE", "KV_CACHE_DTYPES", "CASE_SETS",
+           "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases", "find_cases",
+           "custom_case", "fp8_case", "sweep_cases", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Per-layer shapes of docs/performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
@@ -30,12 +33,23 @@ MLA_SHAPE = (16, 512, 64)
 MLA_WIDE_SHAPE = (128, 512, 64)  # all heads on one GPU (DP attention)
 # Step timed by the per-step numbers: three history slots, as docs/performance.md measures.
 TIMED_STEP = 2
+# Pools a case may have: the activation dtype, or FP8 with one scale per tensor.
+KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
+# The FP8 cases' scales: the random KV (standard normal) is stored as codes of |x| / 0.45 and
+# / 0.3, well inside e4m3's 448 (and e5m2's 57344); not powers of two, so a scale applied in
+# the wrong place or precision shows in the check.
+FP8_K_SCALE = 0.45
+FP8_V_SCALE = 0.3
 
 
 @dataclass(frozen=True)
 class Case:
     """One benchmark case. ``shape``: ``(H_q, H_kv, D)`` for MHA, ``(H, R, rope)`` for MLA.
-    ``compute_bound``: the rows also report TFLOP/s against the bf16 matmul rate."""
+    ``compute_bound``: the rows also report TFLOP/s against the bf16 matmul rate.
+    ``kv_cache_dtype``: ``"auto"`` (pools in ``dtype``) or an FP8 name, with the layers'
+    ``k_scale`` / ``v_scale`` (MLA: ``k_scale`` only). ``twin``: the case of the same shape
+    with pools in ``dtype`` (``""``: none), whose ragged lengths it shares and whose rows
+    its ``x vs bf16`` compares with."""
 
     name: str
     model: str
@@ -49,6 +63,10 @@ class Case:
     ragged: bool = False
     shape: Optional[tuple[int, int, int]] = None
     compute_bound: bool = False
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    twin: str = ""
 
     def __post_init__(self) -> None:
         if self.model not in ("mha", "mla"):
@@ -63,6 +81,11 @@ class Case:
         if self.kind == "extend" and self.prefix <= self.steps + 1:
             raise InvalidInputError("--prefix", f"more than the {self.steps + 1} extend tokens",
                                     self.prefix)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidInputError("--kv-cache-dtype", f"one of {', '.join(KV_CACHE_DTYPES)}",
+                                    repr(self.kv_cache_dtype))
+        check_scale("case.k_scale", self.k_scale)
+        check_scale("case.v_scale", self.v_scale)
         if self.shape is None:
             object.__setattr__(self, "shape", MLA_SHAPE if self.model == "mla" else GQA_SHAPE)
 
@@ -98,8 +121,20 @@ class Case:
         return max(0, min(TIMED_STEP, self.steps - 2))
 
     @property
+    def fp8(self) -> bool:
+        """The pools hold FP8 codes (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``)."""
+        return self.kv_cache_dtype in FP8_KV_DTYPES
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The pools' dtype as reports show it: ``"fp8_e4m3"``, ``"bfloat16"``..."""
+        return self.kv_cache_dtype if self.fp8 else str(self.dtype).replace("torch.", "")
+
+    @property
     def element_size(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        """Bytes of one pool element: 1 for FP8, else the activation dtype's."""
+        dtype = FP8_KV_DTYPES.get(self.kv_cache_dtype, self.dtype)
+        return torch.empty(0, dtype=dtype).element_size()
 
     @property
     def row_bytes(self) -> int:
@@ -110,10 +145,11 @@ class Case:
         return b * 2 * c * self.element_size
 
     def lengths(self, seed: int = 0) -> list[int]:
-        """Per-request prefix lengths: ``L`` each, or uniform in ``[L/2, 3L/2]`` (ragged)."""
+        """Per-request prefix lengths: ``L`` each, or uniform in ``[L/2, 3L/2]`` (ragged; the
+        twin's when there is one)."""
         if not self.ragged:
             return [self.prefix] * self.batch
-        rng = random.Random(f"{seed}:{self.name}:{self.batch}:{self.prefix}")
+        rng = random.Random(f"{seed}:{self.twin or self.name}:{self.batch}:{self.prefix}")
         low = max(self.prefix // 2, self.steps + 2)
         return [rng.randint(low, max(low, 3 * self.prefix // 2)) for _ in range(self.batch)]
 
@@ -139,8 +175,12 @@ class Case:
 
     def describe(self) -> str:
         kind = "extend" if self.kind == "extend" else f"K={self.topk}"
-        return (f"{self.name}: {self.model.upper()} B={self.batch} L={self.prefix} {kind} "
+        text = (f"{self.name}: {self.model.upper()} B={self.batch} L={self.prefix} {kind} "
                 f"S={self.steps} P={self.page_size} {str(self.dtype).replace('torch.', '')}")
+        if self.fp8:
+            text += f", kv {self.kv_cache_dtype} k_scale {self.k_scale:g}"
+            text += "" if self.model == "mla" else f" v_scale {self.v_scale:g}"
+        return text
 
     def with_(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
@@ -177,9 +217,35 @@ _SERVING_DECODE = (
     _std("mla-b1-32k", "mla", 1, 32768, 4, 5),
     _std("mla-b8-p64", "mla", 8, 4096, 4, 5, 64),
 )
-SERVING_CASES = tuple(
-    c for d in _SERVING_DECODE
-    for c in (d, d.with_(name=f"{d.name}-extend", kind="extend", topk=1)))
+
+
+def _with_extend(decode: Case) -> tuple[Case, Case]:
+    """A decode case and its draft extend, ``<name>-extend`` (``E_b = S + 1``)."""
+    return decode, decode.with_(name=f"{decode.name}-extend", kind="extend", topk=1)
+
+
+SERVING_CASES = tuple(c for d in _SERVING_DECODE for c in _with_extend(d))
+
+
+def _twin_name(case: Case, cases: tuple[Case, ...]) -> str:
+    """The first of ``cases`` that is ``case`` with pools in the activation dtype, or ''."""
+    plain = case.with_(kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, twin="")
+    return next((c.name for c in cases if c.with_(name=case.name) == plain), "")
+
+
+def fp8_case(case: Case, kv_cache_dtype: str = "fp8_e4m3") -> Case:
+    """``case`` as ``<name>-fp8``: FP8 pools with ``FP8_K_SCALE`` / ``FP8_V_SCALE``."""
+    return case.with_(name=f"{case.name}-fp8", kv_cache_dtype=kv_cache_dtype,
+                      k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
+
+
+# docs/performance.md, "FP8 pools": gqa-long, mla-long and the B 1 32k cases with e4m3 pools,
+# each with its extend case; each names its bf16 twin (gqa-long-fp8-extend: extend).
+FP8_CASES = tuple(
+    c.with_(twin=_twin_name(c, STANDARD_CASES + SERVING_CASES))
+    for d in STANDARD_CASES + SERVING_CASES
+    if d.name in ("gqa-long", "mla-long", "gqa-b1-32k", "mla-b1-32k")
+    for c in _with_extend(fp8_case(d)))
 
 # Not in the default run (--case names them): mla-long at K = 8, issue #4's per-branch
 # ratio for MLA.
@@ -203,15 +269,16 @@ SWEEP_TOPKS = (1, 4, 8)
 
 
 # Names of case sets ``--case`` takes beside single case names.
-CASE_SETS = {"standard": STANDARD_CASES, "serving": SERVING_CASES, "cpu": SMALL_CASES}
+CASE_SETS = {"standard": STANDARD_CASES, "serving": SERVING_CASES, "fp8": FP8_CASES,
+             "cpu": SMALL_CASES}
 
 
 def all_cases() -> tuple[Case, ...]:
-    return STANDARD_CASES + SERVING_CASES + EXTRA_CASES + SMALL_CASES
+    return STANDARD_CASES + SERVING_CASES + FP8_CASES + EXTRA_CASES + SMALL_CASES
 
 
 def default_cases(on_gpu: bool) -> tuple[Case, ...]:
-    return STANDARD_CASES + SERVING_CASES if on_gpu else SMALL_CASES
+    return STANDARD_CASES + SERVING_CASES + FP8_CASES if on_gpu else SMALL_CASES
 
 
 def find_cases(names: list[str]) -> list[Case]:
@@ -228,11 +295,15 @@ def find_cases(names: list[str]) -> list[Case]:
 
 def custom_case(*, batch: int = 4, prefix: int = 1024, topk: int = 4, steps: int = 5,
                 page_size: int = 1, mla: bool = False, extend: bool = False,
-                dtype: torch.dtype = torch.bfloat16) -> Case:
-    """A case from the command line's shape flags (model shapes of docs/performance.md)."""
-    return Case("custom-extend" if extend else "custom", "mla" if mla else "mha", batch,
-                prefix, 1 if extend else topk, steps, page_size,
-                "extend" if extend else "decode", dtype)
+                dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> Case:
+    """A case from the command line's shape flags (model shapes of docs/performance.md):
+    ``custom`` / ``custom-extend``, ``custom-fp8`` / ``custom-fp8-extend`` with FP8 pools
+    (``fp8_case``'s scales)."""
+    case = Case("custom", "mla" if mla else "mha", batch, prefix, topk, steps, page_size,
+                dtype=dtype)
+    if kv_cache_dtype != "auto":
+        case = fp8_case(case, kv_cache_dtype)
+    return _with_extend(case)[1] if extend else case
 
 
 def sweep_cases(on_gpu: bool, quick: bool, dtype: torch.dtype) -> list[Case]:

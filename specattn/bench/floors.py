@@ -4,9 +4,10 @@ only read the case's bytes with its paging, timed as a step is timed.
 The bytes are those of the copy floor (``Case.kv_bytes``: every prefix once plus every lane's
 history at the timed step; extend: every request's KV), read from the case's own pools in
 their layout (MHA: a row of ``k_buffer[layer]`` and one of ``v_buffer[layer]`` per token;
-MLA: a row of ``kv_buffer[layer]``) through the slots its slot table lists: per request the
-prefix ``req_to_token[r, :L]``, then its lanes' history slots. One launch per layer; the
-layers rotate inside one CUDA graph as the step's do (``harness.time_per_layer``).
+MLA: a row of ``kv_buffer[layer]``; FP8 pools: one byte an element) through the slots its
+slot table lists: per request the prefix ``req_to_token[r, :L]``, then its lanes' history
+slots. One launch per layer; the layers rotate inside one CUDA graph as the step's do
+(``harness.time_per_layer``).
 
 The kernel (``_gather_rows``) is not attention: each program loads a block of slots, then
 the rows they name, and stores the sum of what it read (so no load is dropped). The least
@@ -23,7 +24,9 @@ import triton
 import triton.language as tl
 
 from ..errors import InvalidInputError
+from ..fp8 import is_fp8_dtype
 from ..metadata import lane_history_slots, prefix_token_slots
+from .baselines import layer_pools
 from .harness import Setup, short_error, time_per_layer
 
 __all__ = ["READ_TILES", "split_row", "case_slots", "case_pools", "read_launches",
@@ -92,13 +95,12 @@ def case_slots(setup: Setup) -> torch.Tensor:
 
 def case_pools(setup: Setup, layer: int) -> list[torch.Tensor]:
     """Layer ``layer``'s pools as ``[num_slots, row]`` views (MHA: K then V; MLA: the latent
-    pool)."""
-    runner = setup.runner
-    pools = ([runner.kv_buffer[layer]] if runner.use_mla_backend
-             else [runner.k_buffer[layer], runner.v_buffer[layer]])
+    pool); FP8 pools as their bytes (``uint8``: the launch reads bytes, not values)."""
     out = []
-    for pool in pools:
+    for pool in layer_pools(setup.runner, layer):
         flat = pool.reshape(pool.shape[0], -1)
+        if is_fp8_dtype(flat.dtype):
+            flat = flat.view(torch.uint8)
         if flat.stride(-1) != 1:
             raise InvalidInputError("pool", "rows contiguous in memory", tuple(pool.stride()))
         out.append(flat)

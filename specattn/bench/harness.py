@@ -36,9 +36,10 @@ import torch
 
 from ..allocator import PagedKVAllocator
 from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+from ..fp8 import quantize, write_rows
 from ..keys import BackendRequest
 from ..metadata import max_draft_extend_len
-from .baselines import RAW_BASELINES, has_module
+from .baselines import RAW_BASELINES, DequantStep, has_module
 from .cases import Case
 from .options import BackendOption
 
@@ -231,15 +232,25 @@ def build_setup(case: Case, device: torch.device | str, *, seed: int = 0,
     pages = sum(-(-(n + ext) // P) for n in lengths) + 2
     max_ctx = max(lengths) + ext + P
     kw = dict(num_layers=layers, num_slots=pages * P, max_reqs=case.batch,
-              max_context_len=max_ctx, page_size=P, dtype=case.dtype, device=device)
+              max_context_len=max_ctx, page_size=P, dtype=case.dtype, device=device,
+              kv_cache_dtype=case.kv_cache_dtype)
     a, b, c = case.shape
     runner = (DraftRunner.mla(a, b, c, **kw) if case.model == "mla"
               else DraftRunner.mha(a, b, c, **kw))
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    pools = runner.kv_buffer if case.model == "mla" else runner.k_buffer + runner.v_buffer
-    for pool in pools:
-        pool.copy_(torch.randn(pool.shape, generator=gen, device=device))
+    if case.model == "mla":
+        pools, scales = runner.kv_buffer, [case.k_scale] * layers
+    else:
+        pools = runner.k_buffer + runner.v_buffer
+        scales = [case.k_scale] * layers + [case.v_scale] * layers
+    every_slot = torch.arange(runner.num_slots, device=device)
+    for pool, kv_scale in zip(pools, scales):
+        values = torch.randn(pool.shape, generator=gen, device=device)
+        if runner.fp8:  # stored as runner.write_kv stores KV
+            write_rows(pool, every_slot, quantize(values, kv_scale, pool.dtype))
+        else:
+            pool.copy_(values)
     alloc = PagedKVAllocator(runner)
     reqs = [alloc.new_request() for _ in lengths]
     rpi = torch.tensor(reqs, dtype=torch.int64, device=device)
@@ -264,18 +275,20 @@ def build_setup(case: Case, device: torch.device | str, *, seed: int = 0,
     longest = max(range(case.batch), key=lambda i: lengths[i])
     sample = sorted({0, case.batch - 1, longest})
     return Setup(case, runner, batch, lengths, inputs,
-                 [AttentionLayer(i, scale) for i in range(layers)], sample)
+                 [AttentionLayer(i, scale, k_scale=case.k_scale, v_scale=case.v_scale)
+                  for i in range(layers)], sample)
 
 
 # --- variants --------------------------------------------------------------------------------
 
 @dataclass
 class Variant:
-    """One thing to time: a registered backend in one mode, or a raw-library baseline."""
+    """One thing to time: a registered backend in one mode, a raw-library baseline, or a
+    backend's ``dequant`` baseline (FP8 cases)."""
 
     label: str
     backend: str
-    mode: str  # "shared", "per-branch", "default" or "raw"
+    mode: str  # "shared", "per-branch", "default", "option", "dequant" or "raw"
     kernel_library: str
     make: Callable[[Setup], Any]
     graphs: bool = False  # supports the CUDA-graph protocol
@@ -287,19 +300,36 @@ def _request(case: Case) -> BackendRequest:
     head_dim = b + c if case.model == "mla" else c
     return BackendRequest(kind=case.kind, mla=case.model == "mla", topk=case.topk,
                           num_steps=case.steps, page_size=case.page_size, dtype=case.dtype,
-                          head_dim=head_dim)
+                          head_dim=head_dim, kv_cache_dtype=case.kv_cache_dtype)
 
 
 def _has_mode(cls: type) -> bool:
     return "mode" in inspect.signature(cls.__init__).parameters
 
 
-def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
+def _builder(cls: type, case: Case, **kw) -> Callable[[DraftRunner], Any]:
+    """``runner -> cls(runner, ...)`` for ``case`` (decode: its ``topk`` and steps)."""
     if case.kind == "decode":
-        return lambda s: cls(s.runner, case.topk, case.steps, **kw)
+        return lambda runner: cls(runner, case.topk, case.steps, **kw)
     if "max_extend_len" in inspect.signature(cls.__init__).parameters:
         kw = dict(kw, max_extend_len=case.extend_len)  # the graph grid's bound (S + 1 slots)
-    return lambda s: cls(s.runner, **kw)
+    return lambda runner: cls(runner, **kw)
+
+
+def _maker(cls: type, case: Case, **kw) -> Callable[[Setup], Any]:
+    build = _builder(cls, case, **kw)
+    return lambda s: build(s.runner)
+
+
+def _dequant_variant(info, cls: type, case: Case, platform) -> Optional[Variant]:
+    """``<name>/dequant`` of an FP8 case (``baselines.DequantStep``) when ``cls`` serves the
+    case with pools in the activation dtype; its shared mode where it has modes."""
+    if cls.validate(_request(case.with_(kv_cache_dtype="auto")), platform):
+        return None
+    kw = {"mode": "shared"} if case.kind == "decode" and _has_mode(cls) else {}
+    build = _builder(cls, case, **kw)
+    return Variant(f"{info.name}/dequant", info.name, "dequant", info.kernel_library,
+                   lambda s: DequantStep(s.runner, build), bool(cls.supports_cuda_graph))
 
 
 def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
@@ -312,10 +342,12 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
     ``flashinfer-raw``); ``None``: every backend available here (on the CPU, ``torch_ref``
     and ``intel_amx``). On a GPU ``torch_ref`` is the correctness reference only and is
     timed only when named. Backends with a ``mode`` constructor keyword also run
-    ``mode="per-branch"``. on_gpu: whether the tensors live on a GPU (default: the
-    platform's device is not the CPU). options: ``--option`` variants (mode ``option``),
-    added for the classes of their backend that take their keywords, whether or not the
-    backend's own variants run.
+    ``mode="per-branch"``; on an FP8 case each also runs ``<name>/dequant`` (mode
+    ``dequant``, ``baselines.DequantStep``) where it serves the bf16 twin, and the raw
+    baselines (bf16 pools only) do not run. on_gpu: whether the tensors live on a GPU
+    (default: the platform's device is not the CPU). options: ``--option`` variants (mode
+    ``option``), added for the classes of their backend that take their keywords, whether
+    or not the backend's own variants run.
     """
     from ..listing import list_backends
 
@@ -354,6 +386,8 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
         elif own:
             variants.append(Variant(info.name, info.name, "default", info.kernel_library,
                                     _maker(cls, case), graphs))
+        dequant = _dequant_variant(info, cls, case, platform) if own and case.fp8 else None
+        variants += [dequant] if dequant else []
         variants += [Variant(o.label, info.name, "option", info.kernel_library,
                              _maker(cls, case, **o.kwargs_for(cls)), graphs) for o in opts]
     if raw and case.kind == "decode" and case.model == "mha":
@@ -361,6 +395,11 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
             if wanted is not None and not {key, "raw"} & wanted:
                 continue
             if (device == "cuda") != on_gpu:
+                continue
+            if case.fp8:
+                if wanted is not None:
+                    skipped.append((key, "reads pools of the activation dtype only, not "
+                                    f"kv_cache_dtype {case.kv_cache_dtype!r}"))
                 continue
             if module != "torch" and not has_module(module):
                 skipped.append((key, f"needs the '{module}' package"))

@@ -23,10 +23,10 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["COLUMNS", "SWEEP_COLUMNS", "PARTS_COLUMNS", "FLOOR", "READ_FLOOR", "NOISY_SPREAD",
-           "TERMINAL_DROP_ORDER", "add_ratios", "render_table", "print_table", "fit_columns",
-           "parts_rows", "render_parts", "rate_lines", "noise_warning", "write_csv",
-           "read_csv", "write_pngs", "case_figure", "sweep_figure", "bar_axis_label", "versions",
-           "device_slug"]
+           "TERMINAL_DROP_ORDER", "add_ratios", "has_fp8", "fp8_lines", "render_table",
+           "print_table", "fit_columns", "parts_rows", "render_parts", "rate_lines",
+           "noise_warning", "write_csv", "read_csv", "write_pngs", "case_figure",
+           "sweep_figure", "bar_axis_label", "versions", "device_slug"]
 
 FLOOR = "copy-bandwidth floor"
 READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's bytes
@@ -34,11 +34,12 @@ READ_FLOOR = "read-floor"  # floors.py: one launch that only reads the case's by
 NOISY_SPREAD = 0.10
 COLUMNS = [
     "case", "lengths", "kind", "model", "batch", "prefix", "topk", "steps", "page_size",
-    "dtype", "lanes", "variant", "backend", "mode", "kernel_library", "status", "error", "max_err",
+    "dtype", "kv_dtype", "k_scale", "v_scale", "twin_case", "lanes", "variant", "backend",
+    "mode", "kernel_library", "status", "error", "max_err",
     "time_us", "spread", "timing", "floor_us", "x_floor", "read_floor_us", "x_read_floor",
-    "kv_bytes", "bandwidth_gbs", "per_branch", "x_vs_per_branch", "tokens_per_s",
-    "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us", "round_us",
-    "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
+    "kv_bytes", "bandwidth_gbs", "per_branch", "x_vs_per_branch", "x_vs_dequant", "x_vs_bf16",
+    "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us",
+    "round_us", "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
 SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
                  "x_floor", "error"]
@@ -57,8 +58,8 @@ def _num(value: Any) -> Optional[float]:
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fill ``x_floor``, ``read_floor_us``, ``x_read_floor``, ``bandwidth_gbs``,
-    ``tokens_per_s``, ``per_branch``, ``x_vs_per_branch`` and ``x_vs_torch_ref`` in place (and
-    return ``rows``).
+    ``tokens_per_s``, ``per_branch``, ``x_vs_per_branch``, ``x_vs_dequant``, ``x_vs_bf16``
+    and ``x_vs_torch_ref`` in place (and return ``rows``).
 
     Per (case, lengths): ``x_floor = time / floor`` (the copy floor); ``x_read_floor = time /
     read floor`` (the group's ``read-floor`` row; every row but the copy floor's);
@@ -66,17 +67,24 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``tokens_per_s`` = query rows of one call per second (one layer), ``round_tokens_per_s``
     the rows of a whole round (``S - 1`` steps) over its eager time; ``x_vs_per_branch`` =
     per-branch time / time (above 1 = faster than per-branch), against the backend's own
-    ``per-branch`` mode, else the first raw-library per-lane baseline; ``x_vs_torch_ref`` =
-    torch_ref time / time. Failed rows get none of them.
+    ``per-branch`` mode, else the first raw-library per-lane baseline; ``x_vs_dequant`` =
+    the backend's ``dequant`` row's time / time (FP8 cases); ``x_vs_bf16`` = the time of the
+    same variant (or floor) on the row's ``twin_case`` with the same lengths / time (FP8
+    cases whose twin ran); ``x_vs_torch_ref`` = torch_ref time / time. Failed rows get none
+    of them.
     """
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         groups[(row["case"], row["lengths"])].append(row)
+    times = {(r["case"], r["lengths"], r["variant"]): _num(r.get("time_us")) for r in rows
+             if r.get("status") in ("ok", "floor") and _num(r.get("time_us"))}
     for group in groups.values():
         ok = [r for r in group if r.get("status") == "ok" and _num(r.get("time_us"))]
         own_pb = {r["backend"]: r for r in ok if r.get("mode") == "per-branch"}
+        own_dq = {r["backend"]: r for r in ok if r.get("mode") == "dequant"}
         raw_pb = next((r for r in ok if r.get("mode") == "raw"), None)
-        ref = next((r for r in ok if r.get("backend") == "torch_ref"), None)
+        ref = next((r for r in ok if r.get("backend") == "torch_ref"
+                    and r.get("mode") != "dequant"), None)
         read = next((_num(r.get("time_us")) for r in group if r.get("variant") == READ_FLOOR
                      and r.get("status") == "floor"), None)
         for r in group:
@@ -90,16 +98,21 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r["x_read_floor"] = t / read if read else None
             kv = _num(r.get("kv_bytes"))
             r["bandwidth_gbs"] = kv / (t * 1e-6) / 1e9 if kv else None
+            twin = times.get((r.get("twin_case"), r["lengths"], r["variant"]))
+            r["x_vs_bf16"] = twin / t if twin else None
             if r["status"] == "floor":
                 continue
             lanes = _num(r.get("lanes"))
             r["tokens_per_s"] = lanes / (t * 1e-6) if lanes else None
             base = None
             # torch_ref has no shared-prefix design to compare: no per-branch ratio.
-            if r.get("mode") not in ("per-branch", "raw") and r.get("backend") != "torch_ref":
+            if (r.get("mode") not in ("per-branch", "raw", "dequant")
+                    and r.get("backend") != "torch_ref"):
                 base = own_pb.get(r["backend"]) or raw_pb
             r["per_branch"] = base["variant"] if base else ""
             r["x_vs_per_branch"] = _num(base["time_us"]) / t if base else None
+            dequant = own_dq.get(r["backend"]) if r.get("mode") != "dequant" else None
+            r["x_vs_dequant"] = _num(dequant["time_us"]) / t if dequant else None
             r["x_vs_torch_ref"] = (_num(ref["time_us"]) / t
                                    if ref is not None and ref is not r else None)
             round_us = _num(r.get("round_eager_us"))
@@ -116,11 +129,18 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
+def has_fp8(rows: list[dict[str, Any]]) -> bool:
+    """Whether some row is of a case with FP8 pools (its ``kv_dtype``)."""
+    return any(str(r.get("kv_dtype", "")).startswith("fp8") for r in rows)
+
+
 def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the results table (one line per row; failed rows say why)."""
+    """Header and cells of the results table (one line per row; failed rows say why); the
+    FP8 ratios (``x vs dequant``, ``x vs bf16``) when an FP8 case is in ``rows``."""
+    fp8 = has_fp8(rows)
     head = ["case", "lengths", "variant", "time us"] + (["spread"] if cpu else [])
     head += ["x copy floor"] + ([] if cpu else ["x read floor"])
-    head += ["x vs per-branch", "GB/s"]
+    head += ["x vs per-branch"] + (["x vs dequant", "x vs bf16"] if fp8 else []) + ["GB/s"]
     head += ["tokens/s", "x vs torch_ref"] if cpu else []
     head += ["round us", "host us", "round eager us"]
     head += ["round tokens/s" if cpu else "round graph us", "check"]
@@ -140,7 +160,10 @@ def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list
             cells.append(_fmt(r.get("x_floor"), ".2f"))
             if not cpu:
                 cells.append(_fmt(r.get("x_read_floor"), ".2f"))
-            cells += [vs_pb, _fmt(r.get("bandwidth_gbs"), ",.0f")]
+            cells.append(vs_pb)
+            if fp8:
+                cells += [_fmt(r.get(k), ".2f", "x") for k in ("x_vs_dequant", "x_vs_bf16")]
+            cells.append(_fmt(r.get("bandwidth_gbs"), ",.0f"))
             if cpu:
                 cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
                           _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
@@ -177,7 +200,8 @@ def render_table(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
 # order; case, lengths, variant and time stay.
 TERMINAL_DROP_ORDER = ("round eager us", "round graph us", "round tokens/s", "GB/s",
                        "tokens/s", "spread", "check", "host us", "x vs torch_ref",
-                       "round us", "x vs per-branch", "x read floor", "x copy floor")
+                       "round us", "x vs bf16", "x vs per-branch", "x vs dequant",
+                       "x read floor", "x copy floor")
 _GAP = 2  # characters between two columns of make_table's tables
 
 
@@ -247,6 +271,48 @@ def print_table(rows: list[dict[str, Any]], console, *, cpu: bool = False) -> No
                       "(table.md and bench.csv have every column).")
     for line in reasons:
         console.print(line)
+
+
+def _fastest(group: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The fastest passing row of a backend's own or option variant (``torch_ref`` only when
+    nothing else passed), or ``None``."""
+    timed = [r for r in group if r.get("status") == "ok" and _num(r.get("time_us"))
+             and r.get("mode") in ("shared", "default", "option")]
+    pool = [r for r in timed if r.get("backend") != "torch_ref"] or timed
+    return min(pool, key=lambda r: _num(r["time_us"]), default=None)
+
+
+def fp8_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One markdown list line per (FP8 case, lengths) of ``rows``: its pools, and its fastest
+    variant (``_fastest``) against the FP8 targets: over its read floor, over the same
+    variant on the bf16 twin, and its speedup over the backend's ``dequant`` row."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if has_fp8([r]):
+            groups[(r["case"], r["lengths"])].append(r)
+    out = []
+    for (case, lengths), group in groups.items():
+        first = group[0]
+        pools = f"kv {first['kv_dtype']}, k_scale {_fmt(first.get('k_scale'), 'g')}"
+        if _num(first.get("v_scale")) is not None:
+            pools += f", v_scale {_fmt(first.get('v_scale'), 'g')}"
+        twin = first.get("twin_case") or ""
+        best = _fastest(group)
+        if best is None:
+            out.append(f"- {case} ({lengths}; {pools}): no variant passed")
+            continue
+        found = [f"fastest {best['variant']}, {_fmt(best['time_us'], ',.1f')} us"]
+        if _num(best.get("x_read_floor")):
+            found.append(f"{_fmt(best['x_read_floor'], '.2f')}x its read floor")
+        if _num(best.get("x_vs_bf16")):
+            found.append(f"{1 / _num(best['x_vs_bf16']):.2f}x its step on {twin}")
+        elif twin:
+            found.append(f"{twin}: no {best['variant']} row in this run")
+        if _num(best.get("x_vs_dequant")):
+            found.append(f"{_fmt(best['x_vs_dequant'], '.2f')}x faster than "
+                         f"{best['backend']}/dequant")
+        out.append(f"- {case} ({lengths}; {pools}): " + "; ".join(found))
+    return out
 
 
 def rate_lines(rows: list[dict[str, Any]]) -> list[str]:

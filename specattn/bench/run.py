@@ -19,11 +19,14 @@ __all__ = ["Plan", "plan_cases", "run_cases", "run_sweep", "case_fields",
 
 
 def case_fields(case: Case, lengths: list[int]) -> dict[str, Any]:
+    """The case's columns of a row (FP8: the pools' dtype, scales and bf16 twin)."""
     return {"case": case.name, "lengths": case.lengths_label, "kind": case.kind,
             "model": case.model, "batch": case.batch, "prefix": case.prefix,
             "topk": case.topk if case.kind == "decode" else "", "steps": case.steps,
             "page_size": case.page_size, "dtype": str(case.dtype).replace("torch.", ""),
-            "lanes": case.lanes, "kv_bytes": case.kv_bytes(lengths)}
+            "kv_dtype": case.kv_dtype_name, "k_scale": case.k_scale if case.fp8 else None,
+            "v_scale": case.v_scale if case.fp8 and case.model == "mha" else None,
+            "twin_case": case.twin, "lanes": case.lanes, "kv_bytes": case.kv_bytes(lengths)}
 
 
 def floor_row(case: Case, lengths: list[int], bandwidth: float) -> dict[str, Any]:

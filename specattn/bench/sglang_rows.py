@@ -2,15 +2,16 @@
 SGLang's draft backend of that name and with specattn's through the plugin
 (``specattn.integrations.sglang.draft_round.time_pair``; docs/sglang.md).
 
-When SGLang 0.5.23 is importable and the run is on a GPU, every decode case gets, per SGLang
-name (``triton``, ``flashinfer``; those named with ``--backend`` when it is given, or all for
-``--backend sglang``), two rows: ``sglang/<name>`` (SGLang's backend) and
-``sglang/<name>+specattn``. ``round graph us``: ``EAGLEDraftCudaGraphRunner.execute`` (host
-preparation + replay of one layer's ``S - 1`` steps, host wall time, median); ``time us``:
-one step's attention call in SGLang's loop (eager, CUDA events, mean over the steps), not the
-standard step of the other rows (a CUDA graph over rotated layers). The specattn row's check
-is the round against SGLang's (draft tokens, attention, KV). TorchDynamo is off (SGLang's
-compiled top-k selection runs eagerly on both sides).
+When SGLang 0.5.23 is importable and the run is on a GPU, every decode case with pools in the
+activation dtype gets, per SGLang name (``triton``, ``flashinfer``; those named with
+``--backend`` when it is given, or all for ``--backend sglang``), two rows:
+``sglang/<name>`` (SGLang's backend) and ``sglang/<name>+specattn``. ``round graph us``:
+``EAGLEDraftCudaGraphRunner.execute`` (host preparation + replay of one layer's ``S - 1``
+steps, host wall time, median); ``time us``: one step's attention call in SGLang's loop
+(eager, CUDA events, mean over the steps), not the standard step of the other rows (a CUDA
+graph over rotated layers). The specattn row's check is the round against SGLang's (draft
+tokens, attention, KV). TorchDynamo is off (SGLang's compiled top-k selection runs eagerly
+on both sides).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def sglang_rows(cases: Sequence[Case], device: torch.device, *, seed: int = 0,
     R.install_stubs(gpu=device.type == "cuda")
     rows: list[dict[str, Any]] = []
     for case in cases:
-        if case.kind != "decode":
+        if case.kind != "decode" or case.fp8:  # the fixture's pools are bf16
             continue
         lengths = case.lengths(seed)
         fx = None
