@@ -1100,3 +1100,28 @@ def test_gpu_small_case_end_to_end(tmp_path):
     triton = next(r for r in rows if r["variant"] == "triton")
     assert triton["timing"] == "graph" and float(triton["round_graph_us"]) > 0
     assert float(triton["x_vs_per_branch"]) > 0 and float(triton["x_floor"]) > 0
+
+
+def test_a_run_stopped_part_way_keeps_its_finished_cases(tmp_path, monkeypatch):
+    """bench.csv is written after every case: a run killed in its second case (a timeout on
+    the GPU host) leaves the first case's rows, ratios included."""
+    from specattn.bench import run
+
+    real = run._run_plan
+    seen = []
+
+    def stop_in_second_case(plan, *args, **kwargs):
+        seen.append(plan.case.name)
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal does to the process
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(run, "_run_plan", stop_in_second_case)
+    out = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(["--case", "cpu-gqa-small", "cpu-extend", "--device", "cpu", "--quick",
+                  "--backend", "torch_ref", "--reps", "1", "--out", str(out)])
+    rows = report.read_csv(str(out / "bench.csv"))
+    assert {r["case"] for r in rows} == {"cpu-gqa-small"}
+    timed = [r for r in rows if r["variant"] == "torch_ref"]
+    assert timed and float(timed[0]["time_us"]) > 0 and timed[0]["x_floor"]

@@ -298,11 +298,19 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}; results will be written to {out}/", file=sys.stderr)
     bandwidth = None if args.check_only else copy_bandwidth(device, clock)
+    os.makedirs(out, exist_ok=True)
+
+    def checkpoint(rows_so_far: list) -> None:  # bench.csv after each case, final or not
+        done = [dict(r) for r in rows_so_far]
+        if args.append:
+            done = _merge(out, done, [])[0]
+        report.write_csv(report.add_ratios(done), os.path.join(out, "bench.csv"))
+
     with ItemProgress(total, "bench") as progress:
         rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
                              rounds=not (args.no_round or args.check_only),
                              round_layers=args.round_layers, timed=not args.check_only,
-                             parts=args.parts, read_floor=read_floor)
+                             parts=args.parts, read_floor=read_floor, on_case=checkpoint)
         sweep_rows = run.run_sweep(sweep, device, clock, bandwidth, progress, seed=args.seed)
     if on_gpu and not (args.check_only or args.only_sweep or args.no_sglang):
         from .sglang_rows import merge_rows, sglang_rows

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -186,12 +186,15 @@ def _add_parts(result: Result, variant: Variant, setup, clock) -> None:
 def run_cases(plans: list[Plan], device, clock, bandwidth: Optional[float],
               progress: ItemProgress, *, seed: int = 0, rounds: bool = True,
               round_layers: int = 4, timed: bool = True, parts: bool = False,
-              read_floor: bool = False) -> list[dict[str, Any]]:
+              read_floor: bool = False,
+              on_case: Optional[Callable[[list[dict[str, Any]]], None]] = None
+              ) -> list[dict[str, Any]]:
     """Rows of every planned case: its copy floor (when ``bandwidth`` was measured), its
     read floor (``read_floor``: one more progress item per case), then one row per variant
     (skipped variants of a named backend are reported with the reason). ``timed=False``:
     check only; ``parts``: each timed variant's step parts in its row's ``parts``
-    (``parts.py``)."""
+    (``parts.py``); ``on_case``: called with the rows so far after each case (the CLI
+    writes them, so that a run stopped part-way keeps its finished cases)."""
     rows = []
     for plan in plans:
         lengths = plan.case.lengths(seed)
@@ -210,6 +213,8 @@ def run_cases(plans: list[Plan], device, clock, bandwidth: Optional[float],
             rows.append({**case_fields(plan.case, lengths), "variant": name, "backend": name,
                          "mode": "", "kernel_library": "", "status": "unsupported",
                          "error": reason})
+        if on_case is not None:
+            on_case(rows)
     return rows
 
 
