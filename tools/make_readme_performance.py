@@ -44,6 +44,7 @@ def headline_rows(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
         out.append({
             "case": case, "shape": _shape(best), "backend": best["variant"],
             "time_us": _num(best["time_us"]), "x_floor": _num(best["x_floor"]),
+            "x_read_floor": _num(best.get("x_read_floor")),
             "x_vs_per_branch": _num(best["x_vs_per_branch"]),
             "x_vs_flashinfer": (_num(fi["time_us"]) / _num(best["time_us"])) if fi else None,
             "tokens_per_s": _num(best["tokens_per_s"]),
@@ -91,6 +92,7 @@ def render_section(results_dir: str, readme_dir: str) -> str:
                 "x vs per-branch": ("x_vs_per_branch", ".2f", "x")}
     else:
         cols = {"time (us)": ("time_us", ",.1f", ""), "x floor": ("x_floor", ".2f", "x"),
+                "x read floor": ("x_read_floor", ".2f", "x"),
                 "x vs per-branch": ("x_vs_per_branch", ".2f", "x"),
                 "x vs FlashInfer per-lane": ("x_vs_flashinfer", ".2f", "x")}
     lines += ["| case | shape | fastest | " + " | ".join(cols) + " |",
@@ -98,6 +100,7 @@ def render_section(results_dir: str, readme_dir: str) -> str:
     lines += ["| " + " | ".join([h["case"], h["shape"], h["backend"]] + [
         _fmt(h[key], spec, unit) for key, spec, unit in cols.values()]) + " |" for h in heads]
     lines += ["", "`x floor`: time over the copy-bandwidth floor (every prefix read once); "
+              "`x read floor`: over one launch that only reads the same bytes (GPU); "
               "`x vs per-branch`: speedup over each lane as its own sequence (the upstream "
               "design), with the same kernel library where it has that mode."]
     # The headline case's chart (gqa-long when it ran, else the table's first case), the sweep.
