@@ -19,7 +19,8 @@
 # .whl/*.whl and prints the GPU and the library versions.
 # Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
 # parts to unpack; default: those carried); CHECK_STEPS (default "gpu-tests kit memcheck");
-# AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
+# KIT_K (the kit's -k; default: every GPU backend); BENCH_APPEND=1 (keep the last bench's
+# folder: pass --append); AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
 # summary.md); GPU_DRY_RUN=1 (print the commands, run nothing).
 # Output: $OUT/summary.md (a line per step), $OUT/logs.tgz (each step's log) and the command's
 # results. Every step runs; the exit status is 1 when one failed.
@@ -41,7 +42,7 @@ PY=${PYTHON:-python}
 DRY=${GPU_DRY_RUN:-}
 LOGS=$OUT/logs
 SUMMARY=$OUT/summary.md
-KIT_K="test_triton or test_dsa or (test_dsv4 and not hip and not npu) or test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu or test_flashmla_gpu"
+KIT_K=${KIT_K:-"test_triton or test_dsa or (test_dsv4 and not hip and not npu) or test_flashinfer_gpu or test_fa4_gpu or test_fa3_gpu or test_flashmla_gpu"}
 failed=0
 mkdir -p "$LOGS"
 : > "$SUMMARY"
@@ -140,7 +141,7 @@ check() {
 bench() {  # the bench's text files into $OUT/bench/, everything into $OUT/bench.tgz
   local f
   setup
-  [ -n "$DRY" ] || rm -rf /tmp/gpu-bench
+  [ -n "$DRY" ] || [ -n "${BENCH_APPEND:-}" ] || rm -rf /tmp/gpu-bench
   step bench "$PY" -m specattn bench --out /tmp/gpu-bench "$@"
   [ -n "$DRY" ] && return 0
   mkdir -p "$OUT/bench"
