@@ -11,8 +11,8 @@ strides of the caller's index tensors (the plan, the fixed buffers and views, th
 constexprs and trailing arguments, the compiled kernel) is kept per such signature
 (``_Replay``) by the first call that has it, the capture's included, after that call's
 checks; a later call with the same signature launches the kept compiled kernel on the new
-tensors (``kernel_launch``) and checks again only what reads values (CPU tensors,
-``SPECATTN_DEBUG_CHECKS``).
+tensors (``kernel_launch``) and checks again only what reads values (CPU tensors: a graph
+call makes no debug pass on a device).
 """
 
 from __future__ import annotations
@@ -110,13 +110,14 @@ def _signature(t: torch.Tensor) -> tuple:
 
 class _Replay:
     """What a graph call repeats for one signature: the metadata launch (run on the caller's
-    new tensors), the round's fixed batch views, rows, plan and buffers."""
+    new tensors), the round's fixed views (decode: the ``DraftBatch`` of them; extend: the
+    ``out_cache_loc`` view), its rows (lanes; extend: tokens), plan and buffers."""
 
-    __slots__ = ("launch", "batch", "rows", "plan", "bufs")
+    __slots__ = ("launch", "fixed", "rows", "plan", "bufs")
 
-    def __init__(self, launch, batch, rows: int, plan: dict, bufs: "_GraphBuffers") -> None:
-        self.launch, self.batch, self.rows, self.plan, self.bufs = \
-            launch, batch, rows, plan, bufs
+    def __init__(self, launch, fixed, rows: int, plan: dict, bufs: "_GraphBuffers") -> None:
+        self.launch, self.fixed, self.rows, self.plan, self.bufs = \
+            launch, fixed, rows, plan, bufs
 
 
 class _GraphBuffers:
@@ -285,11 +286,11 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
             self._keep_graph_call(key)
             return
         rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        if _validation._scan_values(rpi, None):  # CPU tensors or SPECATTN_DEBUG_CHECKS
+        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
             self._check_graph_batch(batch)
         replay.launch(rpi, seq, loc)
         self.graph_source = batch
-        self.batch, self.num_lanes = replay.batch, replay.rows
+        self.batch, self.num_lanes = replay.fixed, replay.rows
         self._round_plan, self._active = replay.plan, replay.bufs
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
@@ -405,7 +406,6 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
 
     def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
         """As the base class; keeps the call for the replays."""
-        self._replays.clear()
         super().init_forward_metadata_capture_cuda_graph(batch)
         self._keep_graph_call(self._replay_key(batch))
 
@@ -413,7 +413,7 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
                                                 bs: int) -> None:
         """As the base class: one metadata launch. A call whose signature a checked call
         had (``_replay_key``) launches the kept kernel on the new tensors and checks only
-        what reads values. (``_Replay.batch`` holds the fixed ``out_cache_loc`` view.)"""
+        what reads values."""
         key = self._replay_key(batch)
         replay = self._replays.get(key) if key is not None else None
         if replay is None:
@@ -422,11 +422,11 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
             return
         rpi, seq, ext, loc = (batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
                               batch.out_cache_loc)
-        if _validation._scan_values(rpi, None):  # CPU tensors or SPECATTN_DEBUG_CHECKS
+        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
             self._check_graph_batch(batch)
         replay.launch(rpi, seq, ext, loc)
         self.graph_source = batch
-        self.batch = DraftExtendBatch(rpi, seq, ext, replay.batch)
+        self.batch = DraftExtendBatch(rpi, seq, ext, replay.fixed)
         self.num_tokens = replay.rows
         self._round_plan, self._active = replay.plan, replay.bufs
 
