@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-try:  # Triton >= 3.4; older releases keep the ordinary launch
+try:  # releases without triton.knobs keep the ordinary launch
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _knobs = None
