@@ -666,12 +666,11 @@ class DraftExtendBackend(DraftBackend):
         return 1
 
     def _graph_round(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
-        """Graph-round checks (no debug pass: capture must not sync), then the new tokens'
-        slots into the fixed buffer and ``_plan_graph``."""
+        """Graph-round checks, then the new tokens' slots into the fixed buffer (here, or by
+        a backend whose ``_fills_graph_round`` is True, in its ``_plan_graph``) and
+        ``_plan_graph``."""
         graph = self._require_graph_state()
-        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len,
-                           graph=True)
-        self._check_batch(batch, False)
+        self._check_graph_batch(batch)
         bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
         capacity = graph.loc.shape[0]
         if bs > self.cuda_graph_max_bs or tokens > capacity:
@@ -679,10 +678,24 @@ class DraftExtendBackend(DraftBackend):
                                     f"{capacity} tokens (init_cuda_graph_state)",
                                     f"{bs} requests, {tokens} tokens")
         loc = graph.loc[:tokens]
-        loc.copy_(batch.out_cache_loc)
+        if self._fills_graph_round():
+            self.graph_source = batch
+        else:
+            loc.copy_(batch.out_cache_loc)
         self._begin(DraftExtendBatch(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, loc))
         self._plan_graph(self.batch, capture=capture)
+
+    def _fills_graph_round(self) -> bool:
+        """True when ``_plan_graph`` copies ``self.graph_source.out_cache_loc`` (the caller's
+        batch) into ``self.batch.out_cache_loc`` (the fixed buffer's view) itself."""
+        return False
+
+    def _check_graph_batch(self, batch: "DraftExtendBatch") -> None:
+        """A graph round's batch is valid (no debug pass: capture must not sync)."""
+        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len,
+                           graph=True)
+        self._check_batch(batch, False)
 
 
 class _FixedRound:

@@ -1,9 +1,18 @@
 """``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA
 (imports no Triton: the kernels load on the first metadata call).
 
-A round's metadata is one launch (two with ``gluon-wl``'s work list), graph-safe, no host
+A round's metadata is one launch (the ``gluon-wl`` work list included), graph-safe, no host
 sync; ``forward`` runs the plan's kernel (``plans``; ``plan=NAME`` forces one) and merges
 the partials. ``mode="per-branch"``: every lane its own sequence (the upstream design).
+
+A CUDA-graph replay's metadata call is host-bound: an engine makes it before every replay.
+Everything that depends only on the captured size and on the dtypes, devices, shapes and
+strides of the caller's index tensors (the plan, the fixed buffers and views, the grid,
+constexprs and trailing arguments, the compiled kernel) is kept per such signature
+(``_Replay``) by the first call that has it, the capture's included, after that call's
+checks; a later call with the same signature launches the kept compiled kernel on the new
+tensors (``kernel_launch``) and checks again only what reads values (CPU tensors: a graph
+call makes no debug pass on a device).
 """
 
 from __future__ import annotations
@@ -12,7 +21,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ... import validation as _validation
 from ...base import DraftDecodeBackend, DraftExtendBackend
+from ...data import DraftExtendBatch
 from ...errors import InvalidInputError
 from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
                           triton_interpret_enabled)
@@ -66,6 +77,16 @@ class _TritonCommon:
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._plans: dict = {}
         self._round_plan = None
+        self._launch = None  # the last metadata launch (kernel_launch.KernelLaunch)
+        self._replays: dict = {}  # signature -> _Replay
+
+    def _keep_replay(self, key: Optional[tuple], replay: "_Replay") -> None:
+        """Keep what a graph call of signature ``key`` repeats (``None``: not repeatable)."""
+        if key is None:
+            return
+        if len(self._replays) >= _MAX_REPLAYS:
+            self._replays.clear()
+        self._replays[key] = replay
 
     def _kernel_writes_kv(self) -> bool:
         return True  # launchers.attention stores it
@@ -77,6 +98,26 @@ class _TritonCommon:
                 return bufs
         self._bufs = self._new_buffers(bs, rows)
         return self._bufs
+
+
+_MAX_REPLAYS = 64  # signatures kept per backend (engines use a few per captured size)
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What the metadata kernels' checks and compiled code depend on in an index tensor."""
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+class _Replay:
+    """What a graph call repeats for one signature: the metadata launch (run on the caller's
+    new tensors), the round's fixed views (decode: the ``DraftBatch`` of them; extend: the
+    ``out_cache_loc`` view), its rows (lanes; extend: tokens), plan and buffers."""
+
+    __slots__ = ("launch", "fixed", "rows", "plan", "bufs")
+
+    def __init__(self, launch, fixed, rows: int, plan: dict, bufs: "_GraphBuffers") -> None:
+        self.launch, self.fixed, self.rows, self.plan, self.bufs = \
+            launch, fixed, rows, plan, bufs
 
 
 class _GraphBuffers:
@@ -183,7 +224,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs, bs * self.topk)
         src = source or batch
-        _launchers().decode_metadata(
+        self._launch = _launchers().decode_metadata(
             src.req_pool_indices, src.seq_lens, src.out_cache_loc, bufs.meta, bufs.hist,
             plan["num_splits"], plan["plan"].block_n, self.runner.num_slots, bufs.work,
             plan.get("wl_tail", 0), fixed=None if source is None else (
@@ -198,7 +239,59 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
+        self._replays.clear()
         self._graph_bufs = self._new_buffers(max_bs, max_bs * self.topk)
+
+    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
+
+    def _replay_key(self, batch: "DraftBatch", bs: int) -> Optional[tuple]:
+        """The signature of a graph call: ``bs`` and the caller's index tensors; in ``path``
+        mode also the ``parents`` tensor, which must be the one the graph reads. ``None``
+        where the call is not repeated (a batch that is not one, parents in ``lane`` mode,
+        ``parents`` copied into the captured tensor)."""
+        try:
+            key = (bs, _signature(batch.req_pool_indices), _signature(batch.seq_lens),
+                   _signature(batch.out_cache_loc))
+            parents = batch.parents
+            if parents is None:
+                return key if self.tree_mode == "lane" else None
+            captured = self._graph.parents.get(bs) if self._graph is not None else None
+            if self.tree_mode != "path" or captured is None or \
+                    parents.data_ptr() != captured.data_ptr():
+                return None
+            return key + (_signature(parents), parents.data_ptr())
+        except (AttributeError, TypeError):
+            return None
+
+    def _keep_graph_call(self, key: Optional[tuple]) -> None:
+        self._keep_replay(key, _Replay(self._launch, self.batch, self.num_lanes,
+                                       self._round_plan, self._active))
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
+        """As the base class; keeps the call for the replays at this size (in place of what
+        an earlier capture at this size kept: ``parents`` may be another tensor now)."""
+        super().init_forward_metadata_capture_cuda_graph(batch)
+        bs = self.batch.batch_size
+        self._replays = {k: r for k, r in self._replays.items() if k[0] != bs}
+        self._keep_graph_call(self._replay_key(batch, bs))
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
+        """As the base class: one metadata launch. A call whose signature a checked call
+        had (``_replay_key``) launches the kept kernel on the new tensors and checks only
+        what reads values."""
+        key = self._replay_key(batch, bs)
+        replay = self._replays.get(key) if key is not None else None
+        if replay is None:
+            super().init_forward_metadata_replay_cuda_graph(batch, bs)
+            self._keep_graph_call(key)
+            return
+        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
+        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
+            self._check_graph_batch(batch)
+        replay.launch(rpi, seq, loc)
+        self.graph_source = batch
+        self.batch, self.num_lanes = replay.fixed, replay.rows
+        self._round_plan, self._active = replay.plan, replay.bufs
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -263,15 +356,19 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         """Eager: reads ``max(extend_lens)`` to size the grid (one host sync, as upstream)."""
         self._fill(batch, int(batch.extend_lens.max()))
 
-    def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
+    def _fill(self, batch: "DraftExtendBatch", max_extend: int,
+              source: Optional["DraftExtendBatch"] = None) -> None:
+        """One launch: the metadata, and the new tokens' slots into the fixed ``hist`` (so a
+        replayed graph writes the new ones); with ``source`` (graph rounds) the caller's batch,
+        whose slots also go into ``batch``'s fixed ``out_cache_loc``."""
         bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
         bufs = self._buffers_for(bs, num_tokens)
-        _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
-                                     batch.extend_lens, bufs.meta, plan["num_splits"],
-                                     plan["plan"].block_n)
-        # Slots of the new tokens in a fixed buffer, so a replayed graph writes the new ones.
-        bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
+        src = source or batch
+        self._launch = _launchers().extend_metadata(
+            src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc, bufs.meta,
+            bufs.hist, plan["num_splits"], plan["plan"].block_n,
+            None if source is None else batch.out_cache_loc)
         self._round_plan, self._active = plan, bufs
 
     def _new_buffers(self, bs: int, num_tokens: int) -> _GraphBuffers:
@@ -279,14 +376,59 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         return _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads, shape.d_v, self.runner.device)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        self._replays.clear()
         self._graph_bufs = self._new_buffers(max_bs, max_num_tokens)
+
+    def _fills_graph_round(self) -> bool:
+        return True
 
     def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
         ``max E <= T - B + 1``; ``max_extend_len`` bounds it further."""
         bound = self.num_tokens - batch.batch_size + 1
         self._fill(batch, bound if self.max_extend_len is None
-                   else min(bound, self.max_extend_len))
+                   else min(bound, self.max_extend_len), self.graph_source)
+
+    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
+
+    @staticmethod
+    def _replay_key(batch: "DraftExtendBatch") -> Optional[tuple]:
+        """The signature of a graph call: the caller's four index tensors."""
+        try:
+            return (_signature(batch.req_pool_indices), _signature(batch.seq_lens),
+                    _signature(batch.extend_lens), _signature(batch.out_cache_loc))
+        except (AttributeError, TypeError):
+            return None
+
+    def _keep_graph_call(self, key: Optional[tuple]) -> None:
+        self._keep_replay(key, _Replay(self._launch, self.batch.out_cache_loc,
+                                       self.num_tokens, self._round_plan, self._active))
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
+        """As the base class; keeps the call for the replays."""
+        super().init_forward_metadata_capture_cuda_graph(batch)
+        self._keep_graph_call(self._replay_key(batch))
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
+                                                bs: int) -> None:
+        """As the base class: one metadata launch. A call whose signature a checked call
+        had (``_replay_key``) launches the kept kernel on the new tensors and checks only
+        what reads values."""
+        key = self._replay_key(batch)
+        replay = self._replays.get(key) if key is not None else None
+        if replay is None:
+            super().init_forward_metadata_replay_cuda_graph(batch, bs)
+            self._keep_graph_call(key)
+            return
+        rpi, seq, ext, loc = (batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
+                              batch.out_cache_loc)
+        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
+            self._check_graph_batch(batch)
+        replay.launch(rpi, seq, ext, loc)
+        self.graph_source = batch
+        self.batch = DraftExtendBatch(rpi, seq, ext, replay.fixed)
+        self.num_tokens = replay.rows
+        self._round_plan, self._active = replay.plan, replay.bufs
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:

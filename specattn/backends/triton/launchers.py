@@ -17,6 +17,7 @@ from ...util import next_pow2
 from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
+from .kernel_launch import KernelLaunch
 from .plans import MAX_SPLITS, SM90_KERNELS, AttnShape, Kernel, Plan
 
 
@@ -62,39 +63,68 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
                     num_splits: int, block_n: int, num_slots: int,
                     work: Optional[torch.Tensor] = None, tail: int = 0,
-                    fixed: Optional[tuple] = None) -> None:
-    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch
-    (two with ``work``: the ``gluon-wl`` work list for ``num_splits`` programs per row tile
-    and ``tail`` tail units per request, ``worklist.fill``).
+                    fixed: Optional[tuple] = None) -> KernelLaunch:
+    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round in one launch;
+    with ``work``, also the ``gluon-wl`` work list for ``num_splits`` programs per row tile
+    and ``tail`` tail units per request (``worklist.write_work``).
 
     out_cache_loc: ``[B, K, S]``. fixed: a CUDA-graph round's fixed ``(req_pool_indices
     [bs], seq_lens [bs], out_cache_loc [bs, K, S])`` (int64, contiguous), filled from the
     ``B <= bs`` requests given and padded (request row 0, ``seq_lens`` 1, slot 0): the
-    metadata then covers ``bs`` requests."""
+    metadata then covers ``bs`` requests.
+
+    Returns the launch, which repeats it for other ``(req_pool_indices, seq_lens,
+    out_cache_loc)`` of these dtypes, devices, shapes and strides (``KernelLaunch``)."""
+    launch = decode_metadata_launch(req_pool_indices, seq_lens, out_cache_loc, meta, hist,
+                                    num_splits, block_n, num_slots, work, tail, fixed)
+    launch(req_pool_indices, seq_lens, out_cache_loc)
+    return launch
+
+
+def decode_metadata_launch(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           out_cache_loc: torch.Tensor, meta: torch.Tensor,
+                           hist: torch.Tensor, num_splits: int, block_n: int, num_slots: int,
+                           work: Optional[torch.Tensor] = None, tail: int = 0,
+                           fixed: Optional[tuple] = None) -> KernelLaunch:
+    """``decode_metadata``'s launch, not run: called with ``(req_pool_indices, seq_lens,
+    out_cache_loc)``."""
     raw, topk, steps = out_cache_loc.shape
     bs = raw if fixed is None else fixed[0].shape[0]
     fix = fixed if fixed is not None else (meta, meta, meta)
-    _decode_metadata_kernel[(bs * topk,)](
-        req_pool_indices, seq_lens, out_cache_loc, meta, hist, *fix,
-        req_pool_indices.stride(0), seq_lens.stride(0),
-        out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots,
-        raw, TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, num_warps=1)
-    if work is not None:
-        worklist.fill(seq_lens if fixed is None else fixed[1], work, num_splits, tail,
-                      block_n)
+    block_b = next_pow2(bs)
+    wl = work is not None
+    tail_args = (meta, hist, *fix, meta if work is None else work,
+                 req_pool_indices.stride(0), seq_lens.stride(0), out_cache_loc.stride(0),
+                 out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots, raw,
+                 num_splits, tail)
+    consts = dict(TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
+                  NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, WORK=wl,
+                  BLOCK_B=block_b if wl else 1, BLOCK_P=worklist.block_p(block_b) if wl else 1,
+                  num_warps=4 if wl else 1)
+    return KernelLaunch(_decode_metadata_kernel, (bs * topk + int(wl),), tail_args, consts)
 
 
 def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    extend_lens: torch.Tensor, meta: torch.Tensor, num_splits: int,
-                    block_n: int) -> None:
-    """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``)."""
-    bs = req_pool_indices.shape[0]
-    _extend_metadata_kernel[(1,)](
-        req_pool_indices, seq_lens, extend_lens, meta, bs,
-        req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
-        BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        num_warps=4)
+                    extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, meta: torch.Tensor,
+                    hist: torch.Tensor, num_splits: int, block_n: int,
+                    fixed_loc: Optional[torch.Tensor] = None) -> KernelLaunch:
+    """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``) and
+    ``hist[:T, 0]`` with the new tokens' slots ``out_cache_loc [T]`` (int32), in one launch;
+    ``fixed_loc``: a CUDA-graph round's fixed ``out_cache_loc`` view (int64, ``[T]``), which
+    gets them too. Returns the launch (as ``decode_metadata``), called with
+    ``(req_pool_indices, seq_lens, extend_lens, out_cache_loc)``."""
+    bs, tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
+    if hist.stride(0) != 1:
+        raise ValueError("extend_metadata needs hist [rows, 1] with unit row stride")
+    tail_args = (meta, hist, meta if fixed_loc is None else fixed_loc, bs, tokens,
+                 req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
+                 out_cache_loc.stride(0))
+    consts = dict(BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+                  BLOCK_T=min(1024, next_pow2(tokens)), FIXED=fixed_loc is not None,
+                  num_warps=4)
+    launch = KernelLaunch(_extend_metadata_kernel, (1,), tail_args, consts)
+    launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc)
+    return launch
 
 
 def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
