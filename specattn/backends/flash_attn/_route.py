@@ -15,10 +15,10 @@ the copy of ``q`` per chunk (``COPY``):
 - ``split C``: ``pass(B * C * H_kv, L / C) + HIST + COPY``.
 - ``per-branch``: ``pass(B * K * H_kv, L)`` (``K`` times the bytes).
 
-Constants fitted on the H200 (2026-11-29, ``flash-attn-bench-v2.md``): ``gqa-small`` prefix
-pass 20 / 17 / 14 us unsplit / 2 / 4 chunks (``T_CTA``), ``gqa-long`` 155 us against a 126 us
-copy floor (``T_BW``), per-branch 28 us at ``gqa-small``; it picks split 4 there (measured
-fastest: 27.0 us vs per-branch 27.8, shared 31.2) and shared at ``gqa-long``/``gqa-paged``.
+Constants fitted on the H200: ``gqa-small`` prefix pass 20 / 17 / 14 us unsplit / 2 / 4
+chunks (``T_CTA``), ``gqa-long`` 155 us against a 126 us copy floor (``T_BW``), per-branch
+28 us at ``gqa-small``; it picks split 4 there (measured fastest: 27.0 us vs per-branch 27.8,
+shared 31.2) and shared at ``gqa-long``/``gqa-paged``.
 ``L`` is the host's bound on the prefix length (the runner's ``max_context_len``): the
 actual lengths live on the device and are not read (no sync), and the decision must not
 change between replays of one captured graph.
