@@ -61,11 +61,26 @@ class _TritonCommon:
                     "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
         return None
 
+    def _splits(self, plan: "P.Plan", shape: "P.AttnShape", rows_per_group: int,
+                num_groups: int, rows: int, extend: bool) -> int:
+        """A round's prefix splits: ``num_splits`` when given (at most ``split_cap`` for the
+        round's ``rows`` query rows), else ``plan_splits``'s."""
+        L = _launchers()
+        forced = self._num_splits_override
+        if forced is None:
+            return L.plan_splits(plan, shape, rows_per_group, num_groups, self.runner.device,
+                                 extend, rows)
+        cap = L.split_cap(plan, rows)
+        if forced > cap:
+            raise InvalidInputError("num_splits", f"at most {cap} with plan {plan.name} for "
+                                    f"{rows} query rows", forced)
+        return forced
+
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str) -> None:
         """``num_splits`` / ``plan`` checked and kept; the per-round caches emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
-                                           and 1 <= num_splits <= P.MAX_SPLITS):
-            raise InvalidInputError("num_splits", f"an int in [1, {P.MAX_SPLITS}] or None",
+                                           and 1 <= num_splits <= P.DOT_MAX_SPLITS):
+            raise InvalidInputError("num_splits", f"an int in [1, {P.DOT_MAX_SPLITS}] or None",
                                     repr(num_splits))
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
@@ -128,7 +143,8 @@ class _GraphBuffers:
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, work_rows: int = 0,
                  work_numel: int = 0) -> None:
-        rows = max(max_rows * num_q_heads * (P.MAX_SPLITS + 1), work_rows)
+        rows = max(max(max_rows, P.PARTIAL_ROWS) * num_q_heads * (P.MAX_SPLITS + 1),
+                   work_rows)  # launchers.split_cap: what a round of few rows may take
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
@@ -185,8 +201,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         rows_per_group = lanes * shape.group
         plan = self.plan
         num_groups = bs * self.topk // lanes
-        splits = self._num_splits_override or L.plan_splits(
-            plan, shape, rows_per_group, num_groups, self.runner.device, extend=False)
+        splits = self._splits(plan, shape, rows_per_group, num_groups, bs * self.topk, False)
         out = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, plan=plan,
                    num_groups=num_groups, num_splits=splits, bs=bs)
         if plan.kernel is P.Kernel.GLUON_WL:
@@ -346,8 +361,7 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         rows_per_group = max_extend * shape.group
         plan = self._forced or P.choose_plan(self.runner, "extend", rows_per_group,
                                              triton_interpret_enabled())
-        splits = self._num_splits_override or L.plan_splits(
-            plan, shape, rows_per_group, bs, self.runner.device, extend=True)
+        splits = self._splits(plan, shape, rows_per_group, bs, num_tokens, True)
         out = self._plans[key] = dict(shape=shape, plan=plan, rows_per_group=rows_per_group,
                                       num_splits=splits, bs=bs, num_tokens=num_tokens)
         return out

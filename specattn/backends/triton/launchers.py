@@ -18,20 +18,33 @@ from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 from .kernel_launch import KernelLaunch
-from .plans import MAX_SPLITS, SM90_KERNELS, AttnShape, Kernel, Plan
+from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, AttnShape, Kernel,
+                    Plan)
 
 
 def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
 
 
+def split_cap(plan: Plan, rows: int) -> int:
+    """The most prefix splits a round of ``rows`` query rows (lanes; extend: new tokens) may
+    take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
+    rows, so a round of few rows (one request) gives the ``tl.dot`` split-KV kernel more
+    splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one prefix."""
+    if plan.kernel is not Kernel.DOT:
+        return MAX_SPLITS
+    room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
+    return max(1, min(DOT_MAX_SPLITS, room - 1))  # the tail's partial takes one part
+
+
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
-                device: torch.device, extend: bool) -> int:
-    """Prefix splits of a round (host ints only: graph-safe); for ``gluon-wl`` the work
-    list's programs per row tile. Splits fill about ``waves`` programs per SM: 4 for the
-    ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``), rounded up; 1
-    for the others (~200 KB of shared memory: one program per SM), rounded down so that a
-    full wave is not followed by a few stragglers (``cute``: one wave of clusters)."""
+                device: torch.device, extend: bool, rows: int) -> int:
+    """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe); for
+    ``gluon-wl`` the work list's programs per row tile. Splits fill about ``waves`` programs
+    per SM: 4 for the ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``),
+    rounded up, at most ``split_cap``; 1 for the others (~200 KB of shared memory: one
+    program per SM), rounded down so that a full wave is not followed by a few stragglers
+    (``cute``: one wave of clusters)."""
     row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
@@ -39,7 +52,7 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
     waves = (2.0 if extend else 4.0) if plan.kernel is Kernel.DOT else 1.0
     target = waves * worklist.sms(device)
     n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
-    splits = max(1, min(MAX_SPLITS, n))
+    splits = max(1, min(split_cap(plan, rows), n))
     return cute_mla.plan_splits(programs, device, splits) if plan.kernel is Kernel.CUTE \
         else splits
 

@@ -25,6 +25,8 @@ GLUON_TRITON = ("3.6",)  # Triton releases whose Gluon API the Gluon kernels run
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
 MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
+DOT_MAX_SPLITS = 64  # the tl.dot split-KV kernel's, when few query rows leave room for more
+PARTIAL_ROWS = 16  # the partial buffers hold MAX_SPLITS + 1 parts of at least this many rows
 
 
 class Kernel(str, enum.Enum):
