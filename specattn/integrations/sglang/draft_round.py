@@ -8,8 +8,8 @@ worker harness) and ``EAGLEDraftCudaGraphRunner`` (capture, then ``execute``: it
 preparation and the graph replay). What this module adds: long prefixes written straight into
 the pools (random KV; the kit fills them token by token), SGLang's per-branch draft slots for
 page size > 1, a draft model whose LM head is float32 (the kit's, with logits that near-ties
-flip less), records of every step's attention input and output, logits and KV, and the
-comparisons:
+flip less) and whose MLA KV store gets a contiguous ``out_cache_loc`` (``_contiguous_kv_store``),
+records of every step's attention input and output, logits and KV, and the comparisons:
 
 - ``compare``: two runs of the same round (draft tokens; each step's attention output, the
   KV it wrote and the logits, relative to the reference's largest magnitude). A request whose
@@ -283,6 +283,8 @@ def build_fixture(model: str, lengths, *, shape, page_size: int, steps: int, top
         fx = dense_kit.build_dense_attention_fixture(_KitCase(), kit_case, head_dim=c, **build)
     out = Fixture(model, lengths, tuple(shape), page_size, steps, hidden, vocab, dtype, device,
                   kit_case, fx.runner, fx.actual_module, max_ctx, graph_bs)
+    if model == "mla":
+        _contiguous_kv_store(out.module)
     r2t = out.runner.req_to_token_pool.req_to_token
     for i, n in enumerate(lengths):
         r2t[i, :n] = out.slot(i, torch.arange(n, device=r2t.device)).to(r2t.dtype)
@@ -294,6 +296,23 @@ def build_fixture(model: str, lengths, *, shape, page_size: int, steps: int, top
             part.copy_(torch.randn(part.shape, generator=gen, device=device,
                                    dtype=torch.float32) * 0.5)
     return out
+
+
+def _contiguous_kv_store(module) -> None:
+    """The kit's MLA module stores each step's KV itself (``set_mla_kv_buffer`` with the
+    step's ``out_cache_loc``, then attention with ``save_kv_cache=False``). ``draft_forward``
+    hands step ``i`` a strided view, ``loc.view(B, K, S).permute(2, 0, 1).reshape(S, -1)[i]``
+    (stride ``S``: ``per_step_draft_out_cache_loc``), and SGLang 0.5.23's store kernels on a
+    GPU index ``loc`` as contiguous (the SM90 JIT ``set_mla_kv_buffer.cuh``:
+    ``params.loc[warp]``; the Triton ``set_mla_kv_buffer_kernel``: ``loc_ptr + pid_loc``).
+    Row ``r`` of step ``i`` then lands in slot ``loc[i + r]`` instead of ``loc[r * S + i]``:
+    a graph replay's padded rows overwrite real requests' draft slots, and a request whose
+    tokens diverged writes into another request's. The store gets a contiguous copy of the
+    view (as ``draft_forward`` makes one for Qwen3-MoE MTP's fused store,
+    ``eagle_worker_v2.py:823-829``), so each row lands in its own slot whichever backend
+    serves the attention (docs/sglang.md)."""
+    store = module.write_kv_cache
+    module.write_kv_cache = lambda locs, k_nope, k_rope: store(locs.contiguous(), k_nope, k_rope)
 
 
 # --- the draft model, with records ---------------------------------------------------------------
