@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# SGLang's own EAGLE draft loop on the GPU host, SGLang's backends against specattn's:
-#   bash tools/sglang_gpu.sh [tools/sglang_gpu.py options]
-# Carry .gpu/flashinfer, .gpu/install.sh and .whl (tools/sglang_wheels.sh). Unpacks them,
-# runs tools/sglang_gpu.py into $OUT/sglang, then tests/gpu/test_sglang_gpu.py
-# (SGLANG_GPU_TEST=0 skips it). SPECATTN_COMMIT names the commit in the report.
+# SGLang's own EAGLE draft loop on the GPU host:  bash tools/sglang_gpu.sh [sglang_gpu.py options]
+# (e.g. --preset quick). Carry .gpu/flashinfer, .gpu/install.sh and .whl (tools/sglang_wheels.sh);
+# runs tools/sglang_gpu.py into $OUT/sglang, then tests/gpu/test_sglang_gpu.py (SGLANG_GPU_TEST=0
+# skips it). SPECATTN_COMMIT names the commit in the report.
 set -uo pipefail
 : "${OUT:?OUT must name the folder for the results}"
 mkdir -p "$OUT/sglang"
@@ -21,8 +20,7 @@ for w in sys.argv[2:]: zipfile.ZipFile(w).extractall(sys.argv[1])' /tmp/site .wh
 fi
 export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
 status=0
-timeout 420 python3 tools/sglang_gpu.py --out "$OUT/sglang" "$@" \
-  > "$OUT/sglang/harness.log" 2>&1 || status=1
+timeout 420 python3 tools/sglang_gpu.py --out "$OUT/sglang" "$@" > "$OUT/sglang/harness.log" 2>&1 || status=1
 tail -n 5 "$OUT/sglang/harness.log"
 if [ "${SGLANG_GPU_TEST:-1}" != 0 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_sglang_gpu.py \
