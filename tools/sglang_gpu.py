@@ -11,7 +11,7 @@ by one), per SGLang name ``triton`` / ``flashinfer``: SGLang's backend eager and
 then against SGLang's ``triton``. Timing: the graph runner's ``execute`` and each step's
 attention, B 1/8/32 x L 4096/32768 x K 1/4/8 (``--preset quick``: B 1/8, K 1/4, 240 s;
 ``--b32`` adds B 32). Most important first until ``--budget-s``; the tables in ``--out`` are
-rewritten after every case; exit 1 if one failed. docs/sglang.md; tools/sglang_gpu.sh.
+rewritten after every case; exit 1 if one failed. docs/sglang.md; tools/gpu.sh sglang.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash tools/sglang_wheels.sh: into .whl/ (git-ignored), for tools/sglang_gpu.sh, the wheels
+# bash tools/sglang_wheels.sh: into .whl/ (git-ignored), for tools/gpu.sh sglang, the wheels
 # SGLang 0.5.23's EAGLE draft path needs on the GPU host (Python 3.12, no index) beside the
 # image's torch and triton: SGLang with --no-deps (it pins torch 2.14.1; import-only stand-ins
 # replace sglang-kernel) and what its draft path imports that the image lacks (docs/sglang.md).
