@@ -1,8 +1,9 @@
 """``tools/sglang_gpu.py`` on the CPU: its correctness path over SGLang's real draft loop
 (float32, tiny shapes, SGLang's Triton backend under ``TRITON_INTERPRET=1``; one MHA and one
 MLA case, eager), one timing point through the graph runner (an eager stand-in for its CUDA
-graph), the tables it writes, and ``draft_round.compare`` failing on wrong outputs, tokens
-and KV (synthetic records, no SGLang)."""
+graph), the tables it writes, ``draft_round.compare`` failing on wrong outputs, tokens and
+KV, and what a draft step reads: ``kv_reads`` and the float32 models of ``UPSTREAM`` (synthetic
+records, no SGLang)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specattn.integrations.sglang.draft_round import Record, compare
+from specattn.integrations.sglang.draft_round import (Record, compare, kv_reads,
+                                                      tree_verdict, upstream_check)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -138,3 +141,88 @@ def test_compare_a_last_selection_that_differs():
     assert compare(ref, got, K, 2e-2).near_ties == 1
     got.logits[S - 2][:K] *= 3
     assert not compare(ref, got, K, 2e-2).ok
+
+
+# --- what a draft step reads, and the float32 models of SGLang's backends ------------------------
+
+def test_kv_reads_lane_path_prefix_and_packed():
+    lane = kv_reads((3, 2), 2, 1, "lane")
+    assert lane[0] == [("prefix", 0, 0, 3), ("draft", 0, 0, 0), ("draft", 0, 0, 1)]
+    assert lane[3] == [("prefix", 1, 0, 2), ("draft", 1, 1, 0), ("draft", 1, 1, 1)]
+    parents = torch.zeros(3, 2, 2, dtype=torch.long)  # [step, request, lane]
+    parents[1, 1, 1] = 0                              # request 1's lane-1 token descends lane 0
+    assert kv_reads((3, 2), 2, 1, "path", parents)[3][1:] == [("draft", 1, 0, 0),
+                                                              ("draft", 1, 1, 1)]
+    assert kv_reads((3, 2), 2, 1, "prefix") == [[("prefix", 0, 0, 3)]] * 2 + [
+        [("prefix", 1, 0, 2)]] * 2
+    # packed: the requests' prefix + step + 1 ids end to end, each read from the offset of
+    # the prefixes alone: request 1 reads request 0's drafts, then its own prefix's head
+    assert kv_reads((3, 4), 1, 0, "packed") == [[("prefix", 0, 0, 3)],
+                                               [("draft", 0, 0, 0), ("prefix", 1, 0, 3)]]
+    assert kv_reads((3, 2), 1, 1, "packed")[1] == [("draft", 0, 0, 0), ("draft", 0, 0, 1)]
+
+
+H_, RANK, ROPE = 2, 8, 4   # a tiny MLA: keys [RANK + ROPE], values their first RANK
+
+
+def _mla_round(lengths, reads_of, seed=0):
+    """A fixture and a topk-1 record of an MLA round whose attention read, per step and
+    request, the slots ``reads_of(step, b, r2t, loc)`` (float32, by hand)."""
+    g = torch.Generator().manual_seed(seed)
+    steps, bs, width = 3, len(lengths), max(lengths) + 3
+    r2t = torch.arange(bs * width).view(bs, width) + 1
+    loc = torch.stack([r2t[b, n:n + steps] for b, n in enumerate(lengths)]).view(bs, 1, steps)
+    pool = torch.randn(bs * width + 1, 1, RANK + ROPE, generator=g)
+    fx = SimpleNamespace(
+        model="mla", shape=(H_, RANK, ROPE), lengths=tuple(lengths), batch=bs, loc=loc.flatten(),
+        case=SimpleNamespace(topk=1, steps=steps), layer=SimpleNamespace(scaling=0.3),
+        runner=SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=r2t)),
+        pools=lambda: [pool])
+    queries, outputs = [], []
+    for step in range(steps - 1):
+        q = torch.randn(bs, H_, RANK + ROPE, generator=g)
+        out = torch.stack([torch.softmax(q[b] @ pool[reads_of(step, b, r2t, loc)][:, 0].T
+                                         * 0.3, -1) @ pool[reads_of(step, b, r2t, loc)][:, 0, :RANK]
+                           for b in range(bs)])
+        queries.append(q.flatten(1))
+        outputs.append(out.flatten(1))
+    kv = pool[loc][:, :, :, 0].view(bs, 1, steps, -1)
+    return fx, Record(None, [], [], queries, outputs, kv)
+
+
+def _prefix_only(step, b, r2t, loc):
+    return r2t[b, :(3, 5, 2)[b]]
+
+
+def _packed(step, b, r2t, loc):  # SGLang's FlashInfer MLA replay, spelled out for (3, 5, 2)
+    layout = torch.cat([torch.cat([r2t[x, :n], loc[x, 0, :step + 1]])
+                        for x, n in enumerate((3, 5, 2))])
+    start = sum((3, 5, 2)[:b])
+    return layout[start:start + (3, 5, 2)[b]]
+
+
+def _lane(step, b, r2t, loc):
+    return torch.cat([r2t[b, :(3, 5, 2)[b]], loc[b, 0, :step + 1]])
+
+
+class FlashInferMLAMultiStepDraftBackend:  # the name draft_round.UPSTREAM knows
+    pass
+
+
+@pytest.mark.parametrize("reads, mode, run", [(_prefix_only, "prefix", "eager"),
+                                              (_packed, "packed", "graph")])
+def test_upstream_model_matches_what_the_backend_read(reads, mode, run):
+    fx, rec = _mla_round((3, 5, 2), reads)
+    assert not tree_verdict(fx, rec, "lane", 1e-4).ok     # not the draft tree's attention
+    got_mode, where, verdict = upstream_check(fx, rec, FlashInferMLAMultiStepDraftBackend(),
+                                              run, 1e-4)
+    assert got_mode == mode and verdict.ok, verdict.problems
+    assert "flashinfer_mla_backend.py:" in where
+    assert upstream_check(fx, rec, object(), run, 1e-4) is None  # no model for other classes
+
+
+def test_lane_reference_matches_a_lane_round_and_no_upstream_model_does():
+    fx, rec = _mla_round((3, 5, 2), _lane)
+    assert tree_verdict(fx, rec, "lane", 1e-4).ok
+    for mode in ("prefix", "packed"):
+        assert not tree_verdict(fx, rec, mode, 1e-4).ok

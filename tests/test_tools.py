@@ -69,7 +69,7 @@ def _assert_paths_exist(argv: list[str]) -> None:
             assert os.path.exists(os.path.join(ROOT, arg)), arg
 
 
-@pytest.mark.parametrize("script", ["gpu.sh", "sglang_gpu.sh", "sglang_wheels.sh"])
+@pytest.mark.parametrize("script", ["gpu.sh", "sglang_wheels.sh"])
 def test_shell_scripts_parse(script):
     res = subprocess.run(["bash", "-n", os.path.join(TOOLS, script)], capture_output=True,
                          text=True, timeout=30)
@@ -86,7 +86,8 @@ def test_gpu_script_parses_and_explains_itself():
         res = subprocess.run(["bash", GPU_SH, *args], capture_output=True, text=True,
                              timeout=30, env={**os.environ, "OUT": "/nonexistent"})
         assert res.returncode == 2
-        for command in ("fa4-first", "check [PYTEST_ARGS]", "bench [ARGS]", "ab REF [ARGS]"):
+        for command in ("fa4-first", "check [PYTEST_ARGS]", "bench [ARGS]", "sglang [ARGS]",
+                        "ab REF [ARGS]"):
             assert f"bash tools/gpu.sh {command}" in res.stderr, res.stderr
 
 
@@ -135,6 +136,33 @@ def test_gpu_setup_without_the_first_fa4_half_or_any_bundle(tmp_path):
     res = _gpu_sh(env, "fa4-first")
     assert res.stdout.strip() == f"fa4-first: bash {env['GPU_BUNDLE']}/install.sh " \
                                  f"{env['GPU_SITE']} fa4-first"
+
+
+def test_gpu_sglang_runs_the_harness_then_its_gpu_test(tmp_path):
+    """`gpu.sh sglang ARGS`: the harness with ARGS into $OUT/sglang, then its GPU test
+    (SGLANG_GPU_TEST=0: the harness alone); without SGLang's wheel in .whl/, one line that
+    names the script that downloads it."""
+    env = {**_gpu_host(tmp_path), "GPU_PARTS": "flashinfer"}
+    host = tmp_path / "checkout"
+    (host / ".whl").mkdir(parents=True)
+    run = lambda e, *a: subprocess.run(["bash", GPU_SH, "sglang", *a], cwd=host,  # noqa: E731
+                                       capture_output=True, text=True, timeout=60,
+                                       env={**os.environ, **e})
+    res = run(env, "--preset", "quick")
+    assert res.returncode == 3 and "tools/sglang_wheels.sh" in res.stderr, res.stderr
+    (host / ".whl" / "sglang-0.5.23-cp312.tar.xz").write_text("")
+    res = run(env, "--preset", "quick")
+    assert res.returncode == 0, res.stderr
+    steps = _steps(res.stdout)
+    assert list(steps) == ["sglang", "sglang-test"], res.stdout
+    harness = steps["sglang"]
+    assert harness[1] == "tools/sglang_gpu.py" and harness[-2:] == ["--preset", "quick"]
+    assert harness[harness.index("--out") + 1] == os.path.join(env["OUT"], "sglang")
+    assert "tests/gpu/test_sglang_gpu.py" in steps["sglang-test"]
+    for argv in steps.values():
+        _assert_paths_exist(argv)
+    alone = run({**env, "SGLANG_GPU_TEST": "0"})
+    assert list(_steps(alone.stdout)) == ["sglang"], alone.stdout
 
 
 def test_gpu_bench_dry_run_is_a_bench_command(tmp_path):

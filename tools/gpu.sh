@@ -10,6 +10,11 @@
 #                                          over tools/oob_run.py
 #   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS, results in $OUT/bench/
 #                                          and $OUT/bench.tgz
+#   bash tools/gpu.sh sglang [ARGS]        SGLang's own EAGLE draft loop, stock against specattn
+#                                          (tools/sglang_gpu.py ARGS, e.g. --preset quick) into
+#                                          $OUT/sglang, then tests/gpu/test_sglang_gpu.py
+#                                          (SGLANG_GPU_TEST=0 skips it); carry .gpu/install.sh,
+#                                          .gpu/flashinfer and .whl (tools/sglang_wheels.sh)
 #   bash tools/gpu.sh ab REF [ARGS]        that bench of REF/specattn (`mkdir -p .ab && git
 #                                          archive TAG specattn | tar -x -C .ab`) and of this
 #                                          tree, A B A B; times and ratio in $OUT/ab.md
@@ -32,7 +37,7 @@ die() { echo "gpu.sh: $*" >&2; exit 3; }
 [ $# -ge 1 ] || usage
 cmd=$1
 shift
-case "$cmd" in fa4-first | check | bench | ab) ;; *) usage ;; esac
+case "$cmd" in fa4-first | check | bench | sglang | ab) ;; *) usage ;; esac
 : "${OUT:?OUT must name the folder whose files come back (the GPU host sets it)}"
 
 BUNDLE=${GPU_BUNDLE:-.gpu}
@@ -84,7 +89,10 @@ setup() {
   fi
   if compgen -G ".whl/*.whl" > /dev/null; then
     if [ -n "$DRY" ]; then echo "setup: $PY -m pip install ... --target $WHEELS .whl/*.whl"
-    else "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS" .whl/*.whl
+    else  # a wheel pip refuses (its tags) is unpacked as it is, as install.sh does
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS" .whl/*.whl \
+        || "$PY" -c 'import sys, zipfile
+for w in sys.argv[2:]: zipfile.ZipFile(w).extractall(sys.argv[1])' "$WHEELS" .whl/*.whl
     fi
     export PYTHONPATH=$WHEELS${PYTHONPATH:+:$PYTHONPATH}
   fi
@@ -151,6 +159,17 @@ bench() {  # the bench's text files into $OUT/bench/, everything into $OUT/bench
   if [ -d /tmp/gpu-bench ]; then tar czf "$OUT/bench.tgz" -C /tmp/gpu-bench .; fi
 }
 
+sglang() {
+  local src=.whl/sglang-0.5.23-cp312.tar.xz
+  [ -f "$src" ] || die ".whl/ lacks SGLang: run 'bash tools/sglang_wheels.sh' here first"
+  setup
+  if [ -z "$DRY" ] && [ ! -d "$WHEELS/sglang" ]; then mkdir -p "$WHEELS"; tar xJf "$src" -C "$WHEELS"; fi
+  export PYTHONWARNINGS=ignore STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-420}
+  step sglang "$PY" tools/sglang_gpu.py --out "$OUT/sglang" "$@"
+  [ "${SGLANG_GPU_TEST:-1}" = 0 ] || STEP_TIMEOUT_S=150 step sglang-test "$PY" -m pytest -q \
+    -p no:cacheprovider -rs tests/gpu/test_sglang_gpu.py
+}
+
 ab() {
   [ $# -ge 1 ] || usage
   local label=$1 ref r
@@ -174,7 +193,7 @@ case "$cmd" in
     if [ -n "$DRY" ]; then echo "fa4-first: bash $BUNDLE/install.sh $SITE fa4-first"
     else bash "$BUNDLE/install.sh" "$SITE" fa4-first > /dev/null && note "- fa4-first: unpacked into $SITE"
     fi ;;
-  *) "$cmd" "$@" ;;  # check, bench, ab
+  *) "$cmd" "$@" ;;  # check, bench, sglang, ab
 esac
 if [ -z "$DRY" ] && compgen -G "$LOGS/*" > /dev/null; then tar czf "$OUT/logs.tgz" -C "$LOGS" .; fi
 rm -rf "$LOGS"

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The wheels SGLang 0.5.23's EAGLE draft path needs on the GPU host (Python 3.12, no index)
-# beside the image's torch and triton, into .whl/ (git-ignored) for tools/sglang_gpu.sh:
-#   bash tools/sglang_wheels.sh
-# SGLang goes in with --no-deps (it pins torch 2.14.1, so sglang-kernel cannot load beside
-# torch 2.11: import-only stand-ins replace it); the list is what its draft path imports that
-# the image lacks (docs/sglang.md). Its 39 MB wheel is recompressed with xz (21 MB) so that
-# .whl, .gpu/flashinfer and the repository fit one 64 MiB transfer.
+# bash tools/sglang_wheels.sh: into .whl/ (git-ignored), for tools/gpu.sh sglang, the wheels
+# SGLang 0.5.23's EAGLE draft path needs on the GPU host (Python 3.12, no index) beside the
+# image's torch and triton: SGLang with --no-deps (it pins torch 2.14.1; import-only stand-ins
+# replace sglang-kernel) and what its draft path imports that the image lacks (docs/sglang.md).
+# SGLang's 39 MB wheel is recompressed with xz (21 MB): .whl, .gpu/flashinfer and the
+# repository fit one 64 MiB transfer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # SGLang 0.5.23's wheel is tagged manylinux_2_34 (the GPU image's Python 3.12.3 has a newer glibc).

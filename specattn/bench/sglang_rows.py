@@ -140,6 +140,8 @@ def _case_rows(R, fx, case: Case, lengths: list[int], name: str,
                              f"{res['graph_tokens_equal']}/{case.batch}")
         if not verdict.ok:
             spec.update(status="failed", error="; ".join(verdict.problems[:2]))
+    elif res["upstream"]:
+        spec["notes"].append(f"not checked against sglang/{name}: {res['upstream']}")
     out.append(spec)
     return out
 

@@ -52,3 +52,46 @@ def test_path_mode_attends_to_the_ancestors(fixture):
     ok, err, differ, rows = R.check_tree(fx, rec, "path", TOL)
     assert ok and 0 < differ < rows, (err, differ, rows)
     assert not R.check_tree(fx, rec, "lane", TOL)[0]  # the lane reference is another tree
+
+
+@pytest.fixture
+def stride_blind_mla_store(monkeypatch):
+    """SGLang's MLA KV store on a GPU (the SM90 JIT ``set_mla_kv_buffer.cuh`` and the Triton
+    ``set_mla_kv_buffer_kernel``) reads ``loc`` from its data pointer as if contiguous; on
+    the CPU it scatters by indexing. This makes the CPU store read ``loc`` as the GPU does."""
+    from sglang.kernels.ops.kvcache import mla_buffer
+
+    naive = mla_buffer.set_mla_kv_buffer_naive
+
+    def stride_blind(kv_buffer, loc, *args, **kwargs):
+        return naive(kv_buffer, torch.as_strided(loc, (loc.numel(),), (1,)), *args, **kwargs)
+
+    monkeypatch.setattr(mla_buffer, "set_mla_kv_buffer_naive", stride_blind)
+
+
+def test_mla_draft_kv_lands_in_its_slots_eager_and_in_a_padded_replay(
+        sglang_cpu, stride_blind_mla_store):
+    """``draft_forward`` hands each step a strided view of ``out_cache_loc``; with the GPU's
+    store the kit's MLA module wrote row ``r`` of step ``i`` to ``loc[i + r]`` and a padded
+    replay's extra rows into real draft slots (the graph's KV then differed from the eager
+    round's). The fixture's store takes a contiguous copy: every row lands in its own slot."""
+    shape, topk = (4, 256, 32), 2
+    fx = R.build_fixture("mla", (5, 11, 2), shape=shape, page_size=1, steps=3, topk_max=topk,
+                         graph_bs=4, hidden=32, vocab=50, dtype=torch.float32, device="cpu")
+    case = R.RoundCase("mla", (5, 11, 2), topk, 3, 1, shape, 32, 50, capture_bs=4)
+    settings = fx.use(case, "triton")
+    model, inputs, saved = R.DraftModel(fx), fx.inputs(), fx.snapshot()
+    container = R.make_container(fx, None)
+    ref = R.run_eager(fx, container, settings, model, inputs)
+    fx.restore(saved)
+    hidden = inputs["hidden_states"].repeat_interleave(topk, 0) + model.token_embed(
+        inputs["topk_index"].flatten())
+    _, k_nope, _, k_rope = fx.module.forward_absorb_prepare(hidden)
+    step0 = torch.cat([k_nope.flatten(1), k_rope.flatten(1)], -1).view(fx.batch, topk, -1)
+    assert R.rel_err(ref.kv[:, :, 0], step0) < TOL  # step 0's rows in their own slots
+    graph = R.capture_graph_recorded(fx, container, settings, model)
+    fx.restore(saved)
+    got = R.run_graph(fx, graph, model, inputs, container)
+    fx.restore(saved)
+    verdict = R.compare(ref, got, topk, TOL)
+    assert verdict.ok and verdict.kv_err < TOL, verdict.problems

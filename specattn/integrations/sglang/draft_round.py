@@ -8,8 +8,8 @@ worker harness) and ``EAGLEDraftCudaGraphRunner`` (capture, then ``execute``: it
 preparation and the graph replay). What this module adds: long prefixes written straight into
 the pools (random KV; the kit fills them token by token), SGLang's per-branch draft slots for
 page size > 1, a draft model whose LM head is float32 (the kit's, with logits that near-ties
-flip less), records of every step's attention input and output, logits and KV, and the
-comparisons:
+flip less) and whose MLA KV store gets a contiguous ``out_cache_loc`` (``_contiguous_kv_store``),
+records of every step's attention input and output, logits and KV, and the comparisons:
 
 - ``compare``: two runs of the same round (draft tokens; each step's attention output, the
   KV it wrote and the logits, relative to the reference's largest magnitude). A request whose
@@ -17,7 +17,8 @@ comparisons:
   rounding-level near-tie; counted); its later steps are not compared.
 - ``check_tree``: a run against a float32 attention computed from the recorded queries and
   the pools, for ``lane`` (each lane's own slots) or ``path`` (each token's ancestors, from the
-  parents the plugin recorded), with the rows where the two differ counted.
+  parents the plugin recorded), with the rows where the two differ counted; ``UPSTREAM``:
+  SGLang backends that read something else, checked against a model of what they read.
 
 On a CPU (tests) the graph runner is driven with an eager stand-in for its CUDA-graph backend
 (``EagerGraphBackend``: capture runs the body once, replay runs it again), so everything but
@@ -47,7 +48,7 @@ __all__ = ["RoundCase", "Fixture", "Record", "Verdict", "build_fixture", "sglang
            "run_graph", "execute_tree", "compare", "check_tree", "tree_reference",
            "time_graph_round", "time_steps", "time_pair", "served_by", "install_stubs",
            "SPECATTN_ENV_KEYS", "draft_positions", "DraftModel", "EagerGraphBackend",
-           "rel_err"]
+           "rel_err", "kv_reads", "tree_verdict", "UPSTREAM", "upstream_check", "perturbed"]
 
 SPECATTN_ENV_KEYS = ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE",
                      "SPECATTN_SGLANG_OPTIONS")
@@ -283,6 +284,8 @@ def build_fixture(model: str, lengths, *, shape, page_size: int, steps: int, top
         fx = dense_kit.build_dense_attention_fixture(_KitCase(), kit_case, head_dim=c, **build)
     out = Fixture(model, lengths, tuple(shape), page_size, steps, hidden, vocab, dtype, device,
                   kit_case, fx.runner, fx.actual_module, max_ctx, graph_bs)
+    if model == "mla":
+        _contiguous_kv_store(out.module)
     r2t = out.runner.req_to_token_pool.req_to_token
     for i, n in enumerate(lengths):
         r2t[i, :n] = out.slot(i, torch.arange(n, device=r2t.device)).to(r2t.dtype)
@@ -294,6 +297,23 @@ def build_fixture(model: str, lengths, *, shape, page_size: int, steps: int, top
             part.copy_(torch.randn(part.shape, generator=gen, device=device,
                                    dtype=torch.float32) * 0.5)
     return out
+
+
+def _contiguous_kv_store(module) -> None:
+    """The kit's MLA module stores each step's KV itself (``set_mla_kv_buffer`` with the
+    step's ``out_cache_loc``, then attention with ``save_kv_cache=False``). ``draft_forward``
+    hands step ``i`` a strided view, ``loc.view(B, K, S).permute(2, 0, 1).reshape(S, -1)[i]``
+    (stride ``S``: ``per_step_draft_out_cache_loc``), and SGLang 0.5.23's store kernels on a
+    GPU index ``loc`` as contiguous (the SM90 JIT ``set_mla_kv_buffer.cuh``:
+    ``params.loc[warp]``; the Triton ``set_mla_kv_buffer_kernel``: ``loc_ptr + pid_loc``).
+    Row ``r`` of step ``i`` then lands in slot ``loc[i + r]`` instead of ``loc[r * S + i]``:
+    a graph replay's padded rows overwrite real requests' draft slots, and a request whose
+    tokens diverged writes into another request's. The store gets a contiguous copy of the
+    view (as ``draft_forward`` makes one for Qwen3-MoE MTP's fused store,
+    ``eagle_worker_v2.py:823-829``), so each row lands in its own slot whichever backend
+    serves the attention (docs/sglang.md)."""
+    store = module.write_kv_cache
+    module.write_kv_cache = lambda locs, k_nope, k_rope: store(locs.contiguous(), k_nope, k_rope)
 
 
 # --- the draft model, with records ---------------------------------------------------------------
@@ -577,6 +597,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def perturbed(rec: Record) -> Record:
+    """A copy of ``rec`` whose first step's attention output is wrong by 10% of its scale
+    (a comparison must fail it)."""
+    bad = copy.copy(rec)
+    bad.outputs = [o.clone() for o in rec.outputs]
+    bad.outputs[0] += 0.1 * bad.outputs[0].abs().max()
+    return bad
+
+
 # --- comparisons ---------------------------------------------------------------------------------
 
 @dataclass
@@ -670,11 +699,51 @@ def _ancestors(parents: Optional[torch.Tensor], b: int, lane: int, step: int,
     return chain[::-1]
 
 
+def kv_reads(lengths, topk: int, step: int, mode: str,
+             parents: Optional[torch.Tensor] = None) -> list[list[tuple]]:
+    """What row ``b * topk + j`` of step ``step`` attends to, as segments ``("prefix", b',
+    lo, hi)`` (positions ``lo:hi`` of request ``b'``'s prefix) and ``("draft", b', lane, t)``:
+
+    - ``lane``: its prefix and its lane's draft tokens ``0..step``; ``path``: its prefix and
+      its token's ancestors (``parents``);
+    - ``prefix``: its prefix alone (SGLang's FlashInfer MLA draft step, eager: ``UPSTREAM``);
+    - ``packed`` (``topk`` 1): ``lengths[b]`` entries from offset ``sum(lengths[:b])`` of the
+      requests' ``prefix + step + 1`` draft ids laid end to end (the same backend's replay)."""
+    rows = []
+    for b, n in enumerate(lengths):
+        for j in range(topk):
+            if mode == "packed":
+                layout = [seg for bb in range(b + 1) for seg in
+                          [("prefix", bb, 0, lengths[bb])]
+                          + [("draft", bb, 0, t) for t in range(step + 1)]]
+                rows.append(_window(layout, sum(lengths[:b]), n))
+                continue
+            segs = [("prefix", b, 0, n)]
+            if mode != "prefix":
+                segs += [("draft", b, lane, t)
+                         for t, lane in enumerate(_ancestors(parents, b, j, step, mode))]
+            rows.append(segs)
+    return rows
+
+
+def _window(layout: list, start: int, count: int) -> list:
+    """The segments of ``layout`` covering its entries ``start:start + count``."""
+    out, pos = [], 0
+    for seg in layout:
+        size = seg[3] - seg[2] if seg[0] == "prefix" else 1
+        lo, hi = max(start, pos), min(start + count, pos + size)
+        if lo < hi:
+            out.append(("prefix", seg[1], seg[2] + lo - pos, seg[2] + hi - pos)
+                       if seg[0] == "prefix" else seg)
+        pos += size
+    return out
+
+
 def tree_reference(fx: Fixture, rec: Record, step: int, mode: str) -> torch.Tensor:
-    """Float32 attention of step ``step`` from the recorded queries: each row's prefix plus
-    its lane's (``lane``) or its ancestors' (``path``) draft KV at steps ``0..step``, read
-    from the pools as that call saw them (``rec.pools_at``) or else as the round left them
-    (the pools now, ``rec.kv``)."""
+    """Float32 attention of step ``step`` from the recorded queries over what ``kv_reads``
+    says each row reads in ``mode``: prefixes from the pools, draft KV as that call saw it
+    (``rec.pools_at``) or else as the round left it (``rec.kv``; each draft slot is written
+    once, at its step, so the later steps did not change what this one read)."""
     case, layer = fx.case, fx.layer
     topk = case.topk
     r2t = fx.runner.req_to_token_pool.req_to_token
@@ -686,57 +755,95 @@ def tree_reference(fx: Fixture, rec: Record, step: int, mode: str) -> torch.Tens
             [pools[0][loc].float().flatten(3), pools[1][loc].float().flatten(3)], dim=-1))
     else:
         kv = rec.kv
+    npools = 1 if fx.model == "mla" else 2  # MLA: one [kv_lora_rank + rope] buffer
     if fx.model == "mla":
         hq, hkv, dk, dv = a, 1, b_ + c, b_
-        pool = pools[0]
 
         def split(rows):  # [n, dk] -> keys, values
             rows = rows.view(rows.shape[0], 1, dk)
             return rows, rows[..., :dv]
-
-        def prefix_rows(slots):
-            return pool[slots].float().flatten(1)
     else:
         hq, hkv, dk, dv = a, b_, c, c
-        k_pool, v_pool = pools[:2]
 
         def split(rows):
             k, v = rows[:, :hkv * dk], rows[:, hkv * dk:]
             return k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)
 
-        def prefix_rows(slots):
-            return torch.cat([k_pool[slots].float().flatten(1),
-                              v_pool[slots].float().flatten(1)], dim=-1)
-    q = rec.queries[step].float()
+    def rows_of(seg):
+        if seg[0] == "draft":
+            return kv[seg[1], seg[2], seg[3]][None]
+        slots = r2t[seg[1], seg[2]:seg[3]].long()
+        return torch.cat([p[slots].float().flatten(1) for p in pools[:npools]], dim=-1)
+
+    reads = kv_reads(fx.lengths, topk, step, mode, rec.parents)
+    q = rec.queries[step][:len(reads)].float()
     q = q.view(q.shape[0], hq, dk)
     out = torch.empty(q.shape[0], hq, dv, device=q.device)
     group = hq // hkv
-    steps = torch.arange(step + 1, device=kv.device)
-    for b, n in enumerate(fx.lengths):
-        prefix = prefix_rows(r2t[b, :n].long())
-        for j in range(topk):
-            chain = torch.tensor(_ancestors(rec.parents, b, j, step, mode), device=kv.device)
-            keys, vals = split(torch.cat([prefix, kv[b, chain, steps]]))
-            keys = keys.repeat_interleave(group, dim=1)
-            vals = vals.repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,nhd->hn", q[b * topk + j], keys) * layer.scaling
-            out[b * topk + j] = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
+    for r, segs in enumerate(reads):
+        keys, vals = split(torch.cat([rows_of(seg) for seg in segs]))
+        keys = keys.repeat_interleave(group, dim=1)
+        vals = vals.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[r], keys) * layer.scaling
+        out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
     return out.flatten(1)
 
 
 def check_tree(fx: Fixture, rec: Record, mode: str, tol: float) -> tuple[bool, float, int, int]:
-    """``rec``'s attention outputs against ``tree_reference`` in ``mode``; returns (ok, max
-    error, rows whose path reference differs from the lane one, rows compared)."""
+    """``rec``'s attention outputs (a graph's padded rows left out) against
+    ``tree_reference`` in ``mode``; returns (ok, max error, rows whose path reference differs
+    from the lane one, rows compared)."""
     worst, differ, rows = 0.0, 0, 0
     for step in range(len(rec.outputs)):
         ref = tree_reference(fx, rec, step, mode)
-        worst = max(worst, rel_err(rec.outputs[step].flatten(1), ref))
+        worst = max(worst, rel_err(rec.outputs[step][:ref.shape[0]].flatten(1), ref))
         if rec.parents is not None and step > 0:
             lane = tree_reference(fx, rec, step, "lane")
             scale = ref.abs().max().clamp_min(1e-6)
             differ += int(((ref - lane).abs().amax(-1) / scale > tol).sum())
         rows += ref.shape[0]
     return worst <= tol, worst, differ, rows
+
+
+def tree_verdict(fx: Fixture, rec: Record, mode: str, tol: float) -> Verdict:
+    """``check_tree`` as a ``Verdict`` (``path``: the rows that differ from lane attention
+    are noted, and none differing at ``topk`` > 1 fails: the tree was not used)."""
+    ok, err, differ, total = check_tree(fx, rec, mode, tol)
+    verdict = Verdict(ok, fx.batch, fx.batch, 0, out_err=err)
+    if not ok:
+        verdict.problems.append(f"attention {err:.2g} off the float32 {mode} reference")
+    if mode == "path":
+        verdict.problems.append(f"{differ} of {total} rows differ from lane attention")
+        if fx.case.topk > 1 and differ == 0:
+            verdict.ok = False
+            verdict.problems.insert(0, "no row differs from lane attention")
+    return verdict
+
+
+#: SGLang 0.5.23 draft backends whose attention is not the draft tree's: per run (``eager``,
+#: ``graph``), the ``kv_reads`` mode that models what they read, and where SGLang does it.
+UPSTREAM = {
+    "FlashInferMLAMultiStepDraftBackend": {
+        "eager": ("prefix", "SGLang's FlashInferMLAAttnBackend.init_forward_metadata plans a "
+                  "decode batch without its spec_info (sglang/srt/layers/attention/"
+                  "flashinfer_mla_backend.py:424-434; the draft branch is at :951), so each "
+                  "draft step attends to the prefix alone"),
+        "graph": ("packed", "SGLang's FlashInferMLAAttnBackend._apply_cuda_graph_metadata "
+                  "plans replays with the prefix lengths (seq_lens_cpu, flashinfer_mla_backend"
+                  ".py:557-562) over kv_indices holding prefix + step + 1 ids per request, so "
+                  "request b reads its prefix length from the prefix-only offset"),
+    },
+}
+
+
+def upstream_check(fx: Fixture, rec: Record, container, run: str,
+                   tol: float) -> Optional[tuple[str, str, Verdict]]:
+    """For SGLang's ``container`` of ``UPSTREAM``: ``(mode, where, verdict)``, ``rec``'s
+    attention against the float32 model of what that backend reads in ``run``; else None."""
+    known = UPSTREAM.get(type(container).__name__, {}).get(run)
+    if known is None:
+        return None
+    return known[0], known[1], tree_verdict(fx, rec, known[0], tol)
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -813,19 +920,24 @@ def time_pair(fx: Fixture, case: RoundCase, backend: str, tol: float, reps: int 
     (``SPECATTN_SGLANG=1``): per side an eager round (checked, and each step's attention
     timed), then the graph runner captured without records, one ``execute`` (its tree) and
     ``time_graph_round``. Returns ``{"stock": side or None, "stock_error": str, "specattn":
-    side, "verdict": compare(stock, specattn) or None, "graph_tokens_equal": int}``; a side:
-    ``{"served_by", "round_wall_us", "round_event_us", "step_us": [...]}``. SGLang refusing
-    the case is ``stock_error``; specattn failing raises."""
+    side, "verdict": compare(stock, specattn) or None, "graph_tokens_equal": int,
+    "upstream": str}``; a side: ``{"served_by", "round_wall_us", "round_event_us", "step_us":
+    [...]}``. SGLang refusing the case is ``stock_error``; a stock backend of ``UPSTREAM`` is
+    not compared (``upstream``: why); specattn failing raises."""
+    from ...bench.harness import short_error
     settings = fx.use(case, backend)
     model = DraftModel(fx)
     inputs = fx.inputs()
-    out: dict = {"stock": None, "stock_error": "", "verdict": None, "graph_tokens_equal": 0}
+    out: dict = {"stock": None, "stock_error": "", "verdict": None, "graph_tokens_equal": 0,
+                 "upstream": ""}
     kept = {}
     saved = fx.snapshot()  # each side starts from the same pools (a capture writes KV too)
     for who, env in (("stock", None), ("specattn", {"SPECATTN_SGLANG": "1"})):
         fx.restore(saved)
         try:
             container = make_container(fx, env)
+            if who == "stock" and type(container).__name__ in UPSTREAM:
+                out["upstream"] = UPSTREAM[type(container).__name__]["eager"][1]
             eager = run_eager(fx, container, settings, model, inputs)
             steps = time_steps(fx, eager, reps=max(3, reps * 2 // 3))
             eager.steps_inputs = []  # the recorded batches hold the step backends
@@ -839,11 +951,10 @@ def time_pair(fx: Fixture, case: RoundCase, backend: str, tol: float, reps: int 
         except Exception as exc:
             if who == "specattn":
                 raise
-            text = str(exc).strip().splitlines()
-            out["stock_error"] = f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+            out["stock_error"] = short_error(exc)
         finally:
             free()
-    if "stock" in kept:
+    if "stock" in kept and not out["upstream"]:
         (ref, ref_tree), (got, tree) = kept["stock"], kept["specattn"]
         out["verdict"] = compare(ref, got, case.topk, tol)
         out["graph_tokens_equal"] = sum(
