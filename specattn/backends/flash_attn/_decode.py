@@ -390,7 +390,7 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             if self._two_pass(replay.route):
                 check_page_aligned(self.runner, rpi, seq, "prefixes")
         replay.launch(rpi, seq, loc)
-        self.graph_source = batch
+        self._launch, self.graph_source = replay.launch, batch
         self.batch, self.num_lanes = replay.fixed, replay.rows
         self._active, self._route = replay.bufs, replay.route
 

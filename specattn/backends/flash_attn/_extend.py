@@ -175,7 +175,7 @@ class FlashAttnExtendGlue(DraftExtendBackend):
         if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
             self._check_graph_batch(batch)
         replay.launch(rpi, seq, ext, loc)
-        self.graph_source = batch
+        self._launch, self.graph_source = replay.launch, batch
         self.batch = DraftExtendBatch(rpi, seq, ext, replay.fixed)
         self.num_tokens = replay.rows
         self._active, self._max_q = replay.bufs, replay.max_q

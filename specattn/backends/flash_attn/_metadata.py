@@ -12,10 +12,10 @@ launched directly (``specattn.kernels.kernel_launch``). The caller's index tenso
 through their strides and declared ``do_not_specialize_on_alignment`` so that their
 addresses may move between launches.
 
-Every read is kept inside its tensor whatever the values (request rows clamped into
-``req_to_token``, positions into its row, slots into the pool, as the torch fill does), so
-an invalid batch on a device, where graph calls do not check values, reads no memory out of
-bounds.
+Every read stays inside its tensor whatever the values (request rows clamped into
+``req_to_token``; positions into its row and slots into the pool, as the torch fill does),
+so an invalid batch on a device, where graph calls do not check values, reads no memory out
+of bounds. The buffers are the glue's own, contiguous.
 """
 
 from __future__ import annotations
