@@ -27,8 +27,9 @@ from specattn.errors import InvalidInputError
 
 require_triton_interpret()
 
-from specattn.backends.triton import (TritonDecode, TritonExtend, kernel_launch,  # noqa: E402
-                                      launchers, plans, worklist)
+from specattn.backends.triton import (TritonDecode, TritonExtend, launchers,  # noqa: E402
+                                      plans, worklist)
+from specattn.kernels import kernel_launch  # noqa: E402
 
 SPECATTN = os.path.dirname(validation.__file__)
 # (name, model, topk): MHA decode, MHA at K 1, MLA on the gluon-wl plan (its work list in

@@ -11,5 +11,7 @@ from each other). Importing this package imports no Triton; its Triton modules d
 - ``lse``: the same merge in plain torch, where Triton cannot run;
 - ``prefix_slots``: request prefixes as one CSR slot list (``flashinfer``'s ``kv_indices``),
   one launch, no host round trip;
+- ``kernel_launch``: a kept compiled Triton kernel launched directly (the CUDA-graph replay
+  metadata calls of ``triton`` and ``fa3``/``fa4``);
 - ``reference``: the reference backends' plain-torch attention (``attend``) and pool gathers.
 """

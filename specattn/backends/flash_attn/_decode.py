@@ -27,16 +27,26 @@ the LSE merge are one Triton kernel (``specattn.kernels.history_merge``, shared 
 place; elsewhere (MUSA) the history is a second FlashAttention call and the merge is
 ``kernels.lse.merge_states`` in torch.
 
-Metadata (``init_forward_metadata``): device ops only, no host sync, for all steps at once.
-The tables are full width (``max_context_len``), so one table serves every step: step ``i``
-differs only in its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the
-history columns from ``parents`` at the start of each step (device ops, graph-safe).
+Metadata (``init_forward_metadata``): no host sync, for all steps at once. The tables are
+full width (``max_context_len``), so one table serves every step: step ``i`` differs only in
+its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the history columns
+from ``parents`` at the start of each step (device ops, graph-safe). Where Triton runs the
+tables are one launch (``_metadata.decode_tables``); elsewhere (MUSA) torch ops write the
+same values (``_fill``).
 
 CUDA graphs: ``init_cuda_graph_state(max_bs, ...)``; the buffers of each route a captured
 batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and
-replay refill them in place (the base class pads a replayed batch to the captured size and
-keeps the ``parents`` tensor given at capture), so a captured graph reads the same addresses
-every replay.
+replay refill them in place (padded to the captured size; the ``parents`` tensor given at
+capture is kept), so a captured graph reads the same addresses every replay. An engine
+makes the replay metadata call on the host before every replay, so where Triton runs it is
+one launch that also copies the caller's batch into the graph's fixed buffers
+(``_fills_graph_round``), and what depends only on the captured size and on the dtypes,
+devices, shapes and strides of the caller's index tensors (route, buffers, fixed views, the
+launch and its compiled kernel) is kept per such signature by the first call that has it,
+the capture's included, after that call's checks (``_Replay``). A later call of a kept
+signature launches the kept compiled kernel on the new tensors and checks again only what
+reads values, where values are read (CPU tensors: a graph call makes no debug pass on a
+device).
 """
 
 from __future__ import annotations
@@ -46,8 +56,10 @@ from typing import Optional
 
 import torch
 
+from ... import validation as _validation
 from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
+from ...kernels.kernel_launch import signature
 from ...kernels.lse import merge_states
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
@@ -130,6 +142,10 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         self._active: Optional[_Buffers] = None
         self._route = self._fixed_route()
         self._logged_routes: set = set()
+        # Where Triton runs, the tables are one launch (``_metadata``); else torch ops.
+        self._meta_kernel = can_fuse
+        self._launch = None  # the last table launch (kernel_launch.KernelLaunch)
+        self._replays: dict = {}  # graph-call signature -> _Replay
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -173,14 +189,34 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         bufs = self._bufs.get(route)
         if bufs is None or bufs.bs < bs:
             bufs = self._bufs[route] = self._new_buffers(bs, route)
-        self._fill(bufs, route, batch)
+        self._tables(bufs, route, batch)
+
+    def _tables(self, bufs: _Buffers, route: tuple, batch, source=None) -> None:
+        """The round's tables into ``bufs``: one launch where Triton runs, else ``_fill``.
+        ``source`` (graph rounds, with ``_fills_graph_round``): the caller's batch, which the
+        launch also copies into ``batch``'s fixed buffers, padded. A two-pass route's
+        prefixes must be page-aligned (``check_page_aligned``: the caller's requests, where
+        values are read)."""
+        src = batch if source is None else source
+        if self._two_pass(route):
+            check_page_aligned(self.runner, src.req_pool_indices, src.seq_lens, "prefixes")
+        if self._meta_kernel:
+            from ._metadata import decode_tables
+
+            self._launch = decode_tables(
+                src.req_pool_indices, src.seq_lens, src.out_cache_loc, self.runner, bufs,
+                batch.batch_size, self.page_size, fixed=None if source is None else (
+                    batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc))
+        else:
+            self._fill(bufs, route, batch)
+        self._active, self._route = bufs, route
 
     def _fill(self, bufs: _Buffers, route: tuple, batch) -> None:
+        """The tables in torch ops (where Triton does not run; ``_metadata.decode_tables``
+        writes the same values)."""
         rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
         bs = batch.batch_size
         two_pass, chunks = self._two_pass(route), route[1]
-        if two_pass:
-            check_page_aligned(self.runner, rpi, seq, "prefixes")
         k, s, p = self.topk, self.num_steps, self.page_size
         lanes = bs * k
         r2t = self.runner.req_to_token
@@ -206,7 +242,6 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             table.scatter_(1, cols, loc.reshape(lanes, s).to(torch.int32))
             bufs.full_used[:, :lanes].copy_(
                 lane_len[None, :] + torch.arange(1, s + 1, device=seq.device)[:, None])
-        self._active, self._route = bufs, route
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -284,10 +319,92 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         """One set of fixed buffers per route the captured sizes take (made at capture,
         reused by every replay), each for ``max_bs`` requests / ``max_bs * topk`` lanes."""
         self._graph_bufs = {}
+        self._replays.clear()
+
+    def _fills_graph_round(self) -> bool:
+        return self._meta_kernel
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         route = self.route_for(batch.batch_size)  # the captured size's route
         bufs = self._graph_bufs.get(route)
         if bufs is None:
             bufs = self._graph_bufs[route] = self._new_buffers(self.cuda_graph_max_bs, route)
-        self._fill(bufs, route, batch)
+        self._tables(bufs, route, batch, self.graph_source if self._meta_kernel else None)
+
+    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
+
+    def _replay_key(self, batch, bs: int) -> Optional[tuple]:
+        """The signature of a graph call: ``bs``, the runner's ``req_to_token`` (the kept
+        launch reads it) and the caller's index tensors; in ``path`` mode also the
+        ``parents`` tensor, which must be the one the graph reads. ``None`` where the call is
+        not repeated (no table launch, a batch that is not one, parents in ``lane`` mode,
+        ``parents`` copied into the captured tensor)."""
+        if not self._meta_kernel:
+            return None
+        try:
+            r2t = self.runner.req_to_token
+            key = (bs, id(self.runner), r2t.data_ptr(), signature(r2t),
+                   signature(batch.req_pool_indices), signature(batch.seq_lens),
+                   signature(batch.out_cache_loc))
+            parents = batch.parents
+            if parents is None:
+                return key if self.tree_mode == "lane" else None
+            captured = self._graph.parents.get(bs) if self._graph is not None else None
+            if self.tree_mode != "path" or captured is None or \
+                    parents.data_ptr() != captured.data_ptr():
+                return None
+            return key + (signature(parents), parents.data_ptr())
+        except (AttributeError, TypeError):
+            return None
+
+    def _keep_graph_call(self, key: Optional[tuple]) -> None:
+        """Keep what a checked graph call of signature ``key`` repeats."""
+        if key is None:
+            return
+        if len(self._replays) >= _MAX_REPLAYS:
+            self._replays.clear()
+        self._replays[key] = _Replay(self._launch, self.batch, self.num_lanes, self._route,
+                                     self._active)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
+        """As the base class; keeps the call for the replays at this size (in place of what
+        an earlier capture at this size kept: ``parents`` may be another tensor now)."""
+        super().init_forward_metadata_capture_cuda_graph(batch)
+        bs = self.batch.batch_size
+        self._replays = {k: r for k, r in self._replays.items() if k[0] != bs}
+        self._keep_graph_call(self._replay_key(batch, bs))
+
+    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
+        """As the base class (one table launch where Triton runs). A call whose signature a
+        checked call had (``_replay_key``) launches the kept compiled kernel on the new
+        tensors and checks only what reads values, where values are read (CPU tensors)."""
+        key = self._replay_key(batch, bs)
+        replay = self._replays.get(key) if key is not None else None
+        if replay is None:
+            super().init_forward_metadata_replay_cuda_graph(batch, bs)
+            self._keep_graph_call(key)
+            return
+        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
+        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
+            self._check_graph_batch(batch)
+            if self._two_pass(replay.route):
+                check_page_aligned(self.runner, rpi, seq, "prefixes")
+        replay.launch(rpi, seq, loc)
+        self._launch, self.graph_source = replay.launch, batch
+        self.batch, self.num_lanes = replay.fixed, replay.rows
+        self._active, self._route = replay.bufs, replay.route
+
+
+_MAX_REPLAYS = 64  # signatures kept per backend (engines use a few per captured size)
+
+
+class _Replay:
+    """What a graph call repeats for one signature: the table launch (run on the caller's
+    new tensors), the round's fixed views (a ``DraftBatch``), its lanes, route and
+    buffers."""
+
+    __slots__ = ("launch", "fixed", "rows", "route", "bufs")
+
+    def __init__(self, launch, fixed, rows: int, route: tuple, bufs: _Buffers) -> None:
+        self.launch, self.fixed, self.rows, self.route, self.bufs = \
+            launch, fixed, rows, route, bufs

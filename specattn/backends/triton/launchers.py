@@ -17,7 +17,7 @@ from ...util import next_pow2
 from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
-from .kernel_launch import KernelLaunch
+from ...kernels.kernel_launch import KernelLaunch
 from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, AttnShape, Kernel,
                     Plan)
 
