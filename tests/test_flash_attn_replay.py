@@ -107,7 +107,7 @@ def test_decode_tables_match_the_torch_fill(monkeypatch, page_size, topk, route,
             kernel_fixed, torch_fixed = (_FixedRound(max_bs, (max_bs, topk, 3), "cpu",
                                                      with_requests=True) for _ in range(2))
             _same_garbage(kernel_fixed, torch_fixed, seed + 7)
-            views = kernel_fixed.views(batch, bs)
+            views = kernel_fixed.views(batch, bs, 1)
             _metadata.decode_tables(batch.req_pool_indices, batch.seq_lens,
                                     batch.out_cache_loc, case.runner, kernel_bufs, bs,
                                     page_size, fixed=(views.req_pool_indices, views.seq_lens,
