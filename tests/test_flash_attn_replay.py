@@ -17,19 +17,16 @@ metadata call, on the CPU (interpreter).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from helpers import require_triton_interpret
-from specattn import validation
+from helpers import (CountedKernel, checked_replay, first_requests, quiet_replay,
+                     require_triton_interpret, strided_seq_lens, with_bad_slot)
 from specattn.base import _FixedRound
 from specattn.data import DraftBatch, DraftExtendBatch
 from specattn.errors import InvalidInputError
 from test_flash_attn import (HOPPER_FA4, LIBS, installed, make_case_on, make_decode_case,
                              make_extend_case)
-from test_triton_replay import _no_sync, _Ops, _trace
 
 require_triton_interpret()
 
@@ -198,46 +195,12 @@ def _graph_backend(kind: str, topk: int, options: dict, page_size: int, bs: int,
                                       other.out_cache_loc, parents)
 
 
-class _Counted:
-    """A table kernel that counts its launches: runs the real one until ``idle`` is set,
-    then launches nothing; returns no compiled kernel (every launch is an ordinary one)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches, self.idle = kernel, 0, False
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-            if not self.idle:
-                self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def _count_launches(monkeypatch) -> list:
     counted = []
     for name in ("_decode_tables_kernel", "_extend_tables_kernel"):
-        counted.append(_Counted(getattr(_metadata, name)))
+        counted.append(CountedKernel(getattr(_metadata, name)))
         monkeypatch.setattr(_metadata, name, counted[-1])
     return counted
-
-
-def _record_checks(m, checks: list) -> None:
-    """Every batch check the glue can run records its name instead."""
-    for module in (sys.modules["specattn.base"], validation):
-        for name in ("check_decode_batch", "check_extend_batch"):
-            m.setattr(module, name, lambda *a, _n=name, **k: checks.append(_n))
-    for module in (_decode, _extend):
-        m.setattr(module, "check_page_aligned",
-                  lambda *a, **k: checks.append("check_page_aligned"))
-
-
-def _strided(batch):
-    """``batch`` with its ``seq_lens`` as a strided column of a wider tensor."""
-    seq = torch.stack([batch.seq_lens, batch.seq_lens], 1)[:, 0]
-    if isinstance(batch, DraftExtendBatch):
-        return DraftExtendBatch(batch.req_pool_indices, seq, batch.extend_lens,
-                                batch.out_cache_loc)
-    return DraftBatch(batch.req_pool_indices, seq, batch.out_cache_loc, batch.parents)
 
 
 @pytest.mark.parametrize("kind,topk,options,page_size", KINDS, ids=KIND_IDS)
@@ -252,37 +215,16 @@ def test_replay_metadata_call_is_fixed_host_work(monkeypatch, kind, topk, option
             assert backend._fills_graph_round()
             for stand_in in counted:
                 stand_in.launches, stand_in.idle = 0, True
-            with monkeypatch.context() as m:
-                # As on a device: no value checks (the CPU runs them on CPU tensors).
-                m.setattr(validation, "_scan_values", lambda t, debug: False)
-                checks = []
-                _record_checks(m, checks)
-                _no_sync(m)
-                with _Ops() as ops:
-                    calls, lines = _trace(
-                        lambda: backend.init_forward_metadata_replay_cuda_graph(batch, bs))
-            assert ops.ops == [] and checks == []
+            calls, lines, ops, checks = quiet_replay(monkeypatch, backend, batch, bs,
+                                                     (_decode, _extend))
+            assert ops == [] and checks == []
             assert sum(s.launches for s in counted) == 1
             seen.append((calls, lines))
             # Another signature (a strided view): checked, then launched.
             for stand_in in counted:
                 stand_in.idle = False
-            with monkeypatch.context() as m:
-                checks = []
-                real = validation.check_extend_batch if kind == "extend" else \
-                    validation.check_decode_batch
-                m.setattr(sys.modules["specattn.base"], real.__name__,
-                          lambda *a, **k: checks.append(1) or real(*a, **k))
-                backend.init_forward_metadata_replay_cuda_graph(_strided(batch), bs)
-            assert checks == [1]
+            assert checked_replay(monkeypatch, backend, strided_seq_lens(batch), bs) == 1
     assert seen[0] == seen[1], "host work that grows with the batch size or step count"
-
-
-def _first(batch: DraftBatch, n: int) -> DraftBatch:
-    """The first ``n`` requests of ``batch`` (a replay padded to the captured size)."""
-    parents = None if batch.parents is None else batch.parents[:, :n]
-    return DraftBatch(batch.req_pool_indices[:n], batch.seq_lens[:n],
-                      batch.out_cache_loc[:n], parents)
 
 
 def _filled(backend) -> dict:
@@ -294,14 +236,6 @@ def _filled(backend) -> dict:
         out["req_pool_indices"] = batch.req_pool_indices.clone()
         out["seq_lens"] = batch.seq_lens.clone()
     return out
-
-
-def _with_bad_slot(batch, num_slots: int):
-    loc = batch.out_cache_loc.clone()
-    loc.view(-1)[0] = num_slots
-    if isinstance(batch, DraftExtendBatch):
-        return DraftExtendBatch(batch.req_pool_indices, batch.seq_lens, batch.extend_lens, loc)
-    return DraftBatch(batch.req_pool_indices, batch.seq_lens, loc, batch.parents)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
@@ -317,8 +251,8 @@ def test_kept_replay_fills_as_a_checked_call(kind, topk, options, page_size, pad
     with installed(HOPPER_FA4):
         kept, first, batch = _graph_backend(kind, topk, options, page_size, bs, steps, 1)
         if padded:
-            kept.init_forward_metadata_replay_cuda_graph(_first(first, 2), bs)
-            batch = _first(batch, 2)
+            kept.init_forward_metadata_replay_cuda_graph(first_requests(first, 2), bs)
+            batch = first_requests(batch, 2)
         kept.init_forward_metadata_replay_cuda_graph(batch, bs)
         assert len(kept._replays) == 1 + padded
         results = [_filled(kept)]
@@ -338,7 +272,7 @@ def test_kept_replay_fills_as_a_checked_call(kind, topk, options, page_size, pad
             assert kept._route == fresh._route and kept.num_lanes == fresh.num_lanes
         with pytest.raises(InvalidInputError, match="out_cache_loc"):
             kept.init_forward_metadata_replay_cuda_graph(
-                _with_bad_slot(batch, kept.runner.num_slots), bs)
+                with_bad_slot(batch, kept.runner.num_slots), bs)
         if kind == "extend" or kept.two_pass:  # prefixes read through page ids
             r2t = kept.runner.req_to_token
             row = int(batch.req_pool_indices[0])
@@ -355,7 +289,7 @@ def test_padded_replays_keep_one_launch_per_signature():
         backend, _, batch = _graph_backend("shared", 2, {}, 16, 3, 3)
         for _ in range(2):
             for raw in (1, 2, 3):
-                backend.init_forward_metadata_replay_cuda_graph(_first(batch, raw), 3)
+                backend.init_forward_metadata_replay_cuda_graph(first_requests(batch, raw), 3)
                 fixed = backend.batch
                 assert torch.equal(fixed.seq_lens[:raw], batch.seq_lens[:raw])
                 assert fixed.seq_lens[raw:].eq(1).all()

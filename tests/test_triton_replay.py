@@ -12,17 +12,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import (DEV, decode_sizes, place_decode_round, place_extend_round,
-                     require_triton_interpret)
-from specattn import validation
-from specattn.data import DraftBatch, DraftExtendBatch, DraftRunner
+from helpers import (DEV, CountedKernel, checked_replay, decode_sizes, first_requests,
+                     place_decode_round, place_extend_round, quiet_replay,
+                     require_triton_interpret, strided_seq_lens, with_bad_slot)
+from specattn.data import DraftBatch, DraftRunner
 from specattn.errors import InvalidInputError
 
 require_triton_interpret()
@@ -31,7 +27,6 @@ from specattn.backends.triton import (TritonDecode, TritonExtend, launchers,  # 
                                       plans, worklist)
 from specattn.kernels import kernel_launch  # noqa: E402
 
-SPECATTN = os.path.dirname(validation.__file__)
 # (name, model, topk): MHA decode, MHA at K 1, MLA on the gluon-wl plan (its work list in
 # the metadata launch), draft extend.
 KINDS = [("mha", "mha", 2), ("mha-k1", "mha", 1), ("mla-gluon-wl", "mla", 2),
@@ -68,84 +63,17 @@ def _graph_backend(kind: str, model: str, topk: int, bs: int, steps: int, seed: 
     return backend, first, place_decode_round(r, [n + 3 for n in lens], topk, steps, 1)
 
 
-def _first(batch: DraftBatch, n: int) -> DraftBatch:
-    """The first ``n`` requests of ``batch`` (a replay padded to the captured size)."""
-    return DraftBatch(batch.req_pool_indices[:n], batch.seq_lens[:n], batch.out_cache_loc[:n])
-
-
-class _Counted:
-    """A metadata kernel that counts its launches: runs the real one until ``idle`` is set,
-    then launches nothing; returns no compiled kernel (every launch is an ordinary one)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches, self.idle = kernel, 0, False
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-            if not self.idle:
-                self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-class _Ops(TorchDispatchMode):
-    """Every torch op run inside it (a view, a copy, a reduction...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _no_sync(monkeypatch) -> None:
-    """Any read of a tensor's values on the host raises."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a device -> host read in the replay metadata call")
-    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
-                 "__index__", "__array__"):
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-
-
-def _trace(fn) -> tuple[list, int]:
-    """``fn()``'s calls (function names) and executed lines inside ``specattn``."""
-    calls, lines = [], [0]
-
-    def tracer(frame, event, arg):
-        if not frame.f_code.co_filename.startswith(SPECATTN):
-            return None
-        if event == "call":
-            calls.append(frame.f_code.co_name)
-        elif event == "line":
-            lines[0] += 1
-        return tracer
-
-    old = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        fn()
-    finally:
-        sys.settrace(old)
-    return calls, lines[0]
-
-
-def _replay(backend, batch, bs):
-    return lambda: backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-
-
 @pytest.mark.parametrize("kind,model,topk", KINDS)
 def test_replay_metadata_call_is_fixed_host_work(monkeypatch, kind, model, topk):
     """At (B 1, S 2) and (B 4, S 5): the same calls and line count, one launch, no torch op,
     no host read, no check of the batch; checks again at a signature not seen."""
     if model == "mla":
         monkeypatch.setattr(plans, "gluon_reason", lambda runner, interpret: None)
-    counted = {name: _Counted(getattr(launchers, name))
+    counted = {name: CountedKernel(getattr(launchers, name))
                for name in ("_decode_metadata_kernel", "_extend_metadata_kernel")}
     for name, stand_in in counted.items():
         monkeypatch.setattr(launchers, name, stand_in)
-    worklist_alone = _Counted(worklist._worklist_kernel)
+    worklist_alone = CountedKernel(worklist._worklist_kernel)
     monkeypatch.setattr(worklist, "_worklist_kernel", worklist_alone)
     seen = []
     for bs, steps in ((1, 2), (4, 5)):
@@ -154,42 +82,15 @@ def test_replay_metadata_call_is_fixed_host_work(monkeypatch, kind, model, topk)
             assert backend.plan.name == "gluon-wl"
         for stand_in in counted.values():
             stand_in.launches, stand_in.idle = 0, True
-        with monkeypatch.context() as m:
-            # As on a device: no value checks (the CPU runs them on CPU tensors).
-            m.setattr(validation, "_scan_values", lambda t, debug: False)
-            checks = []
-            for name in ("check_decode_batch", "check_extend_batch"):
-                m.setattr(validation, name, lambda *a, _n=name, **k: checks.append(_n))
-                m.setattr(sys.modules["specattn.base"], name,
-                          lambda *a, _n=name, **k: checks.append(_n))
-            _no_sync(m)
-            with _Ops() as ops:
-                calls, lines = _trace(_replay(backend, batch, bs))
-        assert ops.ops == [] and checks == []
+        calls, lines, ops, checks = quiet_replay(monkeypatch, backend, batch, bs)
+        assert ops == [] and checks == []
         assert sum(s.launches for s in counted.values()) == 1 and worklist_alone.launches == 0
         seen.append((calls, lines))
         # Another signature (a batch padded to a larger capture; a strided view): checked.
         for stand_in in counted.values():
             stand_in.idle = False
-        other = _strided(batch)
-        with monkeypatch.context() as m:
-            checks = []
-            real = validation.check_extend_batch if kind == "extend" else \
-                validation.check_decode_batch
-            m.setattr(sys.modules["specattn.base"], real.__name__,
-                      lambda *a, **k: checks.append(1) or real(*a, **k))
-            backend.init_forward_metadata_replay_cuda_graph(other, bs)
-        assert checks == [1]
+        assert checked_replay(monkeypatch, backend, strided_seq_lens(batch), bs) == 1
     assert seen[0] == seen[1], "host work that grows with the batch size or step count"
-
-
-def _strided(batch):
-    """``batch`` with its ``seq_lens`` as a strided column of a wider tensor."""
-    seq = torch.stack([batch.seq_lens, batch.seq_lens], 1)[:, 0]
-    if isinstance(batch, DraftExtendBatch):
-        return DraftExtendBatch(batch.req_pool_indices, seq, batch.extend_lens,
-                                batch.out_cache_loc)
-    return DraftBatch(batch.req_pool_indices, seq, batch.out_cache_loc, batch.parents)
 
 
 def _filled(backend) -> list[torch.Tensor]:
@@ -217,8 +118,8 @@ def test_kept_replay_fills_as_a_checked_call(monkeypatch, kind, model, topk, pad
     bs, steps = 3, 3
     kept, first, batch = _graph_backend(kind, model, topk, bs, steps, seed=1)
     if padded:
-        kept.init_forward_metadata_replay_cuda_graph(_first(first, 2), bs)
-        batch = _first(batch, 2)
+        kept.init_forward_metadata_replay_cuda_graph(first_requests(first, 2), bs)
+        batch = first_requests(batch, 2)
     kept.init_forward_metadata_replay_cuda_graph(batch, bs)
     fresh, _, _ = _graph_backend(kind, model, topk, bs, steps, seed=1)
     fresh._replays.clear()
@@ -237,15 +138,7 @@ def test_kept_replay_fills_as_a_checked_call(monkeypatch, kind, model, topk, pad
     if batch.out_cache_loc.device.type == "cpu":  # a graph call checks values there only
         with pytest.raises(InvalidInputError, match="out_cache_loc"):
             kept.init_forward_metadata_replay_cuda_graph(
-                _with_bad_slot(batch, kept.runner.num_slots), bs)
-
-
-def _with_bad_slot(batch, num_slots: int):
-    loc = batch.out_cache_loc.clone()
-    loc.view(-1)[0] = num_slots
-    if isinstance(batch, DraftExtendBatch):
-        return DraftExtendBatch(batch.req_pool_indices, batch.seq_lens, batch.extend_lens, loc)
-    return DraftBatch(batch.req_pool_indices, batch.seq_lens, loc, batch.parents)
+                with_bad_slot(batch, kept.runner.num_slots), bs)
 
 
 def test_padded_replays_keep_one_launch_per_signature():
@@ -254,9 +147,7 @@ def test_padded_replays_keep_one_launch_per_signature():
     backend, _, batch = _graph_backend("mha", "mha", 2, 3, 3)
     for _ in range(2):
         for raw in (1, 2, 3):
-            part = DraftBatch(batch.req_pool_indices[:raw], batch.seq_lens[:raw],
-                              batch.out_cache_loc[:raw])
-            backend.init_forward_metadata_replay_cuda_graph(part, 3)
+            backend.init_forward_metadata_replay_cuda_graph(first_requests(batch, raw), 3)
             fixed = backend.batch
             assert torch.equal(fixed.seq_lens[:raw], batch.seq_lens[:raw])
             assert fixed.seq_lens[raw:].eq(1).all() and fixed.req_pool_indices[raw:].eq(0).all()
@@ -264,6 +155,15 @@ def test_padded_replays_keep_one_launch_per_signature():
     assert len(backend._replays) == 3  # the capture's signature is raw 3's
     with pytest.raises(InvalidInputError, match=r"^bs: "):
         backend.init_forward_metadata_replay_cuda_graph(batch, 4)
+
+
+def test_new_graph_state_drops_the_kept_calls():
+    """``init_cuda_graph_state`` makes new fixed buffers: the calls kept with views of the
+    old ones are dropped."""
+    backend, _, _ = _graph_backend("mha", "mha", 2, 2, 2)
+    assert len(backend._replays) == 1
+    backend.init_cuda_graph_state(2, 4)
+    assert backend._replays == {}
 
 
 # --- KernelLaunch ------------------------------------------------------------------------------

@@ -121,6 +121,37 @@ def _graph_batch(case, order, parents_static, host=False):
                       seq.cpu() if host else None)
 
 
+def _capture_steps(backend, case, inputs, warm_ups):
+    """A CUDA graph of one draft round's forward calls (steps ``0 .. S-2`` on ``inputs``)
+    after ``warm_ups`` rounds on a side stream; returns it and its outputs."""
+    def loop():
+        return [backend.forward(i, case.layer, *inputs[i]) for i in range(len(inputs))]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_ups):
+            loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = loop()
+    return graph, outs
+
+
+def _check_real_lanes(case, batch, parents, inputs, outs, tree_mode):
+    """The replayed outputs of ``batch``'s requests (the first rows of the captured
+    ``parents``) against ``torch_ref``, step by step."""
+    n = batch.batch_size
+    real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                      parents[:, :n])
+    lanes = n * case.batch.topk
+    for i in range(len(inputs)):
+        ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
+                               tree_mode)
+        assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("mla, topk, tree_mode, bs", [
     (False, 4, "lane", 4), (False, 4, "path", 4), (False, 1, "lane", 4), (True, 4, "path", 4),
     (False, 4, "path", 20)],
@@ -140,19 +171,7 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode, bs):
     backend.init_forward_metadata_capture_cuda_graph(capture)
     gen = torch.Generator().manual_seed(0)
     inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
-
-    def loop():
-        return [backend.forward(i, case.layer, *inputs[i]) for i in range(steps - 1)]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            loop()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = loop()
+    graph, outs = _capture_steps(backend, case, inputs, warm_ups=2)
     perm = torch.randperm(bs, generator=torch.Generator().manual_seed(bs)).tolist()
     # A changed batch, then a padded one with the host copy of its lengths.
     for order, host in ((perm, False), (perm[:-1], True)):
@@ -166,13 +185,7 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode, bs):
             o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                          parents[:, :len(order)])
-        lanes = len(order) * topk
-        for i in range(steps - 1):
-            ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
-                                   tree_mode)
-            assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
+        _check_real_lanes(case, batch, parents, inputs, outs, tree_mode)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
@@ -234,18 +247,7 @@ def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
                                                                   parents, True))
     gen = torch.Generator().manual_seed(0)
     inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
-
-    def loop():
-        return [backend.forward(i, case.layer, *inputs[i]) for i in range(steps - 1)]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        loop()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = loop()
+    graph, outs = _capture_steps(backend, case, inputs, warm_ups=1)
     order = list(range(bs - 1))[::-1]
     batch = _graph_batch(case, order, parents, True)
     backend.init_forward_metadata_replay_cuda_graph(batch, bs)  # warm (compiles, pins)
@@ -263,9 +265,4 @@ def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
         graph.replay()
         torch.cuda.synchronize()
     assert min(times) < 5e-3, times
-    real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                      parents[:, :len(order)])
-    for i in range(steps - 1):
-        ref = reference_decode(case.runner, case.layer, inputs[i][0][:len(order) * topk], real,
-                               i, "lane")
-        assert_close_rel(outs[i][:len(order) * topk], ref, torch.bfloat16)
+    _check_real_lanes(case, batch, parents, inputs, outs, "lane")

@@ -63,11 +63,10 @@ def _captured(model, bs, steps, topk=4, page=16, lens=None):
     return backend, batch
 
 
-def _replay_kernels(model, bs, steps, topk=4, page=16):
-    """The CUDA kernels one replay metadata call launches (after a capture-time call), with
-    any host synchronisation an error."""
-    backend, batch = _captured(model, bs, steps, topk, page)
-    backend.init_forward_metadata_replay_cuda_graph(batch, bs)  # compiles, warms caches
+def _replay_launches(backend, batch, bs) -> list[str]:
+    """The CUDA kernels one replay metadata call launches, after a first call (compiles,
+    warms caches and the kept launch), with any host synchronisation an error."""
+    backend.init_forward_metadata_replay_cuda_graph(batch, bs)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda.set_sync_debug_mode("error")
@@ -76,8 +75,29 @@ def _replay_kernels(model, bs, steps, topk=4, page=16):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return kernels, backend
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _host_us(backend, batch, bs) -> float:
+    """Median host time in us of the replay metadata call (``TIMED_CALLS`` calls after
+    ``WARM_UP_CALLS``, each on an idle device), which launches the kept compiled kernel."""
+    for _ in range(WARM_UP_CALLS):
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+    assert backend._launch.direct, "the replay does not launch the kept compiled kernel"
+    times = []
+    for _ in range(TIMED_CALLS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _replay_kernels(model, bs, steps, topk=4, page=16):
+    """The CUDA kernels one replay metadata call launches (``_replay_launches``)."""
+    backend, batch = _captured(model, bs, steps, topk, page)
+    return _replay_launches(backend, batch, bs), backend
 
 
 @pytest.mark.parametrize("model", ["mha", "mla", "extend"])
@@ -103,17 +123,7 @@ def test_triton_replay_metadata_host_time(case):
         pytest.skip("needs a CUDA GPU")
     model, bs, topk, steps, page = HOST_CASES[case]
     backend, batch = _captured(model, bs, steps, topk, page, lens=[512] * bs)
-    for _ in range(WARM_UP_CALLS):
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-    assert backend._launch.direct, "the replay does not launch the kept compiled kernel"
-    times = []
-    for _ in range(TIMED_CALLS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    us = statistics.median(times) * 1e6
+    us = _host_us(backend, batch, bs)
     plan = backend._round_plan["plan"].name
     print(f"{case} ({plan}): replay metadata call {us:.1f} us host time (median of "
           f"{TIMED_CALLS})")
@@ -170,18 +180,7 @@ def test_fa4_replay_metadata_is_one_launch_without_sync(case):
     counts = []
     for size, n_steps in ((1, 2), (bs, steps)):
         backend, batch = _fa4_captured(kind, size, topk, n_steps, page, prefix)
-        backend.init_forward_metadata_replay_cuda_graph(batch, size)  # warms the kept launch
-        torch.cuda.synchronize()
-        with torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                backend.init_forward_metadata_replay_cuda_graph(batch, size)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
-        counts.append([e.name for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA])
+        counts.append(_replay_launches(backend, batch, size))
     assert [len(c) for c in counts] == [1, 1], counts
 
 
@@ -192,17 +191,7 @@ def test_fa4_replay_metadata_host_time(case):
     _needs_fa4()
     kind, bs, topk, steps, page, prefix = FA4_HOST_CASES[case]
     backend, batch = _fa4_captured(kind, bs, topk, steps, page, prefix)
-    for _ in range(WARM_UP_CALLS):
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-    assert backend._launch.direct, "the replay does not launch the kept compiled kernel"
-    times = []
-    for _ in range(TIMED_CALLS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    us = statistics.median(times) * 1e6
+    us = _host_us(backend, batch, bs)
     route = getattr(backend, "_route", ("extend",))
     print(f"fa4 {case} {route}: replay metadata call {us:.1f} us host time (median of "
           f"{TIMED_CALLS})")

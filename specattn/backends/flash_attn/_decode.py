@@ -37,16 +37,11 @@ same values (``_fill``).
 CUDA graphs: ``init_cuda_graph_state(max_bs, ...)``; the buffers of each route a captured
 batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and
 replay refill them in place (padded to the captured size; the ``parents`` tensor given at
-capture is kept), so a captured graph reads the same addresses every replay. An engine
-makes the replay metadata call on the host before every replay, so where Triton runs it is
-one launch that also copies the caller's batch into the graph's fixed buffers
-(``_fills_graph_round``), and what depends only on the captured size and on the dtypes,
-devices, shapes and strides of the caller's index tensors (route, buffers, fixed views, the
-launch and its compiled kernel) is kept per such signature by the first call that has it,
-the capture's included, after that call's checks (``_Replay``). A later call of a kept
-signature launches the kept compiled kernel on the new tensors and checks again only what
-reads values, where values are read (CPU tensors: a graph call makes no debug pass on a
-device).
+capture is kept), so a captured graph reads the same addresses every replay. Where Triton
+runs, a graph round's metadata is the table launch, which also copies the caller's batch into
+the fixed buffers (``_fills_graph_round``), and a replay's call of a signature seen before
+(the runner's ``req_to_token`` part of it) launches the kept compiled kernel with the kept
+route, buffers and views (``specattn.graph_calls``).
 """
 
 from __future__ import annotations
@@ -56,17 +51,15 @@ from typing import Optional
 
 import torch
 
-from ... import validation as _validation
-from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
-from ...kernels.kernel_launch import signature
+from ...graph_calls import KeptDecodeCalls
 from ...kernels.lse import merge_states
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
 from ._library import resolve_kernel
 from ._route import choose_route
-from ._tables import check_page_aligned, paged_pools
+from ._tables import check_page_aligned, paged_pools, table_launch_key
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
@@ -104,7 +97,7 @@ class _Buffers:
             self.lane_len = torch.zeros(lanes, dtype=torch.int64, device=device)
 
 
-class FlashAttnDecodeGlue(DraftDecodeBackend):
+class FlashAttnDecodeGlue(KeptDecodeCalls):
     """Common body of the registered fa3 / fa4 decode classes (not registered).
 
     Extra keywords: ``mode`` (``"auto"`` default: routed per round; ``"shared"``;
@@ -144,8 +137,6 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         self._logged_routes: set = set()
         # Where Triton runs, the tables are one launch (``_metadata``); else torch ops.
         self._meta_kernel = can_fuse
-        self._launch = None  # the last table launch (kernel_launch.KernelLaunch)
-        self._replays: dict = {}  # graph-call signature -> _Replay
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -319,7 +310,6 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         """One set of fixed buffers per route the captured sizes take (made at capture,
         reused by every replay), each for ``max_bs`` requests / ``max_bs * topk`` lanes."""
         self._graph_bufs = {}
-        self._replays.clear()
 
     def _fills_graph_round(self) -> bool:
         return self._meta_kernel
@@ -331,80 +321,18 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             bufs = self._graph_bufs[route] = self._new_buffers(self.cuda_graph_max_bs, route)
         self._tables(bufs, route, batch, self.graph_source if self._meta_kernel else None)
 
-    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
+    # --- kept graph calls (``graph_calls``) --------------------------------------------------
 
-    def _replay_key(self, batch, bs: int) -> Optional[tuple]:
-        """The signature of a graph call: ``bs``, the runner's ``req_to_token`` (the kept
-        launch reads it) and the caller's index tensors; in ``path`` mode also the
-        ``parents`` tensor, which must be the one the graph reads. ``None`` where the call is
-        not repeated (no table launch, a batch that is not one, parents in ``lane`` mode,
-        ``parents`` copied into the captured tensor)."""
-        if not self._meta_kernel:
-            return None
-        try:
-            r2t = self.runner.req_to_token
-            key = (bs, id(self.runner), r2t.data_ptr(), signature(r2t),
-                   signature(batch.req_pool_indices), signature(batch.seq_lens),
-                   signature(batch.out_cache_loc))
-            parents = batch.parents
-            if parents is None:
-                return key if self.tree_mode == "lane" else None
-            captured = self._graph.parents.get(bs) if self._graph is not None else None
-            if self.tree_mode != "path" or captured is None or \
-                    parents.data_ptr() != captured.data_ptr():
-                return None
-            return key + (signature(parents), parents.data_ptr())
-        except (AttributeError, TypeError):
-            return None
+    _graph_key_extra = table_launch_key
 
-    def _keep_graph_call(self, key: Optional[tuple]) -> None:
-        """Keep what a checked graph call of signature ``key`` repeats."""
-        if key is None:
-            return
-        if len(self._replays) >= _MAX_REPLAYS:
-            self._replays.clear()
-        self._replays[key] = _Replay(self._launch, self.batch, self.num_lanes, self._route,
-                                     self._active)
+    def _kept_plan(self) -> tuple:
+        return self._route
 
-    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        """As the base class; keeps the call for the replays at this size (in place of what
-        an earlier capture at this size kept: ``parents`` may be another tensor now)."""
-        super().init_forward_metadata_capture_cuda_graph(batch)
-        bs = self.batch.batch_size
-        self._replays = {k: r for k, r in self._replays.items() if k[0] != bs}
-        self._keep_graph_call(self._replay_key(batch, bs))
+    def _resume_plan(self, route: tuple) -> None:
+        self._route = route
 
-    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
-        """As the base class (one table launch where Triton runs). A call whose signature a
-        checked call had (``_replay_key``) launches the kept compiled kernel on the new
-        tensors and checks only what reads values, where values are read (CPU tensors)."""
-        key = self._replay_key(batch, bs)
-        replay = self._replays.get(key) if key is not None else None
-        if replay is None:
-            super().init_forward_metadata_replay_cuda_graph(batch, bs)
-            self._keep_graph_call(key)
-            return
-        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
-            self._check_graph_batch(batch)
-            if self._two_pass(replay.route):
-                check_page_aligned(self.runner, rpi, seq, "prefixes")
-        replay.launch(rpi, seq, loc)
-        self._launch, self.graph_source = replay.launch, batch
-        self.batch, self.num_lanes = replay.fixed, replay.rows
-        self._active, self._route = replay.bufs, replay.route
-
-
-_MAX_REPLAYS = 64  # signatures kept per backend (engines use a few per captured size)
-
-
-class _Replay:
-    """What a graph call repeats for one signature: the table launch (run on the caller's
-    new tensors), the round's fixed views (a ``DraftBatch``), its lanes, route and
-    buffers."""
-
-    __slots__ = ("launch", "fixed", "rows", "route", "bufs")
-
-    def __init__(self, launch, fixed, rows: int, route: tuple, bufs: _Buffers) -> None:
-        self.launch, self.fixed, self.rows, self.route, self.bufs = \
-            launch, fixed, rows, route, bufs
+    def _check_kept_call(self, batch, replay) -> None:
+        """The graph batch's checks and, on a two-pass route, page-aligned prefixes."""
+        super()._check_kept_call(batch, replay)
+        if self._two_pass(replay.plan):
+            check_page_aligned(self.runner, batch.req_pool_indices, batch.seq_lens, "prefixes")

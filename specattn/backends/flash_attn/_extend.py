@@ -11,10 +11,8 @@ torch ops writing the same values (``_fill``). Eager ``init_forward_metadata`` r
 CUDA graphs: fixed buffers for ``max_bs`` requests (the base class keeps the
 ``max_num_tokens`` new-token slots, which the launch fills from the caller's batch); capture
 and replay use the bound ``T - B + 1`` (no host read), so a graph serves any split of ``T``
-tokens over ``B`` requests. As in decode (``_decode``'s module doc), what a graph call of a
-given signature of the caller's index tensors repeats is kept by its first, checked call,
-and a later one launches the kept compiled kernel and checks only what reads values, where
-values are read (CPU tensors).
+tokens over ``B`` requests. As in decode, a replay's call of a signature seen before launches
+the kept compiled kernel (``specattn.graph_calls``).
 """
 
 from __future__ import annotations
@@ -23,15 +21,12 @@ from typing import Optional
 
 import torch
 
-from ... import validation as _validation
-from ...base import DraftExtendBackend
-from ...data import DraftExtendBatch
-from ...kernels.kernel_launch import signature
+from ...graph_calls import KeptExtendCalls
 from ...metadata import prefix_page_table
 from ...platforms import current_platform
 from ...util import ceil_div, triton_runs
 from ._library import resolve_kernel
-from ._tables import check_page_aligned, paged_pools
+from ._tables import check_page_aligned, paged_pools, table_launch_key
 
 
 class _Buffers:
@@ -45,7 +40,7 @@ class _Buffers:
         self.pt = torch.zeros(bs, pages, dtype=torch.int32, device=device)
 
 
-class FlashAttnExtendGlue(DraftExtendBackend):
+class FlashAttnExtendGlue(KeptExtendCalls):
     """Common body of the registered fa3 / fa4 extend classes (not registered)."""
 
     known_limits = {"extend/*/isolation/*": (
@@ -66,8 +61,6 @@ class FlashAttnExtendGlue(DraftExtendBackend):
         self._max_q = 0
         # Where Triton runs, the tables are one launch (``_metadata``); else torch ops.
         self._meta_kernel = triton_runs(runner.device)
-        self._launch = None  # the last table launch (kernel_launch.KernelLaunch)
-        self._replays: dict = {}  # graph-call signature -> _Replay
 
     def _check_batch(self, batch, debug: Optional[bool]) -> None:
         check_page_aligned(self.runner, batch.req_pool_indices, batch.seq_lens, "sequences")
@@ -122,7 +115,6 @@ class FlashAttnExtendGlue(DraftExtendBackend):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         self._graph_bufs = _Buffers(max_bs, self._pages, self.runner.device)
-        self._replays.clear()
 
     def _fills_graph_round(self) -> bool:
         return self._meta_kernel
@@ -132,65 +124,12 @@ class FlashAttnExtendGlue(DraftExtendBackend):
         self._tables(self._graph_bufs, batch, self.num_tokens - batch.batch_size + 1,
                      self.graph_source if self._meta_kernel else None)
 
-    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
+    # --- kept graph calls (``graph_calls``) --------------------------------------------------
 
-    def _replay_key(self, batch) -> Optional[tuple]:
-        """The signature of a graph call: the runner's ``req_to_token`` (the kept launch
-        reads it) and the caller's four index tensors; ``None`` without a table launch."""
-        if not self._meta_kernel:
-            return None
-        try:
-            r2t = self.runner.req_to_token
-            return (id(self.runner), r2t.data_ptr(), signature(r2t),
-                    signature(batch.req_pool_indices), signature(batch.seq_lens),
-                    signature(batch.extend_lens), signature(batch.out_cache_loc))
-        except (AttributeError, TypeError):
-            return None
+    _graph_key_extra = table_launch_key
 
-    def _keep_graph_call(self, key: Optional[tuple]) -> None:
-        if key is None:
-            return
-        if len(self._replays) >= _MAX_REPLAYS:
-            self._replays.clear()
-        self._replays[key] = _Replay(self._launch, self.batch.out_cache_loc, self.num_tokens,
-                                     self._max_q, self._active)
+    def _kept_plan(self) -> int:
+        return self._max_q
 
-    def init_forward_metadata_capture_cuda_graph(self, batch) -> None:
-        """As the base class; keeps the call for the replays."""
-        super().init_forward_metadata_capture_cuda_graph(batch)
-        self._keep_graph_call(self._replay_key(batch))
-
-    def init_forward_metadata_replay_cuda_graph(self, batch, bs: int) -> None:
-        """As the base class (one table launch where Triton runs). A call whose signature a
-        checked call had (``_replay_key``) launches the kept compiled kernel on the new
-        tensors and checks only what reads values, where values are read (CPU tensors)."""
-        key = self._replay_key(batch)
-        replay = self._replays.get(key) if key is not None else None
-        if replay is None:
-            super().init_forward_metadata_replay_cuda_graph(batch, bs)
-            self._keep_graph_call(key)
-            return
-        rpi, seq, ext, loc = (batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
-                              batch.out_cache_loc)
-        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
-            self._check_graph_batch(batch)
-        replay.launch(rpi, seq, ext, loc)
-        self._launch, self.graph_source = replay.launch, batch
-        self.batch = DraftExtendBatch(rpi, seq, ext, replay.fixed)
-        self.num_tokens = replay.rows
-        self._active, self._max_q = replay.bufs, replay.max_q
-
-
-_MAX_REPLAYS = 64  # signatures kept per backend
-
-
-class _Replay:
-    """What a graph call repeats for one signature: the table launch (run on the caller's
-    new tensors), the fixed ``out_cache_loc`` view, its tokens, ``max_seqlen_q`` and the
-    buffers."""
-
-    __slots__ = ("launch", "fixed", "rows", "max_q", "bufs")
-
-    def __init__(self, launch, fixed, rows: int, max_q: int, bufs: _Buffers) -> None:
-        self.launch, self.fixed, self.rows, self.max_q, self.bufs = \
-            launch, fixed, rows, max_q, bufs
+    def _resume_plan(self, max_q: int) -> None:
+        self._max_q = max_q

@@ -7,10 +7,10 @@ where Triton does not run) writes, bit for bit. With the graph's fixed buffers g
 size (request row 0, ``seq_lens`` 1, slot 0), so a CUDA-graph metadata call is one launch.
 
 The launches are ``KernelLaunch``es: kept by the glue per signature of the caller's index
-tensors, and run again on new tensors of that signature with Triton's compiled kernel
-launched directly (``specattn.kernels.kernel_launch``). The caller's index tensors are read
-through their strides and declared ``do_not_specialize_on_alignment`` so that their
-addresses may move between launches.
+tensors (``specattn.graph_calls``), and run again on new tensors of that signature with
+Triton's compiled kernel launched directly (``specattn.kernels.kernel_launch``). The caller's
+index tensors are read through their strides and declared ``do_not_specialize_on_alignment``
+so that their addresses may move between launches.
 
 Every read stays inside its tensor whatever the values (request rows clamped into
 ``req_to_token``; positions into its row and slots into the pool, as the torch fill does),

@@ -5,14 +5,9 @@ A round's metadata is one launch (the ``gluon-wl`` work list included), graph-sa
 sync; ``forward`` runs the plan's kernel (``plans``; ``plan=NAME`` forces one) and merges
 the partials. ``mode="per-branch"``: every lane its own sequence (the upstream design).
 
-A CUDA-graph replay's metadata call is host-bound: an engine makes it before every replay.
-Everything that depends only on the captured size and on the dtypes, devices, shapes and
-strides of the caller's index tensors (the plan, the fixed buffers and views, the grid,
-constexprs and trailing arguments, the compiled kernel) is kept per such signature
-(``_Replay``) by the first call that has it, the capture's included, after that call's
-checks; a later call with the same signature launches the kept compiled kernel on the new
-tensors (``kernel_launch``) and checks again only what reads values (CPU tensors: a graph
-call makes no debug pass on a device).
+A CUDA-graph round's metadata is the same launch, which also copies the caller's batch into
+the fixed buffers, padded; a replay's call of a signature seen before launches the kept
+compiled kernel and repeats only the checks that read values (``specattn.graph_calls``).
 """
 
 from __future__ import annotations
@@ -21,10 +16,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ... import validation as _validation
-from ...base import DraftDecodeBackend, DraftExtendBackend
-from ...data import DraftExtendBatch
 from ...errors import InvalidInputError
+from ...graph_calls import KeptDecodeCalls, KeptExtendCalls
 from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
                           triton_interpret_enabled)
 from . import plans as P
@@ -92,16 +85,12 @@ class _TritonCommon:
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._plans: dict = {}
         self._round_plan = None
-        self._launch = None  # the last metadata launch (kernel_launch.KernelLaunch)
-        self._replays: dict = {}  # signature -> _Replay
 
-    def _keep_replay(self, key: Optional[tuple], replay: "_Replay") -> None:
-        """Keep what a graph call of signature ``key`` repeats (``None``: not repeatable)."""
-        if key is None:
-            return
-        if len(self._replays) >= _MAX_REPLAYS:
-            self._replays.clear()
-        self._replays[key] = replay
+    def _kept_plan(self) -> dict:
+        return self._round_plan
+
+    def _resume_plan(self, plan: dict) -> None:
+        self._round_plan = plan
 
     def _kernel_writes_kv(self) -> bool:
         return True  # launchers.attention stores it
@@ -113,26 +102,6 @@ class _TritonCommon:
                 return bufs
         self._bufs = self._new_buffers(bs, rows)
         return self._bufs
-
-
-_MAX_REPLAYS = 64  # signatures kept per backend (engines use a few per captured size)
-
-
-def _signature(t: torch.Tensor) -> tuple:
-    """What the metadata kernels' checks and compiled code depend on in an index tensor."""
-    return t.dtype, t.shape, t.stride(), t.device
-
-
-class _Replay:
-    """What a graph call repeats for one signature: the metadata launch (run on the caller's
-    new tensors), the round's fixed views (decode: the ``DraftBatch`` of them; extend: the
-    ``out_cache_loc`` view), its rows (lanes; extend: tokens), plan and buffers."""
-
-    __slots__ = ("launch", "fixed", "rows", "plan", "bufs")
-
-    def __init__(self, launch, fixed, rows: int, plan: dict, bufs: "_GraphBuffers") -> None:
-        self.launch, self.fixed, self.rows, self.plan, self.bufs = \
-            launch, fixed, rows, plan, bufs
 
 
 class _GraphBuffers:
@@ -156,7 +125,7 @@ class _GraphBuffers:
         return self.meta.shape[0] >= reqs and self.hist.shape[0] >= rows
 
 
-class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
+class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     """Multi-step draft decode on Triton kernels (see the module doc).
 
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
@@ -254,59 +223,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed buffers for ``max_bs`` requests, ``max_bs * topk`` lanes."""
-        self._replays.clear()
         self._graph_bufs = self._new_buffers(max_bs, max_bs * self.topk)
-
-    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
-
-    def _replay_key(self, batch: "DraftBatch", bs: int) -> Optional[tuple]:
-        """The signature of a graph call: ``bs`` and the caller's index tensors; in ``path``
-        mode also the ``parents`` tensor, which must be the one the graph reads. ``None``
-        where the call is not repeated (a batch that is not one, parents in ``lane`` mode,
-        ``parents`` copied into the captured tensor)."""
-        try:
-            key = (bs, _signature(batch.req_pool_indices), _signature(batch.seq_lens),
-                   _signature(batch.out_cache_loc))
-            parents = batch.parents
-            if parents is None:
-                return key if self.tree_mode == "lane" else None
-            captured = self._graph.parents.get(bs) if self._graph is not None else None
-            if self.tree_mode != "path" or captured is None or \
-                    parents.data_ptr() != captured.data_ptr():
-                return None
-            return key + (_signature(parents), parents.data_ptr())
-        except (AttributeError, TypeError):
-            return None
-
-    def _keep_graph_call(self, key: Optional[tuple]) -> None:
-        self._keep_replay(key, _Replay(self._launch, self.batch, self.num_lanes,
-                                       self._round_plan, self._active))
-
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftBatch") -> None:
-        """As the base class; keeps the call for the replays at this size (in place of what
-        an earlier capture at this size kept: ``parents`` may be another tensor now)."""
-        super().init_forward_metadata_capture_cuda_graph(batch)
-        bs = self.batch.batch_size
-        self._replays = {k: r for k, r in self._replays.items() if k[0] != bs}
-        self._keep_graph_call(self._replay_key(batch, bs))
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
-        """As the base class: one metadata launch. A call whose signature a checked call
-        had (``_replay_key``) launches the kept kernel on the new tensors and checks only
-        what reads values."""
-        key = self._replay_key(batch, bs)
-        replay = self._replays.get(key) if key is not None else None
-        if replay is None:
-            super().init_forward_metadata_replay_cuda_graph(batch, bs)
-            self._keep_graph_call(key)
-            return
-        rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
-            self._check_graph_batch(batch)
-        replay.launch(rpi, seq, loc)
-        self.graph_source = batch
-        self.batch, self.num_lanes = replay.fixed, replay.rows
-        self._round_plan, self._active = replay.plan, replay.bufs
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -332,7 +249,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
                            new_kv=(k, v), work=bufs.work)
 
 
-class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
+class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
     """Draft extend on the same kernels: per request and KV head, the ``E_b * G`` query rows
     read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally.
 
@@ -390,7 +307,6 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         return _GraphBuffers(bs, num_tokens, 1, shape.num_q_heads, shape.d_v, self.runner.device)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
-        self._replays.clear()
         self._graph_bufs = self._new_buffers(max_bs, max_num_tokens)
 
     def _fills_graph_round(self) -> bool:
@@ -402,47 +318,6 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         bound = self.num_tokens - batch.batch_size + 1
         self._fill(batch, bound if self.max_extend_len is None
                    else min(bound, self.max_extend_len), self.graph_source)
-
-    # --- CUDA-graph calls: kept per signature (see the module doc) -------------------------
-
-    @staticmethod
-    def _replay_key(batch: "DraftExtendBatch") -> Optional[tuple]:
-        """The signature of a graph call: the caller's four index tensors."""
-        try:
-            return (_signature(batch.req_pool_indices), _signature(batch.seq_lens),
-                    _signature(batch.extend_lens), _signature(batch.out_cache_loc))
-        except (AttributeError, TypeError):
-            return None
-
-    def _keep_graph_call(self, key: Optional[tuple]) -> None:
-        self._keep_replay(key, _Replay(self._launch, self.batch.out_cache_loc,
-                                       self.num_tokens, self._round_plan, self._active))
-
-    def init_forward_metadata_capture_cuda_graph(self, batch: "DraftExtendBatch") -> None:
-        """As the base class; keeps the call for the replays."""
-        super().init_forward_metadata_capture_cuda_graph(batch)
-        self._keep_graph_call(self._replay_key(batch))
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
-                                                bs: int) -> None:
-        """As the base class: one metadata launch. A call whose signature a checked call
-        had (``_replay_key``) launches the kept kernel on the new tensors and checks only
-        what reads values."""
-        key = self._replay_key(batch)
-        replay = self._replays.get(key) if key is not None else None
-        if replay is None:
-            super().init_forward_metadata_replay_cuda_graph(batch, bs)
-            self._keep_graph_call(key)
-            return
-        rpi, seq, ext, loc = (batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
-                              batch.out_cache_loc)
-        if _validation._scan_values(rpi, False):  # CPU tensors (no debug pass in a graph call)
-            self._check_graph_batch(batch)
-        replay.launch(rpi, seq, ext, loc)
-        self.graph_source = batch
-        self.batch = DraftExtendBatch(rpi, seq, ext, replay.fixed)
-        self.num_tokens = replay.rows
-        self._round_plan, self._active = replay.plan, replay.bufs
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
