@@ -133,7 +133,7 @@ check() {
   local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
   setup
   [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -q -n 0 -p no:cacheprovider \
-    -rfE --continue-on-collection-errors -m gpu tests/gpu "$@"
+    -rfE --durations=15 --continue-on-collection-errors -m gpu tests/gpu "$@"
   [[ $steps != *" kit "* ]] || step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
     tests/conformance -k "$KIT_K"
   [[ $steps == *" memcheck "* ]] || return 0
