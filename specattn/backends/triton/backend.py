@@ -42,7 +42,7 @@ class _TritonCommon:
     """What the decode and extend classes share: capabilities and the keyword checks."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: the tl.dot plans
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: tl.dot and Gluon plans
     supports_cuda_graph = True
     tested_on = "H200 (sm90) + CPU interpreter"
 

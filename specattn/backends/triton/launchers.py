@@ -193,7 +193,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``), by one
     launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split; into an
     FP8 pool by ``runner.write_kv`` (torch's codes), read back by the ``tl.dot`` kernels with
-    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in.
+    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
+    ``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``)."""
     if not hist.is_contiguous():
@@ -212,8 +213,10 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         v_scale = scale_tensor(layer.v_scale, q.device)
     elif kernel is Kernel.DOT:
         write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
-    if kernel in SM90_KERNELS and (mode == 2 or scaled):
-        raise ValueError(f"plan {plan.name} serves decode of bf16/fp16 pools only")
+    if kernel in SM90_KERNELS and mode == 2:
+        raise ValueError(f"plan {plan.name} serves decode only")
+    if kernel is Kernel.CUTE and scaled:
+        raise ValueError("plan cute serves bf16/fp16 pools only")
     if kernel is Kernel.CUTE:  # a request's splits merged on chip
         cute_mla.attention(q, kb, new_kv[0], out, req_to_token, meta, hist, parents,
                            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps,
@@ -229,7 +232,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None)
+            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
+            k_scale=k_scale if scaled else None)
         if wl:
             worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
         elif num_splits > 1:
