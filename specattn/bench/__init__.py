@@ -318,7 +318,6 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         rows = merge_rows(rows, sglang_rows([p.case for p in plans], device, seed=args.seed,
                                             backends=args.backend))
     parts = report.parts_rows(rows)
-    os.makedirs(out, exist_ok=True)
     if args.append:
         rows, sweep_rows, parts = _merge(out, rows, sweep_rows, parts)
     report.add_ratios(rows)
