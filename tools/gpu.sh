@@ -24,7 +24,8 @@
 # .whl/*.whl and prints the GPU and the library versions.
 # Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
 # parts to unpack; default: those carried); CHECK_STEPS (default "gpu-tests kit memcheck");
-# KIT_K (the kit's -k; default: every GPU backend); BENCH_APPEND=1 (keep the last bench's
+# KIT_K (the kit's -k; default: every GPU backend); GPU_TESTS (the gpu-tests step's paths; default
+# tests/gpu) and GPU_TESTS_N (its pytest-xdist workers; default 0); BENCH_APPEND=1 (keep the last bench's
 # folder: pass --append); AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
 # summary.md); GPU_DRY_RUN=1 (print the commands, run nothing).
 # Output: $OUT/summary.md (a line per step), $OUT/logs.tgz (each step's log) and the command's
@@ -132,8 +133,10 @@ sanitizer() {  # compute-sanitizer from PATH, else beside nvcc (the CUDA toolkit
 check() {
   local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
   setup
-  [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -q -n 0 -p no:cacheprovider \
-    -rfE --durations=15 --continue-on-collection-errors -m gpu tests/gpu "$@"
+  # shellcheck disable=SC2086  # GPU_TESTS: a list of paths
+  [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -q -n "${GPU_TESTS_N:-0}" \
+    -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors -m gpu \
+    ${GPU_TESTS:-tests/gpu} "$@"
   [[ $steps != *" kit "* ]] || step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
     tests/conformance -k "$KIT_K"
   [[ $steps == *" memcheck "* ]] || return 0
