@@ -94,6 +94,11 @@ class DraftBackend(ABC):
     # {fnmatch pattern over case ids, e.g. "decode/mha/*": why}. `specattn.testing` reports
     # matching cases as declared limits instead of running them.
     known_limits: ClassVar[Mapping[str, str]] = {}
+    # True when the metadata call reads the batch's host copies of its lengths
+    # (``DraftBatch.seq_lens_cpu``, ``DraftExtendBatch.extend_lens_cpu``): a library planner
+    # on the host. Without them such a class copies the lengths once per round (a sync); an
+    # engine adapter asks its engine for them (SGLang: ``needs_cpu_seq_lens``).
+    reads_host_lengths: ClassVar[bool] = False
     # Constructor keywords under which the class computes the dense attention the kit's
     # reference computes (e.g. a sliding window wide enough to cover any prefix); the
     # caller's options override them.
@@ -487,7 +492,9 @@ class DraftDecodeBackend(DraftBackend):
 
         - ``self.batch`` (``DraftBatch``): ``req_pool_indices [B]``, ``seq_lens [B]`` (the
           committed prefix ``L_b``), ``out_cache_loc [B, K, S]`` (the slot of lane ``j`` at each
-          step), ``parents [S, B, K]`` (``path`` mode; row ``step`` is filled);
+          step), ``parents [S, B, K]`` (``path`` mode; row ``step`` is filled),
+          ``seq_lens_cpu [B]`` (a host copy of ``seq_lens`` or ``None``; ``_plan`` reads it:
+          ``data.host_lengths``);
         - ``self.runner`` (``DraftRunner``): ``req_to_token [max_reqs, max_context_len]``
           (request row -> slot of each position), the pools ``k_buffer[layer.layer_id]
           [slots, H_kv, D]`` / ``v_buffer[...] [slots, H_kv, D_v]`` (MLA: ``kv_buffer[...]
@@ -555,11 +562,12 @@ class DraftDecodeBackend(DraftBackend):
         """The round's fixed views, padded to ``bs`` requests: copied here, or (a backend
         whose ``_fills_graph_round`` is True) by its ``_plan_graph``, which reads the caller's
         ``batch`` from ``self.graph_source``: one launch instead of six copies."""
+        fill = self.get_cuda_graph_seq_len_fill_value()
         if self._fills_graph_round():
             self.graph_source = batch
-            self._begin(graph.views(batch, bs))
+            self._begin(graph.views(batch, bs, fill))
         else:
-            self._begin(graph.round(batch, bs, self.get_cuda_graph_seq_len_fill_value()))
+            self._begin(graph.round(batch, bs, fill))
 
     def _fills_graph_round(self) -> bool:
         """True when ``_plan_graph`` copies ``self.graph_source`` into the fixed views itself
@@ -627,7 +635,8 @@ class DraftExtendBackend(DraftBackend):
         The new KV is already in the pool at ``self.batch.out_cache_loc`` (unless
         ``_kernel_writes_kv()``). What it may read: ``self.batch`` (``DraftExtendBatch``:
         ``req_pool_indices [B]``, ``seq_lens [B]`` including the new tokens, ``extend_lens
-        [B]``, ``out_cache_loc [T]``), ``self.num_tokens`` (``T``), ``self.runner`` (as for
+        [B]``, ``out_cache_loc [T]``, and ``seq_lens_cpu`` / ``extend_lens_cpu``, host copies
+        of the lengths or ``None``), ``self.num_tokens`` (``T``), ``self.runner`` (as for
         decode: ``req_to_token``, the pools of ``layer.layer_id``, ``page_size`` and the head
         shape), ``layer.scaling``, ``layer.logit_cap``. Query ``t`` of request ``b`` attends to
         ``req_to_token[req_pool_indices[b], :seq_lens[b] - extend_lens[b] + t + 1]``;
@@ -666,12 +675,11 @@ class DraftExtendBackend(DraftBackend):
         return 1
 
     def _graph_round(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
-        """Graph-round checks (no debug pass: capture must not sync), then the new tokens'
-        slots into the fixed buffer and ``_plan_graph``."""
+        """Graph-round checks, then the new tokens' slots into the fixed buffer (here, or by
+        a backend whose ``_fills_graph_round`` is True, in its ``_plan_graph``) and
+        ``_plan_graph``."""
         graph = self._require_graph_state()
-        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len,
-                           graph=True)
-        self._check_batch(batch, False)
+        self._check_graph_batch(batch)
         bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
         capacity = graph.loc.shape[0]
         if bs > self.cuda_graph_max_bs or tokens > capacity:
@@ -679,16 +687,33 @@ class DraftExtendBackend(DraftBackend):
                                     f"{capacity} tokens (init_cuda_graph_state)",
                                     f"{bs} requests, {tokens} tokens")
         loc = graph.loc[:tokens]
-        loc.copy_(batch.out_cache_loc)
+        if self._fills_graph_round():
+            self.graph_source = batch
+        else:
+            loc.copy_(batch.out_cache_loc)
         self._begin(DraftExtendBatch(batch.req_pool_indices, batch.seq_lens,
-                                     batch.extend_lens, loc))
+                                     batch.extend_lens, loc,
+                                     getattr(batch, "seq_lens_cpu", None),
+                                     getattr(batch, "extend_lens_cpu", None)))
         self._plan_graph(self.batch, capture=capture)
+
+    def _fills_graph_round(self) -> bool:
+        """True when ``_plan_graph`` copies ``self.graph_source.out_cache_loc`` (the caller's
+        batch) into ``self.batch.out_cache_loc`` (the fixed buffer's view) itself."""
+        return False
+
+    def _check_graph_batch(self, batch: "DraftExtendBatch") -> None:
+        """A graph round's batch is valid (no debug pass: capture must not sync)."""
+        check_extend_batch(self.runner, batch, debug=False, max_extend_len=self.max_extend_len,
+                           graph=True)
+        self._check_batch(batch, False)
 
 
 class _FixedRound:
     """The round tensors a captured graph reads, at fixed addresses: ``out_cache_loc``
     (``loc_shape``, int64) and, for decode, ``req_pool_indices`` / ``seq_lens`` ``[max_bs]``
-    int64 and the ``parents`` tensor given at each captured batch size."""
+    int64, the ``parents`` tensor given at each captured batch size, and a host buffer for
+    the padded ``seq_lens_cpu`` of a batch that gives one."""
 
     def __init__(self, max_bs: int, loc_shape: tuple[int, ...], device: torch.device, *,
                  with_requests: bool) -> None:
@@ -696,6 +721,7 @@ class _FixedRound:
         if with_requests:
             self.rpi = torch.zeros(max_bs, dtype=torch.int64, device=device)
             self.seq = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.seq_cpu = torch.zeros(max_bs, dtype=torch.int64)
         self.parents: dict[int, torch.Tensor] = {}
 
     def round(self, batch: "DraftBatch", bs: int, seq_fill: int) -> "DraftBatch":
@@ -706,17 +732,23 @@ class _FixedRound:
                               (self.loc, batch.out_cache_loc, 0)):
             buf[:raw].copy_(src)
             buf[raw:bs].fill_(pad)
-        return self.views(batch, bs)
+        return self.views(batch, bs, seq_fill)
 
-    def views(self, batch: "DraftBatch", bs: int) -> "DraftBatch":
+    def views(self, batch: "DraftBatch", bs: int, seq_fill: int) -> "DraftBatch":
         """The fixed views for ``bs`` requests (filled by ``round``, or by a backend's own
-        metadata kernel: ``DraftDecodeBackend._fills_graph_round``)."""
+        metadata kernel: ``DraftDecodeBackend._fills_graph_round``); the batch's
+        ``seq_lens_cpu``, if any, padded with ``seq_fill`` on the host."""
         raw = batch.batch_size
         parents = self.parents.get(bs, batch.parents)
         if parents is not None and parents.shape[1] < bs:  # no capture at this size: pad
             parents = torch.cat([parents, parents.new_zeros(
                 (parents.shape[0], bs - raw, parents.shape[2]))], dim=1)
-        return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs], parents)
+        host = getattr(batch, "seq_lens_cpu", None)
+        if host is not None:
+            self.seq_cpu[:raw].copy_(host)
+            self.seq_cpu[raw:bs].fill_(seq_fill)
+            host = self.seq_cpu[:bs]
+        return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs], parents, host)
 
 
 def _is_int(x: object) -> bool:

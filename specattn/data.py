@@ -18,7 +18,11 @@ from .keys import BackendRequest
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
 
-__all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch", "check_runner"]
+__all__ = ["DraftRunner", "AttentionLayer", "DraftBatch", "DraftExtendBatch", "check_runner",
+           "HOST_COPIES", "host_lengths"]
+
+# The optional host copies of a batch's device lengths (field -> the device field it mirrors).
+HOST_COPIES = {"seq_lens_cpu": "seq_lens", "extend_lens_cpu": "extend_lens"}
 
 
 @dataclass
@@ -32,12 +36,18 @@ class DraftBatch:
         the lane at step ``i - 1`` whose token is the parent of lane ``j``'s token at step
         ``i`` (row 0 is unused). The caller fills row ``i`` in place before step ``i`` runs,
         so one tensor serves a whole round and a captured CUDA graph.
+    seq_lens_cpu: ``[B]`` int on the CPU or ``None``: the same values as ``seq_lens``, where
+        the caller already has them on the host (SGLang's ``forward_batch.seq_lens_cpu``).
+        A backend that plans on the host (``flashinfer``) reads its lengths from here;
+        without it, it copies ``seq_lens`` to the host once per round, which waits for the
+        device (``HOST_COPIES``).
     """
 
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     parents: Optional[torch.Tensor] = None
+    seq_lens_cpu: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -60,16 +70,43 @@ class DraftExtendBatch:
     seq_lens: ``[B]`` int, ``L'_b``: committed length *including* the new tokens.
     extend_lens: ``[B]`` int, ``E_b >= 1`` new tokens per request.
     out_cache_loc: ``[sum(E)]`` int, slots of the new tokens, request-major.
+    seq_lens_cpu, extend_lens_cpu: ``[B]`` int on the CPU or ``None``: host copies of
+        ``seq_lens`` / ``extend_lens`` (as ``DraftBatch.seq_lens_cpu``).
     """
 
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     extend_lens: torch.Tensor
     out_cache_loc: torch.Tensor
+    seq_lens_cpu: Optional[torch.Tensor] = None
+    extend_lens_cpu: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.shape[0])
+
+
+def host_lengths(batch, *fields: str) -> list[torch.Tensor]:
+    """``batch``'s length fields (``"seq_lens"``, ``"extend_lens"``) on the host, int64: each
+    from its host copy (``<field>_cpu``) where the batch has one, and the missing ones copied
+    from the device together, in one transfer. That copy waits for the device's queued work
+    (a sync), the one fallback of a backend that plans on the host; engines that keep host
+    copies (SGLang) give them and avoid it."""
+    out: list[Optional[torch.Tensor]] = []
+    missing: list[int] = []
+    for i, name in enumerate(fields):
+        host = getattr(batch, name + "_cpu", None)
+        if host is None:
+            missing.append(i)
+            out.append(None)
+        else:
+            out.append(host.to(torch.int64))
+    if missing:
+        rows = [getattr(batch, fields[i]).to(torch.int64) for i in missing]
+        copied = (rows[0] if len(rows) == 1 else torch.stack(rows)).to("cpu")
+        for n, i in enumerate(missing):
+            out[i] = copied if len(rows) == 1 else copied[n]
+    return out  # type: ignore[return-value]
 
 
 class DraftRunner:

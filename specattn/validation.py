@@ -29,7 +29,7 @@ from ._tensor_checks import (
     check_tensor,
     debug_checks_enabled,
 )
-from .data import DraftBatch, DraftExtendBatch, DraftRunner, check_runner
+from .data import HOST_COPIES, DraftBatch, DraftExtendBatch, DraftRunner, check_runner
 from .errors import InvalidInputError
 from .keys import check_draft_params
 from .layer import AttentionLayer
@@ -63,7 +63,7 @@ def _requests(batch, kind: type, device: torch.device,
               max_bs: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch with the fields of dataclass ``kind`` (any object that has them): its
     ``req_pool_indices [B]`` (``1 <= B <= max_bs``) and ``seq_lens [B]``."""
-    fields = tuple(f.name for f in dataclasses.fields(kind))
+    fields = tuple(f.name for f in dataclasses.fields(kind) if f.name not in HOST_COPIES)
     if not all(hasattr(batch, f) for f in fields):
         raise InvalidInputError("batch", f"a specattn.{kind.__name__} ({', '.join(fields)})",
                                 type(batch).__name__)
@@ -78,6 +78,24 @@ def _requests(batch, kind: type, device: torch.device,
     seq = _tensor("batch.seq_lens", batch.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=device)
     _shape("batch.seq_lens", seq, (bs,))
     return rpi, seq
+
+
+def _check_host_copies(batch, debug: Optional[bool]) -> None:
+    """The host copies a batch gives (``data.HOST_COPIES``): ``[B]`` int tensors on the CPU,
+    equal to the tensors they mirror where values are checked (``_scan_values``: on a device
+    only with debug checks, as the comparison syncs)."""
+    for name, mirrored in HOST_COPIES.items():
+        host = getattr(batch, name, None)
+        if host is None:
+            continue
+        host = _tensor(f"batch.{name}", host, dtypes=INDEX_DTYPES, ndim=1,
+                       device=torch.device("cpu"))
+        dev = getattr(batch, mirrored)
+        _shape(f"batch.{name}", host, tuple(dev.shape))
+        if _scan_values(dev, debug) and not torch.equal(host.to(torch.int64),
+                                                        dev.to("cpu", torch.int64)):
+            raise InvalidInputError(f"batch.{name}", f"the values of batch.{mirrored}",
+                                    f"{host.tolist()} (batch.{mirrored}: {dev.tolist()})")
 
 
 def _check_distinct(name: str, loc: torch.Tensor, debug: Optional[bool]) -> None:
@@ -134,6 +152,7 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
         par = _tensor("batch.parents", batch.parents, dtypes=INDEX_DTYPES, ndim=3, device=dev)
         _shape("batch.parents", par, (num_steps, bs, topk))
         _last_dim_contiguous("batch.parents", par)  # kernels step through lanes by 1
+    _check_host_copies(batch, debug)
     _check_index_values("batch.req_pool_indices", rpi, 0, runner.max_reqs, debug)
     _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
     # Lane histories need up to num_steps extra positions past the prefix.
@@ -177,6 +196,7 @@ def check_extend_batch(runner: DraftRunner, batch: DraftExtendBatch, *,
     _shape("batch.extend_lens", ext, (bs,))
     loc = _tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=INDEX_DTYPES, ndim=1,
                   device=dev)
+    _check_host_copies(batch, debug)
     _check_index_values("batch.req_pool_indices", rpi, 0, runner.max_reqs, debug)
     _check_index_values("batch.out_cache_loc", loc, 0, runner.num_slots, debug)
     _check_index_values("batch.seq_lens", seq, 1, runner.max_context_len + 1, debug)

@@ -13,16 +13,23 @@ builders of ``test_flash_attn`` / ``test_flashinfer`` (also used by their GPU te
   a case puts them, and the ragged/uniform extend lengths of a case.
 - ``check_replayed_lanes``: after a CUDA-graph replay of a padded batch, the real lanes of
   every step's output against ``torch_ref``.
+- The replay metadata call's tests (``test_triton_replay``, ``test_flash_attn_replay``):
+  ``CountedKernel``, ``TorchOps``, ``forbid_host_reads``, ``trace_specattn``, ``quiet_replay``,
+  ``checked_replay`` (what the call launches, runs, reads and checks) and the batches it is
+  given (``first_requests``, ``replaced``, ``strided_seq_lens``, ``with_bad_slot``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from specattn import metadata
+from specattn import metadata, validation
 from specattn.data import DraftBatch, DraftExtendBatch, DraftRunner
 from specattn.platforms import triton_interpret_enabled
 
@@ -173,3 +180,128 @@ def check_replayed_lanes(runner: DraftRunner, layer, batch: DraftBatch, real: in
     for step, out in enumerate(outs):
         ref = reference_decode(runner, layer, qs[step][0][:real * topk], sub, step, tree_mode)
         close(out[:real * topk], ref, dtype)
+
+
+# --- CUDA-graph replay metadata calls (``test_triton_replay``, ``test_flash_attn_replay``) ---
+
+class CountedKernel:
+    """A Triton kernel stand-in that counts its launches: runs ``kernel`` until ``idle`` is
+    set, then launches nothing; returns no compiled kernel (every launch is an ordinary
+    one)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches, self.idle = kernel, 0, False
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            if not self.idle:
+                self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+class TorchOps(TorchDispatchMode):
+    """Every torch op run inside it (a view, a copy, a reduction...): ``ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def forbid_host_reads(monkeypatch) -> None:
+    """Any read of a tensor's values on the host raises."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device -> host read in the replay metadata call")
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
+                 "__index__", "__array__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def trace_specattn(fn) -> tuple[list, int]:
+    """``fn()``'s calls (function names) and executed lines inside ``specattn``."""
+    root = os.path.dirname(validation.__file__)
+    calls, lines = [], [0]
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(root):
+            return None
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+        elif event == "line":
+            lines[0] += 1
+        return tracer
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return calls, lines[0]
+
+
+def quiet_replay(monkeypatch, backend, batch, bs: int,
+                 page_checks: tuple = ()) -> tuple[list, int, list, list]:
+    """One replay metadata call of ``backend`` as on a device (no value checks; a host read
+    raises): its calls and line count in ``specattn``, its torch ops and the batch checks it
+    ran (``check_decode_batch``, ``check_extend_batch``, and ``check_page_aligned`` of the
+    ``page_checks`` modules)."""
+    checks: list = []
+    with monkeypatch.context() as m:
+        m.setattr(validation, "_scan_values", lambda t, debug: False)
+        for module in (sys.modules["specattn.base"], validation):
+            for name in ("check_decode_batch", "check_extend_batch"):
+                m.setattr(module, name, lambda *a, _n=name, **k: checks.append(_n))
+        for module in page_checks:
+            m.setattr(module, "check_page_aligned",
+                      lambda *a, **k: checks.append("check_page_aligned"))
+        forbid_host_reads(m)
+        with TorchOps() as ops:
+            calls, lines = trace_specattn(
+                lambda: backend.init_forward_metadata_replay_cuda_graph(batch, bs))
+    return calls, lines, ops.ops, checks
+
+
+def checked_replay(monkeypatch, backend, batch, bs: int) -> int:
+    """A replay metadata call of ``batch``: how many times it ran the base class's batch
+    check (``check_decode_batch`` / ``check_extend_batch``)."""
+    real = validation.check_extend_batch if isinstance(batch, DraftExtendBatch) else \
+        validation.check_decode_batch
+    checks: list = []
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["specattn.base"], real.__name__,
+                  lambda *a, **k: checks.append(1) or real(*a, **k))
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+    return len(checks)
+
+
+def first_requests(batch: DraftBatch, n: int) -> DraftBatch:
+    """The first ``n`` requests of ``batch`` (a replay padded to the captured size)."""
+    parents = None if batch.parents is None else batch.parents[:, :n]
+    return DraftBatch(batch.req_pool_indices[:n], batch.seq_lens[:n],
+                      batch.out_cache_loc[:n], parents)
+
+
+def replaced(batch, **tensors):
+    """``batch`` (decode or extend, host lengths left out) with some index ``tensors``
+    replaced (by field name)."""
+    names = (("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc")
+             if isinstance(batch, DraftExtendBatch) else
+             ("req_pool_indices", "seq_lens", "out_cache_loc", "parents"))
+    return type(batch)(*(tensors.get(n, getattr(batch, n)) for n in names))
+
+
+def strided_seq_lens(batch):
+    """``batch`` with its ``seq_lens`` as a strided column of a wider tensor."""
+    return replaced(batch, seq_lens=torch.stack([batch.seq_lens, batch.seq_lens], 1)[:, 0])
+
+
+def with_bad_slot(batch, num_slots: int):
+    """``batch`` with its first new token's slot past the pool."""
+    loc = batch.out_cache_loc.clone()
+    loc.view(-1)[0] = num_slots
+    return replaced(batch, out_cache_loc=loc)

@@ -559,7 +559,7 @@ def test_history_merge_kernel_matches_torch(n_hist, cap):
 
 
 def test_route_rule_is_a_pure_function_of_shapes():
-    from specattn.backends.flash_attn._route import choose_route, route_cost
+    from specattn.backends.flash_attn._route import SPLITS, choose_route, route_cost
 
     big = dict(bs=32, topk=8, prefix_len=4096, num_kv_heads=8, num_sms=132)
     assert choose_route(**big) == ("shared", 1)  # gqa-long: the prefix read once
@@ -573,8 +573,11 @@ def test_route_rule_is_a_pure_function_of_shapes():
     for bs in (1, 3, 8, 17, 32, 100):
         kw = {**small, "bs": bs}
         pick = choose_route(**kw)
-        options = [("shared", 1), ("shared", 2), ("shared", 4), ("per-branch", 1)]
+        options = [("shared", c) for c in (1,) + SPLITS] + [("per-branch", 1)]
         assert route_cost(pick, **kw) == min(route_cost(r, **kw) for r in options)
+    # One request, a long prefix: unsplit, 8 CTAs would stream it; the chunks fill the chip.
+    b1 = dict(bs=1, topk=4, prefix_len=32768, num_kv_heads=8, num_sms=132)
+    assert choose_route(**b1)[0] == "shared" and choose_route(**b1)[1] >= 8
 
 
 def test_auto_mode_routes_small_batches_and_logs_once(monkeypatch, caplog):

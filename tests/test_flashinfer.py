@@ -34,12 +34,13 @@ from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
 from specattn.backends.flashinfer._passes import _graph_split_kwargs
 from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
-                                                 host_indptr)
+                                                 host_arange, host_csr, host_indptr)
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from specattn.errors import BackendUnavailableError, InvalidInputError
 from specattn.keys import BackendRequest
 from specattn.kernels.history_merge import history_merge
+from specattn.kernels.prefix_slots import prefix_slots
 from specattn.platforms import Platform, use_platform
 from specattn.selection import select
 from standins import flashinfer as fi_standin
@@ -245,6 +246,49 @@ def test_unknown_mode_rejected(fake_flashinfer):
 def test_host_indptr():
     assert host_indptr(torch.tensor([3, 0, 2])).tolist() == [0, 3, 3, 5]
     assert host_indptr(torch.tensor([3])).dtype == torch.int32
+    assert host_arange(3, 4).tolist() == [0, 4, 8, 12]
+    csr = host_csr(host_arange(3, 2), torch.tensor([5, 1, 7]), 2)
+    assert csr.kv_indptr.tolist() == [0, 5, 6, 13] and csr.kv_lens.tolist() == [5, 1, 7]
+    assert csr.kv_lens.dtype == torch.int32 and (csr.total, csr.max_q) == (13, 2)
+
+
+@pytest.mark.parametrize("padded, many", [(0, False), (2, False), (3, True)])
+def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
+    """The one-launch prefix slot list (Triton interpreter) equals ``fill_ragged_slots``
+    (slots clamped into the pool), through strided index tensors, also past one block of
+    lengths (``many``: 70 requests); with ``fixed`` it also copies the batch into the fixed
+    buffers, the requests past it padded (row 0, length 1, slot 0); nothing is written past
+    ``total``."""
+    gen = torch.Generator().manual_seed(3)
+    r2t = torch.randint(-5, 1100, (6, 700), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([[4, 9], [1, 9], [5, 9], [0, 9]])[:, 0]  # stride 2
+    lens = torch.tensor([[3, 0], [600, 0], [0, 0], [700, 0]])[:, 0]
+    if many:
+        rows = torch.randint(0, 6, (70,), generator=gen)
+        lens = torch.randint(0, 40, (70,), generator=gen)
+    raw = rows.shape[0]
+    loc = torch.randint(0, 1000, (raw, 3, 5), generator=gen)
+    bs = raw + padded
+    all_rows = torch.cat([rows, torch.zeros(padded, dtype=rows.dtype)])
+    all_lens = torch.cat([lens, torch.ones(padded, dtype=lens.dtype)])
+    total = int(all_lens.sum())
+    want = torch.full((total + 8,), -1, dtype=torch.int32)
+    fill_ragged_slots(want, total, r2t, all_rows, all_lens, num_slots=1000)
+    got = torch.full((total + 8,), -1, dtype=torch.int32)
+    fixed = None
+    if padded:
+        fixed = (torch.full((bs,), -1), torch.full((bs,), -1), torch.full((bs, 3, 5), -1))
+    out = prefix_slots(got, total, int(all_lens.max()), r2t, rows, lens, 1000, bs=bs,
+                       fixed=fixed, loc=loc if padded else None)
+    assert out.data_ptr() == got.data_ptr() and out.numel() == total
+    assert torch.equal(got, want)
+    if padded:
+        assert fixed[0].tolist() == rows.tolist() + [0] * padded
+        assert fixed[1].tolist() == lens.tolist() + [1] * padded
+        assert torch.equal(fixed[2][:raw], loc) and not fixed[2][raw:].any()
+    short = torch.full((total,), -1, dtype=torch.int32)  # a host total below the lengths
+    prefix_slots(short, 10, int(all_lens.max()), r2t, rows, lens, 1000)
+    assert torch.equal(short[:10], want[:10]) and (short[10:] == -1).all()
 
 
 @pytest.mark.parametrize("with_history", [False, True])

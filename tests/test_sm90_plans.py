@@ -5,9 +5,11 @@ on an sm90 GPU: ``tests/gpu/test_sm90_mla_gpu.py``).
   and what ``specattn list`` / ``select`` say about them.
 - The table's choice where the sm90 gates pass (stand-ins for them here): ``gluon-wl`` at one
   64-row tile, ``cute`` above (or wherever Gluon cannot run), ``gluon-split`` without
-  CuTe-DSL; the choice logged once.
+  CuTe-DSL; the choice logged once. FP8 pools: the Gluon plans (``gluon-split`` above one
+  tile: ``cute`` reads bf16/fp16 pools only), a ``tl.dot`` plan without Gluon.
 - The launchers' contract with each kernel, through stand-ins that write ``torch_ref``'s
-  answer the way the kernel does (output or partials, the call's keys into the pool).
+  answer the way the kernel does (output or partials, the call's keys into the pool; with an
+  FP8 pool torch's codes are in the pool before the launch, and the scale is passed).
 - The CuTe kernel's split count and cluster shapes (the H200's cluster limits), the merge of
   several clusters' partials, and its argument checks before any CUDA work.
 """
@@ -23,6 +25,7 @@ from helpers import DEV, decode_sizes, place_decode_round, randn_qkv, require_tr
 from specattn.backends.torch_ref import reference_decode
 from specattn.data import AttentionLayer, DraftRunner
 from specattn.errors import InvalidInputError
+from specattn.fp8 import FP8_KV_DTYPES, quantize
 from specattn.kernels.merge import merge_partials
 
 require_triton_interpret()
@@ -32,11 +35,16 @@ from specattn.backends.triton import TritonDecode, cute_mla, gluon_mla, plans  #
 H200_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}  # CUDA's answers
 
 
-def mla_round(lens, topk=4, steps=3, dtype=torch.bfloat16, heads=16):
+def mla_round(lens, topk=4, steps=3, dtype=torch.bfloat16, heads=16, kv="auto",
+              k_scale=1.0):
     slots, max_ctx = decode_sizes(lens, topk, steps, 1)
     r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=slots, max_reqs=len(lens) + 2,
-                        max_context_len=max_ctx, dtype=dtype, device=DEV)
-    r.kv_buffer[0].normal_()
+                        max_context_len=max_ctx, dtype=dtype, device=DEV, kv_cache_dtype=kv)
+    if r.fp8:
+        x = torch.randn(r.kv_buffer[0].shape, generator=torch.Generator().manual_seed(3))
+        r.kv_buffer[0].copy_(quantize(x, k_scale, r.kv_buffer[0].dtype))
+    else:
+        r.kv_buffer[0].normal_()
     return r, place_decode_round(r, lens, topk, steps, 1, "path")
 
 
@@ -44,10 +52,11 @@ def mla_round(lens, topk=4, steps=3, dtype=torch.bfloat16, heads=16):
 def sm90(monkeypatch):
     """The sm90 gates pass (here, on a CPU): ``sm90(gluon=..., cute=...)`` picks which."""
     def set_gates(gluon: bool = True, cute: bool = True):
-        monkeypatch.setattr(plans, "gluon_reason", lambda runner, interpret: (
-            plans.model_reason(runner) or (None if gluon else "stand-in: no Gluon")))
-        monkeypatch.setattr(plans, "cute_reason", lambda runner, interpret: (
-            plans.model_reason(runner) or (None if cute else "stand-in: no CuTe-DSL")))
+        monkeypatch.setattr(plans, "sm90_reason", lambda device, interpret: None)
+        monkeypatch.setattr(plans, "gluon_import_reason",
+                            lambda: None if gluon else "stand-in: no Gluon")
+        monkeypatch.setattr(plans, "cute_import_reason",
+                            lambda: None if cute else "stand-in: no CuTe-DSL")
         monkeypatch.setattr(plans, "_LOGGED", set())
     return set_gates
 
@@ -84,6 +93,19 @@ def test_model_reason(heads, rank, rope, dtype, expect):
     assert plans.model_reason(mha) == "not an MLA model"
 
 
+@pytest.mark.parametrize("kv", list(FP8_KV_DTYPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_reason_of_fp8_pools(kv, dtype):
+    """The Gluon kernels read FP8 pools (``fp8=True``), the CuTe-DSL kernel does not."""
+    r = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=8, max_reqs=2,
+                        max_context_len=8, dtype=dtype, device=DEV, kv_cache_dtype=kv)
+    assert plans.model_reason(r) is None and plans.model_reason(r, fp8=True) is None
+    assert "CuTe-DSL kernel reads bf16/fp16 pools only" in plans.model_reason(r, fp8=False)
+    r32 = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=8, max_reqs=2,
+                          max_context_len=8, dtype=torch.float32, device=DEV, kv_cache_dtype=kv)
+    assert "float32" in plans.model_reason(r32)
+
+
 @pytest.mark.parametrize("cap,expect", [((8, 0), "8.0: the sm90 kernels need Hopper"), ((10, 0), "10.0"),
                                         ((9, 0), None)])
 def test_sm90_reason(monkeypatch, cap, expect):
@@ -113,6 +135,9 @@ def test_gluon_version_guard(monkeypatch, version, ok):
      "gluon-split (cute needs CuTe-DSL"),
     ("cuda", (9, 0), False, "3.6.0", True, "plan gluon-wl up to 64 query rows per request, "
      "cute above"),
+    ("cuda", (9, 0), False, "3.6.0", True, "bf16/fp16 or FP8 pools, FP8 above: gluon-split"),
+    ("cuda", (9, 0), False, "3.6.0", False, "rank 512 + rope 64, bf16/fp16 or FP8 pools)"),
+    ("cuda", (9, 0), False, "3.9.0", True, "rank 512 + rope 64, bf16/fp16 pools)"),
     ("cuda", (9, 0), False, "3.9.0", True, "plan cute up to 64 query rows per request, cute"),
     ("cuda", (9, 0), False, "3.9.0", False, "dot-wide / dot-mla (sm90 kernels off: triton 3.9"),
     ("cuda", (8, 0), False, "3.6.0", True, "sm80, needs sm90"),
@@ -154,6 +179,45 @@ def test_choice_where_the_gates_pass(sm90, topk, gluon, cute, want):
     r, _ = mla_round([5, 6, 7], topk=topk)
     assert TritonDecode(r, topk, 3).plan.name == want
     assert TritonDecode(r, topk, 3, mode="per-branch").plan.kernel not in plans.SM90_KERNELS
+
+
+@pytest.mark.parametrize("kv", list(FP8_KV_DTYPES))
+@pytest.mark.parametrize("topk,heads,gluon,cute,want", [
+    (4, 16, True, True, "gluon-wl"),      # one 64-row tile: as bf16
+    (1, 16, True, True, "gluon-wl"),
+    (8, 16, True, True, "gluon-split"),   # two row tiles: cute reads bf16/fp16 pools only
+    (8, 16, True, False, "gluon-split"),
+    (1, 128, True, True, "gluon-split"),
+    (4, 16, False, True, "dot-mla"),      # no Gluon: the tl.dot plans, not cute
+    (8, 16, False, True, "dot-mla"),
+    (2, 16, False, True, "dot-wide"),
+])
+def test_fp8_choice_where_the_gates_pass(sm90, kv, topk, heads, gluon, cute, want):
+    sm90(gluon=gluon, cute=cute)
+    r, _ = mla_round([5, 6, 7], topk=topk, heads=heads, kv=kv)
+    assert TritonDecode(r, topk, 3).plan.name == want
+    assert TritonDecode(r, topk, 3, mode="per-branch").plan.kernel not in plans.SM90_KERNELS
+
+
+def test_fp8_gluon_split_over_cute_is_logged_once_with_the_reason(sm90, caplog):
+    sm90()
+    r, _ = mla_round([5, 6], topk=8, kv="fp8_e4m3")
+    with caplog.at_level("INFO", logger="specattn.backends.triton.plans"):
+        for _ in range(2):
+            assert TritonDecode(r, 8, 3).plan.name == "gluon-split"
+    lines = [m for m in caplog.messages if "plan gluon-split, not cute" in m]
+    assert len(lines) == 1 and "CuTe-DSL kernel reads bf16/fp16 pools only" in lines[0]
+
+
+def test_fp8_forced_plans(sm90):
+    """An FP8 pool takes either Gluon plan when forced; ``cute`` is refused with why."""
+    sm90()
+    r, _ = mla_round([5, 6], topk=8, kv="fp8_e5m2")
+    for name in ("gluon-wl", "gluon-split", "dot-mla"):
+        assert TritonDecode(r, 8, 3, plan=name).plan.name == name
+    with pytest.raises(InvalidInputError, match="reads bf16/fp16 pools only") as info:
+        TritonDecode(r, 8, 3, plan="cute")
+    assert info.value.argument == "plan"
 
 
 def test_gluon_split_without_cute_is_logged_once(sm90, caplog):
@@ -211,13 +275,13 @@ def test_soak_skips_cases_a_forced_plan_does_not_fit():
 
 # --- the launchers' contract with each kernel ----------------------------------------------
 
-def stand_in_steps(r, batch, backend, calls):
+def stand_in_steps(r, batch, backend, calls, layer=None):
     """Three path-mode steps of ``backend`` (its kernel replaced by a stand-in that records
-    into ``calls``) with NaN-poisoned partials: each step's keys reach the pool and its
-    output matches ``torch_ref``; yields each step's last call."""
+    into ``calls``) with NaN-poisoned partials: each step's keys reach the pool (FP8: their
+    codes) and its output matches ``torch_ref``; yields each step's last call."""
     bs, topk = batch.out_cache_loc.shape[:2]
     gen = torch.Generator().manual_seed(0)
-    layer = AttentionLayer(0, 576 ** -0.5)
+    layer = layer or AttentionLayer(0, 576 ** -0.5)
     for step in range(3):
         if step:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), generator=gen)
@@ -225,7 +289,10 @@ def stand_in_steps(r, batch, backend, calls):
         backend._active.mid_o.fill_(float("nan"))
         backend._active.mid_lse.fill_(float("nan"))
         out = backend.forward(step, layer, q, k, None)
-        assert torch.equal(r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()], k)
+        stored = r.kv_buffer[0][batch.out_cache_loc[:, :, step].reshape(-1).long()]
+        want = quantize(k, layer.k_scale, stored.dtype) if r.fp8 else k
+        assert torch.equal(stored.view(torch.uint8) if r.fp8 else stored,
+                           want.view(torch.uint8) if r.fp8 else want)
         ref = reference_decode(r, layer, q, batch, step, "path")
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         yield calls[-1]
@@ -241,12 +308,18 @@ class _GluonStandIn:
         self._gluon_mla_kernel = self
 
     def __getitem__(self, grid):
-        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, step, scale, cap,
-                   *strides_and_ints, **const):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, KScale, step, scale,
+                   cap, *strides_and_ints, **const):
             self.launches.append((grid, const))
-            KV[Hist[:, step].long()] = Kin
-            ref = reference_decode(self.runner, AttentionLayer(0, scale, cap), Q, self.batch,
-                                   step, "path")
+            if const["FP8"]:  # torch stored the call's codes; the kernel reads the pool
+                k_scale = KScale
+                assert torch.equal(KV[Hist[:, step].long()].view(torch.uint8),
+                                   quantize(Kin, KScale, KV.dtype).view(torch.uint8))
+            else:
+                k_scale = 1.0
+                KV[Hist[:, step].long()] = Kin
+            layer = AttentionLayer(0, scale, cap, k_scale=k_scale)
+            ref = reference_decode(self.runner, layer, Q, self.batch, step, "path")
             if const["DIRECT_OUT"]:
                 Out.copy_(ref)
             else:
@@ -269,7 +342,27 @@ def test_gluon_split_launch_contract(sm90, monkeypatch, num_splits):
         assert grid == (1, 2, num_splits)  # 2 lanes x 16 heads: one 64-row tile
         assert const["MODE"] == 1 and const["H"] == 16 and const["num_warps"] == 8
         assert const["DIRECT_OUT"] == (num_splits == 1)
-        assert (const["BLOCK_N"], const["NUM_STAGES"]) == (64, 2)
+        assert (const["BLOCK_N"], const["NUM_STAGES"]) == (64, 2) and not const["FP8"]
+
+
+@pytest.mark.parametrize("kv", list(FP8_KV_DTYPES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gluon_split_launch_contract_fp8(sm90, monkeypatch, kv, num_splits):
+    """FP8: the launcher quantizes the call's keys with torch into the pool before the
+    launch and passes the layer's ``k_scale`` as a one-element float32 tensor (a float or a
+    tensor); the kernel's answer is the attention of the dequantized pool."""
+    sm90()
+    r, batch = mla_round([7, 18], topk=2, steps=3, kv=kv, k_scale=0.37)
+    stand_in = _GluonStandIn(r, batch)
+    monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
+    backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=num_splits, plan="gluon-split")
+    backend.init_forward_metadata(batch)
+    for k_scale in (0.37, torch.tensor([0.37])):
+        stand_in.launches.clear()
+        layer = AttentionLayer(0, 576 ** -0.5, k_scale=k_scale)
+        for grid, const in stand_in_steps(r, batch, backend, stand_in.launches, layer=layer):
+            assert grid == (1, 2, num_splits) and const["FP8"]
+            assert const["DIRECT_OUT"] == (num_splits == 1)
 
 
 class _CuteStandIn:

@@ -153,10 +153,37 @@ def test_plan_tiles_and_splits():
     assert plans.PLANS["dot-wide"].tile(128) == (32, 4) and mla.tile(16) == (64, 8)
     assert launchers.num_parts(mla, 4) == 4 and launchers.num_parts(dot, 4) == 5
     cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
-    assert launchers.plan_splits(mla, MLA, 64, 3, cpu, extend=False) == 1
-    assert launchers.plan_splits(mla, MLA, 64, 1, cpu, extend=False) == 4
-    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=False) == 2   # 16 / 8 heads
-    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=True) == 1
+    assert launchers.plan_splits(mla, MLA, 64, 3, cpu, extend=False, rows=12) == 1
+    assert launchers.plan_splits(mla, MLA, 64, 1, cpu, extend=False, rows=4) == 4
+    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=False, rows=4) == 2  # 16 / 8 heads
+    assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=True, rows=4) == 1
+
+
+def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
+    """One request (few rows) may take up to DOT_MAX_SPLITS splits of the tl.dot kernel,
+    within what the partial buffers hold; many rows keep MAX_SPLITS; the sm90 kernels keep
+    MAX_SPLITS; a forced num_splits above the cap is one short error."""
+    dot, cute = plans.PLANS["dot"], plans.PLANS["cute"]
+    assert launchers.split_cap(dot, 4) == plans.DOT_MAX_SPLITS
+    assert launchers.split_cap(dot, 8) == 33 and launchers.split_cap(dot, 256) == 16
+    assert launchers.split_cap(cute, 4) == plans.MAX_SPLITS
+    for rows in (1, 3, 4, 8, 15, 16, 17, 100):  # the parts always fit the buffer
+        parts = launchers.num_parts(dot, launchers.split_cap(dot, rows))
+        assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
+
+    from specattn.backends.triton import worklist
+
+    monkeypatch.setattr(worklist, "sms", lambda device: 132)  # an H200
+    h200 = torch.device("cpu")
+    # One request, 8 KV heads: 64 splits make 512 programs (4 per SM); 32 requests: 3.
+    assert launchers.plan_splits(dot, GQA, 16, 1, h200, extend=False, rows=4) == 64
+    assert launchers.plan_splits(dot, GQA, 16, 32, h200, extend=False, rows=128) == 3
+    runner = _runner_for(GQA, torch.float32)
+    with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot for 8"):
+        b = TritonDecode(runner, 4, 2, num_splits=40)
+        b._make_plan(2)
+    with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 64\]"):
+        TritonDecode(runner, 4, 2, num_splits=65)
 
 
 def test_plan_errors_name_the_plan():
@@ -176,7 +203,7 @@ def test_plan_errors_name_the_plan():
         assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 6
 
 
-@pytest.mark.parametrize("num_splits", [1, 7])
+@pytest.mark.parametrize("num_splits", [1, 7, 64])  # 64: few rows (launchers.split_cap)
 def test_decode_logit_cap_and_fixed_splits(num_splits):
     runner, batch = make_decode("mha", torch.float32, topk=2, steps=2, page=1,
                                 seq_lens=[40, 3], tree_mode="path")

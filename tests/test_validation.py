@@ -162,6 +162,13 @@ def test_wrap_runner_accepts_engine_tensors():
     (dict(out_cache_loc=torch.full((B, K, S), -3)), "batch.out_cache_loc", "a value -3"),
     (dict(out_cache_loc=torch.zeros(B, K, S, device="meta", dtype=torch.int64)),
      "batch.out_cache_loc", "meta"),
+    (dict(seq_lens_cpu=[4, 9]), "batch.seq_lens_cpu", "a torch.Tensor"),
+    (dict(seq_lens_cpu=torch.tensor([4, 9], device="meta")), "batch.seq_lens_cpu",
+     "a tensor on cpu"),
+    (dict(seq_lens_cpu=torch.tensor([4, 9, 1])), "batch.seq_lens_cpu", "shape (2,)"),
+    (dict(seq_lens_cpu=torch.tensor([4.0, 9.0])), "batch.seq_lens_cpu", "float32"),
+    (dict(seq_lens_cpu=torch.tensor([4, 8])), "batch.seq_lens_cpu",
+     "the values of batch.seq_lens, got [4, 8]"),
 ])
 def test_decode_batch(over, argument, fragment):
     backend = TorchRefDecode(_mha(), K, S)
@@ -295,6 +302,10 @@ def _ext(**over):
     (dict(out_cache_loc=torch.arange(30, 35)[None]), "batch.out_cache_loc", "1-D"),
     (dict(out_cache_loc=torch.arange(60, 65)), "batch.out_cache_loc", "a value 64"),
     (dict(out_cache_loc=torch.arange(5, device="meta")), "batch.out_cache_loc", "meta"),
+    (dict(extend_lens_cpu=torch.tensor([2])), "batch.extend_lens_cpu", "shape (2,)"),
+    (dict(extend_lens_cpu=torch.tensor([2, 2])), "batch.extend_lens_cpu",
+     "the values of batch.extend_lens"),
+    (dict(seq_lens_cpu=torch.tensor([[5, 3]])), "batch.seq_lens_cpu", "1-D"),
 ])
 def test_extend_batch(over, argument, fragment):
     _expect(lambda: TorchRefExtend(_mha()).init_forward_metadata(_ext(**over)), argument,
@@ -312,6 +323,26 @@ def test_extend_forward():
     _expect(lambda: backend.forward(AttentionLayer(5, 1.0), q, k, v), "layer.layer_id",
             "got 5")
     assert backend.forward(LAYER, q, k, v).shape == (5, 4, 8)
+
+
+def test_host_copies_are_optional_and_compared_where_values_are_checked(monkeypatch):
+    """A batch may give host copies of its lengths (``seq_lens_cpu``...) or not, and a
+    duck-typed batch need not have the fields; the copies are compared with the lengths
+    where values are checked (CPU tensors, or debug checks), never otherwise."""
+    backend = TorchRefDecode(_mha(), K, S)
+    backend.init_forward_metadata(_batch(seq_lens_cpu=torch.tensor([4, 9], dtype=torch.int32)))
+
+    class Plain:  # the fields of a DraftBatch, without the optional host copy
+        req_pool_indices, seq_lens = torch.tensor([0, 3]), torch.tensor([4, 9])
+        out_cache_loc, parents = _batch().out_cache_loc, None
+        batch_size = 2
+
+    backend.init_forward_metadata(Plain())
+    monkeypatch.setattr(validation, "_scan_values", lambda t, debug: bool(debug))
+    wrong = _batch(seq_lens_cpu=torch.tensor([4, 8]))
+    validation.check_decode_batch(backend.runner, K, S, "lane", wrong, debug=False)
+    _expect(lambda: validation.check_decode_batch(backend.runner, K, S, "lane", wrong,
+                                                  debug=True), "batch.seq_lens_cpu", "[4, 8]")
 
 
 def test_value_checks_are_skipped_off_cpu_without_debug(monkeypatch):

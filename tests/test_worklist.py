@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from helpers import DEV, require_triton_interpret
 from specattn.backends.torch_ref import reference_decode
 from specattn.data import AttentionLayer
+from specattn.fp8 import quantize
 
 require_triton_interpret()
 
@@ -182,20 +183,25 @@ def test_merge_segments_kernel(programs):
 class _WorkListStandIn:
     """``_gluon_mla_wl_kernel[grid](...)`` in torch: walks the table the way the kernel does
     and writes ``torch_ref``'s answer per segment (direct rows, or slot ``p + b`` with a random
-    LSE); stores the call's keys in the pool."""
+    LSE); stores the call's keys in the pool (FP8: checks that torch stored their codes)."""
 
     def __init__(self, runner, batch, tree_mode):
         self.runner, self.batch, self.tree_mode, self.launches = runner, batch, tree_mode, []
         self._gluon_mla_wl_kernel = self
 
     def __getitem__(self, grid):
-        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Work, Hist, Par, step, scale, cap,
-                   *strides_and_ints, **const):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Work, Hist, Par, KScale, step,
+                   scale, cap, *strides_and_ints, **const):
             self.launches.append((grid, const))
             topk, num_steps, batch, programs = strides_and_ints[-4:]
-            KV[Hist[:, step].long()] = Kin
-            ref = reference_decode(self.runner, AttentionLayer(0, scale, cap), Q, self.batch,
-                                   step, self.tree_mode).float()
+            if const["FP8"]:
+                assert torch.equal(KV[Hist[:, step].long()].view(torch.uint8),
+                                   quantize(Kin, KScale, KV.dtype).view(torch.uint8))
+            else:
+                KV[Hist[:, step].long()] = Kin
+            layer = AttentionLayer(0, scale, cap, k_scale=KScale if const["FP8"] else 1.0)
+            ref = reference_decode(self.runner, layer, Q, self.batch, step,
+                                   self.tree_mode).float()
             table = Work.tolist()
             chunk, first, starts = table[0], table[1:1 + programs], table[1 + programs:]
             for p in range(programs):
@@ -211,15 +217,16 @@ class _WorkListStandIn:
         return launch
 
 
-@pytest.mark.parametrize("lens,programs,want_p", [([7, 300, 18, 0, 45], None, 5),
-                                                  ([40, 41], None, 4), ([40, 41], 1, 2),
-                                                  ([900, 5], 9, 9)])
-def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
+@pytest.mark.parametrize("lens,programs,want_p,kv", [
+    ([7, 300, 18, 0, 45], None, 5, "auto"), ([40, 41], None, 4, "auto"),
+    ([40, 41], 1, 2, "auto"), ([900, 5], 9, 9, "auto"),
+    ([7, 300, 18, 0, 45], None, 5, "fp8_e4m3"), ([900, 5], 9, 9, "fp8_e5m2")])
+def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p, kv):
     from test_sm90_plans import mla_round, stand_in_steps
 
     from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
 
-    r, batch = mla_round(lens, topk=2, steps=3)
+    r, batch = mla_round(lens, topk=2, steps=3, kv=kv, k_scale=0.37)
     stand_in = _WorkListStandIn(r, batch, "path")
     merges = []
     real_merge = worklist._merge_launch
@@ -238,9 +245,11 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p):
     want = schedule(lens, worklist.tail_units(2, 16, 3, block_n), block_n, P)
     assert work[:worklist.work_numel(P, len(lens))].tolist() == \
         [want.chunk] + want.first_request + want.unit_starts
-    for grid, const in stand_in_steps(r, batch, backend, stand_in.launches):
+    layer = AttentionLayer(0, 576 ** -0.5, k_scale=0.37)
+    for grid, const in stand_in_steps(r, batch, backend, stand_in.launches, layer=layer):
         assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
         assert const["BLOCK_N"] == block_n and const["num_warps"] == 8
+        assert const["FP8"] == r.fp8
     # A merge launch per step exactly when a request has several segments (never at P == B).
     several = any(len(want.parts(b)) for b in range(len(lens)))
     assert several == (P > len(lens))  # these cases: spare programs split a request

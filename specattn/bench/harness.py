@@ -259,16 +259,18 @@ def build_setup(case: Case, device: torch.device | str, *, seed: int = 0,
             alloc.extend(req, n)
         seq_lens = alloc.seq_lens(reqs)
         loc = alloc.alloc_draft(rpi, case.topk, case.steps)
-        batch = DraftBatch(rpi, seq_lens, loc)
+        # With the host copy of the lengths an engine keeps (SGLang's seq_lens_cpu).
+        batch = DraftBatch(rpi, seq_lens, loc, seq_lens_cpu=seq_lens.cpu())
         inputs = [_random_inputs(case, case.lanes, device, gen) for _ in range(case.steps)]
     else:
         new = []
         for req, n in zip(reqs, lengths):
             alloc.extend(req, n - case.extend_len)
             new.append(alloc.extend(req, case.extend_len))
-        batch = DraftExtendBatch(rpi, alloc.seq_lens(reqs),
-                                 torch.full((case.batch,), case.extend_len, device=device),
-                                 torch.cat(new))
+        seq_lens = alloc.seq_lens(reqs)
+        ext = torch.full((case.batch,), case.extend_len, device=device)
+        batch = DraftExtendBatch(rpi, seq_lens, ext, torch.cat(new),
+                                 seq_lens_cpu=seq_lens.cpu(), extend_lens_cpu=ext.cpu())
         inputs = [_random_inputs(case, case.lanes, device, gen)]
     head = c if case.model == "mha" else 192  # MLA: qk_nope + rope of the unabsorbed head
     scale = head ** -0.5

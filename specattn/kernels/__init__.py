@@ -8,6 +8,10 @@ from each other). Importing this package imports no Triton; its Triton modules d
 - ``merge``: split-KV LSE merges (a stage-2 kernel);
 - ``history_merge``: the shared-prefix decode's history pass + merge after a library's
   prefix pass (``flashinfer``, ``flashmla``, ``fa3``/``fa4``);
-- ``lse``: the same merge in plain torch, where Triton cannot run.
+- ``lse``: the same merge in plain torch, where Triton cannot run;
+- ``prefix_slots``: request prefixes as one CSR slot list (``flashinfer``'s ``kv_indices``),
+  one launch, no host round trip;
+- ``kernel_launch``: a kept compiled Triton kernel launched directly (the CUDA-graph replay
+  metadata calls of ``triton`` and ``fa3``/``fa4``);
 - ``reference``: the reference backends' plain-torch attention (``attend``) and pool gathers.
 """

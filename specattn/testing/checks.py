@@ -401,8 +401,11 @@ def decode_graph(s: Session, case: Case) -> str:
                    list(reversed(decode_lengths(case.page_size, True)))]
     maker = _decode_maker(s, case, shape, rounds_lens, num_steps=slots)
     runner, dev = maker.runner, s.device
+    # The engine's fixed buffers, with the host copy of the lengths an engine keeps (the
+    # eager cases give none: both ways of learning the lengths are exercised).
     static = _Static({"req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
                       "seq_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "seq_lens_cpu": torch.zeros(max_bs, dtype=torch.int64),
                       "out_cache_loc": torch.zeros(max_bs, topk, slots, dtype=torch.int64,
                                                    device=dev)})
     if case.tree_mode == "path":
@@ -410,7 +413,7 @@ def decode_graph(s: Session, case: Case) -> str:
                                                 device=dev)
     t = static.tensors
     batch = DraftBatch(t["req_pool_indices"], t["seq_lens"], t["out_cache_loc"],
-                       t.get("parents"))
+                       t.get("parents"), t["seq_lens_cpu"])
     backend = s.construct(case, runner, num_steps=slots)
     backend.init_cuda_graph_state(max_bs, max_bs * topk)
     fill = backend.get_cuda_graph_seq_len_fill_value()
@@ -418,7 +421,7 @@ def decode_graph(s: Session, case: Case) -> str:
     # request's (metadata.draft_slot_positions), so they all land in page 0.
     pos = metadata.draft_slot_positions(torch.tensor([fill]), topk, slots,
                                         case.page_size)[0].to(dev)
-    pad = {"req_pool_indices": 0, "seq_lens": fill}
+    pad = {"req_pool_indices": 0, "seq_lens": fill, "seq_lens_cpu": fill}
     scales = _graph_scales(s, case, maker)
     layers = _layers(shape, scales=scales)
     gen = s.generator(case, "qkv")
@@ -427,7 +430,8 @@ def decode_graph(s: Session, case: Case) -> str:
     def place(lens: list[int]) -> DecodeRound:
         rnd = maker.decode(lens, topk, slots, case.tree_mode)
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
-                  "seq_lens": rnd.batch.seq_lens, "out_cache_loc": rnd.batch.out_cache_loc}
+                  "seq_lens": rnd.batch.seq_lens, "seq_lens_cpu": torch.tensor(lens),
+                  "out_cache_loc": rnd.batch.out_cache_loc}
         if rnd.parents_plan is not None:
             values["parents"] = rnd.parents_plan.to(dev)
         pad["out_cache_loc"] = runner.req_to_token[0, pos].long()
@@ -587,13 +591,16 @@ def extend_graph(s: Session, case: Case) -> str:
     total, max_bs = 8, 3
     maker = s.maker(case, shape, max_tokens=max(max(p[0]) for p in plans))
     runner, dev = maker.runner, s.device
+    # With host copies of the lengths, as in decode_graph.
     static = _Static({"req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
                       "seq_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
                       "extend_lens": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                      "seq_lens_cpu": torch.zeros(max_bs, dtype=torch.int64),
+                      "extend_lens_cpu": torch.zeros(max_bs, dtype=torch.int64),
                       "out_cache_loc": torch.zeros(total, dtype=torch.int64, device=dev)})
     t = static.tensors
     batch = DraftExtendBatch(t["req_pool_indices"], t["seq_lens"], t["extend_lens"],
-                             t["out_cache_loc"])
+                             t["out_cache_loc"], t["seq_lens_cpu"], t["extend_lens_cpu"])
     backend = s.construct(case, runner)
     backend.init_cuda_graph_state(max_bs, total)
     scales = _graph_scales(s, case, maker)
@@ -606,12 +613,14 @@ def extend_graph(s: Session, case: Case) -> str:
         pad_tokens = total - sum(ext)
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
                   "seq_lens": rnd.batch.seq_lens, "extend_lens": rnd.batch.extend_lens,
+                  "seq_lens_cpu": torch.tensor(seq), "extend_lens_cpu": torch.tensor(ext),
                   "out_cache_loc": rnd.batch.out_cache_loc}
         # The padding request is row 0, whose every page is page 0: at page size 1 all its
         # tokens share slot 0 (slots 1, 2, ... belong to real requests).
         pad_slots = runner.req_to_token[0, :pad_tokens].long()
         static.load(values, {"req_pool_indices": 0, "seq_lens": pad_tokens,
-                             "extend_lens": pad_tokens, "out_cache_loc": pad_slots})
+                             "extend_lens": pad_tokens, "seq_lens_cpu": pad_tokens,
+                             "extend_lens_cpu": pad_tokens, "out_cache_loc": pad_slots})
         return len(seq)
 
     def calls() -> list[torch.Tensor]:

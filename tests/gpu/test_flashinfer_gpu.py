@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -103,7 +104,9 @@ def test_extend(mla, dtype, ragged):
     assert_close_rel(out, reference_extend(case.runner, case.layer, q, case.batch), q.dtype)
 
 
-def _graph_batch(case, order, parents_static):
+def _graph_batch(case, order, parents_static, host=False):
+    """Requests ``order`` of the case, shorter and with their slots shuffled; ``host``: with
+    the host copy of the lengths."""
     b = case.batch
     idx = torch.tensor(order, device=b.seq_lens.device)
     seq = b.seq_lens[idx] - torch.arange(len(order), device=idx.device) % 3
@@ -113,8 +116,40 @@ def _graph_batch(case, order, parents_static):
     parents = torch.randint(0, b.topk, (b.num_steps, len(order), b.topk), device=idx.device)
     parents_static[:, :len(order)].copy_(parents)
     # A view of the captured tensor: path mode reads that one inside the graph.
-    return DraftBatch(b.req_pool_indices[idx], seq.clamp(min=1), loc,
-                      parents_static[:, :len(order)])
+    seq = seq.clamp(min=1)
+    return DraftBatch(b.req_pool_indices[idx], seq, loc, parents_static[:, :len(order)],
+                      seq.cpu() if host else None)
+
+
+def _capture_steps(backend, case, inputs, warm_ups):
+    """A CUDA graph of one draft round's forward calls (steps ``0 .. S-2`` on ``inputs``)
+    after ``warm_ups`` rounds on a side stream; returns it and its outputs."""
+    def loop():
+        return [backend.forward(i, case.layer, *inputs[i]) for i in range(len(inputs))]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_ups):
+            loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = loop()
+    return graph, outs
+
+
+def _check_real_lanes(case, batch, parents, inputs, outs, tree_mode):
+    """The replayed outputs of ``batch``'s requests (the first rows of the captured
+    ``parents``) against ``torch_ref``, step by step."""
+    n = batch.batch_size
+    real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                      parents[:, :n])
+    lanes = n * case.batch.topk
+    for i in range(len(inputs)):
+        ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
+                               tree_mode)
+        assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("mla, topk, tree_mode, bs", [
@@ -136,22 +171,11 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode, bs):
     backend.init_forward_metadata_capture_cuda_graph(capture)
     gen = torch.Generator().manual_seed(0)
     inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
-
-    def loop():
-        return [backend.forward(i, case.layer, *inputs[i]) for i in range(steps - 1)]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            loop()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = loop()
+    graph, outs = _capture_steps(backend, case, inputs, warm_ups=2)
     perm = torch.randperm(bs, generator=torch.Generator().manual_seed(bs)).tolist()
-    for order in (perm, perm[:-1]):  # changed batch, then a padded one
-        batch = _graph_batch(case, order, parents)
+    # A changed batch, then a padded one with the host copy of its lengths.
+    for order, host in ((perm, False), (perm[:-1], True)):
+        batch = _graph_batch(case, order, parents, host)
         for q, k, v in inputs:
             for t, new in zip((q, k, v), decode_inputs(case, gen)):
                 if t is not None:
@@ -161,13 +185,7 @@ def test_cuda_graph_replay_changing_batches(mla, topk, tree_mode, bs):
             o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        real = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                          parents[:, :len(order)])
-        lanes = len(order) * topk
-        for i in range(steps - 1):
-            ref = reference_decode(case.runner, case.layer, inputs[i][0][:lanes], real, i,
-                                   tree_mode)
-            assert_close_rel(outs[i][:lanes], ref, torch.bfloat16)
+        _check_real_lanes(case, batch, parents, inputs, outs, tree_mode)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
@@ -208,3 +226,43 @@ def test_extend_cuda_graph_replay(mla):
         graph.replay()
         torch.cuda.synchronize()
         assert_close_rel(out, reference_extend(case.runner, case.layer, q, batch), q.dtype)
+
+
+@pytest.mark.parametrize("mla, topk", [(False, 8), (False, 1), (True, 4)],
+                         ids=["mha-k8", "mha-k1", "mla-k4"])
+def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
+    """With ``seq_lens_cpu``, the replay metadata call returns while the device is still busy
+    (about 25 ms of queued work: any read of a device tensor, or a copy from pageable memory
+    that waits for the stream, would take that long), under torch's sync check; then the
+    replayed graph matches torch_ref."""
+    bs, steps = 16, 5
+    case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, dtype=torch.bfloat16,
+                            device="cuda", seed=5, max_len=600, heads=MLA if mla else GQA,
+                            scaling=MLA_SCALE if mla else None)
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    backend = cls(case.runner, topk, steps)
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
+    parents = case.batch.parents.clone()
+    backend.init_forward_metadata_capture_cuda_graph(_graph_batch(case, list(range(bs)),
+                                                                  parents, True))
+    gen = torch.Generator().manual_seed(0)
+    inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
+    graph, outs = _capture_steps(backend, case, inputs, warm_ups=1)
+    order = list(range(bs - 1))[::-1]
+    batch = _graph_batch(case, order, parents, True)
+    backend.init_forward_metadata_replay_cuda_graph(batch, bs)  # warm (compiles, pins)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of device work ahead of the call
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            start = time.perf_counter()
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+            times.append(time.perf_counter() - start)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph.replay()
+        torch.cuda.synchronize()
+    assert min(times) < 5e-3, times
+    _check_real_lanes(case, batch, parents, inputs, outs, "lane")

@@ -5,7 +5,12 @@ merged splits; CUDA-graph capture/replay of padded batches; a 100-batch random s
 (in 4 tests, so xdist workers compile side by side). Outputs and partials are NaN-poisoned
 before each call. Every test asserts an sm90 kernel ran (``SPECATTN_SM90_PLANS``:
 comma-separated variants to run; default all; ``cute`` only where CuTe-DSL imports).
-Marked ``gpu``."""
+
+FP8 pools (``fp8_e4m3`` / ``fp8_e5m2``, ``k_scale`` != 1 as a float or a device tensor) on
+the Gluon plans (``default``, ``gluon-wl``, ``gluon-split``; ``cute`` reads bf16/fp16 pools
+only): against ``torch_ref`` over the dequantized pool, with the pool checked to hold
+torch's codes of each step's keys; a sibling lane unharmed by a NaN code in a lane's
+history; a captured graph replayed after its scale tensor changed. Marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from helpers import (check_replayed_lanes, close, decode_sizes, place_decode_rou
                      randn_qkv)
 from specattn.backends.torch_ref import reference_decode  # noqa: E402
 from specattn.data import AttentionLayer, DraftRunner  # noqa: E402
+from specattn.fp8 import quantize, read_rows, write_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -213,3 +219,168 @@ def test_random_stress_100_batches(variant, chunk):
         backend = make_backend(r, K, S, tree_mode, variant, splits)
         run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, cap), tree_mode, gen,
                   check_steps={step})
+
+
+# --- FP8 pools: the Gluon plans ---------------------------------------------------------------
+
+FP8_VARIANT_NAMES = [v for v in VARIANT_NAMES if v != "cute"]
+
+
+def make_fp8_round(dtype, heads, topk, steps, page, lens, tree_mode, kv, k_scale):
+    """An MLA runner with an FP8 pool of ``quantize(randn, k_scale)`` codes and a round."""
+    slots, max_ctx = decode_sizes(lens, topk, steps, page)
+    r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=slots, max_reqs=len(lens) + 3,
+                        max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV,
+                        kv_cache_dtype=kv)
+    x = torch.randn(r.kv_buffer[0].shape, device=DEV)
+    r.kv_buffer[0].view(torch.uint8).copy_(
+        quantize(x, _host(k_scale), r.kv_buffer[0].dtype).view(torch.uint8))
+    return r, place_decode_round(r, lens, topk, steps, page, tree_mode)
+
+
+def _host(scale):
+    return float(scale) if isinstance(scale, torch.Tensor) else scale
+
+
+def _fp8_scale(spec: str):
+    """``"0.37"``: a Python float; ``"t1.9"``: a one-element device tensor."""
+    if spec.startswith("t"):
+        return torch.tensor([float(spec[1:])], dtype=torch.float32, device=DEV)
+    return float(spec)
+
+
+def run_fp8_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
+    """``run_round`` over an FP8 pool: each step's keys are in the pool as torch's codes."""
+    bs, topk, steps = batch.out_cache_loc.shape
+    backend.init_forward_metadata(batch)
+    assert backend.plan.kernel in (_kernels().GLUON_WL, _kernels().GLUON_SPLIT), backend.plan
+    for step in range(steps):
+        if tree_mode == "path" and step:
+            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
+        q, k, _ = randn_qkv(r, bs * topk, gen)
+        out = poisoned_forward(backend, step, layer, q, k)
+        slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
+        want = quantize(k, layer.k_scale, r.kv_buffer[0].dtype)
+        assert torch.equal(read_rows(r.kv_buffer[0], slots).view(torch.uint8),
+                           want.view(torch.uint8)), "the step's codes are not in the pool"
+        if check_steps is None or step in check_steps:
+            close(out, reference_decode(r, layer, q, batch, step, tree_mode), r.dtype)
+
+
+def _kernels():
+    from specattn.backends.triton.plans import Kernel
+
+    return Kernel
+
+
+FP8_CASES = [
+    # dtype, H, lens, K, S, P, tree_mode, logit_cap, num_splits, kv, k_scale
+    (torch.bfloat16, 16, "ragged:4:4096", 4, 4, 1, "path", 0.0, None, "fp8_e4m3", "0.37"),
+    (torch.bfloat16, 16, "short", 4, 3, 64, "lane", 30.0, None, "fp8_e5m2", "t1.9"),
+    (torch.float16, 16, "ragged:3:2048", 1, 3, 1, "lane", 0.0, None, "fp8_e4m3", "t0.37"),
+    (torch.float16, 16, "short", 1, 4, 64, "path", 20.0, 3, "fp8_e5m2", "0.37"),
+    (torch.bfloat16, 16, "ragged:2:1024", 8, 3, 1, "path", 0.0, None, "fp8_e5m2", "0.37"),
+    (torch.bfloat16, 16, "short", 8, 2, 64, "lane", 0.0, 16, "fp8_e4m3", "t1.9"),
+    (torch.bfloat16, 128, "ragged:2:1024", 1, 3, 64, "lane", 0.0, None, "fp8_e4m3", "1.9"),
+    (torch.float16, 128, "ragged:3:3000", 2, 3, 1, "path", 0.0, 16, "fp8_e5m2", "t0.37"),
+    (torch.bfloat16, 16, "ragged:3:3000", 4, 3, 1, "lane", 0.0, 1, "fp8_e5m2", "1.9"),
+    (torch.float16, 128, "short", 1, 2, 1, "path", 0.0, None, "fp8_e4m3", "0.37"),
+]
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANT_NAMES)
+@pytest.mark.parametrize("dtype,H,lens,K,S,P,tree_mode,cap,num_splits,kv,scale", FP8_CASES)
+def test_fp8_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, cap, num_splits,
+                                 kv, scale):
+    """The Gluon plans over an FP8 pool against ``torch_ref`` over the dequantized pool."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((H, lens, K, S, P, kv)).encode()))
+    k_scale = _fp8_scale(scale)
+    r, batch = make_fp8_round(dtype, H, K, S, P, lengths(lens), tree_mode, kv, k_scale)
+    backend = make_backend(r, K, S, tree_mode, variant, num_splits)
+    layer = AttentionLayer(0, 576 ** -0.5, cap, k_scale=k_scale)
+    run_fp8_round(r, batch, backend, layer, tree_mode, gen,
+                  check_steps={0, S - 1} if lens.endswith("4096") else None)
+    if variant == "default":  # cute reads bf16/fp16 pools only: gluon-split above a tile
+        assert backend.plan.name == ("gluon-wl" if K * H <= 64 else "gluon-split"), \
+            backend.plan
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANT_NAMES)
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_nan_code_in_a_lane_history_stays_in_that_lane(variant, kv):
+    """A NaN code (0x7F) in lane 0's step-0 key: at step 1 the sibling lanes, which do not
+    see it, match ``torch_ref`` and hold no NaN (the lane that sees it is not checked)."""
+    dtype, K, S = torch.bfloat16, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    r, batch = make_fp8_round(dtype, 16, K, S, 1, [700, 90], "lane", kv, 0.37)
+    backend = make_backend(r, K, S, "lane", variant)
+    layer = AttentionLayer(0, 576 ** -0.5, k_scale=0.37)
+    backend.init_forward_metadata(batch)
+    q, k, _ = randn_qkv(r, 2 * K, gen)
+    backend.forward(0, layer, q, k, None)
+    bad = batch.out_cache_loc[0, 0, 0].reshape(1).long()
+    write_rows(r.kv_buffer[0], bad, torch.full((1, 576), 0x7F, dtype=torch.uint8, device=DEV)
+               .view(r.kv_buffer[0].dtype))
+    q, k, _ = randn_qkv(r, 2 * K, gen)
+    out = poisoned_forward(backend, 1, layer, q, k)
+    ref = reference_decode(r, layer, q, batch, 1, "lane")
+    siblings = [z for z in range(2 * K) if z != 0]
+    close(out[siblings], ref[siblings], dtype)
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANT_NAMES)
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("tree_mode", ["lane", "path"])
+def test_fp8_cuda_graph_replay_after_a_scale_change(variant, kv, tree_mode):
+    """Capture every step at bs=8 with ``k_scale`` a device tensor (0.37); replay a new
+    round of 5 real requests padded to 8 whose pool was quantized with 1.9 after setting
+    the tensor to 1.9: the replay writes and reads with the new scale."""
+    dtype, K, S, max_bs = torch.bfloat16, 4, 3, 8
+    gen = torch.Generator().manual_seed(5)
+    k_scale = torch.tensor([0.37], dtype=torch.float32, device=DEV)
+    r, batch = make_fp8_round(dtype, 16, K, S, 1, [1600] * max_bs, tree_mode, kv, 0.37)
+    backend = make_backend(r, K, S, tree_mode, variant)
+    backend.init_cuda_graph_state(max_bs, max_bs * K)
+    layer = AttentionLayer(0, 576 ** -0.5, k_scale=k_scale)
+    qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    assert backend.plan.kernel in (_kernels().GLUON_WL, _kernels().GLUON_SPLIT), backend.plan
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in range(S):  # compiles outside the capture
+            backend.forward(step, layer, *qs[step], None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    outs = [None] * S
+    with torch.cuda.graph(graph):
+        for step in range(S):
+            outs[step] = backend.forward(step, layer, *qs[step], None)
+    real = 5
+    r2, b2 = make_fp8_round(dtype, 16, K, S, 1, [random.randint(0, 1300) for _ in range(real)],
+                            tree_mode, kv, 1.9)
+    k_scale.fill_(1.9)
+    r.req_to_token.zero_()
+    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
+    r.kv_buffer[0].view(torch.uint8)[:r2.num_slots] = r2.kv_buffer[0].view(torch.uint8)
+    batch.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())
+    batch.seq_lens[:real] = b2.seq_lens
+    batch.req_pool_indices.zero_()
+    batch.req_pool_indices[:real] = b2.req_pool_indices
+    batch.out_cache_loc.fill_(r.num_slots - 1)
+    batch.out_cache_loc[:real] = b2.out_cache_loc
+    backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+    for q, k in qs:
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        k.copy_(torch.randn(k.shape, generator=gen).to(dtype))
+    if tree_mode == "path":
+        batch.parents.copy_(torch.randint(0, K, batch.parents.shape, device=DEV))
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    slots = batch.out_cache_loc[:real, :, S - 1].reshape(-1).long()
+    want = quantize(qs[S - 1][1][:real * K], k_scale, r.kv_buffer[0].dtype)
+    assert torch.equal(read_rows(r.kv_buffer[0], slots).view(torch.uint8),
+                       want.view(torch.uint8)), "the replay did not store the new scale's codes"
+    check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)

@@ -2,8 +2,9 @@
 
 Page-size-1 CSR wrappers (prefill, decode, MLA) with FlashInfer's documented semantics:
 indptrs staged on the host at ``plan``, indices read at run time (or copied into the graph
-buffers), bottom-right causal masks, base-2 LSE. ``make()`` returns a fresh ``flashinfer``
-module.
+buffers), bottom-right causal masks, base-2 LSE. The prefill wrapper's ``plan`` also takes
+``seq_lens=`` and ``max_token_per_sequence=`` (values FlashInfer otherwise computes from the
+indptrs; checked to be those). ``make()`` returns a fresh ``flashinfer`` module.
 
 FP8 KV as FlashInfer 0.7.4 takes it: ``plan(..., q_data_type=, kv_data_type=)`` names the
 dtypes ``run`` must be given (``_check_cached_qkv_data_type``); the MHA wrappers' ``run(...,
@@ -94,10 +95,17 @@ class FakePrefill(_FakeWrapper):
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, *,
              head_dim_vo=None, causal=False, sm_scale=None, logits_soft_cap=None,
              q_data_type=None, kv_data_type=None, uniform_q_len=None, disable_split_kv=False,
-             fixed_split_size=None):
+             fixed_split_size=None, seq_lens=None, max_token_per_sequence=None):
         assert page_size == 1 and bool((last_page_len == 1).all())
         if uniform_q_len:  # FlashInfer drops a hint that does not describe the batch
             assert bool(((qo_indptr[1:] - qo_indptr[:-1]) == uniform_q_len).all())
+        # The key counts and the most query rows per sequence, which FlashInfer otherwise
+        # computes from the indptrs: given, they must be those values.
+        if seq_lens is not None:
+            assert seq_lens.device.type == "cpu" and seq_lens.dtype == torch.int32
+            assert seq_lens.tolist() == (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+        if max_token_per_sequence is not None:
+            assert max_token_per_sequence == int((qo_indptr[1:] - qo_indptr[:-1]).max())
         self._stage(qo_indptr, kv_indptr, indices)
         self.causal, self.scale, self.cap = causal, sm_scale, logits_soft_cap
         self.uniform_q_len = uniform_q_len

@@ -21,7 +21,9 @@ pool), histories a page-size-1 view.
 
 Layout: ``backend.py`` (the registered classes), ``_decode.py`` / ``_extend.py`` (the glue),
 ``_library.py`` (the libraries' entry points), ``_route.py`` (``auto`` routing), ``_tables.py``
-(pool views, page-table checks).
+(pool views, page-table checks), ``_metadata.py`` (a round's tables in one Triton launch,
+which also fills a CUDA graph's fixed buffers; a graph replay's metadata call launches the
+kept compiled kernel).
 
 Status: the glue is tested on the CPU against ``torch_ref`` through stand-ins of the three
 libraries that follow their documented APIs (``tests/test_flash_attn.py``). On the H200

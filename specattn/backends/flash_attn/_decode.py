@@ -27,16 +27,21 @@ the LSE merge are one Triton kernel (``specattn.kernels.history_merge``, shared 
 place; elsewhere (MUSA) the history is a second FlashAttention call and the merge is
 ``kernels.lse.merge_states`` in torch.
 
-Metadata (``init_forward_metadata``): device ops only, no host sync, for all steps at once.
-The tables are full width (``max_context_len``), so one table serves every step: step ``i``
-differs only in its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the
-history columns from ``parents`` at the start of each step (device ops, graph-safe).
+Metadata (``init_forward_metadata``): no host sync, for all steps at once. The tables are
+full width (``max_context_len``), so one table serves every step: step ``i`` differs only in
+its ``seqused_k`` row (precomputed ``[S, N]``). ``path`` mode rewrites the history columns
+from ``parents`` at the start of each step (device ops, graph-safe). Where Triton runs the
+tables are one launch (``_metadata.decode_tables``); elsewhere (MUSA) torch ops write the
+same values (``_fill``).
 
 CUDA graphs: ``init_cuda_graph_state(max_bs, ...)``; the buffers of each route a captured
 batch size takes are allocated for ``max_bs`` requests / ``max_bs * K`` lanes; capture and
-replay refill them in place (the base class pads a replayed batch to the captured size and
-keeps the ``parents`` tensor given at capture), so a captured graph reads the same addresses
-every replay.
+replay refill them in place (padded to the captured size; the ``parents`` tensor given at
+capture is kept), so a captured graph reads the same addresses every replay. Where Triton
+runs, a graph round's metadata is the table launch, which also copies the caller's batch into
+the fixed buffers (``_fills_graph_round``), and a replay's call of a signature seen before
+(the runner's ``req_to_token`` part of it) launches the kept compiled kernel with the kept
+route, buffers and views (``specattn.graph_calls``).
 """
 
 from __future__ import annotations
@@ -46,15 +51,15 @@ from typing import Optional
 
 import torch
 
-from ...base import DraftDecodeBackend
 from ...errors import InvalidInputError
+from ...graph_calls import KeptDecodeCalls
 from ...kernels.lse import merge_states
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
 from ._library import resolve_kernel
 from ._route import choose_route
-from ._tables import check_page_aligned, paged_pools
+from ._tables import check_page_aligned, paged_pools, table_launch_key
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
@@ -92,7 +97,7 @@ class _Buffers:
             self.lane_len = torch.zeros(lanes, dtype=torch.int64, device=device)
 
 
-class FlashAttnDecodeGlue(DraftDecodeBackend):
+class FlashAttnDecodeGlue(KeptDecodeCalls):
     """Common body of the registered fa3 / fa4 decode classes (not registered).
 
     Extra keywords: ``mode`` (``"auto"`` default: routed per round; ``"shared"``;
@@ -130,6 +135,8 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         self._active: Optional[_Buffers] = None
         self._route = self._fixed_route()
         self._logged_routes: set = set()
+        # Where Triton runs, the tables are one launch (``_metadata``); else torch ops.
+        self._meta_kernel = can_fuse
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -173,14 +180,34 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         bufs = self._bufs.get(route)
         if bufs is None or bufs.bs < bs:
             bufs = self._bufs[route] = self._new_buffers(bs, route)
-        self._fill(bufs, route, batch)
+        self._tables(bufs, route, batch)
+
+    def _tables(self, bufs: _Buffers, route: tuple, batch, source=None) -> None:
+        """The round's tables into ``bufs``: one launch where Triton runs, else ``_fill``.
+        ``source`` (graph rounds, with ``_fills_graph_round``): the caller's batch, which the
+        launch also copies into ``batch``'s fixed buffers, padded. A two-pass route's
+        prefixes must be page-aligned (``check_page_aligned``: the caller's requests, where
+        values are read)."""
+        src = batch if source is None else source
+        if self._two_pass(route):
+            check_page_aligned(self.runner, src.req_pool_indices, src.seq_lens, "prefixes")
+        if self._meta_kernel:
+            from ._metadata import decode_tables
+
+            self._launch = decode_tables(
+                src.req_pool_indices, src.seq_lens, src.out_cache_loc, self.runner, bufs,
+                batch.batch_size, self.page_size, fixed=None if source is None else (
+                    batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc))
+        else:
+            self._fill(bufs, route, batch)
+        self._active, self._route = bufs, route
 
     def _fill(self, bufs: _Buffers, route: tuple, batch) -> None:
+        """The tables in torch ops (where Triton does not run; ``_metadata.decode_tables``
+        writes the same values)."""
         rpi, seq, loc = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
         bs = batch.batch_size
         two_pass, chunks = self._two_pass(route), route[1]
-        if two_pass:
-            check_page_aligned(self.runner, rpi, seq, "prefixes")
         k, s, p = self.topk, self.num_steps, self.page_size
         lanes = bs * k
         r2t = self.runner.req_to_token
@@ -206,7 +233,6 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
             table.scatter_(1, cols, loc.reshape(lanes, s).to(torch.int32))
             bufs.full_used[:, :lanes].copy_(
                 lane_len[None, :] + torch.arange(1, s + 1, device=seq.device)[:, None])
-        self._active, self._route = bufs, route
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -285,9 +311,28 @@ class FlashAttnDecodeGlue(DraftDecodeBackend):
         reused by every replay), each for ``max_bs`` requests / ``max_bs * topk`` lanes."""
         self._graph_bufs = {}
 
+    def _fills_graph_round(self) -> bool:
+        return self._meta_kernel
+
     def _plan_graph(self, batch, *, capture: bool) -> None:
         route = self.route_for(batch.batch_size)  # the captured size's route
         bufs = self._graph_bufs.get(route)
         if bufs is None:
             bufs = self._graph_bufs[route] = self._new_buffers(self.cuda_graph_max_bs, route)
-        self._fill(bufs, route, batch)
+        self._tables(bufs, route, batch, self.graph_source if self._meta_kernel else None)
+
+    # --- kept graph calls (``graph_calls``) --------------------------------------------------
+
+    _graph_key_extra = table_launch_key
+
+    def _kept_plan(self) -> tuple:
+        return self._route
+
+    def _resume_plan(self, route: tuple) -> None:
+        self._route = route
+
+    def _check_kept_call(self, batch, replay) -> None:
+        """The graph batch's checks and, on a two-pass route, page-aligned prefixes."""
+        super()._check_kept_call(batch, replay)
+        if self._two_pass(replay.plan):
+            check_page_aligned(self.runner, batch.req_pool_indices, batch.seq_lens, "prefixes")

@@ -18,7 +18,9 @@ the copy of ``q`` per chunk (``COPY``):
 Constants fitted on the H200: ``gqa-small`` prefix pass 20 / 17 / 14 us unsplit / 2 / 4
 chunks (``T_CTA``), ``gqa-long`` 155 us against a 126 us copy floor (``T_BW``), per-branch
 28 us at ``gqa-small``; it picks split 4 there (measured fastest: 27.0 us vs per-branch 27.8,
-shared 31.2) and shared at ``gqa-long``/``gqa-paged``.
+shared 31.2) and shared at ``gqa-long``/``gqa-paged``. One request with a long prefix
+(``gqa-b1-32k``: 8 CTAs unsplit on 132 SMs) takes 8 or 16 chunks, so that the pass fills
+the chip.
 ``L`` is the host's bound on the prefix length (the runner's ``max_context_len``): the
 actual lengths live on the device and are not read (no sync), and the decision must not
 change between replays of one captured graph.
@@ -36,7 +38,7 @@ T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), 
 T_BW_US = 0.016  # the same key at the chip's copy bandwidth per SM (512 B / (4.25 TB/s/132))
 HIST_US = 8.0  # the Triton history+merge kernel, incl. its launch in a graph
 COPY_US = 2.0  # q repeated per chunk (split only)
-SPLITS = (2, 4)  # split-prefix chunk counts considered (measured on the H200)
+SPLITS = (2, 4, 8, 16)  # split-prefix chunk counts considered
 # (mode, chunks): mode "shared" or "per-branch"; chunks > 1 only with "shared".
 Route = tuple
 

@@ -6,11 +6,12 @@ which runs only where validation scans values (CPU tensors, or ``SPECATTN_DEBUG_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ...errors import InvalidInputError
+from ...graph_calls import signature
 from ...metadata import prefix_page_table, prefix_token_slots
 from ...util import ceil_div
 from ...validation import debug_checks_enabled
@@ -18,7 +19,7 @@ from ...validation import debug_checks_enabled
 if TYPE_CHECKING:
     from ...data import DraftRunner
 
-__all__ = ["paged_pools", "check_page_aligned"]
+__all__ = ["paged_pools", "check_page_aligned", "table_launch_key"]
 
 
 def paged_pools(runner: "DraftRunner", layer_id: int,
@@ -57,3 +58,13 @@ def check_page_aligned(runner: "DraftRunner", req_pool_indices: torch.Tensor,
             "paged allocator hands them out)",
             f"request {b} position {pos}: slot {int(slots[b, pos])}, the page table implies "
             f"{int(expect[b, pos])}")
+
+
+def table_launch_key(glue) -> Optional[tuple]:
+    """What a kept table launch of the decode/extend ``glue`` reads beyond the caller's index
+    tensors: the runner's ``req_to_token`` (``graph_calls``' ``_graph_key_extra``); ``None``
+    where the tables are torch ops (nothing kept)."""
+    if not glue._meta_kernel:
+        return None
+    r2t = glue.runner.req_to_token
+    return id(glue.runner), r2t.data_ptr(), signature(r2t)

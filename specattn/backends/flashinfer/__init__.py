@@ -15,7 +15,9 @@ The token pool ``[num_slots, H_kv, D]`` (MLA ``[num_slots, R + rope]``) is viewe
 of one token, so FlashInfer indices are token slots and any engine page size works (also
 page size > 1 with ``topk > 1``). Layout of this package:
 
-- ``_slots.py``: pure-torch CSR slot lists (device-built, no host sync);
+- ``_slots.py``: the host CSR FlashInfer plans from, pure-torch CSR slot lists (device-built,
+  no host sync);
+- ``specattn.kernels.prefix_slots``: the prefix slot list in one launch (Triton);
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
 - ``specattn.kernels.history_merge``: the fused history pass + merge (Triton, shared with
   ``flashmla`` and ``fa4``);
@@ -25,7 +27,9 @@ page size > 1 with ``topk > 1``). Layout of this package:
 Limits: FlashInfer plans the softmax scale and the soft cap, so a layer with other values
 than the last plan triggers a re-plan (eager; refused under graph capture). MLA has no soft
 cap. CUDA graph replay (decode and extend) re-plans on the host (FlashInfer's scheduler is
-host code).
+host code): per round one launch and one FlashInfer plan (``per-branch``: one per step), from
+the lengths' host copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one
+copy of the lengths per round, which waits for the device).
 """
 
 from __future__ import annotations

@@ -15,14 +15,20 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
 - The ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per step, each
   lane a sequence over ``R_b[0 : L_b]`` plus its history.
 
-Plan step (``init_forward_metadata``): one host copy per round (``seq_lens``, for the CSR
-indptrs FlashInfer's host scheduler needs); slot lists are built on the device. ``shared``
-mode plans the prefix pass only (one host plan per round); otherwise the passes of steps
-``0 .. max(S - 2, 0)`` are planned (the serving loop never runs step ``S - 1``; eager calls
-plan it on first use). Run step (``forward``): build the ``path`` histories on the device
-(graph-safe), run the passes; ``shared`` mode's history kernel also stores the step's K/V
-(the prefix pass never reads them: one launch less than ``runner.write_kv``), the other
-modes write them first with ``runner.write_kv``.
+Plan step (``init_forward_metadata``): the CSR indptrs FlashInfer's host scheduler needs
+come from the lengths on the host (``batch.seq_lens_cpu``, which engines keep; without it
+one copy of ``seq_lens`` per round, a sync: ``data.host_lengths``); slot lists are built on
+the device. ``shared`` mode: one launch (``kernels.prefix_slots``) writes the prefix slot
+list (in graph rounds it also copies the caller's batch into the fixed buffers, padded), and
+one FlashInfer plan of the prefix pass serves every step. Host work per round, whatever
+``B`` and ``S``: that launch, a few host tensor operations on ``B + 1`` lengths, the plan;
+no device-to-host read. ``per-branch`` mode plans the passes of steps
+``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets differ; the serving loop
+never runs step ``S - 1``; eager calls plan it on first use), their slot lists built with
+torch (``_slots.fill_ragged_slots``). Run step (``forward``): build the ``path`` histories on
+the device (graph-safe), run the passes; ``shared`` mode's history kernel also stores the
+step's K/V (the prefix pass never reads them: one launch less than ``runner.write_kv``), the
+other modes write them first with ``runner.write_kv``.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
@@ -43,11 +49,12 @@ from typing import Optional
 import torch
 
 from ...base import DraftDecodeBackend
+from ...data import host_lengths
 from ...errors import InvalidInputError
 from ...fp8 import scale_rows
 from ...metadata import path_history_slots
 from ._passes import Params, Pass, captured, capturing, fp8_scales, replan
-from ._slots import fill_ragged_slots, history_positions, host_indptr
+from ._slots import fill_ragged_slots, history_positions, host_arange, host_csr
 
 MODES = ("shared", "per-branch")
 
@@ -60,8 +67,9 @@ class _Round:
         self.steps = steps  # one full pass per step otherwise
         self.planned = [False] * len(steps)
         self.hist_pos: list[Optional[torch.Tensor]] = [None] * len(steps)
-        self.rows = self.plen = self.seq_host = None
+        self.rows = self.plen = self.seq_host = None  # per lane (per-branch mode)
         self.bs = 0
+        self.qo: Optional[torch.Tensor] = None  # the prefix pass's qo_indptr (host), by bs
 
 
 class FlashInferDecodeGlue(DraftDecodeBackend):
@@ -121,29 +129,62 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
     def _plan(self, batch) -> None:
         if self._eager is None:
             self._eager = self._new_round()
-        self._prepare(self._eager, batch.req_pool_indices, batch.seq_lens)
+        self._prepare(self._eager, batch)
 
-    def _prepare(self, rnd: _Round, rpi: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Build slot lists on the device and plan the round's passes (host)."""
+    def _host_seq_lens(self, batch, source) -> torch.Tensor:
+        """``[bs]`` int64 prefix lengths of the round on the host, padded requests included.
+
+        ``batch`` is the round (the fixed views in a graph round, whose ``seq_lens_cpu`` the
+        base class padded), ``source`` the caller's batch when this backend fills the fixed
+        views itself (they are not written yet: its lengths are read and padded here)."""
+        host = getattr(batch, "seq_lens_cpu", None)
+        if host is not None:
+            return host
+        if source is None:
+            return host_lengths(batch, "seq_lens")[0]
+        raw = host_lengths(source, "seq_lens")[0]
+        pad = batch.batch_size - raw.shape[0]
+        if not pad:
+            return raw
+        return torch.cat([raw, raw.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
+
+    def _prepare(self, rnd: _Round, batch, source=None) -> None:
+        """Build slot lists on the device and plan the round's passes (host). ``source``:
+        the caller's batch of a graph round whose fixed views (``batch``) are filled here."""
         k = self.topk
-        rnd.bs = rpi.shape[0]
-        rnd.seq_host = seq_lens.to("cpu", torch.int64)  # the one host copy of the round
-        rnd.rows = rpi.to(torch.int64)
-        rnd.plen = seq_lens.to(torch.int64)
+        rnd.bs = bs = batch.batch_size
+        seq_host = self._host_seq_lens(batch, source)
         rnd.planned = [False] * len(rnd.steps)
         if self.shared:
-            total = int(rnd.seq_host.sum())
-            fill_ragged_slots(rnd.prefix.reserve(total), total, self.runner.req_to_token,
-                              rnd.rows, rnd.plen, num_slots=self.runner.num_slots)
-            qo = torch.arange(rnd.bs + 1, dtype=torch.int32) * k
-            rnd.prefix.plan(qo, host_indptr(rnd.seq_host), total, False, self.params)
+            csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin)
+            out = rnd.prefix.reserve(csr.total)
+            longest = int(seq_host.max())
+            from ...kernels.prefix_slots import prefix_slots
+
+            if source is None:
+                prefix_slots(out, csr.total, longest, self.runner.req_to_token,
+                             batch.req_pool_indices, batch.seq_lens, self.runner.num_slots)
+            else:
+                prefix_slots(out, csr.total, longest, self.runner.req_to_token,
+                             source.req_pool_indices, source.seq_lens, self.runner.num_slots,
+                             bs=bs, fill=self.get_cuda_graph_seq_len_fill_value(),
+                             fixed=(batch.req_pool_indices, batch.seq_lens,
+                                    batch.out_cache_loc),
+                             loc=source.out_cache_loc)
+            rnd.prefix.plan(csr, False, self.params)
         else:
-            rnd.rows = rnd.rows.repeat_interleave(k)
-            rnd.plen = rnd.plen.repeat_interleave(k)
-            rnd.seq_host = rnd.seq_host.repeat_interleave(k)
+            rnd.rows = batch.req_pool_indices.to(torch.int64).repeat_interleave(k)
+            rnd.plen = batch.seq_lens.to(torch.int64).repeat_interleave(k)
+            rnd.seq_host = seq_host.repeat_interleave(k)
             for i in range(self._planned_steps):
                 self._plan_step(rnd, i)
         self._active = rnd
+
+    def _prefix_qo(self, rnd: _Round, bs: int) -> torch.Tensor:
+        """The prefix pass's ``qo_indptr`` on the host: ``K`` rows per request (kept)."""
+        if rnd.qo is None or rnd.qo.numel() != bs + 1:
+            rnd.qo = host_arange(bs, self.topk, pin=rnd.prefix.pin)
+        return rnd.qo
 
     def _plan_step(self, rnd: _Round, step: int) -> None:
         """Plan step ``step``'s full pass (``K == 1`` or ``per-branch``)."""
@@ -152,13 +193,12 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         # Lane histories; in path mode a placeholder until forward() reads `parents`.
         hist = self.batch.out_cache_loc[:, :, :n].reshape(lanes, n)
         p = rnd.steps[step]
-        total = int(rnd.seq_host.sum()) + lanes * n
-        fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token, rnd.rows,
+        csr = host_csr(host_arange(lanes, 1, pin=p.pin), rnd.seq_host + n, 1, pin=p.pin)
+        fill_ragged_slots(p.reserve(csr.total), csr.total, self.runner.req_to_token, rnd.rows,
                           rnd.plen, hist, num_slots=self.runner.num_slots)
         if self._needs_path_refresh:
             rnd.hist_pos[step] = history_positions(rnd.plen, n)
-        qo = torch.arange(lanes + 1, dtype=torch.int32)
-        p.plan(qo, host_indptr(rnd.seq_host + n), total, False, self.params)
+        p.plan(csr, False, self.params)
         rnd.planned[step] = True
 
     @property
@@ -236,7 +276,12 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self._graph_caps = (max_bs * ctx, max_bs * self.topk * (ctx + self.num_steps))
         self._graphs.clear()
 
+    def _fills_graph_round(self) -> bool:
+        # Shared mode: the prefix slot-list launch copies the caller's batch into the fixed
+        # views too (one launch instead of six copies).
+        return self.shared
+
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
         rnd = captured(self._graphs, bs, capture, lambda: self._new_round(graph_bs=bs))
-        self._prepare(rnd, batch.req_pool_indices, batch.seq_lens)
+        self._prepare(rnd, batch, self.graph_source if self.shared else None)

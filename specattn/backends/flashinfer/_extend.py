@@ -4,8 +4,11 @@ One causal pass over ragged requests: ``qo_indptr = cumsum(E)``, ``kv_indptr = c
 slots ``R_b[0 : L'_b]`` (the new tokens' KV is written first, so FlashInfer's bottom-right
 causal alignment gives query ``t`` the keys ``R_b[0 : L'_b - E_b + t + 1]``).
 
-Plan step (``init_forward_metadata``): one host copy (``seq_lens`` and ``extend_lens``
-together), slot list built on the device, one plan. Run step (``forward``): write K/V, run.
+Plan step (``init_forward_metadata``): the indptrs from the lengths on the host
+(``batch.seq_lens_cpu`` / ``extend_lens_cpu``; the missing ones copied from the device
+together, a sync: ``data.host_lengths``), the slot list built on the device in one launch
+(``kernels.prefix_slots``; ``_slots.fill_ragged_slots`` where Triton cannot run), one plan.
+Run step (``forward``): write K/V, run.
 
 CUDA graphs: one pass per captured batch size on fixed buffers (slot list for
 ``bs * max_context_len`` slots, ``max_num_tokens`` new-token slots); capture and replay plan
@@ -21,9 +24,11 @@ from typing import Optional
 import torch
 
 from ...base import DraftExtendBackend
+from ...data import host_lengths
 from ...fp8 import scale_rows
+from ...util import triton_runs
 from ._passes import Params, Pass, captured, fp8_scales, replan
-from ._slots import fill_ragged_slots, host_indptr
+from ._slots import fill_ragged_slots, host_csr, host_indptr
 
 
 class FlashInferExtendGlue(DraftExtendBackend):
@@ -41,6 +46,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._eager: Optional[Pass] = None
         self._graphs: dict[int, Pass] = {}
         self._pass: Optional[Pass] = None  # the pass forward() runs
+        self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -58,14 +64,22 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def _prepare(self, p: Pass, batch) -> None:
         """Slot list on the device, one plan (host)."""
-        lens = torch.stack([batch.seq_lens.to(torch.int64),
-                            batch.extend_lens.to(torch.int64)]).cpu()  # one host copy
-        seq_host, ext_host = lens[0], lens[1]
-        total = int(seq_host.sum())
-        fill_ragged_slots(p.reserve(total), total, self.runner.req_to_token,
-                          batch.req_pool_indices, batch.seq_lens,
-                          num_slots=self.runner.num_slots)
-        p.plan(host_indptr(ext_host), host_indptr(seq_host), total, True, self.params)
+        seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
+        csr = host_csr(host_indptr(ext_host, pin=p.pin), seq_host, int(ext_host.max()),
+                       pin=p.pin)
+        out = p.reserve(csr.total)
+        r = self.runner
+        if self._triton is None:
+            self._triton = triton_runs(r.device)
+        if self._triton:
+            from ...kernels.prefix_slots import prefix_slots
+
+            prefix_slots(out, csr.total, int(seq_host.max()), r.req_to_token,
+                         batch.req_pool_indices, batch.seq_lens, r.num_slots)
+        else:
+            fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
+                              batch.seq_lens, num_slots=r.num_slots)
+        p.plan(csr, True, self.params)
         self._pass = p
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,

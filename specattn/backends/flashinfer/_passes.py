@@ -1,10 +1,14 @@
 """One FlashInfer attention call over page-size-1 sequences: a *pass*.
 
 A pass owns a FlashInfer wrapper and the int32 ``indices`` buffer its KV slot list lives in.
-Plan step (host, outside graph capture): ``plan(qo_indptr, kv_indptr, total, causal, params)``
-with CPU indptrs, after the caller wrote ``indices[:total]`` on the device. Run step (tensors
-only, graph-safe): ``run(q, layer_id) -> (o, lse or None)``; ``lse`` is base 2 (FlashInfer's),
-the base ``flashinfer.merge_state`` expects.
+Plan step (host, outside graph capture): ``plan(csr, causal, params)`` with the host CSR
+(``_slots.HostCSR``: CPU indptrs and lengths, nothing read from the device), before or after
+the caller writes ``indices[:csr.total]`` on the device (FlashInfer's plan does not read the
+indices, and the kernels run later on the same stream). One ``plan`` is one FlashInfer plan
+call; the host tensors that do not change between rounds (``last_page_len``, the graph plan's
+split arguments) are made once per pass. Run step (tensors only, graph-safe): ``run(q,
+layer_id) -> (o, lse or None)``; ``lse`` is base 2 (FlashInfer's), the base
+``flashinfer.merge_state`` expects.
 
 The wrapper keeps a reference to ``indices`` (eager) or was built on it (CUDA graph: it is the
 fixed ``paged_kv_indices`` buffer), so slot lists rewritten in place after ``plan`` (``path``
@@ -23,6 +27,7 @@ Vendor imports happen only inside these functions.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import TYPE_CHECKING, NamedTuple, Optional
@@ -35,9 +40,10 @@ from ...util import sm_count
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
+    from ._slots import HostCSR
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
-           "flashinfer_module", "capturing", "captured", "replan", "fp8_scales"]
+           "flashinfer_module", "capturing", "captured", "replan", "fp8_scales", "pins"]
 
 log = logging.getLogger("specattn.backends.flashinfer")
 
@@ -50,6 +56,12 @@ def flashinfer_module():
     import flashinfer
 
     return flashinfer
+
+
+def pins(device: torch.device) -> bool:
+    """Whether the host tensors given to FlashInfer's plans for ``device`` go in pinned memory
+    (a CUDA device: ``_slots.HostCSR`` says why)."""
+    return torch.device(device).type == "cuda"
 
 
 def capturing() -> bool:
@@ -124,7 +136,9 @@ class Pass:
         self.graph_rows = graph_rows  # number of sequences, frozen in graph mode
         self.indices = torch.zeros(max(capacity, 1), dtype=torch.int32, device=runner.device)
         self.wrapper = None
+        self.pin = pins(runner.device)
         self._last: Optional[tuple] = None
+        self._ones: Optional[torch.Tensor] = None  # last_page_len (host), by sequence count
 
     @property
     def graph(self) -> bool:
@@ -141,22 +155,27 @@ class Pass:
             self.wrapper = None  # its reference is to the old buffer
         return self.indices
 
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, total: int, causal: bool,
-             params: Params) -> None:
-        """Plan over ``indices[:total]``. qo_indptr, kv_indptr: ``[M + 1]`` int32 on the CPU."""
+    def plan(self, csr: "HostCSR", causal: bool, params: Params) -> None:
+        """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only)."""
         if self.wrapper is None:
-            self.wrapper = self._make_wrapper(kv_indptr.numel() - 1)
-        self._last = (qo_indptr, kv_indptr, total, causal)
-        self._plan(qo_indptr, kv_indptr, total, causal, params)
+            self.wrapper = self._make_wrapper(csr.kv_lens.numel())
+        self._last = (csr, causal)
+        self._plan(csr, causal, params)
 
     def replan(self, params: Params) -> None:
         if self._last is not None:
             self._plan(*self._last, params)
 
+    def _last_page_len(self, seqs: int) -> torch.Tensor:
+        """``[seqs]`` int32 ones on the host (pages of one token), kept between plans."""
+        if self._ones is None or self._ones.numel() != seqs:
+            self._ones = torch.ones(seqs, dtype=torch.int32, pin_memory=self.pin)
+        return self._ones
+
     def _make_wrapper(self, num_seqs: int):
         raise NotImplementedError
 
-    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+    def _plan(self, csr: "HostCSR", causal: bool, params: Params) -> None:
         raise NotImplementedError
 
     def run(self, q: torch.Tensor, layer_id: int, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -213,7 +232,12 @@ class PrefillPass(_MHAPass):
 
     ``uniform_rows``: the number of query rows of every sequence in every plan, if fixed (the
     prefix pass: ``K``); CUDA-graph plans then size FlashInfer's query tile for it.
-    ``plan_kwargs`` are passed to every ``plan`` last (they override the graph defaults)."""
+    ``plan_kwargs`` are passed to every ``plan`` last (they override the graph defaults).
+
+    Where the wrapper's ``plan`` takes them, it is also given ``seq_lens`` (the key counts,
+    which it would otherwise derive from the indptrs and copy to the device from pageable
+    memory) and ``max_token_per_sequence`` (the most query rows, which it would otherwise
+    find with a Python loop over the sequences): the values it computes itself."""
 
     def __init__(self, runner: "DraftRunner", *, backend: str = "auto",
                  plan_kwargs: Optional[dict] = None, uniform_rows: Optional[int] = None,
@@ -222,6 +246,8 @@ class PrefillPass(_MHAPass):
         self.backend = backend
         self.plan_kwargs = dict(plan_kwargs or {})  # e.g. fixed_split_size (benchmarks)
         self.uniform_rows = uniform_rows
+        self._extra: Optional[tuple[int, dict]] = None  # (sequences, extra plan arguments)
+        self._hints: Optional[frozenset] = None  # the length arguments the plan takes
 
     def _make_wrapper(self, num_seqs: int):
         fi = flashinfer_module()
@@ -234,17 +260,37 @@ class PrefillPass(_MHAPass):
             paged_kv_indices_buf=self.indices, paged_kv_last_page_len_buf=last,
             backend=self.backend)
 
-    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+    def _extra_kwargs(self, seqs: int) -> dict:
+        """The graph plan's split arguments and ``plan_kwargs`` for ``seqs`` sequences."""
+        if self._extra is None or self._extra[0] != seqs:
+            extra = _graph_split_kwargs(self.runner, self.uniform_rows, seqs) if self.graph \
+                else {}
+            extra.update(self.plan_kwargs)
+            self._extra = (seqs, extra)
+        return self._extra[1]
+
+    def _length_hints(self, csr) -> dict:
+        if self._hints is None:
+            takes = inspect.signature(self.wrapper.plan).parameters
+            self._hints = frozenset(n for n in ("seq_lens", "max_token_per_sequence")
+                                    if n in takes)
+        hints = {}
+        if "seq_lens" in self._hints:
+            hints["seq_lens"] = csr.kv_lens
+        if "max_token_per_sequence" in self._hints:
+            hints["max_token_per_sequence"] = csr.max_q
+        return hints
+
+    def _plan(self, csr, causal, params) -> None:
         r = self.runner
-        seqs = kv_indptr.numel() - 1
-        last = torch.ones(seqs, dtype=torch.int32)
-        extra = _graph_split_kwargs(r, self.uniform_rows, seqs) if self.graph else {}
-        extra.update(self.plan_kwargs)
-        self.wrapper.plan(qo_indptr, kv_indptr, self.indices[:total], last, r.num_q_heads,
-                          r.num_kv_heads, r.head_dim, 1, head_dim_vo=r.v_head_dim,
-                          causal=causal, sm_scale=params.scale,
+        seqs = csr.kv_lens.numel()
+        self.wrapper.plan(csr.qo_indptr, csr.kv_indptr, self.indices[:csr.total],
+                          self._last_page_len(seqs), r.num_q_heads, r.num_kv_heads,
+                          r.head_dim, 1, head_dim_vo=r.v_head_dim, causal=causal,
+                          sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.kv_dtype, **extra)
+                          q_data_type=r.dtype, kv_data_type=r.kv_dtype,
+                          **self._length_hints(csr), **self._extra_kwargs(seqs))
 
 
 class DecodePass(_MHAPass):
@@ -263,11 +309,11 @@ class DecodePass(_MHAPass):
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=last,
             backend="fa2")
 
-    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+    def _plan(self, csr, causal, params) -> None:
         r = self.runner
-        last = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
-        self.wrapper.plan(kv_indptr, self.indices[:total], last, r.num_q_heads, r.num_kv_heads,
-                          r.head_dim, 1, sm_scale=params.scale,
+        self.wrapper.plan(csr.kv_indptr, self.indices[:csr.total],
+                          self._last_page_len(csr.kv_lens.numel()), r.num_q_heads,
+                          r.num_kv_heads, r.head_dim, 1, sm_scale=params.scale,
                           logits_soft_cap=params.cap if params.cap > 0 else None,
                           q_data_type=r.dtype, kv_data_type=r.kv_dtype)
 
@@ -288,11 +334,11 @@ class MLAPass(Pass):
             ws, use_cuda_graph=True, qo_indptr=qo, kv_indptr=kv, kv_indices=self.indices,
             kv_len_arr=kv_len, backend="auto")
 
-    def _plan(self, qo_indptr, kv_indptr, total, causal, params) -> None:
+    def _plan(self, csr, causal, params) -> None:
         fi = flashinfer_module()
         r = self.runner
-        kv_len = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
-        meta = fi.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, self.indices[:total], kv_len)
+        meta = fi.mla.MLAPlanMetadata.csr(csr.qo_indptr, csr.kv_indptr,
+                                          self.indices[:csr.total], csr.kv_lens)
         fp8 = dict(scale_mode="kv-per-tensor") if r.fp8 else {}
         self.wrapper.plan(metadata=meta, num_heads=r.num_heads, head_dim_ckv=r.kv_lora_rank,
                           head_dim_kpe=r.qk_rope_head_dim, page_size=1, causal=causal,

@@ -14,25 +14,66 @@ Three sequence layouts cover the draft decode (``N = B * K`` lanes, step ``i``, 
 - *full*: one sequence per lane, ``R_b[0 : L_b]`` followed by its ``n`` history slots
   (``topk == 1`` and the ``per-branch`` mode).
 
-The host needs only the lengths (for FlashInfer's plan); the indices are built on the device
-from ``req_to_token`` without a host round trip.
+The host needs only the lengths (for FlashInfer's plan: ``HostCSR``, from the lengths the
+caller has on the host); the indices are built on the device from ``req_to_token`` without a
+host round trip: ``fill_ragged_slots`` here (torch, any layout) or, for the prefix layout,
+``specattn.kernels.prefix_slots`` (one launch).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ...metadata import in_pool
 
-__all__ = ["csr_indptr", "fill_ragged_slots", "history_positions", "host_indptr"]
+__all__ = ["HostCSR", "csr_indptr", "fill_ragged_slots", "history_positions", "host_arange",
+           "host_csr", "host_indptr"]
 
 
-def host_indptr(lens: torch.Tensor) -> torch.Tensor:
-    """``[0, cumsum(lens)]`` as int32 on the CPU. lens: ``[M]`` int (CPU)."""
-    out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
-    out[1:] = torch.cumsum(lens.to(torch.int64), 0).to(torch.int32)
+class HostCSR(NamedTuple):
+    """What FlashInfer's host planner reads for one pass, int32 on the CPU: ``qo_indptr``
+    and ``kv_indptr`` ``[M + 1]``, ``kv_lens [M]``; ``total = kv_indptr[-1]`` and ``max_q``,
+    the most query rows of a sequence, as Python ints.
+
+    On a GPU the tensors are in pinned memory (``host_csr(pin=True)``): FlashInfer's plan
+    copies them to the device with ``non_blocking=True``, and a copy from pageable memory
+    can wait for the work already queued on the stream, the wait this glue avoids. They are
+    never written after the plan (the copy may still be pending); torch's pinned-memory
+    cache keeps a block until its copies are done."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    total: int
+    max_q: int
+
+
+def host_indptr(lens: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
+    """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``). lens: ``[M]`` int
+    (CPU)."""
+    out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, pin_memory=pin)
+    torch.cumsum(lens, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def host_csr(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, max_q: int, *,
+             pin: bool = False) -> HostCSR:
+    """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU) with the query rows of
+    ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller), at most ``max_q``
+    per sequence. Host arithmetic only; ``pin``: the new tensors in pinned memory."""
+    kv = host_indptr(kv_lens, pin=pin)
+    lens = torch.empty(kv_lens.shape, dtype=torch.int32, pin_memory=pin)
+    lens.copy_(kv_lens)
+    return HostCSR(qo_indptr, kv, lens, int(kv[-1]), max_q)
+
+
+def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:
+    """``[0, step, 2 * step, ..., n * step]`` int32 on the CPU (pinned with ``pin``): the
+    ``qo_indptr`` of ``n`` sequences of ``step`` query rows."""
+    out = torch.empty(n + 1, dtype=torch.int32, pin_memory=pin)
+    torch.arange(0, (n + 1) * step, step, dtype=torch.int32, out=out)
     return out
 
 

@@ -38,6 +38,7 @@ class _MHA:
     dtypes = (torch.bfloat16, torch.float16)
     kv_cache_dtypes = KV_DTYPES_WITH_FP8
     supports_cuda_graph = True
+    reads_host_lengths = True  # FlashInfer plans on the host
     tested_on = _TESTED
 
     def _default_params(self) -> Params:
@@ -50,6 +51,7 @@ class _MLA:
     dtypes = (torch.bfloat16, torch.float16)
     kv_cache_dtypes = ("auto", "fp8_e4m3")
     supports_cuda_graph = True
+    reads_host_lengths = True  # FlashInfer plans on the host
     soft_cap_models = frozenset()  # FlashInfer MLA has no soft cap
     tested_on = _TESTED
 
@@ -130,8 +132,8 @@ class FlashInferMLADecode(_MLA, FlashInferDecodeGlue, name="flashinfer", flavour
     """MLA draft decode through ``BatchMLAPagedAttentionWrapper``, ``topk > 1`` included.
 
     q: ``[B*K, H, R + rope]`` (absorbed), k: ``[B*K, R + rope]``, v: ``None`` →
-    ``[B*K, H, R]``. The plan reads the index range back from the device (FlashInfer's MLA
-    planner validates it), one sync per planned pass.
+    ``[B*K, H, R]``. The plan (``MLAPlanMetadata.csr``) is given the indptrs and lengths
+    on the host and the slot list on the device.
     """
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",

@@ -1,6 +1,16 @@
 """The Gluon MLA decode kernel (Hopper: wgmma, cp.async). Imported only through
 ``gluon_mla.kernel_module()``, after the Triton version and Gluon's Hopper ops were checked;
-``gluon_mla`` documents the algorithm."""
+``gluon_mla`` documents the algorithm.
+
+``FP8`` (a constexpr): the pool holds FP8 codes (e4m3 / e5m2) and a key is ``code *
+KScale[0]``. The codes of a key tile are gathered by ``cp.async`` into a ring of FP8 tiles
+(``_alloc_fp8_ring``), widened exactly to the query's dtype into one staging tile that the
+wgmmas read (``_widen_tile``), and the ring stage is refilled as soon as it is widened, so
+two tiles are in flight during a tile's MMAs (``_tile_step_fp8``). The key scale folds into
+the softmax scale and, the latent being the value too, into the normalised output. The
+call's new keys are in the pool already (torch quantized them): the kernel reads them there
+and stores none.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +34,11 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
     version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 512 // 2, 16]))
 P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+# FP8 codes: 16-byte copies and widenings of 16 codes, 4 rows x 128 codes per warp
+# instruction; its rows are distributed as COPY_LAYOUT's (a conversion between their row
+# slices moves nothing), so the 64-wide rope part goes through COPY_LAYOUT.
+FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
+FP8_COLS = gl.constexpr(128)  # latent columns widened at a time (32 codes per thread)
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 
 
@@ -49,11 +64,23 @@ def _alloc_q_and_ring(dtype: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
+def _alloc_fp8_ring(kv_dtype: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Shared memory for the FP8 key ring (``NUM_STAGES`` x ``BLOCK_N`` keys' codes, latent
+    and rope; half the bytes of a bf16 ring): ``(k, kpe)``."""
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], kv_dtype)
+    kpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], kv_dtype)
+    return (gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, D_MAIN], k_sl),
+            gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, D_PE], kpe_sl))
+
+
+@gluon.jit
 def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-               TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr):
+               TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, NEW_IN_POOL: gl.constexpr = False):
     """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``) ->
     ``(slot int64, new)``: its pool slot, and whether it is this call's key (read from
-    ``k``: the last slot of each lane). Path mode: the ancestor at that depth."""
+    ``k``: the last slot of each lane). Path mode: the ancestor at that depth.
+    ``NEW_IN_POOL`` (FP8 pools, where torch stored the call's keys): the slot of this call's
+    key too, ``Hist[lane, step]``."""
     key_lane = idx // hl
     depth = idx % hl
     new = ok & (depth == hl - 1)
@@ -66,7 +93,10 @@ def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, strid
                           mask=ok & (depth < u), other=0)
             a = gl.where(depth < u, par.to(gl.int32), a)
     z = q_start + a
-    slot = gl.load(Hist + z * NUM_STEPS + depth, mask=ok & (depth < hl - 1), other=0)
+    if NEW_IN_POOL:
+        slot = gl.load(Hist + z * NUM_STEPS + depth, mask=ok, other=0)
+    else:
+        slot = gl.load(Hist + z * NUM_STEPS + depth, mask=ok & (depth < hl - 1), other=0)
     return _in_pool(slot.to(gl.int64), num_slots), new
 
 
@@ -130,6 +160,92 @@ def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr, COLS: gl.constexpr = D
             part.store(gl.where((x - x) == 0, x, gl.zeros_like(x)))
         fence_async_shared()
         gl.thread_barrier()
+
+
+@gluon.jit
+def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo,
+                    n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
+                    TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
+    """``_issue_tile`` for an FP8 pool: the codes of key tile ``t`` into ring stage ``t %
+    NUM_STAGES`` (``slots`` in ``FP8_LAYOUT``'s rows), every key from the pool (this call's
+    too); keys past the end are zero-filled."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_LAYOUT))
+    if t < n_pref:
+        ok = start + t * BLOCK_N + offs_n < end
+        slot = _in_pool(slots.to(gl.int64), num_slots)
+    else:
+        idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
+        ok = idx < n_hi
+        slot, new = _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                               stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, True)
+    rows = KV + slot * stride_kvs
+    stage = t % NUM_STAGES
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, FP8_LAYOUT))
+    async_copy.async_copy_global_to_shared(k_ring.index(stage),
+                                           rows[:, None] + offs_d[None, :], mask=ok[:, None])
+    pe_rows = gl.convert_layout(rows, gl.SliceLayout(1, COPY_LAYOUT))
+    pe_ok = gl.convert_layout(ok, gl.SliceLayout(1, COPY_LAYOUT))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    async_copy.async_copy_global_to_shared(kpe_ring.index(stage),
+                                           pe_rows[:, None] + D_MAIN + offs_pe[None, :],
+                                           mask=pe_ok[:, None])
+
+
+@gluon.jit
+def _widen_tile(src, dst, tail, COLS: gl.constexpr, layout: gl.constexpr):
+    """``dst = src`` (FP8 codes widened to ``dst``'s dtype: exact for e4m3 and e5m2 into
+    bf16 and fp16), ``COLS`` columns at a time through registers. ``tail``: the tile holds
+    history keys (``_finite_tail``), whose non-finite values become 0."""
+    for c in gl.static_range(src.shape[1] // COLS):
+        x = src.slice(c * COLS, COLS, dim=1).load(layout).to(dst.dtype)
+        if tail:
+            x = gl.where((x - x) == 0, x, gl.zeros_like(x))
+        dst.slice(c * COLS, COLS, dim=1).store(x)
+
+
+@gluon.jit
+def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, k_s, kpe_s,
+                   s_zero, row_lane, r2t_row, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
+                   hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+                   NUM_STEPS, num_slots, qk_scale, logit_cap, MODE: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr,
+                   p_layout: gl.constexpr):
+    """``_tile_step`` over an FP8 ring: wait for tile ``t``'s codes, widen them into the
+    staging tile ``k_s`` / ``kpe_s``, refill their ring stage with tile ``t + NUM_STAGES``
+    (``NUM_STAGES`` tiles in flight during the MMAs), then ``S``, the online softmax and
+    ``P.V`` on the staging tile. ``qk_scale`` includes the key scale. Returns ``(acc, m_i,
+    l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries."""
+    dtype: gl.constexpr = k_s.dtype
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = s_zero.type.layout
+    # Tile t's codes have landed (each thread's copies), and every warp is done with the
+    # staging tile (tile t - 1's MMAs waited).
+    async_copy.wait_group(NUM_STAGES - 1)
+    gl.thread_barrier()
+    stage = t % NUM_STAGES
+    tail = t >= n_pref
+    _widen_tile(k_ring.index(stage), k_s, tail, FP8_COLS, FP8_LAYOUT)
+    _widen_tile(kpe_ring.index(stage), kpe_s, tail, D_PE, COPY_LAYOUT)
+    # The staging tile (and Q) visible to the wgmmas; every warp is done with the stage.
+    fence_async_shared()
+    gl.thread_barrier()
+    _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start,
+                    end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
+    async_copy.commit_group()
+    slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
+                          FP8_LAYOUT)
+    s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qpe_smem, kpe_s.permute((1, 0)), s_tok, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return acc, m_i, l_i, slots
 
 
 @gluon.jit
@@ -278,17 +394,18 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
 
 @gluon.jit
 def _gluon_mla_kernel(
-        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents,
+        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents, KScale,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr):
+        USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
-    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``)."""
-    dtype: gl.constexpr = KV.dtype.element_ty
+    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``). ``FP8``:
+    KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read."""
+    dtype: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
 
@@ -307,9 +424,10 @@ def _gluon_mla_kernel(
     # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
     lane_lo = row_lo // H
     lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
-    if split == 0:
-        _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, lane_hi,
-                        step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
+    if not FP8:  # FP8: torch stored them
+        if split == 0:
+            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
+                            lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
 
     start = split * split_len
     end = gl.minimum(prefix_len, start + split_len)
@@ -318,20 +436,37 @@ def _gluon_mla_kernel(
     n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
-    q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
-
-    # Q rows (row m: lane m // H, head m % H), in the first copy group.
-    _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-             copy_layout)
-    for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N, copy_layout),
-                    k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
-                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                    copy_layout)
-        async_copy.commit_group()
-    # The slots of the next tile to copy.
-    slots = _prefix_slots(NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
+    if FP8:
+        # Q, one staging tile of the query's dtype, the ring of codes (NUM_STAGES tiles
+        # ahead: a stage is free once widened).
+        q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
+        k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
+        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
+                 copy_layout)
+        for i in gl.static_range(NUM_STAGES):
+            _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
+                                             FP8_LAYOUT),
+                            k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
+                            hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
+                            TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
+            async_copy.commit_group()
+        slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, FP8_LAYOUT)
+    else:
+        q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
+        # Q rows (row m: lane m // H, head m % H), in the first copy group.
+        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
+                 copy_layout)
+        for i in gl.static_range(NUM_STAGES - 1):
+            _issue_tile(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
+                                         copy_layout),
+                        k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start,
+                        end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                        stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
+                        copy_layout)
+            async_copy.commit_group()
+        # The slots of the next tile to copy.
+        slots = _prefix_slots(NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
+                              copy_layout)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_lane = offs_sm // H
@@ -340,14 +475,26 @@ def _gluon_mla_kernel(
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    for t in range(total):
-        acc, m_i, l_i, slots = _tile_step(
-            t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
-            r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi,
-            hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-            NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
-            copy_layout, P_LAYOUT)
-    async_copy.wait_group(0)
+    if FP8:
+        k_scale = gl.load(KScale)
+        for t in range(total):
+            acc, m_i, l_i, slots = _tile_step_fp8(
+                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, k_st.index(0),
+                kpe_st.index(0), s_zero, row_lane, r2t_row, KV, stride_kvs, n_pref, start,
+                end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                stride_par_b, TOPK, NUM_STEPS, num_slots, qk_scale * k_scale, logit_cap, MODE,
+                BLOCK_N, NUM_STAGES, USE_CAP, P_LAYOUT)
+        async_copy.wait_group(0)
+        acc = acc * k_scale  # the value scale: the latent is the value
+    else:
+        for t in range(total):
+            acc, m_i, l_i, slots = _tile_step(
+                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero,
+                row_lane, r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
+                n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
+                TOPK, NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES,
+                USE_CAP, copy_layout, P_LAYOUT)
+        async_copy.wait_group(0)
 
     # Epilogue: normalise; one split writes Out, several write partials + LSE.
     _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,

@@ -11,24 +11,24 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy
 
 from ._attn_kernels import META_W
 from ._gluon_mla_kernel import (
-    BLOCK_M, COPY_LAYOUT, D_MAIN, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT, _acc_layout,
-    _alloc_q_and_ring, _issue_q, _issue_tile, _prefix_slots, _store_new_keys, _store_result,
-    _tile_step)
+    BLOCK_M, COPY_LAYOUT, D_MAIN, FP8_LAYOUT, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT,
+    _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_q, _issue_tile, _issue_tile_fp8,
+    _prefix_slots, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
 
 
 @gluon.jit
 def _gluon_mla_wl_kernel(
-        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Work, Hist, Parents,
+        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Work, Hist, Parents, KScale,
         step, sm_scale, logit_cap,
         stride_qt, stride_qh, stride_kvs, stride_kin_t, stride_mo_g, stride_ml_g,
         stride_ot, stride_oh, stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK,
         NUM_STEPS, batch, num_programs,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        USE_CAP: gl.constexpr):
+        USE_CAP: gl.constexpr, FP8: gl.constexpr):
     """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
-    rows ``lane * H + head``); the other tensors as in ``_gluon_mla_kernel``."""
-    dtype: gl.constexpr = KV.dtype.element_ty
+    rows ``lane * H + head``); the other tensors and ``FP8`` as in ``_gluon_mla_kernel``."""
+    dtype: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -49,7 +49,11 @@ def _gluon_mla_wl_kernel(
     n_lo = lane_lo * hl
     tail_keys = (lane_hi - lane_lo) * hl
 
-    q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
+    if FP8:  # Q, a staging tile, the ring of codes (``_gluon_mla_kernel``)
+        q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
+        k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
+    else:
+        q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
     row_lane = offs_sm // H
@@ -73,33 +77,59 @@ def _gluon_mla_wl_kernel(
         n_hi = gl.where(t_hi > n_pref,
                         n_lo + gl.minimum(tail_keys, (t_hi - n_pref) * BLOCK_N), n_lo)
         first = u_b >= u_begin
-        if first:
-            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
-                            lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
+        if not FP8:  # FP8: torch stored them
+            if first:
+                _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
+                                lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
         _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
                  COPY_LAYOUT)
-        for i in gl.static_range(NUM_STAGES - 1):
-            _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end, BLOCK_N,
-                                                COPY_LAYOUT),
-                        k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end,
-                        n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                        stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                        COPY_LAYOUT)
-            async_copy.commit_group()
-        slots = _prefix_slots(t_lo + NUM_STAGES - 1, r2t_row, n_pref, 0, end, BLOCK_N,
-                              COPY_LAYOUT)
+        if FP8:
+            for i in gl.static_range(NUM_STAGES):
+                _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
+                                                        BLOCK_N, FP8_LAYOUT),
+                                k_ring, kpe_ring, KV, stride_kvs, n_pref, 0, end, n_lo, n_hi,
+                                hl, q_start, b, step, Hist, Parents, stride_par_s,
+                                stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
+                                NUM_STAGES)
+                async_copy.commit_group()
+            slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
+                                  FP8_LAYOUT)
+        else:
+            for i in gl.static_range(NUM_STAGES - 1):
+                _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
+                                                    BLOCK_N, COPY_LAYOUT),
+                            k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0,
+                            end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
+                            BLOCK_N, NUM_STAGES, COPY_LAYOUT)
+                async_copy.commit_group()
+            slots = _prefix_slots(t_lo + NUM_STAGES - 1, r2t_row, n_pref, 0, end, BLOCK_N,
+                                  COPY_LAYOUT)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
         acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
-        for t in range(t_lo, t_hi):
-            acc, m_i, l_i, slots = _tile_step(
-                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
-                r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end, n_lo, n_hi, hl,
-                q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
-                num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
-                COPY_LAYOUT, P_LAYOUT)
-        async_copy.wait_group(0)
+        if FP8:
+            k_scale = gl.load(KScale)
+            for t in range(t_lo, t_hi):
+                acc, m_i, l_i, slots = _tile_step_fp8(
+                    t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring,
+                    k_st.index(0), kpe_st.index(0), s_zero, row_lane, r2t_row, KV,
+                    stride_kvs, n_pref, 0, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                    Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
+                    qk_scale * k_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
+                    P_LAYOUT)
+            async_copy.wait_group(0)
+            acc = acc * k_scale  # the value scale: the latent is the value
+        else:
+            for t in range(t_lo, t_hi):
+                acc, m_i, l_i, slots = _tile_step(
+                    t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero,
+                    row_lane, r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end,
+                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                    stride_par_b, TOPK, NUM_STEPS, num_slots, qk_scale, logit_cap, MODE,
+                    BLOCK_N, NUM_STAGES, USE_CAP, COPY_LAYOUT, P_LAYOUT)
+            async_copy.wait_group(0)
 
         # The request's only segment writes Out; the others a partial in slot p + b, whose
         # rows are request-relative: the base moves back by the request's first row.

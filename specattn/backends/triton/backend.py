@@ -1,9 +1,13 @@
 """``triton`` backend classes: shared-prefix draft decode and draft extend, MHA and MLA
 (imports no Triton: the kernels load on the first metadata call).
 
-A round's metadata is one launch (two with ``gluon-wl``'s work list), graph-safe, no host
+A round's metadata is one launch (the ``gluon-wl`` work list included), graph-safe, no host
 sync; ``forward`` runs the plan's kernel (``plans``; ``plan=NAME`` forces one) and merges
 the partials. ``mode="per-branch"``: every lane its own sequence (the upstream design).
+
+A CUDA-graph round's metadata is the same launch, which also copies the caller's batch into
+the fixed buffers, padded; a replay's call of a signature seen before launches the kept
+compiled kernel and repeats only the checks that read values (``specattn.graph_calls``).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ...base import DraftDecodeBackend, DraftExtendBackend
 from ...errors import InvalidInputError
+from ...graph_calls import KeptDecodeCalls, KeptExtendCalls
 from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
                           triton_interpret_enabled)
 from . import plans as P
@@ -38,7 +42,7 @@ class _TritonCommon:
     """What the decode and extend classes share: capabilities and the keyword checks."""
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: the tl.dot plans
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # FP8: tl.dot and Gluon plans
     supports_cuda_graph = True
     tested_on = "H200 (sm90) + CPU interpreter"
 
@@ -50,11 +54,26 @@ class _TritonCommon:
                     "memory in the Triton MLA kernels (bf16/fp16 do; float32 up to 320)")
         return None
 
+    def _splits(self, plan: "P.Plan", shape: "P.AttnShape", rows_per_group: int,
+                num_groups: int, rows: int, extend: bool) -> int:
+        """A round's prefix splits: ``num_splits`` when given (at most ``split_cap`` for the
+        round's ``rows`` query rows), else ``plan_splits``'s."""
+        L = _launchers()
+        forced = self._num_splits_override
+        if forced is None:
+            return L.plan_splits(plan, shape, rows_per_group, num_groups, self.runner.device,
+                                 extend, rows)
+        cap = L.split_cap(plan, rows)
+        if forced > cap:
+            raise InvalidInputError("num_splits", f"at most {cap} with plan {plan.name} for "
+                                    f"{rows} query rows", forced)
+        return forced
+
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str) -> None:
         """``num_splits`` / ``plan`` checked and kept; the per-round caches emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
-                                           and 1 <= num_splits <= P.MAX_SPLITS):
-            raise InvalidInputError("num_splits", f"an int in [1, {P.MAX_SPLITS}] or None",
+                                           and 1 <= num_splits <= P.DOT_MAX_SPLITS):
+            raise InvalidInputError("num_splits", f"an int in [1, {P.DOT_MAX_SPLITS}] or None",
                                     repr(num_splits))
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
@@ -66,6 +85,12 @@ class _TritonCommon:
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._plans: dict = {}
         self._round_plan = None
+
+    def _kept_plan(self) -> dict:
+        return self._round_plan
+
+    def _resume_plan(self, plan: dict) -> None:
+        self._round_plan = plan
 
     def _kernel_writes_kv(self) -> bool:
         return True  # launchers.attention stores it
@@ -87,7 +112,8 @@ class _GraphBuffers:
     def __init__(self, max_reqs: int, max_rows: int, num_steps: int, num_q_heads: int,
                  d_v: int, device: torch.device, work_rows: int = 0,
                  work_numel: int = 0) -> None:
-        rows = max(max_rows * num_q_heads * (P.MAX_SPLITS + 1), work_rows)
+        rows = max(max(max_rows, P.PARTIAL_ROWS) * num_q_heads * (P.MAX_SPLITS + 1),
+                   work_rows)  # launchers.split_cap: what a round of few rows may take
         self.meta = torch.zeros(max_reqs, 5, dtype=torch.int32, device=device)
         self.hist = torch.zeros(max(1, max_rows), num_steps, dtype=torch.int32, device=device)
         self.mid_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
@@ -99,7 +125,7 @@ class _GraphBuffers:
         return self.meta.shape[0] >= reqs and self.hist.shape[0] >= rows
 
 
-class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
+class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     """Multi-step draft decode on Triton kernels (see the module doc).
 
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
@@ -144,8 +170,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         rows_per_group = lanes * shape.group
         plan = self.plan
         num_groups = bs * self.topk // lanes
-        splits = self._num_splits_override or L.plan_splits(
-            plan, shape, rows_per_group, num_groups, self.runner.device, extend=False)
+        splits = self._splits(plan, shape, rows_per_group, num_groups, bs * self.topk, False)
         out = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, plan=plan,
                    num_groups=num_groups, num_splits=splits, bs=bs)
         if plan.kernel is P.Kernel.GLUON_WL:
@@ -183,7 +208,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
         plan = self._make_plan(bs)
         bufs = self._buffers_for(bs, bs * self.topk)
         src = source or batch
-        _launchers().decode_metadata(
+        self._launch = _launchers().decode_metadata(
             src.req_pool_indices, src.seq_lens, src.out_cache_loc, bufs.meta, bufs.hist,
             plan["num_splits"], plan["plan"].block_n, self.runner.num_slots, bufs.work,
             plan.get("wl_tail", 0), fixed=None if source is None else (
@@ -224,7 +249,7 @@ class TritonDecode(_TritonCommon, DraftDecodeBackend, name="triton", **_DECL):
                            new_kv=(k, v), work=bufs.work)
 
 
-class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
+class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
     """Draft extend on the same kernels: per request and KV head, the ``E_b * G`` query rows
     read the prefix ``R_b[0 : L' - E]`` once, then the new tokens causally.
 
@@ -253,8 +278,7 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         rows_per_group = max_extend * shape.group
         plan = self._forced or P.choose_plan(self.runner, "extend", rows_per_group,
                                              triton_interpret_enabled())
-        splits = self._num_splits_override or L.plan_splits(
-            plan, shape, rows_per_group, bs, self.runner.device, extend=True)
+        splits = self._splits(plan, shape, rows_per_group, bs, num_tokens, True)
         out = self._plans[key] = dict(shape=shape, plan=plan, rows_per_group=rows_per_group,
                                       num_splits=splits, bs=bs, num_tokens=num_tokens)
         return out
@@ -263,15 +287,19 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
         """Eager: reads ``max(extend_lens)`` to size the grid (one host sync, as upstream)."""
         self._fill(batch, int(batch.extend_lens.max()))
 
-    def _fill(self, batch: "DraftExtendBatch", max_extend: int) -> None:
+    def _fill(self, batch: "DraftExtendBatch", max_extend: int,
+              source: Optional["DraftExtendBatch"] = None) -> None:
+        """One launch: the metadata, and the new tokens' slots into the fixed ``hist`` (so a
+        replayed graph writes the new ones); with ``source`` (graph rounds) the caller's batch,
+        whose slots also go into ``batch``'s fixed ``out_cache_loc``."""
         bs, num_tokens = batch.batch_size, self.num_tokens
         plan = self._plan_for(bs, num_tokens, max_extend)
         bufs = self._buffers_for(bs, num_tokens)
-        _launchers().extend_metadata(batch.req_pool_indices, batch.seq_lens,
-                                     batch.extend_lens, bufs.meta, plan["num_splits"],
-                                     plan["plan"].block_n)
-        # Slots of the new tokens in a fixed buffer, so a replayed graph writes the new ones.
-        bufs.hist[:num_tokens, 0].copy_(batch.out_cache_loc)
+        src = source or batch
+        self._launch = _launchers().extend_metadata(
+            src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc, bufs.meta,
+            bufs.hist, plan["num_splits"], plan["plan"].block_n,
+            None if source is None else batch.out_cache_loc)
         self._round_plan, self._active = plan, bufs
 
     def _new_buffers(self, bs: int, num_tokens: int) -> _GraphBuffers:
@@ -281,12 +309,15 @@ class TritonExtend(_TritonCommon, DraftExtendBackend, name="triton", **_DECL):
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         self._graph_bufs = self._new_buffers(max_bs, max_num_tokens)
 
+    def _fills_graph_round(self) -> bool:
+        return True
+
     def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
         ``max E <= T - B + 1``; ``max_extend_len`` bounds it further."""
         bound = self.num_tokens - batch.batch_size + 1
         self._fill(batch, bound if self.max_extend_len is None
-                   else min(bound, self.max_extend_len))
+                   else min(bound, self.max_extend_len), self.graph_source)
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,12 +1,17 @@
 """MLA draft decode on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``; sm90,
-Triton 3.6.x, a 512 + 64 latent in bf16/fp16: ``plans.gluon_reason``); run on the H200.
+Triton 3.6.x, a 512 + 64 latent, bf16/fp16 queries over a pool of their dtype or of FP8
+codes: ``plans.gluon_reason``); run on the H200.
 
 One program of 8 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment of
 ``worklist``'s work list): the tile's ``K * H`` query rows in shared memory, key tiles
 gathered by ``cp.async`` into a ring (``req_to_token`` read a tile ahead), S by wgmma with
 each warpgroup on half its columns, P.V from registers into each warpgroup's 256 output
 columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
-key read from ``k``). ``docs/kernels.md`` has the measurements.
+key read from ``k``). An FP8 pool (``float8_e4m3fn`` / ``float8_e5m2`` codes, a key is
+``code * k_scale``): the codes go through a ring of their own and are widened exactly into
+a staging tile of the query's dtype that the wgmmas read; ``k_scale`` scales the scores
+and the output; the call's keys were stored by torch (``runner.write_kv``) and are read from
+the pool. ``docs/kernels.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from .plans import gluon_import_reason, num_row_tiles
 
 NUM_WARPS = 8  # two warpgroups
+FP8_POOLS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +43,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               meta: torch.Tensor, hist: torch.Tensor, parents: tuple, *, mode: int, batch: int,
               topk: int, num_steps: int, step: int, num_splits: int, sm_scale: float,
               logit_cap: float, block_n: int, num_stages: int,
-              work: Optional[torch.Tensor] = None) -> None:
+              work: Optional[torch.Tensor] = None,
+              k_scale: Optional[torch.Tensor] = None) -> None:
     """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
     partials (``merge_partials``; ``worklist.merge``).
 
@@ -49,15 +56,25 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     512]`` / ``mid_lse [B*K, H, >= splits]``. Work list (``worklist``'s table for
     ``num_splits`` programs per row tile): requests with one program write ``out``, the
     others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]`` /
-    ``mid_lse [slots, partial_rows]``."""
+    ``mid_lse [slots, partial_rows]``.
+    FP8 pool (``kv`` of ``FP8_POOLS``): ``k_scale`` is a one-element float32 tensor (a key is
+    ``code * k_scale[0]``) and the call's codes are in the pool already (``k_new`` is not
+    read)."""
+    fp8 = kv.dtype in FP8_POOLS
+    if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
+        raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
+    if not fp8 and kv.dtype != q.dtype:
+        raise ValueError(f"the Gluon kernels read a pool of the query's dtype or FP8 codes, "
+                         f"got a {kv.dtype} pool for {q.dtype} queries")
     K = kernel_module()  # the version and Gluon checks
     H = q.shape[1]
     par, par_s, par_b = parents
+    scale = k_scale if fp8 else meta  # a placeholder, never read without FP8
     consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                  USE_CAP=logit_cap > 0, num_warps=NUM_WARPS)
+                  USE_CAP=logit_cap > 0, FP8=fp8, num_warps=NUM_WARPS)
     if work is None:
         K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
-            q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par,
+            q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale,
             step, float(sm_scale), float(logit_cap),
             q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -68,7 +85,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     from . import _gluon_mla_wl_kernel as W
 
     W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), num_splits)](
-        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par,
+        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par, scale,
         step, float(sm_scale), float(logit_cap),
         q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), mid_o.stride(0),
         mid_lse.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), par_s, par_b,

@@ -17,20 +17,34 @@ from ...util import next_pow2
 from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
-from .plans import MAX_SPLITS, SM90_KERNELS, AttnShape, Kernel, Plan
+from ...kernels.kernel_launch import KernelLaunch
+from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, AttnShape, Kernel,
+                    Plan)
 
 
 def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
 
 
+def split_cap(plan: Plan, rows: int) -> int:
+    """The most prefix splits a round of ``rows`` query rows (lanes; extend: new tokens) may
+    take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
+    rows, so a round of few rows (one request) gives the ``tl.dot`` split-KV kernel more
+    splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one prefix."""
+    if plan.kernel is not Kernel.DOT:
+        return MAX_SPLITS
+    room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
+    return max(1, min(DOT_MAX_SPLITS, room - 1))  # the tail's partial takes one part
+
+
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
-                device: torch.device, extend: bool) -> int:
-    """Prefix splits of a round (host ints only: graph-safe); for ``gluon-wl`` the work
-    list's programs per row tile. Splits fill about ``waves`` programs per SM: 4 for the
-    ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``), rounded up; 1
-    for the others (~200 KB of shared memory: one program per SM), rounded down so that a
-    full wave is not followed by a few stragglers (``cute``: one wave of clusters)."""
+                device: torch.device, extend: bool, rows: int) -> int:
+    """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe); for
+    ``gluon-wl`` the work list's programs per row tile. Splits fill about ``waves`` programs
+    per SM: 4 for the ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``),
+    rounded up, at most ``split_cap``; 1 for the others (~200 KB of shared memory: one
+    program per SM), rounded down so that a full wave is not followed by a few stragglers
+    (``cute``: one wave of clusters)."""
     row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
@@ -38,7 +52,7 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
     waves = (2.0 if extend else 4.0) if plan.kernel is Kernel.DOT else 1.0
     target = waves * worklist.sms(device)
     n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
-    splits = max(1, min(MAX_SPLITS, n))
+    splits = max(1, min(split_cap(plan, rows), n))
     return cute_mla.plan_splits(programs, device, splits) if plan.kernel is Kernel.CUTE \
         else splits
 
@@ -62,39 +76,68 @@ def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     out_cache_loc: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor,
                     num_splits: int, block_n: int, num_slots: int,
                     work: Optional[torch.Tensor] = None, tail: int = 0,
-                    fixed: Optional[tuple] = None) -> None:
-    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round; one launch
-    (two with ``work``: the ``gluon-wl`` work list for ``num_splits`` programs per row tile
-    and ``tail`` tail units per request, ``worklist.fill``).
+                    fixed: Optional[tuple] = None) -> KernelLaunch:
+    """Fill ``meta [>=B, 5]`` and ``hist [>=B*K, S]`` (int32) for a draft round in one launch;
+    with ``work``, also the ``gluon-wl`` work list for ``num_splits`` programs per row tile
+    and ``tail`` tail units per request (``worklist.write_work``).
 
     out_cache_loc: ``[B, K, S]``. fixed: a CUDA-graph round's fixed ``(req_pool_indices
     [bs], seq_lens [bs], out_cache_loc [bs, K, S])`` (int64, contiguous), filled from the
     ``B <= bs`` requests given and padded (request row 0, ``seq_lens`` 1, slot 0): the
-    metadata then covers ``bs`` requests."""
+    metadata then covers ``bs`` requests.
+
+    Returns the launch, which repeats it for other ``(req_pool_indices, seq_lens,
+    out_cache_loc)`` of these dtypes, devices, shapes and strides (``KernelLaunch``)."""
+    launch = decode_metadata_launch(req_pool_indices, seq_lens, out_cache_loc, meta, hist,
+                                    num_splits, block_n, num_slots, work, tail, fixed)
+    launch(req_pool_indices, seq_lens, out_cache_loc)
+    return launch
+
+
+def decode_metadata_launch(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           out_cache_loc: torch.Tensor, meta: torch.Tensor,
+                           hist: torch.Tensor, num_splits: int, block_n: int, num_slots: int,
+                           work: Optional[torch.Tensor] = None, tail: int = 0,
+                           fixed: Optional[tuple] = None) -> KernelLaunch:
+    """``decode_metadata``'s launch, not run: called with ``(req_pool_indices, seq_lens,
+    out_cache_loc)``."""
     raw, topk, steps = out_cache_loc.shape
     bs = raw if fixed is None else fixed[0].shape[0]
     fix = fixed if fixed is not None else (meta, meta, meta)
-    _decode_metadata_kernel[(bs * topk,)](
-        req_pool_indices, seq_lens, out_cache_loc, meta, hist, *fix,
-        req_pool_indices.stride(0), seq_lens.stride(0),
-        out_cache_loc.stride(0), out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots,
-        raw, TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, num_warps=1)
-    if work is not None:
-        worklist.fill(seq_lens if fixed is None else fixed[1], work, num_splits, tail,
-                      block_n)
+    block_b = next_pow2(bs)
+    wl = work is not None
+    tail_args = (meta, hist, *fix, meta if work is None else work,
+                 req_pool_indices.stride(0), seq_lens.stride(0), out_cache_loc.stride(0),
+                 out_cache_loc.stride(1), out_cache_loc.stride(2), num_slots, raw,
+                 num_splits, tail)
+    consts = dict(TOPK=topk, NUM_STEPS=steps, BLOCK_S=next_pow2(steps),
+                  NUM_SPLITS=num_splits, BLOCK_N=block_n, FIXED=fixed is not None, WORK=wl,
+                  BLOCK_B=block_b if wl else 1, BLOCK_P=worklist.block_p(block_b) if wl else 1,
+                  num_warps=4 if wl else 1)
+    return KernelLaunch(_decode_metadata_kernel, (bs * topk + int(wl),), tail_args, consts)
 
 
 def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    extend_lens: torch.Tensor, meta: torch.Tensor, num_splits: int,
-                    block_n: int) -> None:
-    """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``)."""
-    bs = req_pool_indices.shape[0]
-    _extend_metadata_kernel[(1,)](
-        req_pool_indices, seq_lens, extend_lens, meta, bs,
-        req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
-        BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
-        num_warps=4)
+                    extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, meta: torch.Tensor,
+                    hist: torch.Tensor, num_splits: int, block_n: int,
+                    fixed_loc: Optional[torch.Tensor] = None) -> KernelLaunch:
+    """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``) and
+    ``hist[:T, 0]`` with the new tokens' slots ``out_cache_loc [T]`` (int32), in one launch;
+    ``fixed_loc``: a CUDA-graph round's fixed ``out_cache_loc`` view (int64, ``[T]``), which
+    gets them too. Returns the launch (as ``decode_metadata``), called with
+    ``(req_pool_indices, seq_lens, extend_lens, out_cache_loc)``."""
+    bs, tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
+    if hist.stride(0) != 1:
+        raise ValueError("extend_metadata needs hist [rows, 1] with unit row stride")
+    tail_args = (meta, hist, meta if fixed_loc is None else fixed_loc, bs, tokens,
+                 req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
+                 out_cache_loc.stride(0))
+    consts = dict(BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+                  BLOCK_T=min(1024, next_pow2(tokens)), FIXED=fixed_loc is not None,
+                  num_warps=4)
+    launch = KernelLaunch(_extend_metadata_kernel, (1,), tail_args, consts)
+    launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc)
+    return launch
 
 
 def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
@@ -150,7 +193,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``), by one
     launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split; into an
     FP8 pool by ``runner.write_kv`` (torch's codes), read back by the ``tl.dot`` kernels with
-    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in.
+    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
+    ``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``)."""
     if not hist.is_contiguous():
@@ -169,8 +213,10 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         v_scale = scale_tensor(layer.v_scale, q.device)
     elif kernel is Kernel.DOT:
         write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
-    if kernel in SM90_KERNELS and (mode == 2 or scaled):
-        raise ValueError(f"plan {plan.name} serves decode of bf16/fp16 pools only")
+    if kernel in SM90_KERNELS and mode == 2:
+        raise ValueError(f"plan {plan.name} serves decode only")
+    if kernel is Kernel.CUTE and scaled:
+        raise ValueError("plan cute serves bf16/fp16 pools only")
     if kernel is Kernel.CUTE:  # a request's splits merged on chip
         cute_mla.attention(q, kb, new_kv[0], out, req_to_token, meta, hist, parents,
                            mode=mode, batch=num_groups, topk=topk, num_steps=num_steps,
@@ -186,7 +232,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             parent_args(parents, meta),
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None)
+            block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
+            k_scale=k_scale if scaled else None)
         if wl:
             worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
         elif num_splits > 1:

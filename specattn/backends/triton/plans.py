@@ -25,14 +25,16 @@ GLUON_TRITON = ("3.6",)  # Triton releases whose Gluon API the Gluon kernels run
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
 MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
+DOT_MAX_SPLITS = 64  # the tl.dot split-KV kernel's, when few query rows leave room for more
+PARTIAL_ROWS = 16  # the partial buffers hold MAX_SPLITS + 1 parts of at least this many rows
 
 
 class Kernel(str, enum.Enum):
     DOT = "tl.dot split-KV"            # _attn_kernels._partial_attn_kernel
     DOT_MLA = "tl.dot MLA"             # _attn_kernels._mla_partial_kernel
-    GLUON_WL = "Gluon work list"       # _gluon_mla_wl_kernel (sm90, Triton 3.6)
-    GLUON_SPLIT = "Gluon split"        # _gluon_mla_kernel (sm90, Triton 3.6)
-    CUTE = "CuTe-DSL cluster merge"    # _cute_mla_kernel (sm90, CuTe-DSL)
+    GLUON_WL = "Gluon work list"       # _gluon_mla_wl_kernel (sm90, Triton 3.6; FP8 pools too)
+    GLUON_SPLIT = "Gluon split"        # _gluon_mla_kernel (sm90, Triton 3.6; FP8 pools too)
+    CUTE = "CuTe-DSL cluster merge"    # _cute_mla_kernel (sm90, CuTe-DSL; bf16/fp16 pools)
 
 
 SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
@@ -71,7 +73,7 @@ PLANS = {p.name: p for p in (
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
     Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
     Plan("gluon-wl",    Kernel.GLUON_WL,     64, 64, 8, 2),  # sm90 MLA decode, <= 64 rows
-    Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, no CuTe-DSL
+    Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, cute off/FP8
     Plan("cute",        Kernel.CUTE,         64, 64, 8, 2),  # sm90 MLA decode, CuTe-DSL
 )}
 
@@ -108,7 +110,9 @@ class AttnShape:
 
 def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
     """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query
-    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)."""
+    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``).
+    MLA decode on sm90: ``gluon-wl`` up to one 64-row tile, ``cute`` above, ``gluon-split``
+    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool)."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -149,12 +153,14 @@ def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
 
 # --- what the sm90 kernels need ---------------------------------------------------------------
 
-def model_reason(runner) -> Optional[str]:
-    """Why the sm90 MLA kernels cannot take ``runner``'s model (``None``: they can)."""
+def model_reason(runner, fp8: bool = True) -> Optional[str]:
+    """Why the sm90 MLA kernels cannot take ``runner``'s model (``None``: they can).
+    ``fp8``: whether the kernel reads FP8 pools (``fp8_e4m3`` / ``fp8_e5m2``: the Gluon
+    kernels do, the CuTe-DSL kernel does not)."""
     if not runner.use_mla_backend:
         return "not an MLA model"
-    if getattr(runner, "fp8", False):
-        return "FP8 KV pools take the tl.dot plans"
+    if getattr(runner, "fp8", False) and not fp8:
+        return "FP8 KV pools: the CuTe-DSL kernel reads bf16/fp16 pools only"
     if runner.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(runner.dtype).replace('torch.', '')}: the sm90 kernels take bf16/fp16"
     if (runner.kv_lora_rank, runner.qk_rope_head_dim) != MLA_LATENT:
@@ -176,17 +182,19 @@ def sm90_reason(device: torch.device, interpret: bool) -> Optional[str]:
 
 
 def gluon_reason(runner, interpret: bool) -> Optional[str]:
-    """``None`` when the Gluon kernels serve ``runner``'s MLA decode here, else why not."""
-    return _sm90_model(runner, interpret) or gluon_import_reason()
+    """``None`` when the Gluon kernels serve ``runner``'s MLA decode here (bf16/fp16 or FP8
+    pools), else why not."""
+    return _sm90_model(runner, interpret, fp8=True) or gluon_import_reason()
 
 
 def cute_reason(runner, interpret: bool) -> Optional[str]:
-    """``None`` when the CuTe-DSL kernel serves ``runner``'s MLA decode here (any Triton)."""
-    return _sm90_model(runner, interpret) or cute_import_reason()
+    """``None`` when the CuTe-DSL kernel serves ``runner``'s MLA decode here (any Triton;
+    bf16/fp16 pools)."""
+    return _sm90_model(runner, interpret, fp8=False) or cute_import_reason()
 
 
-def _sm90_model(runner, interpret: bool) -> Optional[str]:
-    return model_reason(runner) or sm90_reason(torch.device(runner.device), interpret)
+def _sm90_model(runner, interpret: bool, fp8: bool) -> Optional[str]:
+    return model_reason(runner, fp8) or sm90_reason(torch.device(runner.device), interpret)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,8 +243,10 @@ def platform_note(device: str, capability: Optional[tuple[int, int]],
         if gluon or cute:
             small = "gluon-wl" if gluon else "cute"
             large = "cute" if cute else "gluon-split (cute needs CuTe-DSL: the 'fa' extra)"
+            pools = ("bf16/fp16 or FP8 pools" if gluon else "bf16/fp16 pools") + \
+                (", FP8 above: gluon-split" if gluon and cute else "")
             return (f"MLA draft decode: plan {small} up to {TILE_ROWS} query rows per "
-                    f"request, {large} above (sm90; bf16/fp16, rank 512 + rope 64)")
+                    f"request, {large} above (sm90; rank 512 + rope 64, {pools})")
         why = f"triton {version} has no tested Gluon and CuTe-DSL is not installed"
     return f"MLA draft decode: plans dot-wide / dot-mla (sm90 kernels off: {why})"
 

@@ -9,7 +9,8 @@ program is written directly; the others write an fp32 partial and natural-log LS
 ``p + b``, merged by ``merge_segments_kernel`` (no launch at ``P == B``).
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
-U[0], ..., U[B]]``, written on the device by ``fill`` once per round (graph-safe).
+U[0], ..., U[B]]``, written on the device once per round (graph-safe) by ``write_work``: in
+the round's metadata launch (``launchers.decode_metadata``), or alone by ``fill``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,11 @@ def partial_rows(topk: int, heads: int) -> int:
 
 
 @triton.jit
-def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
-                     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid ``(1,)``: ``Work = [chunk, first request per program, U[0..B]]``."""
-    offs = tl.arange(0, BLOCK_B)
+def write_work(offs, seq, bs, Work, num_programs, tail, BLOCK_P: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """``Work = [chunk, first request per program, U[0..B]]`` from the prefix lengths ``seq``
+    of requests ``offs`` (a block ``0, 1, ...``; those ``< bs`` are the batch)."""
     ok = offs < bs
-    seq = tl.load(SeqLens + offs * stride_seq, mask=ok, other=0).to(tl.int32)
     units = tl.where(ok, (seq + BLOCK_N - 1) // BLOCK_N + tail, 0)
     # The smallest chunk with sum(ceil(units / chunk)) <= P, by bisection between the even
     # share and the longest request (one program each: P >= B).
@@ -86,15 +86,32 @@ def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
         tl.store(Work + 1 + offs_p, tl.sum(before.to(tl.int32), 1), mask=offs_p < num_programs)
 
 
+@triton.jit
+def _worklist_kernel(SeqLens, stride_seq, Work, bs, num_programs, tail,
+                     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(1,)``: ``write_work`` for the ``bs`` prefix lengths ``SeqLens``."""
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < bs
+    seq = tl.load(SeqLens + offs * stride_seq, mask=ok, other=0).to(tl.int32)
+    write_work(offs, seq, bs, Work, num_programs, tail, BLOCK_P, BLOCK_N)
+
+
+def block_p(block_b: int) -> int:
+    """Programs per step of ``write_work``'s last loop: a ``[BLOCK_P, BLOCK_B]`` tile of at
+    most 4096 elements."""
+    return max(1, min(64, 4096 // block_b))
+
+
 def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
          block_n: int) -> None:
     """Write ``work`` for a round (one launch). seq_lens: ``[B]`` prefix lengths;
-    ``programs >= B`` (``programs_per_row_tile``)."""
+    ``programs >= B`` (``programs_per_row_tile``). A round's metadata launch writes it too
+    (``launchers.decode_metadata``)."""
     bs = seq_lens.shape[0]
     block_b = next_pow2(bs)
     _worklist_kernel[(1,)](seq_lens, seq_lens.stride(0), work, bs, programs, tail,
-                           BLOCK_B=block_b, BLOCK_P=max(1, min(64, 4096 // block_b)),
-                           BLOCK_N=block_n, num_warps=4)
+                           BLOCK_B=block_b, BLOCK_P=block_p(block_b), BLOCK_N=block_n,
+                           num_warps=4)
 
 
 @triton.jit

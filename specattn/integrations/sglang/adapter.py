@@ -5,7 +5,10 @@ onto specattn's public API (``DraftRunner``, ``DraftBatch``, ``DraftExtendBatch`
 No SGLang module is imported here: SGLang objects are read by attribute, so this half also
 runs with stand-in objects (the GPU test does that). Nothing here does per-step host work:
 a round's ``DraftBatch`` is built once (views of SGLang's tensors, no copies) and each
-``forward`` only reshapes.
+``forward`` only reshapes. SGLang's host copies of the lengths (``seq_lens_cpu``,
+``extend_seq_lens_cpu``), where the batch has them, go into the batch's ``seq_lens_cpu`` /
+``extend_lens_cpu``, so a backend that plans on the host (``flashinfer``) never reads the
+device's lengths back.
 
 FP8 pools (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): SGLang keeps them as ``uint8`` storage of
 ``pool.dtype``; the runner views the same bytes as that dtype (``kv_cache_dtype`` ``"fp8_e4m3"``
@@ -132,6 +135,20 @@ class LayerMap:
                               v_scale=_layer_scale(layer, "v_scale"))
 
 
+def _host_copy(values: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """SGLang's host copy of a ``[B]`` length tensor ``like`` (a CPU tensor or a list of
+    ints), or ``None`` where the batch has none of that length (then the backend copies
+    ``like`` itself)."""
+    if isinstance(values, (list, tuple)):
+        if len(values) != like.shape[0]:
+            return None
+        return torch.tensor(values, dtype=torch.int64)
+    if (isinstance(values, torch.Tensor) and values.device.type == "cpu"
+            and tuple(values.shape) == tuple(like.shape)):
+        return values
+    return None
+
+
 class _Adapter:
     """What decode and extend share: the runner, the layers and the new-KV arguments."""
 
@@ -237,8 +254,10 @@ class DecodeAdapter(_Adapter):
         parents = None
         if self.backend.tree_mode == "path":
             parents = self._parents_for(bs, loc.device)
-        return DraftBatch(forward_batch.req_pool_indices, forward_batch.seq_lens,
-                          loc.reshape(bs, self.topk, self.num_steps), parents)
+        seq_lens = forward_batch.seq_lens
+        return DraftBatch(forward_batch.req_pool_indices, seq_lens,
+                          loc.reshape(bs, self.topk, self.num_steps), parents,
+                          _host_copy(getattr(forward_batch, "seq_lens_cpu", None), seq_lens))
 
     def _parents_for(self, bs: int, device: torch.device) -> torch.Tensor:
         if self.parents is None or self.parents.shape[1] < bs:
@@ -290,13 +309,18 @@ class ExtendAdapter(_Adapter):
         seq_lens = forward_batch.seq_lens
         if forward_batch.forward_mode.name == "DECODE":
             extend_lens = torch.ones_like(seq_lens)
+            ext_host = torch.ones(seq_lens.shape, dtype=torch.int64)
         else:
             extend_lens = forward_batch.extend_seq_lens
             if extend_lens is None:
                 raise InvalidInputError("forward_batch.extend_seq_lens",
                                         "a [batch] tensor of new tokens per request", None)
+            ext_host = _host_copy(getattr(forward_batch, "extend_seq_lens_cpu", None),
+                                  extend_lens)
         return DraftExtendBatch(forward_batch.req_pool_indices, seq_lens, extend_lens,
-                                forward_batch.out_cache_loc)
+                                forward_batch.out_cache_loc,
+                                _host_copy(getattr(forward_batch, "seq_lens_cpu", None),
+                                           seq_lens), ext_host)
 
     _batch_of = extend_batch
 

@@ -62,7 +62,11 @@ def _check_kwargs(kwargs: dict) -> Optional[torch.Tensor]:
 
 
 class _PoolAttrs:
-    """The attributes SGLang's model code reads off the active backend."""
+    """The attributes SGLang's model code reads off the active backend.
+
+    ``needs_cpu_seq_lens`` asks SGLang for the host copy of ``seq_lens`` (it skips that
+    copy for backends that need none): set for a specattn backend that plans on the host
+    (``reads_host_lengths``), which otherwise copies the lengths itself, a sync per round."""
 
     needs_cpu_seq_lens = False
 
@@ -81,6 +85,7 @@ class SpecattnDraftStepBackend(_PoolAttrs, AttentionBackend):
                  model_runner: Any) -> None:
         self.container = container
         self.step = step
+        self.needs_cpu_seq_lens = container.needs_cpu_seq_lens
         self._bind_pools(model_runner)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
@@ -115,6 +120,7 @@ class SpecattnMultiStepDraftBackend(_PoolAttrs):
         self.topk = topk
         self.speculative_num_steps = speculative_num_steps
         self._bind_pools(model_runner)
+        self.needs_cpu_seq_lens = bool(getattr(decode_backend, "reads_host_lengths", False))
         self.adapter = DecodeAdapter(decode_backend, start_layer)
         self.attn_backends = [SpecattnDraftStepBackend(self, i, model_runner)
                               for i in range(speculative_num_steps - 1)]
@@ -160,7 +166,9 @@ class SpecattnDraftExtendBackend(_PoolAttrs, AttentionBackend):
         self._bind_pools(model_runner)
         self.adapter = ExtendAdapter(extend_backend, start_layer)
         self.fallback = fallback
-        self.needs_cpu_seq_lens = bool(fallback is not None and fallback.needs_cpu_seq_lens)
+        self.needs_cpu_seq_lens = bool(
+            getattr(extend_backend, "reads_host_lengths", False)
+            or (fallback is not None and fallback.needs_cpu_seq_lens))
         self._served = False
 
     @property

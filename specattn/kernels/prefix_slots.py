@@ -1,0 +1,112 @@
+"""Request prefixes as one CSR slot list, built on the device in one launch (Triton).
+
+A library that takes a paged KV cache as CSR (FlashInfer over the token pool seen as pages of
+one token) needs ``kv_indices``: the slots ``req_to_token[rows[b], 0 : lens[b]]`` of every
+request ``b``, concatenated. Its host planner needs only the lengths, which the caller has on
+the host, so the list is written here without a host round trip and without an indptr on the
+device: each program sums the lengths before its request for its offset (``B`` is small).
+The host gives the grid (the longest prefix) and the total, which bounds every write, so
+lengths on the device that disagree with the host's cannot write past the list.
+
+In a CUDA-graph round (``fixed``) the same launch also copies the caller's batch into the
+round's fixed buffers, padded to the captured batch size as ``DraftDecodeBackend`` pads
+(request row 0, length ``fill``, slot 0), and the padded requests' prefixes are listed too.
+
+The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
+pool, positions into the row), which needs about fifteen launches for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..util import next_pow2
+
+__all__ = ["prefix_slots"]
+
+_BLOCK_T = 512  # prefix positions per program
+_BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every batch size)
+
+
+@triton.jit(do_not_specialize=["raw", "total"])
+def _prefix_slots_kernel(Rows, Lens, ReqToToken, Out, Loc, FixRows, FixLens, FixLoc,
+                         stride_rows, stride_lens, stride_r2t_row, stride_r2t_pos,
+                         stride_loc_b, stride_loc_k, stride_loc_s,
+                         raw, total, num_slots, width, fill,
+                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
+                         LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
+                         BLOCK_LOC: tl.constexpr):
+    """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
+    BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding."""
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    real = b < raw
+    src = tl.minimum(b, raw - 1)  # padding loads a real request, then drops it
+    start = (b * 0).to(tl.int64)  # the lengths of requests 0 .. b - 1, BLOCK_B at a time
+    for first in range(0, b, BLOCK_B):
+        offs_b = first + tl.arange(0, BLOCK_B)
+        lens = tl.load(Lens + offs_b * stride_lens, mask=offs_b < raw, other=0).to(tl.int64)
+        lens = tl.where(offs_b < raw, lens, fill)
+        start += tl.sum(tl.where(offs_b < b, lens, 0), 0)
+    n = tl.where(real, tl.load(Lens + src * stride_lens).to(tl.int64), fill)
+    row = tl.where(real, tl.load(Rows + src * stride_rows).to(tl.int64), 0)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = (t < n) & (start + t < total)
+    pos = tl.minimum(t, width - 1)
+    slot = tl.load(ReqToToken + row * stride_r2t_row + pos * stride_r2t_pos, mask=ok,
+                   other=0).to(tl.int64)
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+    tl.store(Out + start + t, slot.to(tl.int32), mask=ok)
+    if FIXED:
+        if tile == 0:
+            tl.store(FixRows + b, row)
+            tl.store(FixLens + b, n)
+            e = tl.arange(0, BLOCK_LOC)
+            e_ok = e < LOC_N
+            lane = e // NUM_STEPS
+            step = e % NUM_STEPS
+            loc = tl.load(Loc + src * stride_loc_b + lane * stride_loc_k + step * stride_loc_s,
+                          mask=e_ok, other=0).to(tl.int64)
+            tl.store(FixLoc + b * LOC_N + e, tl.where(real, loc, 0), mask=e_ok)
+
+
+def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torch.Tensor,
+                 rows: torch.Tensor, lens: torch.Tensor, num_slots: int, *,
+                 bs: Optional[int] = None, fill: int = 1,
+                 fixed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                 loc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
+
+    rows, lens: ``[raw]`` int (any strides): ``req_pool_indices`` and ``seq_lens`` of the
+    caller's requests. ``bs`` (default ``raw``): requests in the list, ``raw .. bs - 1``
+    padding (row 0, length ``fill``). ``total`` and ``longest``: the sum and the largest of
+    the ``bs`` lengths, from the host. req_to_token: ``[max_reqs, width]`` int; ``out``:
+    ``[>= total]`` int32; slots clamped into ``[0, num_slots)``.
+
+    fixed: ``(rows [bs], lens [bs], loc [bs, K, S])`` int64 contiguous buffers that get the
+    padded batch (CUDA-graph rounds), ``loc``: the caller's ``out_cache_loc [raw, K, S]``.
+    """
+    raw = rows.shape[0]
+    bs = raw if bs is None else bs
+    if fixed is None and (total <= 0 or bs == 0):
+        return out[:0]
+    tiles = max(1, -(-longest // _BLOCK_T))
+    if fixed is None:
+        fix_rows = fix_lens = fix_loc = out
+        src_loc, loc_strides, steps, loc_n = out, (0, 0, 0), 1, 1
+    else:
+        fix_rows, fix_lens, fix_loc = fixed
+        steps = loc.shape[2]
+        loc_n = loc.shape[1] * steps
+        src_loc, loc_strides = loc, loc.stride()
+    _prefix_slots_kernel[(bs, tiles)](
+        rows, lens, req_to_token, out, src_loc, fix_rows, fix_lens, fix_loc,
+        rows.stride(0), lens.stride(0), req_to_token.stride(0), req_to_token.stride(1),
+        *loc_strides, raw, total, num_slots, req_to_token.shape[1], fill,
+        BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
+        NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), num_warps=4)
+    return out[:max(total, 0)]

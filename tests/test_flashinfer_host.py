@@ -1,0 +1,289 @@
+"""The host work of the ``flashinfer`` backends' metadata calls (CPU, FlashInfer stand-in).
+
+An engine calls ``init_forward_metadata_replay_cuda_graph`` on the host before every replay,
+while the device still runs earlier work: a read of a device tensor there waits for all of
+it. Checked per call, for MHA (``K`` 1 and ``K`` > 1), MLA and extend, at two batch sizes and
+step counts:
+
+- FlashInfer plans: at most one per wrapper the round uses; one in all in the default
+  (``shared``) mode, whatever ``B`` and ``S``;
+- reads of device tensors: none when the batch carries the host copies of its lengths
+  (``seq_lens_cpu``, ``extend_lens_cpu``, as SGLang's batches do); exactly one transfer
+  otherwise (the documented fallback, ``data.host_lengths``).
+
+On a CPU every tensor is a CPU tensor, so ``DeviceReads`` tells them apart by where they come
+from: the runner's and the batch's tensors, tensors made with an explicit ``device=``, and
+whatever an op computes from one of them are "device" tensors; a transfer of one to the host
+(``.cpu()``, ``.to("cpu")``, ``.item()``, ``.tolist()``, ``int()``, ``bool()``, a copy into
+a host tensor, ...) or an op whose output size depends on its values (``nonzero``, boolean
+indexing, ...; these sync on a GPU) is a read. The validation layer scans values of CPU
+tensors; here it runs as on a device (values only under debug checks).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specattn import validation
+from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
+                                          FlashInferMLADecode, FlashInferMLAExtend)
+from specattn.data import DraftBatch, DraftExtendBatch
+from standins import flashinfer as fi_standin
+from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
+from test_flashinfer import make_decode_case, make_extend_case
+
+_READS = frozenset({"cpu", "item", "tolist", "numpy", "__int__", "__bool__", "__float__",
+                    "__index__", "__repr__", "__str__", "__format__", "nonzero", "argwhere",
+                    "masked_select", "unique", "unique_consecutive", "equal", "allclose"})
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _names_cpu(obj) -> bool:
+    return (isinstance(obj, str) and obj.startswith("cpu")) or (
+        isinstance(obj, torch.device) and obj.type == "cpu")
+
+
+def _in_triton() -> bool:
+    """Called from inside Triton (its CPU interpreter copies kernel arguments around)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if "/triton/" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
+class DeviceReads(TorchFunctionMode):
+    """Tracks which CPU tensors stand for device tensors (see the module doc) and records
+    every host read of one in ``reads`` while ``recording``."""
+
+    def __init__(self, roots) -> None:
+        super().__init__()
+        self._device: dict[int, torch.Tensor] = {}  # storage address -> a tensor keeping it
+        self.reads: list[str] = []
+        self.recording = False
+        for t in roots:
+            self._mark(t)
+
+    def _mark(self, t: torch.Tensor) -> None:
+        self._device[t.untyped_storage().data_ptr()] = t
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        out = func(*args, **kwargs)
+        if name in ("data_ptr", "untyped_storage") or _in_triton():
+            return out
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        dev_in = [t for t in inputs if self.on_device(t)]
+        if dev_in:
+            read = name in _READS
+            if name == "to":
+                read = any(_names_cpu(a) for a in list(args[1:]) + list(kwargs.values()))
+            elif name in ("copy_", "__setitem__") and isinstance(args[0], torch.Tensor):
+                read = not self.on_device(args[0])  # into a host tensor
+            elif name == "__getitem__":
+                read = any(t.dtype == torch.bool for t in _tensors(args[1:]))
+            elif name == "repeat_interleave":
+                read = (len(args) > 1 and isinstance(args[1], torch.Tensor)
+                        and kwargs.get("output_size") is None)
+            if read:
+                if self.recording:
+                    self.reads.append(name)
+                if isinstance(out, torch.Tensor) and self.on_device(out):
+                    out = out.clone()  # a transfer gives a host copy (on a CPU: maybe itself)
+                return out
+            for t in _tensors(out):
+                self._mark(t)
+            if name.endswith("_") or name == "__setitem__":
+                self._mark(args[0])
+        elif kwargs.get("device") is not None:  # made on the runner's device
+            for t in _tensors(out):
+                self._mark(t)
+        return out
+
+
+@pytest.fixture
+def host_work(fake_flashinfer, monkeypatch):  # noqa: F811 (the imported fixture)
+    """``(plans, watch)``: ``plans`` counts FlashInfer plan calls per wrapper; ``watch(*roots)``
+    is a ``DeviceReads`` over the given runner and batches."""
+    plans: Counter = Counter()
+    stage = fi_standin._FakeWrapper._stage
+
+    def counting(self, *args):
+        plans[id(self)] += 1
+        return stage(self, *args)
+
+    monkeypatch.setattr(fi_standin._FakeWrapper, "_stage", counting)
+    monkeypatch.setattr(validation, "_scan_values", lambda t, debug: bool(debug))
+
+    def watch(runner, *batches) -> DeviceReads:
+        roots = [runner.req_to_token]
+        for name in ("k_buffer", "v_buffer", "kv_buffer"):
+            roots += list(getattr(runner, name, None) or [])
+        for b in batches:
+            roots += [getattr(b, f) for f in ("req_pool_indices", "seq_lens", "extend_lens",
+                                               "out_cache_loc", "parents")
+                      if isinstance(getattr(b, f, None), torch.Tensor)]
+        return DeviceReads(roots)
+    return plans, watch
+
+
+def _with_host_copy(batch: DraftBatch, rows=None) -> DraftBatch:
+    """``batch`` (its requests ``rows``) with ``seq_lens_cpu``, made before any watch."""
+    b = batch
+    if rows is not None:
+        idx = torch.tensor(rows)
+        b = DraftBatch(b.req_pool_indices[idx], b.seq_lens[idx], b.out_cache_loc[idx],
+                       None if b.parents is None else b.parents[:, idx])
+    return DraftBatch(b.req_pool_indices, b.seq_lens, b.out_cache_loc, b.parents,
+                      b.seq_lens.clone())
+
+
+DECODE = [(False, 1, "lane"), (False, 4, "lane"), (False, 3, "path"), (True, 1, "lane"),
+          (True, 4, "path")]
+
+
+@pytest.mark.parametrize("mla, topk, tree_mode", DECODE)
+@pytest.mark.parametrize("bs, steps", [(3, 2), (6, 5)])
+def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, topk, tree_mode,
+                                                           bs, steps):
+    """Default mode: per replay metadata call, one FlashInfer plan and no read of a device
+    tensor, with a full and a padded batch (``bs - 1`` requests)."""
+    plans, watch = host_work
+    case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, seed=bs + steps)
+    full = _with_host_copy(case.batch)
+    padded = _with_host_copy(case.batch, list(range(bs - 1))[::-1])
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    with watch(case.runner, case.batch, full, padded) as dev:
+        backend = cls(case.runner, topk, steps, tree_mode=tree_mode)
+        backend.init_cuda_graph_state(bs, bs * topk)
+        backend.init_forward_metadata_capture_cuda_graph(full)
+        for batch in (full, padded, full):
+            plans.clear()
+            dev.recording = True
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+            dev.recording = False
+            assert dev.reads == [], dev.reads
+            assert sum(plans.values()) == 1 and len(plans) == 1, plans
+
+
+@pytest.mark.parametrize("mla, topk, tree_mode", DECODE[:2] + DECODE[3:4])
+def test_eager_metadata_without_host_copy_reads_lengths_once(host_work, mla, topk, tree_mode):
+    """``init_forward_metadata`` and a replay without ``seq_lens_cpu``: one transfer of the
+    lengths each (the fallback); with it, none."""
+    plans, watch = host_work
+    case = make_decode_case(mla=mla, bs=4, topk=topk, steps=3, seed=2)
+    with_copy = _with_host_copy(case.batch)
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    with watch(case.runner, case.batch, with_copy) as dev:
+        backend = cls(case.runner, topk, 3, tree_mode=tree_mode)
+        for batch, reads in ((case.batch, 1), (with_copy, 0)):
+            plans.clear()
+            dev.recording, dev.reads = True, []
+            backend.init_forward_metadata(batch)
+            dev.recording = False
+            assert len(dev.reads) == reads, dev.reads
+            assert sum(plans.values()) == 1, plans
+        backend.init_cuda_graph_state(4, 4 * topk)
+        backend.init_forward_metadata_capture_cuda_graph(case.batch)
+        dev.recording, dev.reads = True, []
+        backend.init_forward_metadata_replay_cuda_graph(case.batch, 4)
+        dev.recording = False
+        assert len(dev.reads) == 1, dev.reads
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_per_branch_replay_plans_each_step_wrapper_once(host_work, steps):
+    """``per-branch`` mode: one wrapper per planned step (their KV sets differ), each planned
+    once per call; no read of a device tensor with ``seq_lens_cpu``."""
+    plans, watch = host_work
+    case = make_decode_case(bs=3, topk=2, steps=steps, seed=steps)
+    full = _with_host_copy(case.batch)
+    with watch(case.runner, case.batch, full) as dev:
+        backend = FlashInferDecode(case.runner, 2, steps, mode="per-branch")
+        backend.init_cuda_graph_state(3, 6)
+        backend.init_forward_metadata_capture_cuda_graph(full)
+        plans.clear()
+        dev.recording = True
+        backend.init_forward_metadata_replay_cuda_graph(full, 3)
+        dev.recording = False
+        assert dev.reads == [], dev.reads
+        assert len(plans) == max(steps - 1, 1) and set(plans.values()) == {1}, plans
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("bs", [2, 5])
+def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, bs):
+    plans, watch = host_work
+    case = make_extend_case(mla=mla, bs=bs, seed=bs)
+    b = case.batch
+    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
+                            b.seq_lens.clone(), b.extend_lens.clone())
+    cls = FlashInferMLAExtend if mla else FlashInferExtend
+    with watch(case.runner, b, host) as dev:
+        backend = cls(case.runner)
+        backend.init_cuda_graph_state(bs, int(b.extend_lens.sum()))
+        backend.init_forward_metadata_capture_cuda_graph(host)
+        for batch, reads in ((host, 0), (b, 1)):
+            plans.clear()
+            dev.recording, dev.reads = True, []
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+            dev.recording = False
+            assert len(dev.reads) == reads, dev.reads
+            assert sum(plans.values()) == 1 and len(plans) == 1, plans
+
+
+def test_sglang_adapter_passes_the_engine_host_copies():
+    """SGLang's ``seq_lens_cpu`` (and ``extend_seq_lens_cpu``, a list) become the batch's
+    host copies; one of another length, or none, leaves the backend to copy the lengths."""
+    from types import SimpleNamespace
+
+    from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend
+    from specattn.integrations.sglang.adapter import DecodeAdapter, ExtendAdapter
+
+    assert FlashInferDecode.reads_host_lengths and FlashInferMLAExtend.reads_host_lengths
+    assert not TorchRefDecode.reads_host_lengths
+    case = make_decode_case(bs=3, topk=2, steps=3)
+    b = case.batch
+    adapter = DecodeAdapter(TorchRefDecode(case.runner, 2, 3))
+    fb = SimpleNamespace(batch_size=3, req_pool_indices=b.req_pool_indices,
+                         seq_lens=b.seq_lens, out_cache_loc=b.out_cache_loc.reshape(-1),
+                         seq_lens_cpu=b.seq_lens.clone())
+    assert adapter.draft_batch(fb).seq_lens_cpu is fb.seq_lens_cpu
+    fb.seq_lens_cpu = fb.seq_lens_cpu[:2]
+    assert adapter.draft_batch(fb).seq_lens_cpu is None
+    del fb.seq_lens_cpu
+    assert adapter.draft_batch(fb).seq_lens_cpu is None
+
+    ext = make_extend_case(bs=3, seed=1)
+    e = ext.batch
+    adapter = ExtendAdapter(TorchRefExtend(ext.runner))
+    fb = SimpleNamespace(batch_size=3, req_pool_indices=e.req_pool_indices,
+                         seq_lens=e.seq_lens, extend_seq_lens=e.extend_lens,
+                         out_cache_loc=e.out_cache_loc, seq_lens_cpu=e.seq_lens.clone(),
+                         extend_seq_lens_cpu=e.extend_lens.tolist(),
+                         forward_mode=SimpleNamespace(name="EXTEND"))
+    got = adapter.extend_batch(fb)
+    assert got.seq_lens_cpu is fb.seq_lens_cpu
+    assert got.extend_lens_cpu.tolist() == e.extend_lens.tolist()
+    fb.forward_mode = SimpleNamespace(name="DECODE")
+    assert adapter.extend_batch(fb).extend_lens_cpu.tolist() == [1, 1, 1]

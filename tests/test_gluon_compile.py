@@ -1,0 +1,188 @@
+"""The Gluon MLA kernels compiled for sm90 without a GPU: ``gluon_mla.attention`` is called on
+CPU tensors with its launches captured, and each captured launch (the arguments the launcher
+passes, in its order, with its constexprs) is compiled by Triton for an sm90 target down to a
+cubin. FP8 pools (e4m3 and e5m2) under bf16 and fp16 queries, the split and the work-list
+kernel, lane and path mode, with and without a logit cap; the bf16 path alongside.
+
+Compiling checks the launcher against the kernels' signatures, that Gluon accepts the FP8
+path's layouts and conversions, and that shared memory fits the H200's 227 KB. Each case
+compiles in a child process without ``TRITON_INTERPRET`` (under the interpreter, Triton's
+own library functions cannot be compiled). It needs the Triton release the Gluon kernels
+are written for (``plans.GLUON_TRITON``; skipped with the reason under any other). The
+kernels' numbers are checked on the H200: ``tests/gpu/test_sm90_mla_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import specattn  # noqa: E402
+from specattn.backends.triton import gluon_mla, plans  # noqa: E402
+
+H200_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm90
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}
+
+
+@pytest.fixture(scope="module")
+def gluon():
+    why = plans.gluon_import_reason()
+    if why is not None:
+        pytest.skip(f"compiling the Gluon kernels needs their Triton: {why}")
+
+
+class _Capture:
+    """Stands for a kernel: ``kernel[grid](*args, **constexprs)`` records the launch."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.fn, grid, args, kw))
+
+
+def _compile(fn, args, kw):
+    """Compile a captured launch for sm90 the way Triton's launcher specialises it: tensors
+    as typed pointers (16-byte aligned), ints of value 1 as constants, other ints divisible
+    by 16 marked so."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    options = {k: kw[k] for k in ("num_warps",) if k in kw}
+    consts = {k: v for k, v in kw.items() if k not in options}
+    names = [n for n in fn.arg_names if n not in consts]
+    assert len(names) == len(args), f"{fn.__name__}: {len(args)} arguments for {names}"
+    sig, attrs = {}, {}
+    for name, value in zip(names, args):
+        index = fn.arg_names.index(name)
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: {value!r}")
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        elif value == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    for name in consts:
+        sig[name] = "constexpr"
+    sig = {n: sig[n] for n in fn.arg_names}
+    src = GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
+    """One ``gluon_mla.attention`` call on CPU tensors: its captured launch."""
+    from specattn.backends.triton import _gluon_mla_wl_kernel as W
+
+    split = _Capture(gluon_mla.kernel_module()._gluon_mla_kernel)
+    wl = _Capture(W._gluon_mla_wl_kernel)
+    gluon_mla.kernel_module = lambda: type("M", (), {"_gluon_mla_kernel": split})
+    W._gluon_mla_wl_kernel = wl
+    rows, steps, slots, batch = 2 * topk, 3, 4096, 2
+    fp8 = kv_dtype != q_dtype
+    q = torch.zeros(rows, heads, 576, dtype=q_dtype)
+    kv = torch.zeros(slots, 576, dtype=torch.uint8).view(kv_dtype)
+    meta = torch.zeros(batch, 5, dtype=torch.int32)
+    hist = torch.zeros(rows, steps, dtype=torch.int32)
+    parents = torch.zeros(steps, batch, topk, dtype=torch.int64)
+    splits = 3
+    mid_o = torch.zeros(rows + splits + batch, heads, splits, 512)
+    gluon_mla.attention(
+        q, kv, torch.zeros(rows, 576, dtype=q_dtype), torch.zeros(rows, heads, 512,
+                                                                 dtype=q_dtype),
+        mid_o, torch.zeros(mid_o.shape[:-1]), torch.zeros(batch, 320, dtype=torch.int32),
+        meta, hist, (parents, parents.stride(0), parents.stride(1)) if mode else
+        (meta, 0, 0), mode=mode, batch=batch, topk=topk, num_steps=steps, step=1,
+        num_splits=splits, sm_scale=576 ** -0.5, logit_cap=cap, block_n=64, num_stages=2,
+        work=torch.zeros(64, dtype=torch.int32) if work else None,
+        k_scale=torch.ones(1) if fp8 else None)
+    (launch,) = (wl if work else split).launches
+    assert launch[3]["FP8"] is fp8
+    return launch
+
+
+def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, cap: float,
+                 work: bool) -> dict:
+    """Capture and compile one launch (dtypes by torch name): what the test checks."""
+    launch = _launch(q_dtype=getattr(torch, q_dtype), kv_dtype=getattr(torch, kv_dtype),
+                     heads=heads, topk=topk, mode=mode, cap=cap, work=work)
+    fn, _, args, kw = launch
+    kernel = _compile(fn, args, kw)
+    ptx = kernel.asm["ptx"]
+    return dict(kernel=fn.__name__, fp8=kw["FP8"], shared=kernel.metadata.shared,
+                cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
+                cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx)
+
+
+def _in_child(case: dict) -> dict:
+    """``compile_case(**case)`` in a child process without ``TRITON_INTERPRET``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(specattn.__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(case)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,heads,topk,mode,cap,work", [
+    # Both FP8 dtypes under both query dtypes, on each kernel; lane / path, cap on / off.
+    ("bfloat16", "float8_e4m3fn", 16, 4, 1, 0.0, True),
+    ("bfloat16", "float8_e4m3fn", 128, 2, 0, 30.0, False),
+    ("bfloat16", "float8_e5m2", 16, 1, 0, 0.0, True),
+    ("bfloat16", "float8_e5m2", 16, 8, 1, 0.0, False),
+    ("float16", "float8_e4m3fn", 16, 4, 0, 20.0, True),
+    ("float16", "float8_e4m3fn", 16, 8, 1, 0.0, False),
+    ("float16", "float8_e5m2", 16, 2, 1, 0.0, True),
+    ("float16", "float8_e5m2", 128, 1, 0, 0.0, False),
+    # The bf16/fp16 path, same launcher.
+    ("bfloat16", "bfloat16", 16, 4, 1, 0.0, True),
+    ("float16", "float16", 16, 8, 0, 0.0, False),
+])
+def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, mode, cap,
+                                        work):
+    got = _in_child(dict(q_dtype=q_dtype, kv_dtype=kv_dtype, heads=heads, topk=topk,
+                         mode=mode, cap=cap, work=work))
+    print(got)
+    assert got["kernel"] == ("_gluon_mla_wl_kernel" if work else "_gluon_mla_kernel")
+    assert got["fp8"] == kv_dtype.startswith("float8")
+    assert got["shared"] <= H200_SHARED and got["cubin"] > 0, got
+    assert got["wgmma"] and got["cp_async"], got
+    # e4m3 codes are widened by the hardware conversion.
+    assert got["e4m3_cvt"] == (kv_dtype == "float8_e4m3fn"), got
+
+
+def test_launcher_refuses_a_pool_it_cannot_read():
+    """An FP8 pool needs its scale tensor; any other pool must be of the query's dtype
+    (checked before the kernel module is loaded)."""
+    q = torch.zeros(4, 16, 576, dtype=torch.float16)
+    meta = torch.zeros(2, 5, dtype=torch.int32)
+    kw = dict(mode=0, batch=1, topk=4, num_steps=2, step=0, num_splits=1, sm_scale=0.04,
+              logit_cap=0.0, block_n=64, num_stages=2)
+    rest = (q[:, 0], torch.empty(4, 16, 512, dtype=torch.float16), torch.empty(1),
+            torch.empty(1), meta, meta, torch.zeros(4, 2, dtype=torch.int32), (meta, 0, 0))
+    fp8 = torch.zeros(64, 576, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for scale in (None, torch.ones(2), torch.ones(1, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="k_scale"):
+            gluon_mla.attention(q, fp8, *rest, **kw, k_scale=scale)
+    with pytest.raises(ValueError, match="query's dtype or FP8"):
+        gluon_mla.attention(q, torch.zeros(64, 576, dtype=torch.bfloat16), *rest, **kw)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_case(**json.loads(sys.argv[1]))))

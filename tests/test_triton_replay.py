@@ -1,0 +1,246 @@
+"""The ``triton`` backend's CUDA-graph replay metadata call on the CPU (interpreter).
+
+- Its host work is fixed: the same Python lines and calls whatever the batch size and step
+  count (no loop over requests or steps), no host synchronisation, no torch op, one kernel
+  launch; the full checks run at the first call of a signature only (capture included).
+- A replay of a kept signature fills the graph's buffers exactly as a first, checked call
+  with the same batch does.
+- ``KernelLaunch`` launches a kept compiled kernel with the arguments ``JITFunction.run``
+  gives it, and falls back to the ordinary launch where that does not apply.
+(``tests/gpu/test_host_work_gpu.py``: the same on the H200, and its host time.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (DEV, CountedKernel, checked_replay, decode_sizes, first_requests,
+                     place_decode_round, place_extend_round, quiet_replay,
+                     require_triton_interpret, strided_seq_lens, with_bad_slot)
+from specattn.data import DraftBatch, DraftRunner
+from specattn.errors import InvalidInputError
+
+require_triton_interpret()
+
+from specattn.backends.triton import (TritonDecode, TritonExtend, launchers,  # noqa: E402
+                                      plans, worklist)
+from specattn.kernels import kernel_launch  # noqa: E402
+
+# (name, model, topk): MHA decode, MHA at K 1, MLA on the gluon-wl plan (its work list in
+# the metadata launch), draft extend.
+KINDS = [("mha", "mha", 2), ("mha-k1", "mha", 1), ("mla-gluon-wl", "mla", 2),
+         ("extend", "mha", 1)]
+
+
+def _runner(model: str, lens: list[int], topk: int, steps: int) -> DraftRunner:
+    slots, ctx = decode_sizes(lens, topk, steps, 1)
+    if model == "mla":  # the sm90 kernels' latent: the gluon-wl plan's model
+        return DraftRunner.mla(4, 512, 64, num_layers=1, num_slots=slots,
+                               max_reqs=len(lens) + 2, max_context_len=ctx,
+                               dtype=torch.bfloat16, device=DEV)
+    return DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=slots, max_reqs=len(lens) + 2,
+                           max_context_len=ctx, dtype=torch.bfloat16, device=DEV)
+
+
+def _graph_backend(kind: str, model: str, topk: int, bs: int, steps: int, seed: int = 0):
+    """A backend after ``init_cuda_graph_state`` and a capture at ``bs`` requests; the
+    capture's batch and a batch of its signature with new values."""
+    torch.manual_seed(seed)
+    lens = [5 + 7 * i for i in range(bs)]
+    r = _runner(model, [n + 3 for n in lens], topk, steps)
+    if kind == "extend":
+        ext = [1 + (i % steps) for i in range(bs)]
+        backend = TritonExtend(r, topk=1, num_steps=steps, max_extend_len=steps)
+        backend.init_cuda_graph_state(bs, sum(ext))
+        first = place_extend_round(r, lens, ext)
+        backend.init_forward_metadata_capture_cuda_graph(first)
+        return backend, first, place_extend_round(r, [n + 3 for n in lens], ext[::-1])
+    backend = TritonDecode(r, topk, steps)
+    backend.init_cuda_graph_state(bs, bs * topk)
+    first = place_decode_round(r, lens, topk, steps, 1)
+    backend.init_forward_metadata_capture_cuda_graph(first)
+    return backend, first, place_decode_round(r, [n + 3 for n in lens], topk, steps, 1)
+
+
+@pytest.mark.parametrize("kind,model,topk", KINDS)
+def test_replay_metadata_call_is_fixed_host_work(monkeypatch, kind, model, topk):
+    """At (B 1, S 2) and (B 4, S 5): the same calls and line count, one launch, no torch op,
+    no host read, no check of the batch; checks again at a signature not seen."""
+    if model == "mla":
+        monkeypatch.setattr(plans, "gluon_reason", lambda runner, interpret: None)
+    counted = {name: CountedKernel(getattr(launchers, name))
+               for name in ("_decode_metadata_kernel", "_extend_metadata_kernel")}
+    for name, stand_in in counted.items():
+        monkeypatch.setattr(launchers, name, stand_in)
+    worklist_alone = CountedKernel(worklist._worklist_kernel)
+    monkeypatch.setattr(worklist, "_worklist_kernel", worklist_alone)
+    seen = []
+    for bs, steps in ((1, 2), (4, 5)):
+        backend, _, batch = _graph_backend(kind, model, topk, bs, steps)
+        if model == "mla":
+            assert backend.plan.name == "gluon-wl"
+        for stand_in in counted.values():
+            stand_in.launches, stand_in.idle = 0, True
+        calls, lines, ops, checks = quiet_replay(monkeypatch, backend, batch, bs)
+        assert ops == [] and checks == []
+        assert sum(s.launches for s in counted.values()) == 1 and worklist_alone.launches == 0
+        seen.append((calls, lines))
+        # Another signature (a batch padded to a larger capture; a strided view): checked.
+        for stand_in in counted.values():
+            stand_in.idle = False
+        assert checked_replay(monkeypatch, backend, strided_seq_lens(batch), bs) == 1
+    assert seen[0] == seen[1], "host work that grows with the batch size or step count"
+
+
+def _filled(backend) -> list[torch.Tensor]:
+    """What the metadata call wrote: the round's buffers and its fixed views."""
+    bufs, batch = backend._active, backend.batch
+    out = [bufs.meta.clone(), bufs.hist.clone(), batch.out_cache_loc.clone()]
+    if isinstance(batch, DraftBatch):
+        out += [batch.req_pool_indices.clone(), batch.seq_lens.clone()]
+    if bufs.work is not None:
+        out.append(bufs.work.clone())
+    return out
+
+
+@pytest.mark.parametrize("kind,model,topk,padded",
+                         [k + (False,) for k in KINDS] +
+                         [k + (True,) for k in KINDS if k[0] != "extend"])
+def test_kept_replay_fills_as_a_checked_call(monkeypatch, kind, model, topk, padded):
+    """A replay of a kept signature (after the capture, or after a first padded replay) and
+    a first, checked replay of the same batch on a fresh backend write the same buffers (on
+    a GPU the first launches the kept compiled kernel); the ``gluon-wl`` work list is
+    ``worklist.fill``'s over the padded lengths. A kept signature's values are still checked
+    where a graph call checks values (CPU tensors)."""
+    if model == "mla":
+        monkeypatch.setattr(plans, "gluon_reason", lambda runner, interpret: None)
+    bs, steps = 3, 3
+    kept, first, batch = _graph_backend(kind, model, topk, bs, steps, seed=1)
+    if padded:
+        kept.init_forward_metadata_replay_cuda_graph(first_requests(first, 2), bs)
+        batch = first_requests(batch, 2)
+    kept.init_forward_metadata_replay_cuda_graph(batch, bs)
+    fresh, _, _ = _graph_backend(kind, model, topk, bs, steps, seed=1)
+    fresh._replays.clear()
+    fresh.init_forward_metadata_replay_cuda_graph(batch, bs)
+    for a, b in zip(_filled(kept), _filled(fresh), strict=True):
+        assert torch.equal(a, b)
+    assert kept._round_plan == fresh._round_plan
+    plan, work = kept._round_plan, kept._active.work
+    assert (work is not None) == (plan["plan"].name == "gluon-wl") == (model == "mla")
+    if work is not None:
+        want = torch.full_like(work, -1)
+        worklist.fill(kept.batch.seq_lens, want, plan["num_splits"], plan["wl_tail"],
+                      plan["plan"].block_n)
+        n = worklist.work_numel(plan["num_splits"], bs)
+        assert torch.equal(work[:n], want[:n])
+    if batch.out_cache_loc.device.type == "cpu":  # a graph call checks values there only
+        with pytest.raises(InvalidInputError, match="out_cache_loc"):
+            kept.init_forward_metadata_replay_cuda_graph(
+                with_bad_slot(batch, kept.runner.num_slots), bs)
+
+
+def test_padded_replays_keep_one_launch_per_signature():
+    """Replays of 1, 2 and 3 requests into a graph captured at 3: each signature checked
+    once, each replay padded (request row 0, ``seq_lens`` 1, slot 0)."""
+    backend, _, batch = _graph_backend("mha", "mha", 2, 3, 3)
+    for _ in range(2):
+        for raw in (1, 2, 3):
+            backend.init_forward_metadata_replay_cuda_graph(first_requests(batch, raw), 3)
+            fixed = backend.batch
+            assert torch.equal(fixed.seq_lens[:raw], batch.seq_lens[:raw])
+            assert fixed.seq_lens[raw:].eq(1).all() and fixed.req_pool_indices[raw:].eq(0).all()
+            assert not fixed.out_cache_loc[raw:].any()
+    assert len(backend._replays) == 3  # the capture's signature is raw 3's
+    with pytest.raises(InvalidInputError, match=r"^bs: "):
+        backend.init_forward_metadata_replay_cuda_graph(batch, 4)
+
+
+def test_new_graph_state_drops_the_kept_calls():
+    """``init_cuda_graph_state`` makes new fixed buffers: the calls kept with views of the
+    old ones are dropped."""
+    backend, _, _ = _graph_backend("mha", "mha", 2, 2, 2)
+    assert len(backend._replays) == 1
+    backend.init_cuda_graph_state(2, 4)
+    assert backend._replays == {}
+
+
+# --- KernelLaunch ------------------------------------------------------------------------------
+
+class _Param:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class _Compiled:
+    """A stand-in ``CompiledKernel``: records its direct launches."""
+
+    def __init__(self, signature):
+        self.src = type("Src", (), {"signature": signature})()
+        self.function, self.packed_metadata, self.runs = "fn", "meta", []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Kernel:
+    """A stand-in ``JITFunction`` ``k(A, B, n, BLOCK: constexpr)``: ``kernel[grid](...)``
+    returns its compiled kernel, as Triton's does."""
+
+    params = [_Param("A", False), _Param("B", False), _Param("n", False),
+              _Param("BLOCK", True)]
+
+    def __init__(self, compiled):
+        self.compiled, self.launches = compiled, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+class _Hooks:
+    def __init__(self):
+        self.calls = []
+
+
+def _knobs(monkeypatch):
+    hooks = type("Runtime", (), {"launch_enter_hook": _Hooks(), "launch_exit_hook": _Hooks()})
+    monkeypatch.setattr(kernel_launch, "_knobs", type("Knobs", (), {"runtime": hooks}))
+    device = [0]
+    monkeypatch.setattr(kernel_launch, "_driver_functions",
+                        lambda: (lambda: device[0], lambda index: 1000 + index))
+    return hooks, device
+
+
+def test_kernel_launch_runs_the_kept_kernel_with_every_bound_argument(monkeypatch):
+    hooks, device = _knobs(monkeypatch)
+    compiled = _Compiled({"A": "*i64", "B": "*i32", "n": "i32", "BLOCK": "constexpr"})
+    kernel = _Kernel(compiled)
+    launch = kernel_launch.KernelLaunch(kernel, (6,), (7,), {"BLOCK": 8, "num_warps": 1})
+    launch("a0", "b0")  # the ordinary launch, which returns the compiled kernel
+    assert kernel.launches == [((6,), ("a0", "b0", 7), {"BLOCK": 8, "num_warps": 1})]
+    assert launch.direct
+    launch("a1", "b1")
+    assert compiled.runs == [(6, 1, 1, 1000, "fn", "meta", None, None, None, "a1", "b1", 7, 8)]
+    hooks.launch_enter_hook.calls.append(print)  # a profiler's hook: the ordinary launch
+    launch("a2", "b2")
+    hooks.launch_enter_hook.calls.clear()
+    device[0] = 1  # another current device: the ordinary launch
+    launch("a3", "b3")
+    assert len(kernel.launches) == 3 and len(compiled.runs) == 1
+
+
+@pytest.mark.parametrize("compiled", [
+    None,  # the interpreter returns no compiled kernel
+    _Compiled({"A": "*i64", "B": "*i32", "n": "i32"}),  # a launcher without the constexprs
+])
+def test_kernel_launch_keeps_the_ordinary_launch_otherwise(monkeypatch, compiled):
+    _knobs(monkeypatch)
+    kernel = _Kernel(compiled)
+    launch = kernel_launch.KernelLaunch(kernel, (2, 3), (7,), {"BLOCK": 8})
+    for _ in range(2):
+        launch("a", "b")
+    assert not launch.direct and len(kernel.launches) == 2
