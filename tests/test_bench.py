@@ -391,6 +391,25 @@ def test_cpu_variants_default_and_named(scoped_registry):
     why = dict(skipped)
     assert "CUDA" in why["flashinfer"] and "not a backend" in why["no_such_backend"]
 
+    built = []
+
+    class AutoMode(DraftDecodeBackend, name="bench_auto_mode"):
+        def __init__(self, runner, topk, num_steps, *, tree_mode="lane", mode="auto"):
+            super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+            built.append(mode)
+
+        def init_forward_metadata(self, batch): ...
+
+        def forward(self, step, layer, q, k, v): ...
+
+    # Found on the H200 (2026-12-02): fa4's row was forced to mode="shared", so its default
+    # route (a split prefix at batch 1, 3.3x faster at gqa-b1-32k) was never timed.
+    variants, _ = discover_variants(tiny(), plat, ["bench_auto_mode"], raw=False)
+    assert [(v.label, v.mode) for v in variants] == [("bench_auto_mode", "default"),
+                                                     ("bench_auto_mode/per-branch", "per-branch")]
+    variants[0].make(build_setup(tiny(), "cpu"))
+    assert built == ["auto"]
+
 
 
 def test_gpu_variants_skip_model_specific_rows_and_foreign_flavours():

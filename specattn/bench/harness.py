@@ -309,6 +309,10 @@ def _has_mode(cls: type) -> bool:
     return "mode" in inspect.signature(cls.__init__).parameters
 
 
+def _default_mode(cls: type) -> Any:
+    return inspect.signature(cls.__init__).parameters["mode"].default
+
+
 def _builder(cls: type, case: Case, **kw) -> Callable[[DraftRunner], Any]:
     """``runner -> cls(runner, ...)`` for ``case`` (decode: its ``topk`` and steps)."""
     if case.kind == "decode":
@@ -380,8 +384,12 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
             continue
         graphs = bool(cls.supports_cuda_graph)
         if own and case.kind == "decode" and _has_mode(cls):
-            variants.append(Variant(info.name, info.name, "shared", info.kernel_library,
-                                    _maker(cls, case, mode="shared"), graphs))
+            # The name's row is the backend as an engine gets it: its default mode (fa3/fa4:
+            # "auto", routed per round), labelled "shared" when that default is shared.
+            default = _default_mode(cls)
+            variants.append(Variant(info.name, info.name,
+                                    "shared" if default == "shared" else "default",
+                                    info.kernel_library, _maker(cls, case), graphs))
             variants.append(Variant(f"{info.name}/per-branch", info.name, "per-branch",
                                     info.kernel_library, _maker(cls, case, mode="per-branch"),
                                     graphs))
