@@ -103,7 +103,7 @@ def test_gpu_check_dry_run_names_what_exists(tmp_path):
     tests = steps["gpu-tests"]
     assert tests[1:3] == ["-m", "pytest"] and "tests/gpu" in tests and "-n" in tests
     assert tests[tests.index("-n") + 1] == "0"  # xdist off
-    assert tests[tests.index("tests/gpu") - 2:tests.index("tests/gpu")] == ["-m", "gpu"]
+    assert tests[tests.index("tests/gpu") - 2:tests.index("tests/gpu")] == ["-m", "gpu and not slow"]
     assert tests[-2:] == ["-k", "triton"]  # PYTEST_ARGS go to the suites
     assert any(n.startswith("test_") and n.endswith("_gpu.py")
                for n in os.listdir(os.path.join(ROOT, "tests", "gpu")))

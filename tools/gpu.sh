@@ -5,9 +5,10 @@
 #                                          /tmp/gpu-site (carry .gpu/install.sh .gpu/fa4-first;
 #                                          a transfer holds 64 MiB: the next command, on the
 #                                          same warm machine, carries .gpu/fa4)
-#   bash tools/gpu.sh check [PYTEST_ARGS]  tests/gpu (PYTEST_ARGS added), the conformance kit
-#                                          on every GPU backend, compute-sanitizer memcheck
-#                                          over tools/oob_run.py
+#   bash tools/gpu.sh check [PYTEST_ARGS]  tests/gpu but the slow stress loops (PYTEST_ARGS
+#                                          added), the conformance kit on every GPU backend,
+#                                          compute-sanitizer memcheck over tools/oob_run.py;
+#                                          CHECK_STEPS="stress" runs the stress loops
 #   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS, results in $OUT/bench/
 #                                          and $OUT/bench.tgz
 #   bash tools/gpu.sh sglang [ARGS]        SGLang's own EAGLE draft loop, stock against specattn
@@ -24,8 +25,9 @@
 # .whl/*.whl and prints the GPU and the library versions.
 # Environment: OUT (the folder whose files come back; the GPU host sets it); GPU_PARTS (bundle
 # parts to unpack; default: those carried); CHECK_STEPS (default "gpu-tests kit memcheck");
-# KIT_K (the kit's -k; default: every GPU backend); GPU_TESTS (the gpu-tests step's paths; default
-# tests/gpu) and GPU_TESTS_N (its pytest-xdist workers; default 0); BENCH_APPEND=1 (keep the last bench's
+# KIT_K (the kit's -k; default: every GPU backend); GPU_TESTS (the gpu-tests and stress steps'
+# paths; default tests/gpu), GPU_TESTS_N (gpu-tests' pytest-xdist workers; default 0, at most 4),
+# GPU_TEST_TIMEOUT_S (one test's limit; default 240); BENCH_APPEND=1 (keep the last bench's
 # folder: pass --append); AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
 # summary.md); GPU_DRY_RUN=1 (print the commands, run nothing).
 # Output: $OUT/summary.md (a line per step), $OUT/logs.tgz (each step's log) and the command's
@@ -133,10 +135,16 @@ sanitizer() {  # compute-sanitizer from PATH, else beside nvcc (the CUDA toolkit
 check() {
   local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
   setup
-  # shellcheck disable=SC2086  # GPU_TESTS: a list of paths
-  [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -q -n "${GPU_TESTS_N:-0}" \
-    -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors -m gpu \
-    ${GPU_TESTS:-tests/gpu} "$@"
+  # -v names each test as it ends, so a step stopped by its limit still says which ran;
+  # --timeout (pytest-timeout, when installed) fails a test that hangs instead of the step.
+  cs=$("$PY" -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=${GPU_TEST_TIMEOUT_S:-240}" || true)
+  # shellcheck disable=SC2086  # GPU_TESTS: a list of paths; cs: empty or one option
+  [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -v -n "${GPU_TESTS_N:-0}" \
+    -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors $cs \
+    -m "gpu and not slow" ${GPU_TESTS:-tests/gpu} "$@"
+  # shellcheck disable=SC2086
+  [[ $steps != *" stress "* ]] || step stress "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
+    $cs -m "gpu and slow" ${GPU_TESTS:-tests/gpu}
   [[ $steps != *" kit "* ]] || step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
     tests/conformance -k "$KIT_K"
   [[ $steps == *" memcheck "* ]] || return 0

@@ -207,6 +207,7 @@ def _stress_batches():
     return batches
 
 
+@pytest.mark.slow  # minutes: gpu.sh check runs it in its own step
 @pytest.mark.parametrize("chunk", range(STRESS_CHUNKS))
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_random_stress_100_batches(variant, chunk):

@@ -242,6 +242,7 @@ def test_tl_dot_plans_write_and_attend(model, K, tree_mode, mode, plan):
         assert torch.equal(pool[slots], k)
 
 
+@pytest.mark.slow  # minutes: gpu.sh check runs it in its own step
 def test_random_stress_100_batches():
     from specattn.backends.triton import TritonDecode
 
