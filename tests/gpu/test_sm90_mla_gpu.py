@@ -137,24 +137,14 @@ def test_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, cap, n
         assert (backend.plan.name == "gluon-wl") == (K * H <= 64), backend.plan
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
-@pytest.mark.parametrize("tree_mode", ["lane", "path"])
-def test_cuda_graph_capture_replay_padded(variant, tree_mode):
-    """Capture every step at bs=8; replay with new lengths, rows, slots (and parents) for
-    5 real requests padded to 8; the real lanes match torch_ref."""
-    dtype, K, S, max_bs = torch.bfloat16, 4, 4, 8
-    gen = torch.Generator().manual_seed(7)
-    r, batch = make_round(dtype, 16, K, S, 1, [1600] * max_bs, tree_mode)
-    backend = make_backend(r, K, S, tree_mode, variant)
-    backend.init_cuda_graph_state(max_bs, max_bs * K)
-    layer = AttentionLayer(0, 576 ** -0.5)
-    qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
-    backend.init_forward_metadata_capture_cuda_graph(batch)
-    assert _sm90(backend), backend.plan
+def capture_steps(backend, layer, qs):
+    """Run the S steps once on a side stream (compiling outside the capture), then capture
+    them in one CUDA graph: ``(graph, outs)``."""
+    S = len(qs)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for step in range(S):  # compiles outside the capture
+        for step in range(S):
             backend.forward(step, layer, *qs[step], None)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -162,13 +152,19 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
     with torch.cuda.graph(graph):
         for step in range(S):
             outs[step] = backend.forward(step, layer, *qs[step], None)
-    # A new round: 5 real requests (another runner's layout copied in), padded to 8.
-    real = 5
-    r2, b2 = make_round(dtype, 16, K, S, 1, [random.randint(1, 1300) for _ in range(real)],
-                        tree_mode)
+    return graph, outs
+
+
+def replay_new_round(r, batch, backend, r2, b2, real, max_bs, qs, outs, graph, gen,
+                     tree_mode):
+    """Copy another runner's round (``r2``, ``b2``: ``real`` requests) into the captured
+    runner and batch, padded to ``max_bs``, with new q/k (and parents), NaN-poisoned
+    outputs; replay the graph."""
+    dtype = qs[0][0].dtype
+    K = batch.out_cache_loc.shape[1]
     r.req_to_token.zero_()
     r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
-    r.kv_buffer[0][:r2.num_slots] = r2.kv_buffer[0]
+    r.kv_buffer[0].view(torch.uint8)[:r2.num_slots] = r2.kv_buffer[0].view(torch.uint8)
     batch.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())
     batch.seq_lens[:real] = b2.seq_lens
     batch.req_pool_indices.zero_()
@@ -185,6 +181,28 @@ def test_cuda_graph_capture_replay_padded(variant, tree_mode):
         o.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("tree_mode", ["lane", "path"])
+def test_cuda_graph_capture_replay_padded(variant, tree_mode):
+    """Capture every step at bs=8; replay with new lengths, rows, slots (and parents) for
+    5 real requests padded to 8; the real lanes match torch_ref."""
+    dtype, K, S, max_bs = torch.bfloat16, 4, 4, 8
+    gen = torch.Generator().manual_seed(7)
+    r, batch = make_round(dtype, 16, K, S, 1, [1600] * max_bs, tree_mode)
+    backend = make_backend(r, K, S, tree_mode, variant)
+    backend.init_cuda_graph_state(max_bs, max_bs * K)
+    layer = AttentionLayer(0, 576 ** -0.5)
+    qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    assert _sm90(backend), backend.plan
+    graph, outs = capture_steps(backend, layer, qs)
+    # A new round: 5 real requests (another runner's layout copied in), padded to 8.
+    real = 5
+    r2, b2 = make_round(dtype, 16, K, S, 1, [random.randint(1, 1300) for _ in range(real)],
+                        tree_mode)
+    replay_new_round(r, batch, backend, r2, b2, real, max_bs, qs, outs, graph, gen, tree_mode)
     check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
 
 
@@ -346,40 +364,12 @@ def test_fp8_cuda_graph_replay_after_a_scale_change(variant, kv, tree_mode):
     qs = [randn_qkv(r, max_bs * K, gen)[:2] for _ in range(S)]
     backend.init_forward_metadata_capture_cuda_graph(batch)
     assert backend.plan.kernel in (_kernels().GLUON_WL, _kernels().GLUON_SPLIT), backend.plan
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for step in range(S):  # compiles outside the capture
-            backend.forward(step, layer, *qs[step], None)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    outs = [None] * S
-    with torch.cuda.graph(graph):
-        for step in range(S):
-            outs[step] = backend.forward(step, layer, *qs[step], None)
+    graph, outs = capture_steps(backend, layer, qs)
     real = 5
     r2, b2 = make_fp8_round(dtype, 16, K, S, 1, [random.randint(0, 1300) for _ in range(real)],
                             tree_mode, kv, 1.9)
     k_scale.fill_(1.9)
-    r.req_to_token.zero_()
-    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
-    r.kv_buffer[0].view(torch.uint8)[:r2.num_slots] = r2.kv_buffer[0].view(torch.uint8)
-    batch.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())
-    batch.seq_lens[:real] = b2.seq_lens
-    batch.req_pool_indices.zero_()
-    batch.req_pool_indices[:real] = b2.req_pool_indices
-    batch.out_cache_loc.fill_(r.num_slots - 1)
-    batch.out_cache_loc[:real] = b2.out_cache_loc
-    backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
-    for q, k in qs:
-        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
-        k.copy_(torch.randn(k.shape, generator=gen).to(dtype))
-    if tree_mode == "path":
-        batch.parents.copy_(torch.randint(0, K, batch.parents.shape, device=DEV))
-    for o in outs:
-        o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_new_round(r, batch, backend, r2, b2, real, max_bs, qs, outs, graph, gen, tree_mode)
     slots = batch.out_cache_loc[:real, :, S - 1].reshape(-1).long()
     want = quantize(qs[S - 1][1][:real * K], k_scale, r.kv_buffer[0].dtype)
     assert torch.equal(read_rows(r.kv_buffer[0], slots).view(torch.uint8),
