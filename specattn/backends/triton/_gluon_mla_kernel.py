@@ -216,9 +216,6 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     (``NUM_STAGES`` tiles in flight during the MMAs), then ``S``, the online softmax and
     ``P.V`` on the staging tile. ``qk_scale`` includes the key scale. Returns ``(acc, m_i,
     l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries."""
-    dtype: gl.constexpr = k_s.dtype
-    o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = s_zero.type.layout
     # Tile t's codes have landed (each thread's copies), and every warp is done with the
     # staging tile (tile t - 1's MMAs waited).
     async_copy.wait_group(NUM_STAGES - 1)
@@ -236,6 +233,22 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     async_copy.commit_group()
     slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
                           FP8_LAYOUT)
+    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero,
+                                 row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
+                                 logit_cap, BLOCK_N, USE_CAP, p_layout)
+    return acc, m_i, l_i, slots
+
+
+@gluon.jit
+def _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero, row_lane, n_pref,
+                 start, end, n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N: gl.constexpr,
+                 USE_CAP: gl.constexpr, p_layout: gl.constexpr):
+    """Key tile ``t`` in shared memory (``k_s [BLOCK_N, D_MAIN]``, ``kpe_s [BLOCK_N, D_PE]``,
+    visible to the wgmmas): ``S = Q.K^T + Qpe.Kpe^T``, the online softmax, ``acc += P.K``.
+    Returns ``(acc, m_i, l_i)``."""
+    dtype: gl.constexpr = k_s.dtype
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = s_zero.type.layout
     s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s_tok = warpgroup_mma(qpe_smem, kpe_s.permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
@@ -245,7 +258,7 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[o_tok])
-    return acc, m_i, l_i, slots
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -312,9 +325,6 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
     Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token``
     entries."""
-    dtype: gl.constexpr = k_smem.dtype
-    o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = s_zero.type.layout
     # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
     gl.thread_barrier()
     _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
@@ -330,16 +340,9 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     stage = t % NUM_STAGES
     k_s = k_smem.index(stage)
     _finite_tail(k_s, t, n_pref, copy_layout)
-    s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_tok = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_tok,
-                          is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
-    p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_tok = warpgroup_mma(p_op, k_s, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_smem.index(stage), s_zero,
+                                 row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
+                                 logit_cap, BLOCK_N, USE_CAP, p_layout)
     return acc, m_i, l_i, slots
 
 
