@@ -86,16 +86,23 @@ def poisoned_forward(backend, step, layer, q, k):
 
 
 def run_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
+    """One eager round on an sm90 plan: each step's keys are in the pool (an FP8 pool:
+    torch's codes of them), its outputs match ``torch_ref`` at ``check_steps``."""
     bs, topk, steps = batch.out_cache_loc.shape
     backend.init_forward_metadata(batch)
     assert _sm90(backend), backend.plan
+    pool = r.kv_buffer[0]
     for step in range(steps):
         if tree_mode == "path" and step:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
         q, k, _ = randn_qkv(r, bs * topk, gen)
         out = poisoned_forward(backend, step, layer, q, k)
         slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
-        assert torch.equal(r.kv_buffer[0][slots], k), "the step's keys are not in the pool"
+        got = read_rows(pool, slots)
+        if pool.dtype != k.dtype:  # FP8: compare codes as bytes (NaN codes included)
+            codes = quantize(k, layer.k_scale, pool.dtype)
+            got, k = got.view(torch.uint8), codes.view(torch.uint8)
+        assert torch.equal(got, k), "the step's keys are not in the pool"
         if check_steps is None or step in check_steps:
             close(out, reference_decode(r, layer, q, batch, step, tree_mode), r.dtype)
 
@@ -268,24 +275,6 @@ def _fp8_scale(spec: str):
     return float(spec)
 
 
-def run_fp8_round(r, batch, backend, layer, tree_mode, gen, check_steps=None):
-    """``run_round`` over an FP8 pool: each step's keys are in the pool as torch's codes."""
-    bs, topk, steps = batch.out_cache_loc.shape
-    backend.init_forward_metadata(batch)
-    assert backend.plan.kernel in (_kernels().GLUON_WL, _kernels().GLUON_SPLIT), backend.plan
-    for step in range(steps):
-        if tree_mode == "path" and step:
-            batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
-        q, k, _ = randn_qkv(r, bs * topk, gen)
-        out = poisoned_forward(backend, step, layer, q, k)
-        slots = batch.out_cache_loc[:, :, step].reshape(-1).long()
-        want = quantize(k, layer.k_scale, r.kv_buffer[0].dtype)
-        assert torch.equal(read_rows(r.kv_buffer[0], slots).view(torch.uint8),
-                           want.view(torch.uint8)), "the step's codes are not in the pool"
-        if check_steps is None or step in check_steps:
-            close(out, reference_decode(r, layer, q, batch, step, tree_mode), r.dtype)
-
-
 def _kernels():
     from specattn.backends.triton.plans import Kernel
 
@@ -317,8 +306,8 @@ def test_fp8_decode_vs_reference(variant, dtype, H, lens, K, S, P, tree_mode, ca
     r, batch = make_fp8_round(dtype, H, K, S, P, lengths(lens), tree_mode, kv, k_scale)
     backend = make_backend(r, K, S, tree_mode, variant, num_splits)
     layer = AttentionLayer(0, 576 ** -0.5, cap, k_scale=k_scale)
-    run_fp8_round(r, batch, backend, layer, tree_mode, gen,
-                  check_steps={0, S - 1} if lens.endswith("4096") else None)
+    run_round(r, batch, backend, layer, tree_mode, gen,
+              check_steps={0, S - 1} if lens.endswith("4096") else None)
     if variant == "default":  # cute reads bf16/fp16 pools only: gluon-split above a tile
         assert backend.plan.name == ("gluon-wl" if K * H <= 64 else "gluon-split"), \
             backend.plan
