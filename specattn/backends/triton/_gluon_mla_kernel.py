@@ -340,9 +340,10 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     stage = t % NUM_STAGES
     k_s = k_smem.index(stage)
     _finite_tail(k_s, t, n_pref, copy_layout)
-    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_smem.index(stage), s_zero,
-                                 row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
-                                 logit_cap, BLOCK_N, USE_CAP, p_layout)
+    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s,
+                                 kpe_smem.index(stage), s_zero, row_lane, n_pref, start, end,
+                                 n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N, USE_CAP,
+                                 p_layout)
     return acc, m_i, l_i, slots
 
 
