@@ -1122,8 +1122,8 @@ def test_gpu_small_case_end_to_end(tmp_path):
 
 
 def test_a_run_stopped_part_way_keeps_its_finished_cases(tmp_path, monkeypatch):
-    """bench.csv is written after every case: a run killed in its second case (a timeout on
-    the GPU host) leaves the first case's rows, ratios included."""
+    """bench.csv and table.md are written after every case: a run killed in its second case
+    (a timeout on the GPU host) leaves the first case's rows, ratios included."""
     from specattn.bench import run
 
     real = run._run_plan
@@ -1144,3 +1144,6 @@ def test_a_run_stopped_part_way_keeps_its_finished_cases(tmp_path, monkeypatch):
     assert {r["case"] for r in rows} == {"cpu-gqa-small"}
     timed = [r for r in rows if r["variant"] == "torch_ref"]
     assert timed and float(timed[0]["time_us"]) > 0 and timed[0]["x_floor"]
+    table = (out / "table.md").read_text()
+    assert table.startswith("# specattn bench") and "| cpu-gqa-small |" in table
+    assert "cpu-extend" not in table

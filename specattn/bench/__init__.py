@@ -300,11 +300,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = None if args.check_only else copy_bandwidth(device, clock)
     os.makedirs(out, exist_ok=True)
 
-    def checkpoint(rows_so_far: list) -> None:  # bench.csv after each case, final or not
+    def checkpoint(rows_so_far: list) -> None:
+        """bench.csv and table.md (the table alone) after each case, final or not."""
         done = [dict(r) for r in rows_so_far]
         if args.append:
             done = _merge(out, done, [])[0]
-        report.write_csv(report.add_ratios(done), os.path.join(out, "bench.csv"))
+        report.add_ratios(done)
+        report.write_csv(done, os.path.join(out, "bench.csv"))
+        with open(os.path.join(out, "table.md"), "w") as f:
+            f.write(_header(info, bandwidth, clock.name, on_gpu, done) + "\n\n"
+                    + report.render_table(done, cpu=not on_gpu) + "\n")
 
     with ItemProgress(total, "bench") as progress:
         rows = run.run_cases(plans, device, clock, bandwidth, progress, seed=args.seed,
