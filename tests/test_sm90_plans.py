@@ -199,16 +199,6 @@ def test_fp8_choice_where_the_gates_pass(sm90, kv, topk, heads, gluon, cute, wan
     assert TritonDecode(r, topk, 3, mode="per-branch").plan.kernel not in plans.SM90_KERNELS
 
 
-def test_fp8_gluon_split_over_cute_is_logged_once_with_the_reason(sm90, caplog):
-    sm90()
-    r, _ = mla_round([5, 6], topk=8, kv="fp8_e4m3")
-    with caplog.at_level("INFO", logger="specattn.backends.triton.plans"):
-        for _ in range(2):
-            assert TritonDecode(r, 8, 3).plan.name == "gluon-split"
-    lines = [m for m in caplog.messages if "plan gluon-split, not cute" in m]
-    assert len(lines) == 1 and "CuTe-DSL kernel reads bf16/fp16 pools only" in lines[0]
-
-
 def test_fp8_forced_plans(sm90):
     """An FP8 pool takes either Gluon plan when forced; ``cute`` is refused with why."""
     sm90()
@@ -220,14 +210,20 @@ def test_fp8_forced_plans(sm90):
     assert info.value.argument == "plan"
 
 
-def test_gluon_split_without_cute_is_logged_once(sm90, caplog):
-    sm90(cute=False)
-    r, _ = mla_round([5, 6], topk=8)
+@pytest.mark.parametrize("kv,cute,why", [
+    ("fp8_e4m3", True, "CuTe-DSL kernel reads bf16/fp16 pools only"),
+    ("auto", False, "stand-in: no CuTe-DSL"),
+])
+def test_gluon_split_over_cute_is_logged_once_with_the_reason(sm90, caplog, kv, cute, why):
+    """Above one row tile, where ``cute`` does not serve (an FP8 pool, no CuTe-DSL), the
+    plan is ``gluon-split``, logged once with the reason."""
+    sm90(cute=cute)
+    r, _ = mla_round([5, 6], topk=8, kv=kv)
     with caplog.at_level("INFO", logger="specattn.backends.triton.plans"):
         for _ in range(2):
             assert TritonDecode(r, 8, 3).plan.name == "gluon-split"
     lines = [m for m in caplog.messages if "plan gluon-split, not cute" in m]
-    assert len(lines) == 1 and "stand-in: no CuTe-DSL" in lines[0]
+    assert len(lines) == 1 and why in lines[0]
 
 
 def test_split_counts_of_the_gluon_plans(sm90):
