@@ -133,18 +133,19 @@ sanitizer() {  # compute-sanitizer from PATH, else beside nvcc (the CUDA toolkit
 }
 
 check() {
-  local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs
+  local steps=" ${CHECK_STEPS:-gpu-tests kit memcheck} " cs limit
   setup
   # -v names each test as it ends, so a step stopped by its limit still says which ran;
   # --timeout (pytest-timeout, when installed) fails a test that hangs instead of the step.
-  cs=$("$PY" -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=${GPU_TEST_TIMEOUT_S:-240}" || true)
-  # shellcheck disable=SC2086  # GPU_TESTS: a list of paths; cs: empty or one option
+  limit=$("$PY" -c 'import pytest_timeout' 2>/dev/null \
+    && echo "--timeout=${GPU_TEST_TIMEOUT_S:-240}" || true)
+  # shellcheck disable=SC2086  # GPU_TESTS: a list of paths; limit: empty or one option
   [[ $steps != *" gpu-tests "* ]] || step gpu-tests "$PY" -m pytest -v -n "${GPU_TESTS_N:-0}" \
-    -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors $cs \
+    -p no:cacheprovider -rfE --durations=15 --continue-on-collection-errors $limit \
     -m "gpu and not slow" ${GPU_TESTS:-tests/gpu} "$@"
   # shellcheck disable=SC2086
   [[ $steps != *" stress "* ]] || step stress "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
-    $cs -m "gpu and slow" ${GPU_TESTS:-tests/gpu}
+    $limit -m "gpu and slow" ${GPU_TESTS:-tests/gpu}
   [[ $steps != *" kit "* ]] || step kit "$PY" -m pytest -v -n 4 -p no:cacheprovider -rfE \
     tests/conformance -k "$KIT_K"
   [[ $steps == *" memcheck "* ]] || return 0
