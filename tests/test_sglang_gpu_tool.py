@@ -226,3 +226,12 @@ def test_lane_reference_matches_a_lane_round_and_no_upstream_model_does():
     assert tree_verdict(fx, rec, "lane", 1e-4).ok
     for mode in ("prefix", "packed"):
         assert not tree_verdict(fx, rec, mode, 1e-4).ok
+
+
+def test_a_package_named_twice_is_one_stand_in():
+    # The GPU host's list and the CPU list share `datasets`: the report names it once.
+    from specattn.integrations.sglang import stubs
+
+    name = "specattn_absent_package_for_stub_test"
+    assert stubs.install([name, name]) == [name]
+    assert stubs.installed().count(name) == 1

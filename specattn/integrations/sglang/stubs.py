@@ -139,7 +139,7 @@ def install(packages: Iterable[str] = CPU_PACKAGES,
     in ``shim_calls()``); only for a package that gets a stand-in. absent: submodules of a
     stand-in whose import fails as if the package were missing (where the importer has a
     fallback for that)."""
-    new = [p for p in packages if p not in _roots and _missing(p)]
+    new = [p for p in dict.fromkeys(packages) if p not in _roots and _missing(p)]  # once each
     if "torchvision" in new:
         # transformers caches "is torchvision available" on first ask: ask it before the
         # stand-in exists, so it keeps treating torchvision as absent.
