@@ -7,8 +7,8 @@ Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane
   request, not ``K`` times); one Triton kernel then attends each lane to its ``n`` history
   slots and merges with the prefix result by its base-2 LSE
   (``specattn.kernels.history_merge``). The prefix pass is planned once per round and
-  serves every step (its KV set does not change within a round); the history kernel needs no plan (it reads the slots from ``out_cache_loc`` /
-  ``parents`` on the device).
+  serves every step (its KV set does not change within a round); the history kernel
+  needs no plan (it reads the slots from ``out_cache_loc`` / ``parents`` on the device).
   At ``K == 1`` the prefix is read once per lane anyway; the mode still saves host work: one
   FlashInfer plan per round instead of one per step.
 - The ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per step, each
@@ -24,11 +24,11 @@ prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: th
 numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
 FlashInfer's native planner, ``_replan``); no device-to-host read. ``per-branch`` mode plans
 the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets
-differ; the serving loop never runs step ``S - 1``; eager calls plan it on first use), their slot lists built with
-torch (``_slots.fill_ragged_slots``). Run step (``forward``): build the ``path`` histories on
-the device (graph-safe), run the passes; ``shared`` mode's history kernel also stores the
-step's K/V (the prefix pass never reads them: one launch less than ``runner.write_kv``), the
-other modes write them first with ``runner.write_kv``.
+differ; the serving loop never runs step ``S - 1``; eager calls plan it on first use), their
+slot lists built with torch (``_slots.fill_ragged_slots``). Run step (``forward``): build
+the ``path`` histories on the device (graph-safe), run the passes; ``shared`` mode's history
+kernel also stores the step's K/V (the prefix pass never reads them: one launch less than
+``runner.write_kv``), the other modes write them first with ``runner.write_kv``.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
