@@ -131,6 +131,7 @@ class _PrefillReplanner(Replanner):
         self.tail = (split or -1, bool(kw.get("disable_split_kv", False)), 0) if fa2 else None
         self.seq_lens = kw.get("seq_lens") is not None
         self.plan = w._cached_module.plan
+        self._uniform_qo = None  # the last qo_indptr found uniform (host CSRs are not written)
 
     def _replan(self, csr: "HostCSR") -> bool:
         w = self.wrapper
@@ -142,8 +143,10 @@ class _PrefillReplanner(Replanner):
                 *self.shape]
         if self.tail is not None:
             uniform = self.uniform
-            if uniform and not _uniform_rows(csr, uniform):
-                return False  # FlashInfer drops the hint with a warning: its plan serves it
+            if uniform and csr.qo_indptr is not self._uniform_qo:
+                if not _uniform_rows(csr, uniform):
+                    return False  # FlashInfer drops the hint with a warning: its plan serves it
+                self._uniform_qo = csr.qo_indptr
             args += [*self.tail, uniform, False]
         w._kv_lens_buffer[:bs].copy_(csr.kv_lens, non_blocking=True)
         w._qo_indptr_buf.copy_(csr.qo_indptr, non_blocking=True)

@@ -80,18 +80,19 @@ def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *,
              pin: bool = False) -> HostCSR:
     """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU tensor or array) with
     the query rows of ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller),
-    at most ``max_q`` per sequence. Numpy arithmetic on ``M`` values written into one new
-    host tensor (pinned with ``pin``) that holds ``kv_indptr`` and ``kv_lens``."""
+    at most ``max_q`` per sequence. Numpy arithmetic on ``M`` values written into two new
+    host tensors (pinned with ``pin``; each its own allocation: the native planners take
+    their start as the array)."""
     lens_np = _as_numpy(kv_lens)
     m = lens_np.shape[0]
-    buf, a = _host_ints(2 * m + 1, pin)
-    kv, lens = a[:m + 1], a[m + 1:]
+    kv_t, kv = _host_ints(m + 1, pin)
+    lens_t, lens = _host_ints(m, pin)
     lens[:] = lens_np
     kv[0] = 0
     np.cumsum(lens, out=kv[1:])
     longest = int(lens.max()) if m else 0
     rows = int(qo_indptr.numpy()[-1])
-    return HostCSR(qo_indptr, buf[:m + 1], buf[m + 1:], int(kv[-1]), max_q, rows, longest)
+    return HostCSR(qo_indptr, kv_t, lens_t, int(kv[-1]), max_q, rows, longest)
 
 
 def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:
