@@ -91,7 +91,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self._graphs: dict[int, _Round] = {}
         self._active: Optional[_Round] = None
         self._graph_caps: Optional[tuple[int, int]] = None
-        self._slot_launches: dict = {}  # kept prefix slot-list launches (prefix_slots)
+        self._slot_launches: dict = {}  # graph rounds' kept slot-list launches (prefix_slots)
 
     # --- flavour hooks -----------------------------------------------------------------------
 
@@ -163,8 +163,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
 
             if source is None:
                 prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
-                             batch.req_pool_indices, batch.seq_lens, self.runner.num_slots,
-                             kept=self._slot_launches)
+                             batch.req_pool_indices, batch.seq_lens, self.runner.num_slots)
             else:
                 prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
                              source.req_pool_indices, source.seq_lens, self.runner.num_slots,

@@ -48,7 +48,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._graphs: dict[int, Pass] = {}
         self._pass: Optional[Pass] = None  # the pass forward() runs
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
-        self._slot_launches: dict = {}  # kept slot-list launches (prefix_slots)
+        self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -76,8 +76,10 @@ class FlashInferExtendGlue(DraftExtendBackend):
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
+            # Graph passes keep their launches (an eager pass's buffer may be replaced).
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, batch.req_pool_indices,
-                         batch.seq_lens, r.num_slots, kept=self._slot_launches)
+                         batch.seq_lens, r.num_slots,
+                         kept=self._slot_launches if p.graph else None)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
