@@ -291,6 +291,31 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     assert torch.equal(short[:10], want[:10]) and (short[10:] == -1).all()
 
 
+def test_prefix_slots_kept_launch_serves_rounds_of_other_lengths():
+    """With ``kept``, one launch per signature and grid: the tile count is rounded to a power
+    of two, so rounds whose longest prefix needs 2 tiles (600, 1000 positions) share one kept
+    launch, one of 3 tiles (1100) takes the 4-tile one; every list equals
+    ``fill_ragged_slots``."""
+    gen = torch.Generator().manual_seed(8)
+    r2t = torch.randint(0, 1100, (4, 1200), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([2, 0, 3])
+    out = torch.full((3000,), -1, dtype=torch.int32)
+    kept: dict = {}
+    launches = []
+    for lens in ([600, 3, 40], [1000, 7, 900], [5, 1100, 2]):
+        lens = torch.tensor(lens)
+        total = int(lens.sum())
+        want = torch.full((3000,), -1, dtype=torch.int32)
+        fill_ragged_slots(want, total, r2t, rows, lens, num_slots=1000)
+        out.fill_(-1)
+        prefix_slots(out, total, int(lens.max()), r2t, rows.clone(), lens, 1000, kept=kept)
+        assert torch.equal(out, want)
+        launches.append(list(kept.values()))
+    assert len(launches[0]) == 1 and launches[1] == launches[0]
+    assert len(launches[2]) == 2 and launches[2][0] is launches[0][0]
+    assert {k[4] for k in kept} == {2, 4}  # the grid's tiles
+
+
 @pytest.mark.parametrize("with_history", [False, True])
 def test_fill_ragged_slots_matches_loop(with_history):
     gen = torch.Generator().manual_seed(1)

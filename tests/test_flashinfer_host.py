@@ -6,7 +6,8 @@ it. Checked per call, for MHA (``K`` 1 and ``K`` > 1), MLA and extend, at two ba
 step counts:
 
 - FlashInfer plans: at most one per wrapper the round uses; one in all in the default
-  (``shared``) mode, whatever ``B`` and ``S``;
+  (``shared``) mode, whatever ``B`` and ``S``; a replay's plan is a direct replan (FlashInfer's
+  native planner, ``_replan``), the public ``plan`` runs only at capture;
 - reads of device tensors: none when the batch carries the host copies of its lengths
   (``seq_lens_cpu``, ``extend_lens_cpu``, as SGLang's batches do); exactly one transfer
   otherwise (the documented fallback, ``data.host_lengths``).
@@ -121,18 +122,40 @@ class DeviceReads(TorchFunctionMode):
         return out
 
 
+class Plans(Counter):
+    """FlashInfer's native planner calls per wrapper (by its int workspace, which an MLA
+    wrapper's planned backends share in graph mode); ``public``: the public ``plan`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.public = 0
+
+    def clear(self) -> None:
+        super().clear()
+        self.public = 0
+
+
+def _counting_public(plan, plans: Plans):
+    def counted(self, *args, **kw):
+        plans.public += 1
+        return plan(self, *args, **kw)
+    return counted
+
+
 @pytest.fixture
 def host_work(fake_flashinfer, monkeypatch):  # noqa: F811 (the imported fixture)
-    """``(plans, watch)``: ``plans`` counts FlashInfer plan calls per wrapper; ``watch(*roots)``
+    """``(plans, watch)``: ``plans`` counts FlashInfer plans (``Plans``); ``watch(*roots)``
     is a ``DeviceReads`` over the given runner and batches."""
-    plans: Counter = Counter()
-    stage = fi_standin._FakeWrapper._stage
+    plans = Plans()
+    native = fi_standin.FakePlanner._plan_staged
 
     def counting(self, *args):
-        plans[id(self)] += 1
-        return stage(self, *args)
+        plans[id(args[1])] += 1
+        return native(self, *args)
 
-    monkeypatch.setattr(fi_standin._FakeWrapper, "_stage", counting)
+    monkeypatch.setattr(fi_standin.FakePlanner, "_plan_staged", counting)
+    for cls in (fi_standin.FakePrefill, fi_standin.FakeDecode, fi_standin.FakeMLA):
+        monkeypatch.setattr(cls, "plan", _counting_public(cls.plan, plans))
     monkeypatch.setattr(validation, "_scan_values", lambda t, debug: bool(debug))
 
     def watch(runner, *batches) -> DeviceReads:
@@ -166,8 +189,9 @@ DECODE = [(False, 1, "lane"), (False, 4, "lane"), (False, 3, "path"), (True, 1, 
 @pytest.mark.parametrize("bs, steps", [(3, 2), (6, 5)])
 def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, topk, tree_mode,
                                                            bs, steps):
-    """Default mode: per replay metadata call, one FlashInfer plan and no read of a device
-    tensor, with a full and a padded batch (``bs - 1`` requests)."""
+    """Default mode: per replay metadata call, one FlashInfer plan, a direct replan (no public
+    ``plan`` after the capture's), and no read of a device tensor, with a full and a padded
+    batch (``bs - 1`` requests)."""
     plans, watch = host_work
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, seed=bs + steps)
     full = _with_host_copy(case.batch)
@@ -177,31 +201,36 @@ def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, topk,
         backend = cls(case.runner, topk, steps, tree_mode=tree_mode)
         backend.init_cuda_graph_state(bs, bs * topk)
         backend.init_forward_metadata_capture_cuda_graph(full)
-        for batch in (full, padded, full):
+        direct = backend._graphs[bs].prefix._direct
+        for i, batch in enumerate((full, padded, full)):
             plans.clear()
             dev.recording = True
             backend.init_forward_metadata_replay_cuda_graph(batch, bs)
             dev.recording = False
             assert dev.reads == [], dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
+            assert plans.public == 0 and direct.calls == i + 1
 
 
 @pytest.mark.parametrize("mla, topk, tree_mode", DECODE[:2] + DECODE[3:4])
 def test_eager_metadata_without_host_copy_reads_lengths_once(host_work, mla, topk, tree_mode):
     """``init_forward_metadata`` and a replay without ``seq_lens_cpu``: one transfer of the
-    lengths each (the fallback); with it, none."""
+    lengths each (the fallback); with it, none. FlashInfer's public MLA plan (eager calls)
+    also reads the range of the slot list back (``aminmax(...).item()``, two reads); a
+    replay's direct replan does not."""
     plans, watch = host_work
     case = make_decode_case(mla=mla, bs=4, topk=topk, steps=3, seed=2)
     with_copy = _with_host_copy(case.batch)
     cls = FlashInferMLADecode if mla else FlashInferDecode
     with watch(case.runner, case.batch, with_copy) as dev:
         backend = cls(case.runner, topk, 3, tree_mode=tree_mode)
+        public_reads = 2 if mla else 0
         for batch, reads in ((case.batch, 1), (with_copy, 0)):
             plans.clear()
             dev.recording, dev.reads = True, []
             backend.init_forward_metadata(batch)
             dev.recording = False
-            assert len(dev.reads) == reads, dev.reads
+            assert len(dev.reads) == reads + public_reads, dev.reads
             assert sum(plans.values()) == 1, plans
         backend.init_cuda_graph_state(4, 4 * topk)
         backend.init_forward_metadata_capture_cuda_graph(case.batch)
@@ -228,6 +257,7 @@ def test_per_branch_replay_plans_each_step_wrapper_once(host_work, steps):
         dev.recording = False
         assert dev.reads == [], dev.reads
         assert len(plans) == max(steps - 1, 1) and set(plans.values()) == {1}, plans
+        assert plans.public == 0
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -250,6 +280,7 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla
             dev.recording = False
             assert len(dev.reads) == reads, dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
+            assert plans.public == 0
 
 
 def test_sglang_adapter_passes_the_engine_host_copies():

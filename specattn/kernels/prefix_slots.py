@@ -14,6 +14,12 @@ round's fixed buffers, padded to the captured batch size as ``DraftDecodeBackend
 
 The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
 pool, positions into the row), which needs about fifteen launches for it.
+
+A caller that launches it every round keeps the launches (``kept``): one prepared
+``KernelLaunch`` per signature of the caller's tensors and grid, launched directly on the
+round's tensors instead of through Triton's Python launcher. The grid's tile count is rounded
+up to a power of two (the extra programs list nothing), so rounds of other prefix lengths
+reuse a kept launch.
 """
 
 from __future__ import annotations
@@ -25,18 +31,24 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2
+from .kernel_launch import KernelLaunch
 
 __all__ = ["prefix_slots"]
+
+_MAX_KEPT = 64  # kept launches per caller (a few per captured batch size)
 
 _BLOCK_T = 512  # prefix positions per program
 _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every batch size)
 
 
-@triton.jit(do_not_specialize=["raw", "total"])
-def _prefix_slots_kernel(Rows, Lens, ReqToToken, Out, Loc, FixRows, FixLens, FixLoc,
+# The caller's tensors and the total lead (a kept launch's new arguments); their addresses
+# move between rounds: no alignment specialization on them (``kernel_launch``).
+@triton.jit(do_not_specialize=["raw", "total"],
+            do_not_specialize_on_alignment=["Rows", "Lens", "Loc"])
+def _prefix_slots_kernel(Rows, Lens, Loc, total, ReqToToken, Out, FixRows, FixLens, FixLoc,
                          stride_rows, stride_lens, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
-                         raw, total, num_slots, width, fill,
+                         raw, num_slots, width, fill,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
                          BLOCK_LOC: tl.constexpr):
@@ -78,7 +90,8 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  rows: torch.Tensor, lens: torch.Tensor, num_slots: int, *,
                  bs: Optional[int] = None, fill: int = 1,
                  fixed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                 loc: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 loc: Optional[torch.Tensor] = None,
+                 kept: Optional[dict] = None) -> torch.Tensor:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
 
     rows, lens: ``[raw]`` int (any strides): ``req_pool_indices`` and ``seq_lens`` of the
@@ -89,24 +102,53 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
 
     fixed: ``(rows [bs], lens [bs], loc [bs, K, S])`` int64 contiguous buffers that get the
     padded batch (CUDA-graph rounds), ``loc``: the caller's ``out_cache_loc [raw, K, S]``.
+    kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
+    callers that launch it every round.
     """
     raw = rows.shape[0]
     bs = raw if bs is None else bs
     if fixed is None and (total <= 0 or bs == 0):
         return out[:0]
-    tiles = max(1, -(-longest // _BLOCK_T))
+    tiles = next_pow2(-(-longest // _BLOCK_T))
+    src_loc = out if fixed is None else loc
+    key = None
+    if kept is not None:
+        key = (_signature(rows), _signature(lens), _signature(src_loc), bs, tiles, fill,
+               num_slots, _signature(out), out.data_ptr(), _signature(req_to_token),
+               req_to_token.data_ptr(),
+               None if fixed is None else tuple((_signature(t), t.data_ptr()) for t in fixed))
+        launch = kept.get(key)
+        if launch is not None:
+            launch(rows, lens, src_loc, total)
+            return out[:max(total, 0)]
+    launch = _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill, fixed)
+    launch(rows, lens, src_loc, total)
+    if key is not None:
+        if len(kept) >= _MAX_KEPT:
+            kept.clear()
+        kept[key] = launch
+    return out[:max(total, 0)]
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What a kept launch's compiled kernel depends on in a tensor (not its address)."""
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,
+            fixed) -> KernelLaunch:
+    """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, total)``."""
     if fixed is None:
         fix_rows = fix_lens = fix_loc = out
-        src_loc, loc_strides, steps, loc_n = out, (0, 0, 0), 1, 1
+        loc_strides, steps, loc_n = (0, 0, 0), 1, 1
     else:
         fix_rows, fix_lens, fix_loc = fixed
-        steps = loc.shape[2]
-        loc_n = loc.shape[1] * steps
-        src_loc, loc_strides = loc, loc.stride()
-    _prefix_slots_kernel[(bs, tiles)](
-        rows, lens, req_to_token, out, src_loc, fix_rows, fix_lens, fix_loc,
-        rows.stride(0), lens.stride(0), req_to_token.stride(0), req_to_token.stride(1),
-        *loc_strides, raw, total, num_slots, req_to_token.shape[1], fill,
-        BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
-        NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), num_warps=4)
-    return out[:max(total, 0)]
+        steps = src_loc.shape[2]
+        loc_n = src_loc.shape[1] * steps
+        loc_strides = src_loc.stride()
+    tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, rows.stride(0), lens.stride(0),
+            req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
+            num_slots, req_to_token.shape[1], fill)
+    consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
+                  NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), num_warps=4)
+    return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

@@ -11,6 +11,15 @@ dtypes ``run`` must be given (``_check_cached_qkv_data_type``); the MHA wrappers
 k_scale=, v_scale=)`` are host floats (``sm_scale *= k_scale``, ``out *= v_scale`` in the
 output dtype); the MLA wrapper takes an FP8 pool only as e4m3 with a bf16 query, rank 512 and
 rope 0/64, ``scale_mode="kv-per-tensor"``, and ``run(..., ckv_scale=, kpe_scale=)`` floats.
+
+Plan state as 0.7.4 keeps it, so a direct replan (``_replan``) is checked against the public
+``plan``: each wrapper (MLA: its planned backend, a new one per public plan) has the float,
+int and pinned int workspaces, the captured buffers, ``_plan_info`` and ``_cached_module``
+under 0.7.4's names; the public plan ends with the native planner (``FakePlanner``, the
+argument list of 0.7.4's call), which writes a schedule of its arguments into the int
+workspace. ``run`` reads the CSR from the captured buffers and checks that the int workspace
+holds their schedule. The public MLA plan reads the range of ``kv_indices`` back from the
+device (``aminmax(...).item()``), as 0.7.4 does.
 """
 
 from __future__ import annotations
@@ -68,21 +77,95 @@ def _attend_csr(q, k, v, qo, kv, indices, causal, scale, cap, v_scale=1.0):
     return out, lse
 
 
-class _FakeWrapper:
-    def __init__(self, graph_indices: Optional[torch.Tensor], use_cuda_graph: bool):
-        self.use_cuda_graph = use_cuda_graph
-        self._graph_indices = graph_indices
-        self.plans = 0
+class FakePlanner:
+    """The compiled module's native planner (0.7.4): ``plan(float_ws, int_ws, pinned_int_ws,
+    qo_indptr_h, kv_indptr_h, kv_lens_h, *scalars)`` with host int32 CSR arrays. It writes a
+    schedule derived from every argument into the pinned buffer, copies it into the int
+    workspace (as the real planner's ``cudaMemcpyAsync``) and returns ``plan_info``, a list of
+    ints; ``calls`` records each call's arguments. ``staged``: the MLA module, whose
+    ``plan_with_staged_workspace_bytes`` also returns the bytes it staged."""
 
-    def _stage(self, qo, kv, indices):
+    def __init__(self, staged: bool = False) -> None:
+        self.calls: list[tuple] = []
+        if staged:
+            self.plan_with_staged_workspace_bytes = self._plan_staged
+
+    def plan(self, *args):
+        return self._plan_staged(*args)[0]
+
+    def _plan_staged(self, *args):
+        fws, iws, pin, qo, kv, lens = args[:6]
+        for t in (qo, kv, lens):
+            expect(t.device.type == "cpu" and t.dtype == torch.int32,
+                   "the native planner reads host int32 CSR arrays")
+        expect(pin.device.type == "cpu" and iws.device == fws.device,
+               "the native planner takes the pinned host copy of the int workspace")
+        self.calls.append(args)
+        schedule = torch.tensor(qo.tolist() + kv.tolist() + lens.tolist()
+                                + [int(a) for a in args[6:]], dtype=torch.int32)
+        used = schedule.numel() * 4
+        pin.view(torch.int32)[:schedule.numel()].copy_(schedule)
+        iws[:used].copy_(pin[:used], non_blocking=True)
+        return [used, lens.numel(), int(qo[-1]), int(kv[-1]), hash(tuple(schedule.tolist()))], used
+
+
+def _check_schedule(w, qo, kv, lens, used):
+    """``run``: the int workspace holds the schedule of the captured CSR (a plan of another
+    batch, or none, would leave another one)."""
+    got = w._int_workspace_buffer[:used].view(torch.int32).tolist()
+    n = len(qo) + len(kv) + len(lens)
+    expect(got[:n] == list(qo) + list(kv) + list(lens),
+           "run: the int workspace holds the plan of another batch")
+
+
+def _int_workspaces(ws):
+    """0.7.4's per-wrapper int workspace (8 MiB there; small here) and its pinned copy."""
+    iws = torch.zeros(1 << 16, dtype=torch.uint8, device=ws.device)
+    return iws, torch.zeros(iws.shape, dtype=torch.uint8)
+
+
+class _FakeWrapper:
+    """What the MHA wrappers share: 0.7.4's attribute names for the workspaces, the captured
+    buffers and the plan state (``_plan_info``, ``_cached_module``...)."""
+
+    def __init__(self, ws, use_cuda_graph: bool, backend: str):
+        self.use_cuda_graph = self._use_cuda_graph = use_cuda_graph
+        self._float_workspace_buffer = ws
+        self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = _int_workspaces(ws)
+        self._kv_lens_buffer = torch.zeros(4096, dtype=torch.int32, device=ws.device)
+        self._requested_backend = backend
+        self._backend = "fa2" if backend == "auto" else backend
+        self._plan_info = None
+        self._cached_module = None
+        self._jit_module = None
+        self.plans = 0  # public plans
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def _stage(self, qo, kv, indices, last_page_len):
+        """The public plan's copies: into the captured buffers (graph) or kept (eager)."""
         assert qo.device.type == "cpu" and kv.device.type == "cpu", "indptrs go in on the host"
-        self.qo, self.kv = qo.tolist(), kv.tolist()
         if self.use_cuda_graph:
-            self._graph_indices[:indices.numel()].copy_(indices)
-            self.indices = self._graph_indices
+            expect(indices.numel() <= self._paged_kv_indices_buf.numel(),
+                   "The length of paged_kv_indices exceeds the allocated buffer size.")
+            self._paged_kv_indptr_buf.copy_(kv, non_blocking=True)
+            self._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+            self._paged_kv_indices_buf[:indices.numel()].copy_(indices)
         else:
-            self.indices = indices  # kept by reference, read at run time
+            self._qo_indptr_buf, self._paged_kv_indptr_buf = qo.clone(), kv.clone()
+            self._paged_kv_indices_buf = indices  # kept by reference, read at run time
         self.plans += 1
+
+    def _planned_csr(self):
+        """``(qo, kv, indices)`` the kernels would read: the captured buffers in graph mode."""
+        kv = self._paged_kv_indptr_buf.tolist()
+        qo = self._qo_indptr_buf.tolist() if self._qo_indptr_buf is not None else \
+            list(range(len(kv)))
+        _check_schedule(self, qo, kv, self._kv_lens_buffer[:len(kv) - 1].tolist(),
+                        self._plan_info[0])
+        return qo, kv, self._paged_kv_indices_buf
 
 
 class FakePrefill(_FakeWrapper):
@@ -90,31 +173,64 @@ class FakePrefill(_FakeWrapper):
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, backend="auto"):
         assert kv_layout == "NHD"
-        super().__init__(paged_kv_indices_buf, use_cuda_graph)
+        super().__init__(ws, use_cuda_graph, backend)
+        self._fixed_batch_size = len(qo_indptr_buf) - 1 if use_cuda_graph else 0
+        self._qo_indptr_buf = qo_indptr_buf
+        self._paged_kv_indptr_buf = paged_kv_indptr_buf
+        self._paged_kv_indices_buf = paged_kv_indices_buf
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buf
+        self._max_total_num_rows = None
+        self._eagle_verify_fp8kv_sm90_state = None
 
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, *,
              head_dim_vo=None, causal=False, sm_scale=None, logits_soft_cap=None,
              q_data_type=None, kv_data_type=None, uniform_q_len=None, disable_split_kv=False,
              fixed_split_size=None, seq_lens=None, max_token_per_sequence=None):
         assert page_size == 1 and bool((last_page_len == 1).all())
-        if uniform_q_len:  # FlashInfer drops a hint that does not describe the batch
-            assert bool(((qo_indptr[1:] - qo_indptr[:-1]) == uniform_q_len).all())
         # The key counts and the most query rows per sequence, which FlashInfer otherwise
         # computes from the indptrs: given, they must be those values.
+        q_lens = qo_indptr[1:] - qo_indptr[:-1]
+        kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
         if seq_lens is not None:
             assert seq_lens.device.type == "cpu" and seq_lens.dtype == torch.int32
-            assert seq_lens.tolist() == (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+            assert seq_lens.tolist() == kv_lens.tolist()
         if max_token_per_sequence is not None:
-            assert max_token_per_sequence == int((qo_indptr[1:] - qo_indptr[:-1]).max())
-        self._stage(qo_indptr, kv_indptr, indices)
+            assert max_token_per_sequence == int(q_lens.max())
+        bs, rows = len(qo_indptr) - 1, int(qo_indptr[-1])
+        self._max_q_len = int(q_lens.max()) if bs else 0
+        self._max_kv_len = int(kv_lens.max()) if bs else 0
+        self._qo_indptr_last, self._batch_size = rows, bs
+        self._kv_lens_buffer[:bs].copy_(kv_lens, non_blocking=True)
+        if self.use_cuda_graph:
+            if self._max_total_num_rows is None:
+                self._max_total_num_rows = rows
+            expect(rows <= self._max_total_num_rows and bs == self._fixed_batch_size,
+                   "cuda graph mode: the rows and batch size of the first plan at most")
+            self._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
+        self._stage(qo_indptr, kv_indptr, indices, last_page_len)
+        self._cached_module = self._cached_module or FakePlanner()
+        # prefill.py: the FA2 planner's arguments, uniform_q_len forwarded in graph mode
+        # when it describes the batch (else dropped with a warning).
+        uniform = int(uniform_q_len or 0)
+        if not (self.use_cuda_graph and uniform > 0 and bool((q_lens == uniform).all())):
+            uniform = 0
+        split = -1 if fixed_split_size is None else fixed_split_size
+        self._plan_info = self._cached_module.plan(
+            self._float_workspace_buffer, self._int_workspace_buffer,
+            self._pin_memory_int_workspace_buffer, qo_indptr, kv_indptr, kv_lens,
+            self._max_total_num_rows or rows, bs, hq, hkv, page_size, self.use_cuda_graph, d,
+            head_dim_vo or d, causal, -1, split or -1, disable_split_kv, 0, uniform, False)
         self.causal, self.scale, self.cap = causal, sm_scale, logits_soft_cap
         self.uniform_q_len = uniform_q_len
         self.q_data_type, self.kv_data_type = q_data_type, kv_data_type
+        self._seq_lens_kv = self._seq_lens_q = seq_lens
 
     def run(self, q, kv, *, k_scale=None, v_scale=None, return_lse=False):
         k, v = kv[0][:, 0], kv[1][:, 0]
         _check_dtypes(self, q, k)
-        o, lse = _attend_csr(q, k, v, self.qo, self.kv, self.indices, self.causal,
+        expect(q.shape[0] == self._qo_indptr_last, "q.shape[0] does not match qo_indptr[-1]")
+        qo, kvp, indices = self._planned_csr()
+        o, lse = _attend_csr(q, k, v, qo, kvp, indices, self.causal,
                              self.scale * _host_scale("k_scale", k_scale), self.cap,
                              _host_scale("v_scale", v_scale))
         return (o, lse) if return_lse else o
@@ -124,20 +240,117 @@ class FakeDecode(FakePrefill):
     def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend="auto"):
-        _FakeWrapper.__init__(self, paged_kv_indices_buffer, use_cuda_graph)
+        _FakeWrapper.__init__(self, ws, use_cuda_graph, backend)
+        self._use_tensor_cores = use_tensor_cores
+        self._fixed_batch_size = len(paged_kv_last_page_len_buffer) if use_cuda_graph else 0
+        self._qo_indptr_buf = None
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._use_xqa_mtp_decode = False
+        self._q_len_per_req = None
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    @property
+    def _uses_cudnn(self) -> bool:
+        return self._backend == "cudnn"
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, *, sm_scale=None,
              logits_soft_cap=None, q_data_type=None, kv_data_type=None):
-        qo = torch.arange(indptr.numel(), dtype=torch.int32)
-        FakePrefill.plan(self, qo, indptr, indices, last_page_len, hq, hkv, d, page_size,
-                         sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                         q_data_type=q_data_type, kv_data_type=kv_data_type)
+        assert page_size == 1 and bool((last_page_len == 1).all())
+        bs = len(last_page_len)
+        expect(not self.use_cuda_graph or bs == self._fixed_batch_size,
+               "The batch size should be fixed in cudagraph mode")
+        qo = torch.arange(bs + 1, dtype=torch.int32)
+        kv_lens = (indptr[1:] - indptr[:-1]).to(torch.int32)
+        self._stage(qo, indptr, indices, last_page_len)
+        self._kv_lens_buffer[:bs].copy_(kv_lens)  # the stand-in's run reads it
+        self._max_kv_len, self._batch_size, self._qo_indptr_last = int(kv_lens.max()), bs, bs
+        self._cached_module = self._cached_module or FakePlanner()
+        # decode.py, tensor cores: the FA2 planner's arguments for one row per request.
+        self._plan_info = self._cached_module.plan(
+            self._float_workspace_buffer, self._int_workspace_buffer,
+            self._pin_memory_int_workspace_buffer, qo, indptr, kv_lens, bs, bs, hq, hkv,
+            page_size, self.use_cuda_graph, d, d, False, -1, -1, False, 0, 1, True)
+        self._q_len_per_req = 1
+        self.causal, self.scale, self.cap = False, sm_scale, logits_soft_cap
+        self.q_data_type, self.kv_data_type = q_data_type, kv_data_type
+
+    def _planned_csr(self):
+        kv = self._paged_kv_indptr_buf.tolist()
+        qo = list(range(len(kv)))
+        # The real decode planner has no kv_lens buffer: the schedule is checked on the CSR.
+        lens = [b - a for a, b in zip(kv, kv[1:])]
+        _check_schedule(self, qo, kv, lens, self._plan_info[0])
+        return qo, kv, self._paged_kv_indices_buf
+
+
+def _validate_fa_plan_workload(qo_indptr, kv_len_arr, num_heads, causal, device, backend,
+                               kv_data_type):
+    """0.7.4's host check of an MLA workload (``_fa_common.py``): host lists only."""
+    offsets, kv_lens = qo_indptr.tolist(), kv_len_arr.tolist()
+    expect(len(offsets) >= len(kv_lens) + 1, "FA MLA requires query offsets for every KV "
+           "request.")
+    _validate_fa_plan_workload.calls += 1
+
+
+_validate_fa_plan_workload.calls = 0
+
+
+class FakeMLABackend:
+    """0.7.4's planned fa2 backend (``_BatchMLAGeneratedFaMechanics``): a new one per public
+    plan, sharing the int workspace of the one before in graph mode."""
+
+    _plan_capabilities = types.SimpleNamespace(supports_cuda_graph_replan=True)
+
+    def __init__(self, wrapper, int_workspace, module):
+        self._backend = "fa2"
+        self._float_workspace_buffer = wrapper._float_workspace_buffer
+        self.device = self._float_workspace_buffer.device
+        fresh = _int_workspaces(self._float_workspace_buffer)
+        self._int_workspace_buffer = fresh[0] if int_workspace is None else int_workspace
+        self._pin_memory_int_workspace_buffer = fresh[1]  # a new pinned buffer per plan
+        self._qo_indptr_buf, self._kv_indptr_buf = wrapper.graph_bufs[:2]
+        self._kv_indices_buf, self._kv_len_arr_buf = wrapper.graph_bufs[2:]
+        self._cached_module = module
+
+    def _plan_generated_fa(self, m, num_heads, head_dim_ckv, causal, kv_data_type):
+        _validate_fa_plan_workload(m.qo_indptr, m.kv_len_arr, num_heads, causal, self.device,
+                                   self._backend, kv_data_type)
+        qo, kv, lens = m.qo_indptr.cpu(), m.kv_indptr.cpu(), m.kv_len_arr.cpu()
+        total = int(kv[-1])
+        if total:  # the public plan reads the indices' range back from the device
+            lo, hi = torch.aminmax(m.kv_indices[:total])
+            self._planned_kv_page_range = (int(lo.item()), int(hi.item()) + 1)
+        else:
+            self._planned_kv_page_range = (0, 0)
+        self._plan_info, self._staged_int_workspace_bytes = \
+            self._cached_module.plan_with_staged_workspace_bytes(
+                self._float_workspace_buffer, self._int_workspace_buffer,
+                self._pin_memory_int_workspace_buffer, qo, kv, lens, num_heads, head_dim_ckv,
+                causal)
+        for target, source in zip((self._qo_indptr_buf, self._kv_indptr_buf,
+                                   self._kv_len_arr_buf), (qo, kv, lens)):
+            target.copy_(source, non_blocking=True)
+        self._kv_indices_buf[:total].copy_(m.kv_indices[:total])
+        self._causal, self._head_dim_ckv, self._kv_data_type = causal, head_dim_ckv, \
+            kv_data_type
+        self._planned_query_shape = (int(qo[-1]), num_heads)
 
 
 class FakeMLA(_FakeWrapper):
     def __init__(self, ws, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None, backend="auto"):
-        super().__init__(kv_indices, use_cuda_graph)
+        self.use_cuda_graph = self._use_cuda_graph = use_cuda_graph
+        self._float_workspace_buffer = ws
+        self.graph_bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        self._planned_backend = None
+        self._plan_info = None
+        self._module = FakePlanner(staged=True)
+        self.plans = 0
 
     def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
              sm_scale, q_data_type, kv_data_type, query_layout, kv_cache_layout, lse_mode,
@@ -155,13 +368,36 @@ class FakeMLA(_FakeWrapper):
             expect(scale_mode == "kv-per-tensor", "FP8 MLA plans: scale_mode='kv-per-tensor'")
         else:
             expect(scale_mode == "default", "non-FP8 MLA plans: scale_mode='default'")
-        self._stage(m.qo_indptr, m.kv_indptr, m.kv_indices)
+        assert m.qo_indptr.device.type == "cpu" and m.kv_indptr.device.type == "cpu", \
+            "indptrs go in on the host"
+        previous = self._planned_backend
+        if not self.use_cuda_graph:  # eager: kv_indices kept by reference, read at run time
+            self.graph_bufs = (torch.empty_like(m.qo_indptr), torch.empty_like(m.kv_indptr),
+                               m.kv_indices, torch.empty_like(m.kv_len_arr))
+        pb = FakeMLABackend(self, previous._int_workspace_buffer
+                            if previous is not None and self.use_cuda_graph else None,
+                            self._module)
+        pb._plan_generated_fa(m, num_heads, head_dim_ckv, causal, kv_data_type)
+        self._planned_backend = pb
+        self._plan_info = pb._plan_info
+        self.plans += 1
         self.causal, self.scale, self.lse_mode = causal, sm_scale, lse_mode
         self.q_data_type, self.kv_data_type = q_data_type, kv_data_type
 
     def run(self, *, query, kv_cache, return_lse=False, ckv_scale=None, kpe_scale=None):
         assert return_lse == (self.lse_mode == "base2")
         _check_dtypes(self, query[0], kv_cache[0])
+        pb = self._planned_backend
+        expect(tuple(query[0].shape[:2]) == pb._planned_query_shape,
+               "q_nope rows and heads must match the planned query shape.")
+        lo, pages = pb._planned_kv_page_range
+        expect(lo >= 0 and kv_cache[0].shape[0] >= pages,
+               "KV cache does not cover the planned CSR page indices.")
+        qo, kvp = pb._qo_indptr_buf.tolist(), pb._kv_indptr_buf.tolist()
+        lens = pb._kv_len_arr_buf.tolist()
+        expect(pb._plan_info == self._plan_info, "run: the wrapper and its backend disagree "
+               "on plan_info")
+        _check_schedule(pb, qo, kvp, lens, pb._plan_info[0])
         fp8 = self.kv_data_type in _FP8
         expect(fp8 == (ckv_scale is not None) == (kpe_scale is not None),
                "ckv_scale and kpe_scale: required with an FP8 pool, refused otherwise")
@@ -169,10 +405,9 @@ class FakeMLA(_FakeWrapper):
         q = torch.cat([query[0], query[1]], -1)
         kv = torch.cat([kv_cache[0][:, 0].float() * ckv, kv_cache[1][:, 0].float() * kpe],
                        -1)[:, None]
-        o, lse = _attend_csr(q, kv, kv[..., :query[0].shape[-1]], self.qo, self.kv,
-                             self.indices, self.causal, self.scale, 0.0)
+        o, lse = _attend_csr(q, kv, kv[..., :query[0].shape[-1]], qo, kvp,
+                             pb._kv_indices_buf, self.causal, self.scale, 0.0)
         return (o, lse) if return_lse else o
-
 
 
 def make() -> types.ModuleType:

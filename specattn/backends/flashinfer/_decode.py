@@ -2,14 +2,13 @@
 
 Algorithm (``N = B * K`` lanes, step ``i``, ``n = i + 1`` history slots per lane):
 
-- ``shared`` mode (the default, any ``K``): a *prefix* pass (FlashInfer) attends the ``K`` query rows of
-  each request to ``R_b[0 : L_b]`` together (the prefix is read once per request, not ``K``
-  times); one Triton kernel then attends each lane to its
-  ``n`` history slots and merges with the prefix result by its base-2 LSE
-  (``specattn.kernels.history_merge``). The prefix pass
-  is planned once per round and serves every step (its KV set does not change within a
-  round); the history kernel needs no plan (it reads the slots from ``out_cache_loc`` /
-  ``parents`` on the device).
+- ``shared`` mode (the default, any ``K``): a *prefix* pass (FlashInfer) attends the ``K``
+  query rows of each request to ``R_b[0 : L_b]`` together (the prefix is read once per
+  request, not ``K`` times); one Triton kernel then attends each lane to its ``n`` history
+  slots and merges with the prefix result by its base-2 LSE
+  (``specattn.kernels.history_merge``). The prefix pass is planned once per round and
+  serves every step (its KV set does not change within a round); the history kernel
+  needs no plan (it reads the slots from ``out_cache_loc`` / ``parents`` on the device).
   At ``K == 1`` the prefix is read once per lane anyway; the mode still saves host work: one
   FlashInfer plan per round instead of one per step.
 - The ``per-branch`` mode (upstream's design, kept for benchmarks): one pass per step, each
@@ -19,16 +18,17 @@ Plan step (``init_forward_metadata``): the CSR indptrs FlashInfer's host schedul
 come from the lengths on the host (``batch.seq_lens_cpu``, which engines keep; without it
 one copy of ``seq_lens`` per round, a sync: ``data.host_lengths``); slot lists are built on
 the device. ``shared`` mode: one launch (``kernels.prefix_slots``) writes the prefix slot
-list (in graph rounds it also copies the caller's batch into the fixed buffers, padded), and
-one FlashInfer plan of the prefix pass serves every step. Host work per round, whatever
-``B`` and ``S``: that launch, a few host tensor operations on ``B + 1`` lengths, the plan;
-no device-to-host read. ``per-branch`` mode plans the passes of steps
-``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets differ; the serving loop
-never runs step ``S - 1``; eager calls plan it on first use), their slot lists built with
-torch (``_slots.fill_ragged_slots``). Run step (``forward``): build the ``path`` histories on
-the device (graph-safe), run the passes; ``shared`` mode's history kernel also stores the
-step's K/V (the prefix pass never reads them: one launch less than ``runner.write_kv``), the
-other modes write them first with ``runner.write_kv``.
+list (in graph rounds it also copies the caller's batch into the fixed buffers, padded; the
+launch is kept per signature and grid and launched directly), and one FlashInfer plan of the
+prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: that launch,
+numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
+FlashInfer's native planner, ``_replan``); no device-to-host read. ``per-branch`` mode plans
+the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets
+differ; the serving loop never runs step ``S - 1``; eager calls plan it on first use), their
+slot lists built with torch (``_slots.fill_ragged_slots``). Run step (``forward``): build
+the ``path`` histories on the device (graph-safe), run the passes; ``shared`` mode's history
+kernel also stores the step's K/V (the prefix pass never reads them: one launch less than
+``runner.write_kv``), the other modes write them first with ``runner.write_kv``.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
@@ -91,6 +91,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         self._graphs: dict[int, _Round] = {}
         self._active: Optional[_Round] = None
         self._graph_caps: Optional[tuple[int, int]] = None
+        self._slot_launches: dict = {}  # graph rounds' kept slot-list launches (prefix_slots)
 
     # --- flavour hooks -----------------------------------------------------------------------
 
@@ -158,19 +159,18 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         if self.shared:
             csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin)
             out = rnd.prefix.reserve(csr.total)
-            longest = int(seq_host.max())
             from ...kernels.prefix_slots import prefix_slots
 
             if source is None:
-                prefix_slots(out, csr.total, longest, self.runner.req_to_token,
+                prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
                              batch.req_pool_indices, batch.seq_lens, self.runner.num_slots)
             else:
-                prefix_slots(out, csr.total, longest, self.runner.req_to_token,
+                prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
                              source.req_pool_indices, source.seq_lens, self.runner.num_slots,
                              bs=bs, fill=self.get_cuda_graph_seq_len_fill_value(),
                              fixed=(batch.req_pool_indices, batch.seq_lens,
                                     batch.out_cache_loc),
-                             loc=source.out_cache_loc)
+                             loc=source.out_cache_loc, kept=self._slot_launches)
             rnd.prefix.plan(csr, False, self.params)
         else:
             rnd.rows = batch.req_pool_indices.to(torch.int64).repeat_interleave(k)
@@ -275,6 +275,7 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         ctx = self.runner.max_context_len
         self._graph_caps = (max_bs * ctx, max_bs * self.topk * (ctx + self.num_steps))
         self._graphs.clear()
+        self._slot_launches.clear()  # their fixed views are of the old buffers
 
     def _fills_graph_round(self) -> bool:
         # Shared mode: the prefix slot-list launch copies the caller's batch into the fixed

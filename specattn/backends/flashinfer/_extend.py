@@ -7,7 +7,8 @@ causal alignment gives query ``t`` the keys ``R_b[0 : L'_b - E_b + t + 1]``).
 Plan step (``init_forward_metadata``): the indptrs from the lengths on the host
 (``batch.seq_lens_cpu`` / ``extend_lens_cpu``; the missing ones copied from the device
 together, a sync: ``data.host_lengths``), the slot list built on the device in one launch
-(``kernels.prefix_slots``; ``_slots.fill_ragged_slots`` where Triton cannot run), one plan.
+(``kernels.prefix_slots``, kept per signature and grid; ``_slots.fill_ragged_slots`` where
+Triton cannot run), one plan (a graph replay's: a direct replan, ``_replan``).
 Run step (``forward``): write K/V, run.
 
 CUDA graphs: one pass per captured batch size on fixed buffers (slot list for
@@ -47,6 +48,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._graphs: dict[int, Pass] = {}
         self._pass: Optional[Pass] = None  # the pass forward() runs
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
+        self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -74,8 +76,10 @@ class FlashInferExtendGlue(DraftExtendBackend):
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
-            prefix_slots(out, csr.total, int(seq_host.max()), r.req_to_token,
-                         batch.req_pool_indices, batch.seq_lens, r.num_slots)
+            # Graph passes keep their launches (an eager pass's buffer may be replaced).
+            prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, batch.req_pool_indices,
+                         batch.seq_lens, r.num_slots,
+                         kept=self._slot_launches if p.graph else None)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
@@ -98,6 +102,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
+        self._slot_launches.clear()
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size

@@ -16,6 +16,11 @@ histories) are what the kernel reads. The softmax scale and soft cap are plan ar
 FlashInfer; ``replan(params)`` re-plans with the last host arguments when a layer asks for
 other values (eager only).
 
+CUDA-graph passes re-plan before every replay: the first plan of a graph wrapper is
+FlashInfer's public ``plan`` (it sets up the wrapper, its module and captured buffers); later
+plans with the same scale, soft cap and causality call FlashInfer's native planner directly
+(``_replan``), falling back to the public plan for anything it does not recognise.
+
 FP8 pools (``runner.fp8``): the plans name the pool's dtype as ``kv_data_type`` (the query
 stays in the model dtype), and ``run(q, layer_id, k_scale, v_scale)`` passes the scales as
 FlashInfer's host floats: ``k_scale=`` / ``v_scale=`` of the MHA wrappers (FlashInfer
@@ -37,6 +42,7 @@ import torch
 from ...errors import InvalidInputError
 from ...fp8 import LibraryScales, library_scales
 from ...util import sm_count
+from ._replan import Replanner, direct_replanner
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
@@ -139,6 +145,8 @@ class Pass:
         self.pin = pins(runner.device)
         self._last: Optional[tuple] = None
         self._ones: Optional[torch.Tensor] = None  # last_page_len (host), by sequence count
+        self._direct: Optional[Replanner] = None  # graph passes: after the first public plan
+        self._plan_kw: dict = {}  # the keyword arguments of the last public plan
 
     @property
     def graph(self) -> bool:
@@ -152,19 +160,37 @@ class Pass:
                                         "this pass (init_cuda_graph_state sizes)", total)
             self.indices = torch.zeros(int(total * 1.25) + 1, dtype=torch.int32,
                                        device=self.indices.device)
-            self.wrapper = None  # its reference is to the old buffer
+            self.wrapper = self._direct = None  # its reference is to the old buffer
         return self.indices
 
     def plan(self, csr: "HostCSR", causal: bool, params: Params) -> None:
-        """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only)."""
+        """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only): a
+        direct replan where the graph wrapper's last public plan had these parameters."""
         if self.wrapper is None:
             self.wrapper = self._make_wrapper(csr.kv_lens.numel())
+            self._direct = None
         self._last = (csr, causal)
-        self._plan(csr, causal, params)
+        direct = self._direct
+        if direct is not None and direct.key == (causal, params) and direct(csr):
+            return
+        self._public_plan(csr, causal, params)
 
     def replan(self, params: Params) -> None:
         if self._last is not None:
-            self._plan(*self._last, params)
+            self._public_plan(*self._last, params)
+
+    def _public_plan(self, csr: "HostCSR", causal: bool, params: Params) -> None:
+        """FlashInfer's ``plan``; a graph pass then keeps a direct replanner for its next
+        plans with these parameters."""
+        self._direct = None
+        self._plan(csr, causal, params)
+        if self.graph:
+            self._direct = self._make_direct((causal, params))
+
+    def _make_direct(self, key: tuple) -> Optional[Replanner]:
+        """The direct replanner of the wrapper after its public plan (``None``: keep the
+        public plan; ``_replan`` says why)."""
+        return None
 
     def _last_page_len(self, seqs: int) -> torch.Tensor:
         """``[seqs]`` int32 ones on the host (pages of one token), kept between plans."""
@@ -284,13 +310,18 @@ class PrefillPass(_MHAPass):
     def _plan(self, csr, causal, params) -> None:
         r = self.runner
         seqs = csr.kv_lens.numel()
+        kw = self._plan_kw = dict(
+            head_dim_vo=r.v_head_dim, causal=causal, sm_scale=params.scale,
+            logits_soft_cap=params.cap if params.cap > 0 else None, q_data_type=r.dtype,
+            kv_data_type=r.kv_dtype, **self._length_hints(csr), **self._extra_kwargs(seqs))
         self.wrapper.plan(csr.qo_indptr, csr.kv_indptr, self.indices[:csr.total],
                           self._last_page_len(seqs), r.num_q_heads, r.num_kv_heads,
-                          r.head_dim, 1, head_dim_vo=r.v_head_dim, causal=causal,
-                          sm_scale=params.scale,
-                          logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.kv_dtype,
-                          **self._length_hints(csr), **self._extra_kwargs(seqs))
+                          r.head_dim, 1, **kw)
+
+    def _make_direct(self, key):
+        r = self.runner
+        return direct_replanner("prefill", self.wrapper, key, self._plan_kw,
+                                heads=(r.num_q_heads, r.num_kv_heads, r.head_dim, 1))
 
 
 class DecodePass(_MHAPass):
@@ -311,11 +342,17 @@ class DecodePass(_MHAPass):
 
     def _plan(self, csr, causal, params) -> None:
         r = self.runner
+        kw = self._plan_kw = dict(
+            sm_scale=params.scale, logits_soft_cap=params.cap if params.cap > 0 else None,
+            q_data_type=r.dtype, kv_data_type=r.kv_dtype)
         self.wrapper.plan(csr.kv_indptr, self.indices[:csr.total],
                           self._last_page_len(csr.kv_lens.numel()), r.num_q_heads,
-                          r.num_kv_heads, r.head_dim, 1, sm_scale=params.scale,
-                          logits_soft_cap=params.cap if params.cap > 0 else None,
-                          q_data_type=r.dtype, kv_data_type=r.kv_dtype)
+                          r.num_kv_heads, r.head_dim, 1, **kw)
+
+    def _make_direct(self, key):
+        r = self.runner
+        return direct_replanner("decode", self.wrapper, key, self._plan_kw,
+                                heads=(r.num_q_heads, r.num_kv_heads, r.head_dim, 1))
 
 
 class MLAPass(Pass):
@@ -340,11 +377,18 @@ class MLAPass(Pass):
         meta = fi.mla.MLAPlanMetadata.csr(csr.qo_indptr, csr.kv_indptr,
                                           self.indices[:csr.total], csr.kv_lens)
         fp8 = dict(scale_mode="kv-per-tensor") if r.fp8 else {}
-        self.wrapper.plan(metadata=meta, num_heads=r.num_heads, head_dim_ckv=r.kv_lora_rank,
-                          head_dim_kpe=r.qk_rope_head_dim, page_size=1, causal=causal,
-                          sm_scale=params.scale, q_data_type=r.dtype, kv_data_type=r.kv_dtype,
-                          query_layout="split", kv_cache_layout="split",
-                          lse_mode="base2" if self.with_lse else "none", **fp8)
+        kw = self._plan_kw = dict(
+            metadata=meta, num_heads=r.num_heads, head_dim_ckv=r.kv_lora_rank,
+            head_dim_kpe=r.qk_rope_head_dim, page_size=1, causal=causal,
+            sm_scale=params.scale, q_data_type=r.dtype, kv_data_type=r.kv_dtype,
+            query_layout="split", kv_cache_layout="split",
+            lse_mode="base2" if self.with_lse else "none", **fp8)
+        self.wrapper.plan(**kw)
+
+    def _make_direct(self, key):
+        # Every slot the glue lists is clamped into the pool: its rows bound the indices.
+        return direct_replanner("mla", self.wrapper, key, self._plan_kw,
+                                kv_bound=self.runner.num_slots)
 
     def run(self, q: torch.Tensor, layer_id: int, k_scale: float = 1.0, v_scale: float = 1.0):
         """MLA's one latent pool: ``k_scale`` is the scale of both of its parts."""

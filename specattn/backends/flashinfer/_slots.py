@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from ...metadata import in_pool
@@ -34,8 +35,9 @@ __all__ = ["HostCSR", "csr_indptr", "fill_ragged_slots", "history_positions", "h
 
 class HostCSR(NamedTuple):
     """What FlashInfer's host planner reads for one pass, int32 on the CPU: ``qo_indptr``
-    and ``kv_indptr`` ``[M + 1]``, ``kv_lens [M]``; ``total = kv_indptr[-1]`` and ``max_q``,
-    the most query rows of a sequence, as Python ints.
+    and ``kv_indptr`` ``[M + 1]``, ``kv_lens [M]``; as Python ints ``total = kv_indptr[-1]``,
+    ``max_q`` (the most query rows of a sequence), ``rows = qo_indptr[-1]`` and ``max_kv``
+    (the most keys of a sequence).
 
     On a GPU the tensors are in pinned memory (``host_csr(pin=True)``): FlashInfer's plan
     copies them to the device with ``non_blocking=True``, and a copy from pageable memory
@@ -48,32 +50,56 @@ class HostCSR(NamedTuple):
     kv_lens: torch.Tensor
     total: int
     max_q: int
+    rows: int = -1
+    max_kv: int = -1
 
 
-def host_indptr(lens: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
+def _host_ints(n: int, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """``[n]`` int32 on the CPU (pinned with ``pin``) and its numpy view (written in place:
+    one allocation, no torch op per value)."""
+    t = torch.empty(n, dtype=torch.int32, pin_memory=pin)
+    return t, t.numpy()
+
+
+def _as_numpy(x) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def host_indptr(lens, *, pin: bool = False) -> torch.Tensor:
     """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``). lens: ``[M]`` int
-    (CPU)."""
-    out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, pin_memory=pin)
-    torch.cumsum(lens, 0, dtype=torch.int32, out=out[1:])
+    (CPU tensor or array)."""
+    lens = _as_numpy(lens)
+    out, a = _host_ints(lens.shape[0] + 1, pin)
+    a[0] = 0
+    a[1:] = lens
+    np.cumsum(a[1:], out=a[1:])
     return out
 
 
-def host_csr(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, max_q: int, *,
+def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *,
              pin: bool = False) -> HostCSR:
-    """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU) with the query rows of
-    ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller), at most ``max_q``
-    per sequence. Host arithmetic only; ``pin``: the new tensors in pinned memory."""
-    kv = host_indptr(kv_lens, pin=pin)
-    lens = torch.empty(kv_lens.shape, dtype=torch.int32, pin_memory=pin)
-    lens.copy_(kv_lens)
-    return HostCSR(qo_indptr, kv, lens, int(kv[-1]), max_q)
+    """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU tensor or array) with
+    the query rows of ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller),
+    at most ``max_q`` per sequence. Numpy arithmetic on ``M`` values written into two new
+    host tensors (pinned with ``pin``; each its own allocation: the native planners take
+    their start as the array)."""
+    lens_np = _as_numpy(kv_lens)
+    m = lens_np.shape[0]
+    kv_t, kv = _host_ints(m + 1, pin)
+    lens_t, lens = _host_ints(m, pin)
+    lens[:] = lens_np
+    kv[0] = 0
+    np.cumsum(lens, out=kv[1:])
+    longest = int(lens.max()) if m else 0
+    rows = int(qo_indptr.numpy()[-1])
+    return HostCSR(qo_indptr, kv_t, lens_t, int(kv[-1]), max_q, rows, longest)
 
 
 def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:
     """``[0, step, 2 * step, ..., n * step]`` int32 on the CPU (pinned with ``pin``): the
     ``qo_indptr`` of ``n`` sequences of ``step`` query rows."""
-    out = torch.empty(n + 1, dtype=torch.int32, pin_memory=pin)
-    torch.arange(0, (n + 1) * step, step, dtype=torch.int32, out=out)
+    out, a = _host_ints(n + 1, pin)
+    a[:] = np.arange(0, (n + 1) * step, step, dtype=np.int32)
     return out
 
 

@@ -1,0 +1,300 @@
+"""Direct replans of FlashInfer CUDA-graph wrappers: the native planner, not the public ``plan``.
+
+Shapes: a graph wrapper of ``M`` sequences (fixed at capture) over the captured device buffers
+``qo_indptr [M + 1]``, ``kv_indptr [M + 1]``, ``kv_indices [capacity]`` (and ``kv_lens [M]``),
+int32. A replan takes the round's ``HostCSR`` (pinned host ``qo_indptr``, ``kv_indptr`` ``[M +
+1]``, ``kv_lens [M]`` and their totals as Python ints) and leaves the wrapper as FlashInfer
+0.7.4's public ``plan`` of the same batch would: the native planner's ``plan_info`` where the
+public plan stores it (its schedule written into the wrapper's int workspace by the planner
+itself), the host CSR copied into the captured buffers (``non_blocking`` from pinned memory)
+and the host facts ``run`` reads (query rows, longest key list).
+
+Why: an engine re-plans before every replay, and the public ``plan`` costs far more host time
+than the native planner it ends with. The prefill and decode plans redo dozens of small torch
+ops and the backend pick every time; the MLA plan builds a new planned-backend object with a
+fresh 8 MiB pinned buffer, validates the CSR twice, clones the captured buffers and reads
+``aminmax(kv_indices)`` back from the device (a sync). For a graph wrapper whose module,
+dtypes, heads, scale and flags are those of its last public plan, everything but the CSR is
+already settled, so a replan is the planner call and three copies. The slot list needs no
+copy: the glue writes it into the captured ``kv_indices`` buffer itself. ``last_page_len``
+(pages of one token: all ones) was copied by the first plan and never changes. The MLA
+bound that the public plan reads from the device (the range of ``kv_indices``, checked by its
+``run``) is the pool: every slot the glue lists is clamped into ``[0, num_slots)``.
+
+``direct_replanner`` makes a replanner after a public plan, or returns ``None`` (the caller
+keeps the public plan) for any state it does not recognise: not a graph wrapper, another
+backend than FlashInfer's fa2/fa3 planners, plan arguments it does not reproduce, or a
+FlashInfer whose wrapper attributes differ from 0.7.4's; it logs once at INFO why. A
+replanner also declines a batch the public plan would refuse or treat otherwise (another
+batch size, more query rows than captured, a broken ``uniform_q_len`` promise): the caller
+then runs the public plan, which raises or plans it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ._slots import HostCSR
+
+__all__ = ["Replanner", "direct_replanner"]
+
+log = logging.getLogger("specattn.backends.flashinfer")
+
+_LOGGED: set[str] = set()
+
+# Plan arguments a replan reproduces (anything else keeps the public plan), by wrapper kind.
+_PREFILL_ARGS = frozenset({"head_dim_vo", "causal", "sm_scale", "logits_soft_cap",
+                           "q_data_type", "kv_data_type", "seq_lens",
+                           "max_token_per_sequence", "uniform_q_len", "disable_split_kv",
+                           "fixed_split_size"})
+_DECODE_ARGS = frozenset({"sm_scale", "logits_soft_cap", "q_data_type", "kv_data_type"})
+_MLA_ARGS = frozenset({"metadata", "num_heads", "head_dim_ckv", "head_dim_kpe", "page_size",
+                       "causal", "sm_scale", "q_data_type", "kv_data_type", "query_layout",
+                       "kv_cache_layout", "lse_mode", "scale_mode"})
+
+_PREFILL_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer",
+                  "_pin_memory_int_workspace_buffer", "_qo_indptr_buf", "_paged_kv_indptr_buf",
+                  "_kv_lens_buffer", "_max_total_num_rows", "_fixed_batch_size", "_backend",
+                  "_cached_module", "_plan_info", "_jit_module")
+_DECODE_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer",
+                 "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf",
+                 "_fixed_batch_size", "_backend", "_cached_module", "_plan_info", "_jit_module",
+                 "use_tensor_cores", "_use_xqa_mtp_decode", "_uses_cudnn", "_q_len_per_req")
+_MLA_BACKEND_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer",
+                      "_pin_memory_int_workspace_buffer", "_qo_indptr_buf", "_kv_indptr_buf",
+                      "_kv_indices_buf", "_kv_len_arr_buf", "_cached_module", "_plan_info",
+                      "_backend", "_plan_capabilities", "_causal", "_head_dim_ckv",
+                      "_kv_data_type", "_plan_generated_fa", "device")
+
+
+def _fall_back(why: str) -> None:
+    """Log once at INFO why a wrapper keeps FlashInfer's public plan."""
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("FlashInfer graph replans use the public plan: %s", why)
+
+
+def _missing(obj: Any, names: tuple) -> Optional[str]:
+    absent = [n for n in names if not hasattr(obj, n)]
+    return f"{type(obj).__name__} has no {', '.join(absent)} (not FlashInfer 0.7.4's " \
+        "attributes)" if absent else None
+
+
+class Replanner:
+    """``replanner(csr) -> bool``: one direct replan of its wrapper for ``csr``; ``False``
+    (nothing changed) where the public plan must serve this batch. ``key``: the plan-time
+    parameters it was made for (the caller's; another key needs a public plan)."""
+
+    def __init__(self, wrapper: Any, key: Any) -> None:
+        self.wrapper = wrapper
+        self.key = key
+        self.calls = 0  # direct replans made
+
+    def __call__(self, csr: "HostCSR") -> bool:
+        if not self._replan(csr):
+            return False
+        self.calls += 1
+        return True
+
+    def _replan(self, csr: "HostCSR") -> bool:
+        raise NotImplementedError
+
+
+def _uniform_rows(csr: "HostCSR", rows: int) -> bool:
+    """Every sequence of ``csr`` has ``rows`` query rows (host arithmetic)."""
+    qo = csr.qo_indptr.numpy()
+    return bool(np.all(np.diff(qo) == rows))
+
+
+class _PrefillReplanner(Replanner):
+    """``BatchPrefillWithPagedKVCacheWrapper`` (0.7.4 ``prefill.py``: ``plan``'s native call
+    and graph-buffer copies)."""
+
+    def __init__(self, wrapper: Any, key: Any, kw: dict, heads: tuple) -> None:
+        super().__init__(wrapper, key)
+        w = wrapper
+        hq, hkv, d_qk, page = heads
+        d_vo = kw.get("head_dim_vo") or d_qk
+        fa2 = w._backend == "fa2"
+        self.uniform = int(kw.get("uniform_q_len") or 0) if fa2 else 0
+        # plan(): fixed_split_size None -> -1, forwarded as `fixed_split_size or -1`.
+        split = kw.get("fixed_split_size")
+        split = -1 if split is None else split
+        self.head = (w._float_workspace_buffer, w._int_workspace_buffer,
+                     w._pin_memory_int_workspace_buffer)
+        self.shape = (hq, hkv, page, True, d_qk, d_vo, bool(kw.get("causal", False)), -1)
+        self.tail = (split or -1, bool(kw.get("disable_split_kv", False)), 0) if fa2 else None
+        self.seq_lens = kw.get("seq_lens") is not None
+        self.plan = w._cached_module.plan
+        self._uniform_qo = None  # the last qo_indptr found uniform (host CSRs are not written)
+
+    def _replan(self, csr: "HostCSR") -> bool:
+        w = self.wrapper
+        bs = csr.kv_lens.shape[0]
+        cap = w._max_total_num_rows
+        if bs != w._fixed_batch_size or (cap is not None and csr.rows > cap):
+            return False  # the public plan raises its error
+        args = [*self.head, csr.qo_indptr, csr.kv_indptr, csr.kv_lens, cap or csr.rows, bs,
+                *self.shape]
+        if self.tail is not None:
+            uniform = self.uniform
+            if uniform and csr.qo_indptr is not self._uniform_qo:
+                if not _uniform_rows(csr, uniform):
+                    return False  # FlashInfer drops the hint with a warning: its plan serves it
+                self._uniform_qo = csr.qo_indptr
+            args += [*self.tail, uniform, False]
+        w._kv_lens_buffer[:bs].copy_(csr.kv_lens, non_blocking=True)
+        w._qo_indptr_buf.copy_(csr.qo_indptr, non_blocking=True)
+        w._paged_kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
+        w._plan_info = self.plan(*args)
+        w._batch_size = bs
+        w._qo_indptr_last = csr.rows
+        w._max_q_len = csr.max_q
+        w._max_kv_len = csr.max_kv
+        if self.seq_lens:
+            w._seq_lens_kv = w._seq_lens_q = csr.kv_lens
+        return True
+
+
+class _DecodeReplanner(Replanner):
+    """``BatchDecodeWithPagedKVCacheWrapper`` on tensor cores (0.7.4 ``decode.py``:
+    ``_plan_impl``'s native call and graph-buffer copies; one query row per sequence)."""
+
+    def __init__(self, wrapper: Any, key: Any, kw: dict, heads: tuple) -> None:
+        super().__init__(wrapper, key)
+        w = wrapper
+        hq, hkv, d, page = heads
+        self.head = (w._float_workspace_buffer, w._int_workspace_buffer,
+                     w._pin_memory_int_workspace_buffer)
+        self.shape = (hq, hkv, page, True, d, d, False, -1)
+        # fixed_split_size -1, disable_split_kv, num_colocated_ctas, q_len_per_req, fixed.
+        self.tail = (-1, False, 0, 1, True) if w._backend == "fa2" else ()
+        self.plan = w._cached_module.plan
+
+    def _replan(self, csr: "HostCSR") -> bool:
+        w = self.wrapper
+        bs = csr.kv_lens.shape[0]
+        if bs != w._fixed_batch_size or csr.rows != bs:
+            return False
+        w._paged_kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
+        w._plan_info = self.plan(*self.head, csr.qo_indptr, csr.kv_indptr, csr.kv_lens, bs, bs,
+                                 *self.shape, *self.tail)
+        w._batch_size = bs
+        w._max_kv_len = csr.max_kv
+        return True
+
+
+class _MLAReplanner(Replanner):
+    """``BatchMLAPagedAttentionWrapper`` planned on fa2/fa3 (0.7.4
+    ``mla/_batch_mla/_backends/_fa_common.py``: ``_plan_generated_fa`` on the planned backend
+    the first plan made, which a graph wrapper keeps)."""
+
+    def __init__(self, wrapper: Any, key: Any, num_heads: int, kv_bound: int,
+                 validate: Callable) -> None:
+        super().__init__(wrapper, key)
+        pb = self.backend = wrapper._planned_backend
+        self.head = (pb._float_workspace_buffer, pb._int_workspace_buffer,
+                     pb._pin_memory_int_workspace_buffer)
+        self.num_heads, self.kv_bound, self.validate = num_heads, kv_bound, validate
+        module = pb._cached_module
+        self.staged = hasattr(module, "plan_with_staged_workspace_bytes")
+        self.plan = module.plan_with_staged_workspace_bytes if self.staged else module.plan
+
+    def _replan(self, csr: "HostCSR") -> bool:
+        pb = self.backend
+        bs = csr.kv_lens.shape[0]
+        if bs != pb._kv_len_arr_buf.shape[0] or csr.total > pb._kv_indices_buf.shape[0]:
+            return False
+        # The public plan's checks of the workload against the native planner's limits
+        # (host lists: the CSR is on the host).
+        self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
+                      pb._backend, pb._kv_data_type)
+        out = self.plan(*self.head, csr.qo_indptr, csr.kv_indptr, csr.kv_lens, self.num_heads,
+                        pb._head_dim_ckv, pb._causal)
+        plan_info, staged = out if self.staged else (out, 0)
+        pb._qo_indptr_buf.copy_(csr.qo_indptr, non_blocking=True)
+        pb._kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
+        pb._kv_len_arr_buf.copy_(csr.kv_lens, non_blocking=True)
+        pb._plan_info = self.wrapper._plan_info = plan_info
+        pb._staged_int_workspace_bytes = staged
+        pb._planned_query_shape = (csr.rows, self.num_heads)
+        pb._planned_kv_page_range = (0, self.kv_bound) if csr.total > 0 else (0, 0)
+        return True
+
+
+def _prefill(wrapper: Any, key: Any, kw: dict, heads: tuple):
+    why = _missing(wrapper, _PREFILL_ATTRS)
+    if why:
+        return why
+    extra = sorted(set(kw) - _PREFILL_ARGS)
+    if extra:
+        return f"prefill plan arguments {extra}"
+    if wrapper._backend not in ("fa2", "fa3") or wrapper._jit_module is not None:
+        return f"prefill backend {wrapper._backend!r} (the native planner: fa2/fa3)"
+    if getattr(wrapper, "_eagle_verify_fp8kv_sm90_state", None) is not None or \
+            getattr(wrapper, "_cudnn_q_lens_buffer", None) is not None:
+        return "a prefill plan with a specialized kernel (eagle-verify / cuDNN state)"
+    return _PrefillReplanner(wrapper, key, kw, heads)
+
+
+def _decode(wrapper: Any, key: Any, kw: dict, heads: tuple):
+    why = _missing(wrapper, _DECODE_ATTRS)
+    if why:
+        return why
+    extra = sorted(set(kw) - _DECODE_ARGS)
+    if extra:
+        return f"decode plan arguments {extra}"
+    w = wrapper
+    if not w.use_tensor_cores or w._backend not in ("fa2", "fa3") or w._jit_module is not None \
+            or w._use_xqa_mtp_decode or w._uses_cudnn or w._q_len_per_req != 1:
+        return f"decode backend {w._backend!r} (the native planner: fa2/fa3 on tensor cores)"
+    return _DecodeReplanner(wrapper, key, kw, heads)
+
+
+def _mla(wrapper: Any, key: Any, kw: dict, kv_bound: int):
+    extra = sorted(set(kw) - _MLA_ARGS)
+    if extra:
+        return f"MLA plan arguments {extra}"
+    pb = getattr(wrapper, "_planned_backend", None)
+    if pb is None:
+        return "an MLA wrapper without a planned backend (not FlashInfer 0.7.4's)"
+    why = _missing(pb, _MLA_BACKEND_ATTRS)
+    if why:
+        return why
+    if pb._backend not in ("fa2", "fa3") or \
+            not getattr(pb._plan_capabilities, "supports_cuda_graph_replan", False):
+        return f"MLA backend {pb._backend!r} (the native planner: fa2/fa3)"
+    validate = inspect.getmodule(pb._plan_generated_fa)
+    validate = getattr(validate, "_validate_fa_plan_workload", None)
+    if validate is None:
+        return "FlashInfer's MLA workload check (_validate_fa_plan_workload) is missing"
+    return _MLAReplanner(wrapper, key, kw["num_heads"], kv_bound, validate)
+
+
+def direct_replanner(kind: str, wrapper: Any, key: Any, kw: dict, *, heads: tuple = (),
+                     kv_bound: int = 0) -> Optional[Replanner]:
+    """The replanner of ``wrapper`` after a public plan, or ``None`` (logged once at INFO).
+
+    kind: ``"prefill"``, ``"decode"`` or ``"mla"``; key: the caller's plan-time parameters;
+    kw: the keyword arguments that public plan was given. heads: ``(num_qo_heads,
+    num_kv_heads, head_dim, page_size)`` of a prefill / decode plan (its positional
+    arguments); kv_bound: the pages (token slots) of the MLA pool, which bound every listed
+    index."""
+    if not getattr(wrapper, "_use_cuda_graph", False):
+        _fall_back(f"{type(wrapper).__name__} is not a CUDA-graph wrapper")
+        return None
+    if kind == "prefill":
+        got = _prefill(wrapper, key, kw, heads)
+    elif kind == "decode":
+        got = _decode(wrapper, key, kw, heads)
+    else:
+        got = _mla(wrapper, key, kw, kv_bound)
+    if isinstance(got, str):
+        _fall_back(got)
+        return None
+    return got
