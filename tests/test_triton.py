@@ -524,3 +524,10 @@ def test_pv_f16_needs_an_fp8_plan_an_fp8_pool_and_a_bf16_query():
     assert not launchers.pv_f16(fp8, True, torch.float32)
     assert not launchers.pv_f16(fp8, False, torch.bfloat16)
     assert not launchers.pv_f16(dot, True, torch.bfloat16)
+
+
+def test_fp8_plans_are_bench_options():
+    from specattn.bench.options import parse_option
+
+    for name in ("dot-fp8", "dot-mla-fp8"):
+        assert dict(parse_option(f"triton:plan={name}").kwargs) == {"plan": name}

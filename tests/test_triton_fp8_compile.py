@@ -181,12 +181,13 @@ def _in_child(case: dict) -> dict:
 @pytest.mark.parametrize("model,kv,plan,extend", [
     ("mha", "fp8_e4m3", "dot-fp8", False),
     ("mha", "fp8_e5m2", "dot-fp8", True),
+    ("mha", "fp8_e4m3", "dot", False),  # the bf16 row over FP8 codes: widened the same way
     ("mla", "fp8_e4m3", "dot-mla-fp8", False),
 ])
 def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend):
     got = _in_child(dict(model=model, kv=kv, plan=plan, extend=extend))
     print(got)
-    assert got["pv_f16"] is True, got
+    assert got["pv_f16"] is plan.endswith("-fp8"), got
     assert got["shared"] <= H200_SHARED, got
     # FP8 codes widen through fp16 (F2FP), never by a per-element F2F conversion.
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
