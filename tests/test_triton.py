@@ -6,7 +6,8 @@ Scratch buffers are NaN-poisoned before every call, so an unwritten partial show
 The contract checks (numerics against the reference, pools, graphs, refusals) live in the
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
 ``mode``, ``plan``, ``num_splits`` and ``max_extend_len`` options, every ``tl.dot`` plan and its
-KV write, the plan table and split planning, an empty prefix, NaN keys in extend.
+KV write, the plan table and split planning, an empty prefix, NaN keys in extend; FP8 pools on
+their plans (``dot-fp8``, ``dot-mla-fp8``) and ``tiles.widen`` over every FP8 code.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from specattn.errors import InvalidInputError
 
 require_triton_interpret()
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from specattn.backends.triton import TritonDecode, TritonExtend, launchers, plans  # noqa: E402
+from specattn.kernels.tiles import widen  # noqa: E402
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -117,13 +122,14 @@ def test_dot_mla_plan(topk, tree_mode, seq_lens, heads):
                      AttentionLayer(layer_id=0, scaling=0.15), tree_mode)
 
 
-def _runner_for(shape: plans.AttnShape, dtype=torch.bfloat16) -> DraftRunner:
+def _runner_for(shape: plans.AttnShape, dtype=torch.bfloat16, kv: str = "auto") -> DraftRunner:
     if shape.v_is_k:
         return DraftRunner.mla(shape.num_q_heads, shape.d_main, shape.d_pe, num_layers=1,
                                num_slots=8, max_reqs=2, max_context_len=8, dtype=dtype,
-                               device=DEV)
+                               device=DEV, kv_cache_dtype=kv)
     return DraftRunner.mha(shape.num_q_heads, shape.num_kv_heads, shape.d_main, num_layers=1,
-                           num_slots=8, max_reqs=2, max_context_len=8, dtype=dtype, device=DEV)
+                           num_slots=8, max_reqs=2, max_context_len=8, dtype=dtype, device=DEV,
+                           kv_cache_dtype=kv)
 
 
 MLA = plans.AttnShape(16, 1, 512, 64, 512, True)
@@ -144,6 +150,20 @@ def test_plan_table(shape, job, rows, name):
     assert plans.choose_plan(_runner_for(shape), job, rows, True).name == name
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape,job,rows,name", [
+    (GQA, "decode", 32, "dot-fp8"),
+    (GQA, "extend", 24, "dot-fp8"),
+    (GQA, "per-branch", 4, "dot-fp8"),
+    (MLA, "decode", 64, "dot-mla-fp8"),
+    (MLA, "extend", 96, "dot-mla-fp8"),
+    (MLA, "decode", 16, "dot-wide"),  # below one 64-row tile: as a bf16 pool
+    (plans.AttnShape(8, 2, 256, 0, 256, False), "decode", 16, "dot-d256"),
+])
+def test_plan_table_of_fp8_pools(kv, shape, job, rows, name):
+    assert plans.choose_plan(_runner_for(shape, kv=kv), job, rows, True).name == name
+
+
 def test_plan_tiles_and_splits():
     """Fewer rows take a smaller tile (4 warps at <= 32 rows); the wgmma plans one wave, the
     tl.dot split-KV plan 4 programs per SM in decode and 2 in extend; below 2 waves the split
@@ -151,6 +171,10 @@ def test_plan_tiles_and_splits():
     dot, mla = plans.PLANS["dot"], plans.PLANS["dot-mla"]
     assert dot.tile(4) == (16, 4) and dot.tile(32) == (32, 4) and dot.tile(33) == (64, 8)
     assert plans.PLANS["dot-wide"].tile(128) == (32, 4) and mla.tile(16) == (64, 8)
+    # A row whose own tile is small keeps its warps (dot-fp8: 16 rows, 8 warps).
+    fp8 = plans.PLANS["dot-fp8"]
+    assert fp8.tile(4) == (16, 8) and fp8.tile(32) == (16, 8)
+    assert plans.PLANS["dot-mla-fp8"].tile(16) == (64, 8)
     assert launchers.num_parts(mla, 4) == 4 and launchers.num_parts(dot, 4) == 5
     cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
     assert launchers.plan_splits(mla, MLA, 64, 3, cpu, extend=False, rows=12) == 1
@@ -188,7 +212,7 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
 
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-d256.*'dotx'"):
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-fp8, dot-d256.*'dotx'"):
         TritonDecode(runner, 2, 2, plan="dotx")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
         TritonDecode(runner, 2, 2, plan="dot-mla")
@@ -199,8 +223,11 @@ def test_plan_errors_name_the_plan():
         TritonExtend(mla, plan="cute")
     with pytest.raises(InvalidInputError, match="plan"):
         TritonDecode(runner, 2, 2, plan=3)
+    with pytest.raises(InvalidInputError, match=r"plan.*dot-mla-fp8: an MLA latent"):
+        TritonDecode(runner, 2, 2, plan="dot-mla-fp8")
     for name, plan in plans.PLANS.items():
-        assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 6
+        assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 7
+        assert plan.fp8 == name.endswith("-fp8")
 
 
 @pytest.mark.parametrize("num_splits", [1, 7, 64])  # 64: few rows (launchers.split_cap)
@@ -358,3 +385,149 @@ def test_extend_nan_key_reaches_exactly_its_rows(model, plan):
     assert bad.tolist() == [False, False, True, True, True, True, False, False, False]
     assert (~torch.isfinite(out[bad].reshape(int(bad.sum()), -1))).any(-1).all()
     _close(out[~bad], ref[~bad], torch.float32)
+
+
+# --- FP8 pools ---------------------------------------------------------------------------------
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _widen_kernel(X, Y, N: tl.constexpr, DTYPE: tl.constexpr, PLAIN: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    tl.store(Y + offs, x.to(DTYPE) if PLAIN else widen(x, DTYPE))
+
+
+def _widened(x: torch.Tensor, dtype: torch.dtype, plain: bool = False) -> torch.Tensor:
+    """``widen(x, dtype)`` (``plain``: Triton's own ``x.to(dtype)``) of every element."""
+    y = torch.empty(x.shape, dtype=dtype, device=DEV)
+    _widen_kernel[(1,)](x, y, N=x.numel(), DTYPE=TL_DTYPES[dtype], PLAIN=plain)
+    return y
+
+
+def _same_values(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per element: both NaN, or the same bits (so -0 is not 0)."""
+    ints = {2: torch.int16, 4: torch.int32}[y.element_size()]
+    return (y.isnan() & ref.isnan()) | (y.view(ints) == ref.view(ints))
+
+
+def _all_codes(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("fp8", list(FP8.values()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_widen_of_every_codes_fp16_value_is_exact(fp8, dtype):
+    """The step after the hardware conversion (codes -> fp16): every code's fp16 value
+    becomes the code's value in ``dtype`` bit for bit (bf16: the fp32's top half), NaN stays
+    NaN, -0 and e5m2's infinities kept."""
+    codes = _all_codes(fp8)
+    ref = codes.cpu().to(dtype)
+    got = _widened(codes.cpu().to(torch.float16).to(DEV), dtype).cpu()
+    assert bool(_same_values(got, ref).all()), (got, ref)
+    assert int(ref.isnan().sum()) == (2 if fp8 == torch.float8_e4m3fn else 6)
+    assert int(ref.isinf().sum()) == (0 if fp8 == torch.float8_e4m3fn else 2)
+
+
+@pytest.mark.parametrize("fp8", list(FP8.values()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_widen_of_every_code_is_exact(fp8, dtype):
+    """``widen`` from the codes: torch's value of every code. The CPU interpreter's own
+    FP8 conversion (triton 3.9) reads e4m3's NaN codes as +-480 and e5m2's subnormals as
+    0 or a neighbour; there ``widen`` agrees with it, and only there (a GPU converts every
+    code exactly: ``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``)."""
+    codes = _all_codes(fp8)
+    ref = codes.cpu().to(dtype)
+    got = _widened(codes, dtype).cpu()
+    own = _same_values(_widened(codes, torch.float16, plain=True).cpu(),
+                       codes.cpu().to(torch.float16))
+    bits = torch.arange(256)
+    if DEV == "cpu":
+        nan = (bits & 0x7F) == 0x7F
+        subnormal = ((bits & 0x7C) == 0) & ((bits & 3) != 0)
+        known = nan if fp8 == torch.float8_e4m3fn else subnormal
+        assert bool((own | known).all()), bits[~own]  # the interpreter's errors, no others
+    else:
+        assert bool(own.all()), bits[~own]
+    assert bool(_same_values(got, ref)[own].all()), (got[own], ref[own])
+
+
+def _fp8_runner(model: str, kv: str, *, seq_lens, topk, steps, page, heads=4) -> DraftRunner:
+    num_slots, max_ctx = decode_sizes(seq_lens, topk, steps, page)
+    kw = dict(num_layers=1, num_slots=num_slots, max_reqs=len(seq_lens) + 2,
+              max_context_len=max_ctx, page_size=page, device=DEV, kv_cache_dtype=kv)
+    runner = DraftRunner.mha(4, 2, 32, **kw) if model == "mha" else \
+        DraftRunner.mla(heads, 32, 16, **kw)
+    return randomize_pools(runner)
+
+
+FP8_LAYER = dict(layer_id=0, scaling=0.2, k_scale=0.37, v_scale=1.9)
+
+FP8_DECODE_CASES = [
+    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot-fp8; MLA picks
+    # dot-mla-fp8 at 64 rows (16 heads x K 4), forced below
+    ("mha", "fp8_e4m3", 1, 1, 4, None),
+    ("mha", "fp8_e5m2", 4, 16, 4, None),
+    ("mla", "fp8_e4m3", 4, 16, 16, None),
+    ("mla", "fp8_e5m2", 1, 1, 4, "dot-mla-fp8"),
+]
+
+
+@pytest.mark.parametrize("model,kv,topk,page,heads,plan", FP8_DECODE_CASES)
+def test_fp8_decode_on_the_fp8_plans(model, kv, topk, page, heads, plan):
+    steps, lens = 3, [26, 37]
+    runner = _fp8_runner(model, kv, seq_lens=lens, topk=topk, steps=steps, page=page,
+                         heads=heads)
+    batch = place_decode_round(runner, lens, topk, steps, page, "path")
+    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
+    assert backend.plan.name == ("dot-fp8" if model == "mha" else "dot-mla-fp8")
+    run_decode_round(runner, batch, backend, torch.bfloat16,
+                     AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
+
+
+@pytest.mark.parametrize("model,kv,page", [("mha", "fp8_e4m3", 16), ("mha", "fp8_e5m2", 1),
+                                           ("mla", "fp8_e5m2", 16), ("mla", "fp8_e4m3", 1)])
+def test_fp8_extend_on_the_fp8_plans(model, kv, page):
+    lens, ext = [30, 19], [6, 3]
+    runner = _fp8_runner(model, kv, seq_lens=[n + page for n in lens], topk=1, steps=1,
+                         page=page)
+    batch = place_extend_round(runner, lens, ext)
+    plan = "dot-mla-fp8" if model == "mla" else None
+    backend = TritonExtend(runner, plan=plan)
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["plan"].name == (plan or "dot-fp8")
+    layer = AttentionLayer(**FP8_LAYER)
+    q, k, v = new_qkv(runner, sum(ext), torch.bfloat16)
+    _poison(backend)
+    _close(backend.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
+           torch.bfloat16)
+
+
+@pytest.mark.parametrize("model,plan", [("mha", "dot-fp8"), ("mla", "dot-mla-fp8")])
+def test_fp8_plans_run_bf16_pools_as_they_are(model, plan):
+    """A bf16 pool on an ``-fp8`` plan: the plan's tiles, nothing widened, P.V in bf16."""
+    runner, batch = make_decode(model, torch.bfloat16, topk=4, steps=2, page=1,
+                                seq_lens=[21, 8], tree_mode="lane")
+    backend = TritonDecode(runner, 4, 2, plan=plan)
+    assert not launchers.pv_f16(backend.plan, runner.fp8, torch.bfloat16)
+    run_decode_round(runner, batch, backend, torch.bfloat16,
+                     AttentionLayer(layer_id=1, scaling=0.2), "lane")
+
+
+def test_pv_f16_needs_an_fp8_plan_an_fp8_pool_and_a_bf16_query():
+    fp8, dot = plans.PLANS["dot-fp8"], plans.PLANS["dot"]
+    assert launchers.pv_f16(fp8, True, torch.bfloat16)
+    assert launchers.pv_f16(plans.PLANS["dot-mla-fp8"], True, torch.bfloat16)
+    assert not launchers.pv_f16(fp8, True, torch.float16)  # fp16 already: nothing to gain
+    assert not launchers.pv_f16(fp8, True, torch.float32)
+    assert not launchers.pv_f16(fp8, False, torch.bfloat16)
+    assert not launchers.pv_f16(dot, True, torch.bfloat16)
+
+
+def test_fp8_plans_are_bench_options():
+    from specattn.bench.options import parse_option
+
+    for name in ("dot-fp8", "dot-mla-fp8"):
+        assert dict(parse_option(f"triton:plan={name}").kwargs) == {"plan": name}

@@ -11,6 +11,7 @@ saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.
 - ``load_kv`` / ``attend_kv``: the same in two halves, for callers that edit the loaded tile
   (the Triton backend's tail swaps in this call's new keys);
 - ``softmax_update``: the online-softmax step on raw scores (scale, soft cap, mask);
+- ``widen``: FP8 codes as a dot operand of a wider dtype, exactly and cheaply;
 - ``dot_args``: the launch-time precision constexprs of these tiles.
 
 Latent (MLA) and FP8 tiles: ``latent.py``.
@@ -30,6 +31,31 @@ def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
     interp = device.type == "cpu"  # the Triton CPU interpreter
     return dict(DOT_PREC="ieee" if dtype == torch.float32 or interp else "tf32",
                 DOT_F32=interp)
+
+
+@triton.jit
+def widen(x, DTYPE: tl.constexpr):
+    """``x`` (any shape) as ``DTYPE``: FP8 codes exactly, through fp16; other dtypes by
+    ``.to``.
+
+    Every e4m3 and e5m2 code is an fp16 value (e4m3's smallest subnormal, 2^-9, is a normal
+    fp16; e5m2 is the top byte of an fp16), so codes -> fp16 is one hardware conversion for
+    two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``). For bf16, fp16 -> fp32 is exact and,
+    an FP8 mantissa having at most 3 bits, the fp32's top 16 bits are the bf16 value (NaN and
+    infinities included): a shift and a move, where ``x.to(tl.bfloat16)`` rounds through a
+    per-element conversion (``F2F``, a quarter-rate pipe on sm90)."""
+    if x.dtype == DTYPE:
+        y = x
+    elif x.dtype.is_fp8():
+        h = x.to(tl.float16)
+        if DTYPE == tl.bfloat16:
+            bits = h.to(tl.float32).to(tl.int32, bitcast=True) >> 16
+            y = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = h.to(DTYPE)
+    else:
+        y = x.to(DTYPE)
+    return y
 
 
 @triton.jit
@@ -58,16 +84,17 @@ def attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, lo
                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                DOT_F32: tl.constexpr):
+                DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False):
     """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
     head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
 
     DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
-    so operands are upcast to fp32 there; on a GPU the dots take the storage dtype."""
+    so operands are upcast to fp32 there (``load_q`` gives an fp32 ``q``, the tiles follow
+    it); on a GPU the dots take the storage dtype. ``PV_F16``: ``attend_kv``."""
     k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
                         BLOCK_DV, V_IS_K)
     return attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
-                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32, PV_F16)
 
 
 @triton.jit
@@ -126,28 +153,35 @@ def poison_rows(vis, bad, acc):
 @triton.jit
 def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False):
     """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``). K / V
-    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly."""
-    if DOT_F32:
-        k = k.to(tl.float32)
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-        kpe = kpe.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``);
+    ``PV_F16``: P.V in fp16 (``pv_operands``)."""
+    s = tl.dot(q, tl.trans(widen(k, q.dtype)), input_precision=DOT_PREC)
     if D_PE > 0:
-        if DOT_F32:
-            kpe = kpe.to(tl.float32)
-        s += tl.dot(qpe, tl.trans(kpe), input_precision=DOT_PREC)
+        s += tl.dot(qpe, tl.trans(widen(kpe, q.dtype)), input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_IS_K:
         v = k
-    elif DOT_F32:
-        v = v.to(tl.float32)
-    if v.dtype != q.dtype:
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    p, v = pv_operands(p, v, q.dtype, PV_F16)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
     return acc, m_new, l_i
+
+
+@triton.jit
+def pv_operands(p, v, DTYPE: tl.constexpr, PV_F16: tl.constexpr):
+    """``(p, v)`` as the operands of the P.V dot: ``p [M, N]`` (fp32 probabilities) and the
+    values ``v [N, DV]`` (FP8 codes or wider) in ``DTYPE``, the query's.
+
+    ``PV_F16`` (FP8 codes under a bf16 query): both in fp16 instead, codes -> fp16 being one
+    conversion (``widen``) and ``p`` in [0, 1] keeping 3 more mantissa bits than in bf16.
+    With ``DTYPE`` fp32 (the interpreter's dots) they are rounded to fp16 and widened back:
+    the values a GPU's fp16 dot reads."""
+    if PV_F16:
+        p, v = p.to(tl.float16), widen(v, tl.float16)
+    if DTYPE == tl.float32 or not PV_F16:
+        p, v = p.to(DTYPE), widen(v, DTYPE)
+    return p, v
 
 
 @triton.jit

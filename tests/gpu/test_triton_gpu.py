@@ -23,26 +23,31 @@ def _close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def make_runner(model, dtype, page, num_slots, max_reqs, max_ctx, gqa=(32, 8, 128)):
+def make_runner(model, dtype, page, num_slots, max_reqs, max_ctx, gqa=(32, 8, 128), kv="auto"):
+    kw = dict(num_layers=1, num_slots=num_slots, max_reqs=max_reqs, max_context_len=max_ctx,
+              page_size=page, dtype=dtype, device=DEV, kv_cache_dtype=kv)
     if model == "mha":
-        r = DraftRunner.mha(*gqa, num_layers=1, num_slots=num_slots, max_reqs=max_reqs,
-                            max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV)
+        r = DraftRunner.mha(*gqa, **kw)
         pools = r.k_buffer + r.v_buffer
     else:
-        r = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=num_slots, max_reqs=max_reqs,
-                            max_context_len=max_ctx, page_size=page, dtype=dtype, device=DEV)
+        r = DraftRunner.mla(16, 512, 64, **kw)
         pools = r.kv_buffer
     for p in pools:
-        p.normal_()
+        if r.fp8:  # codes of standard-normal values (no normal_ for FP8 dtypes)
+            p.copy_(torch.randn(p.shape, device=DEV).to(p.dtype))
+        else:
+            p.normal_()
     return r
 
 
-def make_decode(model, dtype, topk, steps, page, seq_lens, tree_mode, gqa=(32, 8, 128)):
+def make_decode(model, dtype, topk, steps, page, seq_lens, tree_mode, gqa=(32, 8, 128),
+                kv="auto"):
     bs = len(seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
     extra = metadata.max_draft_extend_len(topk, steps, page)
     num_slots = sum(seq_lens) + bs * extra + 16
-    r = make_runner(model, dtype, page, num_slots, bs + 4, max(seq_lens) + extra + page, gqa)
+    r = make_runner(model, dtype, page, num_slots, bs + 4, max(seq_lens) + extra + page, gqa,
+                    kv)
     rpi = torch.randperm(bs + 4, device=DEV)[:bs]
     perm, used = fill_rows(r, rpi, seq_lens, num_slots)
     n_new = int(metadata.draft_extend_lens(seq, topk, steps, page).sum())
@@ -120,6 +125,25 @@ def test_mla_tl_dot_plans_real_shapes(plan):
     backend = TritonDecode(r, 4, 5, tree_mode="path", plan=plan)
     run_round(r, batch, backend, torch.bfloat16, AttentionLayer(0, 576 ** -0.5, 30.0), "path",
               steps_to_check={0, 4})
+
+
+@pytest.mark.parametrize("model,kv,plan", [("mha", "fp8_e4m3", None), ("mha", "fp8_e5m2", None),
+                                           ("mla", "fp8_e4m3", "dot-mla-fp8"),
+                                           ("mla", "fp8_e5m2", "dot-mla-fp8")])
+def test_fp8_plans_real_shapes(model, kv, plan):
+    """The FP8 rows at gqa-long / mla-long-like shapes (``dot-fp8`` as the table picks it;
+    ``dot-mla-fp8`` forced past the sm90 kernels): ragged batch, path mode, scales != 1, P.V
+    in fp16, against torch_ref over the dequantized pool."""
+    from specattn.backends.triton import TritonDecode
+
+    topk = 4 if model == "mla" else 8
+    lens = [random.randint(2048, 6144) for _ in range(4)]
+    r, batch = make_decode(model, torch.bfloat16, topk, 5, 1, lens, "path", kv=kv)
+    backend = TritonDecode(r, topk, 5, tree_mode="path", plan=plan)
+    assert backend.plan.name == (plan or "dot-fp8")
+    layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5, k_scale=0.37,
+                           v_scale=1.9)
+    run_round(r, batch, backend, torch.bfloat16, layer, "path", steps_to_check={0, 4})
 
 
 @pytest.mark.parametrize("model", ["mha", "mla"])

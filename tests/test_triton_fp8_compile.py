@@ -1,0 +1,197 @@
+"""The ``tl.dot`` kernels over FP8 pools compiled for sm90 without a GPU: ``launchers.attention``
+is called on CPU tensors with the kernel launch captured, and the captured launch (the
+launcher's arguments and constexprs, with the GPU's dot precision) is compiled by Triton for
+an sm90 target down to SASS. GQA (``dot-fp8``) and MLA (``dot-mla-fp8``), e4m3 and e5m2 pools
+under bf16 queries, decode and extend; the ``dot`` / ``dot-mla`` rows alongside.
+
+Checked: the launcher matches the kernels' signatures, shared memory fits the H200's 227 KB,
+and the widening of FP8 codes takes no per-element ``F2F`` conversion (the cost that made FP8
+steps slower than bf16). Each case compiles in a child process without ``TRITON_INTERPRET``,
+with the Triton release the GPU runs (``plans.GLUON_TRITON``; skipped under any other). The
+numbers: ``tests/conformance`` and ``specattn bench --case fp8`` on the H200.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import specattn  # noqa: E402
+from specattn.backends.triton import plans  # noqa: E402
+
+H200_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm90
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}
+_SASS_OPS = re.compile(r"\b(F2F|F2FP|I2F|PRMT|HADD2\.F32)\b")
+
+
+@pytest.fixture(scope="module")
+def triton_of_the_gpu():
+    import triton
+
+    if not plans._gluon_version(triton.__version__):
+        pytest.skip(f"triton {triton.__version__}: compiled with the GPU's triton "
+                    f"({'/'.join(plans.GLUON_TRITON)}) only")
+
+
+class _Capture:
+    """Stands for a kernel: ``kernel[grid](*args, **constexprs)`` records the launch."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.fn, grid, args, kw))
+
+
+def _launch(model: str, kv: str, plan: str, extend: bool):
+    """One ``launchers.attention`` call on CPU tensors (bf16 queries, the bench's shapes:
+    GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4): its captured launch."""
+    from specattn.backends.triton import _attn_kernels as K
+    from specattn.backends.triton import launchers as L
+    from specattn.data import AttentionLayer, DraftRunner
+
+    name = "_mla_partial_kernel" if plan.startswith("dot-mla") else "_partial_attn_kernel"
+    capture = _Capture(getattr(K, name))
+    setattr(K, name, capture)
+    K._write_kv_kernel = _Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
+    L.merge_partials = lambda *args: None
+    topk, steps, slots = (4, 3, 256) if model == "mla" else (8, 3, 256)
+    if model == "mla":
+        runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=slots, max_reqs=2,
+                                 max_context_len=64, kv_cache_dtype=kv)
+    else:
+        runner = DraftRunner.mha(32, 8, 128, num_layers=1, num_slots=slots, max_reqs=2,
+                                 max_context_len=64, kv_cache_dtype=kv)
+    shape = plans.AttnShape.of(runner)
+    rows = 2 * topk
+    width = shape.d_main + shape.d_pe
+    q = torch.zeros(rows, shape.num_q_heads, width, dtype=torch.bfloat16)
+    k = torch.zeros(rows, width, dtype=torch.bfloat16) if model == "mla" else \
+        torch.zeros(rows, 8, 128, dtype=torch.bfloat16)
+    v = None if model == "mla" else torch.zeros(rows, 8, 128, dtype=torch.bfloat16)
+    meta = torch.zeros(2, 5, dtype=torch.int32)
+    hist = torch.zeros(rows, 1 if extend else steps, dtype=torch.int32)
+    parts = 4
+    mid_o = torch.zeros(rows, shape.num_q_heads, parts, shape.d_v)
+    lanes = 1 if extend else topk
+    L.attention(q, runner, AttentionLayer(0, width ** -0.5, k_scale=0.37, v_scale=1.9), shape,
+                meta, runner.req_to_token, mode=2 if extend else 1, num_groups=2,
+                rows_per_group=(topk if extend else lanes) * shape.group,
+                lanes_per_group=lanes, topk=1 if extend else topk,
+                num_steps=1 if extend else steps, step=0 if extend else 1, num_splits=3,
+                plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=torch.zeros(mid_o.shape[:-1]),
+                hist=hist, new_kv=(k, v), parents=None if extend else
+                torch.zeros(steps, 2, topk, dtype=torch.int64))
+    (launch,) = capture.launches
+    return launch
+
+
+def _compile(fn, args, kw):
+    """Compile a captured launch for sm90 the way Triton's launcher specialises it: tensors
+    as typed pointers (16-byte aligned), ints of value 1 as constants, other ints divisible
+    by 16 marked so; the GPU's dot precision (the CPU launch asks for the interpreter's)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kw = dict(kw, DOT_PREC="tf32", DOT_F32=False)
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    consts = {k: v for k, v in kw.items() if k not in options}
+    names = [n for n in fn.arg_names if n not in consts]
+    assert len(names) == len(args), f"{fn.__name__}: {len(args)} arguments for {names}"
+    sig, attrs = {}, {}
+    for name, value in zip(names, args):
+        index = fn.arg_names.index(name)
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: {value!r}")
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        elif value == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    for name in consts:
+        sig[name] = "constexpr"
+    sig = {n: sig[n] for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Conversion and byte-move instructions in a cubin's SASS, and its registers / spills
+    (``cuobjdump -res-usage``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter(_SASS_OPS.findall(sass))
+    regs = re.search(r"REG:(\d+)", usage)
+    spills = re.search(r"STACK:(\d+)", usage)
+    return dict(ops, regs=int(regs.group(1)) if regs else -1,
+                stack=int(spills.group(1)) if spills else -1)
+
+
+def compile_case(model: str, kv: str, plan: str, extend: bool) -> dict:
+    """Capture and compile one launch: what the test checks."""
+    fn, _, args, kw = _launch(model, kv, plan, extend)
+    kernel = _compile(fn, args, kw)
+    return dict(kernel=fn.__name__, pv_f16=kw.get("PV_F16"), shared=kernel.metadata.shared,
+                **sass_counts(kernel.asm["cubin"]))
+
+
+def _in_child(case: dict) -> dict:
+    """``compile_case(**case)`` in a child process without ``TRITON_INTERPRET``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(specattn.__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH")] if p] + [root])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(case)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model,kv,plan,extend", [
+    ("mha", "fp8_e4m3", "dot-fp8", False),
+    ("mha", "fp8_e5m2", "dot-fp8", True),
+    ("mha", "fp8_e4m3", "dot", False),  # the bf16 row over FP8 codes: widened the same way
+    ("mla", "fp8_e4m3", "dot-mla-fp8", False),
+])
+def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend):
+    got = _in_child(dict(model=model, kv=kv, plan=plan, extend=extend))
+    print(got)
+    assert got["pv_f16"] is plan.endswith("-fp8"), got
+    assert got["shared"] <= H200_SHARED, got
+    # FP8 codes widen through fp16 (F2FP), never by a per-element F2F conversion.
+    assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_case(**json.loads(sys.argv[1]))))
