@@ -186,6 +186,79 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
         TritonDecode(runner, 4, 2, num_splits=65)
 
 
+def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):
+    """dot-mla (one partial per split, no tail part) takes the split-KV kernel's room rule: one
+    MLA request of 16 heads at 32k gets 64 splits in decode (K = 4: one 64-row tile) and 45
+    in extend (E = 6: two row tiles, 90 programs), where MAX_SPLITS gave 16 and 32 programs;
+    the parts always fit the partial buffers."""
+    mla = plans.PLANS["dot-mla"]
+    assert launchers.split_cap(mla, 4) == plans.DOT_MAX_SPLITS
+    assert launchers.split_cap(mla, 6) == 45 and launchers.split_cap(mla, 256) == 17
+    for rows in (1, 3, 4, 6, 8, 15, 16, 17, 100):
+        parts = launchers.num_parts(mla, launchers.split_cap(mla, rows))
+        assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
+
+    from specattn.backends.triton import worklist
+
+    monkeypatch.setattr(worklist, "sms", lambda device: 132)  # an H200
+    h200 = torch.device("cpu")
+    assert launchers.plan_splits(mla, MLA, 4 * 16, 1, h200, extend=False, rows=4) == 64
+    assert launchers.plan_splits(mla, MLA, 6 * 16, 1, h200, extend=True, rows=6) == 45
+    assert launchers.plan_splits(mla, MLA, 4 * 16, 32, h200, extend=False, rows=128) == 4
+
+
+@pytest.mark.parametrize("job", ["decode", "extend"])
+def test_dot_mla_many_splits_match_reference(job):
+    """One MLA request on dot-mla with 24 forced splits (above MAX_SPLITS) of a 1536-key
+    prefix (64 keys a split: every split holds keys), NaN-poisoned partials: the reference's
+    numbers."""
+    seq_lens = [1536 if job == "decode" else 1539]
+    if job == "decode":
+        runner, batch = make_decode("mla", torch.float32, topk=2, steps=2, page=16,
+                                    seq_lens=seq_lens)
+        backend = TritonDecode(runner, 2, 2, plan="dot-mla", num_splits=24)
+        run_decode_round(runner, batch, backend, torch.float32,
+                         AttentionLayer(layer_id=0, scaling=0.15), "lane")
+    else:
+        runner, batch = make_extend("mla", torch.float32, page=16, seq_lens=seq_lens,
+                                    ext_lens=[3])
+        backend = TritonExtend(runner, plan="dot-mla", num_splits=24)
+        layer = AttentionLayer(layer_id=1, scaling=0.15)
+        backend.init_forward_metadata(batch)
+        q, k, v = new_qkv(runner, 3, torch.float32)
+        _poison(backend)
+        _close(backend.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
+               torch.float32)
+    prefix_len, split_len = backend._active.meta[0, 1:3].tolist()
+    assert backend._round_plan["num_splits"] == 24 and (prefix_len, split_len) == (1536, 64)
+
+
+@pytest.mark.parametrize("cls,args", [(TritonDecode, (2, 2)), (TritonExtend, ())])
+def test_pdl_is_refused_off_sm90(cls, args):
+    """pdl=True needs CUDA sm90+: under the interpreter (or on a CPU) one short error names
+    the argument, what it expects and the value; pdl takes booleans only."""
+    runner = _runner_for(GQA, torch.float32)
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected False here \(programmatic "
+                       r"dependent launch needs CUDA sm90\+; this is the Triton interpreter "
+                       r"\(TRITON_INTERPRET\)\), got True$"):
+        cls(runner, *args, pdl=True)
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected True or False, got 'yes'$"):
+        cls(runner, *args, pdl="yes")
+    assert cls(runner, *args, pdl=False)._pdl is False
+    assert plans.pdl_reason(torch.device("cpu"), False) == "a cpu device"
+
+
+def test_pdl_reaches_both_classes_as_a_bench_option():
+    """``--option triton:pdl=True`` sets the keyword of the decode and the extend class."""
+    from specattn.bench.options import check_options, parse_option
+    from specattn.registry import default_registry
+
+    opt = parse_option("triton:pdl=True,plan=dot")
+    check_options([opt], default_registry)
+    for cls in (TritonDecode, TritonExtend):
+        assert opt.fits(cls) and opt.kwargs_for(cls) == {"pdl": True, "plan": "dot"}
+
+
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
     with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-d256.*'dotx'"):
