@@ -94,9 +94,9 @@ class _TritonCommon:
         or under the interpreter)."""
         if not isinstance(pdl, bool):
             raise InvalidInputError("pdl", "True or False", repr(pdl))
-        why = pdl and P.pdl_reason(torch.device(self.runner.device),
-                                   triton_interpret_enabled())
-        if why:
+        why = P.pdl_reason(torch.device(self.runner.device),
+                           triton_interpret_enabled()) if pdl else None
+        if why is not None:
             raise InvalidInputError("pdl", f"False here (programmatic dependent launch needs "
                                     f"CUDA sm90+; this is {why})", repr(pdl))
         return pdl
