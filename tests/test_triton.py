@@ -248,6 +248,64 @@ def test_pdl_is_refused_off_sm90(cls, args):
     assert plans.pdl_reason(torch.device("cpu"), False) == "a cpu device"
 
 
+class _Recorded:
+    """Stands for a kernel: ``kernel[grid](*args, **kw)`` records its keywords, runs nothing."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, kw.get("PDL", False),
+                                                    kw.get("launch_pdl", False)))
+
+
+def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto"):
+    """One ``launchers.attention`` call with ``pdl=True`` (3 lanes, 2 splits), the Triton
+    kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order."""
+    from specattn.backends.triton import _attn_kernels
+    from specattn.kernels import merge
+
+    log: list = []
+    for module, name in ((_attn_kernels, "_write_kv_kernel"),
+                         (_attn_kernels, "_partial_attn_kernel"),
+                         (_attn_kernels, "_mla_partial_kernel"), (merge, "merge_kernel")):
+        monkeypatch.setattr(module, name, _Recorded(name, log))
+    make = DraftRunner.mla if model == "mla" else DraftRunner.mha
+    heads = (4, 32, 16) if model == "mla" else (4, 2, 32)
+    runner = make(*heads, num_layers=1, num_slots=64, max_reqs=2, max_context_len=32,
+                  dtype=torch.float32, device=DEV, kv_cache_dtype=kv_cache_dtype)
+    shape = plans.AttnShape.of(runner)
+    q, k, v = new_qkv(runner, 3, torch.float32)
+    mid_o, mid_lse = launchers.partial_views((3, shape.num_q_heads, 3), shape.d_v, q.device,
+                                             None, None)
+    meta = torch.zeros(2, 5, dtype=torch.int32)
+    launchers.attention(q, runner, AttentionLayer(layer_id=0, scaling=0.1), shape, meta,
+                        runner.req_to_token, mode=2, num_groups=1, rows_per_group=3 * 4,
+                        lanes_per_group=1, topk=1, num_steps=1, step=0, num_splits=2,
+                        plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
+                        hist=torch.arange(3, dtype=torch.int32).view(3, 1), new_kv=(k, v),
+                        pdl=True)
+    return log
+
+
+@pytest.mark.parametrize("model,plan,kv,launches", [
+    # The split-KV kernel is a dependent launch after the KV write, which releases it.
+    ("mha", "dot", "auto", [("_write_kv_kernel", True, False),
+                            ("_partial_attn_kernel", True, True), ("merge_kernel", True, True)]),
+    # After torch's FP8 write (and the scales' copies): an ordinary launch that releases
+    # the merge.
+    ("mha", "dot", "fp8_e4m3", [("_partial_attn_kernel", True, False),
+                                ("merge_kernel", True, True)]),
+    # dot-mla reads what the launch before it wrote: an ordinary launch.
+    ("mla", "dot-mla", "auto", [("_mla_partial_kernel", True, False),
+                                ("merge_kernel", True, True)]),
+])
+def test_pdl_launches(monkeypatch, model, plan, kv, launches):
+    """Which launches of a pdl=True call are programmatic dependent launches (launch_pdl)
+    and which kernels wait for or release their neighbours (PDL)."""
+    assert _recorded_launches(monkeypatch, model, plan, kv) == launches
+
+
 def test_pdl_reaches_both_classes_as_a_bench_option():
     """``--option triton:pdl=True`` sets the keyword of the decode and the extend class."""
     from specattn.bench.options import check_options, parse_option
