@@ -5,8 +5,9 @@ Scratch buffers are NaN-poisoned before every call, so an unwritten partial show
 
 The contract checks (numerics against the reference, pools, graphs, refusals) live in the
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
-``mode``, ``plan``, ``num_splits`` and ``max_extend_len`` options, every ``tl.dot`` plan and its
-KV write, the plan table and split planning, an empty prefix, NaN keys in extend.
+``mode``, ``plan``, ``num_splits``, ``max_extend_len`` and ``pdl`` options, every ``tl.dot``
+plan and its KV write, the plan table and split planning, an empty prefix, NaN keys in
+extend.
 """
 
 from __future__ import annotations
