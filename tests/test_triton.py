@@ -5,9 +5,10 @@ Scratch buffers are NaN-poisoned before every call, so an unwritten partial show
 
 The contract checks (numerics against the reference, pools, graphs, refusals) live in the
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
-``mode``, ``plan``, ``num_splits`` and ``max_extend_len`` options, every ``tl.dot`` plan and its
-KV write, the plan table and split planning, an empty prefix, NaN keys in extend; FP8 pools on
-their plans (``dot-fp8``, ``dot-mla-fp8``) and ``tiles.widen`` over every FP8 code.
+``mode``, ``plan``, ``num_splits``, ``max_extend_len`` and ``pdl`` options, every ``tl.dot``
+plan and its KV write, the plan table and split planning, an empty prefix, NaN keys in
+extend; FP8 pools on their plans (``dot-fp8``, ``dot-mla-fp8``) and ``tiles.widen`` over
+every FP8 code.
 """
 
 from __future__ import annotations
@@ -208,6 +209,137 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
         b._make_plan(2)
     with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 64\]"):
         TritonDecode(runner, 4, 2, num_splits=65)
+
+
+def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):
+    """dot-mla (one partial per split, no tail part) takes the split-KV kernel's room rule: one
+    MLA request of 16 heads at 32k gets 64 splits in decode (K = 4: one 64-row tile) and 45
+    in extend (E = 6: two row tiles, 90 programs), where MAX_SPLITS gave 16 and 32 programs;
+    the parts always fit the partial buffers."""
+    mla = plans.PLANS["dot-mla"]
+    assert launchers.split_cap(mla, 4) == plans.DOT_MAX_SPLITS
+    assert launchers.split_cap(mla, 6) == 45 and launchers.split_cap(mla, 256) == 17
+    for rows in (1, 3, 4, 6, 8, 15, 16, 17, 100):
+        parts = launchers.num_parts(mla, launchers.split_cap(mla, rows))
+        assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
+
+    from specattn.backends.triton import worklist
+
+    monkeypatch.setattr(worklist, "sms", lambda device: 132)  # an H200
+    h200 = torch.device("cpu")
+    assert launchers.plan_splits(mla, MLA, 4 * 16, 1, h200, extend=False, rows=4) == 64
+    assert launchers.plan_splits(mla, MLA, 6 * 16, 1, h200, extend=True, rows=6) == 45
+    assert launchers.plan_splits(mla, MLA, 4 * 16, 32, h200, extend=False, rows=128) == 4
+
+
+@pytest.mark.parametrize("job", ["decode", "extend"])
+def test_dot_mla_many_splits_match_reference(job):
+    """One MLA request on dot-mla with 24 forced splits (above MAX_SPLITS) of a 1536-key
+    prefix (64 keys a split: every split holds keys), NaN-poisoned partials: the reference's
+    numbers."""
+    seq_lens = [1536 if job == "decode" else 1539]
+    if job == "decode":
+        runner, batch = make_decode("mla", torch.float32, topk=2, steps=2, page=16,
+                                    seq_lens=seq_lens)
+        backend = TritonDecode(runner, 2, 2, plan="dot-mla", num_splits=24)
+        run_decode_round(runner, batch, backend, torch.float32,
+                         AttentionLayer(layer_id=0, scaling=0.15), "lane")
+    else:
+        runner, batch = make_extend("mla", torch.float32, page=16, seq_lens=seq_lens,
+                                    ext_lens=[3])
+        backend = TritonExtend(runner, plan="dot-mla", num_splits=24)
+        layer = AttentionLayer(layer_id=1, scaling=0.15)
+        backend.init_forward_metadata(batch)
+        q, k, v = new_qkv(runner, 3, torch.float32)
+        _poison(backend)
+        _close(backend.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
+               torch.float32)
+    prefix_len, split_len = backend._active.meta[0, 1:3].tolist()
+    assert backend._round_plan["num_splits"] == 24 and (prefix_len, split_len) == (1536, 64)
+
+
+@pytest.mark.parametrize("cls,args", [(TritonDecode, (2, 2)), (TritonExtend, ())])
+def test_pdl_is_refused_off_sm90(cls, args):
+    """pdl=True needs CUDA sm90+: under the interpreter (or on a CPU) one short error names
+    the argument, what it expects and the value; pdl takes booleans only."""
+    runner = _runner_for(GQA, torch.float32)
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected False here \(programmatic "
+                       r"dependent launch needs CUDA sm90\+; this is the Triton interpreter "
+                       r"\(TRITON_INTERPRET\)\), got True$"):
+        cls(runner, *args, pdl=True)
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected True or False, got 'yes'$"):
+        cls(runner, *args, pdl="yes")
+    assert cls(runner, *args, pdl=False)._pdl is False
+    assert plans.pdl_reason(torch.device("cpu"), False) == "a cpu device"
+
+
+class _Recorded:
+    """Stands for a kernel: ``kernel[grid](*args, **kw)`` records its keywords, runs nothing."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, kw.get("PDL", False),
+                                                    kw.get("launch_pdl", False)))
+
+
+def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto"):
+    """One ``launchers.attention`` call with ``pdl=True`` (3 lanes, 2 splits), the Triton
+    kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order."""
+    from specattn.backends.triton import _attn_kernels
+    from specattn.kernels import merge
+
+    log: list = []
+    for module, name in ((_attn_kernels, "_write_kv_kernel"),
+                         (_attn_kernels, "_partial_attn_kernel"),
+                         (_attn_kernels, "_mla_partial_kernel"), (merge, "merge_kernel")):
+        monkeypatch.setattr(module, name, _Recorded(name, log))
+    make = DraftRunner.mla if model == "mla" else DraftRunner.mha
+    heads = (4, 32, 16) if model == "mla" else (4, 2, 32)
+    runner = make(*heads, num_layers=1, num_slots=64, max_reqs=2, max_context_len=32,
+                  dtype=torch.float32, device=DEV, kv_cache_dtype=kv_cache_dtype)
+    shape = plans.AttnShape.of(runner)
+    q, k, v = new_qkv(runner, 3, torch.float32)
+    mid_o, mid_lse = launchers.partial_views((3, shape.num_q_heads, 3), shape.d_v, q.device,
+                                             None, None)
+    meta = torch.zeros(2, 5, dtype=torch.int32)
+    launchers.attention(q, runner, AttentionLayer(layer_id=0, scaling=0.1), shape, meta,
+                        runner.req_to_token, mode=2, num_groups=1, rows_per_group=3 * 4,
+                        lanes_per_group=1, topk=1, num_steps=1, step=0, num_splits=2,
+                        plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
+                        hist=torch.arange(3, dtype=torch.int32).view(3, 1), new_kv=(k, v),
+                        pdl=True)
+    return log
+
+
+@pytest.mark.parametrize("model,plan,kv,launches", [
+    # The split-KV kernel is a dependent launch after the KV write, which releases it.
+    ("mha", "dot", "auto", [("_write_kv_kernel", True, False),
+                            ("_partial_attn_kernel", True, True), ("merge_kernel", True, True)]),
+    # After torch's FP8 write (and the scales' copies): an ordinary launch that releases
+    # the merge.
+    ("mha", "dot", "fp8_e4m3", [("_partial_attn_kernel", True, False),
+                                ("merge_kernel", True, True)]),
+    # dot-mla reads what the launch before it wrote: an ordinary launch.
+    ("mla", "dot-mla", "auto", [("_mla_partial_kernel", True, False),
+                                ("merge_kernel", True, True)]),
+])
+def test_pdl_launches(monkeypatch, model, plan, kv, launches):
+    """Which launches of a pdl=True call are programmatic dependent launches (launch_pdl)
+    and which kernels wait for or release their neighbours (PDL)."""
+    assert _recorded_launches(monkeypatch, model, plan, kv) == launches
+
+
+def test_pdl_reaches_both_classes_as_a_bench_option():
+    """``--option triton:pdl=True`` sets the keyword of the decode and the extend class."""
+    from specattn.bench.options import check_options, parse_option
+    from specattn.registry import default_registry
+
+    opt = parse_option("triton:pdl=True,plan=dot")
+    check_options([opt], default_registry)
+    for cls in (TritonDecode, TritonExtend):
+        assert opt.fits(cls) and opt.kwargs_for(cls) == {"pdl": True, "plan": "dot"}
 
 
 def test_plan_errors_name_the_plan():

@@ -11,14 +11,19 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2
+from .pdl import wait_for_primary
 
 
 @triton.jit
 def merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t,
                  stride_ml_h, stride_ot, stride_oh,
                  NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, D_V: tl.constexpr,
-                 BLOCK_DV: tl.constexpr):
-    """Stage 2: Out[t, h] = sum_s w_s MidO[t, h, s] with w = softmax(MidLse[t, h, :])."""
+                 BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
+    """Stage 2: Out[t, h] = sum_s w_s MidO[t, h, s] with w = softmax(MidLse[t, h, :]).
+    PDL (a programmatic dependent launch after the partials' kernel): waits for its partials
+    before reading them."""
+    if PDL:
+        wait_for_primary()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -38,13 +43,15 @@ def merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, strid
 
 
 def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
-                   parts: int) -> None:
+                   parts: int, pdl: bool = False) -> None:
     """One ``merge_kernel`` launch: ``out [rows, H, D_v]`` from the first ``parts`` partials of
     ``mid_o [rows, H, >= parts, D_v]`` / ``mid_lse [rows, H, >= parts]`` (fp32, unit last
-    stride)."""
+    stride). ``pdl``: a programmatic dependent launch (sm90+; the launch before it wrote the
+    partials)."""
     rows, heads, d_v = out.shape
+    pdl_args = dict(PDL=True, launch_pdl=True) if pdl else {}
     merge_kernel[(rows, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=d_v, BLOCK_DV=next_pow2(d_v, 16),
-        num_warps=4 if d_v >= 256 else 2)
+        num_warps=4 if d_v >= 256 else 2, **pdl_args)

@@ -284,3 +284,189 @@ def test_random_stress_100_batches():
         scale = (576 if model == "mla" else 128) ** -0.5
         run_round(r, batch, backend, dtype, AttentionLayer(0, scale), tree_mode,
                   steps_to_check={rng.randrange(S)})
+
+
+# --- pdl=True: the tl.dot plans as programmatic dependent launches (sm90+) --------------------
+
+def _require_pdl():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("pdl=True needs sm90+")
+
+
+def _poison_partials(backend):
+    backend._active.mid_o.fill_(float("nan"))
+    backend._active.mid_lse.fill_(float("nan"))
+
+
+# model, K, B, L, page, ragged: B 1 at a long prefix (the split cap's many programs) and B 8
+# ragged, each model at K 1 and 4 and at page sizes 1 and 16.
+PDL_DECODE = [
+    ("mha", 4, 1, 32768, 1, False), ("mha", 1, 1, 32768, 16, False),
+    ("mha", 4, 8, 4096, 16, True), ("mha", 1, 8, 4096, 1, True),
+    ("mla", 4, 1, 32768, 16, False), ("mla", 1, 1, 32768, 1, False),
+    ("mla", 4, 8, 4096, 1, True), ("mla", 1, 8, 4096, 16, True),
+]
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+@pytest.mark.parametrize("model,K,B,L,P,ragged", PDL_DECODE)
+def test_pdl_decode_matches_reference(model, K, B, L, P, ragged, pdl):
+    """Every step of a round with pdl off and on, each against torch_ref (GQA on dot, MLA on
+    dot-mla), partials NaN-poisoned before each step."""
+    from specattn.backends.triton import TritonDecode
+
+    if pdl:
+        _require_pdl()
+    S, dtype = 4, torch.bfloat16
+    lens = [random.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
+    r, batch = make_decode(model, dtype, K, S, P, lens, "lane")
+    plan = "dot-mla" if model == "mla" else "dot"
+    backend = TritonDecode(r, K, S, plan=plan, pdl=pdl)
+    layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5)
+    backend.init_forward_metadata(batch)
+    for step in range(S):
+        q, k, v = qkv(r, B * K, dtype)
+        _poison_partials(backend)
+        out = backend.forward(step, layer, q, k, v)
+        _close(out, reference_decode(r, layer, q, batch, step, "lane"), dtype)
+
+
+# model, B, L, page
+PDL_EXTEND = [("mha", 1, 32768, 1), ("mha", 8, 4096, 16), ("mla", 1, 32768, 16),
+              ("mla", 8, 4096, 1)]
+
+
+def _extend_batch(model, B, L, P, dtype):
+    """A runner of page size ``P`` and an extend batch (``E_b`` 6 at B 1, else 1..6; ragged
+    above B 1) whose new tokens are the last ``E_b`` of each request."""
+    lens = [L] if B == 1 else [random.randint(L // 2, 3 * L // 2) for _ in range(B)]
+    ext = [6] if B == 1 else [random.randint(1, 6) for _ in range(B)]
+    r = make_runner(model, dtype, P, sum(lens) + 16, B + 2, max(lens) + P)
+    rpi = torch.randperm(B + 2, device=DEV)[:B]
+    fill_rows(r, rpi, lens, sum(lens) + 16)
+    loc = torch.cat([r.req_to_token[rpi[b], n - e:n].long() for b, (n, e) in
+                     enumerate(zip(lens, ext))])
+    return r, DraftExtendBatch(rpi, torch.tensor(lens, device=DEV),
+                               torch.tensor(ext, device=DEV), loc)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+@pytest.mark.parametrize("model,B,L,P", PDL_EXTEND)
+def test_pdl_extend_matches_reference(model, B, L, P, pdl):
+    from specattn.backends.triton import TritonExtend
+
+    if pdl:
+        _require_pdl()
+    dtype = torch.bfloat16
+    r, batch = _extend_batch(model, B, L, P, dtype)
+    backend = TritonExtend(r, plan="dot-mla" if model == "mla" else "dot", pdl=pdl)
+    layer = AttentionLayer(0, 0.08)
+    backend.init_forward_metadata(batch)
+    q, k, v = qkv(r, int(batch.extend_lens.sum()), dtype)
+    _poison_partials(backend)
+    _close(backend.forward(layer, q, k, v), reference_extend(r, layer, q, batch), dtype)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_pdl_cuda_graph_capture_replay_padded(model, pdl):
+    """pdl off and on under a CUDA graph: all steps captured at bs 8, replayed with a real
+    batch of 5 padded to 8 (new lengths, rows, slots), outputs NaN-filled before the replay;
+    the real lanes match torch_ref."""
+    from specattn.backends.triton import TritonDecode
+
+    if pdl:
+        _require_pdl()
+    dtype, K, S, max_bs = torch.bfloat16, 4, 4, 8
+    r, batch = make_decode(model, dtype, K, S, 16, [1600] * max_bs, "lane")
+    plan = "dot-mla" if model == "mla" else "dot"
+    backend = TritonDecode(r, K, S, plan=plan, pdl=pdl)
+    backend.init_cuda_graph_state(max_bs, max_bs * K)
+    layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5)
+    qs = [qkv(r, max_bs * K, dtype) for _ in range(S)]
+    backend.init_forward_metadata_capture_cuda_graph(batch)
+    graph, outs = _capture_steps(backend, layer, qs)
+    real = 5
+    r2, b2 = make_decode(model, dtype, K, S, 16, [random.randint(100, 1300) for _ in
+                                                  range(real)], "lane")
+    _pad_into(r, batch, r2, b2, real, backend.get_cuda_graph_seq_len_fill_value())
+    backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
+    for step in range(S):
+        for t in qs[step]:
+            if t is not None:
+                t.normal_()
+        outs[step].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_replayed_lanes(r, layer, batch, real, qs, outs, "lane", dtype)
+
+
+def _capture_steps(backend, layer, qs) -> tuple:
+    """Warm up on a side stream (compiles), then capture every step of a round: ``(graph,
+    outputs per step)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step, q in enumerate(qs):
+            backend.forward(step, layer, *q)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [backend.forward(step, layer, *q) for step, q in enumerate(qs)]
+    return graph, outs
+
+
+def _pad_into(r, batch, r2, b2, real, fill):
+    """``b2`` (of runner ``r2``, the smaller) as the first ``real`` requests of the captured
+    ``batch`` (of runner ``r``), padded: the fill length, request row 0, and the padded lanes'
+    slot one no real request uses (``r2``'s pool is smaller than ``r``'s)."""
+    r.req_to_token.zero_()
+    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
+    batch.seq_lens.fill_(fill)
+    batch.seq_lens[:real] = b2.seq_lens
+    batch.req_pool_indices.zero_()
+    batch.req_pool_indices[:real] = b2.req_pool_indices
+    batch.out_cache_loc.fill_(r.num_slots - 1)
+    batch.out_cache_loc[:real] = b2.out_cache_loc
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_pdl_extend_cuda_graph_replay(model, pdl):
+    """Extend captured once (B 6 ragged), replayed with the requests reordered and new
+    inputs, output NaN-filled before the replay: torch_ref's numbers, pdl off and on."""
+    from specattn.backends.triton import TritonExtend
+
+    if pdl:
+        _require_pdl()
+    dtype = torch.bfloat16
+    r, b = _extend_batch(model, 6, 2048, 16, dtype)
+    tokens = int(b.extend_lens.sum())
+    backend = TritonExtend(r, plan="dot-mla" if model == "mla" else "dot", pdl=pdl,
+                           max_extend_len=6)
+    backend.init_cuda_graph_state(max_bs=6, max_num_tokens=tokens)
+    layer = AttentionLayer(0, 0.08)
+    q, k, v = qkv(r, tokens, dtype)
+    backend.init_forward_metadata_capture_cuda_graph(b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(layer, q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(layer, q, k, v)
+    order = [2, 0, 1, 5, 3, 4]
+    starts = (torch.cumsum(b.extend_lens, 0) - b.extend_lens).tolist()
+    lens = b.extend_lens.tolist()
+    idx = torch.tensor(order, device=DEV)
+    loc = torch.cat([b.out_cache_loc[starts[i]:starts[i] + lens[i]] for i in order])
+    batch = DraftExtendBatch(b.req_pool_indices[idx], b.seq_lens[idx], b.extend_lens[idx], loc)
+    for t in (q, k, v):
+        if t is not None:
+            t.normal_()
+    backend.init_forward_metadata_replay_cuda_graph(batch, 6)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(out, reference_extend(r, layer, q, batch), dtype)

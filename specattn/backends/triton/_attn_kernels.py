@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ...kernels.latent import load_latent
+from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, load_q, lse,
                               nonfinite_rows, poison_rows, pv_operands, softmax_update, widen)
 
@@ -41,7 +42,8 @@ def _partial_attn_kernel(
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False):
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -52,7 +54,9 @@ def _partial_attn_kernel(
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
     key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
     softmax scale, the value scale into the normalised output. PV_F16 (FP8 codes under a bf16
-    query): P.V in fp16 (``tiles.pv_operands``).
+    query): P.V in fp16 (``tiles.pv_operands``). PDL (a programmatic dependent launch after
+    ``_write_kv_kernel``): only the tail reads the KV that launch writes, so only the tail
+    program waits for it; every program lets the merge launch after its key loop.
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -91,6 +95,8 @@ def _partial_attn_kernel(
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
                 DOT_F32, PV_F16)
     else:
+        if PDL:
+            wait_for_primary()  # this call's KV, stored by the launch before
         n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
@@ -114,6 +120,8 @@ def _partial_attn_kernel(
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
                                           logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32,
                                           PV_F16)
+    if PDL:
+        launch_dependents()
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -305,7 +313,7 @@ def _mla_partial_kernel(
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, BLOCK_KW: tl.constexpr,
         SCALED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-        PV_F16: tl.constexpr = False):
+        PV_F16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid ``(row_blocks, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -316,7 +324,9 @@ def _mla_partial_kernel(
     Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
     (FP8 pools): the caller stored this call's codes, the tail reads them from the pool, and
     a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output);
-    PV_F16 (under a bf16 query): P.V in fp16 (``_mla_tile``).
+    PV_F16 (under a bf16 query): P.V in fp16 (``_mla_tile``). PDL: every program lets the
+    merge launch after its key loop. The kernel itself is an ordinary launch: its every load
+    (Q, Kin, Meta) may come from the launch before it.
     """
     rb = tl.program_id(0)
     gi = tl.program_id(1)
@@ -377,6 +387,8 @@ def _mla_partial_kernel(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
             D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32, MODE == MODE_EXTEND,
             PV_F16)
+    if PDL:
+        launch_dependents()
 
     seen = l_i > 0.0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
@@ -393,10 +405,14 @@ def _mla_partial_kernel(
 def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h,
                      stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
                      num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr):
+                     BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
     call's new KV in one launch (``kv_write="kernel"``); a slot outside the pool is not
-    written."""
+    written. PDL: the split-KV kernel after it may launch at once (its prefix programs read
+    other slots; its tail waits for this launch to end)."""
+    if PDL:
+        launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dst = tl.load(Slots + r * stride_slots).to(tl.int64)

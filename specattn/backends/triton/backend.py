@@ -69,8 +69,10 @@ class _TritonCommon:
                                     f"{rows} query rows", forced)
         return forced
 
-    def _options(self, num_splits: Optional[int], plan: Optional[str], job: str) -> None:
-        """``num_splits`` / ``plan`` checked and kept; the per-round caches emptied."""
+    def _options(self, num_splits: Optional[int], plan: Optional[str], job: str,
+                 pdl: bool = False) -> None:
+        """``num_splits`` / ``plan`` / ``pdl`` checked and kept; the per-round caches
+        emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
                                            and 1 <= num_splits <= P.DOT_MAX_SPLITS):
             raise InvalidInputError("num_splits", f"an int in [1, {P.DOT_MAX_SPLITS}] or None",
@@ -78,6 +80,7 @@ class _TritonCommon:
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
                                     repr(plan))
+        self._pdl = self._checked_pdl(pdl)
         self._num_splits_override = num_splits
         self._forced = None if plan is None else P.plan_named(
             plan, self.runner, job, triton_interpret_enabled())
@@ -85,6 +88,18 @@ class _TritonCommon:
         self._graph_bufs: Optional[_GraphBuffers] = None
         self._plans: dict = {}
         self._round_plan = None
+
+    def _checked_pdl(self, pdl: bool) -> bool:
+        """``pdl``, refused where programmatic dependent launch cannot run (not CUDA sm90+,
+        or under the interpreter)."""
+        if not isinstance(pdl, bool):
+            raise InvalidInputError("pdl", "True or False", repr(pdl))
+        why = P.pdl_reason(torch.device(self.runner.device),
+                           triton_interpret_enabled()) if pdl else None
+        if why is not None:
+            raise InvalidInputError("pdl", f"False here (programmatic dependent launch needs "
+                                    f"CUDA sm90+; this is {why})", repr(pdl))
+        return pdl
 
     def _kept_plan(self) -> dict:
         return self._round_plan
@@ -131,7 +146,9 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
     (``gluon-wl``: programs per row tile; default: from the SM count and the grid size);
     ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
-    an error where the plan cannot serve this model here)."""
+    an error where the plan cannot serve this model here); ``pdl``: the ``tl.dot`` plans'
+    split-KV kernel and merge as programmatic dependent launches (CUDA sm90+ only, an error
+    elsewhere; the sm90 plans launch as without it: ``launchers.attention``)."""
 
     known_limits = {"decode/*/isolation/*": (
         "the lanes of a request share one history tile: a non-finite value in one lane's "
@@ -142,12 +159,12 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 plan: Optional[str] = None) -> None:
+                 plan: Optional[str] = None, pdl: bool = False) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
         self.mode = mode
-        self._options(num_splits, plan, "decode" if mode == "shared" else "per-branch")
+        self._options(num_splits, plan, "decode" if mode == "shared" else "per-branch", pdl)
 
     @property
     def plan(self) -> P.Plan:
@@ -246,7 +263,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
                            num_steps=self.num_steps, step=step,
                            num_splits=plan["num_splits"], plan=kernel_plan, mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
-                           new_kv=(k, v), work=bufs.work)
+                           new_kv=(k, v), work=bufs.work, pdl=self._pdl)
 
 
 class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
@@ -256,17 +273,18 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
     ``max_extend_len``: CUDA graphs only, the largest ``extend_lens`` of any graph round
     (EAGLE: ``num_steps + 1``), which sizes the grid; without it the grid covers any split of
     the ``T`` tokens (mostly empty row blocks: 2.1x the eager time at ``extend`` on the
-    H200). ``num_splits`` and ``plan`` as in ``TritonDecode`` (the ``tl.dot`` plans)."""
+    H200). ``num_splits``, ``plan`` and ``pdl`` as in ``TritonDecode`` (the ``tl.dot``
+    plans)."""
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, plan: Optional[str] = None,
-                 max_extend_len: Optional[int] = None) -> None:
+                 max_extend_len: Optional[int] = None, pdl: bool = False) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         if max_extend_len is not None and not (isinstance(max_extend_len, int)
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
-        self._options(num_splits, plan, "extend")
+        self._options(num_splits, plan, "extend", pdl)
         self.max_extend_len = max_extend_len  # checked by the base class in graph rounds
 
     def _plan_for(self, bs: int, num_tokens: int, max_extend: int) -> dict:
@@ -332,4 +350,4 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
                            num_splits=plan["num_splits"], plan=plan["plan"], mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:plan["num_tokens"]],
-                           new_kv=(k, v))
+                           new_kv=(k, v), pdl=self._pdl)

@@ -29,12 +29,14 @@ def _pow2(x: int) -> int:
 def split_cap(plan: Plan, rows: int) -> int:
     """The most prefix splits a round of ``rows`` query rows (lanes; extend: new tokens) may
     take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
-    rows, so a round of few rows (one request) gives the ``tl.dot`` split-KV kernel more
-    splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one prefix."""
-    if plan.kernel is not Kernel.DOT:
+    rows, so a round of few rows (one request) gives the ``tl.dot`` kernels (split-KV and
+    MLA) more splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one
+    prefix. The others keep ``MAX_SPLITS``."""
+    if plan.kernel not in (Kernel.DOT, Kernel.DOT_MLA):
         return MAX_SPLITS
     room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
-    return max(1, min(DOT_MAX_SPLITS, room - 1))  # the tail's partial takes one part
+    tail_parts = num_parts(plan, 0)  # split-KV: the tail's own partial
+    return max(1, min(DOT_MAX_SPLITS, room - tail_parts))
 
 
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
@@ -161,19 +163,32 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
 
 
 def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
-                 v: Optional[torch.Tensor]) -> None:
+                 v: Optional[torch.Tensor], pdl: bool = False) -> bool:
     """One launch: ``pool[slots[r]] = k[r]`` (and ``v``). slots: ``[rows]`` int;
-    k: ``[rows, H_kv, D]`` (MLA ``[rows, D]``)."""
+    k: ``[rows, H_kv, D]`` (MLA ``[rows, D]``). ``pdl``: the kernel lets a programmatic
+    dependent launch after it start at once. Returns whether it launched (no rows: no
+    launch)."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer_id)
     rows = slots.shape[0]
     if rows == 0:
-        return
+        return False
     k3 = k if k.dim() == 3 else k.unsqueeze(1)
     v3 = k3 if v is None else v
     K._write_kv_kernel[(rows, k3.shape[1])](
         slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0),
         v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
-        D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1)
+        D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1,
+        **_pdl_args(pdl))
+    return True
+
+
+def _pdl_args(pdl: bool, dependent: bool = False) -> dict:
+    """A launch's ``PDL`` constexpr (the kernel waits for the launch before it, or releases
+    the one after) and, when ``dependent``, ``launch_pdl``: a programmatic dependent launch
+    (sm90+). Empty when off: the kernels' default, the launch as without the option."""
+    if not pdl:
+        return {}
+    return dict(PDL=True, launch_pdl=True) if dependent else dict(PDL=True)
 
 
 def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
@@ -192,7 +207,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
               step: int, num_splits: int, plan: Plan, mid_o: torch.Tensor,
               mid_lse: torch.Tensor, hist: torch.Tensor, new_kv: tuple,
               parents: Optional[torch.Tensor] = None,
-              work: Optional[torch.Tensor] = None) -> torch.Tensor:
+              work: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
     """Store this call's KV, attend, merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]``
     in ``q.dtype``.
 
@@ -203,13 +218,18 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
     ``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
-    programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``)."""
+    programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``).
+    pdl (sm90+, the ``tl.dot`` plans; the sm90 plans launch as without it): the merge is a
+    programmatic dependent launch, and so is the split-KV kernel after the KV write launch
+    (not after torch's FP8 write, whose scale copies its programs would not wait for); the
+    MLA kernel stays an ordinary launch (all it reads may come from the launch before)."""
     if not hist.is_contiguous():
         raise ValueError("a KV write needs the contiguous slot table `hist`")
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
     out = torch.empty(q.shape[0], shape.num_q_heads, shape.d_v, dtype=q.dtype, device=q.device)
     kernel = plan.kernel
     scaled = getattr(runner, "fp8", False)
+    written = False  # whether the launch just before the split-KV kernel is the KV write
     k_scale = v_scale = meta  # placeholders, never read without FP8
     if scaled:  # torch quantizes (bit for bit its codes); the kernels read them from the pool
         from ...fp8 import scale_tensor
@@ -219,7 +239,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         k_scale = scale_tensor(layer.k_scale, q.device)
         v_scale = scale_tensor(layer.v_scale, q.device)
     elif kernel is Kernel.DOT:
-        write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv)
+        written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
     if kernel in SM90_KERNELS and mode == 2:
         raise ValueError(f"plan {plan.name} serves decode only")
     if kernel is Kernel.CUTE and scaled:
@@ -266,7 +286,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe), BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0,
             BLOCK_KW=_pow2(shape.d_main + shape.d_pe), SCALED=scaled, **dots,
-            num_warps=num_warps, num_stages=plan.num_stages)
+            num_warps=num_warps, num_stages=plan.num_stages, **_pdl_args(pdl))
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
@@ -282,6 +302,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, SCALED=scaled, **dots,
-            num_warps=num_warps, num_stages=plan.num_stages)
-    merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits))
+            num_warps=num_warps, num_stages=plan.num_stages,
+            **_pdl_args(pdl, dependent=written))
+    merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits), pdl=pdl)
     return out

@@ -25,7 +25,7 @@ GLUON_TRITON = ("3.6",)  # Triton releases whose Gluon API the Gluon kernels run
 MLA_LATENT = (512, 64)  # the sm90 kernels' kv_lora_rank + rope width
 TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgroup
 MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
-DOT_MAX_SPLITS = 64  # the tl.dot split-KV kernel's, when few query rows leave room for more
+DOT_MAX_SPLITS = 64  # the tl.dot kernels' (split-KV, MLA), when few query rows leave room
 PARTIAL_ROWS = 16  # the partial buffers hold MAX_SPLITS + 1 parts of at least this many rows
 
 
@@ -187,6 +187,33 @@ def sm90_reason(device: torch.device, interpret: bool) -> Optional[str]:
     cap = _capability(device_index(device))
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the sm90 kernels need Hopper"
+    return None
+
+
+def pdl_reason(device: torch.device, interpret: bool) -> Optional[str]:
+    """Why a programmatic dependent launch (sm90+) cannot run on ``device`` (``None``: it
+    can)."""
+    if interpret:
+        return "the Triton interpreter (TRITON_INTERPRET)"
+    if device.type != "cuda":
+        return f"a {device.type} device"
+    if getattr(torch.version, "hip", None):
+        return "ROCm"
+    cap = _capability(device_index(device))
+    if cap < (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}"
+    return _launch_pdl_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_pdl_reason() -> Optional[str]:
+    """Why this Triton cannot launch a kernel with ``launch_pdl=True`` (``None``: it can)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception as exc:
+        return f"triton's CUDA backend does not import ({type(exc).__name__})"
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return f"triton {_version('triton')} (no launch_pdl)"
     return None
 
 
