@@ -66,7 +66,7 @@ def _launch(model: str, kv: str, plan: str, extend: bool):
     capture = _Capture(getattr(K, name))
     setattr(K, name, capture)
     K._write_kv_kernel = _Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
-    L.merge_partials = lambda *args: None
+    L.merge_partials = lambda *args, **kw: None
     topk, steps, slots = (4, 3, 256) if model == "mla" else (8, 3, 256)
     if model == "mla":
         runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=slots, max_reqs=2,
@@ -109,6 +109,8 @@ def _compile(fn, args, kw):
     kw = dict(kw, DOT_PREC="tf32", DOT_F32=False)
     options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
     consts = {k: v for k, v in kw.items() if k not in options}
+    consts.update({p.name: p.default for p in fn.params  # defaulted constexprs not passed
+                   if p.is_constexpr and p.has_default and p.name not in consts})
     names = [n for n in fn.arg_names if n not in consts]
     assert len(names) == len(args), f"{fn.__name__}: {len(args)} arguments for {names}"
     sig, attrs = {}, {}
