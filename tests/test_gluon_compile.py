@@ -15,8 +15,6 @@ kernels' numbers are checked on the H200: ``tests/gpu/test_sm90_mla_gpu.py``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -24,13 +22,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import specattn  # noqa: E402
 from specattn.backends.triton import gluon_mla, plans  # noqa: E402
+from sm90_compile import H200_SHARED, Capture, compile_launch, in_child  # noqa: E402
 
-H200_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm90
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
-          torch.float8_e5m2: "fp8e5"}
 
 
 @pytest.fixture(scope="module")
@@ -40,57 +34,12 @@ def gluon():
         pytest.skip(f"compiling the Gluon kernels needs their Triton: {why}")
 
 
-class _Capture:
-    """Stands for a kernel: ``kernel[grid](*args, **constexprs)`` records the launch."""
-
-    def __init__(self, fn):
-        self.fn, self.launches = fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.fn, grid, args, kw))
-
-
-def _compile(fn, args, kw):
-    """Compile a captured launch for sm90 the way Triton's launcher specialises it: tensors
-    as typed pointers (16-byte aligned), ints of value 1 as constants, other ints divisible
-    by 16 marked so."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    options = {k: kw[k] for k in ("num_warps",) if k in kw}
-    consts = {k: v for k, v in kw.items() if k not in options}
-    names = [n for n in fn.arg_names if n not in consts]
-    assert len(names) == len(args), f"{fn.__name__}: {len(args)} arguments for {names}"
-    sig, attrs = {}, {}
-    for name, value in zip(names, args):
-        index = fn.arg_names.index(name)
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name}: {value!r}")
-        elif isinstance(value, float):
-            sig[name] = "fp32"
-        elif value == 1:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if value % 16 == 0:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    for name in consts:
-        sig[name] = "constexpr"
-    sig = {n: sig[n] for n in fn.arg_names}
-    src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
     """One ``gluon_mla.attention`` call on CPU tensors: its captured launch."""
     from specattn.backends.triton import _gluon_mla_wl_kernel as W
 
-    split = _Capture(gluon_mla.kernel_module()._gluon_mla_kernel)
-    wl = _Capture(W._gluon_mla_wl_kernel)
+    split = Capture(gluon_mla.kernel_module()._gluon_mla_kernel)
+    wl = Capture(W._gluon_mla_wl_kernel)
     gluon_mla.kernel_module = lambda: type("M", (), {"_gluon_mla_kernel": split})
     W._gluon_mla_wl_kernel = wl
     rows, steps, slots, batch = 2 * topk, 3, 4096, 2
@@ -122,22 +71,11 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
     launch = _launch(q_dtype=getattr(torch, q_dtype), kv_dtype=getattr(torch, kv_dtype),
                      heads=heads, topk=topk, mode=mode, cap=cap, work=work)
     fn, _, args, kw = launch
-    kernel = _compile(fn, args, kw)
+    kernel = compile_launch(fn, args, kw, gluon=True)
     ptx = kernel.asm["ptx"]
     return dict(kernel=fn.__name__, fp8=kw["FP8"], shared=kernel.metadata.shared,
                 cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
                 cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx)
-
-
-def _in_child(case: dict) -> dict:
-    """``compile_case(**case)`` in a child process without ``TRITON_INTERPRET``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(specattn.__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(case)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype,heads,topk,mode,cap,work", [
@@ -156,7 +94,7 @@ def _in_child(case: dict) -> dict:
 ])
 def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, mode, cap,
                                         work):
-    got = _in_child(dict(q_dtype=q_dtype, kv_dtype=kv_dtype, heads=heads, topk=topk,
+    got = in_child(__file__, dict(q_dtype=q_dtype, kv_dtype=kv_dtype, heads=heads, topk=topk,
                          mode=mode, cap=cap, work=work))
     print(got)
     assert got["kernel"] == ("_gluon_mla_wl_kernel" if work else "_gluon_mla_kernel")

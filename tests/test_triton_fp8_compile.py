@@ -26,13 +26,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import specattn  # noqa: E402
 from specattn.backends.triton import plans  # noqa: E402
+from sm90_compile import H200_SHARED, Capture, compile_launch, in_child  # noqa: E402
 
-H200_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm90
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
-          torch.float8_e5m2: "fp8e5"}
 _SASS_OPS = re.compile(r"\b(F2F|F2FP|I2F|PRMT|HADD2\.F32)\b")
 
 
@@ -45,16 +41,6 @@ def triton_of_the_gpu():
                     f"({'/'.join(plans.GLUON_TRITON)}) only")
 
 
-class _Capture:
-    """Stands for a kernel: ``kernel[grid](*args, **constexprs)`` records the launch."""
-
-    def __init__(self, fn):
-        self.fn, self.launches = fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.fn, grid, args, kw))
-
-
 def _launch(model: str, kv: str, plan: str, extend: bool):
     """One ``launchers.attention`` call on CPU tensors (bf16 queries, the bench's shapes:
     GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4): its captured launch."""
@@ -63,9 +49,9 @@ def _launch(model: str, kv: str, plan: str, extend: bool):
     from specattn.data import AttentionLayer, DraftRunner
 
     name = "_mla_partial_kernel" if plan.startswith("dot-mla") else "_partial_attn_kernel"
-    capture = _Capture(getattr(K, name))
+    capture = Capture(getattr(K, name))
     setattr(K, name, capture)
-    K._write_kv_kernel = _Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
+    K._write_kv_kernel = Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
     L.merge_partials = lambda *args, **kw: None
     topk, steps, slots = (4, 3, 256) if model == "mla" else (8, 3, 256)
     if model == "mla":
@@ -98,44 +84,6 @@ def _launch(model: str, kv: str, plan: str, extend: bool):
     return launch
 
 
-def _compile(fn, args, kw):
-    """Compile a captured launch for sm90 the way Triton's launcher specialises it: tensors
-    as typed pointers (16-byte aligned), ints of value 1 as constants, other ints divisible
-    by 16 marked so; the GPU's dot precision (the CPU launch asks for the interpreter's)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kw = dict(kw, DOT_PREC="tf32", DOT_F32=False)
-    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
-    consts = {k: v for k, v in kw.items() if k not in options}
-    consts.update({p.name: p.default for p in fn.params  # defaulted constexprs not passed
-                   if p.is_constexpr and p.has_default and p.name not in consts})
-    names = [n for n in fn.arg_names if n not in consts]
-    assert len(names) == len(args), f"{fn.__name__}: {len(args)} arguments for {names}"
-    sig, attrs = {}, {}
-    for name, value in zip(names, args):
-        index = fn.arg_names.index(name)
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name}: {value!r}")
-        elif isinstance(value, float):
-            sig[name] = "fp32"
-        elif value == 1:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if value % 16 == 0:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    for name in consts:
-        sig[name] = "constexpr"
-    sig = {n: sig[n] for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
-
-
 def _tool(name: str) -> str:
     import triton
 
@@ -164,20 +112,9 @@ def sass_counts(cubin: bytes) -> dict:
 def compile_case(model: str, kv: str, plan: str, extend: bool) -> dict:
     """Capture and compile one launch: what the test checks."""
     fn, _, args, kw = _launch(model, kv, plan, extend)
-    kernel = _compile(fn, args, kw)
+    kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
     return dict(kernel=fn.__name__, pv_f16=kw.get("PV_F16"), shared=kernel.metadata.shared,
                 **sass_counts(kernel.asm["cubin"]))
-
-
-def _in_child(case: dict) -> dict:
-    """``compile_case(**case)`` in a child process without ``TRITON_INTERPRET``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(specattn.__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH")] if p] + [root])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(case)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model,kv,plan,extend", [
@@ -187,7 +124,7 @@ def _in_child(case: dict) -> dict:
     ("mla", "fp8_e4m3", "dot-mla-fp8", False),
 ])
 def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend):
-    got = _in_child(dict(model=model, kv=kv, plan=plan, extend=extend))
+    got = in_child(__file__, dict(model=model, kv=kv, plan=plan, extend=extend))
     print(got)
     assert got["pv_f16"] is plan.endswith("-fp8"), got
     assert got["shared"] <= H200_SHARED, got

@@ -228,6 +228,18 @@ def test_extend_cuda_graph_replay(mla):
         assert_close_rel(out, reference_extend(case.runner, case.layer, q, batch), q.dtype)
 
 
+def _captured_backend(case, mla: bool, topk: int, steps: int, bs: int):
+    """A graph backend for ``case`` with its metadata captured at ``bs`` requests, and the
+    ``parents`` tensor the capture took."""
+    cls = FlashInferMLADecode if mla else FlashInferDecode
+    backend = cls(case.runner, topk, steps)
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
+    parents = case.batch.parents.clone()
+    backend.init_forward_metadata_capture_cuda_graph(_graph_batch(case, list(range(bs)),
+                                                                  parents, True))
+    return backend, parents
+
+
 @pytest.mark.parametrize("mla, topk", [(False, 8), (False, 1), (True, 4), (True, 1)],
                          ids=["mha-k8", "mha-k1", "mla-k4", "mla-k1"])
 def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
@@ -239,12 +251,7 @@ def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, dtype=torch.bfloat16,
                             device="cuda", seed=5, max_len=600, heads=MLA if mla else GQA,
                             scaling=MLA_SCALE if mla else None)
-    cls = FlashInferMLADecode if mla else FlashInferDecode
-    backend = cls(case.runner, topk, steps)
-    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
-    parents = case.batch.parents.clone()
-    backend.init_forward_metadata_capture_cuda_graph(_graph_batch(case, list(range(bs)),
-                                                                  parents, True))
+    backend, parents = _captured_backend(case, mla, topk, steps, bs)
     gen = torch.Generator().manual_seed(0)
     inputs = [decode_inputs(case, gen) for _ in range(steps - 1)]
     graph, outs = _capture_steps(backend, case, inputs, warm_ups=1)
@@ -292,12 +299,7 @@ def test_replay_metadata_host_time(shape):
                             dtype=torch.bfloat16, device="cuda", seed=bs + topk, max_len=ctx,
                             ragged=False, heads=MLA if mla else GQA,
                             scaling=MLA_SCALE if mla else None)
-    cls = FlashInferMLADecode if mla else FlashInferDecode
-    backend = cls(case.runner, topk, steps)
-    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
-    parents = case.batch.parents.clone()
-    backend.init_forward_metadata_capture_cuda_graph(_graph_batch(case, list(range(bs)),
-                                                                  parents, True))
+    backend, parents = _captured_backend(case, mla, topk, steps, bs)
     batch = _graph_batch(case, list(range(bs))[::-1], parents, True)
     for _ in range(5):  # warm-up: compiles, pinned blocks, kept launch
         backend.init_forward_metadata_replay_cuda_graph(batch, bs)

@@ -196,16 +196,7 @@ def test_cuda_graph_capture_replay_padded(tree_mode):
     real = 5
     lens = [random.randint(100, 1300) for _ in range(real)]
     r2, b2 = make_decode("mha", dtype, K, S, 1, lens, tree_mode)
-    r.req_to_token.zero_()
-    r.req_to_token[:r2.max_reqs, :r2.max_context_len] = r2.req_to_token
-    fill = backend.get_cuda_graph_seq_len_fill_value()
-    batch.seq_lens.fill_(fill)
-    batch.seq_lens[:real] = b2.seq_lens
-    batch.req_pool_indices.zero_()
-    batch.req_pool_indices[:real] = b2.req_pool_indices
-    # Padded lanes write a slot no real request uses (r2's pool is smaller than r's).
-    batch.out_cache_loc.fill_(r.num_slots - 1)
-    batch.out_cache_loc[:real] = b2.out_cache_loc
+    _pad_into(r, batch, r2, b2, real, backend.get_cuda_graph_seq_len_fill_value())
     backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
     for step in range(S):
         qs[step][0].normal_()
