@@ -235,3 +235,18 @@ def test_a_package_named_twice_is_one_stand_in():
     name = "specattn_absent_package_for_stub_test"
     assert stubs.install([name, name]) == [name]
     assert stubs.installed().count(name) == 1
+
+
+def test_a_stand_in_gives_the_packages_own_answers(monkeypatch):
+    # matplotlib calls IPython.get_ipython() when it picks a backend (the bench's charts,
+    # with SGLang's stand-ins in place): it answers None, as IPython does outside a shell.
+    from specattn.integrations.sglang import stubs
+
+    assert stubs._ANSWERS["IPython.get_ipython"]() is None
+    name = "specattn_absent_package_with_answer"
+    monkeypatch.setitem(stubs._ANSWERS, f"{name}.get_shell", lambda: None)
+    stubs.install([name])
+    module = __import__(name)
+    assert module.get_shell() is None
+    with pytest.raises(Exception, match="import-only stand-in was called"):
+        module.anything_else()

@@ -38,6 +38,9 @@ _calls: Counter = Counter()
 _shim_calls: Counter = Counter()
 _roots: set[str] = set()
 _shims: dict[str, Callable] = {}
+# Answers that are the package's own where it is absent: ``IPython.get_ipython`` is None
+# outside an IPython shell (matplotlib asks it when it picks a backend).
+_ANSWERS: dict[str, Callable] = {"IPython.get_ipython": lambda: None}
 _absent: set[str] = set()
 
 
@@ -149,7 +152,8 @@ def install(packages: Iterable[str] = CPU_PACKAGES,
             import_utils.is_torchvision_available()
         except ImportError:
             pass
-    _shims.update({k: v for k, v in (shims or {}).items() if k.split(".")[0] in new})
+    _shims.update({k: v for k, v in {**_ANSWERS, **(shims or {})}.items()
+                   if k.split(".")[0] in new})
     _absent.update(m for m in absent if m.split(".")[0] in new)
     _roots.update(new)
     if new and _FINDER not in sys.meta_path:
