@@ -1147,3 +1147,12 @@ def test_a_run_stopped_part_way_keeps_its_finished_cases(tmp_path, monkeypatch):
     table = (out / "table.md").read_text()
     assert table.startswith("# specattn bench") and "| cpu-gqa-small |" in table
     assert "cpu-extend" not in table
+
+
+def test_versions_name_the_commit_a_gpu_run_was_given(monkeypatch):
+    from specattn.bench.report import versions
+
+    monkeypatch.delenv("SPECATTN_COMMIT", raising=False)
+    assert "commit" not in versions(torch.device("cpu"))
+    monkeypatch.setenv("SPECATTN_COMMIT", "abc1234")
+    assert versions(torch.device("cpu"))["commit"] == "abc1234"

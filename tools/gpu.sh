@@ -28,7 +28,7 @@
 # KIT_K (the kit's -k; default: every GPU backend); GPU_TESTS (the gpu-tests and stress steps'
 # paths; default tests/gpu), GPU_TESTS_N (gpu-tests' pytest-xdist workers; default 0, at most 4),
 # GPU_TEST_TIMEOUT_S (one test's limit; default 240); BENCH_APPEND=1 (keep the last bench's
-# folder: pass --append); AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (named in
+# folder: pass --append); AB_ROUNDS (default 2); STEP_TIMEOUT_S (per step; default none); GPU_COMMIT (the tree's commit, named in
 # summary.md); GPU_DRY_RUN=1 (print the commands, run nothing).
 # Output: $OUT/summary.md (a line per step), $OUT/logs.tgz (each step's log) and the command's
 # results. Every step runs; the exit status is 1 when one failed.
@@ -102,6 +102,8 @@ for w in sys.argv[2:]: zipfile.ZipFile(w).extractall(sys.argv[1])' "$WHEELS" .wh
   LIBPATH=${PYTHONPATH:-}
   export PYTHONPATH=$PWD${LIBPATH:+:$LIBPATH}  # this tree first
   [ -n "$DRY" ] && return 0
+  # The host's copy of .git may lag the tree it runs: GPU_COMMIT names the tree's commit.
+  if [ -n "${GPU_COMMIT:-}" ]; then export SPECATTN_COMMIT=$GPU_COMMIT; fi
   note "# $cmd on $(date -u +%FT%TZ)${GPU_COMMIT:+, commit $GPU_COMMIT}; bundle parts: ${parts:-none}"
   nvidia-smi -L 2>&1 | tee -a "$SUMMARY" || true
   "$PY" - << 'EOF' 2>&1 | tee -a "$SUMMARY" || true

@@ -554,6 +554,8 @@ def versions(device: torch.device) -> dict[str, Any]:
         "python": host_platform.python_version(), "cpu": _cpu_name(),
         "torch_threads": torch.get_num_threads(),
     }
+    if os.environ.get("SPECATTN_COMMIT"):  # the tree's commit (tools/gpu.sh's GPU_COMMIT)
+        info["commit"] = os.environ["SPECATTN_COMMIT"]
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
