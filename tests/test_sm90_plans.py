@@ -188,8 +188,8 @@ def test_choice_where_the_gates_pass(sm90, topk, gluon, cute, want):
     (8, 16, True, True, "gluon-split"),   # two row tiles: cute reads bf16/fp16 pools only
     (8, 16, True, False, "gluon-split"),
     (1, 128, True, True, "gluon-split"),
-    (4, 16, False, True, "dot-mla-fp8"),  # no Gluon: the tl.dot plans, not cute
-    (8, 16, False, True, "dot-mla-fp8"),
+    (4, 16, False, True, "dot-mla"),      # no Gluon: the tl.dot plans, not cute
+    (8, 16, False, True, "dot-mla"),
     (2, 16, False, True, "dot-wide"),
 ])
 def test_fp8_choice_where_the_gates_pass(sm90, kv, topk, heads, gluon, cute, want):

@@ -7,8 +7,7 @@ The contract checks (numerics against the reference, pools, graphs, refusals) li
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
 ``mode``, ``plan``, ``num_splits``, ``max_extend_len`` and ``pdl`` options, every ``tl.dot``
 plan and its KV write, the plan table and split planning, an empty prefix, NaN keys in
-extend; FP8 pools on their plans (``dot-fp8``, ``dot-mla-fp8``) and ``tiles.widen`` over
-every FP8 code.
+extend; FP8 pools on the default plans and ``tiles.widen`` over every FP8 code.
 """
 
 from __future__ import annotations
@@ -153,12 +152,12 @@ def test_plan_table(shape, job, rows, name):
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("shape,job,rows,name", [
-    (GQA, "decode", 32, "dot-fp8"),
-    (GQA, "extend", 24, "dot-fp8"),
-    (GQA, "per-branch", 4, "dot-fp8"),
-    (MLA, "decode", 64, "dot-mla-fp8"),
-    (MLA, "extend", 96, "dot-mla-fp8"),
-    (MLA, "decode", 16, "dot-wide"),  # below one 64-row tile: as a bf16 pool
+    (GQA, "decode", 32, "dot"),  # FP8 pools take the rows of bf16 ones
+    (GQA, "extend", 24, "dot"),
+    (GQA, "per-branch", 4, "dot"),
+    (MLA, "decode", 64, "dot-mla"),
+    (MLA, "extend", 96, "dot-mla"),
+    (MLA, "decode", 16, "dot-wide"),
     (plans.AttnShape(8, 2, 256, 0, 256, False), "decode", 16, "dot-d256"),
 ])
 def test_plan_table_of_fp8_pools(kv, shape, job, rows, name):
@@ -172,10 +171,6 @@ def test_plan_tiles_and_splits():
     dot, mla = plans.PLANS["dot"], plans.PLANS["dot-mla"]
     assert dot.tile(4) == (16, 4) and dot.tile(32) == (32, 4) and dot.tile(33) == (64, 8)
     assert plans.PLANS["dot-wide"].tile(128) == (32, 4) and mla.tile(16) == (64, 8)
-    # A row whose own tile is small keeps its warps (dot-fp8: 16 rows, 8 warps).
-    fp8 = plans.PLANS["dot-fp8"]
-    assert fp8.tile(4) == (16, 8) and fp8.tile(32) == (16, 8)
-    assert plans.PLANS["dot-mla-fp8"].tile(16) == (64, 8)
     assert launchers.num_parts(mla, 4) == 4 and launchers.num_parts(dot, 4) == 5
     cpu = torch.device("cpu")  # 4 "SMs" on the interpreter
     assert launchers.plan_splits(mla, MLA, 64, 3, cpu, extend=False, rows=12) == 1
@@ -344,7 +339,7 @@ def test_pdl_reaches_both_classes_as_a_bench_option():
 
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-fp8, dot-d256.*'dotx'"):
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-d256.*'dotx'"):
         TritonDecode(runner, 2, 2, plan="dotx")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
         TritonDecode(runner, 2, 2, plan="dot-mla")
@@ -355,11 +350,8 @@ def test_plan_errors_name_the_plan():
         TritonExtend(mla, plan="cute")
     with pytest.raises(InvalidInputError, match="plan"):
         TritonDecode(runner, 2, 2, plan=3)
-    with pytest.raises(InvalidInputError, match=r"plan.*dot-mla-fp8: an MLA latent"):
-        TritonDecode(runner, 2, 2, plan="dot-mla-fp8")
     for name, plan in plans.PLANS.items():
-        assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 7
-        assert plan.fp8 == name.endswith("-fp8")
+        assert plan.name == name and len(plans.Plan.__dataclass_fields__) <= 6
 
 
 @pytest.mark.parametrize("num_splits", [1, 7, 64])  # 64: few rows (launchers.split_cap)
@@ -598,68 +590,40 @@ def _fp8_runner(model: str, kv: str, *, seq_lens, topk, steps, page, heads=4) ->
 FP8_LAYER = dict(layer_id=0, scaling=0.2, k_scale=0.37, v_scale=1.9)
 
 FP8_DECODE_CASES = [
-    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot-fp8; MLA picks
-    # dot-mla-fp8 at 64 rows (16 heads x K 4), forced below
+    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot; MLA picks
+    # dot-mla at 64 rows (16 heads x K 4), forced below
     ("mha", "fp8_e4m3", 1, 1, 4, None),
     ("mha", "fp8_e5m2", 4, 16, 4, None),
     ("mla", "fp8_e4m3", 4, 16, 16, None),
-    ("mla", "fp8_e5m2", 1, 1, 4, "dot-mla-fp8"),
+    ("mla", "fp8_e5m2", 1, 1, 4, "dot-mla"),
 ]
 
 
 @pytest.mark.parametrize("model,kv,topk,page,heads,plan", FP8_DECODE_CASES)
-def test_fp8_decode_on_the_fp8_plans(model, kv, topk, page, heads, plan):
+def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan):
     steps, lens = 3, [26, 37]
     runner = _fp8_runner(model, kv, seq_lens=lens, topk=topk, steps=steps, page=page,
                          heads=heads)
     batch = place_decode_round(runner, lens, topk, steps, page, "path")
     backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
-    assert backend.plan.name == ("dot-fp8" if model == "mha" else "dot-mla-fp8")
+    assert backend.plan.name == ("dot" if model == "mha" else "dot-mla")
     run_decode_round(runner, batch, backend, torch.bfloat16,
                      AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
 
 
 @pytest.mark.parametrize("model,kv,page", [("mha", "fp8_e4m3", 16), ("mha", "fp8_e5m2", 1),
                                            ("mla", "fp8_e5m2", 16), ("mla", "fp8_e4m3", 1)])
-def test_fp8_extend_on_the_fp8_plans(model, kv, page):
+def test_fp8_extend_on_the_default_plans(model, kv, page):
     lens, ext = [30, 19], [6, 3]
     runner = _fp8_runner(model, kv, seq_lens=[n + page for n in lens], topk=1, steps=1,
                          page=page)
     batch = place_extend_round(runner, lens, ext)
-    plan = "dot-mla-fp8" if model == "mla" else None
+    plan = "dot-mla" if model == "mla" else None
     backend = TritonExtend(runner, plan=plan)
     backend.init_forward_metadata(batch)
-    assert backend._round_plan["plan"].name == (plan or "dot-fp8")
+    assert backend._round_plan["plan"].name == (plan or "dot")
     layer = AttentionLayer(**FP8_LAYER)
     q, k, v = new_qkv(runner, sum(ext), torch.bfloat16)
     _poison(backend)
     _close(backend.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
            torch.bfloat16)
-
-
-@pytest.mark.parametrize("model,plan", [("mha", "dot-fp8"), ("mla", "dot-mla-fp8")])
-def test_fp8_plans_run_bf16_pools_as_they_are(model, plan):
-    """A bf16 pool on an ``-fp8`` plan: the plan's tiles, nothing widened, P.V in bf16."""
-    runner, batch = make_decode(model, torch.bfloat16, topk=4, steps=2, page=1,
-                                seq_lens=[21, 8], tree_mode="lane")
-    backend = TritonDecode(runner, 4, 2, plan=plan)
-    assert not launchers.pv_f16(backend.plan, runner.fp8, torch.bfloat16)
-    run_decode_round(runner, batch, backend, torch.bfloat16,
-                     AttentionLayer(layer_id=1, scaling=0.2), "lane")
-
-
-def test_pv_f16_needs_an_fp8_plan_an_fp8_pool_and_a_bf16_query():
-    fp8, dot = plans.PLANS["dot-fp8"], plans.PLANS["dot"]
-    assert launchers.pv_f16(fp8, True, torch.bfloat16)
-    assert launchers.pv_f16(plans.PLANS["dot-mla-fp8"], True, torch.bfloat16)
-    assert not launchers.pv_f16(fp8, True, torch.float16)  # fp16 already: nothing to gain
-    assert not launchers.pv_f16(fp8, True, torch.float32)
-    assert not launchers.pv_f16(fp8, False, torch.bfloat16)
-    assert not launchers.pv_f16(dot, True, torch.bfloat16)
-
-
-def test_fp8_plans_are_bench_options():
-    from specattn.bench.options import parse_option
-
-    for name in ("dot-fp8", "dot-mla-fp8"):
-        assert dict(parse_option(f"triton:plan={name}").kwargs) == {"plan": name}

@@ -84,17 +84,17 @@ def attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, lo
                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False):
+                DOT_F32: tl.constexpr):
     """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
     head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
 
     DOT_F32 (interpreter only): the CPU interpreter's bf16 ``tl.dot`` is wrong (triton 3.9),
     so operands are upcast to fp32 there (``load_q`` gives an fp32 ``q``, the tiles follow
-    it); on a GPU the dots take the storage dtype. ``PV_F16``: ``attend_kv``."""
+    it); on a GPU the dots take the storage dtype."""
     k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
                         BLOCK_DV, V_IS_K)
     return attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
-                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32, PV_F16)
+                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
 
 
 @triton.jit
@@ -153,35 +153,18 @@ def poison_rows(vis, bad, acc):
 @triton.jit
 def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-              DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False):
+              DOT_F32: tl.constexpr):
     """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``). K / V
-    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``);
-    ``PV_F16``: P.V in fp16 (``pv_operands``)."""
+    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``)."""
     s = tl.dot(q, tl.trans(widen(k, q.dtype)), input_precision=DOT_PREC)
     if D_PE > 0:
         s += tl.dot(qpe, tl.trans(widen(kpe, q.dtype)), input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_IS_K:
         v = k
-    p, v = pv_operands(p, v, q.dtype, PV_F16)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+    v = widen(v, q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
-
-
-@triton.jit
-def pv_operands(p, v, DTYPE: tl.constexpr, PV_F16: tl.constexpr):
-    """``(p, v)`` as the operands of the P.V dot: ``p [M, N]`` (fp32 probabilities) and the
-    values ``v [N, DV]`` (FP8 codes or wider) in ``DTYPE``, the query's.
-
-    ``PV_F16`` (FP8 codes under a bf16 query): both in fp16 instead, codes -> fp16 being one
-    conversion (``widen``) and ``p`` in [0, 1] keeping 3 more mantissa bits than in bf16.
-    With ``DTYPE`` fp32 (the interpreter's dots) they are rounded to fp16 and widened back:
-    the values a GPU's fp16 dot reads."""
-    if PV_F16:
-        p, v = p.to(tl.float16), widen(v, tl.float16)
-    if DTYPE == tl.float32 or not PV_F16:
-        p, v = p.to(DTYPE), widen(v, DTYPE)
-    return p, v
 
 
 @triton.jit

@@ -128,19 +128,19 @@ def test_mla_tl_dot_plans_real_shapes(plan):
 
 
 @pytest.mark.parametrize("model,kv,plan", [("mha", "fp8_e4m3", None), ("mha", "fp8_e5m2", None),
-                                           ("mla", "fp8_e4m3", "dot-mla-fp8"),
-                                           ("mla", "fp8_e5m2", "dot-mla-fp8")])
-def test_fp8_plans_real_shapes(model, kv, plan):
-    """The FP8 rows at gqa-long / mla-long-like shapes (``dot-fp8`` as the table picks it;
-    ``dot-mla-fp8`` forced past the sm90 kernels): ragged batch, path mode, scales != 1, P.V
-    in fp16, against torch_ref over the dequantized pool."""
+                                           ("mla", "fp8_e4m3", "dot-mla"),
+                                           ("mla", "fp8_e5m2", "dot-mla")])
+def test_fp8_default_plans_real_shapes(model, kv, plan):
+    """FP8 pools on the default ``tl.dot`` plans at gqa-long / mla-long-like shapes (``dot`` as
+    the table picks it; ``dot-mla`` forced past the sm90 kernels): ragged batch, path mode,
+    scales != 1, against torch_ref over the dequantized pool."""
     from specattn.backends.triton import TritonDecode
 
     topk = 4 if model == "mla" else 8
     lens = [random.randint(2048, 6144) for _ in range(4)]
     r, batch = make_decode(model, torch.bfloat16, topk, 5, 1, lens, "path", kv=kv)
     backend = TritonDecode(r, topk, 5, tree_mode="path", plan=plan)
-    assert backend.plan.name == (plan or "dot-fp8")
+    assert backend.plan.name == (plan or "dot")
     layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5, k_scale=0.37,
                            v_scale=1.9)
     run_round(r, batch, backend, torch.bfloat16, layer, "path", steps_to_check={0, 4})

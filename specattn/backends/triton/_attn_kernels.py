@@ -20,7 +20,7 @@ import triton.language as tl
 from ...kernels.latent import load_latent
 from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, load_q, lse,
-                              nonfinite_rows, poison_rows, pv_operands, softmax_update, widen)
+                              nonfinite_rows, poison_rows, softmax_update, widen)
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
@@ -42,8 +42,7 @@ def _partial_attn_kernel(
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PV_F16: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -53,10 +52,9 @@ def _partial_attn_kernel(
     Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
     key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
-    softmax scale, the value scale into the normalised output. PV_F16 (FP8 codes under a bf16
-    query): P.V in fp16 (``tiles.pv_operands``). PDL (a programmatic dependent launch after
-    ``_write_kv_kernel``): only the tail reads the KV that launch writes, so only the tail
-    program waits for it; every program lets the merge launch after its key loop.
+    softmax scale, the value scale into the normalised output. PDL (a programmatic dependent
+    launch after ``_write_kv_kernel``): only the tail reads the KV that launch writes, so only
+    the tail program waits for it; every program lets the merge launch after its key loop.
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -93,7 +91,7 @@ def _partial_attn_kernel(
                 acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
                 Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
-                DOT_F32, PV_F16)
+                DOT_F32)
     else:
         if PDL:
             wait_for_primary()  # this call's KV, stored by the launch before
@@ -110,16 +108,15 @@ def _partial_attn_kernel(
                 # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
                 # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN
                 # (decode tails do not: ``TritonDecode.known_limits``).
-                v = _pv_values(v, q.dtype, PV_F16)  # FP8 codes: widened before arithmetic
+                v = widen(v, q.dtype)  # FP8 codes: widened before any arithmetic on them
                 bad = nonfinite_rows(v)
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, finite(v), vis,
                                           sm_scale, logit_cap, D_PE, False, USE_CAP, DOT_PREC,
-                                          DOT_F32, PV_F16)
+                                          DOT_F32)
                 acc = poison_rows(vis, bad, acc)
             else:
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
-                                          logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32,
-                                          PV_F16)
+                                          logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
     if PDL:
         launch_dependents()
 
@@ -133,17 +130,6 @@ def _partial_attn_kernel(
     ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
     tl.store(mo + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
     tl.store(ml + split, lse(m_i, l_i), mask=row_ok)
-
-
-@triton.jit
-def _pv_values(v, DTYPE: tl.constexpr, PV_F16: tl.constexpr):
-    """Values ``v [N, DV]`` widened to the P.V dot's dtype: fp16 with ``PV_F16``, else
-    ``DTYPE`` (the query's; ``tiles.pv_operands``)."""
-    if PV_F16:
-        v = widen(v, tl.float16)
-    else:
-        v = widen(v, DTYPE)
-    return v
 
 
 @triton.jit
@@ -270,15 +256,13 @@ def _tail_keys(idx, n_hi, row_ok, hl, q_local, q_start, b, step, r2t_row, prefix
 def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
               D_HALF: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_DPE: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-              DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = False,
-              PV_F16: tl.constexpr = False):
+              DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = False):
     """One MLA key tile, ``rows [BLOCK_N]``: pointers to each key's latent row (pool or new
     k), loaded as two halves ``ka``, ``kb`` and the rope part; ``S = qa.ka + qb.kb +
     qpe.kpe``, ``acc_a += P.ka``, ``acc_b += P.kb``. ``CAUSAL`` (extend tails): P.V reads the
     tile with non-finite values zeroed and the rows that see such a key become NaN, so a bad
     key reaches exactly the rows that attend to it (``0 * NaN`` is NaN in P.V). FP8 codes are
-    widened exactly to the query's dtype for S; ``PV_F16`` (under a bf16 query): the halves'
-    fp16 copies are the values of P.V (``tiles.pv_operands``)."""
+    widened exactly to the query's dtype (``tiles.widen``), for S and P.V."""
     ca, cb, cpe = load_latent(rows[:, None], key_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H,
                               BLOCK_DPE, False)
     ka, kb = widen(ca, qa.dtype), widen(cb, qa.dtype)
@@ -287,13 +271,10 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, 
     s = tl.dot(qpe, tl.trans(widen(cpe, qa.dtype)), s, input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     va, vb = ka, kb
-    if PV_F16:
-        va, vb = widen(ca, tl.float16), widen(cb, tl.float16)
     if CAUSAL:
-        bad = nonfinite_rows(va) | nonfinite_rows(vb)
-        va, vb = finite(va), finite(vb)
-    p, va = pv_operands(p, va, qa.dtype, PV_F16)
-    vb = widen(vb, va.dtype)
+        bad = nonfinite_rows(ka) | nonfinite_rows(kb)
+        va, vb = finite(ka), finite(kb)
+    p = p.to(ka.dtype)
     acc_a = tl.dot(p, va, acc_a * alpha[:, None], input_precision=DOT_PREC)
     acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PREC)
     if CAUSAL:
@@ -313,7 +294,7 @@ def _mla_partial_kernel(
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, BLOCK_KW: tl.constexpr,
         SCALED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-        PV_F16: tl.constexpr = False, PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False):
     """Grid ``(row_blocks, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -323,10 +304,9 @@ def _mla_partial_kernel(
     16``: the wgmma height), q stays on chip, each key tile is loaded once for S and P.V.
     Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
     (FP8 pools): the caller stored this call's codes, the tail reads them from the pool, and
-    a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output);
-    PV_F16 (under a bf16 query): P.V in fp16 (``_mla_tile``). PDL: every program lets the
-    merge launch after its key loop. The kernel itself is an ordinary launch: its every load
-    (Q, Kin, Meta) may come from the launch before it.
+    a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output).
+    PDL: every program lets the merge launch after its key loop. The kernel itself is an
+    ordinary launch: its every load (Q, Kin, Meta) may come from the launch before it.
     """
     rb = tl.program_id(0)
     gi = tl.program_id(1)
@@ -370,8 +350,7 @@ def _mla_partial_kernel(
         slot, key_ok, vis = _prefix_keys(r2t_row, n0 + offs_n, end, row_ok, num_slots)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, KV + slot * stride_kvs, key_ok, vis,
-            sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32,
-            False, PV_F16)
+            sm_scale, logit_cap, D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32)
     n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, split == NUM_SPLITS - 1, step, GROUP,
                                  BLOCK_M, MODE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -385,8 +364,7 @@ def _mla_partial_kernel(
             rows = tl.where(new, Kin + src * stride_kin_t, rows)
         acc_a, acc_b, m_i, l_i = _mla_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, logit_cap,
-            D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32, MODE == MODE_EXTEND,
-            PV_F16)
+            D_HALF, D_PE, BLOCK_H, BLOCK_DPE, USE_CAP, DOT_PREC, DOT_F32, MODE == MODE_EXTEND)
     if PDL:
         launch_dependents()
 

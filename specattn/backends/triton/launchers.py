@@ -65,13 +65,6 @@ def num_parts(plan: Plan, num_splits: int) -> int:
     return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
 
 
-def pv_f16(plan: Plan, fp8_pool: bool, q_dtype: torch.dtype) -> bool:
-    """Whether P.V runs in fp16: an ``fp8`` plan reading FP8 codes under a bf16 query (the
-    codes widen to fp16 in one conversion; P in [0, 1] fits fp16). A bf16/fp16 pool runs an
-    ``fp8`` plan as it is (its tiles only)."""
-    return plan.fp8 and fp8_pool and q_dtype == torch.bfloat16
-
-
 def layer_pools(runner, layer_id: int):
     """``(Kb, Vb, stride_ks, stride_kh, stride_vs, stride_vh)`` of one layer's pool."""
     if runner.use_mla_backend:
@@ -267,7 +260,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             merge_partials(mid_o, mid_lse, out, num_splits)
         return out
     par, par_s, par_b = parent_args(parents, meta)
-    dots = dict(dot_args(q.dtype, q.device), PV_F16=pv_f16(plan, scaled, q.dtype))
+    dots = dot_args(q.dtype, q.device)
     common = (step, float(layer.scaling), float(layer.logit_cap))
     block_m, num_warps = plan.tile(rows_per_group)
     if kernel is Kernel.DOT_MLA:

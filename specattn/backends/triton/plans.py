@@ -48,9 +48,8 @@ def num_row_tiles(rows: int) -> int:
 @dataclass(frozen=True)
 class Plan:
     """A kernel and its tiling. ``block_m``: query rows per tile, at most (a group of fewer
-    rows takes the next power of two, at least 16, and then 4 warps at 32 rows or fewer);
-    ``block_n``: keys per tile; ``num_stages``: the key-tile pipeline depth; ``fp8``: a row
-    for FP8 pools, whose P.V runs in fp16 under a bf16 query (``launchers``)."""
+    rows takes the next power of two, at least 16, and 4 warps at 32 rows or fewer);
+    ``block_n``: keys per tile; ``num_stages``: the key-tile pipeline depth."""
 
     name: str
     kernel: Kernel
@@ -58,25 +57,21 @@ class Plan:
     block_n: int
     num_warps: int
     num_stages: int
-    fp8: bool = False
 
     def tile(self, rows: int) -> tuple[int, int]:
         """``(block_m, num_warps)`` for a group of ``rows`` query rows per KV head."""
         if self.kernel is not Kernel.DOT:
             return self.block_m, self.num_warps
         block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
-        shrunk = block_m < self.block_m
-        return block_m, (4 if shrunk and block_m <= 32 else self.num_warps)
+        return block_m, (4 if block_m <= 32 else self.num_warps)
 
 
 #            name           kernel               m   n  warps stages
 PLANS = {p.name: p for p in (
     Plan("dot",         Kernel.DOT,          64, 64, 8, 3),  # MHA/GQA, head dim <= 128
-    Plan("dot-fp8",     Kernel.DOT,          16, 64, 8, 7, fp8=True),  # "dot" over FP8 pools
     Plan("dot-d256",    Kernel.DOT,          64, 32, 8, 3),  # head dim 129..256
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
     Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
-    Plan("dot-mla-fp8", Kernel.DOT_MLA,      64, 32, 8, 2, fp8=True),  # "dot-mla", FP8 pools
     Plan("gluon-wl",    Kernel.GLUON_WL,     64, 64, 8, 2),  # sm90 MLA decode, <= 64 rows
     Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, cute off/FP8
     Plan("cute",        Kernel.CUTE,         64, 64, 8, 2),  # sm90 MLA decode, CuTe-DSL
@@ -117,8 +112,7 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
     """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query
     rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``).
     MLA decode on sm90: ``gluon-wl`` up to one 64-row tile, ``cute`` above, ``gluon-split``
-    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool). FP8 pools
-    (``runner.fp8``) take the ``-fp8`` rows of ``dot`` and ``dot-mla``."""
+    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool)."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -132,14 +126,11 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
                       f"gluon-split, not cute: {cute}")
             return PLANS["gluon-split"]
         _log_once(f"triton MLA decode: a tl.dot plan, not the sm90 kernels: {gluon}; {cute}")
-    fp8 = getattr(runner, "fp8", False)
     if shape.mla_kernel and rows >= TILE_ROWS:
-        return PLANS["dot-mla-fp8" if fp8 else "dot-mla"]
+        return PLANS["dot-mla"]
     if shape.d_pe > 0 or shape.d_main > 256:
         return PLANS["dot-wide"]
-    if shape.d_main > 128:
-        return PLANS["dot-d256"]
-    return PLANS["dot-fp8" if fp8 else "dot"]
+    return PLANS["dot-d256" if shape.d_main > 128 else "dot"]
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
