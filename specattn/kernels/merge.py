@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2
-from .pdl import wait_for_primary
+from .pdl import launch_args, wait_for_primary
 
 
 @triton.jit
@@ -49,9 +49,8 @@ def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     stride). ``pdl``: a programmatic dependent launch (sm90+; the launch before it wrote the
     partials)."""
     rows, heads, d_v = out.shape
-    pdl_args = dict(PDL=True, launch_pdl=True) if pdl else {}
     merge_kernel[(rows, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         NUM_PARTS=parts, BLOCK_P=next_pow2(parts), D_V=d_v, BLOCK_DV=next_pow2(d_v, 16),
-        num_warps=4 if d_v >= 256 else 2, **pdl_args)
+        num_warps=4 if d_v >= 256 else 2, **launch_args(pdl, dependent=True))

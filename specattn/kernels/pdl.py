@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, sm90+) inside kernels: ``wait_for_primary`` blocks until
+"""Programmatic dependent launch (PDL, sm90+): inside kernels, ``wait_for_primary`` blocks until
 the launch before this one has ended and its writes are visible, ``launch_dependents`` lets
 the launch after this one start once every program of this one has called it (or ended).
 Both are no-ops in a kernel that was not launched that way (``launch_pdl=True``); kernels call
@@ -24,4 +24,13 @@ except ImportError:  # a Triton without them: the same PTX
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
-__all__ = ["launch_dependents", "wait_for_primary"]
+__all__ = ["launch_args", "launch_dependents", "wait_for_primary"]
+
+
+def launch_args(pdl: bool, dependent: bool = False) -> dict:
+    """A launch's ``PDL`` constexpr (the kernel waits for the launch before it, or releases
+    the one after) and, when ``dependent``, ``launch_pdl``: a programmatic dependent launch
+    (sm90+). Empty when off: the kernels' default, the launch as without the option."""
+    if not pdl:
+        return {}
+    return dict(PDL=True, launch_pdl=True) if dependent else dict(PDL=True)

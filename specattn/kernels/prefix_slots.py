@@ -31,11 +31,9 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2
-from .kernel_launch import KernelLaunch
+from .kernel_launch import MAX_KEPT, KernelLaunch, signature
 
 __all__ = ["prefix_slots"]
-
-_MAX_KEPT = 64  # kept launches per caller (a few per captured batch size)
 
 _BLOCK_T = 512  # prefix positions per program
 _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every batch size)
@@ -113,10 +111,10 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     src_loc = out if fixed is None else loc
     key = None
     if kept is not None:
-        key = (_signature(rows), _signature(lens), _signature(src_loc), bs, tiles, fill,
-               num_slots, _signature(out), out.data_ptr(), _signature(req_to_token),
+        key = (signature(rows), signature(lens), signature(src_loc), bs, tiles, fill,
+               num_slots, signature(out), out.data_ptr(), signature(req_to_token),
                req_to_token.data_ptr(),
-               None if fixed is None else tuple((_signature(t), t.data_ptr()) for t in fixed))
+               None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed))
         launch = kept.get(key)
         if launch is not None:
             launch(rows, lens, src_loc, total)
@@ -124,15 +122,10 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     launch = _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill, fixed)
     launch(rows, lens, src_loc, total)
     if key is not None:
-        if len(kept) >= _MAX_KEPT:
+        if len(kept) >= MAX_KEPT:
             kept.clear()
         kept[key] = launch
     return out[:max(total, 0)]
-
-
-def _signature(t: torch.Tensor) -> tuple:
-    """What a kept launch's compiled kernel depends on in a tensor (not its address)."""
-    return t.dtype, t.shape, t.stride(), t.device
 
 
 def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,

@@ -84,15 +84,12 @@ def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *,
     host tensors (pinned with ``pin``; each its own allocation: the native planners take
     their start as the array)."""
     lens_np = _as_numpy(kv_lens)
-    m = lens_np.shape[0]
-    kv_t, kv = _host_ints(m + 1, pin)
-    lens_t, lens = _host_ints(m, pin)
+    kv_t = host_indptr(lens_np, pin=pin)
+    lens_t, lens = _host_ints(lens_np.shape[0], pin)
     lens[:] = lens_np
-    kv[0] = 0
-    np.cumsum(lens, out=kv[1:])
-    longest = int(lens.max()) if m else 0
+    longest = int(lens.max()) if lens.shape[0] else 0
     rows = int(qo_indptr.numpy()[-1])
-    return HostCSR(qo_indptr, kv_t, lens_t, int(kv[-1]), max_q, rows, longest)
+    return HostCSR(qo_indptr, kv_t, lens_t, int(kv_t.numpy()[-1]), max_q, rows, longest)
 
 
 def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:

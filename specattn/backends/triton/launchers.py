@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ...kernels.merge import merge_partials
+from ...kernels.pdl import launch_args as pdl_launch_args
 from ...kernels.tiles import dot_args
 from ...util import next_pow2
 from . import _attn_kernels as K
@@ -171,17 +172,8 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
         slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0),
         v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
         D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1,
-        **_pdl_args(pdl))
+        **pdl_launch_args(pdl))
     return True
-
-
-def _pdl_args(pdl: bool, dependent: bool = False) -> dict:
-    """A launch's ``PDL`` constexpr (the kernel waits for the launch before it, or releases
-    the one after) and, when ``dependent``, ``launch_pdl``: a programmatic dependent launch
-    (sm90+). Empty when off: the kernels' default, the launch as without the option."""
-    if not pdl:
-        return {}
-    return dict(PDL=True, launch_pdl=True) if dependent else dict(PDL=True)
 
 
 def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
@@ -279,7 +271,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_H=_pow2(half), BLOCK_DPE=_pow2(shape.d_pe), BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0,
             BLOCK_KW=_pow2(shape.d_main + shape.d_pe), SCALED=scaled, **dots,
-            num_warps=num_warps, num_stages=plan.num_stages, **_pdl_args(pdl))
+            num_warps=num_warps, num_stages=plan.num_stages, **pdl_launch_args(pdl))
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
@@ -296,6 +288,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, SCALED=scaled, **dots,
             num_warps=num_warps, num_stages=plan.num_stages,
-            **_pdl_args(pdl, dependent=written))
+            **pdl_launch_args(pdl, dependent=written))
     merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits), pdl=pdl)
     return out
