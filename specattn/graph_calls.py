@@ -24,13 +24,19 @@ from typing import TYPE_CHECKING, Any, Optional
 from . import validation as _validation
 from .base import DraftDecodeBackend, DraftExtendBackend
 from .data import DraftExtendBatch
-from .kernels.kernel_launch import MAX_KEPT, signature
 
 if TYPE_CHECKING:
     from .data import DraftBatch
 
 __all__ = ["MAX_KEPT", "KeptDecodeCalls", "KeptExtendCalls", "Replay", "signature"]
 
+MAX_KEPT = 64  # signatures kept per backend (engines use a few per captured size)
+
+
+def signature(t: Any) -> tuple:
+    """What a kept launch's compiled code and the checks before it depend on in an index
+    tensor: its dtype, shape, strides and device (not its address or values)."""
+    return t.dtype, t.shape, t.stride(), t.device
 
 
 class Replay:

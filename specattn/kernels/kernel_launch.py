@@ -10,8 +10,8 @@ it directly afterwards (``CompiledKernel.run``, the call ``JITFunction.run`` end
 
 That is exact only while everything the compiled kernel was specialized for is unchanged.
 Whoever keeps a ``KernelLaunch`` reuses it only for calls whose leading tensors have the
-dtypes, devices, shapes and strides of its first call (its keepers key it by them:
-``signature``), and the kernels declare those tensors
+dtypes, devices, shapes and strides of its first call (the backends key it by them:
+``specattn.graph_calls.signature``), and the kernels declare those tensors
 ``do_not_specialize_on_alignment``, so their data pointers may move. The trailing arguments
 and constexprs are the ones it was made with.
 
@@ -29,15 +29,6 @@ try:  # releases without triton.knobs keep the ordinary launch
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _knobs = None
-
-
-MAX_KEPT = 64  # launches (or calls) kept per keeper (engines use a few per captured size)
-
-
-def signature(t: Any) -> tuple:
-    """What a kept launch's compiled code and the checks before it depend on in an index
-    tensor: its dtype, shape, strides and device (not its address or values)."""
-    return t.dtype, t.shape, t.stride(), t.device
 
 
 class KernelLaunch:

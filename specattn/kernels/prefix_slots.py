@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2
-from .kernel_launch import MAX_KEPT, KernelLaunch, signature
+from ..graph_calls import MAX_KEPT, signature
+from .kernel_launch import KernelLaunch
 
 __all__ = ["prefix_slots"]
 
