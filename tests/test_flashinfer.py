@@ -257,7 +257,8 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     """The one-launch prefix slot list (Triton interpreter) equals ``fill_ragged_slots``
     (slots clamped into the pool), through strided index tensors, also past one block of
     lengths (``many``: 70 requests); with ``fixed`` it also copies the batch into the fixed
-    buffers, the requests past it padded (row 0, length 1, slot 0); nothing is written past
+    buffers, the requests past it padded (row 0, length 1, slot 0); with ``csr`` it writes
+    the list's ``kv_indptr`` and lengths (as ``host_csr``); nothing is written past
     ``total``."""
     gen = torch.Generator().manual_seed(3)
     r2t = torch.randint(-5, 1100, (6, 700), generator=gen, dtype=torch.int32)
@@ -278,10 +279,13 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     fixed = None
     if padded:
         fixed = (torch.full((bs,), -1), torch.full((bs,), -1), torch.full((bs, 3, 5), -1))
+    csr = (torch.full((bs + 1,), -1, dtype=torch.int32), torch.full((bs,), -1, dtype=torch.int32))
     out = prefix_slots(got, total, int(all_lens.max()), r2t, rows, lens, 1000, bs=bs,
-                       fixed=fixed, loc=loc if padded else None)
+                       fixed=fixed, loc=loc if padded else None, csr=csr)
     assert out.data_ptr() == got.data_ptr() and out.numel() == total
     assert torch.equal(got, want)
+    host = host_csr(host_arange(bs, 1), all_lens, 1)
+    assert torch.equal(csr[0], host.kv_indptr) and torch.equal(csr[1], host.kv_lens)
     if padded:
         assert fixed[0].tolist() == rows.tolist() + [0] * padded
         assert fixed[1].tolist() == lens.tolist() + [1] * padded

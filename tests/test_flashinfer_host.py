@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
-                                          FlashInferMLADecode, FlashInferMLAExtend)
+                                          FlashInferMLADecode, FlashInferMLAExtend, _replan)
 from specattn.data import DraftBatch, DraftExtendBatch
 from standins import flashinfer as fi_standin
 from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
@@ -187,12 +187,14 @@ DECODE = [(False, 1, "lane"), (False, 4, "lane"), (False, 3, "path"), (True, 1, 
 
 @pytest.mark.parametrize("mla, topk, tree_mode", DECODE)
 @pytest.mark.parametrize("bs, steps", [(3, 2), (6, 5)])
-def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, topk, tree_mode,
-                                                           bs, steps):
+def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, monkeypatch, mla, topk,
+                                                           tree_mode, bs, steps):
     """Default mode: per replay metadata call, one FlashInfer plan, a direct replan (no public
-    ``plan`` after the capture's), and no read of a device tensor, with a full and a padded
-    batch (``bs - 1`` requests)."""
+    ``plan`` after the capture's) that copies no key CSR from the host (the slot-list launch
+    wrote it), and no read of a device tensor, with a full and a padded batch (``bs - 1``
+    requests)."""
     plans, watch = host_work
+    on_device = _record_device_csr(monkeypatch)
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, seed=bs + steps)
     full = _with_host_copy(case.batch)
     padded = _with_host_copy(case.batch, list(range(bs - 1))[::-1])
@@ -210,6 +212,7 @@ def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, topk,
             assert dev.reads == [], dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
             assert plans.public == 0 and direct.calls == i + 1
+        assert on_device == [True] * 3
 
 
 @pytest.mark.parametrize("mla, topk, tree_mode", DECODE[:2] + DECODE[3:4])
@@ -262,8 +265,10 @@ def test_per_branch_replay_plans_each_step_wrapper_once(host_work, steps):
 
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("bs", [2, 5])
-def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla, bs):
+def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, monkeypatch, mla,
+                                                                  bs):
     plans, watch = host_work
+    on_device = _record_device_csr(monkeypatch)
     case = make_extend_case(mla=mla, bs=bs, seed=bs)
     b = case.batch
     host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
@@ -281,6 +286,20 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mla
             assert len(dev.reads) == reads, dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
             assert plans.public == 0
+    assert on_device == [True, True]
+
+
+def _record_device_csr(monkeypatch) -> list:
+    """The ``on_device`` flag of every direct replan's CSR copy (``_replan``)."""
+    seen: list = []
+    copy = _replan.Replanner._copy_csr
+
+    def recording(self, bufs, csr, on_device):
+        seen.append(on_device)
+        return copy(self, bufs, csr, on_device)
+
+    monkeypatch.setattr(_replan.Replanner, "_copy_csr", recording)
+    return seen
 
 
 def test_sglang_adapter_passes_the_engine_host_copies():

@@ -114,8 +114,17 @@ def test_direct_replan_matches_the_public_plan(fake_flashinfer, kind):  # noqa: 
     (wa, ma), (wb, mb) = _planned(a), _planned(b)
     call_a, call_b = ma.calls[-1], mb.calls[-1]
     assert len(call_a) == len(call_b)
+    own_a, own_b = _workspaces(wa), _workspaces(wb)
+    if kind.startswith("mla"):
+        # The MLA replan stages the schedule in a block of torch's pinned cache, not in the
+        # proxy's shared scratch buffer (the public plan's): the same size, then compared
+        # by what reaches the int workspace below.
+        x, y = call_a[2], call_b[2]
+        assert x is own_a[2] and y is not own_b[2] and y.shape == x.shape, (x, y)
+        call_a, call_b, own_a, own_b = call_a[:2] + call_a[3:], call_b[:2] + call_b[3:], \
+            own_a[:2], own_b[:2]
     for i, (x, y) in enumerate(zip(call_a, call_b)):
-        assert _same(x, y, _workspaces(wa), _workspaces(wb)), (i, x, y)
+        assert _same(x, y, own_a, own_b), (i, x, y)
     assert wa._plan_info == wb._plan_info and a.wrapper._plan_info == b.wrapper._plan_info
     used = wb._plan_info[0]
     assert torch.equal(wa._int_workspace_buffer[:used], wb._int_workspace_buffer[:used])
@@ -211,3 +220,24 @@ def test_other_backends_keep_the_public_plan(fake_flashinfer, monkeypatch, caplo
     eager.plan(first, causal, PARAMS)
     eager.plan(second, causal, PARAMS)
     assert eager._direct is None and eager.wrapper.plans == 2
+
+
+@pytest.mark.parametrize("kind, capacity, checks", [("mla", 16384, 0), ("mla-extend", 16384, 1),
+                                                    ("mla", 134, 1), ("mla", None, 1)])
+def test_mla_replan_checks_the_workload_where_the_planner_could_refuse_it(
+        fake_flashinfer, monkeypatch, kind, capacity, checks):  # noqa: F811
+    """FlashInfer's MLA workload check runs for a causal plan, where ``ceil(max_q * H / 64)``
+    work items per sequence plus one per SM could pass the planner's capacity
+    (``_FA_MAX_WORK_ITEMS``), and where that capacity is unknown; not otherwise."""
+    monkeypatch.setattr(_replan, "sm_count", lambda device: 132)
+    if capacity is None:
+        monkeypatch.delattr(fi_standin, "_FA_MAX_WORK_ITEMS", raising=False)
+    else:
+        monkeypatch.setattr(fi_standin, "_FA_MAX_WORK_ITEMS", capacity, raising=False)
+    make, causal, first, second = KINDS[kind]
+    p = make(_runner(kind))
+    p.plan(first, causal, PARAMS)
+    before = fi_standin._validate_fa_plan_workload.calls
+    p.plan(second, causal, PARAMS)
+    assert p._direct.calls == 1
+    assert fi_standin._validate_fa_plan_workload.calls - before == checks

@@ -11,6 +11,9 @@ lengths on the device that disagree with the host's cannot write past the list.
 In a CUDA-graph round (``fixed``) the same launch also copies the caller's batch into the
 round's fixed buffers, padded to the captured batch size as ``DraftDecodeBackend`` pads
 (request row 0, length ``fill``, slot 0), and the padded requests' prefixes are listed too.
+With ``csr`` it also writes the list's ``kv_indptr`` and ``kv_lens`` (each program knows its
+request's offset and length): the device copies of the host CSR that FlashInfer's plan would
+otherwise copy from the host every round.
 
 The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
 pool, positions into the row), which needs about fifteen launches for it.
@@ -45,14 +48,16 @@ _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every 
 @triton.jit(do_not_specialize=["raw", "total"],
             do_not_specialize_on_alignment=["Rows", "Lens", "Loc"])
 def _prefix_slots_kernel(Rows, Lens, Loc, total, ReqToToken, Out, FixRows, FixLens, FixLoc,
+                         CsrIndptr, CsrLens,
                          stride_rows, stride_lens, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
                          raw, num_slots, width, fill,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
-                         BLOCK_LOC: tl.constexpr):
+                         BLOCK_LOC: tl.constexpr, CSR: tl.constexpr):
     """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
-    BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding."""
+    BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding. CSR: program
+    ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     real = b < raw
@@ -72,6 +77,12 @@ def _prefix_slots_kernel(Rows, Lens, Loc, total, ReqToToken, Out, FixRows, FixLe
                    other=0).to(tl.int64)
     slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
     tl.store(Out + start + t, slot.to(tl.int32), mask=ok)
+    if CSR:
+        if tile == 0:
+            tl.store(CsrIndptr + b, start.to(tl.int32))
+            tl.store(CsrLens + b, n.to(tl.int32))
+            if b == tl.num_programs(0) - 1:
+                tl.store(CsrIndptr + b + 1, (start + n).to(tl.int32))
     if FIXED:
         if tile == 0:
             tl.store(FixRows + b, row)
@@ -90,6 +101,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  bs: Optional[int] = None, fill: int = 1,
                  fixed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                  loc: Optional[torch.Tensor] = None,
+                 csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  kept: Optional[dict] = None) -> torch.Tensor:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
 
@@ -106,7 +118,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     """
     raw = rows.shape[0]
     bs = raw if bs is None else bs
-    if fixed is None and (total <= 0 or bs == 0):
+    if bs == 0 or (fixed is None and csr is None and total <= 0):
         return out[:0]
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
@@ -115,12 +127,14 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
         key = (signature(rows), signature(lens), signature(src_loc), bs, tiles, fill,
                num_slots, signature(out), out.data_ptr(), signature(req_to_token),
                req_to_token.data_ptr(),
-               None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed))
+               None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
+               None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr))
         launch = kept.get(key)
         if launch is not None:
             launch(rows, lens, src_loc, total)
             return out[:max(total, 0)]
-    launch = _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill, fixed)
+    launch = _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill, fixed,
+                     csr)
     launch(rows, lens, src_loc, total)
     if key is not None:
         if len(kept) >= MAX_KEPT:
@@ -130,7 +144,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
 
 
 def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,
-            fixed) -> KernelLaunch:
+            fixed, csr) -> KernelLaunch:
     """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, total)``."""
     if fixed is None:
         fix_rows = fix_lens = fix_loc = out
@@ -140,9 +154,12 @@ def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,
         steps = src_loc.shape[2]
         loc_n = src_loc.shape[1] * steps
         loc_strides = src_loc.stride()
-    tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, rows.stride(0), lens.stride(0),
+    csr_indptr, csr_lens = (out, out) if csr is None else csr
+    tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, csr_indptr, csr_lens,
+            rows.stride(0), lens.stride(0),
             req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
             num_slots, req_to_token.shape[1], fill)
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
-                  NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), num_warps=4)
+                  NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
+                  num_warps=4)
     return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

@@ -82,13 +82,13 @@ class FakePlanner:
     qo_indptr_h, kv_indptr_h, kv_lens_h, *scalars)`` with host int32 CSR arrays. It writes a
     schedule derived from every argument into the pinned buffer, copies it into the int
     workspace (as the real planner's ``cudaMemcpyAsync``) and returns ``plan_info``, a list of
-    ints; ``calls`` records each call's arguments. ``staged``: the MLA module, whose
-    ``plan_with_staged_workspace_bytes`` also returns the bytes it staged."""
+    ints; ``calls`` records each call's arguments. ``copies=False``: the MLA module's
+    native planner, which only stages the schedule in the pinned buffer (``FakeMLAProxy``
+    copies it)."""
 
-    def __init__(self, staged: bool = False) -> None:
+    def __init__(self, copies: bool = True) -> None:
         self.calls: list[tuple] = []
-        if staged:
-            self.plan_with_staged_workspace_bytes = self._plan_staged
+        self.copies = copies
 
     def plan(self, *args):
         return self._plan_staged(*args)[0]
@@ -105,8 +105,39 @@ class FakePlanner:
                                 + [int(a) for a in args[6:]], dtype=torch.int32)
         used = schedule.numel() * 4
         pin.view(torch.int32)[:schedule.numel()].copy_(schedule)
-        iws[:used].copy_(pin[:used], non_blocking=True)
+        if self.copies:
+            iws[:used].copy_(pin[:used], non_blocking=True)
         return [used, lens.numel(), int(qo[-1]), int(kv[-1]), hash(tuple(schedule.tolist()))], used
+
+
+class FakeMLANative(FakePlanner):
+    """The MLA module's native planner (0.7.4): stages the schedule in the pinned buffer it is
+    given, copies nothing and returns ``(plan_info, staged bytes)``."""
+
+    def __init__(self) -> None:
+        super().__init__(copies=False)
+
+    def plan(self, *args):
+        return self._plan_staged(*args)
+
+
+class FakeMLAProxy:
+    """0.7.4's ``_BatchMLAModuleProxy`` around ``FakeMLANative`` (``_module``):
+    ``plan_with_staged_workspace_bytes`` copies the staged bytes on the host into a fresh
+    buffer, then into the int workspace; ``calls``: the native planner's."""
+
+    def __init__(self) -> None:
+        self._module = FakeMLANative()
+        self.calls = self._module.calls
+
+    def plan_with_staged_workspace_bytes(self, *args):
+        plan_info, staged = self._module.plan(*args)
+        staging = args[2][:staged].clone()
+        args[1][:staged].copy_(staging, non_blocking=True)
+        return plan_info, staged
+
+    def plan(self, *args):
+        return self.plan_with_staged_workspace_bytes(*args)[0]
 
 
 def _check_schedule(w, qo, kv, lens, used):
@@ -349,7 +380,7 @@ class FakeMLA(_FakeWrapper):
         self.graph_bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         self._planned_backend = None
         self._plan_info = None
-        self._module = FakePlanner(staged=True)
+        self._module = FakeMLAProxy()
         self.plans = 0
 
     def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,

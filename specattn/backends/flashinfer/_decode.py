@@ -22,7 +22,8 @@ list (in graph rounds it also copies the caller's batch into the fixed buffers, 
 launch is kept per signature and grid and launched directly), and one FlashInfer plan of the
 prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: that launch,
 numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
-FlashInfer's native planner, ``_replan``); no device-to-host read. ``per-branch`` mode plans
+FlashInfer's native planner, ``_replan``, whose captured ``kv_indptr`` / ``kv_lens`` the
+launch writes too: no host-to-device copy of the CSR); no device-to-host read. ``per-branch`` mode plans
 the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets
 differ; the serving loop never runs step ``S - 1``; eager calls plan it on first use), their
 slot lists built with torch (``_slots.fill_ragged_slots``). Run step (``forward``): build
@@ -46,10 +47,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
-from ...base import DraftDecodeBackend
 from ...data import host_lengths
+from ...graph_calls import KeptDecodeCalls, Replay
 from ...errors import InvalidInputError
 from ...fp8 import scale_rows
 from ...metadata import path_history_slots
@@ -70,13 +72,19 @@ class _Round:
         self.rows = self.plen = self.seq_host = None  # per lane (per-branch mode)
         self.bs = 0
         self.qo: Optional[torch.Tensor] = None  # the prefix pass's qo_indptr (host), by bs
+        self.host: Optional[tuple] = None  # graph rounds' kept host CSR buffers (_host_bufs)
+        self.seq_pad: Optional[np.ndarray] = None  # graph rounds' padded host lengths
 
 
-class FlashInferDecodeGlue(DraftDecodeBackend):
+class FlashInferDecodeGlue(KeptDecodeCalls):
     """Common body of ``FlashInferDecode`` and ``FlashInferMLADecode`` (not registered).
 
     Extra keyword ``mode``: ``"shared"`` (default; a shared-prefix pass per round) or
     ``"per-branch"`` (each lane its own sequence, the upstream baseline).
+
+    Graph calls of the shared mode are kept per signature (``graph_calls``): a replay call
+    whose signature a checked call had skips the batch checks and the fixed views' set-up and
+    does only the round's work (the slot-list launch and the plan, ``_resume_plan``).
     """
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
@@ -132,32 +140,41 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
             self._eager = self._new_round()
         self._prepare(self._eager, batch)
 
-    def _host_seq_lens(self, batch, source) -> torch.Tensor:
-        """``[bs]`` int64 prefix lengths of the round on the host, padded requests included.
+    def _host_seq_lens(self, rnd: _Round, batch, source):
+        """``[bs]`` prefix lengths of the round on the host (tensor or array), padded
+        requests included.
 
-        ``batch`` is the round (the fixed views in a graph round, whose ``seq_lens_cpu`` the
-        base class padded), ``source`` the caller's batch when this backend fills the fixed
-        views itself (they are not written yet: its lengths are read and padded here)."""
-        host = getattr(batch, "seq_lens_cpu", None)
-        if host is not None:
-            return host
+        ``batch`` is the round (the fixed views in a graph round), ``source`` the caller's
+        batch when this backend fills the fixed views itself (they are not written yet: its
+        lengths, ``seq_lens_cpu`` or else one copy, are padded here into the round's kept
+        array)."""
         if source is None:
-            return host_lengths(batch, "seq_lens")[0]
-        raw = host_lengths(source, "seq_lens")[0]
-        pad = batch.batch_size - raw.shape[0]
-        if not pad:
-            return raw
-        return torch.cat([raw, raw.new_full((pad,), self.get_cuda_graph_seq_len_fill_value())])
+            host = getattr(batch, "seq_lens_cpu", None)
+            return host if host is not None else host_lengths(batch, "seq_lens")[0]
+        raw = getattr(source, "seq_lens_cpu", None)
+        if raw is None:
+            raw = host_lengths(source, "seq_lens")[0]
+        bs = batch.batch_size
+        if rnd.seq_pad is None or rnd.seq_pad.shape[0] != bs:
+            rnd.seq_pad = np.empty(bs, dtype=np.int64)
+        n = raw.shape[0]
+        rnd.seq_pad[:n] = raw.numpy()
+        rnd.seq_pad[n:] = self.get_cuda_graph_seq_len_fill_value()
+        return rnd.seq_pad
 
     def _prepare(self, rnd: _Round, batch, source=None) -> None:
         """Build slot lists on the device and plan the round's passes (host). ``source``:
         the caller's batch of a graph round whose fixed views (``batch``) are filled here."""
         k = self.topk
         rnd.bs = bs = batch.batch_size
-        seq_host = self._host_seq_lens(batch, source)
+        seq_host = self._host_seq_lens(rnd, batch, source)
         rnd.planned = [False] * len(rnd.steps)
         if self.shared:
-            csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin)
+            # A graph round whose plan takes the key CSR written on the device: the host
+            # CSR goes into kept pageable buffers (``host_csr``).
+            dev_csr = None if source is None else rnd.prefix.device_csr()
+            csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin,
+                           out=None if dev_csr is None else self._host_bufs(rnd, bs))
             out = rnd.prefix.reserve(csr.total)
             from ...kernels.prefix_slots import prefix_slots
 
@@ -170,8 +187,8 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
                              bs=bs, fill=self.get_cuda_graph_seq_len_fill_value(),
                              fixed=(batch.req_pool_indices, batch.seq_lens,
                                     batch.out_cache_loc),
-                             loc=source.out_cache_loc, kept=self._slot_launches)
-            rnd.prefix.plan(csr, False, self.params)
+                             loc=source.out_cache_loc, csr=dev_csr, kept=self._slot_launches)
+            rnd.prefix.plan(csr, False, self.params, on_device=dev_csr is not None)
         else:
             rnd.rows = batch.req_pool_indices.to(torch.int64).repeat_interleave(k)
             rnd.plen = batch.seq_lens.to(torch.int64).repeat_interleave(k)
@@ -179,6 +196,14 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
             for i in range(self._planned_steps):
                 self._plan_step(rnd, i)
         self._active = rnd
+
+    @staticmethod
+    def _host_bufs(rnd: _Round, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_indptr [bs + 1], kv_lens [bs])`` int32 host buffers kept by the round."""
+        if rnd.host is None or rnd.host[1].numel() != bs:
+            rnd.host = (torch.empty(bs + 1, dtype=torch.int32),
+                        torch.empty(bs, dtype=torch.int32))
+        return rnd.host
 
     def _prefix_qo(self, rnd: _Round, bs: int) -> torch.Tensor:
         """The prefix pass's ``qo_indptr`` on the host: ``K`` rows per request (kept)."""
@@ -286,3 +311,19 @@ class FlashInferDecodeGlue(DraftDecodeBackend):
         bs = batch.batch_size
         rnd = captured(self._graphs, bs, capture, lambda: self._new_round(graph_bs=bs))
         self._prepare(rnd, batch, self.graph_source if self.shared else None)
+
+    # --- kept graph calls (shared mode) ----------------------------------------------------
+
+    def _graph_key_extra(self) -> Optional[tuple]:
+        # Per-branch rounds plan their step passes from the fixed views' lengths (not kept).
+        return () if self.shared else None
+
+    def _kept_plan(self) -> _Round:
+        return self._active
+
+    def _launch_kept(self, batch, replay: Replay) -> None:
+        # The round's launch depends on its lengths (grid, total): made in _resume_plan.
+        self.batch, self.num_lanes = replay.fixed, replay.rows
+
+    def _resume_plan(self, rnd: _Round) -> None:
+        self._prepare(rnd, self.batch, self.graph_source)

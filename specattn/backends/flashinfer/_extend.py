@@ -73,17 +73,20 @@ class FlashInferExtendGlue(DraftExtendBackend):
         r = self.runner
         if self._triton is None:
             self._triton = triton_runs(r.device)
+        dev_csr = None
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
-            # Graph passes keep their launches (an eager pass's buffer may be replaced).
+            # Graph passes keep their launches (an eager pass's buffer may be replaced) and
+            # write the key CSR into the captured buffers.
+            dev_csr = p.device_csr() if p.graph else None
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, batch.req_pool_indices,
-                         batch.seq_lens, r.num_slots,
+                         batch.seq_lens, r.num_slots, csr=dev_csr,
                          kept=self._slot_launches if p.graph else None)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
-        p.plan(csr, True, self.params)
+        p.plan(csr, True, self.params, on_device=dev_csr is not None)
         self._pass = p
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,

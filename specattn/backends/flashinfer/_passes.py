@@ -163,15 +163,24 @@ class Pass:
             self.wrapper = self._direct = None  # its reference is to the old buffer
         return self.indices
 
-    def plan(self, csr: "HostCSR", causal: bool, params: Params) -> None:
+    def device_csr(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(kv_indptr [M + 1], kv_lens [M])``: the captured int32 buffers of the next plan's
+        CSR, which a caller may write on the device itself (then ``plan(...,
+        on_device=True)``); ``None`` where the next plan copies them from the host (no
+        direct replanner yet, or one that takes none)."""
+        return self._direct.device_buffers() if self._direct is not None else None
+
+    def plan(self, csr: "HostCSR", causal: bool, params: Params, *,
+             on_device: bool = False) -> None:
         """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only): a
-        direct replan where the graph wrapper's last public plan had these parameters."""
+        direct replan where the graph wrapper's last public plan had these parameters.
+        ``on_device``: ``device_csr()`` already holds ``csr``'s key indptr and lengths."""
         if self.wrapper is None:
             self.wrapper = self._make_wrapper(csr.kv_lens.numel())
             self._direct = None
         self._last = (csr, causal)
         direct = self._direct
-        if direct is not None and direct.key == (causal, params) and direct(csr):
+        if direct is not None and direct.key == (causal, params) and direct(csr, on_device):
             return
         self._public_plan(csr, causal, params)
 

@@ -15,8 +15,10 @@ ops and the backend pick every time; the MLA plan builds a new planned-backend o
 fresh 8 MiB pinned buffer, validates the CSR twice, clones the captured buffers and reads
 ``aminmax(kv_indices)`` back from the device (a sync). For a graph wrapper whose module,
 dtypes, heads, scale and flags are those of its last public plan, everything but the CSR is
-already settled, so a replan is the planner call and three copies. The slot list needs no
-copy: the glue writes it into the captured ``kv_indices`` buffer itself. ``last_page_len``
+already settled, so a replan is the planner call and the CSR's copies. The slot list needs
+no copy: the glue writes it into the captured ``kv_indices`` buffer itself, and in graph
+rounds the key indptr and lengths too (``Replanner.device_buffers``), so a replan copies at
+most the query indptr, and a kept one (the prefix pass's ``K`` rows per request) not again. ``last_page_len``
 (pages of one token: all ones) was copied by the first plan and never changes. The MLA
 bound that the public plan reads from the device (the range of ``kv_indices``, checked by its
 ``run``) is the pool: every slot the glue lists is clamped into ``[0, num_slots)``.
@@ -37,6 +39,9 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
+import torch
+
+from ...util import sm_count
 
 if TYPE_CHECKING:
     from ._slots import HostCSR
@@ -86,22 +91,44 @@ def _missing(obj: Any, names: tuple) -> Optional[str]:
 
 
 class Replanner:
-    """``replanner(csr) -> bool``: one direct replan of its wrapper for ``csr``; ``False``
-    (nothing changed) where the public plan must serve this batch. ``key``: the plan-time
-    parameters it was made for (the caller's; another key needs a public plan)."""
+    """``replanner(csr, on_device) -> bool``: one direct replan of its wrapper for ``csr``;
+    ``False`` (nothing changed) where the public plan must serve this batch. ``key``: the
+    plan-time parameters it was made for (the caller's; another key needs a public plan).
+
+    ``on_device``: the caller wrote ``kv_indptr`` and ``kv_lens`` of ``csr`` into
+    ``device_buffers()`` itself (``kernels.prefix_slots``), so only the query indptr is
+    copied, and only when it is another host tensor than the last one copied (a kept
+    ``qo_indptr`` is never written)."""
 
     def __init__(self, wrapper: Any, key: Any) -> None:
         self.wrapper = wrapper
         self.key = key
         self.calls = 0  # direct replans made
+        self._qo_copied: Any = None  # the host qo_indptr last copied to the device
 
-    def __call__(self, csr: "HostCSR") -> bool:
-        if not self._replan(csr):
+    def __call__(self, csr: "HostCSR", on_device: bool = False) -> bool:
+        if not self._replan(csr, on_device):
             return False
         self.calls += 1
         return True
 
-    def _replan(self, csr: "HostCSR") -> bool:
+    def device_buffers(self) -> Optional[tuple]:
+        """``(kv_indptr [M + 1], kv_lens [M])``: the captured int32 buffers a replan copies
+        the host CSR's into (``None``: this wrapper takes no device-written CSR)."""
+        return None
+
+    def _copy_csr(self, bufs: tuple, csr: "HostCSR", on_device: bool) -> None:
+        """The host CSR into the captured ``bufs`` ``(qo_indptr, kv_indptr, kv_lens)``
+        (``non_blocking`` from pinned memory), but what ``on_device`` says is there."""
+        qo, kv, lens = bufs
+        if csr.qo_indptr is not self._qo_copied or not on_device:
+            qo.copy_(csr.qo_indptr, non_blocking=True)
+            self._qo_copied = csr.qo_indptr if on_device else None
+        if not on_device:
+            kv.copy_(csr.kv_indptr, non_blocking=True)
+            lens.copy_(csr.kv_lens, non_blocking=True)
+
+    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
         raise NotImplementedError
 
 
@@ -133,7 +160,11 @@ class _PrefillReplanner(Replanner):
         self.plan = w._cached_module.plan
         self._uniform_qo = None  # the last qo_indptr found uniform (host CSRs are not written)
 
-    def _replan(self, csr: "HostCSR") -> bool:
+    def device_buffers(self) -> Optional[tuple]:
+        bs = self.wrapper._fixed_batch_size
+        return self.wrapper._paged_kv_indptr_buf, self.wrapper._kv_lens_buffer[:bs]
+
+    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
         cap = w._max_total_num_rows
@@ -148,9 +179,8 @@ class _PrefillReplanner(Replanner):
                     return False  # FlashInfer drops the hint with a warning: its plan serves it
                 self._uniform_qo = csr.qo_indptr
             args += [*self.tail, uniform, False]
-        w._kv_lens_buffer[:bs].copy_(csr.kv_lens, non_blocking=True)
-        w._qo_indptr_buf.copy_(csr.qo_indptr, non_blocking=True)
-        w._paged_kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
+        self._copy_csr((w._qo_indptr_buf, w._paged_kv_indptr_buf, w._kv_lens_buffer[:bs]),
+                       csr, on_device)
         w._plan_info = self.plan(*args)
         w._batch_size = bs
         w._qo_indptr_last = csr.rows
@@ -176,10 +206,10 @@ class _DecodeReplanner(Replanner):
         self.tail = (-1, False, 0, 1, True) if w._backend == "fa2" else ()
         self.plan = w._cached_module.plan
 
-    def _replan(self, csr: "HostCSR") -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
-        if bs != w._fixed_batch_size or csr.rows != bs:
+        if on_device or bs != w._fixed_batch_size or csr.rows != bs:
             return False
         w._paged_kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
         w._plan_info = self.plan(*self.head, csr.qo_indptr, csr.kv_indptr, csr.kv_lens, bs, bs,
@@ -192,34 +222,80 @@ class _DecodeReplanner(Replanner):
 class _MLAReplanner(Replanner):
     """``BatchMLAPagedAttentionWrapper`` planned on fa2/fa3 (0.7.4
     ``mla/_batch_mla/_backends/_fa_common.py``: ``_plan_generated_fa`` on the planned backend
-    the first plan made, which a graph wrapper keeps)."""
+    the first plan made, which a graph wrapper keeps).
+
+    0.7.4's MLA module is a proxy (``_BatchMLAModuleProxy``) whose native planner writes the
+    schedule into the pinned int workspace and returns the bytes it staged; the proxy then
+    copies them on the host into a fresh pinned buffer and from there to the device, so that
+    the next plan cannot overwrite bytes whose copy is still pending. A replan calls the
+    native planner itself on a pinned block from torch's caching host allocator (which hands
+    out a block only once the copies from it are done) and copies the staged bytes from that
+    block: the same bytes, without the host copy.
+
+    The public plan's check of the workload against the native planner's limits
+    (``_validate_fa_plan_workload``) runs where it could refuse the batch: for a causal
+    plan, or where the work-item bound of a non-causal one, ``ceil(max_q * H / 64)`` items
+    per sequence plus one split per SM, could pass the planner's capacity."""
 
     def __init__(self, wrapper: Any, key: Any, num_heads: int, kv_bound: int,
-                 validate: Callable) -> None:
+                 validate: Callable, capacity: Optional[int]) -> None:
         super().__init__(wrapper, key)
         pb = self.backend = wrapper._planned_backend
         self.head = (pb._float_workspace_buffer, pb._int_workspace_buffer,
                      pb._pin_memory_int_workspace_buffer)
         self.num_heads, self.kv_bound, self.validate = num_heads, kv_bound, validate
+        self.capacity = capacity  # the planner's work items (None: always check)
+        self.sms = sm_count(pb.device) or 0
         module = pb._cached_module
         self.staged = hasattr(module, "plan_with_staged_workspace_bytes")
+        raw = getattr(module, "_module", None) if self.staged else None
+        self.raw = raw.plan if raw is not None and hasattr(raw, "plan") else None
+        self.pin = pb._pin_memory_int_workspace_buffer.is_pinned()
         self.plan = module.plan_with_staged_workspace_bytes if self.staged else module.plan
 
-    def _replan(self, csr: "HostCSR") -> bool:
+    def device_buffers(self) -> Optional[tuple]:
+        return self.backend._kv_indptr_buf, self.backend._kv_len_arr_buf
+
+    def _checked(self, csr: "HostCSR", bs: int) -> bool:
+        """Whether the batch needs the public plan's workload check."""
+        if self.backend._causal or self.capacity is None or not self.sms:
+            return True
+        items = bs * -(-csr.max_q * self.num_heads // 64)
+        # Key counts under 2**29 keep the planner's int32 split arithmetic in range.
+        return items + self.sms > self.capacity or \
+            self.backend._kv_indices_buf.shape[0] >= 1 << 29
+
+    def _native(self, csr: "HostCSR") -> tuple:
+        """``(plan_info, staged bytes)`` of the native planner, its schedule in the int
+        workspace (copy queued)."""
+        pb = self.backend
+        args = (csr.qo_indptr, csr.kv_indptr, csr.kv_lens, self.num_heads, pb._head_dim_ckv,
+                pb._causal)
+        if self.raw is None:
+            out = self.plan(*self.head, *args)
+            return out if self.staged else (out, 0)
+        scratch = self.head[2]
+        block = torch.empty(scratch.numel(), dtype=torch.uint8, pin_memory=self.pin)
+        plan_info, staged = self.raw(self.head[0], self.head[1], block, *args)
+        staged = int(staged)
+        device = self.head[1].view(torch.uint8)
+        if not 0 <= staged <= min(block.numel(), device.numel()):
+            raise ValueError(f"FlashInfer's MLA planner staged {staged} bytes of a "
+                             f"{block.numel()}-byte workspace")
+        device[:staged].copy_(block[:staged], non_blocking=True)
+        return plan_info, staged
+
+    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
         pb = self.backend
         bs = csr.kv_lens.shape[0]
         if bs != pb._kv_len_arr_buf.shape[0] or csr.total > pb._kv_indices_buf.shape[0]:
             return False
-        # The public plan's checks of the workload against the native planner's limits
-        # (host lists: the CSR is on the host).
-        self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
-                      pb._backend, pb._kv_data_type)
-        out = self.plan(*self.head, csr.qo_indptr, csr.kv_indptr, csr.kv_lens, self.num_heads,
-                        pb._head_dim_ckv, pb._causal)
-        plan_info, staged = out if self.staged else (out, 0)
-        pb._qo_indptr_buf.copy_(csr.qo_indptr, non_blocking=True)
-        pb._kv_indptr_buf.copy_(csr.kv_indptr, non_blocking=True)
-        pb._kv_len_arr_buf.copy_(csr.kv_lens, non_blocking=True)
+        if self._checked(csr, bs):  # host lists: the CSR is on the host
+            self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
+                          pb._backend, pb._kv_data_type)
+        plan_info, staged = self._native(csr)
+        self._copy_csr((pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf), csr,
+                       on_device)
         pb._plan_info = self.wrapper._plan_info = plan_info
         pb._staged_int_workspace_bytes = staged
         pb._planned_query_shape = (csr.rows, self.num_heads)
@@ -269,11 +345,13 @@ def _mla(wrapper: Any, key: Any, kw: dict, kv_bound: int):
     if pb._backend not in ("fa2", "fa3") or \
             not getattr(pb._plan_capabilities, "supports_cuda_graph_replan", False):
         return f"MLA backend {pb._backend!r} (the native planner: fa2/fa3)"
-    validate = inspect.getmodule(pb._plan_generated_fa)
-    validate = getattr(validate, "_validate_fa_plan_workload", None)
+    common = inspect.getmodule(pb._plan_generated_fa)
+    validate = getattr(common, "_validate_fa_plan_workload", None)
     if validate is None:
         return "FlashInfer's MLA workload check (_validate_fa_plan_workload) is missing"
-    return _MLAReplanner(wrapper, key, kw["num_heads"], kv_bound, validate)
+    capacity = getattr(common, "_FA_MAX_WORK_ITEMS", None)
+    return _MLAReplanner(wrapper, key, kw["num_heads"], kv_bound, validate,
+                         capacity if isinstance(capacity, int) else None)
 
 
 def direct_replanner(kind: str, wrapper: Any, key: Any, kw: dict, *, heads: tuple = (),

@@ -65,11 +65,14 @@ def _as_numpy(x) -> np.ndarray:
     return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-def host_indptr(lens, *, pin: bool = False) -> torch.Tensor:
-    """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``). lens: ``[M]`` int
-    (CPU tensor or array)."""
+def host_indptr(lens, *, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``; written into ``out``
+    ``[M + 1]`` when given). lens: ``[M]`` int (CPU tensor or array)."""
     lens = _as_numpy(lens)
-    out, a = _host_ints(lens.shape[0] + 1, pin)
+    if out is None:
+        out, a = _host_ints(lens.shape[0] + 1, pin)
+    else:
+        a = out.numpy()
     a[0] = 0
     a[1:] = lens
     np.cumsum(a[1:], out=a[1:])
@@ -77,15 +80,23 @@ def host_indptr(lens, *, pin: bool = False) -> torch.Tensor:
 
 
 def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *,
-             pin: bool = False) -> HostCSR:
+             pin: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+             ) -> HostCSR:
     """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU tensor or array) with
     the query rows of ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller),
     at most ``max_q`` per sequence. Numpy arithmetic on ``M`` values written into two new
     host tensors (pinned with ``pin``; each its own allocation: the native planners take
-    their start as the array)."""
+    their start as the array), or into ``out`` ``(kv_indptr [M + 1], kv_lens [M])``: kept
+    pageable buffers, for a caller whose device copies of them are written on the device
+    (``Pass.device_csr``), so that nothing copies from them after the plan returns (a copy
+    from pageable memory is done when it returns)."""
     lens_np = _as_numpy(kv_lens)
-    kv_t = host_indptr(lens_np, pin=pin)
-    lens_t, lens = _host_ints(lens_np.shape[0], pin)
+    if out is None:
+        kv_t = host_indptr(lens_np, pin=pin)
+        lens_t, lens = _host_ints(lens_np.shape[0], pin)
+    else:
+        kv_t = host_indptr(lens_np, out=out[0])
+        lens_t, lens = out[1], out[1].numpy()
     lens[:] = lens_np
     longest = int(lens.max()) if lens.shape[0] else 0
     rows = int(qo_indptr.numpy()[-1])
