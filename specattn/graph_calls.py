@@ -135,16 +135,19 @@ class KeptDecodeCalls(_KeptCalls, DraftDecodeBackend):
         """The signature of a graph call: ``bs``, ``_graph_key_extra()`` and the index
         tensors; in ``path`` mode also ``parents``, which must be the tensor the graph reads.
         ``None`` where the call is not repeated (no call kept, a batch that is not one,
-        parents in ``lane`` mode, ``parents`` copied into the captured tensor)."""
+        ``path`` mode without ``parents`` or with ``parents`` copied into the captured
+        tensor). ``lane`` mode reads no ``parents``: a batch's are not part of the key."""
         try:
             extra = self._graph_key_extra()
             if extra is None:
                 return None
             key = (bs, *extra, signature(batch.req_pool_indices), signature(batch.seq_lens),
                    signature(batch.out_cache_loc))
+            if self.tree_mode == "lane":
+                return key
             parents = batch.parents
             if parents is None:
-                return key if self.tree_mode == "lane" else None
+                return None
             captured = self._graph.parents.get(bs) if self._graph is not None else None
             if self.tree_mode != "path" or captured is None or \
                     parents.data_ptr() != captured.data_ptr():

@@ -102,7 +102,8 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  fixed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                  loc: Optional[torch.Tensor] = None,
                  csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 kept: Optional[dict] = None) -> torch.Tensor:
+                 kept: Optional[dict] = None, kept_key: Optional[tuple] = None
+                 ) -> torch.Tensor:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
 
     rows, lens: ``[raw]`` int (any strides): ``req_pool_indices`` and ``seq_lens`` of the
@@ -114,7 +115,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     fixed: ``(rows [bs], lens [bs], loc [bs, K, S])`` int64 contiguous buffers that get the
     padded batch (CUDA-graph rounds), ``loc``: the caller's ``out_cache_loc [raw, K, S]``.
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
-    callers that launch it every round.
+    callers that launch it every round. kept_key: the caller's key for every argument but
+    ``total`` and ``longest`` (a kept graph call's, whose tensors' signatures and addresses
+    it already checked), used in place of computing their signatures.
     """
     raw = rows.shape[0]
     bs = raw if bs is None else bs
@@ -123,7 +126,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
     key = None
-    if kept is not None:
+    if kept is not None and kept_key is not None:
+        key = (kept_key, tiles)
+    elif kept is not None:
         key = (signature(rows), signature(lens), signature(src_loc), bs, tiles, fill,
                num_slots, signature(out), out.data_ptr(), signature(req_to_token),
                req_to_token.data_ptr(),

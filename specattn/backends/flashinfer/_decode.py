@@ -162,9 +162,10 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
         rnd.seq_pad[n:] = self.get_cuda_graph_seq_len_fill_value()
         return rnd.seq_pad
 
-    def _prepare(self, rnd: _Round, batch, source=None) -> None:
+    def _prepare(self, rnd: _Round, batch, source=None, kept_key=None) -> None:
         """Build slot lists on the device and plan the round's passes (host). ``source``:
-        the caller's batch of a graph round whose fixed views (``batch``) are filled here."""
+        the caller's batch of a graph round whose fixed views (``batch``) are filled here;
+        ``kept_key``: a kept graph call's key (its slot-list launch is kept under it)."""
         k = self.topk
         rnd.bs = bs = batch.batch_size
         seq_host = self._host_seq_lens(rnd, batch, source)
@@ -178,6 +179,9 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
             out = rnd.prefix.reserve(csr.total)
             from ...kernels.prefix_slots import prefix_slots
 
+            if kept_key is not None:  # the CSR buffers the launch writes, if any
+                kept_key = (kept_key, None if dev_csr is None else
+                            tuple(t.data_ptr() for t in dev_csr))
             if source is None:
                 prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
                              batch.req_pool_indices, batch.seq_lens, self.runner.num_slots)
@@ -187,7 +191,8 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
                              bs=bs, fill=self.get_cuda_graph_seq_len_fill_value(),
                              fixed=(batch.req_pool_indices, batch.seq_lens,
                                     batch.out_cache_loc),
-                             loc=source.out_cache_loc, csr=dev_csr, kept=self._slot_launches)
+                             loc=source.out_cache_loc, csr=dev_csr, kept=self._slot_launches,
+                             kept_key=kept_key)
             rnd.prefix.plan(csr, False, self.params, on_device=dev_csr is not None)
         else:
             rnd.rows = batch.req_pool_indices.to(torch.int64).repeat_interleave(k)
@@ -318,12 +323,15 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
         # Per-branch rounds plan their step passes from the fixed views' lengths (not kept).
         return () if self.shared else None
 
-    def _kept_plan(self) -> _Round:
-        return self._active
+    def _kept_plan(self) -> tuple:
+        # The round and a token for its slot-list launches: a kept call's tensors have the
+        # signature checked when it was kept, and the round's buffers do not move.
+        return self._active, object()
 
     def _launch_kept(self, batch, replay: Replay) -> None:
         # The round's launch depends on its lengths (grid, total): made in _resume_plan.
         self.batch, self.num_lanes = replay.fixed, replay.rows
 
-    def _resume_plan(self, rnd: _Round) -> None:
-        self._prepare(rnd, self.batch, self.graph_source)
+    def _resume_plan(self, plan: tuple) -> None:
+        rnd, token = plan
+        self._prepare(rnd, self.batch, self.graph_source, kept_key=token)
