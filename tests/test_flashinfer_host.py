@@ -337,3 +337,24 @@ def test_sglang_adapter_passes_the_engine_host_copies():
     assert got.extend_lens_cpu.tolist() == e.extend_lens.tolist()
     fb.forward_mode = SimpleNamespace(name="DECODE")
     assert adapter.extend_batch(fb).extend_lens_cpu.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_kept_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, mla):  # noqa: F811
+    """Replay calls of one signature are kept (``graph_calls``): after the first, each
+    launches the kept slot-list kernel, building no new launch."""
+    from specattn.kernels import prefix_slots as slots_module
+
+    made = []
+    build = slots_module._launch
+    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    case = make_decode_case(mla=mla, bs=3, topk=4, steps=3, seed=1)
+    full = _with_host_copy(case.batch)
+    backend = (FlashInferMLADecode if mla else FlashInferDecode)(case.runner, 4, 3)
+    backend.init_cuda_graph_state(3, 12)
+    backend.init_forward_metadata_capture_cuda_graph(full)
+    backend.init_forward_metadata_replay_cuda_graph(full, 3)
+    before = len(made)
+    for _ in range(3):
+        backend.init_forward_metadata_replay_cuda_graph(full, 3)
+    assert len(backend._replays) == 1 and len(made) == before, made

@@ -126,14 +126,13 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
     key = None
-    if kept is not None and kept_key is not None:
-        key = (kept_key, tiles)
-    elif kept is not None:
-        key = (signature(rows), signature(lens), signature(src_loc), bs, tiles, fill,
-               num_slots, signature(out), out.data_ptr(), signature(req_to_token),
-               req_to_token.data_ptr(),
-               None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
-               None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr))
+    if kept is not None:
+        key = (kept_key, tiles) if kept_key is not None else (
+            signature(rows), signature(lens), signature(src_loc), bs, tiles, fill,
+            num_slots, signature(out), out.data_ptr(), signature(req_to_token),
+            req_to_token.data_ptr(),
+            None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
+            None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr))
         launch = kept.get(key)
         if launch is not None:
             launch(rows, lens, src_loc, total)
