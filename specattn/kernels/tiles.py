@@ -18,9 +18,8 @@ saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.
 The tiles widen K and V to the query tile's dtype and cast P to it, so that dtype is the
 dots' dtype. FP8 pools under a bf16 model (the ``F16`` query, ``Q_F16`` in the kernels): the
 query tile is fp16, prescaled by ``2^-8`` (``Q_F16_SCALE``, folded into the softmax scale),
-so that every code widens to fp16 in one exact conversion and P.V takes an fp16 P. Widening
-to bf16 instead goes through fp32 intermediates (``widen``), whose registers cost occupancy
-in the ``tl.dot`` kernels.
+so that every code widens to fp16 in one exact conversion and P.V takes an fp16 P; widening
+to bf16 adds fp32 intermediates and their instructions to every tile (``widen``).
 
 Latent (MLA) and FP8 tiles: ``latent.py``.
 """
@@ -58,9 +57,10 @@ def widen(x, DTYPE: tl.constexpr):
     two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``). For bf16, fp16 -> fp32 is exact and,
     an FP8 mantissa having at most 3 bits, the fp32's top 16 bits are the bf16 value (NaN and
     infinities included): a shift and a move, where ``x.to(tl.bfloat16)`` rounds through a
-    per-element conversion (``F2F``, a quarter-rate pipe on sm90). The bf16 route keeps
-    fp32 intermediates of every tile in registers; ``DTYPE == tl.float16`` is the conversion
-    alone (the ``F16`` query of ``query_operand``)."""
+    per-element conversion (``F2F``, a quarter-rate pipe on sm90). That route still costs
+    fp32 intermediates (two ``HADD2.F32`` and a ``PRMT`` per two codes on sm90);
+    ``DTYPE == tl.float16`` is the conversion alone (the ``F16`` query of
+    ``query_operand``)."""
     if x.dtype == DTYPE:
         y = x
     elif x.dtype.is_fp8():

@@ -14,8 +14,8 @@ page size); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16``.
 FP8 pools: the tiles widen the codes to the query tile's dtype (``tiles.widen``). ``Q_F16``
 (FP8 pools under a bf16 model): the query tile is prescaled fp16 (``tiles.query_operand``,
 the factor folded into ``sm_scale``), so the dots are fp16 with fp32 accumulation: codes ->
-fp16 is one exact conversion, where widening to bf16 keeps fp32 intermediates of each tile
-in registers. The partials stay fp32 and the output the query's dtype.
+fp16 is one exact conversion, where widening to bf16 goes through fp32 intermediates in every
+tile. The partials stay fp32 and the output the query's dtype.
 """
 
 from __future__ import annotations
