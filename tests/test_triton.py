@@ -7,7 +7,8 @@ The contract checks (numerics against the reference, pools, graphs, refusals) li
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
 ``mode``, ``plan``, ``num_splits``, ``max_extend_len`` and ``pdl`` options, every ``tl.dot``
 plan and its KV write, the plan table and split planning, an empty prefix, NaN keys in
-extend; FP8 pools on the default plans and ``tiles.widen`` over every FP8 code.
+extend; FP8 pools on the default plans under both ``fp8_dot`` values (and queries past
+fp16's range) and ``tiles.widen`` over every FP8 code.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def _poison(backend) -> None:
     backend._active.mid_lse.fill_(float("nan"))
 
 
-def run_decode_round(runner, batch, backend, dtype, layer, tree_mode):
+def run_decode_round(runner, batch, backend, dtype, layer, tree_mode, q_mul=1.0):
     bs, topk, steps = batch.out_cache_loc.shape
     backend.init_forward_metadata(batch)
     for step in range(steps):
         if tree_mode == "path" and step > 0:
             batch.parents[step] = torch.randint(0, topk, (bs, topk), device=DEV)
         q, k, v = new_qkv(runner, bs * topk, dtype)
+        q = (q.float() * q_mul).to(dtype)
         _poison(backend)
         out = backend.forward(step, layer, q, k, v)
         ref = reference_decode(runner, layer, q, batch, step, tree_mode)
@@ -269,33 +271,39 @@ def test_pdl_is_refused_off_sm90(cls, args):
 
 
 class _Recorded:
-    """Stands for a kernel: ``kernel[grid](*args, **kw)`` records its keywords, runs nothing."""
+    """Stands for a kernel: ``kernel[grid](*args, **kw)`` records its keywords, runs nothing
+    (``kws``: every launch's keywords)."""
 
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
+    def __init__(self, name: str, log: list, kws: list):
+        self.name, self.log, self.kws = name, log, kws
 
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.log.append((self.name, kw.get("PDL", False),
-                                                    kw.get("launch_pdl", False)))
+        def launch(*args, **kw):
+            self.kws.append(kw)
+            self.log.append((self.name, kw.get("PDL", False), kw.get("launch_pdl", False)))
+        return launch
 
 
-def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto"):
+def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto",
+                       dtype=torch.float32, fp8_dot: str = "fp16", kws=None):
     """One ``launchers.attention`` call with ``pdl=True`` (3 lanes, 2 splits), the Triton
-    kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order."""
+    kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order (their keywords
+    appended to ``kws``)."""
     from specattn.backends.triton import _attn_kernels
     from specattn.kernels import merge
 
     log: list = []
+    kws = [] if kws is None else kws
     for module, name in ((_attn_kernels, "_write_kv_kernel"),
                          (_attn_kernels, "_partial_attn_kernel"),
                          (_attn_kernels, "_mla_partial_kernel"), (merge, "merge_kernel")):
-        monkeypatch.setattr(module, name, _Recorded(name, log))
+        monkeypatch.setattr(module, name, _Recorded(name, log, kws))
     make = DraftRunner.mla if model == "mla" else DraftRunner.mha
     heads = (4, 32, 16) if model == "mla" else (4, 2, 32)
     runner = make(*heads, num_layers=1, num_slots=64, max_reqs=2, max_context_len=32,
-                  dtype=torch.float32, device=DEV, kv_cache_dtype=kv_cache_dtype)
+                  dtype=dtype, device=DEV, kv_cache_dtype=kv_cache_dtype)
     shape = plans.AttnShape.of(runner)
-    q, k, v = new_qkv(runner, 3, torch.float32)
+    q, k, v = new_qkv(runner, 3, dtype)
     mid_o, mid_lse = launchers.partial_views((3, shape.num_q_heads, 3), shape.d_v, q.device,
                                              None, None)
     meta = torch.zeros(2, 5, dtype=torch.int32)
@@ -304,7 +312,7 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
                         lanes_per_group=1, topk=1, num_steps=1, step=0, num_splits=2,
                         plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
                         hist=torch.arange(3, dtype=torch.int32).view(3, 1), new_kv=(k, v),
-                        pdl=True)
+                        pdl=True, fp8_dot=fp8_dot)
     return log
 
 
@@ -335,6 +343,36 @@ def test_pdl_reaches_both_classes_as_a_bench_option():
     check_options([opt], default_registry)
     for cls in (TritonDecode, TritonExtend):
         assert opt.fits(cls) and opt.kwargs_for(cls) == {"pdl": True, "plan": "dot"}
+
+
+@pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mla", "dot-mla")])
+@pytest.mark.parametrize("dtype,kv,fp8_dot,q_f16", [
+    (torch.bfloat16, "fp8_e4m3", "fp16", True),
+    (torch.bfloat16, "fp8_e5m2", "model", False),
+    (torch.float16, "fp8_e4m3", "fp16", False),  # widen is the one conversion already
+    (torch.bfloat16, "auto", "fp16", False),
+])
+def test_fp8_dot_sets_q_f16(monkeypatch, model, plan, dtype, kv, fp8_dot, q_f16):
+    """``Q_F16``: FP8 pools under a bf16 model with ``fp8_dot="fp16"``, and only those."""
+    kws: list = []
+    _recorded_launches(monkeypatch, model, plan, kv, dtype, fp8_dot, kws)
+    (kw,) = [kw for kw in kws if "D_PE" in kw]  # the attention kernel's launch
+    assert kw["Q_F16"] is q_f16
+
+
+@pytest.mark.parametrize("cls,args", [(TritonDecode, (2, 2)), (TritonExtend, ())])
+def test_fp8_dot_is_checked_and_reaches_both_classes_as_a_bench_option(cls, args):
+    from specattn.bench.options import check_options, parse_option
+    from specattn.registry import default_registry
+
+    runner = _runner_for(GQA, torch.bfloat16, "fp8_e4m3")
+    with pytest.raises(InvalidInputError, match=r"^fp8_dot: expected one of \('fp16', "
+                       r"'model'\), got 'bf16'$"):
+        cls(runner, *args, fp8_dot="bf16")
+    assert cls(runner, *args)._fp8_dot == "fp16"
+    opt = parse_option("triton:fp8_dot=model")
+    check_options([opt], default_registry)
+    assert opt.fits(cls) and opt.kwargs_for(cls) == {"fp8_dot": "model"}
 
 
 def test_plan_errors_name_the_plan():
@@ -599,31 +637,60 @@ FP8_DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fp8_dot", ["fp16", "model"])
 @pytest.mark.parametrize("model,kv,topk,page,heads,plan", FP8_DECODE_CASES)
-def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan):
+def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan, fp8_dot):
     steps, lens = 3, [26, 37]
     runner = _fp8_runner(model, kv, seq_lens=lens, topk=topk, steps=steps, page=page,
                          heads=heads)
     batch = place_decode_round(runner, lens, topk, steps, page, "path")
-    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
+    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan, fp8_dot=fp8_dot)
     assert backend.plan.name == ("dot" if model == "mha" else "dot-mla")
     run_decode_round(runner, batch, backend, torch.bfloat16,
                      AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
 
 
-@pytest.mark.parametrize("model,kv,page", [("mha", "fp8_e4m3", 16), ("mha", "fp8_e5m2", 1),
-                                           ("mla", "fp8_e5m2", 16), ("mla", "fp8_e4m3", 1)])
-def test_fp8_extend_on_the_default_plans(model, kv, page):
+def _fp8_extend(model, kv, page, fp8_dot, layer, q_mul=1.0):
+    """One extend call over an FP8 pool (bf16 queries times ``q_mul``) against the
+    reference."""
     lens, ext = [30, 19], [6, 3]
     runner = _fp8_runner(model, kv, seq_lens=[n + page for n in lens], topk=1, steps=1,
                          page=page)
     batch = place_extend_round(runner, lens, ext)
     plan = "dot-mla" if model == "mla" else None
-    backend = TritonExtend(runner, plan=plan)
+    backend = TritonExtend(runner, plan=plan, fp8_dot=fp8_dot)
     backend.init_forward_metadata(batch)
     assert backend._round_plan["plan"].name == (plan or "dot")
-    layer = AttentionLayer(**FP8_LAYER)
     q, k, v = new_qkv(runner, sum(ext), torch.bfloat16)
+    q = (q.float() * q_mul).to(torch.bfloat16)
     _poison(backend)
     _close(backend.forward(layer, q, k, v), reference_extend(runner, layer, q, batch),
            torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8_dot", ["fp16", "model"])
+@pytest.mark.parametrize("model,kv,page", [("mha", "fp8_e4m3", 16), ("mha", "fp8_e5m2", 1),
+                                           ("mla", "fp8_e5m2", 16), ("mla", "fp8_e4m3", 1)])
+def test_fp8_extend_on_the_default_plans(model, kv, page, fp8_dot):
+    _fp8_extend(model, kv, page, fp8_dot, AttentionLayer(**FP8_LAYER))
+
+
+# Queries of |q| up to ~4e5 (bf16), past fp16's 65504: the fp16 dot's 2^-8 prescale keeps
+# them finite (2^24 is its bound); a small softmax scale keeps the scores O(1).
+BIG_Q, BIG_Q_LAYER = 1e5, dict(FP8_LAYER, scaling=2e-6)
+
+
+@pytest.mark.parametrize("model,kv,topk,plan", [("mha", "fp8_e4m3", 4, None),
+                                                ("mla", "fp8_e5m2", 1, "dot-mla")])
+def test_fp8_decode_of_queries_past_fp16_range(model, kv, topk, plan):
+    steps, lens = 2, [26, 37]
+    runner = _fp8_runner(model, kv, seq_lens=lens, topk=topk, steps=steps, page=1)
+    batch = place_decode_round(runner, lens, topk, steps, 1, "path")
+    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
+    run_decode_round(runner, batch, backend, torch.bfloat16,
+                     AttentionLayer(**BIG_Q_LAYER, logit_cap=0.0), "path", q_mul=BIG_Q)
+
+
+def test_fp8_extend_of_queries_past_fp16_range():
+    """The causal tail (``finite`` / ``poison_rows``) and the MLA rope part, fp16 dots."""
+    _fp8_extend("mla", "fp8_e4m3", 16, "fp16", AttentionLayer(**BIG_Q_LAYER), q_mul=BIG_Q)

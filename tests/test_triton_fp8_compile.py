@@ -2,13 +2,15 @@
 is called on CPU tensors with the kernel launch captured, and the captured launch (the
 launcher's arguments and constexprs, with the GPU's dot precision) is compiled by Triton for
 an sm90 target down to SASS. GQA (``dot``) and MLA (``dot-mla``), e4m3 and e5m2 pools under
-bf16 queries, decode and extend.
+bf16 queries, decode and extend; ``fp8_dot="fp16"`` (the default: ``Q_F16``, fp16 dots) and
+``"model"`` (bf16 dots).
 
 Checked: the launcher matches the kernels' signatures, shared memory fits the H200's 227 KB,
 and the widening of FP8 codes takes no per-element ``F2F`` conversion (the cost that made FP8
-steps slower than bf16). Each case compiles in a child process without ``TRITON_INTERPRET``,
-with the Triton release the GPU runs (``plans.GLUON_TRITON``; skipped under any other). The
-numbers: ``tests/conformance`` and ``specattn bench --case fp8`` on the H200.
+steps slower than bf16), nor, with fp16 dots, bf16's fp16 -> fp32 step (``HADD2.F32``). Each
+case compiles in a child process without ``TRITON_INTERPRET``, with the Triton release the
+GPU runs (``plans.GLUON_TRITON``; skipped under any other). The numbers:
+``tests/conformance`` and ``specattn bench --case fp8`` on the H200.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def triton_of_the_gpu():
                     f"({'/'.join(plans.GLUON_TRITON)}) only")
 
 
-def _launch(model: str, kv: str, plan: str, extend: bool):
+def _launch(model: str, kv: str, plan: str, extend: bool, fp8_dot: str):
     """One ``launchers.attention`` call on CPU tensors (bf16 queries, the bench's shapes:
     GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4): its captured launch."""
     from specattn.backends.triton import _attn_kernels as K
@@ -79,7 +81,7 @@ def _launch(model: str, kv: str, plan: str, extend: bool):
                 num_steps=1 if extend else steps, step=0 if extend else 1, num_splits=3,
                 plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=torch.zeros(mid_o.shape[:-1]),
                 hist=hist, new_kv=(k, v), parents=None if extend else
-                torch.zeros(steps, 2, topk, dtype=torch.int64))
+                torch.zeros(steps, 2, topk, dtype=torch.int64), fp8_dot=fp8_dot)
     (launch,) = capture.launches
     return launch
 
@@ -109,25 +111,31 @@ def sass_counts(cubin: bytes) -> dict:
                 stack=int(spills.group(1)) if spills else -1)
 
 
-def compile_case(model: str, kv: str, plan: str, extend: bool) -> dict:
+def compile_case(model: str, kv: str, plan: str, extend: bool, fp8_dot: str) -> dict:
     """Capture and compile one launch: what the test checks."""
-    fn, _, args, kw = _launch(model, kv, plan, extend)
+    fn, _, args, kw = _launch(model, kv, plan, extend, fp8_dot)
     kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
     return dict(kernel=fn.__name__, shared=kernel.metadata.shared,
                 **sass_counts(kernel.asm["cubin"]))
 
 
-@pytest.mark.parametrize("model,kv,plan,extend", [
-    ("mha", "fp8_e4m3", "dot", False),
-    ("mha", "fp8_e5m2", "dot", True),
-    ("mla", "fp8_e4m3", "dot-mla", False),
+@pytest.mark.parametrize("model,kv,plan,extend,fp8_dot", [
+    ("mha", "fp8_e4m3", "dot", False, "fp16"),
+    ("mha", "fp8_e4m3", "dot", False, "model"),
+    ("mha", "fp8_e5m2", "dot", True, "fp16"),
+    ("mla", "fp8_e4m3", "dot-mla", False, "fp16"),
+    ("mla", "fp8_e5m2", "dot-mla", True, "model"),
 ])
-def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend):
-    got = in_child(__file__, dict(model=model, kv=kv, plan=plan, extend=extend))
+def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend,
+                                          fp8_dot):
+    got = in_child(__file__, dict(model=model, kv=kv, plan=plan, extend=extend,
+                                  fp8_dot=fp8_dot))
     print(got)
     assert got["shared"] <= H200_SHARED, got
     # FP8 codes widen through fp16 (F2FP), never by a per-element F2F conversion.
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
+    if fp8_dot == "fp16":  # fp16 operands: no fp16 -> fp32 step (HADD2.F32) of bf16's route
+        assert got.get("HADD2.F32", 0) == 0, got
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ from .tiles import attend_tile, softmax_update
 
 @triton.jit
 def load_latent(row, ok, off_a, off_b, D_HALF: tl.constexpr, D_PE: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, DOT_F32: tl.constexpr):
+                BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr):
     """Rows ``row [R, 1]`` (pointers; ``ok [R]``) of a latent layout ``[2 * D_HALF + D_PE]``
-    as ``(half at off_a, half at off_b, rope)``: the MLA kernel's keys and its queries
-    (fp32 on the interpreter, see ``attend_tile``)."""
+    as ``(half at off_a, half at off_b, rope)`` in their stored dtype: the MLA kernel's keys
+    and its queries (which ``tiles.query_operand`` makes dot operands)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_pe = tl.arange(0, BLOCK_DPE)
     hmask = ok[:, None] & (offs_h < D_HALF)[None, :]
@@ -38,10 +38,6 @@ def load_latent(row, ok, off_a, off_b, D_HALF: tl.constexpr, D_PE: tl.constexpr,
     b = tl.load(row + off_b + offs_h[None, :], mask=hmask, other=0.0)
     pe = tl.load(row + 2 * D_HALF + offs_pe[None, :],
                  mask=ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
-    if DOT_F32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        pe = pe.to(tl.float32)
     return a, b, pe
 
 

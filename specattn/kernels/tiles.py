@@ -12,7 +12,14 @@ saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.
   (the Triton backend's tail swaps in this call's new keys);
 - ``softmax_update``: the online-softmax step on raw scores (scale, soft cap, mask);
 - ``widen``: FP8 codes as a dot operand of a wider dtype, exactly and cheaply;
+- ``query_operand``: a query tile as a dot operand, fp16 (``F16``) or fp32 (``F32``);
 - ``dot_args``: the launch-time precision constexprs of these tiles.
+
+The tiles widen K and V to the query tile's dtype and cast P to it, so that dtype is the
+dots' dtype. FP8 pools under a bf16 model (the ``F16`` query, ``Q_F16`` in the kernels): the
+query tile is fp16, prescaled by ``2^-8`` (``Q_F16_SCALE``, folded into the softmax scale),
+so that every code widens to fp16 in one exact conversion and P.V takes an fp16 P; widening
+to bf16 adds fp32 intermediates and their instructions to every tile (``widen``).
 
 Latent (MLA) and FP8 tiles: ``latent.py``.
 """
@@ -22,6 +29,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# FP8 pools under a bf16 model: the query tile is ``q / Q_F16_SCALE`` in fp16 and the softmax
+# scale ``sm_scale * Q_F16_SCALE``. A power of two: exact both ways; fp16 then holds |q| up
+# to 2^8 * 65504 ~ 2^24 (bf16's range is wider, its 8-bit mantissa narrower), and values
+# from 2^-9 up keep every bit of their bf16 mantissa.
+Q_F16_SCALE = tl.constexpr(256.0)
+Q_F16_PRESCALE = tl.constexpr(1.0 / 256.0)
 
 
 def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
@@ -43,7 +57,10 @@ def widen(x, DTYPE: tl.constexpr):
     two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``). For bf16, fp16 -> fp32 is exact and,
     an FP8 mantissa having at most 3 bits, the fp32's top 16 bits are the bf16 value (NaN and
     infinities included): a shift and a move, where ``x.to(tl.bfloat16)`` rounds through a
-    per-element conversion (``F2F``, a quarter-rate pipe on sm90)."""
+    per-element conversion (``F2F``, a quarter-rate pipe on sm90). That route still costs
+    fp32 intermediates (two ``HADD2.F32`` and a ``PRMT`` per two codes on sm90);
+    ``DTYPE == tl.float16`` is the conversion alone (the ``F16`` query of
+    ``query_operand``)."""
     if x.dtype == DTYPE:
         y = x
     elif x.dtype.is_fp8():
@@ -59,11 +76,24 @@ def widen(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def query_operand(q, F16: tl.constexpr, F32: tl.constexpr):
+    """A loaded query tile as the dots' operand: with ``F16``, ``q * 2^-8`` rounded to fp16
+    (the caller multiplies its softmax scale by ``Q_F16_SCALE``); then fp32 when ``F32`` (the
+    interpreter: ``attend_tile``), so the interpreter sees the fp16 query's values."""
+    if F16:
+        q = (q.to(tl.float32) * Q_F16_PRESCALE).to(tl.float16)
+    if F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
-           BLOCK_DPE: tl.constexpr, F32: tl.constexpr):
+           BLOCK_DPE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr = False):
     """Query rows ``rows [BLOCK_M, 1]`` (pointers; ``row_ok [BLOCK_M]``) as ``(q [BLOCK_M,
     BLOCK_D], qpe [BLOCK_M, BLOCK_DPE])``: columns ``[0, D_MAIN)`` and ``[D_MAIN, D_MAIN +
-    D_PE)`` (``qpe = q`` when ``D_PE == 0``), 0 where masked, fp32 when ``F32``."""
+    D_PE)`` (``qpe = q`` when ``D_PE == 0``), 0 where masked, as ``query_operand`` (``F16``:
+    prescaled fp16; ``F32``: fp32)."""
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
                 other=0.0)
@@ -73,10 +103,7 @@ def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.c
                       mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
     else:
         qpe = q
-    if F32:
-        q = q.to(tl.float32)
-        qpe = qpe.to(tl.float32)
-    return q, qpe
+    return query_operand(q, F16, F32), query_operand(qpe, F16, F32)
 
 
 @triton.jit
@@ -155,7 +182,8 @@ def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: 
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
               DOT_F32: tl.constexpr):
     """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``). K / V
-    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``)."""
+    tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``), and
+    P is cast to it: ``q``'s dtype is the dots' (fp16 for the ``F16`` query)."""
     s = tl.dot(q, tl.trans(widen(k, q.dtype)), input_precision=DOT_PREC)
     if D_PE > 0:
         s += tl.dot(qpe, tl.trans(widen(kpe, q.dtype)), input_precision=DOT_PREC)

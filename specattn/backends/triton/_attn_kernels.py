@@ -10,6 +10,12 @@ key tile loaded once for the group; the tail is each lane's ``step + 1`` history
 writes a normalised fp32 partial and its natural-log LSE (``-inf``: no key) for
 ``specattn.kernels.merge.merge_partials``. Keys are gathered through ``req_to_token`` (any
 page size); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16``.
+
+FP8 pools: the tiles widen the codes to the query tile's dtype (``tiles.widen``). ``Q_F16``
+(FP8 pools under a bf16 model): the query tile is prescaled fp16 (``tiles.query_operand``,
+the factor folded into ``sm_scale``), so the dots are fp16 with fp32 accumulation: codes ->
+fp16 is one exact conversion, where widening to bf16 goes through fp32 intermediates in every
+tile. The partials stay fp32 and the output the query's dtype.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import triton.language as tl
 
 from ...kernels.latent import load_latent
 from ...kernels.pdl import launch_dependents, wait_for_primary
-from ...kernels.tiles import (attend_kv, attend_tile, finite, in_pool, load_kv, load_q, lse,
-                              nonfinite_rows, poison_rows, softmax_update, widen)
+from ...kernels.tiles import (Q_F16_SCALE, attend_kv, attend_tile, finite, in_pool, load_kv,
+                              load_q, lse, nonfinite_rows, poison_rows, query_operand,
+                              softmax_update, widen)
 
 # Meta row layout written by the metadata kernels: [rpi, prefix_len, split_len, q_start, n_q].
 META_W = tl.constexpr(5)
@@ -42,7 +49,8 @@ def _partial_attn_kernel(
         D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+        Q_F16: tl.constexpr = False):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -52,9 +60,12 @@ def _partial_attn_kernel(
     Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
     key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
-    softmax scale, the value scale into the normalised output. PDL (a programmatic dependent
-    launch after ``_write_kv_kernel``): only the tail reads the KV that launch writes, so only
-    the tail program waits for it; every program lets the merge launch after its key loop.
+    softmax scale, the value scale into the normalised output. Q_F16 (SCALED, bf16 Q): q and
+    qpe are ``q * 2^-8`` in fp16 and ``sm_scale`` is times ``2^8``; every tile, prefix and
+    tail, widens its codes to fp16 and P.V takes an fp16 P (see the module doc). PDL (a
+    programmatic dependent launch after ``_write_kv_kernel``): only the tail reads the KV
+    that launch writes, so only the tail program waits for it; every program lets the merge
+    launch after its key loop.
     """
     rb = tl.program_id(0)
     gh = tl.program_id(1)
@@ -73,7 +84,7 @@ def _partial_attn_kernel(
     head = kvh * GROUP + offs_m % GROUP
     q_row = (q_start + q_local).to(tl.int64)
     q, qpe = load_q(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh, row_ok,
-                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32)
+                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32, Q_F16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -82,6 +93,8 @@ def _partial_attn_kernel(
     r2t_row = ReqToToken + rpi * stride_r2t
     if SCALED:
         sm_scale = sm_scale * tl.load(KScale)
+    if Q_F16:
+        sm_scale = sm_scale * Q_F16_SCALE
 
     if split < NUM_SPLITS:
         start, end = _split_bounds(split, split_len, prefix_len, live)
@@ -262,9 +275,10 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, 
     qpe.kpe``, ``acc_a += P.ka``, ``acc_b += P.kb``. ``CAUSAL`` (extend tails): P.V reads the
     tile with non-finite values zeroed and the rows that see such a key become NaN, so a bad
     key reaches exactly the rows that attend to it (``0 * NaN`` is NaN in P.V). FP8 codes are
-    widened exactly to the query's dtype (``tiles.widen``), for S and P.V."""
+    widened exactly to the query tile's dtype (``tiles.widen``; fp16 under ``Q_F16``), for S
+    and P.V, and P is cast to it."""
     ca, cb, cpe = load_latent(rows[:, None], key_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H,
-                              BLOCK_DPE, False)
+                              BLOCK_DPE)
     ka, kb = widen(ca, qa.dtype), widen(cb, qa.dtype)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
@@ -294,7 +308,7 @@ def _mla_partial_kernel(
         BLOCK_H: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, BLOCK_KW: tl.constexpr,
         SCALED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, Q_F16: tl.constexpr = False):
     """Grid ``(row_blocks, groups, NUM_SPLITS)``.
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
@@ -305,6 +319,8 @@ def _mla_partial_kernel(
     Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
     (FP8 pools): the caller stored this call's codes, the tail reads them from the pool, and
     a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output).
+    Q_F16 (SCALED, bf16 Q): qa, qb and qpe are ``q * 2^-8`` in fp16 and ``sm_scale`` is times
+    ``2^8``; the tiles' dots are fp16 (see the module doc).
     PDL: every program lets the merge launch after its key loop. The kernel itself is an
     ordinary launch: its every load (Q, Kin, Meta) may come from the launch before it.
     """
@@ -325,8 +341,10 @@ def _mla_partial_kernel(
     q_base = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
     offs_h = tl.arange(0, BLOCK_H)
     hmask = row_ok[:, None] & (offs_h < D_HALF)[None, :]
-    qa, qb, qpe = load_latent(q_base, row_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H, BLOCK_DPE,
-                              DOT_F32)
+    qa, qb, qpe = load_latent(q_base, row_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H, BLOCK_DPE)
+    qa = query_operand(qa, Q_F16, DOT_F32)
+    qb = query_operand(qb, Q_F16, DOT_F32)
+    qpe = query_operand(qpe, Q_F16, DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -337,6 +355,8 @@ def _mla_partial_kernel(
     if SCALED:
         kv_scale = tl.load(KScale)
         sm_scale = sm_scale * kv_scale
+    if Q_F16:
+        sm_scale = sm_scale * Q_F16_SCALE
 
     if not SCALED:
         if split == 0:
