@@ -7,8 +7,8 @@ The contract checks (numerics against the reference, pools, graphs, refusals) li
 conformance kit (``tests/conformance``); this file keeps the ones specific to Triton: the
 ``mode``, ``plan``, ``num_splits``, ``max_extend_len`` and ``pdl`` options, every ``tl.dot``
 plan and its KV write, the plan table and split planning, an empty prefix, NaN keys in
-extend; FP8 pools on the default plans under both ``fp8_dot`` values (and queries past
-fp16's range) and ``tiles.widen`` over every FP8 code.
+extend; FP8 pools on the default plans (fp16 dots under a bf16 model, queries past fp16's
+range included) and ``tiles.widen`` over every FP8 code.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ class _Recorded:
 
 
 def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto",
-                       dtype=torch.float32, fp8_dot: str = "fp16", kws=None):
+                       dtype=torch.float32, kws=None):
     """One ``launchers.attention`` call with ``pdl=True`` (3 lanes, 2 splits), the Triton
     kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order (their keywords
     appended to ``kws``)."""
@@ -312,7 +312,7 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
                         lanes_per_group=1, topk=1, num_steps=1, step=0, num_splits=2,
                         plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
                         hist=torch.arange(3, dtype=torch.int32).view(3, 1), new_kv=(k, v),
-                        pdl=True, fp8_dot=fp8_dot)
+                        pdl=True)
     return log
 
 
@@ -346,33 +346,18 @@ def test_pdl_reaches_both_classes_as_a_bench_option():
 
 
 @pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mla", "dot-mla")])
-@pytest.mark.parametrize("dtype,kv,fp8_dot,q_f16", [
-    (torch.bfloat16, "fp8_e4m3", "fp16", True),
-    (torch.bfloat16, "fp8_e5m2", "model", False),
-    (torch.float16, "fp8_e4m3", "fp16", False),  # widen is the one conversion already
-    (torch.bfloat16, "auto", "fp16", False),
+@pytest.mark.parametrize("dtype,kv,q_f16", [
+    (torch.bfloat16, "fp8_e4m3", True),
+    (torch.bfloat16, "fp8_e5m2", True),
+    (torch.float16, "fp8_e4m3", False),  # widen is the one conversion already
+    (torch.bfloat16, "auto", False),
 ])
-def test_fp8_dot_sets_q_f16(monkeypatch, model, plan, dtype, kv, fp8_dot, q_f16):
-    """``Q_F16``: FP8 pools under a bf16 model with ``fp8_dot="fp16"``, and only those."""
+def test_q_f16_for_fp8_pools_under_bf16(monkeypatch, model, plan, dtype, kv, q_f16):
+    """``Q_F16``: FP8 pools under a bf16 model, and only those."""
     kws: list = []
-    _recorded_launches(monkeypatch, model, plan, kv, dtype, fp8_dot, kws)
+    _recorded_launches(monkeypatch, model, plan, kv, dtype, kws)
     (kw,) = [kw for kw in kws if "D_PE" in kw]  # the attention kernel's launch
     assert kw["Q_F16"] is q_f16
-
-
-@pytest.mark.parametrize("cls,args", [(TritonDecode, (2, 2)), (TritonExtend, ())])
-def test_fp8_dot_is_checked_and_reaches_both_classes_as_a_bench_option(cls, args):
-    from specattn.bench.options import check_options, parse_option
-    from specattn.registry import default_registry
-
-    runner = _runner_for(GQA, torch.bfloat16, "fp8_e4m3")
-    with pytest.raises(InvalidInputError, match=r"^fp8_dot: expected one of \('fp16', "
-                       r"'model'\), got 'bf16'$"):
-        cls(runner, *args, fp8_dot="bf16")
-    assert cls(runner, *args)._fp8_dot == "fp16"
-    opt = parse_option("triton:fp8_dot=model")
-    check_options([opt], default_registry)
-    assert opt.fits(cls) and opt.kwargs_for(cls) == {"fp8_dot": "model"}
 
 
 def test_plan_errors_name_the_plan():
@@ -637,20 +622,19 @@ FP8_DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fp8_dot", ["fp16", "model"])
 @pytest.mark.parametrize("model,kv,topk,page,heads,plan", FP8_DECODE_CASES)
-def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan, fp8_dot):
+def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan):
     steps, lens = 3, [26, 37]
     runner = _fp8_runner(model, kv, seq_lens=lens, topk=topk, steps=steps, page=page,
                          heads=heads)
     batch = place_decode_round(runner, lens, topk, steps, page, "path")
-    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan, fp8_dot=fp8_dot)
+    backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
     assert backend.plan.name == ("dot" if model == "mha" else "dot-mla")
     run_decode_round(runner, batch, backend, torch.bfloat16,
                      AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
 
 
-def _fp8_extend(model, kv, page, fp8_dot, layer, q_mul=1.0):
+def _fp8_extend(model, kv, page, layer, q_mul=1.0):
     """One extend call over an FP8 pool (bf16 queries times ``q_mul``) against the
     reference."""
     lens, ext = [30, 19], [6, 3]
@@ -658,7 +642,7 @@ def _fp8_extend(model, kv, page, fp8_dot, layer, q_mul=1.0):
                          page=page)
     batch = place_extend_round(runner, lens, ext)
     plan = "dot-mla" if model == "mla" else None
-    backend = TritonExtend(runner, plan=plan, fp8_dot=fp8_dot)
+    backend = TritonExtend(runner, plan=plan)
     backend.init_forward_metadata(batch)
     assert backend._round_plan["plan"].name == (plan or "dot")
     q, k, v = new_qkv(runner, sum(ext), torch.bfloat16)
@@ -668,11 +652,10 @@ def _fp8_extend(model, kv, page, fp8_dot, layer, q_mul=1.0):
            torch.bfloat16)
 
 
-@pytest.mark.parametrize("fp8_dot", ["fp16", "model"])
 @pytest.mark.parametrize("model,kv,page", [("mha", "fp8_e4m3", 16), ("mha", "fp8_e5m2", 1),
                                            ("mla", "fp8_e5m2", 16), ("mla", "fp8_e4m3", 1)])
-def test_fp8_extend_on_the_default_plans(model, kv, page, fp8_dot):
-    _fp8_extend(model, kv, page, fp8_dot, AttentionLayer(**FP8_LAYER))
+def test_fp8_extend_on_the_default_plans(model, kv, page):
+    _fp8_extend(model, kv, page, AttentionLayer(**FP8_LAYER))
 
 
 # Queries of |q| up to ~4e5 (bf16), past fp16's 65504: the fp16 dot's 2^-8 prescale keeps
@@ -693,4 +676,4 @@ def test_fp8_decode_of_queries_past_fp16_range(model, kv, topk, plan):
 
 def test_fp8_extend_of_queries_past_fp16_range():
     """The causal tail (``finite`` / ``poison_rows``) and the MLA rope part, fp16 dots."""
-    _fp8_extend("mla", "fp8_e4m3", 16, "fp16", AttentionLayer(**BIG_Q_LAYER), q_mul=BIG_Q)
+    _fp8_extend("mla", "fp8_e4m3", 16, AttentionLayer(**BIG_Q_LAYER), q_mul=BIG_Q)

@@ -1,13 +1,13 @@
 """The ``tl.dot`` kernels over FP8 pools compiled for sm90 without a GPU: ``launchers.attention``
 is called on CPU tensors with the kernel launch captured, and the captured launch (the
 launcher's arguments and constexprs, with the GPU's dot precision) is compiled by Triton for
-an sm90 target down to SASS. GQA (``dot``) and MLA (``dot-mla``), e4m3 and e5m2 pools under
-bf16 queries, decode and extend; ``fp8_dot="fp16"`` (the default: ``Q_F16``, fp16 dots) and
-``"model"`` (bf16 dots).
+an sm90 target down to SASS. GQA (``dot``) and MLA (``dot-mla``), e4m3 and e5m2 pools,
+decode and extend, under bf16 queries (``Q_F16``: fp16 dots on a prescaled query) and fp16
+ones.
 
 Checked: the launcher matches the kernels' signatures, shared memory fits the H200's 227 KB,
 and the widening of FP8 codes takes no per-element ``F2F`` conversion (the cost that made FP8
-steps slower than bf16), nor, with fp16 dots, bf16's fp16 -> fp32 step (``HADD2.F32``). Each
+steps slower than bf16), nor bf16's fp16 -> fp32 step (``HADD2.F32``): the dots are fp16. Each
 case compiles in a child process without ``TRITON_INTERPRET``, with the Triton release the
 GPU runs (``plans.GLUON_TRITON``; skipped under any other). The numbers:
 ``tests/conformance`` and ``specattn bench --case fp8`` on the H200.
@@ -43,8 +43,8 @@ def triton_of_the_gpu():
                     f"({'/'.join(plans.GLUON_TRITON)}) only")
 
 
-def _launch(model: str, kv: str, plan: str, extend: bool, fp8_dot: str):
-    """One ``launchers.attention`` call on CPU tensors (bf16 queries, the bench's shapes:
+def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str):
+    """One ``launchers.attention`` call on CPU tensors (``dtype`` queries, the bench's shapes:
     GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4): its captured launch."""
     from specattn.backends.triton import _attn_kernels as K
     from specattn.backends.triton import launchers as L
@@ -55,20 +55,21 @@ def _launch(model: str, kv: str, plan: str, extend: bool, fp8_dot: str):
     setattr(K, name, capture)
     K._write_kv_kernel = Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
     L.merge_partials = lambda *args, **kw: None
+    dt = getattr(torch, dtype)
     topk, steps, slots = (4, 3, 256) if model == "mla" else (8, 3, 256)
     if model == "mla":
         runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=slots, max_reqs=2,
-                                 max_context_len=64, kv_cache_dtype=kv)
+                                 max_context_len=64, kv_cache_dtype=kv, dtype=dt)
     else:
         runner = DraftRunner.mha(32, 8, 128, num_layers=1, num_slots=slots, max_reqs=2,
-                                 max_context_len=64, kv_cache_dtype=kv)
+                                 max_context_len=64, kv_cache_dtype=kv, dtype=dt)
     shape = plans.AttnShape.of(runner)
     rows = 2 * topk
     width = shape.d_main + shape.d_pe
-    q = torch.zeros(rows, shape.num_q_heads, width, dtype=torch.bfloat16)
-    k = torch.zeros(rows, width, dtype=torch.bfloat16) if model == "mla" else \
-        torch.zeros(rows, 8, 128, dtype=torch.bfloat16)
-    v = None if model == "mla" else torch.zeros(rows, 8, 128, dtype=torch.bfloat16)
+    q = torch.zeros(rows, shape.num_q_heads, width, dtype=dt)
+    k = torch.zeros(rows, width, dtype=dt) if model == "mla" else \
+        torch.zeros(rows, 8, 128, dtype=dt)
+    v = None if model == "mla" else torch.zeros(rows, 8, 128, dtype=dt)
     meta = torch.zeros(2, 5, dtype=torch.int32)
     hist = torch.zeros(rows, 1 if extend else steps, dtype=torch.int32)
     parts = 4
@@ -81,7 +82,7 @@ def _launch(model: str, kv: str, plan: str, extend: bool, fp8_dot: str):
                 num_steps=1 if extend else steps, step=0 if extend else 1, num_splits=3,
                 plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=torch.zeros(mid_o.shape[:-1]),
                 hist=hist, new_kv=(k, v), parents=None if extend else
-                torch.zeros(steps, 2, topk, dtype=torch.int64), fp8_dot=fp8_dot)
+                torch.zeros(steps, 2, topk, dtype=torch.int64))
     (launch,) = capture.launches
     return launch
 
@@ -111,31 +112,31 @@ def sass_counts(cubin: bytes) -> dict:
                 stack=int(spills.group(1)) if spills else -1)
 
 
-def compile_case(model: str, kv: str, plan: str, extend: bool, fp8_dot: str) -> dict:
+def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str) -> dict:
     """Capture and compile one launch: what the test checks."""
-    fn, _, args, kw = _launch(model, kv, plan, extend, fp8_dot)
+    fn, _, args, kw = _launch(model, kv, plan, extend, dtype)
     kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
-    return dict(kernel=fn.__name__, shared=kernel.metadata.shared,
+    return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
                 **sass_counts(kernel.asm["cubin"]))
 
 
-@pytest.mark.parametrize("model,kv,plan,extend,fp8_dot", [
-    ("mha", "fp8_e4m3", "dot", False, "fp16"),
-    ("mha", "fp8_e4m3", "dot", False, "model"),
-    ("mha", "fp8_e5m2", "dot", True, "fp16"),
-    ("mla", "fp8_e4m3", "dot-mla", False, "fp16"),
-    ("mla", "fp8_e5m2", "dot-mla", True, "model"),
+@pytest.mark.parametrize("model,kv,plan,extend,dtype", [
+    ("mha", "fp8_e4m3", "dot", False, "bfloat16"),
+    ("mha", "fp8_e5m2", "dot", True, "bfloat16"),
+    ("mla", "fp8_e4m3", "dot-mla", False, "bfloat16"),
+    ("mla", "fp8_e5m2", "dot-mla", True, "bfloat16"),
+    ("mha", "fp8_e4m3", "dot", False, "float16"),
+    ("mla", "fp8_e5m2", "dot-mla", True, "float16"),
 ])
-def test_fp8_dot_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend,
-                                          fp8_dot):
-    got = in_child(__file__, dict(model=model, kv=kv, plan=plan, extend=extend,
-                                  fp8_dot=fp8_dot))
+def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend, dtype):
+    got = in_child(__file__, dict(model=model, kv=kv, plan=plan, extend=extend, dtype=dtype))
     print(got)
+    assert got["q_f16"] is (dtype == "bfloat16"), got  # the prescaled fp16 query under bf16
     assert got["shared"] <= H200_SHARED, got
     # FP8 codes widen through fp16 (F2FP), never by a per-element F2F conversion.
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
-    if fp8_dot == "fp16":  # fp16 operands: no fp16 -> fp32 step (HADD2.F32) of bf16's route
-        assert got.get("HADD2.F32", 0) == 0, got
+    # fp16 operands under both models: no fp16 -> fp32 step (HADD2.F32) of bf16's route
+    assert got.get("HADD2.F32", 0) == 0, got
 
 
 if __name__ == "__main__":

@@ -128,20 +128,19 @@ def test_mla_tl_dot_plans_real_shapes(plan):
               steps_to_check={0, 4})
 
 
-@pytest.mark.parametrize("fp8_dot", ["fp16", "model"])
 @pytest.mark.parametrize("model,kv,plan", [("mha", "fp8_e4m3", None), ("mha", "fp8_e5m2", None),
                                            ("mla", "fp8_e4m3", "dot-mla"),
                                            ("mla", "fp8_e5m2", "dot-mla")])
-def test_fp8_default_plans_real_shapes(model, kv, plan, fp8_dot, q_mul=1.0):
+def test_fp8_default_plans_real_shapes(model, kv, plan, q_mul=1.0):
     """FP8 pools on the default ``tl.dot`` plans at gqa-long / mla-long-like shapes (``dot`` as
-    the table picks it; ``dot-mla`` forced past the sm90 kernels), both ``fp8_dot`` values:
+    the table picks it; ``dot-mla`` forced past the sm90 kernels; fp16 dots under bf16):
     ragged batch, path mode, scales != 1, against torch_ref over the dequantized pool."""
     from specattn.backends.triton import TritonDecode
 
     topk = 4 if model == "mla" else 8
     lens = [random.randint(2048, 6144) for _ in range(4)]
     r, batch = make_decode(model, torch.bfloat16, topk, 5, 1, lens, "path", kv=kv)
-    backend = TritonDecode(r, topk, 5, tree_mode="path", plan=plan, fp8_dot=fp8_dot)
+    backend = TritonDecode(r, topk, 5, tree_mode="path", plan=plan)
     assert backend.plan.name == (plan or "dot")
     layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5 / q_mul, k_scale=0.37,
                            v_scale=1.9)
@@ -154,7 +153,7 @@ def test_fp8_default_plans_real_shapes(model, kv, plan, fp8_dot, q_mul=1.0):
 def test_fp8_fp16_dots_of_queries_past_fp16_range(model, kv, plan):
     """Queries of |q| up to ~5e5 (past fp16's 65504; the fp16 dots' 2^-8 prescale keeps
     them), the softmax scale as much smaller."""
-    test_fp8_default_plans_real_shapes(model, kv, plan, "fp16", q_mul=1e5)
+    test_fp8_default_plans_real_shapes(model, kv, plan, q_mul=1e5)
 
 
 @pytest.mark.parametrize("model", ["mha", "mla"])

@@ -30,7 +30,6 @@ _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
 _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
 DECODE_MODES = ("shared", "per-branch")
-FP8_DOTS = ("fp16", "model")
 
 
 def _launchers():
@@ -71,9 +70,9 @@ class _TritonCommon:
         return forced
 
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str,
-                 pdl: bool = False, fp8_dot: str = "fp16") -> None:
-        """``num_splits`` / ``plan`` / ``pdl`` / ``fp8_dot`` checked and kept; the per-round
-        caches emptied."""
+                 pdl: bool = False) -> None:
+        """``num_splits`` / ``plan`` / ``pdl`` checked and kept; the per-round caches
+        emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
                                            and 1 <= num_splits <= P.DOT_MAX_SPLITS):
             raise InvalidInputError("num_splits", f"an int in [1, {P.DOT_MAX_SPLITS}] or None",
@@ -81,9 +80,6 @@ class _TritonCommon:
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
                                     repr(plan))
-        if fp8_dot not in FP8_DOTS:
-            raise InvalidInputError("fp8_dot", f"one of {FP8_DOTS}", repr(fp8_dot))
-        self._fp8_dot = fp8_dot
         self._pdl = self._checked_pdl(pdl)
         self._num_splits_override = num_splits
         self._forced = None if plan is None else P.plan_named(
@@ -152,10 +148,9 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
     an error where the plan cannot serve this model here); ``pdl``: the ``tl.dot`` plans'
     split-KV kernel and merge as programmatic dependent launches (CUDA sm90+ only, an error
-    elsewhere; the sm90 plans launch as without it: ``launchers.attention``); ``fp8_dot``:
-    the ``tl.dot`` plans' dots over FP8 pools under a bf16 model, ``"fp16"`` (on a query
-    prescaled to fp16: codes widen to fp16 in one exact conversion) or ``"model"`` (in bf16,
-    through fp32 intermediates)."""
+    elsewhere; the sm90 plans launch as without it: ``launchers.attention``). The ``tl.dot``
+    plans over FP8 pools under a bf16 model dot in fp16, on a query prescaled to fp16 (codes
+    widen to fp16 in one exact conversion: ``launchers.attention``)."""
 
     known_limits = {"decode/*/isolation/*": (
         "the lanes of a request share one history tile: a non-finite value in one lane's "
@@ -166,13 +161,12 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 plan: Optional[str] = None, pdl: bool = False, fp8_dot: str = "fp16") -> None:
+                 plan: Optional[str] = None, pdl: bool = False) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
         self.mode = mode
-        self._options(num_splits, plan, "decode" if mode == "shared" else "per-branch", pdl,
-                      fp8_dot)
+        self._options(num_splits, plan, "decode" if mode == "shared" else "per-branch", pdl)
 
     @property
     def plan(self) -> P.Plan:
@@ -271,8 +265,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
                            num_steps=self.num_steps, step=step,
                            num_splits=plan["num_splits"], plan=kernel_plan, mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:lanes], parents=parents,
-                           new_kv=(k, v), work=bufs.work, pdl=self._pdl,
-                           fp8_dot=self._fp8_dot)
+                           new_kv=(k, v), work=bufs.work, pdl=self._pdl)
 
 
 class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
@@ -282,19 +275,18 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
     ``max_extend_len``: CUDA graphs only, the largest ``extend_lens`` of any graph round
     (EAGLE: ``num_steps + 1``), which sizes the grid; without it the grid covers any split of
     the ``T`` tokens (mostly empty row blocks: 2.1x the eager time at ``extend`` on the
-    H200). ``num_splits``, ``plan``, ``pdl`` and ``fp8_dot`` as in ``TritonDecode`` (the
-    ``tl.dot`` plans)."""
+    H200). ``num_splits``, ``plan`` and ``pdl`` as in ``TritonDecode`` (the ``tl.dot``
+    plans)."""
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, plan: Optional[str] = None,
-                 max_extend_len: Optional[int] = None, pdl: bool = False,
-                 fp8_dot: str = "fp16") -> None:
+                 max_extend_len: Optional[int] = None, pdl: bool = False) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         if max_extend_len is not None and not (isinstance(max_extend_len, int)
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
-        self._options(num_splits, plan, "extend", pdl, fp8_dot)
+        self._options(num_splits, plan, "extend", pdl)
         self.max_extend_len = max_extend_len  # checked by the base class in graph rounds
 
     def _plan_for(self, bs: int, num_tokens: int, max_extend: int) -> dict:
@@ -360,4 +352,4 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
                            num_splits=plan["num_splits"], plan=plan["plan"], mid_o=mid_o,
                            mid_lse=mid_lse, hist=bufs.hist[:plan["num_tokens"]],
-                           new_kv=(k, v), pdl=self._pdl, fp8_dot=self._fp8_dot)
+                           new_kv=(k, v), pdl=self._pdl)

@@ -192,8 +192,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
               step: int, num_splits: int, plan: Plan, mid_o: torch.Tensor,
               mid_lse: torch.Tensor, hist: torch.Tensor, new_kv: tuple,
               parents: Optional[torch.Tensor] = None,
-              work: Optional[torch.Tensor] = None, pdl: bool = False,
-              fp8_dot: str = "fp16") -> torch.Tensor:
+              work: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
     """Store this call's KV, attend, merge. q: ``[rows, H_q, D]`` -> o: ``[rows, H_q, D_v]``
     in ``q.dtype``.
 
@@ -209,8 +208,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     programmatic dependent launch, and so is the split-KV kernel after the KV write launch
     (not after torch's FP8 write, whose scale copies its programs would not wait for); the
     MLA kernel stays an ordinary launch (all it reads may come from the launch before).
-    fp8_dot (the ``tl.dot`` plans over FP8 pools under a bf16 model): ``"fp16"``, the dots
-    in fp16 on a prescaled query (``Q_F16``, ``_attn_kernels``), or ``"model"``, in bf16."""
+    The ``tl.dot`` plans over FP8 pools under a bf16 model dot in fp16 on a prescaled query
+    (``Q_F16``, ``_attn_kernels``)."""
     if not hist.is_contiguous():
         raise ValueError("a KV write needs the contiguous slot table `hist`")
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
@@ -256,7 +255,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         return out
     par, par_s, par_b = parent_args(parents, meta)
     dots = dot_args(q.dtype, q.device)
-    dots["Q_F16"] = scaled and q.dtype == torch.bfloat16 and fp8_dot == "fp16"
+    dots["Q_F16"] = scaled and q.dtype == torch.bfloat16
     common = (step, float(layer.scaling), float(layer.logit_cap))
     block_m, num_warps = plan.tile(rows_per_group)
     if kernel is Kernel.DOT_MLA:
