@@ -568,8 +568,8 @@ def _all_codes(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_widen_of_every_codes_fp16_value_is_exact(fp8, dtype):
     """The step after the hardware conversion (codes -> fp16): every code's fp16 value
-    becomes the code's value in ``dtype`` bit for bit (bf16: the fp32's top half), NaN stays
-    NaN, -0 and e5m2's infinities kept."""
+    becomes the code's value in ``dtype`` bit for bit, NaN stays NaN, -0 and e5m2's
+    infinities kept."""
     codes = _all_codes(fp8)
     ref = codes.cpu().to(dtype)
     got = _widened(codes.cpu().to(torch.float16).to(DEV), dtype).cpu()

@@ -54,22 +54,13 @@ def widen(x, DTYPE: tl.constexpr):
 
     Every e4m3 and e5m2 code is an fp16 value (e4m3's smallest subnormal, 2^-9, is a normal
     fp16; e5m2 is the top byte of an fp16), so codes -> fp16 is one hardware conversion for
-    two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``). For bf16, fp16 -> fp32 is exact and,
-    an FP8 mantissa having at most 3 bits, the fp32's top 16 bits are the bf16 value (NaN and
-    infinities included): a shift and a move, where ``x.to(tl.bfloat16)`` rounds through a
-    per-element conversion (``F2F``, a quarter-rate pipe on sm90). That route still costs
-    fp32 intermediates (two ``HADD2.F32`` and a ``PRMT`` per two codes on sm90);
-    ``DTYPE == tl.float16`` is the conversion alone (the ``F16`` query of
-    ``query_operand``)."""
+    two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``): the ``tl.dot`` kernels take FP8 tiles
+    as fp16 (``query_operand``'s fp16 query under a bf16 model). Any other ``DTYPE`` (the
+    interpreter's fp32 dots) follows from the fp16 value, exactly."""
     if x.dtype == DTYPE:
         y = x
     elif x.dtype.is_fp8():
-        h = x.to(tl.float16)
-        if DTYPE == tl.bfloat16:
-            bits = h.to(tl.float32).to(tl.int32, bitcast=True) >> 16
-            y = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            y = h.to(DTYPE)
+        y = x.to(tl.float16).to(DTYPE)
     else:
         y = x.to(DTYPE)
     return y
