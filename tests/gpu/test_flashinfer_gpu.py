@@ -275,6 +275,33 @@ def test_replay_metadata_does_not_wait_for_the_device(mla, topk):
     _check_real_lanes(case, batch, parents, inputs, outs, "lane")
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_replay_metadata_is_a_fixed_launch_count_without_sync(mla):
+    """One replay metadata call (a kept call, ``seq_lens_cpu`` given) makes the same device
+    work at 1 request and 2 steps as at 8 requests and 5 steps: the slot-list kernel and the
+    planner's copy of its schedule (no CSR copies), under torch's sync check."""
+    seen = []
+    for bs, steps in ((1, 2), (8, 5)):
+        case = make_decode_case(mla=mla, bs=bs, topk=4, steps=steps, dtype=torch.bfloat16,
+                                device="cuda", seed=bs, max_len=600, heads=MLA if mla else GQA,
+                                scaling=MLA_SCALE if mla else None)
+        backend, parents = _captured_backend(case, mla, 4, steps, bs)
+        batch = _graph_batch(case, list(range(bs)), parents, True)
+        for _ in range(3):
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        seen.append(sorted(e.name for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA))
+    assert seen[0] == seen[1] and len(seen[0]) <= 2, seen
+
+
 # --- host work of the replay metadata call ---------------------------------------------------
 
 # (mla, requests, context, K, page size): the serving shapes (DeepSeek-style MLA: 16 heads,
