@@ -114,7 +114,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, quant: int, codes: Codes) -> 
     block = 1024
     if flat.numel():
         _quantize_kernel[(triton.cdiv(flat.numel(), block),)](
-            flat, scale, out, flat.numel(), QUANT=quant, BLOCK=block, **codes.kwargs())
+            flat, scale, out, flat.numel(), QUANT=quant, BLOCK=block, enable_fp_fusion=False,
+            **codes.kwargs())
     return out.view(x.shape)
 
 

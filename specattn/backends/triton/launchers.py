@@ -209,7 +209,7 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
         kb, vb = kb.view(torch.uint8), vb.view(torch.uint8)
         k_scale, v_scale = fp8.k_scale, fp8.v_scale
         quant = dict(FP8=True, K_QUANT=fp8.k_quant, V_QUANT=fp8.v_quant,
-                     **fp8.codes.kwargs())
+                     enable_fp_fusion=False, **fp8.codes.kwargs())  # no fma: torch's roundings
     K._write_kv_kernel[(rows, k3.shape[1])](
         slots, slots.stride(0), k3, v3, kb, vb, k_scale, v_scale, k3.stride(0), k3.stride(1),
         v3.stride(0), v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2],
