@@ -305,3 +305,18 @@ def with_bad_slot(batch, num_slots: int):
     loc = batch.out_cache_loc.clone()
     loc.view(-1)[0] = num_slots
     return replaced(batch, out_cache_loc=loc)
+
+
+def replay_device_work(backend, batch, bs: int) -> list[str]:
+    """The CUDA activities (kernels, copies) of one replay metadata call, after a first call
+    (compiles, warms caches and the kept launch), with any host synchronisation an error."""
+    backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import decode_sizes, place_decode_round, place_extend_round  # noqa: E402
+from helpers import (decode_sizes, place_decode_round, place_extend_round,  # noqa: E402
+                     replay_device_work)
 from specattn.base import _FixedRound  # noqa: E402
 from specattn.data import DraftBatch, DraftRunner  # noqa: E402
 from specattn.platforms._probes import module_available  # noqa: E402
@@ -63,21 +64,6 @@ def _captured(model, bs, steps, topk=4, page=16, lens=None):
     return backend, batch
 
 
-def _replay_launches(backend, batch, bs) -> list[str]:
-    """The CUDA kernels one replay metadata call launches, after a first call (compiles,
-    warms caches and the kept launch), with any host synchronisation an error."""
-    backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def _host_us(backend, batch, bs) -> float:
     """Median host time in us of the replay metadata call (``TIMED_CALLS`` calls after
     ``WARM_UP_CALLS``, each on an idle device), which launches the kept compiled kernel."""
@@ -95,9 +81,9 @@ def _host_us(backend, batch, bs) -> float:
 
 
 def _replay_kernels(model, bs, steps, topk=4, page=16):
-    """The CUDA kernels one replay metadata call launches (``_replay_launches``)."""
+    """The CUDA kernels one replay metadata call launches (``helpers.replay_device_work``)."""
     backend, batch = _captured(model, bs, steps, topk, page)
-    return _replay_launches(backend, batch, bs), backend
+    return replay_device_work(backend, batch, bs), backend
 
 
 @pytest.mark.parametrize("model", ["mha", "mla", "extend"])
@@ -180,7 +166,7 @@ def test_fa4_replay_metadata_is_one_launch_without_sync(case):
     counts = []
     for size, n_steps in ((1, 2), (bs, steps)):
         backend, batch = _fa4_captured(kind, size, topk, n_steps, page, prefix)
-        counts.append(_replay_launches(backend, batch, size))
+        counts.append(replay_device_work(backend, batch, size))
     assert [len(c) for c in counts] == [1, 1], counts
 
 
