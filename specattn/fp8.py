@@ -9,8 +9,7 @@ stored value ``code * v_scale``; an MLA latent pool uses ``k_scale`` for all of 
   That is the expression, so its bits are torch's on the device it runs on: on the CPU a true
   fp32 division; on CUDA torch computes a division by a Python float as a multiplication by
   the fp32 reciprocal ``1 / float32(scale)`` (and by a tensor as a true division). A kernel
-  that stores codes itself must reproduce the device's expression to match
-  (``specattn.kernels.fp8_codes``: the triton backend's KV write on CUDA).
+  that stores codes itself must reproduce the device's expression to match.
 - ``dequantize(codes, scale)``: ``codes.float() * scale`` (float32 unless asked otherwise);
   ``dequantize_into(out, codes, scale)`` the same values written into ``out`` (an
   activation-dtype tensor of the codes' shape) without a float32 copy.
