@@ -23,13 +23,14 @@ launch is kept per signature and grid and launched directly), and one FlashInfer
 prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: that launch,
 numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
 FlashInfer's native planner, ``_replan``, whose captured ``kv_indptr`` / ``kv_lens`` the
-launch writes too: no host-to-device copy of the CSR); no device-to-host read. ``per-branch`` mode plans
-the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one plan each: their KV sets
-differ; the serving loop never runs step ``S - 1``; eager calls plan it on first use), their
-slot lists built with torch (``_slots.fill_ragged_slots``). Run step (``forward``): build
-the ``path`` histories on the device (graph-safe), run the passes; ``shared`` mode's history
-kernel also stores the step's K/V (the prefix pass never reads them: one launch less than
-``runner.write_kv``), the other modes write them first with ``runner.write_kv``.
+launch writes too: no host-to-device copy of the CSR); no device-to-host read.
+``per-branch`` mode plans the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one
+plan each: their KV sets differ; the serving loop never runs step ``S - 1``; eager calls
+plan it on first use), their slot lists built with torch (``_slots.fill_ragged_slots``). Run
+step (``forward``): build the ``path`` histories on the device (graph-safe), run the passes;
+``shared`` mode's history kernel also stores the step's K/V (the prefix pass never reads
+them: one launch less than ``runner.write_kv``), the other modes write them first with
+``runner.write_kv``.
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
@@ -51,9 +52,9 @@ import numpy as np
 import torch
 
 from ...data import host_lengths
-from ...graph_calls import KeptDecodeCalls, Replay
 from ...errors import InvalidInputError
 from ...fp8 import scale_rows
+from ...graph_calls import KeptDecodeCalls, Replay
 from ...metadata import path_history_slots
 from ._passes import Params, Pass, captured, capturing, fp8_scales, replan
 from ._slots import fill_ragged_slots, history_positions, host_arange, host_csr

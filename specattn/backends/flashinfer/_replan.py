@@ -9,19 +9,20 @@ public plan stores it (its schedule written into the wrapper's int workspace by 
 itself), the host CSR copied into the captured buffers (``non_blocking`` from pinned memory)
 and the host facts ``run`` reads (query rows, longest key list).
 
-Why: an engine re-plans before every replay, and the public ``plan`` costs far more host time
-than the native planner it ends with. The prefill and decode plans redo dozens of small torch
-ops and the backend pick every time; the MLA plan builds a new planned-backend object with a
-fresh 8 MiB pinned buffer, validates the CSR twice, clones the captured buffers and reads
-``aminmax(kv_indices)`` back from the device (a sync). For a graph wrapper whose module,
-dtypes, heads, scale and flags are those of its last public plan, everything but the CSR is
-already settled, so a replan is the planner call and the CSR's copies. The slot list needs
-no copy: the glue writes it into the captured ``kv_indices`` buffer itself, and in graph
-rounds the key indptr and lengths too (``Replanner.device_buffers``), so a replan copies at
-most the query indptr, and a kept one (the prefix pass's ``K`` rows per request) not again. ``last_page_len``
-(pages of one token: all ones) was copied by the first plan and never changes. The MLA
-bound that the public plan reads from the device (the range of ``kv_indices``, checked by its
-``run``) is the pool: every slot the glue lists is clamped into ``[0, num_slots)``.
+Why: an engine re-plans before every replay, and the public ``plan`` costs far more host
+time than the native planner it ends with. The prefill and decode plans redo dozens of small
+torch ops and the backend pick every time; the MLA plan builds a new planned-backend object
+with a fresh 8 MiB pinned buffer, validates the CSR twice, clones the captured buffers and
+reads ``aminmax(kv_indices)`` back from the device (a sync). For a graph wrapper whose
+module, dtypes, heads, scale and flags are those of its last public plan, everything but the
+CSR is already settled, so a replan is the planner call and the CSR's copies. The slot list
+needs no copy: the glue writes it into the captured ``kv_indices`` buffer itself, and in
+graph rounds the key indptr and lengths too (``Replanner.device_buffers``), so a replan
+copies at most the query indptr, and a kept one (the prefix pass's ``K`` rows per request)
+not again. ``last_page_len`` (pages of one token: all ones) was copied by the first plan and
+never changes. The MLA bound that the public plan reads from the device (the range of
+``kv_indices``, checked by its ``run``) is the pool: every slot the glue lists is clamped
+into ``[0, num_slots)``.
 
 ``direct_replanner`` makes a replanner after a public plan, or returns ``None`` (the caller
 keeps the public plan) for any state it does not recognise: not a graph wrapper, another
@@ -159,10 +160,12 @@ class _PrefillReplanner(Replanner):
         self.seq_lens = kw.get("seq_lens") is not None
         self.plan = w._cached_module.plan
         self._uniform_qo = None  # the last qo_indptr found uniform (host CSRs are not written)
+        # The captured CSR buffers, sliced once (a replan serves the captured size only).
+        self.bufs = (w._qo_indptr_buf, w._paged_kv_indptr_buf,
+                     w._kv_lens_buffer[:w._fixed_batch_size])
 
     def device_buffers(self) -> Optional[tuple]:
-        bs = self.wrapper._fixed_batch_size
-        return self.wrapper._paged_kv_indptr_buf, self.wrapper._kv_lens_buffer[:bs]
+        return self.bufs[1:]
 
     def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
         w = self.wrapper
@@ -179,8 +182,7 @@ class _PrefillReplanner(Replanner):
                     return False  # FlashInfer drops the hint with a warning: its plan serves it
                 self._uniform_qo = csr.qo_indptr
             args += [*self.tail, uniform, False]
-        self._copy_csr((w._qo_indptr_buf, w._paged_kv_indptr_buf, w._kv_lens_buffer[:bs]),
-                       csr, on_device)
+        self._copy_csr(self.bufs, csr, on_device)
         w._plan_info = self.plan(*args)
         w._batch_size = bs
         w._qo_indptr_last = csr.rows
