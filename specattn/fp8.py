@@ -6,10 +6,12 @@ the same bytes, as SGLang stores them) in the shapes of a bf16 pool. A layer's `
 stored value ``code * v_scale``; an MLA latent pool uses ``k_scale`` for all of its columns.
 
 - ``quantize(x, scale, dtype)``: the codes a write stores, ``(x.float() / scale).to(dtype)``.
-  That is the expression, so its bits are torch's on the device it runs on: on the CPU a true
-  fp32 division; on CUDA torch computes a division by a Python float as a multiplication by
-  the fp32 reciprocal ``1 / float32(scale)`` (and by a tensor as a true division). A kernel
-  that stores codes itself must reproduce the device's expression to match.
+  That is the expression, so its bits are torch's on the device it runs on: on the CPU an
+  fp32 division; on CUDA torch 2.11 divides by a Python float as a multiplication by
+  ``float32(1.0 / scale)`` (the reciprocal computed in double on the host), by a tensor as
+  an fp32 division; their codes differ on a few values. A kernel that stores codes itself
+  must reproduce the device's expression to match (``specattn.kernels.fp8_codes``: the
+  triton backend's KV write on CUDA asks the device torch which it is).
 - ``dequantize(codes, scale)``: ``codes.float() * scale`` (float32 unless asked otherwise);
   ``dequantize_into(out, codes, scale)`` the same values written into ``out`` (an
   activation-dtype tensor of the codes' shape) without a float32 copy.

@@ -17,7 +17,7 @@ import torch
 
 H200_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm90
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
           torch.float8_e5m2: "fp8e5"}
 
 
@@ -40,7 +40,7 @@ def compile_launch(fn, args, kw: dict, gluon: bool = False):
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    options = {k: kw[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kw}
     consts = {k: v for k, v in kw.items() if k not in options}
     consts.update({p.name: p.default for p in fn.params
                    if p.is_constexpr and p.has_default and p.name not in consts})

@@ -7,6 +7,7 @@ backend that declares them in ``tests/conformance``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,164 @@ def test_adapter_refuses_pools_it_cannot_read():
     mr.token_to_kv_pool.is_quantized_kv_cache = True
     with pytest.raises(InvalidInputError, match="stored as torch.uint8"):
         wrap_pools(mr, 4)
+
+
+# --- codes stored by a Triton kernel (specattn.kernels.fp8_codes, the triton KV write) -------
+
+
+def _sweep() -> torch.Tensor:
+    """fp32 values for the conversion: ``probe_values`` (every code and midpoint of both
+    formats and +-2 ulps around them, overflow boundaries, infinities, NaNs, zeros, fp32
+    subnormals) plus random bit patterns of every exponent."""
+    from specattn.kernels.fp8_codes import probe_values
+
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(-2 ** 31, 2 ** 31 - 1, (4096,), generator=g, dtype=torch.int64)
+    extra = torch.tensor([-0.0, 2.0 ** -149, -(2.0 ** -149), 1e-40, 2.0 ** -9 * 0.5,
+                          2.0 ** -16 * 0.5, 448.0, 464.0, 464.00003, 479.99997, 480.0,
+                          57344.0, 61439.996, 61440.0, 65536.0, float("-inf")])
+    return torch.cat([probe_values(), rand.to(torch.int32).view(torch.float32), extra])
+
+
+def _codes(x, dtype, saturate=None, signed_nan=None, scale=1.0, scalar_quant=None):
+    from specattn.kernels import fp8_codes as F
+
+    cpu = F.torch_variant(torch.device("cpu"), dtype)
+    codes = F.Codes(dtype == E5M2, cpu.saturate if saturate is None else saturate,
+                    cpu.signed_nan if signed_nan is None else signed_nan)
+    s, quant = F.write_scale(scale, torch.device("cpu"),
+                             F.QUANT_DIV if scalar_quant is None else scalar_quant)
+    return F.quantize(x, s, quant, codes)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fp8_code_is_torchs_conversion_bit_for_bit(dtype):
+    """``fp8_code`` with CPU torch's variant: torch's ``.to(dtype)`` bytes on every value
+    class (ties to even, subnormals, overflow, inf, NaN, -0.0, fp32 subnormals)."""
+    x = _sweep()
+    assert torch.equal(_codes(x, dtype), _bits(x.to(dtype)))
+
+
+def test_fp8_code_variants_of_other_torch_releases():
+    """e4m3fn without saturation (torch <= 2.11's c10): overflow (rounding past 448) and
+    infinities are NaN with their sign; unsigned NaN (CUDA's intrinsics): 0x7f for any NaN."""
+    x = _sweep()
+    sat = _bits(x.to(E4M3))
+    over = (x.abs() > 464) & ~x.isnan()
+    want = torch.where(over, (sat & 0x80) | 0x7F, sat)
+    assert torch.equal(_codes(x, E4M3, saturate=False), want)
+    for dtype in (E4M3, E5M2):
+        want = torch.where(x.isnan(), torch.tensor(0x7F, dtype=torch.uint8), _bits(x.to(dtype)))
+        assert torch.equal(_codes(x, dtype, signed_nan=False), want)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fp8_divisions_of_torch_releases(dtype):
+    """A Python-number scale: ``QUANT_MUL`` is the multiplication by ``float32(1.0 / scale)``
+    (CUDA torch 2.11), ``QUANT_DIV`` the division by ``float32(scale)`` (CPU torch); they
+    differ on some values. A tensor scale: the correctly rounded division."""
+    from specattn.kernels import fp8_codes as F
+
+    x = torch.cat([_sweep(), _sweep() * 1.7])
+    inv = torch.tensor(np.float32(1 / 1.7))
+    mul = _bits((x * inv).to(dtype))
+    div = _bits((x / 1.7).to(dtype))
+    assert not torch.equal(mul, div)  # the values tell them apart
+    assert torch.equal(_codes(x, dtype, scale=1.7), div)
+    assert torch.equal(_codes(x, dtype, scale=1.7, scalar_quant=F.QUANT_MUL), mul)
+    t = torch.tensor([1.7])
+    assert torch.equal(_codes(x, dtype, scale=t), _bits((x / t).to(dtype)))
+
+
+def test_write_scale_serves_what_stays_float32():
+    from specattn.kernels.fp8_codes import QUANT_DIV, QUANT_MUL, write_scale
+
+    cpu = torch.device("cpu")
+    s, quant = write_scale(0.37, cpu)  # CUDA torch's: the double reciprocal, as float32
+    assert quant == QUANT_MUL and s.item() == float(np.float32(1 / 0.37))
+    s, quant = write_scale(0.37, cpu, QUANT_DIV)
+    assert quant == QUANT_DIV and s.item() == float(np.float32(0.37))
+    for t in (torch.tensor([0.5]), torch.tensor(0.5, dtype=torch.float64),
+              torch.tensor([0.5], dtype=torch.bfloat16)):
+        s, quant = write_scale(t, cpu)
+        assert quant == QUANT_DIV and s.dtype == torch.float32 and s.item() == 0.5
+    assert write_scale(torch.tensor([0.5], dtype=torch.float64), cpu) is None  # divides in f64
+    assert write_scale(torch.tensor([0.5, 1.0]), cpu) is None
+    assert write_scale(torch.tensor([0.5], device="meta"), cpu) is None  # another device
+
+
+def _telling(act: torch.dtype, dtype: torch.dtype, scale) -> torch.Tensor:
+    """8 values of ``act`` whose codes differ between ``x.float() / scale`` and ``x.float() *
+    float32(1.0 / scale)``, where the two divisions are told apart (four multiples of the
+    scale where no ``act`` value does)."""
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(act).float()
+    s = float(scale)
+    inv = torch.tensor(np.float32(1 / s))
+    told = x[_bits((x * inv).to(dtype)) != _bits((x / s).to(dtype))]
+    if told.numel() == 0:
+        told = torch.tensor([1e-3, 0.3, 2.5, 100.0]) * s
+    return told[torch.arange(8) % told.numel()]
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("model,act,scales", [
+    ("mha", torch.bfloat16, (1.7, torch.tensor([0.6]))),
+    ("mha", torch.float16, (torch.tensor(0.3), 0.6)),
+    ("mla", torch.bfloat16, (torch.tensor([0.3]), 1.0)),
+    ("mla", torch.float16, (1.7, 1.0)),
+])
+@pytest.mark.parametrize("scalar_quant", ["div", "mul"])
+def test_triton_kv_write_stores_cudas_codes(kv, model, act, scales, scalar_quant):
+    """``write_new_kv`` with ``Fp8Write`` (the triton backend's FP8 write on CUDA) stores the
+    codes of ``(x.float() / scale).to(dtype)``, mirrored on the CPU: a Python scale by the
+    division or (``mul``, older torch on CUDA) the multiplication by its float32 reciprocal,
+    a tensor scale by the division (MLA: one latent pool, ``k_scale``); slots outside the
+    pool are not written."""
+    from specattn.backends.triton.launchers import Fp8Write, write_new_kv
+    from specattn.kernels import fp8_codes as F
+
+    cpu = torch.device("cpu")
+    make = DraftRunner.mla if model == "mla" else DraftRunner.mha
+    heads = (4, 32, 16) if model == "mla" else (4, 2, 48)
+    runner = make(*heads, num_layers=1, num_slots=16, max_reqs=1, max_context_len=16,
+                  dtype=act, device="cpu", kv_cache_dtype=kv)
+    dtype = FP8_KV_DTYPES[kv]
+    k_scale, v_scale = scales
+    k = torch.randn(5, 48 if model == "mla" else 2 * 48, dtype=torch.float32) * 300
+    k[0, :4] = torch.tensor([float("nan"), float("inf"), -1e-9, 0.0])
+    k[2, :8] = _telling(act, dtype, k_scale)
+    k = k.to(act).view(5, -1) if model == "mla" else k.to(act).view(5, 2, 48)
+    v = None if model == "mla" else (torch.randn(5, 2, 48) * 40).to(act)
+    if v is not None:
+        v[4, 1, :8] = _telling(act, dtype, v_scale)
+    slots = torch.tensor([3, -1, 15, 16, 7])
+    sq = F.QUANT_MUL if scalar_quant == "mul" else F.QUANT_DIV
+    ks, kq = F.write_scale(k_scale, cpu, sq)
+    vs, vq = (ks, kq) if model == "mla" else F.write_scale(v_scale, cpu, sq)
+    fp8 = Fp8Write(ks, vs, kq, vq, F.torch_variant(cpu, dtype)._replace(scalar_quant=sq))
+    assert write_new_kv(runner, 0, slots, k, v, fp8=fp8)
+
+    def ref(x, scale):
+        if isinstance(scale, torch.Tensor) or scalar_quant == "div":
+            return _bits((x.float() / scale).to(dtype))
+        inv = torch.tensor(np.float32(1 / float(scale)))
+        return _bits((x.float() * inv).to(dtype))
+
+    ok = torch.tensor([True, False, True, False, True])
+    pools = [runner.kv_buffer[0]] if model == "mla" else [runner.k_buffer[0], runner.v_buffer[0]]
+    for pool, x, scale in zip(pools, (k, v), (k_scale, v_scale)):
+        want = torch.zeros_like(_bits(pool))
+        want[slots[ok]] = ref(x, scale)[ok]
+        assert torch.equal(_bits(pool), want)
+
+
+def test_triton_attention_keeps_torchs_write_off_cuda():
+    """On the CPU (the interpreter) the triton backend's FP8 write stays
+    ``runner.write_kv``'s (``fp8_write`` is ``None``): the one launch serves CUDA only."""
+    from specattn.backends.triton.launchers import fp8_write
+
+    runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=8, max_reqs=1,
+                             max_context_len=8, device="cpu", kv_cache_dtype="fp8_e4m3")
+    k = torch.randn(2, 2, 16)
+    assert fp8_write(runner, AttentionLayer(0, 0.25, k_scale=0.5), (k, k),
+                     torch.device("cpu")) is None

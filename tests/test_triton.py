@@ -334,6 +334,51 @@ def test_pdl_launches(monkeypatch, model, plan, kv, launches):
     assert _recorded_launches(monkeypatch, model, plan, kv) == launches
 
 
+def _kernel_fp8_write(monkeypatch) -> list:
+    """``launchers.fp8_write`` as on CUDA (the KV write launch stores FP8 codes) with CPU
+    torch's conversion flags and division (exact, for a Python number too); returns the
+    list of its calls that served."""
+    from specattn.kernels import fp8_codes as F
+
+    served: list = []
+
+    def fp8_write(runner, layer, new_kv, device):
+        k = F.write_scale(layer.k_scale, device, F.QUANT_DIV)
+        v = k if runner.use_mla_backend else F.write_scale(layer.v_scale, device, F.QUANT_DIV)
+        served.append(layer.layer_id)
+        return launchers.Fp8Write(k[0], v[0], k[1], v[1], F.torch_variant(
+            device, launchers.layer_pools(runner, layer.layer_id)[0].dtype))
+
+    monkeypatch.setattr(launchers, "fp8_write", fp8_write)
+    return served
+
+
+@pytest.mark.parametrize("model,plan,launches", [
+    # The KV write launch stores the codes and releases the split-KV kernel, as over bf16.
+    ("mha", "dot", [("_write_kv_kernel", True, False), ("_partial_attn_kernel", True, True),
+                    ("merge_kernel", True, True)]),
+    ("mla", "dot-mla", [("_write_kv_kernel", True, False), ("_mla_partial_kernel", True, False),
+                        ("merge_kernel", True, True)]),
+])
+def test_pdl_launches_after_the_fp8_write_launch(monkeypatch, model, plan, launches):
+    _kernel_fp8_write(monkeypatch)
+    assert _recorded_launches(monkeypatch, model, plan, "fp8_e4m3") == launches
+
+
+@pytest.mark.parametrize("kv,model,kind", [("fp8_e4m3", "mha", "decode"),
+                                          ("fp8_e5m2", "mla", "extend")])
+def test_kits_fp8_cases_with_the_fp8_write_launch(monkeypatch, kv, model, kind):
+    """The conformance kit's FP8 cases (pools bit for bit against ``runner.write_kv``,
+    scales changed between rounds) with the KV write launch storing the codes, as on CUDA
+    (``_kernel_fp8_write``: CPU torch's division)."""
+    from specattn.testing import check_backend
+
+    served = _kernel_fp8_write(monkeypatch)
+    report = check_backend("triton", device=DEV, kinds=(kind,), models=(model,),
+                           select=f"kv-{kv}", raise_on_failure=False)
+    assert report.ok and report.passed >= 2 and served, report
+
+
 def test_pdl_reaches_both_classes_as_a_bench_option():
     """``--option triton:pdl=True`` sets the keyword of the decode and the extend class."""
     from specattn.bench.options import check_options, parse_option

@@ -7,10 +7,15 @@ ones.
 
 Checked: the launcher matches the kernels' signatures, shared memory fits the H200's 227 KB,
 and the widening of FP8 codes takes no per-element ``F2F`` conversion (the cost that made FP8
-steps slower than bf16), nor bf16's fp16 -> fp32 step (``HADD2.F32``): the dots are fp16. Each
+steps slower than bf16), nor bf16's fp16 -> fp32 step (``HADD2.F32``): the dots are fp16;
+the query's prescale stays an fp32 multiply (no ``mul.f16x2``). Each
 case compiles in a child process without ``TRITON_INTERPRET``, with the Triton release the
 GPU runs (``plans.GLUON_TRITON``; skipped under any other). The numbers:
 ``tests/conformance`` and ``specattn bench --case fp8`` on the H200.
+
+The FP8 KV write (``write_new_kv`` with ``Fp8Write``) compiles under any Triton release: its
+PTX has torch's float arithmetic only (``mul.rn`` / ``div.rn`` / ``add.rn``, no fma, no
+flush to zero, no hardware FP8 conversion).
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str) -> di
     fn, _, args, kw = _launch(model, kv, plan, extend, dtype)
     kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
     return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
+                f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
                 **sass_counts(kernel.asm["cubin"]))
 
 
@@ -137,7 +143,58 @@ def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
     # fp16 operands under both models: no fp16 -> fp32 step (HADD2.F32) of bf16's route
     assert got.get("HADD2.F32", 0) == 0, got
+    # The query's 2^-8 prescale is an fp32 multiply before the conversion to fp16: moved
+    # past it (an fp16 multiply), queries past fp16's range become infinities.
+    assert got["f16_mul"] == 0, got
+
+
+def compile_write_case(model: str, kv: str, tensor_scales: bool) -> dict:
+    """Capture and compile the FP8 KV write launch (``write_new_kv`` with ``Fp8Write``):
+    the float instructions of its PTX."""
+    from specattn.backends.triton import _attn_kernels as K
+    from specattn.backends.triton import launchers as L
+    from specattn.data import DraftRunner
+    from specattn.fp8 import FP8_KV_DTYPES
+    from specattn.kernels import fp8_codes as F
+
+    capture = K._write_kv_kernel = Capture(K._write_kv_kernel)
+    if model == "mla":
+        runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=64, max_reqs=1,
+                                 max_context_len=8, kv_cache_dtype=kv)
+        k, v = torch.zeros(8, 576, dtype=torch.bfloat16), None
+    else:
+        runner = DraftRunner.mha(32, 8, 128, num_layers=1, num_slots=64, max_reqs=1,
+                                 max_context_len=8, kv_cache_dtype=kv)
+        k = v = torch.zeros(8, 8, 128, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    ks, kq = F.write_scale(torch.tensor([0.37]) if tensor_scales else 0.37, cpu)
+    vs, vq = F.write_scale(torch.tensor([1.9]), cpu)
+    codes = F.Codes(FP8_KV_DTYPES[kv] == torch.float8_e5m2, True, False)
+    L.write_new_kv(runner, 0, torch.arange(8), k, v, fp8=L.Fp8Write(ks, vs, kq, vq, codes))
+    (fn, _, args, kw), = capture.launches
+    ptx = compile_launch(fn, args, kw).asm["ptx"]
+    return dict(ops=sorted(set(re.findall(r"\b(?:fma|mul|div|add|sub)(?:\.\w+)*\.f32\b", ptx))),
+                fp8_cvt=bool(re.search(r"e4m3x2|e5m2x2", ptx)))
+
+
+@pytest.mark.parametrize("model,kv,tensor_scales,want", [
+    ("mha", "fp8_e4m3", False, {"mul.rn.f32", "div.rn.f32", "add.rn.f32"}),  # K float, V tensor
+    ("mla", "fp8_e5m2", True, {"div.rn.f32", "add.rn.f32"}),  # the latent's tensor k_scale
+])
+def test_fp8_kv_write_compiles_for_sm90(model, kv, tensor_scales, want):
+    """The FP8 KV write's float arithmetic is torch's: a multiplication by the reciprocal
+    (``mul.rn``: never contracted into an fma), the tensor scale's ``div.rn``, the subnormal
+    rounding's ``add.rn``; no flush to zero and no hardware FP8 conversion (which
+    saturates). Any Triton release (no Gluon)."""
+    got = in_child(__file__, dict(write=True, model=model, kv=kv,
+                                  tensor_scales=tensor_scales))
+    print(got)
+    assert set(got["ops"]) == want and not got["fp8_cvt"], got
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_case(**json.loads(sys.argv[1]))))
+    case = json.loads(sys.argv[1])
+    if case.pop("write", False):
+        print(json.dumps(compile_write_case(**case)))
+    else:
+        print(json.dumps(compile_case(**case)))

@@ -33,9 +33,12 @@ import triton.language as tl
 # FP8 pools under a bf16 model: the query tile is ``q / Q_F16_SCALE`` in fp16 and the softmax
 # scale ``sm_scale * Q_F16_SCALE``. A power of two: exact both ways; fp16 then holds |q| up
 # to 2^8 * 65504 ~ 2^24 (bf16's range is wider, its 8-bit mantissa narrower), and values
-# from 2^-9 up keep every bit of their bf16 mantissa.
+# from 2^-9 up keep every bit of their bf16 mantissa. The kernels take the prescale
+# ``Q_F16_PRESCALE`` as a runtime argument: with a constant factor the compiler moves the
+# multiplication past the conversion to fp16 (``fptrunc(fmul(fpext(q), 2^-8))`` becomes an
+# fp16 multiply, exact but for overflow), and queries past fp16's range become infinities.
 Q_F16_SCALE = tl.constexpr(256.0)
-Q_F16_PRESCALE = tl.constexpr(1.0 / 256.0)
+Q_F16_PRESCALE = 1.0 / 256.0
 
 
 def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
@@ -67,12 +70,13 @@ def widen(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def query_operand(q, F16: tl.constexpr, F32: tl.constexpr):
-    """A loaded query tile as the dots' operand: with ``F16``, ``q * 2^-8`` rounded to fp16
-    (the caller multiplies its softmax scale by ``Q_F16_SCALE``); then fp32 when ``F32`` (the
-    interpreter: ``attend_tile``), so the interpreter sees the fp16 query's values."""
+def query_operand(q, F16: tl.constexpr, F32: tl.constexpr, prescale=1.0):
+    """A loaded query tile as the dots' operand: with ``F16``, ``q * prescale`` rounded to
+    fp16 (``prescale``: the kernel's runtime ``Q_F16_PRESCALE``; the caller multiplies its
+    softmax scale by ``Q_F16_SCALE``); then fp32 when ``F32`` (the interpreter:
+    ``attend_tile``), so the interpreter sees the fp16 query's values."""
     if F16:
-        q = (q.to(tl.float32) * Q_F16_PRESCALE).to(tl.float16)
+        q = (q.to(tl.float32) * prescale).to(tl.float16)
     if F32:
         q = q.to(tl.float32)
     return q
@@ -80,11 +84,12 @@ def query_operand(q, F16: tl.constexpr, F32: tl.constexpr):
 
 @triton.jit
 def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr,
-           BLOCK_DPE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr = False):
+           BLOCK_DPE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr = False,
+           prescale=1.0):
     """Query rows ``rows [BLOCK_M, 1]`` (pointers; ``row_ok [BLOCK_M]``) as ``(q [BLOCK_M,
     BLOCK_D], qpe [BLOCK_M, BLOCK_DPE])``: columns ``[0, D_MAIN)`` and ``[D_MAIN, D_MAIN +
     D_PE)`` (``qpe = q`` when ``D_PE == 0``), 0 where masked, as ``query_operand`` (``F16``:
-    prescaled fp16; ``F32``: fp32)."""
+    times ``prescale`` in fp16; ``F32``: fp32)."""
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D_MAIN)[None, :],
                 other=0.0)
@@ -94,7 +99,7 @@ def load_q(rows, row_ok, D_MAIN: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.c
                       mask=row_ok[:, None] & (offs_pe < D_PE)[None, :], other=0.0)
     else:
         qpe = q
-    return query_operand(q, F16, F32), query_operand(qpe, F16, F32)
+    return query_operand(q, F16, F32, prescale), query_operand(qpe, F16, F32, prescale)
 
 
 @triton.jit

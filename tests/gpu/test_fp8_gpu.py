@@ -152,3 +152,54 @@ def test_fa4_refuses_fp8_with_flash_attention_4s_reason():
                              max_context_len=32, device=DEV, kv_cache_dtype="fp8_e4m3")
     with pytest.raises(BackendUnavailableError, match="runs FP8 K/V only on SM100"):
         FA4Decode(runner, 4, 3)
+
+
+# --- the triton backend's FP8 KV write ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", KVS)
+@pytest.mark.parametrize("model", ["mha", "mla"])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_triton_fp8_kv_write_is_cuda_torchs_bytes(kv, model, act):
+    """``write_new_kv`` with ``fp8_write`` (one launch) stores the bytes CUDA torch's
+    ``runner.write_kv`` stores (``(x.float() / scale).to(dtype)``), for every bit pattern of
+    the activation dtype (ties, subnormals, the overflow boundaries, infinities, NaNs, -0.0),
+    Python-number and device-tensor scales; a slot outside the pool is not written."""
+    from specattn.backends.triton.launchers import fp8_write, write_new_kv
+    from specattn.data import AttentionLayer, DraftRunner
+
+    dev = torch.device(DEV)
+    every = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32, device=dev).to(torch.int16)
+    every = every.view(act)
+    rows = 130
+    make = DraftRunner.mla if model == "mla" else DraftRunner.mha
+    heads = (16, 512, 64) if model == "mla" else (8, 4, 128)
+    width = 576 if model == "mla" else 4 * 128
+
+    def values(seed: int) -> torch.Tensor:
+        perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(seed))
+        flat = every[perm.to(dev)].repeat(rows * width // every.numel() + 1)[:rows * width]
+        return flat.view(rows, width) if model == "mla" else flat.view(rows, 4, 128)
+
+    slots = torch.randperm(rows, device=dev)
+    slots[7] = -1
+    slots[9] = rows + 3  # past the pool's last slot
+    scales = [(1.0, torch.tensor([0.6], device=dev)), (0.37, 1.7),
+              (torch.tensor([1.7], device=dev), 2.0 ** -3),
+              (torch.tensor(0.3, device=dev), torch.tensor([0.37], device=dev))]
+    for k_scale, v_scale in scales:
+        pools = [make(*heads, num_layers=1, num_slots=rows + 2, max_reqs=1,
+                      max_context_len=8, dtype=act, device=DEV, kv_cache_dtype=kv)
+                 for _ in range(2)]
+        layer = AttentionLayer(0, 0.1, k_scale=k_scale, v_scale=v_scale)
+        k = values(0)
+        v = None if model == "mla" else values(1)
+        fp8 = fp8_write(pools[0], layer, (k, v), dev)
+        assert fp8 is not None, "the probe found the kernel's codes differ from torch's"
+        assert write_new_kv(pools[0], 0, slots, k, v, fp8=fp8)
+        ok = (slots >= 0) & (slots < rows + 2)
+        pools[1].write_kv(0, slots[ok], k[ok], None if v is None else v[ok],
+                          k_scale=k_scale, v_scale=v_scale)
+        for name in (("kv_buffer",) if model == "mla" else ("k_buffer", "v_buffer")):
+            got, want = (getattr(p, name)[0].view(torch.uint8) for p in pools)
+            assert torch.equal(got, want), (name, k_scale, v_scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...kernels.fp8_codes import quantize_block
 from ...kernels.latent import load_latent
 from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import (Q_F16_SCALE, attend_kv, attend_tile, finite, in_pool, load_kv,
@@ -39,7 +40,7 @@ MODE_EXTEND = tl.constexpr(2)
 @triton.jit
 def _partial_attn_kernel(
         Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale, VScale,
-        step, sm_scale, logit_cap,
+        step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
         stride_r2t, stride_par_s, stride_par_b, num_slots,
@@ -61,8 +62,9 @@ def _partial_attn_kernel(
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
     key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
     softmax scale, the value scale into the normalised output. Q_F16 (SCALED, bf16 Q): q and
-    qpe are ``q * 2^-8`` in fp16 and ``sm_scale`` is times ``2^8``; every tile, prefix and
-    tail, widens its codes to fp16 and P.V takes an fp16 P (see the module doc). PDL (a
+    qpe are ``q * q_prescale`` (``2^-8``) in fp16 and ``sm_scale`` is times ``2^8``; every
+    tile, prefix and tail, widens its codes to fp16 and P.V takes an fp16 P (see the module
+    doc). PDL (a
     programmatic dependent launch after ``_write_kv_kernel``): only the tail reads the KV
     that launch writes, so only the tail program waits for it; every program lets the merge
     launch after its key loop.
@@ -84,7 +86,7 @@ def _partial_attn_kernel(
     head = kvh * GROUP + offs_m % GROUP
     q_row = (q_start + q_local).to(tl.int64)
     q, qpe = load_q(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh, row_ok,
-                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32, Q_F16)
+                    D_MAIN, D_PE, BLOCK_D, BLOCK_DPE, DOT_F32, Q_F16, q_prescale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -299,7 +301,7 @@ def _mla_tile(acc_a, acc_b, m_i, l_i, qa, qb, qpe, rows, key_ok, vis, sm_scale, 
 @triton.jit
 def _mla_partial_kernel(
         Q, KV, Kin, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale,
-        step, sm_scale, logit_cap,
+        step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
         stride_r2t, stride_par_s, stride_par_b, num_slots,
@@ -319,8 +321,8 @@ def _mla_partial_kernel(
     Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
     (FP8 pools): the caller stored this call's codes, the tail reads them from the pool, and
     a latent row is ``code * KScale[0]`` (folded into the softmax scale and the output).
-    Q_F16 (SCALED, bf16 Q): qa, qb and qpe are ``q * 2^-8`` in fp16 and ``sm_scale`` is times
-    ``2^8``; the tiles' dots are fp16 (see the module doc).
+    Q_F16 (SCALED, bf16 Q): qa, qb and qpe are ``q * q_prescale`` (``2^-8``) in fp16 and
+    ``sm_scale`` is times ``2^8``; the tiles' dots are fp16 (see the module doc).
     PDL: every program lets the merge launch after its key loop. The kernel itself is an
     ordinary launch: its every load (Q, Kin, Meta) may come from the launch before it.
     """
@@ -342,9 +344,9 @@ def _mla_partial_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     hmask = row_ok[:, None] & (offs_h < D_HALF)[None, :]
     qa, qb, qpe = load_latent(q_base, row_ok, 0, D_HALF, D_HALF, D_PE, BLOCK_H, BLOCK_DPE)
-    qa = query_operand(qa, Q_F16, DOT_F32)
-    qb = query_operand(qb, Q_F16, DOT_F32)
-    qpe = query_operand(qpe, Q_F16, DOT_F32)
+    qa = query_operand(qa, Q_F16, DOT_F32, q_prescale)
+    qb = query_operand(qb, Q_F16, DOT_F32, q_prescale)
+    qpe = query_operand(qpe, Q_F16, DOT_F32, q_prescale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -400,15 +402,23 @@ def _mla_partial_kernel(
 
 
 @triton.jit
-def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride_kin_h,
-                     stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
-                     num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr, D_V: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr,
-                     PDL: tl.constexpr = False):
+def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, KScale, VScale, stride_kin_t,
+                     stride_kin_h, stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs,
+                     stride_vh, num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr,
+                     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr,
+                     PDL: tl.constexpr = False, FP8: tl.constexpr = False,
+                     K_QUANT: tl.constexpr = 0, V_QUANT: tl.constexpr = 0,
+                     E5M2: tl.constexpr = False, SATURATE: tl.constexpr = True,
+                     SIGNED_NAN: tl.constexpr = True):
     """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
     call's new KV in one launch (``kv_write="kernel"``); a slot outside the pool is not
     written. PDL: the split-KV kernel after it may launch at once (its prefix programs read
-    other slots; its tail waits for this launch to end)."""
+    other slots; its tail waits for this launch to end).
+
+    FP8 (Kb/Vb: the pools viewed as ``uint8``): stores torch's codes of ``x.float() /
+    scale`` (``fp8_codes.quantize_block``: ``K_QUANT`` / ``V_QUANT`` with ``KScale`` /
+    ``VScale``, the conversion variant ``E5M2`` / ``SATURATE`` / ``SIGNED_NAN``), the bytes
+    ``DraftRunner.write_kv`` stores, in one launch where torch takes ~5 per pool."""
     if PDL:
         launch_dependents()
     r = tl.program_id(0).to(tl.int64)
@@ -417,11 +427,15 @@ def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, stride_kin_t, stride
     offs = tl.arange(0, BLOCK_KW)
     dst_k = dst + offs * 0  # a block, not a scalar: masks are blocks (and the interpreter's)
     x = tl.load(Kin + r * stride_kin_t + h * stride_kin_h + offs, mask=offs < KW)
+    if FP8:
+        x = quantize_block(x, KScale, K_QUANT, E5M2, SATURATE, SIGNED_NAN)
     tl.store(Kb + dst * stride_ks + h * stride_kh + offs, x.to(Kb.dtype.element_ty),
              mask=(offs < KW) & (dst_k >= 0) & (dst_k < num_slots))
     if WRITE_V:
         offs_v = tl.arange(0, BLOCK_DV)
         dst_v = dst + offs_v * 0
         y = tl.load(Vin + r * stride_vin_t + h * stride_vin_h + offs_v, mask=offs_v < D_V)
+        if FP8:
+            y = quantize_block(y, VScale, V_QUANT, E5M2, SATURATE, SIGNED_NAN)
         tl.store(Vb + dst * stride_vs + h * stride_vh + offs_v, y.to(Vb.dtype.element_ty),
                  mask=(offs_v < D_V) & (dst_v >= 0) & (dst_v < num_slots))

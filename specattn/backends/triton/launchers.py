@@ -6,14 +6,16 @@ launches on tensors only: graph-safe, no host sync.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 
+from ...fp8 import is_fp8_dtype, scale_tensor
+from ...kernels.fp8_codes import Codes, torch_codes, write_scale
 from ...kernels.merge import merge_partials
 from ...kernels.pdl import launch_args as pdl_launch_args
-from ...kernels.tiles import dot_args
+from ...kernels.tiles import Q_F16_PRESCALE, dot_args
 from ...util import next_pow2
 from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, worklist
@@ -156,23 +158,65 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
     return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
+class Fp8Write(NamedTuple):
+    """How ``write_new_kv`` stores codes into FP8 pools (``fp8_write``)."""
+
+    k_scale: torch.Tensor  # one element, float32: what K_QUANT multiplies / divides by
+    v_scale: torch.Tensor
+    k_quant: int  # fp8_codes.QUANT_DIV, or QUANT_MUL (a Python number, older torch)
+    v_quant: int
+    codes: Codes  # the device torch's conversion variant
+
+
+def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp8Write]:
+    """The arguments with which ``write_new_kv`` stores an FP8 pool's codes bit for bit as
+    ``runner.write_kv`` does on ``device`` (CUDA torch's ``(x.float() / scale).to(dtype)``,
+    ``specattn.kernels.fp8_codes``); ``None`` where ``runner.write_kv`` stores them: not a
+    CUDA device (the CPU divides differently), a byte layout (``runner.kv_layout``), a
+    scale the kernel does not mirror (``fp8_codes.write_scale``), rows without unit stride,
+    or a torch whose conversion the kernel does not give (``fp8_codes.torch_codes``)."""
+    if device.type != "cuda" or getattr(runner, "kv_layout", None) is not None:
+        return None
+    kb = layer_pools(runner, layer.layer_id)[0]
+    if not is_fp8_dtype(kb.dtype) or any(x is not None and x.stride(-1) != 1
+                                         for x in new_kv):
+        return None
+    codes = torch_codes(device, kb.dtype)
+    if codes is None:
+        return None
+    k = write_scale(layer.k_scale, device, codes.scalar_quant)
+    v = k if runner.use_mla_backend else write_scale(layer.v_scale, device, codes.scalar_quant)
+    if k is None or v is None:
+        return None
+    return Fp8Write(k[0], v[0], k[1], v[1], codes)
+
+
 def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
-                 v: Optional[torch.Tensor], pdl: bool = False) -> bool:
+                 v: Optional[torch.Tensor], pdl: bool = False,
+                 fp8: Optional[Fp8Write] = None) -> bool:
     """One launch: ``pool[slots[r]] = k[r]`` (and ``v``). slots: ``[rows]`` int;
     k: ``[rows, H_kv, D]`` (MLA ``[rows, D]``). ``pdl``: the kernel lets a programmatic
-    dependent launch after it start at once. Returns whether it launched (no rows: no
-    launch)."""
+    dependent launch after it start at once. ``fp8`` (FP8 pools, ``fp8_write``): stores
+    ``runner.write_kv``'s codes, one launch where torch takes about ten per step. Returns
+    whether it launched (no rows: no launch)."""
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer_id)
     rows = slots.shape[0]
     if rows == 0:
         return False
     k3 = k if k.dim() == 3 else k.unsqueeze(1)
     v3 = k3 if v is None else v
+    quant: dict = {}
+    k_scale = v_scale = slots  # placeholders, never read without FP8
+    if fp8 is not None:
+        kb, vb = kb.view(torch.uint8), vb.view(torch.uint8)
+        k_scale, v_scale = fp8.k_scale, fp8.v_scale
+        quant = dict(FP8=True, K_QUANT=fp8.k_quant, V_QUANT=fp8.v_quant,
+                     enable_fp_fusion=False, **fp8.codes.kwargs())  # no fma: torch's roundings
     K._write_kv_kernel[(rows, k3.shape[1])](
-        slots, slots.stride(0), k3, v3, kb, vb, k3.stride(0), k3.stride(1), v3.stride(0),
-        v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2], BLOCK_KW=_pow2(k3.shape[2]),
-        D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]), WRITE_V=v is not None, num_warps=1,
-        **pdl_launch_args(pdl))
+        slots, slots.stride(0), k3, v3, kb, vb, k_scale, v_scale, k3.stride(0), k3.stride(1),
+        v3.stride(0), v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2],
+        BLOCK_KW=_pow2(k3.shape[2]), D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]),
+        WRITE_V=v is not None, num_warps=1, **quant, **pdl_launch_args(pdl))
     return True
 
 
@@ -199,17 +243,18 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``), by one
     launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split; into an
-    FP8 pool by ``runner.write_kv`` (torch's codes), read back by the ``tl.dot`` kernels with
-    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
-    ``cute`` reads bf16/fp16 pools only).
+    FP8 pool before any kernel, as torch's codes: by that launch on CUDA (``fp8_write``),
+    else by ``runner.write_kv``; read back by the ``tl.dot`` kernels with the layer's scales
+    (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too; ``cute`` reads
+    bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``).
     pdl (sm90+, the ``tl.dot`` plans; the sm90 plans launch as without it): the merge is a
     programmatic dependent launch, and so is the split-KV kernel after the KV write launch
-    (not after torch's FP8 write, whose scale copies its programs would not wait for); the
-    MLA kernel stays an ordinary launch (all it reads may come from the launch before).
-    The ``tl.dot`` plans over FP8 pools under a bf16 model dot in fp16 on a prescaled query
-    (``Q_F16``, ``_attn_kernels``)."""
+    (not after torch's FP8 write, which is several launches); the MLA kernel stays an
+    ordinary launch (all it reads may come from the launch before). The ``tl.dot`` plans
+    over FP8 pools under a bf16 model dot in fp16 on a prescaled query (``Q_F16``,
+    ``_attn_kernels``)."""
     if not hist.is_contiguous():
         raise ValueError("a KV write needs the contiguous slot table `hist`")
     kb, vb, sks, skh, svs, svh = layer_pools(runner, layer.layer_id)
@@ -218,13 +263,16 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     scaled = getattr(runner, "fp8", False)
     written = False  # whether the launch just before the split-KV kernel is the KV write
     k_scale = v_scale = meta  # placeholders, never read without FP8
-    if scaled:  # torch quantizes (bit for bit its codes); the kernels read them from the pool
-        from ...fp8 import scale_tensor
-
-        runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
-                        v_scale=layer.v_scale)
+    if scaled:  # the kernels read the codes from the pool, the layer's scales folded in
         k_scale = scale_tensor(layer.k_scale, q.device)
         v_scale = scale_tensor(layer.v_scale, q.device)
+        fp8 = fp8_write(runner, layer, new_kv, q.device)
+        if fp8 is None:  # torch's codes, stored by torch
+            runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
+                            v_scale=layer.v_scale)
+        else:
+            written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
+                                   fp8=fp8) and kernel is Kernel.DOT
     elif kernel is Kernel.DOT:
         written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
     if kernel in SM90_KERNELS and mode == 2:
@@ -256,7 +304,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     par, par_s, par_b = parent_args(parents, meta)
     dots = dot_args(q.dtype, q.device)
     dots["Q_F16"] = scaled and q.dtype == torch.bfloat16
-    common = (step, float(layer.scaling), float(layer.logit_cap))
+    common = (step, float(layer.scaling), float(layer.logit_cap),
+              Q_F16_PRESCALE if dots["Q_F16"] else 1.0)
     block_m, num_warps = plan.tile(rows_per_group)
     if kernel is Kernel.DOT_MLA:
         if not shape.mla_kernel:
