@@ -154,9 +154,9 @@ def test_plan_table(shape, job, rows, name):
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("shape,job,rows,name", [
-    (GQA, "decode", 32, "dot"),  # FP8 pools take the rows of bf16 ones
-    (GQA, "extend", 24, "dot"),
-    (GQA, "per-branch", 4, "dot"),
+    (GQA, "decode", 32, "dot-fp8"),  # 128-key tiles: the bytes of bf16's 64
+    (GQA, "extend", 24, "dot-fp8"),
+    (GQA, "per-branch", 4, "dot-fp8"),
     (MLA, "decode", 64, "dot-mla"),
     (MLA, "extend", 96, "dot-mla"),
     (MLA, "decode", 16, "dot-wide"),
@@ -407,7 +407,7 @@ def test_q_f16_for_fp8_pools_under_bf16(monkeypatch, model, plan, dtype, kv, q_f
 
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-d256.*'dotx'"):
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-fp8, dot-d256.*'dotx'"):
         TritonDecode(runner, 2, 2, plan="dotx")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
         TritonDecode(runner, 2, 2, plan="dot-mla")
@@ -658,7 +658,7 @@ def _fp8_runner(model: str, kv: str, *, seq_lens, topk, steps, page, heads=4) ->
 FP8_LAYER = dict(layer_id=0, scaling=0.2, k_scale=0.37, v_scale=1.9)
 
 FP8_DECODE_CASES = [
-    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot; MLA picks
+    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot-fp8; MLA picks
     # dot-mla at 64 rows (16 heads x K 4), forced below
     ("mha", "fp8_e4m3", 1, 1, 4, None),
     ("mha", "fp8_e5m2", 4, 16, 4, None),
@@ -674,7 +674,7 @@ def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan):
                          heads=heads)
     batch = place_decode_round(runner, lens, topk, steps, page, "path")
     backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
-    assert backend.plan.name == ("dot" if model == "mha" else "dot-mla")
+    assert backend.plan.name == ("dot-fp8" if model == "mha" else "dot-mla")
     run_decode_round(runner, batch, backend, torch.bfloat16,
                      AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
 
@@ -689,7 +689,7 @@ def _fp8_extend(model, kv, page, layer, q_mul=1.0):
     plan = "dot-mla" if model == "mla" else None
     backend = TritonExtend(runner, plan=plan)
     backend.init_forward_metadata(batch)
-    assert backend._round_plan["plan"].name == (plan or "dot")
+    assert backend._round_plan["plan"].name == (plan or "dot-fp8")
     q, k, v = new_qkv(runner, sum(ext), torch.bfloat16)
     q = (q.float() * q_mul).to(torch.bfloat16)
     _poison(backend)

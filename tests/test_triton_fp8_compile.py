@@ -127,11 +127,12 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str) -> di
 
 
 @pytest.mark.parametrize("model,kv,plan,extend,dtype", [
+    ("mha", "fp8_e4m3", "dot-fp8", False, "bfloat16"),
+    ("mha", "fp8_e5m2", "dot-fp8", True, "bfloat16"),
     ("mha", "fp8_e4m3", "dot", False, "bfloat16"),
-    ("mha", "fp8_e5m2", "dot", True, "bfloat16"),
     ("mla", "fp8_e4m3", "dot-mla", False, "bfloat16"),
     ("mla", "fp8_e5m2", "dot-mla", True, "bfloat16"),
-    ("mha", "fp8_e4m3", "dot", False, "float16"),
+    ("mha", "fp8_e4m3", "dot-fp8", False, "float16"),
     ("mla", "fp8_e5m2", "dot-mla", True, "float16"),
 ])
 def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend, dtype):

@@ -149,10 +149,14 @@ def test_tail_units(topk, heads, steps, block_n, want):
     assert worklist.tail_units(topk, heads, steps, block_n) == want
 
 
-@pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request, and 9 (3 loads)
-def test_merge_segments_kernel(programs):
+@pytest.mark.parametrize("sms", [None, 132])  # one column chunk; 4 chunks of 16 (an H200)
+@pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request, and 9 (2 loads)
+def test_merge_segments_kernel(monkeypatch, programs, sms):
+    from specattn.kernels import merge
+
+    monkeypatch.setattr(merge, "sm_count", lambda device: sms)
     gen = torch.Generator().manual_seed(programs)
-    lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 16
+    lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 64
     plan = schedule(lens, tail, block_n, programs)
     bs, rows = len(lens), worklist.partial_rows(topk, heads)
     work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,

@@ -132,8 +132,8 @@ def test_mla_tl_dot_plans_real_shapes(plan):
                                            ("mla", "fp8_e4m3", "dot-mla"),
                                            ("mla", "fp8_e5m2", "dot-mla")])
 def test_fp8_default_plans_real_shapes(model, kv, plan, q_mul=1.0):
-    """FP8 pools on the default ``tl.dot`` plans at gqa-long / mla-long-like shapes (``dot`` as
-    the table picks it; ``dot-mla`` forced past the sm90 kernels; fp16 dots under bf16):
+    """FP8 pools on the default ``tl.dot`` plans at gqa-long / mla-long-like shapes (``dot-fp8``
+    as the table picks it; ``dot-mla`` forced past the sm90 kernels; fp16 dots under bf16):
     ragged batch, path mode, scales != 1, against torch_ref over the dequantized pool."""
     from specattn.backends.triton import TritonDecode
 
@@ -141,7 +141,7 @@ def test_fp8_default_plans_real_shapes(model, kv, plan, q_mul=1.0):
     lens = [random.randint(2048, 6144) for _ in range(4)]
     r, batch = make_decode(model, torch.bfloat16, topk, 5, 1, lens, "path", kv=kv)
     backend = TritonDecode(r, topk, 5, tree_mode="path", plan=plan)
-    assert backend.plan.name == (plan or "dot")
+    assert backend.plan.name == (plan or "dot-fp8")
     layer = AttentionLayer(0, (576 if model == "mla" else 128) ** -0.5 / q_mul, k_scale=0.37,
                            v_scale=1.9)
     run_round(r, batch, backend, torch.bfloat16, layer, "path", steps_to_check={0, 4},

@@ -69,6 +69,7 @@ class Plan:
 #            name           kernel               m   n  warps stages
 PLANS = {p.name: p for p in (
     Plan("dot",         Kernel.DOT,          64, 64, 8, 3),  # MHA/GQA, head dim <= 128
+    Plan("dot-fp8",     Kernel.DOT,          64, 128, 8, 3),  # FP8 pools, head dim <= 128
     Plan("dot-d256",    Kernel.DOT,          64, 32, 8, 3),  # head dim 129..256
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
     Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
@@ -130,7 +131,9 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
         return PLANS["dot-mla"]
     if shape.d_pe > 0 or shape.d_main > 256:
         return PLANS["dot-wide"]
-    return PLANS["dot-d256" if shape.d_main > 128 else "dot"]
+    if shape.d_main > 128:
+        return PLANS["dot-d256"]
+    return PLANS["dot-fp8" if getattr(runner, "fp8", False) else "dot"]
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kernels.merge import MergeTiles, merge_parts, merge_tiles
 from ...util import next_pow2, sm_count
 from .plans import TILE_ROWS as BLOCK_M  # rows per program: the wgmma height
 from .plans import num_row_tiles
@@ -117,11 +118,11 @@ def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
 @triton.jit
 def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, stride_ot,
                           stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr,
-                          BLOCK_P: tl.constexpr):
-    """Grid ``(B * K, H)``: ``Out[z, h]`` from request ``b = z // K``'s partial slots, row
-    ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots, rows]``);
-    requests with one segment were written by the kernel and are left alone. ``BLOCK_P``
-    slots are loaded at a time, so their loads overlap."""
+                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``merge.merge_tiles``): columns ``[c * BLOCK_D, (c + 1) * BLOCK_D)``
+    of ``Out[z, h]`` from request ``b = z // K``'s partial slots, row ``(z % K) * H + h`` of
+    each (``MidO [slots, rows, D_V]``, ``MidLse [slots, rows]``; ``merge.merge_parts``);
+    requests with one segment were written by the kernel and are left alone."""
     z = tl.program_id(0)
     h = tl.program_id(1)
     b = z // TOPK
@@ -132,28 +133,18 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
     n_parts = (hi - 1) // chunk - p_first + 1
     if n_parts > 1:
         row = (z % TOPK) * H + h
-        offs = tl.arange(0, D_V)
-        offs_p = tl.arange(0, BLOCK_P)
+        offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D_V
         first = (p_first + b).to(tl.int64)
-        m = tl.full([], float("-inf"), tl.float32)
-        den = tl.zeros([], tl.float32)
-        acc = tl.zeros([D_V], tl.float32)
-        for p0 in range(0, n_parts, BLOCK_P):
-            ok = p0 + offs_p < n_parts
-            g = first + p0 + offs_p
-            lse = tl.load(MidLse + g * stride_ml_g + row, mask=ok, other=float("-inf"))
-            o = tl.load(MidO + g[:, None] * stride_mo_g + row * D_V + offs[None, :],
-                        mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            scale = tl.exp(m - shift)
-            w = tl.exp(lse - shift)
-            acc = acc * scale + tl.sum(o * w[:, None], 0)
-            den = den * scale + tl.sum(w, 0)
-            m = m_new
+        acc, den = merge_parts(MidO + first * stride_mo_g + row * D_V,
+                               MidLse + first * stride_ml_g + row, stride_mo_g, stride_ml_g,
+                               n_parts, offs_d, d_ok, BLOCK_P)
         o = acc / tl.where(den > 0.0, den, 1.0)
-        tl.store(Out + z.to(tl.int64) * stride_ot + h * stride_oh + offs,
-                 o.to(Out.dtype.element_ty))
+        tl.store(Out + z.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+                 o.to(Out.dtype.element_ty), mask=d_ok)
+
+
+SEGMENTS_PER_LOAD = 4  # the segment merge's parts per load where its rows occupy every SM
 
 
 def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
@@ -167,6 +158,11 @@ def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: t
 
 def _merge_launch(mid_o, mid_lse, out, work, programs, topk) -> None:
     rows, heads, d_v = out.shape
-    merge_segments_kernel[(rows, heads)](
+    batch = max(1, rows // max(1, topk))
+    # A request's segments number about programs / batch (more for a long one: the loop).
+    t = merge_tiles(rows * heads, d_v, triton.cdiv(2 * programs, batch), out.device) or \
+        MergeTiles(1, next_pow2(d_v, 16), SEGMENTS_PER_LOAD, 4)
+    merge_segments_kernel[(rows, heads, t.chunks)](
         mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
-        out.stride(1), programs, topk, H=heads, D_V=d_v, BLOCK_P=4, num_warps=4)
+        out.stride(1), programs, topk, H=heads, D_V=d_v, BLOCK_D=t.block_d,
+        BLOCK_P=t.block_p, num_warps=t.num_warps)

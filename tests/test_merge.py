@@ -1,0 +1,48 @@
+"""``merge_partials`` (the split-KV merge) under the interpreter against a float64 softmax
+of the partials: one part and many, in one load and in several, in one column chunk and in
+the chunks a GPU's SM count asks for; parts past the count are NaN and never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specattn.kernels import merge
+
+DEV = "cpu"
+
+
+@pytest.mark.parametrize("sms", [None, 132])
+@pytest.mark.parametrize("parts,d_v", [(1, 128), (4, 16), (65, 128), (45, 512)])
+def test_merge_partials_is_the_lse_softmax(monkeypatch, sms, parts, d_v):
+    monkeypatch.setattr(merge, "sm_count", lambda device: sms)
+    rows, heads = 3, 2
+    tiles = merge.merge_tiles(rows * heads, d_v, parts, torch.device(DEV))
+    if sms and d_v > 16:
+        assert tiles.chunks > 1  # few rows: the columns are split
+    else:
+        assert sms is None or d_v == 16 or tiles is None
+    gen = torch.Generator().manual_seed(parts * d_v)
+    o = torch.randn(rows, heads, parts, d_v, generator=gen, dtype=torch.float64)
+    lse = 4 * torch.randn(rows, heads, parts, generator=gen, dtype=torch.float64)
+    lse[0, 0, 0] = float("-inf")  # a part that saw no key
+    mid_o = torch.full((rows, heads, parts + 2, d_v), float("nan"))
+    mid_lse = torch.full((rows, heads, parts + 2), float("nan"))
+    mid_o[:, :, :parts], mid_lse[:, :, :parts] = o.float(), lse.float()
+    out = torch.full((rows, heads, d_v), float("nan"), dtype=torch.bfloat16)
+    merge.merge_partials(mid_o, mid_lse, out, parts)
+    want = (torch.softmax(lse, -1)[..., None] * o).sum(2)
+    if parts == 1:
+        want[0, 0] = float("nan")  # its only part saw no key
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+def test_merge_tiles_fill_the_gpu_only_where_rows_do_not(monkeypatch):
+    dev = torch.device(DEV)
+    assert merge.merge_tiles(64, 512, 264, dev) is None  # no SM count: one program per row
+    monkeypatch.setattr(merge, "sm_count", lambda device: 132)
+    assert merge.merge_tiles(256 * 32, 128, 4, dev) is None  # gqa-long: the rows fill the GPU
+    assert merge.merge_tiles(32 * 16, 512, 33, dev) is None  # mla-b8-p64 too
+    one = merge.merge_tiles(4 * 16, 512, 264, dev)  # one MLA request over every SM
+    assert one.chunks * 4 * 16 >= 4 * 132 and one.block_p * one.block_d <= merge.MERGE_TILE
+    assert one.block_p == 256  # every part in one load
