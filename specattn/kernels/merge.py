@@ -63,8 +63,9 @@ def merge_tiles(rows: int, d_v: int, parts: int, device: torch.device
 def merge_parts(o_row, lse_row, stride_o_part, stride_lse_part, n_parts, offs_d, d_ok,
                 BLOCK_P: tl.constexpr):
     """Fold the ``n_parts`` partials of one row: ``o_row`` / ``lse_row`` point at part 0's
-    output row and LSE, the parts ``stride_o_part`` / ``stride_lse_part`` apart; returns ``(acc [BLOCK_D], den)`` with ``acc / den`` the merged columns ``offs_d``
-    (``den`` is 0 when every part is empty: ``-inf`` LSEs)."""
+    output row and LSE, the parts ``stride_o_part`` / ``stride_lse_part`` apart; returns
+    ``(acc [BLOCK_D], den)`` with ``acc / den`` the merged columns ``offs_d`` (``den`` is 0
+    when every part is empty: ``-inf`` LSEs)."""
     offs_p = tl.arange(0, BLOCK_P)
     m = tl.full([], float("-inf"), tl.float32)
     den = tl.zeros([], tl.float32)
@@ -90,10 +91,10 @@ def merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, strid
                  stride_ml_h, stride_ot, stride_oh,
                  NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, D_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid ``(rows, H, cdiv(D_V, BLOCK_D))`` (``merge_tiles``): columns ``[c * BLOCK_D, (c + 1) * BLOCK_D)`` of
-    ``Out[t, h] = sum_s w_s MidO[t, h, s]`` with ``w = softmax(MidLse[t, h, :])`` (NaN where
-    every part is empty). PDL (a programmatic dependent launch after the partials' kernel):
-    waits for its partials before reading them."""
+    """Grid ``(rows, H, cdiv(D_V, BLOCK_D))`` (``merge_tiles``): columns ``[c * BLOCK_D, (c +
+    1) * BLOCK_D)`` of ``Out[t, h] = sum_s w_s MidO[t, h, s]`` with ``w = softmax(MidLse[t,
+    h, :])`` (NaN where every part is empty). PDL (a programmatic dependent launch after
+    the partials' kernel): waits for its partials before reading them."""
     if PDL:
         wait_for_primary()
     t = tl.program_id(0).to(tl.int64)

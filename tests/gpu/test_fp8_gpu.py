@@ -7,9 +7,10 @@ that serves them here: ``flashinfer`` (MHA e4m3/e5m2; MLA e4m3 on SM90) and ``to
   codes, ``uint8`` pool storage, captured CUDA graphs whose scale tensors change value
   before every replay.
 - The kit's case bodies at serving sizes (the kit's GPU shapes, MHA 8 query / 2 KV heads and
-  MLA 16 x 512 + 64; topk 4, page 16, prefixes up to 300, both layers): Python-float scales (FlashInfer's ``k_scale=`` / ``v_scale=`` and
-  ``ckv_scale=`` / ``kpe_scale=`` arguments) and device-tensor scales (folded into q and the
-  output), shared-prefix and per-branch decode, a captured graph with float scales.
+  MLA 16 x 512 + 64; topk 4, page 16, prefixes up to 300, both layers): Python-float scales
+  (FlashInfer's ``k_scale=`` / ``v_scale=`` and ``ckv_scale=`` / ``kpe_scale=`` arguments)
+  and device-tensor scales (folded into q and the output), shared-prefix and per-branch
+  decode, a captured graph with float scales.
 - Selection and refusals on this machine: ``auto`` picks a backend that declares the dtype;
   fa4 refuses with FlashAttention-4's reason.
 

@@ -119,10 +119,11 @@ def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
 def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, stride_ot,
                           stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``merge.merge_tiles``): columns ``[c * BLOCK_D, (c + 1) * BLOCK_D)``
-    of ``Out[z, h]`` from request ``b = z // K``'s partial slots, row ``(z % K) * H + h`` of
-    each (``MidO [slots, rows, D_V]``, ``MidLse [slots, rows]``; ``merge.merge_parts``);
-    requests with one segment were written by the kernel and are left alone."""
+    """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``merge.merge_tiles``): columns ``[c *
+    BLOCK_D, (c + 1) * BLOCK_D)`` of ``Out[z, h]`` from request ``b = z // K``'s partial
+    slots, row ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots,
+    rows]``; ``merge.merge_parts``); requests with one segment were written by the kernel
+    and are left alone."""
     z = tl.program_id(0)
     h = tl.program_id(1)
     b = z // TOPK
