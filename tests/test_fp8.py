@@ -510,3 +510,15 @@ def test_triton_attention_keeps_torchs_write_off_cuda():
     k = torch.randn(2, 2, 16)
     assert fp8_write(runner, AttentionLayer(0, 0.25, k_scale=0.5), (k, k),
                      torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_torch_codes_finds_the_division_the_device_torch_does(monkeypatch, dtype):
+    """The probe behind the FP8 write launch, run on the CPU: CPU torch divides by a Python
+    number exactly, so the reciprocal variant is refused and the exact one found."""
+    from specattn.kernels import fp8_codes as F
+
+    monkeypatch.setattr(F, "_PROBED", {})
+    codes = F.torch_codes(torch.device("cpu"), dtype)
+    assert codes == F.torch_variant(torch.device("cpu"), dtype)._replace(
+        scalar_quant=F.QUANT_DIV)

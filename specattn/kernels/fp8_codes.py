@@ -193,19 +193,18 @@ def torch_codes(device: torch.device, dtype: torch.dtype) -> Optional[Codes]:
         return None
     x = probe_values()
     x = torch.cat([x, x * 1.7]).to(device)  # / 1.7: where the reciprocal's codes differ
+    scales = (1.0, 1.7, torch.tensor([1.7], device=device))  # Python numbers, a tensor
+    want = [(x / scale).to(dtype).view(torch.uint8) for scale in scales]
 
-    def matches(codes: Codes, scale) -> bool:
-        s, quant = write_scale(scale, device, codes.scalar_quant)
-        return bool(torch.equal(quantize(x, s, quant, codes), (x / scale).to(dtype)
-                                .view(torch.uint8)))
+    def matches(codes: Codes, i: int) -> bool:
+        s, quant = write_scale(scales[i], device, codes.scalar_quant)
+        return bool(torch.equal(quantize(x, s, quant, codes), want[i]))
 
-    found = None
-    for scalar_quant in (QUANT_MUL, QUANT_DIV):
-        codes = torch_variant(device, dtype)._replace(scalar_quant=scalar_quant)
-        if matches(codes, 1.0) and matches(codes, 1.7):
-            found = codes
-            break
-    if found is not None and not matches(found, torch.tensor([1.7], device=device)):
+    variant = torch_variant(device, dtype)
+    found = next((codes for codes in (variant._replace(scalar_quant=q)
+                                      for q in (QUANT_MUL, QUANT_DIV))
+                  if matches(codes, 0) and matches(codes, 1)), None)
+    if found is not None and not matches(found, 2):
         found = None
     _PROBED[key] = found
     return found
