@@ -144,12 +144,25 @@ GQA = plans.AttnShape(32, 8, 128, 0, 128, False)
     (MLA, "extend", 96, "dot-mla"),
     (MLA, "per-branch", 16, "dot-wide"),
     (GQA, "decode", 32, "dot"),
+    (GQA, "extend", 16, "dot"),
+    (GQA, "per-branch", 4, "dot"),
     (GQA, "extend", 24, "dot"),
     (plans.AttnShape(8, 2, 256, 0, 256, False), "decode", 16, "dot-d256"),
     (plans.AttnShape(8, 2, 512, 0, 512, False), "decode", 16, "dot-wide"),
 ])
 def test_plan_table(shape, job, rows, name):
     assert plans.choose_plan(_runner_for(shape), job, rows, True).name == name
+
+
+def test_dot_m16_serves_few_requests_only(monkeypatch):
+    """16-row GQA tiles take dot-m16 (32-key tiles, 4 programs per SM) while the round's
+    groups (requests x KV heads) are at most the SMs; more requests keep dot."""
+    monkeypatch.setattr(plans, "sms", lambda device: 132)
+    runner = _runner_for(GQA)
+    assert plans.choose_plan(runner, "decode", 16, True, requests=16).name == "dot-m16"
+    assert plans.choose_plan(runner, "decode", 16, True, requests=17).name == "dot"
+    assert TritonDecode(runner, 4, 2).plan_for(32).name == "dot"
+    assert TritonDecode(runner, 4, 2).plan_for(8).name == "dot-m16"
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -193,15 +206,21 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
         parts = launchers.num_parts(dot, launchers.split_cap(dot, rows))
         assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
 
-    from specattn.backends.triton import worklist
-
-    monkeypatch.setattr(worklist, "sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(plans, "sms", lambda device: 132)  # an H200
     h200 = torch.device("cpu")
-    # One request, 8 KV heads: 64 splits make 512 programs (4 per SM); 32 requests: 3.
-    assert launchers.plan_splits(dot, GQA, 16, 1, h200, extend=False, rows=4) == 64
+    # One request, 8 KV heads, 16-row tiles (dot: 3 programs per SM): 49 splits fill one
+    # wave of 396 slots; dot-m16 (4 per SM): 64 (the cap) make 512 of 528. 32 requests
+    # (256 groups, more than the SMs): about 4 programs per SM, 3 splits.
+    assert launchers.plan_splits(dot, GQA, 16, 1, h200, extend=False, rows=4) == 49
+    m16 = plans.PLANS["dot-m16"]
+    assert launchers.plan_splits(m16, GQA, 16, 1, h200, extend=False, rows=4) == 64
+    assert launchers.plan_splits(m16, GQA, 16, 8, h200, extend=False, rows=32) == 8
     assert launchers.plan_splits(dot, GQA, 16, 32, h200, extend=False, rows=128) == 3
+    assert launchers.plan_splits(dot, GQA, 32, 1, h200, extend=False, rows=8) == 33  # 2 per SM
+    fp8 = plans.PLANS["dot-fp8"]
+    assert launchers.plan_splits(fp8, GQA, 16, 1, h200, extend=False, rows=4, kv_bytes=1) == 33
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot for 8"):
+    with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot-m16 for 8"):
         b = TritonDecode(runner, 4, 2, num_splits=40)
         b._make_plan(2)
     with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 64\]"):
@@ -220,9 +239,7 @@ def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):
         parts = launchers.num_parts(mla, launchers.split_cap(mla, rows))
         assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
 
-    from specattn.backends.triton import worklist
-
-    monkeypatch.setattr(worklist, "sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(plans, "sms", lambda device: 132)  # an H200
     h200 = torch.device("cpu")
     assert launchers.plan_splits(mla, MLA, 4 * 16, 1, h200, extend=False, rows=4) == 64
     assert launchers.plan_splits(mla, MLA, 6 * 16, 1, h200, extend=True, rows=6) == 45
@@ -258,15 +275,18 @@ def test_dot_mla_many_splits_match_reference(job):
 @pytest.mark.parametrize("cls,args", [(TritonDecode, (2, 2)), (TritonExtend, ())])
 def test_pdl_is_refused_off_sm90(cls, args):
     """pdl=True needs CUDA sm90+: under the interpreter (or on a CPU) one short error names
-    the argument, what it expects and the value; pdl takes booleans only."""
+    the argument, what it expects and the value; pdl takes booleans or None (the default:
+    on where it runs, so off here)."""
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"^pdl: expected False here \(programmatic "
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected False or None here \(programmatic "
                        r"dependent launch needs CUDA sm90\+; this is the Triton interpreter "
                        r"\(TRITON_INTERPRET\)\), got True$"):
         cls(runner, *args, pdl=True)
-    with pytest.raises(InvalidInputError, match=r"^pdl: expected True or False, got 'yes'$"):
+    with pytest.raises(InvalidInputError, match=r"^pdl: expected True, False or None, got "
+                       r"'yes'$"):
         cls(runner, *args, pdl="yes")
     assert cls(runner, *args, pdl=False)._pdl is False
+    assert cls(runner, *args)._pdl is False
     assert plans.pdl_reason(torch.device("cpu"), False) == "a cpu device"
 
 
@@ -407,7 +427,7 @@ def test_q_f16_for_fp8_pools_under_bf16(monkeypatch, model, plan, dtype, kv, q_f
 
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-fp8, dot-d256.*'dotx'"):
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-m16, dot-fp8, dot-d256.*'dotx'"):
         TritonDecode(runner, 2, 2, plan="dotx")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
         TritonDecode(runner, 2, 2, plan="dot-mla")
@@ -513,6 +533,7 @@ DOT_PLAN_CASES = [
     # model, topk, tree_mode, mode, plan: each tl.dot plan and its KV write (one launch before
     # the split-KV kernel; the MLA kernel's first split); MLA topk 8 = 32 rows
     ("mha", 4, "path", "shared", "dot"),
+    ("mha", 4, "lane", "shared", "dot-m16"),
     ("mha", 2, "lane", "per-branch", "dot"),
     ("mha", 4, "lane", "shared", "dot-d256"),
     ("mha", 4, "path", "shared", "dot-wide"),

@@ -48,9 +48,10 @@ def triton_of_the_gpu():
                     f"({'/'.join(plans.GLUON_TRITON)}) only")
 
 
-def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str):
+def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int = 0):
     """One ``launchers.attention`` call on CPU tensors (``dtype`` queries, the bench's shapes:
-    GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4): its captured launch."""
+    GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4; ``topk``: another K):
+    its captured launch."""
     from specattn.backends.triton import _attn_kernels as K
     from specattn.backends.triton import launchers as L
     from specattn.data import AttentionLayer, DraftRunner
@@ -61,7 +62,7 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str):
     K._write_kv_kernel = Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
     L.merge_partials = lambda *args, **kw: None
     dt = getattr(torch, dtype)
-    topk, steps, slots = (4, 3, 256) if model == "mla" else (8, 3, 256)
+    topk, steps, slots = (topk or (4 if model == "mla" else 8)), 3, 256
     if model == "mla":
         runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=slots, max_reqs=2,
                                  max_context_len=64, kv_cache_dtype=kv, dtype=dt)
@@ -117,11 +118,13 @@ def sass_counts(cubin: bytes) -> dict:
                 stack=int(spills.group(1)) if spills else -1)
 
 
-def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str) -> dict:
-    """Capture and compile one launch: what the test checks."""
-    fn, _, args, kw = _launch(model, kv, plan, extend, dtype)
+def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
+                 topk: int = 0) -> dict:
+    """Capture and compile one launch: what the tests check."""
+    fn, _, args, kw = _launch(model, kv, plan, extend, dtype, topk)
     kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
     return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
+                warps=kw["num_warps"],
                 f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
                 **sass_counts(kernel.asm["cubin"]))
 
@@ -147,6 +150,29 @@ def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend
     # The query's 2^-8 prescale is an fp32 multiply before the conversion to fp16: moved
     # past it (an fp16 multiply), queries past fp16's range become infinities.
     assert got["f16_mul"] == 0, got
+
+
+SM_SHARED, SM_REGISTERS, SM_WARPS = 228 * 1024, 65536, 64  # one sm90 SM
+
+
+def programs_per_sm(shared: int, regs: int, warps: int) -> int:
+    """Programs one sm90 SM holds: shared memory (1 KB reserved per program), registers
+    (allocated per warp in units of 256) and warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(SM_SHARED // (shared + 1024), SM_REGISTERS // (warps * per_warp),
+               SM_WARPS // warps)
+
+
+@pytest.mark.parametrize("key", sorted(plans.PROGRAMS_PER_SM))
+def test_programs_per_sm_table_is_the_sm90_build(triton_of_the_gpu, key):
+    """``plans.PROGRAMS_PER_SM`` (which sizes the serving regime's one-wave prefix splits)
+    is what the kernel Triton builds for sm90 leaves room for, bf16 queries at head dim 128."""
+    plan, rows, kv_bytes = key
+    got = in_child(__file__, dict(model="mha", kv="auto" if kv_bytes == 2 else "fp8_e4m3",
+                                  plan=plan, extend=False, dtype="bfloat16", topk=rows // 4))
+    print(got)
+    assert programs_per_sm(got["shared"], got["regs"], got["warps"]) == \
+        plans.PROGRAMS_PER_SM[key], got
 
 
 def compile_write_case(model: str, kv: str, tensor_scales: bool) -> dict:

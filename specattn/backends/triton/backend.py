@@ -62,7 +62,7 @@ class _TritonCommon:
         forced = self._num_splits_override
         if forced is None:
             return L.plan_splits(plan, shape, rows_per_group, num_groups, self.runner.device,
-                                 extend, rows)
+                                 extend, rows, self.runner.kv_dtype.itemsize)
         cap = L.split_cap(plan, rows)
         if forced > cap:
             raise InvalidInputError("num_splits", f"at most {cap} with plan {plan.name} for "
@@ -70,7 +70,7 @@ class _TritonCommon:
         return forced
 
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str,
-                 pdl: bool = False) -> None:
+                 pdl: Optional[bool] = None) -> None:
         """``num_splits`` / ``plan`` / ``pdl`` checked and kept; the per-round caches
         emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
@@ -89,17 +89,19 @@ class _TritonCommon:
         self._plans: dict = {}
         self._round_plan = None
 
-    def _checked_pdl(self, pdl: bool) -> bool:
-        """``pdl``, refused where programmatic dependent launch cannot run (not CUDA sm90+,
-        or under the interpreter)."""
-        if not isinstance(pdl, bool):
-            raise InvalidInputError("pdl", "True or False", repr(pdl))
-        why = P.pdl_reason(torch.device(self.runner.device),
-                           triton_interpret_enabled()) if pdl else None
-        if why is not None:
-            raise InvalidInputError("pdl", f"False here (programmatic dependent launch needs "
-                                    f"CUDA sm90+; this is {why})", repr(pdl))
-        return pdl
+    def _checked_pdl(self, pdl: Optional[bool]) -> bool:
+        """``pdl``: ``None`` (on where programmatic dependent launch runs: CUDA sm90+, not
+        under the interpreter), or ``True`` / ``False``, ``True`` refused where it cannot
+        run."""
+        if pdl is not None and not isinstance(pdl, bool):
+            raise InvalidInputError("pdl", "True, False or None", repr(pdl))
+        if pdl is False:
+            return False
+        why = P.pdl_reason(torch.device(self.runner.device), triton_interpret_enabled())
+        if why is not None and pdl:
+            raise InvalidInputError("pdl", f"False or None here (programmatic dependent "
+                                    f"launch needs CUDA sm90+; this is {why})", repr(pdl))
+        return why is None
 
     def _kept_plan(self) -> dict:
         return self._round_plan
@@ -147,8 +149,9 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     (``gluon-wl``: programs per row tile; default: from the SM count and the grid size);
     ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
     an error where the plan cannot serve this model here); ``pdl``: the ``tl.dot`` plans'
-    split-KV kernel and merge as programmatic dependent launches (CUDA sm90+ only, an error
-    elsewhere; the sm90 plans launch as without it: ``launchers.attention``). The ``tl.dot``
+    split-KV kernel and merge as programmatic dependent launches (default ``None``: where
+    they run, CUDA sm90+; ``True`` elsewhere is an error; the sm90 plans launch as without
+    it: ``launchers.attention``). The ``tl.dot``
     plans over FP8 pools under a bf16 model dot in fp16, on a query prescaled to fp16 (codes
     widen to fp16 in one exact conversion: ``launchers.attention``)."""
 
@@ -161,7 +164,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
                  mode: str = "shared", num_splits: Optional[int] = None,
-                 plan: Optional[str] = None, pdl: bool = False) -> None:
+                 plan: Optional[str] = None, pdl: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:
             raise InvalidInputError("mode", f"one of {DECODE_MODES}", repr(mode))
@@ -170,14 +173,19 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
 
     @property
     def plan(self) -> P.Plan:
-        """The plan this backend's calls run (``plans.choose_plan`` unless forced)."""
+        """The plan of a one-request round (``plan_for``)."""
+        return self.plan_for(1)
+
+    def plan_for(self, bs: int) -> P.Plan:
+        """The plan a round of ``bs`` requests runs (``plans.choose_plan`` unless forced)."""
         if self._forced is not None:
             return self._forced
         shape = P.AttnShape.of(self.runner)
         shared = self.mode == "shared"
         rows = (self.topk if shared else 1) * shape.group
+        groups = bs if shared else bs * self.topk
         return P.choose_plan(self.runner, "decode" if shared else "per-branch", rows,
-                             triton_interpret_enabled())
+                             triton_interpret_enabled(), groups)
 
     def _make_plan(self, bs: int) -> dict:
         """The round's launch plan for ``bs`` requests (cached: host ints only)."""
@@ -187,7 +195,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         shape = L.AttnShape.of(self.runner)
         lanes = self.topk if self.mode == "shared" else 1
         rows_per_group = lanes * shape.group
-        plan = self.plan
+        plan = self.plan_for(bs)
         num_groups = bs * self.topk // lanes
         splits = self._splits(plan, shape, rows_per_group, num_groups, bs * self.topk, False)
         out = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, plan=plan,
@@ -280,7 +288,7 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1,
                  num_splits: Optional[int] = None, plan: Optional[str] = None,
-                 max_extend_len: Optional[int] = None, pdl: bool = False) -> None:
+                 max_extend_len: Optional[int] = None, pdl: Optional[bool] = None) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
         if max_extend_len is not None and not (isinstance(max_extend_len, int)
                                                and max_extend_len >= 1):

@@ -18,7 +18,7 @@ from ...kernels.pdl import launch_args as pdl_launch_args
 from ...kernels.tiles import Q_F16_PRESCALE, dot_args
 from ...util import next_pow2
 from . import _attn_kernels as K
-from . import cute_mla, gluon_mla, worklist
+from . import cute_mla, gluon_mla, plans, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 from ...kernels.kernel_launch import KernelLaunch
 from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, AttnShape, Kernel,
@@ -43,23 +43,28 @@ def split_cap(plan: Plan, rows: int) -> int:
 
 
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
-                device: torch.device, extend: bool, rows: int) -> int:
-    """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe); for
-    ``gluon-wl`` the work list's programs per row tile. Splits fill about ``waves`` programs
-    per SM: 4 for the ``tl.dot`` split-KV kernel in decode, 2 in extend (``docs/kernels.md``),
-    rounded up, at most ``split_cap``; 1 for the others (~200 KB of shared memory: one
-    program per SM), rounded down so that a full wave is not followed by a few stragglers
-    (``cute``: one wave of clusters)."""
+                device: torch.device, extend: bool, rows: int, kv_bytes: int = 2) -> int:
+    """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe), at most
+    ``split_cap``; for ``gluon-wl`` the work list's programs per row tile. The ``tl.dot``
+    split-KV kernel in decode: where a round has few programs (``plans.few_groups``), as many
+    splits as fill one wave of the SMs' program slots (``Plan.programs_per_sm``) without a
+    straggling second one; else about 4 programs per SM, rounded up; in extend about 2
+    (``docs/kernels.md``). The others (~200 KB of shared memory: one program per SM): one
+    wave, rounded down (``cute``: one wave of clusters). ``kv_bytes``: bytes of a pool
+    element."""
     row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
     programs = row_tiles * num_groups * shape.num_kv_heads
-    waves = (2.0 if extend else 4.0) if plan.kernel is Kernel.DOT else 1.0
-    target = waves * worklist.sms(device)
-    n = int(target // max(1, programs)) if waves < 2 else triton.cdiv(int(target), max(1, programs))
-    splits = max(1, min(split_cap(plan, rows), n))
-    return cute_mla.plan_splits(programs, device, splits) if plan.kernel is Kernel.CUTE \
-        else splits
+    sms = plans.sms(device)
+    if plan.kernel is Kernel.DOT and not extend and plans.few_groups(programs, device):
+        n = plan.programs_per_sm(rows_per_group, kv_bytes) * sms // programs
+    elif plan.kernel is Kernel.DOT:
+        n = triton.cdiv((2 if extend else 4) * sms, programs)
+    else:
+        n = sms // programs
+    n = max(1, min(split_cap(plan, rows), n))
+    return cute_mla.plan_splits(programs, device, n) if plan.kernel is Kernel.CUTE else n
 
 
 def num_parts(plan: Plan, num_splits: int) -> int:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ...errors import InvalidInputError
+from ...util import sm_count
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,18 @@ class Kernel(str, enum.Enum):
 
 
 SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
+
+
+def sms(device: torch.device) -> int:
+    """SMs of ``device``; 4 on the interpreter, so that tests see several splits."""
+    return sm_count(device) or 4
+
+
+def few_groups(groups: int, device: torch.device) -> bool:
+    """Whether a round's ``groups`` (row tiles x requests x KV heads) leave SMs idle without
+    prefix splits (at most one per SM): the serving regime of few requests, where the
+    ``tl.dot`` split-KV plans fill one wave of program slots (``launchers.plan_splits``)."""
+    return groups <= sms(device)
 
 
 def num_row_tiles(rows: int) -> int:
@@ -65,10 +78,16 @@ class Plan:
         block_m = min(self.block_m, max(16, 1 << max(0, rows - 1).bit_length()))
         return block_m, (4 if block_m <= 32 else self.num_warps)
 
+    def programs_per_sm(self, rows: int, kv_bytes: int) -> int:
+        """Programs of this plan one SM runs at once for ``rows`` query rows per KV head
+        over a pool of ``kv_bytes``-byte elements: measured (``PROGRAMS_PER_SM``), else 1."""
+        return PROGRAMS_PER_SM.get((self.name, self.tile(rows)[0], kv_bytes), 1)
+
 
 #            name           kernel               m   n  warps stages
 PLANS = {p.name: p for p in (
     Plan("dot",         Kernel.DOT,          64, 64, 8, 3),  # MHA/GQA, head dim <= 128
+    Plan("dot-m16",     Kernel.DOT,          16, 32, 4, 3),  # MHA/GQA, <= 16 rows, dim <= 128
     Plan("dot-fp8",     Kernel.DOT,          64, 128, 8, 3),  # FP8 pools, head dim <= 128
     Plan("dot-d256",    Kernel.DOT,          64, 32, 8, 3),  # head dim 129..256
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
@@ -77,6 +96,19 @@ PLANS = {p.name: p for p in (
     Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, cute off/FP8
     Plan("cute",        Kernel.CUTE,         64, 64, 8, 2),  # sm90 MLA decode, CuTe-DSL
 )}
+
+
+# Programs one sm90 SM holds, by (plan, rows per tile, pool element bytes), at head dim 128:
+# the shared memory and registers of the kernel Triton 3.6 builds (bf16 and fp16 alike;
+# tests/test_triton_occupancy_compile.py compiles each and checks the count). 64-row tiles
+# (wgmma) and fp32 pools take one.
+PROGRAMS_PER_SM = {
+    ("dot", 16, 2): 3,      # 70 KB shared, 160 registers
+    ("dot", 32, 2): 2,      # 74 KB, 201 registers
+    ("dot-m16", 16, 2): 4,  # 37 KB, 113 registers
+    ("dot-fp8", 16, 1): 2,  # 71 KB, 254 registers
+    ("dot-fp8", 32, 1): 2,  # 75 KB, 255 registers
+}
 
 
 @dataclass(frozen=True)
@@ -109,11 +141,13 @@ class AttnShape:
                    runner.v_head_dim, False)
 
 
-def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
+def choose_plan(runner, job: str, rows: int, interpret: bool, requests: int = 1) -> Plan:
     """The plan for ``job`` (``"decode"``, ``"per-branch"``, ``"extend"``) at ``rows`` query
-    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``).
+    rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)
+    for a round of ``requests`` (decode: lane groups) requests.
     MLA decode on sm90: ``gluon-wl`` up to one 64-row tile, ``cute`` above, ``gluon-split``
-    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool)."""
+    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool). GQA decode of at most
+    16 rows over few requests (``few_groups``): ``dot-m16``."""
     shape = AttnShape.of(runner)
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -133,7 +167,10 @@ def choose_plan(runner, job: str, rows: int, interpret: bool) -> Plan:
         return PLANS["dot-wide"]
     if shape.d_main > 128:
         return PLANS["dot-d256"]
-    return PLANS["dot-fp8" if getattr(runner, "fp8", False) else "dot"]
+    if getattr(runner, "fp8", False):
+        return PLANS["dot-fp8"]
+    few = few_groups(requests * shape.num_kv_heads, torch.device(runner.device))
+    return PLANS["dot-m16" if rows <= 16 and job == "decode" and few else "dot"]
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:

@@ -20,20 +20,16 @@ import triton
 import triton.language as tl
 
 from ...kernels.merge import MergeTiles, merge_parts, merge_tiles
-from ...util import next_pow2, sm_count
+from ...util import next_pow2
+from . import plans
 from .plans import TILE_ROWS as BLOCK_M  # rows per program: the wgmma height
 from .plans import num_row_tiles
-
-
-def sms(device: torch.device) -> int:
-    """SMs of ``device``; 4 on the interpreter, so that tests see several splits."""
-    return sm_count(device) or 4
 
 
 def programs_per_row_tile(row_tiles: int, batch: int, device: torch.device) -> int:
     """``P``: one program per SM over all row tiles (the Gluon kernel's ~200 KB of shared
     memory leaves room for one), and one per request at the least."""
-    return max(1, batch, sms(device) // max(1, row_tiles))
+    return max(1, batch, plans.sms(device) // max(1, row_tiles))
 
 
 def lane_span(topk: int, heads: int) -> int:
