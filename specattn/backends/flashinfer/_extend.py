@@ -49,6 +49,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._pass: Optional[Pass] = None  # the pass forward() runs
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
         self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
+        self._host_csr: dict = {}  # graph passes' kept host key CSR buffers (_host_bufs)
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -67,19 +68,20 @@ class FlashInferExtendGlue(DraftExtendBackend):
     def _prepare(self, p: Pass, batch) -> None:
         """Slot list on the device, one plan (host)."""
         seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
-        csr = host_csr(host_indptr(ext_host, pin=p.pin), seq_host, int(ext_host.max()),
-                       pin=p.pin)
-        out = p.reserve(csr.total)
         r = self.runner
         if self._triton is None:
             self._triton = triton_runs(r.device)
-        dev_csr = None
+        # Graph passes keep their slot-list launches (an eager pass's buffer may be
+        # replaced) and write the key CSR into the captured buffers: its host copy then goes
+        # into kept pageable buffers (nothing copies from them).
+        dev_csr = p.device_csr() if p.graph and self._triton else None
+        csr = host_csr(host_indptr(ext_host, pin=p.pin), seq_host, int(ext_host.max()),
+                       pin=p.pin, out=None if dev_csr is None else
+                       self._host_bufs(p, len(seq_host)))
+        out = p.reserve(csr.total)
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
-            # Graph passes keep their launches (an eager pass's buffer may be replaced) and
-            # write the key CSR into the captured buffers.
-            dev_csr = p.device_csr() if p.graph else None
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, batch.req_pool_indices,
                          batch.seq_lens, r.num_slots, csr=dev_csr,
                          kept=self._slot_launches if p.graph else None)
@@ -88,6 +90,14 @@ class FlashInferExtendGlue(DraftExtendBackend):
                               batch.seq_lens, num_slots=r.num_slots)
         p.plan(csr, True, self.params, on_device=dev_csr is not None)
         self._pass = p
+
+    def _host_bufs(self, p: Pass, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_indptr [m + 1], kv_lens [m])`` int32 host buffers kept per graph pass."""
+        bufs = self._host_csr.get(id(p))
+        if bufs is None or bufs[1].numel() != m:
+            bufs = self._host_csr[id(p)] = (torch.empty(m + 1, dtype=torch.int32),
+                                             torch.empty(m, dtype=torch.int32))
+        return bufs
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -106,6 +116,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
         self._slot_launches.clear()
+        self._host_csr.clear()
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
