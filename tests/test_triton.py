@@ -219,6 +219,13 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     assert launchers.plan_splits(dot, GQA, 32, 1, h200, extend=False, rows=8) == 33  # 2 per SM
     fp8 = plans.PLANS["dot-fp8"]
     assert launchers.plan_splits(fp8, GQA, 16, 1, h200, extend=False, rows=4, kv_bytes=1) == 33
+    # dot-fp8 fills one wave wherever it fits one: 32 requests (256 of 264 slots) in 1 split,
+    # where dot takes 3; 40 requests (320 programs) do not fit: about 4 per SM.
+    assert launchers.plan_splits(fp8, GQA, 32, 32, h200, extend=False, rows=256,
+                                 kv_bytes=1) == 1
+    assert launchers.plan_splits(dot, GQA, 32, 32, h200, extend=False, rows=256) == 3
+    assert launchers.plan_splits(fp8, GQA, 32, 40, h200, extend=False, rows=320,
+                                 kv_bytes=1) == 2
     runner = _runner_for(GQA, torch.float32)
     with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot-m16 for 8"):
         b = TritonDecode(runner, 4, 2, num_splits=40)

@@ -96,6 +96,7 @@ CASES = [
     ("mha", torch.bfloat16, 6, 4096, 8, 5, 1, "path", True, "shared"),
     ("mha", torch.float16, 8, 2048, 1, 4, 1, "lane", True, "shared"),
     ("mha", torch.bfloat16, 4, 4096, 4, 5, 16, "path", True, "shared"),
+    ("mha", torch.bfloat16, 1, 32768, 4, 3, 1, "lane", False, "shared"),  # dot-m16, 64 splits
     ("mha", torch.float16, 4, 1024, 4, 5, 1, "lane", False, "per-branch"),
     ("mla", torch.bfloat16, 4, 4096, 4, 5, 1, "path", True, "shared"),
     ("mla", torch.bfloat16, 4, 4096, 4, 5, 64, "lane", False, "shared"),
@@ -146,6 +147,20 @@ def test_fp8_default_plans_real_shapes(model, kv, plan, q_mul=1.0):
                            v_scale=1.9)
     run_round(r, batch, backend, torch.bfloat16, layer, "path", steps_to_check={0, 4},
               q_mul=q_mul)
+
+
+def test_fp8_one_wave_of_many_requests():
+    """dot-fp8 over 24 requests x 8 KV heads (192 programs: more than the SMs, within one
+    wave of its slots) takes one prefix split (``plans.ONE_WAVE_PLANS``): ragged, path mode,
+    scales != 1, against torch_ref over the dequantized pool."""
+    from specattn.backends.triton import TritonDecode
+
+    lens = [random.randint(512, 1536) for _ in range(24)]
+    r, batch = make_decode("mha", torch.bfloat16, 8, 3, 1, lens, "path", kv="fp8_e4m3")
+    backend = TritonDecode(r, 8, 3, tree_mode="path")
+    assert backend.plan_for(24).name == "dot-fp8" and backend._make_plan(24)["num_splits"] == 1
+    layer = AttentionLayer(0, 128 ** -0.5, k_scale=0.37, v_scale=1.9)
+    run_round(r, batch, backend, torch.bfloat16, layer, "path", steps_to_check={0, 2})
 
 
 @pytest.mark.parametrize("model,kv,plan", [("mha", "fp8_e4m3", None),

@@ -46,9 +46,10 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
                 device: torch.device, extend: bool, rows: int, kv_bytes: int = 2) -> int:
     """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe), at most
     ``split_cap``; for ``gluon-wl`` the work list's programs per row tile. The ``tl.dot``
-    split-KV kernel in decode: where a round has few programs (``plans.few_groups``), as many
-    splits as fill one wave of the SMs' program slots (``Plan.programs_per_sm``) without a
-    straggling second one; else about 4 programs per SM, rounded up; in extend about 2
+    split-KV kernel in decode: where a round has few programs (``plans.few_groups``; for
+    ``plans.ONE_WAVE_PLANS`` wherever they fit in one wave), as many splits as fill one wave
+    of the SMs' program slots (``Plan.programs_per_sm``) without a straggling second one;
+    else about 4 programs per SM, rounded up; in extend about 2
     (``docs/kernels.md``). The others (~200 KB of shared memory: one program per SM): one
     wave, rounded down (``cute``: one wave of clusters). ``kv_bytes``: bytes of a pool
     element."""
@@ -57,8 +58,11 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
     programs = row_tiles * num_groups * shape.num_kv_heads
     sms = plans.sms(device)
-    if plan.kernel is Kernel.DOT and not extend and plans.few_groups(programs, device):
-        n = plan.programs_per_sm(rows_per_group, kv_bytes) * sms // programs
+    slots = plan.programs_per_sm(rows_per_group, kv_bytes) * sms
+    one_wave = plans.few_groups(programs, device) or (
+        plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
+    if plan.kernel is Kernel.DOT and not extend and one_wave:
+        n = slots // programs
     elif plan.kernel is Kernel.DOT:
         n = triton.cdiv((2 if extend else 4) * sms, programs)
     else:

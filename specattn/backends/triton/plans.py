@@ -53,6 +53,13 @@ def few_groups(groups: int, device: torch.device) -> bool:
     return groups <= sms(device)
 
 
+# Split-KV plans whose decode programs fill one wave of program slots whenever they fit in
+# one, few requests or many: over FP8 pools, 32 requests x 4k tokens (256 programs, 264
+# slots) ran 146.1 us in one split against 154.7 in 3 (H200, docs/kernels.md), where bf16's
+# `dot` lost (196.2 against 158.1).
+ONE_WAVE_PLANS = frozenset({"dot-fp8"})
+
+
 def num_row_tiles(rows: int) -> int:
     """The sm90 kernels' ``TILE_ROWS``-row tiles over a request's ``rows`` query rows."""
     return -(-rows // TILE_ROWS)
