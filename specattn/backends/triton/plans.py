@@ -1,7 +1,7 @@
 """Which kernel runs a ``triton`` call, and with which tiles: the plan table.
 
 ``choose_plan`` picks a row of ``PLANS`` by the model's shape, the job, the query rows per
-request and KV head, and the device; the rest follows from the kernel (``launchers``). The
+request and KV head, the round's requests and the device; the rest follows from the kernel (``launchers``). The
 measured reason for each row: ``docs/kernels.md``. Imports no Triton.
 """
 
