@@ -38,6 +38,7 @@ __all__ = [
     "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
     "check_decode_forward",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
+    "graph_checks_read_values",
     "ACT_DTYPES", "INDEX_DTYPES",
 ]
 
@@ -46,6 +47,13 @@ def _scan_values(t: torch.Tensor, debug: Optional[bool]) -> bool:
     if debug is None:
         debug = debug_checks_enabled()
     return debug or t.device.type == "cpu"
+
+
+def graph_checks_read_values(*tensors: torch.Tensor) -> bool:
+    """Whether a graph round's checks (no debug pass) read the values of ``tensors``: CPU
+    tensors only. Where they do not, those checks depend only on the tensors' dtypes, shapes,
+    strides and devices."""
+    return any(_scan_values(t, False) for t in tensors)
 
 
 def _check_index_values(name: str, t: torch.Tensor, lo: int, hi: int,

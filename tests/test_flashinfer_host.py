@@ -34,6 +34,7 @@ from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend, _replan)
 from specattn.data import DraftBatch, DraftExtendBatch
+from specattn.errors import InvalidInputError
 from standins import flashinfer as fi_standin
 from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
 from test_flashinfer import make_decode_case, make_extend_case
@@ -289,6 +290,35 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mon
     assert on_device == [True, True]
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla):
+    """Where a graph round's checks read no values (device tensors), a replay whose batch
+    tensors have the signature of the last checked one is not checked again; another
+    signature is, and an invalid batch of a new signature is still refused."""
+    from specattn import base
+
+    checked = []
+    check = base.check_extend_batch
+    monkeypatch.setattr(base, "check_extend_batch",
+                        lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    case = make_extend_case(mla=mla, bs=3, seed=7)
+    b = case.batch
+    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
+                            b.seq_lens.clone(), b.extend_lens.clone())
+    backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
+    backend.init_cuda_graph_state(3, int(b.extend_lens.sum()))
+    backend.init_forward_metadata_capture_cuda_graph(host)
+    for _ in range(3):
+        backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    assert len(checked) == 1
+    backend.init_forward_metadata_replay_cuda_graph(b, 3)  # no host copies: a new signature
+    assert len(checked) == 2
+    bad = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens[:2], b.out_cache_loc,
+                           b.seq_lens.clone(), b.extend_lens[:2].clone())
+    with pytest.raises(InvalidInputError, match="extend_lens"):
+        backend.init_forward_metadata_replay_cuda_graph(bad, 3)
+
+
 def _record_device_csr(monkeypatch) -> list:
     """The ``on_device`` flag of every direct replan's CSR copy (``_replan``)."""
     seen: list = []
@@ -358,3 +388,26 @@ def test_kept_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, m
     for _ in range(3):
         backend.init_forward_metadata_replay_cuda_graph(full, 3)
     assert len(backend._replays) == 1 and len(made) == before, made
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_extend_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, mla):  # noqa: F811
+    """An extend graph pass keys its slot-list launch by the pass, its device CSR and the
+    caller's two index tensors' signatures: replays after the first build no new launch."""
+    from specattn.kernels import prefix_slots as slots_module
+
+    made = []
+    build = slots_module._launch
+    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    case = make_extend_case(mla=mla, bs=3, seed=4)
+    b = case.batch
+    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
+                            b.seq_lens.clone(), b.extend_lens.clone())
+    backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
+    backend.init_cuda_graph_state(3, int(b.extend_lens.sum()))
+    backend.init_forward_metadata_capture_cuda_graph(host)
+    backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    before = len(made)
+    for _ in range(3):
+        backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    assert before >= 1 and len(made) == before, made

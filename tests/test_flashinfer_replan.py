@@ -58,8 +58,10 @@ KINDS = {
 PARAMS = Params(0.25, 0.0)
 
 
-def _runner(kind):
-    return make_decode_case(mla=kind.startswith("mla"), bs=BS, topk=K, max_len=60).runner
+def _runner(kind, mla_heads: int = 4):
+    return make_decode_case(mla=kind.startswith("mla"), bs=BS, topk=K, max_len=60,
+                            heads=(mla_heads, 64, 16) if kind.startswith("mla") else None
+                            ).runner
 
 
 def _planned(p):
@@ -222,20 +224,22 @@ def test_other_backends_keep_the_public_plan(fake_flashinfer, monkeypatch, caplo
     assert eager._direct is None and eager.wrapper.plans == 2
 
 
-@pytest.mark.parametrize("kind, capacity, checks", [("mla", 16384, 0), ("mla-extend", 16384, 1),
-                                                    ("mla", 134, 1), ("mla", None, 1)])
+@pytest.mark.parametrize("kind, capacity, heads, checks", [
+    ("mla", 16384, 4, 0), ("mla-extend", 16384, 4, 0), ("mla-extend", 16384, 24, 1),
+    ("mla", 16384, 24, 0), ("mla-extend", 134, 4, 1), ("mla", 134, 4, 1), ("mla", None, 4, 1)])
 def test_mla_replan_checks_the_workload_where_the_planner_could_refuse_it(
-        fake_flashinfer, monkeypatch, kind, capacity, checks):  # noqa: F811
-    """FlashInfer's MLA workload check runs for a causal plan, where ``ceil(max_q * H / 64)``
-    work items per sequence plus one per SM could pass the planner's capacity
-    (``_FA_MAX_WORK_ITEMS``), and where that capacity is unknown; not otherwise."""
+        fake_flashinfer, monkeypatch, kind, capacity, heads, checks):  # noqa: F811
+    """FlashInfer's MLA workload check runs where ``ceil(max_q * H / 64)`` work items per
+    sequence plus one per SM could pass the planner's capacity (``_FA_MAX_WORK_ITEMS``),
+    where that capacity is unknown, and for a causal plan whose heads do not divide 64
+    (its query-tile boundary check); not otherwise."""
     monkeypatch.setattr(_replan, "sm_count", lambda device: 132)
     if capacity is None:
         monkeypatch.delattr(fi_standin, "_FA_MAX_WORK_ITEMS", raising=False)
     else:
         monkeypatch.setattr(fi_standin, "_FA_MAX_WORK_ITEMS", capacity, raising=False)
     make, causal, first, second = KINDS[kind]
-    p = make(_runner(kind))
+    p = make(_runner(kind, heads))
     p.plan(first, causal, PARAMS)
     before = fi_standin._validate_fa_plan_workload.calls
     p.plan(second, causal, PARAMS)

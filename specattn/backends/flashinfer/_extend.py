@@ -25,11 +25,15 @@ from typing import Optional
 import torch
 
 from ...base import DraftExtendBackend
-from ...data import host_lengths
+from ...data import HOST_COPIES, host_lengths
+from ...graph_calls import signature
+from ... import validation
 from ...fp8 import scale_rows
 from ...util import triton_runs
 from ._passes import Params, Pass, captured, fp8_scales, replan
 from ._slots import fill_ragged_slots, host_csr, host_indptr
+
+_INDEX_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc")
 
 
 class FlashInferExtendGlue(DraftExtendBackend):
@@ -50,6 +54,7 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
         self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
         self._host_csr: dict = {}  # graph passes' kept host key CSR buffers (_host_bufs)
+        self._checked_batch: Optional[tuple] = None  # the last checked graph batch's signature
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -82,9 +87,14 @@ class FlashInferExtendGlue(DraftExtendBackend):
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
-            prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, batch.req_pool_indices,
-                         batch.seq_lens, r.num_slots, csr=dev_csr,
-                         kept=self._slot_launches if p.graph else None)
+            rows, lens = batch.req_pool_indices, batch.seq_lens
+            # A graph pass's buffers (slot list, device CSR) stay put: the pass, the CSR's
+            # addresses and the caller's two index tensors' signatures key its launch.
+            key = (id(p), signature(rows), signature(lens), None if dev_csr is None else
+                   tuple(t.data_ptr() for t in dev_csr)) if p.graph else None
+            prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
+                         csr=dev_csr, kept=self._slot_launches if p.graph else None,
+                         kept_key=key)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
@@ -112,11 +122,34 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     # --- CUDA graphs -------------------------------------------------------------------------
 
+    def _check_graph_batch(self, batch) -> None:
+        """As the base class, once per signature of the batch's tensors where no check reads
+        their values (device tensors: ``validation.graph_checks_read_values``): what it
+        checks there is their dtypes, shapes and devices."""
+        key = self._batch_signature(batch)
+        if key is None or key != self._checked_batch:
+            super()._check_graph_batch(batch)
+            self._checked_batch = key
+
+    def _batch_signature(self, batch) -> Optional[tuple]:
+        """The signature of ``batch``'s index tensors and host copies (``None``: the checks
+        read values here, or ``batch`` is not a batch)."""
+        try:
+            index = tuple(getattr(batch, name) for name in _INDEX_FIELDS)
+            if validation.graph_checks_read_values(*index):
+                return None
+            return (type(batch), *(signature(t) for t in index),
+                    *(None if getattr(batch, name, None) is None else
+                      signature(getattr(batch, name)) for name in HOST_COPIES))
+        except (AttributeError, TypeError):
+            return None
+
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
         self._slot_launches.clear()
         self._host_csr.clear()
+        self._checked_batch = None
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size

@@ -235,9 +235,11 @@ class _MLAReplanner(Replanner):
     block: the same bytes, without the host copy.
 
     The public plan's check of the workload against the native planner's limits
-    (``_validate_fa_plan_workload``) runs where it could refuse the batch: for a causal
-    plan, or where the work-item bound of a non-causal one, ``ceil(max_q * H / 64)`` items
-    per sequence plus one split per SM, could pass the planner's capacity."""
+    (``_validate_fa_plan_workload``) runs where it could refuse the batch: where the
+    work-item bound, ``ceil(max_q * H / 64)`` items per sequence plus one split per SM,
+    could pass the planner's capacity, and for a causal plan whose heads do not divide 64
+    (FlashInfer then refuses query tiles that end inside a query's heads at some key
+    positions)."""
 
     def __init__(self, wrapper: Any, key: Any, num_heads: int, kv_bound: int,
                  validate: Callable, capacity: Optional[int]) -> None:
@@ -259,8 +261,12 @@ class _MLAReplanner(Replanner):
         return self.backend._kv_indptr_buf, self.backend._kv_len_arr_buf
 
     def _checked(self, csr: "HostCSR", bs: int) -> bool:
-        """Whether the batch needs the public plan's workload check."""
-        if self.backend._causal or self.capacity is None or not self.sms:
+        """Whether the batch needs the public plan's workload check. Its work count is at
+        most the query tiles plus one split per cluster (a split is at least the average
+        of a cluster's keys), causal or not; a causal plan is also refused where a 64-row
+        query tile can end inside a query's heads (heads not dividing 64)."""
+        if self.capacity is None or not self.sms or (self.backend._causal
+                                                     and 64 % self.num_heads):
             return True
         items = bs * -(-csr.max_q * self.num_heads // 64)
         # Key counts under 2**29 keep the planner's int32 split arithmetic in range.
