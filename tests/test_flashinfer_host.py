@@ -290,6 +290,19 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mon
     assert on_device == [True, True]
 
 
+def _captured_extend(mla: bool, seed: int):
+    """``(backend, batch, the batch with host copies)``: a flashinfer extend backend whose
+    graph of 3 requests is captured with the host-copy batch."""
+    case = make_extend_case(mla=mla, bs=3, seed=seed)
+    b = case.batch
+    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
+                            b.seq_lens.clone(), b.extend_lens.clone())
+    backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
+    backend.init_cuda_graph_state(3, int(b.extend_lens.sum()))
+    backend.init_forward_metadata_capture_cuda_graph(host)
+    return backend, b, host
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla):
     """Where a graph round's checks read no values (device tensors), a replay whose batch
@@ -301,13 +314,7 @@ def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla
     check = base.check_extend_batch
     monkeypatch.setattr(base, "check_extend_batch",
                         lambda *a, **kw: checked.append(1) or check(*a, **kw))
-    case = make_extend_case(mla=mla, bs=3, seed=7)
-    b = case.batch
-    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
-                            b.seq_lens.clone(), b.extend_lens.clone())
-    backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
-    backend.init_cuda_graph_state(3, int(b.extend_lens.sum()))
-    backend.init_forward_metadata_capture_cuda_graph(host)
+    backend, b, host = _captured_extend(mla, seed=7)
     for _ in range(3):
         backend.init_forward_metadata_replay_cuda_graph(host, 3)
     assert len(checked) == 1
@@ -399,13 +406,7 @@ def test_extend_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch,
     made = []
     build = slots_module._launch
     monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
-    case = make_extend_case(mla=mla, bs=3, seed=4)
-    b = case.batch
-    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
-                            b.seq_lens.clone(), b.extend_lens.clone())
-    backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
-    backend.init_cuda_graph_state(3, int(b.extend_lens.sum()))
-    backend.init_forward_metadata_capture_cuda_graph(host)
+    backend, _, host = _captured_extend(mla, seed=4)
     backend.init_forward_metadata_replay_cuda_graph(host, 3)
     before = len(made)
     for _ in range(3):
