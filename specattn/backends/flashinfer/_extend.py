@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
+from ... import validation
 from ...base import DraftExtendBackend
 from ...data import HOST_COPIES, host_lengths
-from ...graph_calls import signature
-from ... import validation
 from ...fp8 import scale_rows
+from ...graph_calls import signature
 from ...util import triton_runs
 from ._passes import Params, Pass, captured, fp8_scales, replan
 from ._slots import fill_ragged_slots, host_csr, host_indptr
