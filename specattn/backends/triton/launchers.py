@@ -58,15 +58,15 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
     programs = row_tiles * num_groups * shape.num_kv_heads
     sms = plans.sms(device)
-    slots = plan.programs_per_sm(rows_per_group, kv_bytes) * sms
-    one_wave = plans.few_groups(programs, device) or (
-        plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
-    if plan.kernel is Kernel.DOT and not extend and one_wave:
-        n = slots // programs
-    elif plan.kernel is Kernel.DOT:
-        n = triton.cdiv((2 if extend else 4) * sms, programs)
-    else:
+    if plan.kernel is not Kernel.DOT:
         n = sms // programs
+    elif extend:
+        n = triton.cdiv(2 * sms, programs)
+    else:
+        slots = plan.programs_per_sm(rows_per_group, kv_bytes) * sms
+        one_wave = plans.few_groups(programs, device) or (
+            plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
+        n = slots // programs if one_wave else triton.cdiv(4 * sms, programs)
     n = max(1, min(split_cap(plan, rows), n))
     return cute_mla.plan_splits(programs, device, n) if plan.kernel is Kernel.CUTE else n
 

@@ -1,8 +1,8 @@
 """Which kernel runs a ``triton`` call, and with which tiles: the plan table.
 
 ``choose_plan`` picks a row of ``PLANS`` by the model's shape, the job, the query rows per
-request and KV head, the round's requests and the device; the rest follows from the kernel (``launchers``). The
-measured reason for each row: ``docs/kernels.md``. Imports no Triton.
+request and KV head, the round's requests and the device; the rest follows from the kernel
+(``launchers``). The measured reason for each row: ``docs/kernels.md``. Imports no Triton.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ PLANS = {p.name: p for p in (
 
 # Programs one sm90 SM holds, by (plan, rows per tile, pool element bytes), at head dim 128:
 # the shared memory and registers of the kernel Triton 3.6 builds (bf16 and fp16 alike;
-# tests/test_triton_occupancy_compile.py compiles each and checks the count). 64-row tiles
+# tests/test_triton_fp8_compile.py compiles each and checks the count). 64-row tiles
 # (wgmma) and fp32 pools take one.
 PROGRAMS_PER_SM = {
     ("dot", 16, 2): 3,      # 70 KB shared, 160 registers
