@@ -181,8 +181,8 @@ def test_plan_table_of_fp8_pools(kv, shape, job, rows, name):
 
 def test_plan_tiles_and_splits():
     """Fewer rows take a smaller tile (4 warps at <= 32 rows); the wgmma plans one wave, the
-    tl.dot split-KV plan 4 programs per SM in decode and 2 in extend; below 2 waves the split
-    count rounds down (one full wave, no stragglers); split-KV adds a tail partial."""
+    tl.dot split-KV plan 4 programs per SM in decode and 2 in extend over many requests, one
+    wave over few; split-KV adds a tail partial."""
     dot, mla = plans.PLANS["dot"], plans.PLANS["dot-mla"]
     assert dot.tile(4) == (16, 4) and dot.tile(32) == (32, 4) and dot.tile(33) == (64, 8)
     assert plans.PLANS["dot-wide"].tile(128) == (32, 4) and mla.tile(16) == (64, 8)
@@ -209,14 +209,19 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     monkeypatch.setattr(plans, "sms", lambda device: 132)  # an H200
     h200 = torch.device("cpu")
     # One request, 8 KV heads, 16-row tiles (dot: 3 programs per SM): 49 splits fill one
-    # wave of 396 slots; dot-m16 (4 per SM): 64 (the cap) make 512 of 528. 32 requests
-    # (256 groups, more than the SMs): about 4 programs per SM, 3 splits.
+    # wave of 396 slots; dot-m16 (5 per SM): 64 (the cap) make 512 of 660, 8 requests 10
+    # splits. 32 requests (256 groups, more than the SMs): about 4 programs per SM, 3 splits.
     assert launchers.plan_splits(dot, GQA, 16, 1, h200, extend=False, rows=4) == 49
     m16 = plans.PLANS["dot-m16"]
     assert launchers.plan_splits(m16, GQA, 16, 1, h200, extend=False, rows=4) == 64
-    assert launchers.plan_splits(m16, GQA, 16, 8, h200, extend=False, rows=32) == 8
+    assert launchers.plan_splits(m16, GQA, 16, 8, h200, extend=False, rows=32) == 10
     assert launchers.plan_splits(dot, GQA, 16, 32, h200, extend=False, rows=128) == 3
     assert launchers.plan_splits(dot, GQA, 32, 1, h200, extend=False, rows=8) == 33  # 2 per SM
+    # Extend of 6 tokens (24 rows, 2 per SM): 8 requests' 64 groups fill one wave in 4
+    # splits (5, about 2 programs per SM, left 1.2 waves); 32 requests take about 2 per SM.
+    assert launchers.plan_splits(dot, GQA, 24, 8, h200, extend=True, rows=48) == 4
+    assert launchers.plan_splits(dot, GQA, 24, 1, h200, extend=True, rows=6) == 33
+    assert launchers.plan_splits(dot, GQA, 24, 32, h200, extend=True, rows=192) == 2
     fp8 = plans.PLANS["dot-fp8"]
     assert launchers.plan_splits(fp8, GQA, 16, 1, h200, extend=False, rows=4, kv_bytes=1) == 33
     # dot-fp8 fills one wave wherever it fits one: 32 requests (256 of 264 slots) in 1 split,

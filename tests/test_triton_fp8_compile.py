@@ -51,10 +51,13 @@ def triton_of_the_gpu():
 def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int = 0):
     """One ``launchers.attention`` call on CPU tensors (``dtype`` queries, the bench's shapes:
     GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4; ``topk``: another K):
-    its captured launch."""
+    its captured launch. Two requests on an H200's 132 SMs: a few-request round, whose
+    decode tail stores the new KV (``launchers.tail_stores_kv``)."""
     from specattn.backends.triton import _attn_kernels as K
     from specattn.backends.triton import launchers as L
     from specattn.data import AttentionLayer, DraftRunner
+
+    plans.sms = lambda device: 132  # a child process per case: nothing else sees it
 
     name = "_mla_partial_kernel" if plan.startswith("dot-mla") else "_partial_attn_kernel"
     capture = Capture(getattr(K, name))

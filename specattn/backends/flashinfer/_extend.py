@@ -53,7 +53,6 @@ class FlashInferExtendGlue(DraftExtendBackend):
         self._pass: Optional[Pass] = None  # the pass forward() runs
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
         self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
-        self._host_csr: dict = {}  # graph passes' kept host key CSR buffers (_host_bufs)
         self._checked_batch: Optional[tuple] = None  # the last checked graph batch's signature
 
     def _default_params(self) -> Params:
@@ -103,11 +102,10 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def _host_bufs(self, p: Pass, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_indptr [m + 1], kv_lens [m])`` int32 host buffers kept per graph pass."""
-        bufs = self._host_csr.get(id(p))
-        if bufs is None or bufs[1].numel() != m:
-            bufs = self._host_csr[id(p)] = (torch.empty(m + 1, dtype=torch.int32),
-                                             torch.empty(m, dtype=torch.int32))
-        return bufs
+        if p.host_csr is None or p.host_csr[1].numel() != m:
+            p.host_csr = (torch.empty(m + 1, dtype=torch.int32),
+                          torch.empty(m, dtype=torch.int32))
+        return p.host_csr
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -148,7 +146,6 @@ class FlashInferExtendGlue(DraftExtendBackend):
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
         self._slot_launches.clear()
-        self._host_csr.clear()
         self._checked_batch = None
 
     def _plan_graph(self, batch, *, capture: bool) -> None:

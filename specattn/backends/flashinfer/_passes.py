@@ -147,6 +147,8 @@ class Pass:
         self._ones: Optional[torch.Tensor] = None  # last_page_len (host), by sequence count
         self._direct: Optional[Replanner] = None  # graph passes: after the first public plan
         self._plan_kw: dict = {}  # the keyword arguments of the last public plan
+        # Graph passes planned from a device-written CSR: its host copy, kept (pageable).
+        self.host_csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def graph(self) -> bool:

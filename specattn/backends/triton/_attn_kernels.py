@@ -39,9 +39,10 @@ MODE_EXTEND = tl.constexpr(2)
 
 @triton.jit
 def _partial_attn_kernel(
-        Q, Kb, Vb, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale, VScale,
+        Q, Kb, Vb, Kin, Vin, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale, VScale,
         step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
         stride_r2t, stride_par_s, stride_par_b, num_slots,
         TOPK, NUM_STEPS, LANES_PER_GROUP, NUM_SPLITS,
@@ -51,12 +52,16 @@ def _partial_attn_kernel(
         BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
-        Q_F16: tl.constexpr = False):
+        Q_F16: tl.constexpr = False, NEW_KV: tl.constexpr = False,
+        BLOCK_KW: tl.constexpr = 16):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
     Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
-    V = its first D_V columns), this call's KV already stored; MidO: [rows, H_q,
+    V = its first D_V columns), this call's KV already stored, or with NEW_KV (decode, pools
+    of the call's dtype) stored by the tail programs: each stores its lanes' new keys and
+    values, Kin / Vin [lanes, H_kv, D] (``BLOCK_KW``: the key row's width, a power of two),
+    at ``Hist[lane, step]`` and reads them from Kin / Vin, not back from the pool; MidO: [rows, H_q,
     NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32;
     Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
@@ -108,17 +113,33 @@ def _partial_attn_kernel(
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
                 DOT_F32)
     else:
-        if PDL:
+        if PDL and not NEW_KV:
             wait_for_primary()  # this call's KV, stored by the launch before
         n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
+        if NEW_KV:
+            lanes = n_lo // hl + tl.arange(0, BLOCK_M)
+            new_src = (q_start + lanes).to(tl.int64)
+            new_ok = lanes < n_hi // hl
+            _store_new_keys(new_ok, new_src, Kin + kvh * stride_kin_h, Kb + kvh * stride_kh,
+                            Hist, step, stride_kin_t, stride_ks, NUM_STEPS, num_slots,
+                            D_MAIN + D_PE, BLOCK_KW)
+            if not V_IS_K:
+                _store_new_keys(new_ok, new_src, Vin + kvh * stride_vin_h, Vb + kvh * stride_vh,
+                                Hist, step, stride_vin_t, stride_vs, NUM_STEPS, num_slots,
+                                D_V, BLOCK_DV)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
                                                 b, step, r2t_row, prefix_len, Hist, Parents,
                                                 stride_par_s, stride_par_b, TOPK, NUM_STEPS,
                                                 num_slots, MODE)
-            k, kpe, v = load_kv(Kb + slot * stride_ks + kvh * stride_kh,
-                                Vb + slot * stride_vs + kvh * stride_vh, key_ok, D_MAIN, D_PE,
-                                D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K)
+            k_rows = Kb + slot * stride_ks + kvh * stride_kh
+            v_rows = Vb + slot * stride_vs + kvh * stride_vh
+            if NEW_KV:  # a lane's last key is its new one: read from Kin / Vin
+                new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
+                k_rows = tl.where(new, Kin + src * stride_kin_t + kvh * stride_kin_h, k_rows)
+                v_rows = tl.where(new, Vin + src * stride_vin_t + kvh * stride_vin_h, v_rows)
+            k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
+                                BLOCK_DV, V_IS_K)
             if MODE == MODE_EXTEND:
                 # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
                 # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN
@@ -182,8 +203,9 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
 @triton.jit
 def _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs, NUM_STEPS,
                     num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr):
-    """Store the new latent rows ``new [BLOCK_N]`` (rows ``src`` of Kin) at their slots
-    ``Hist[src, step]`` (``KW`` = the row width); a slot outside the pool is not written."""
+    """Store the new rows ``new [BLOCK_N]`` (rows ``src`` of Kin: latent rows, or one KV
+    head's keys or values) at their slots ``Hist[src, step]`` (``KW`` = the row width); a
+    slot outside the pool is not written."""
     dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
     new = new & (dst >= 0) & (dst < num_slots)
     _copy_rows(Kin + src * stride_kin_t, KV + dst * stride_kvs, new, KW, BLOCK_KW)
@@ -411,8 +433,7 @@ def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, KScale, VScale, stri
                      E5M2: tl.constexpr = False, SATURATE: tl.constexpr = True,
                      SIGNED_NAN: tl.constexpr = True):
     """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
-    call's new KV in one launch (``kv_write="kernel"``); a slot outside the pool is not
-    written. PDL: the split-KV kernel after it may launch at once (its prefix programs read
+    call's new KV in one launch; a slot outside the pool is not written. PDL: the split-KV kernel after it may launch at once (its prefix programs read
     other slots; its tail waits for this launch to end).
 
     FP8 (Kb/Vb: the pools viewed as ``uint8``): stores torch's codes of ``x.float() /

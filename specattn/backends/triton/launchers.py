@@ -46,11 +46,11 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
                 device: torch.device, extend: bool, rows: int, kv_bytes: int = 2) -> int:
     """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe), at most
     ``split_cap``; for ``gluon-wl`` the work list's programs per row tile. The ``tl.dot``
-    split-KV kernel in decode: where a round has few programs (``plans.few_groups``; for
-    ``plans.ONE_WAVE_PLANS`` wherever they fit in one wave), as many splits as fill one wave
-    of the SMs' program slots (``Plan.programs_per_sm``) without a straggling second one;
-    else about 4 programs per SM, rounded up; in extend about 2
-    (``docs/kernels.md``). The others (~200 KB of shared memory: one program per SM): one
+    split-KV kernel: where a round has few programs (``plans.few_groups``; in decode, for
+    ``plans.ONE_WAVE_PLANS`` wherever they fit in one wave), as many prefix splits as fill
+    one wave of the SMs' program slots (``Plan.programs_per_sm``) without a straggling
+    second one (the short tail programs may start a second); else about 4 programs per SM,
+    rounded up, in extend about 2 (``docs/kernels.md``). The others (~200 KB of shared memory: one program per SM): one
     wave, rounded down (``cute``: one wave of clusters). ``kv_bytes``: bytes of a pool
     element."""
     row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
@@ -60,13 +60,12 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
     sms = plans.sms(device)
     if plan.kernel is not Kernel.DOT:
         n = sms // programs
-    elif extend:
-        n = triton.cdiv(2 * sms, programs)
     else:
         slots = plan.programs_per_sm(rows_per_group, kv_bytes) * sms
         one_wave = plans.few_groups(programs, device) or (
-            plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
-        n = slots // programs if one_wave else triton.cdiv(4 * sms, programs)
+            not extend and plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
+        n = slots // programs if one_wave else triton.cdiv((2 if extend else 4) * sms,
+                                                           programs)
     n = max(1, min(split_cap(plan, rows), n))
     return cute_mla.plan_splits(programs, device, n) if plan.kernel is Kernel.CUTE else n
 
@@ -229,6 +228,31 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
     return True
 
 
+def tail_stores_kv(mode: int, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
+                   programs: int, device: torch.device) -> bool:
+    """Whether the split-KV kernel's tail programs store this call's KV (``NEW_KV``) in
+    place of a KV write launch before it: decode (``mode`` 0 / 1) of a round of few
+    ``programs`` (``plans.few_groups``: one launch less is 4-8% of such a step) into pools
+    of the new rows' dtype. Rounds of many requests keep the launch: with the store in the
+    kernel, 32 requests x 4k tokens ran 14% slower (H200, ``docs/kernels.md``)."""
+    k, v = new_kv
+    return mode != 2 and plans.few_groups(programs, device) and k.dtype == kb.dtype and (
+        v is None or v.dtype == vb.dtype) and k.stride(-1) == 1 and (
+        v is None or v.stride(-1) == 1)
+
+
+def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple) -> dict:
+    """The split-KV kernel's ``NEW_KV`` arguments: ``tensors`` (the call's k and v as
+    ``[rows, H_kv, D]`` where ``tail_kv``, else the pools as placeholders), ``NEW_KV``,
+    ``BLOCK_KW``."""
+    if not tail_kv:
+        return dict(tensors=(kb, vb))
+    k, v = new_kv
+    k3 = k if k.dim() == 3 else k.unsqueeze(1)
+    v3 = k3 if v is None else v
+    return dict(tensors=(k3, v3), NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
+
+
 def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
     """``(tensor, stride_s, stride_b)`` the kernels take for ``parents [S, B, K]`` (path
     mode); without it any int tensor (never read) and zero strides."""
@@ -250,8 +274,9 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     in ``q.dtype``.
 
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
-    (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``), by one
-    launch before the ``tl.dot`` split-KV kernel, by the other kernels' first split; into an
+    (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``): by the
+    ``tl.dot`` split-KV kernel's tail programs in a few-request decode (``tail_stores_kv``),
+    else by one launch before it; by the other kernels' first split; into an
     FP8 pool before any kernel, as torch's codes: by that launch on CUDA (``fp8_write``),
     else by ``runner.write_kv``; read back by the ``tl.dot`` kernels with the layer's scales
     (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too; ``cute`` reads
@@ -282,7 +307,11 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         else:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
                                    fp8=fp8) and kernel is Kernel.DOT
-    elif kernel is Kernel.DOT:
+    block_m, num_warps = plan.tile(rows_per_group)
+    tail_kv = kernel is Kernel.DOT and not scaled and tail_stores_kv(
+        mode, kb, vb, new_kv, triton.cdiv(rows_per_group, block_m) * num_groups *
+        shape.num_kv_heads, q.device)
+    if kernel is Kernel.DOT and not scaled and not tail_kv:
         written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
     if kernel in SM90_KERNELS and mode == 2:
         raise ValueError(f"plan {plan.name} serves decode only")
@@ -315,7 +344,6 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     dots["Q_F16"] = scaled and q.dtype == torch.bfloat16
     common = (step, float(layer.scaling), float(layer.logit_cap),
               Q_F16_PRESCALE if dots["Q_F16"] else 1.0)
-    block_m, num_warps = plan.tile(rows_per_group)
     if kernel is Kernel.DOT_MLA:
         if not shape.mla_kernel:
             raise ValueError(f"plan dot-mla needs an MLA shape with an even latent width, "
@@ -336,10 +364,13 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
+        new_kv_args = tail_kv_args(tail_kv, kb, vb, new_kv)
+        k_in, v_in = new_kv_args.pop("tensors")
         K._partial_attn_kernel[grid](
-            q, kb, vb, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale,
+            q, kb, vb, k_in, v_in, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale,
             k_scale if shape.v_is_k else v_scale, *common,
             q.stride(0), q.stride(1), sks, skh, svs, svh,
+            k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), req_to_token.stride(0), par_s, par_b, kb.shape[0], topk,
             num_steps, lanes_per_group, num_splits,
@@ -348,7 +379,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, SCALED=scaled, **dots,
-            num_warps=num_warps, num_stages=plan.num_stages,
+            num_warps=num_warps, num_stages=plan.num_stages, **new_kv_args,
             **pdl_launch_args(pdl, dependent=written))
     merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits), pdl=pdl)
     return out
