@@ -317,10 +317,10 @@ class _Recorded:
 
 
 def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str = "auto",
-                       dtype=torch.float32, kws=None):
-    """One ``launchers.attention`` call with ``pdl=True`` (3 lanes, 2 splits), the Triton
-    kernels recorded: ``[(kernel, PDL, launch_pdl)]`` in launch order (their keywords
-    appended to ``kws``)."""
+                       dtype=torch.float32, kws=None, decode: bool = False):
+    """One ``launchers.attention`` call with ``pdl=True`` (one request: 3 new tokens, or
+    with ``decode`` 3 lanes at step 1 of 2; 2 splits), the Triton kernels recorded:
+    ``[(kernel, PDL, launch_pdl)]`` in launch order (their keywords appended to ``kws``)."""
     from specattn.backends.triton import _attn_kernels
     from specattn.kernels import merge
 
@@ -339,12 +339,14 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
     mid_o, mid_lse = launchers.partial_views((3, shape.num_q_heads, 3), shape.d_v, q.device,
                                              None, None)
     meta = torch.zeros(2, 5, dtype=torch.int32)
+    steps = 2 if decode else 1
     launchers.attention(q, runner, AttentionLayer(layer_id=0, scaling=0.1), shape, meta,
-                        runner.req_to_token, mode=2, num_groups=1, rows_per_group=3 * 4,
-                        lanes_per_group=1, topk=1, num_steps=1, step=0, num_splits=2,
-                        plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
-                        hist=torch.arange(3, dtype=torch.int32).view(3, 1), new_kv=(k, v),
-                        pdl=True)
+                        runner.req_to_token, mode=0 if decode else 2, num_groups=1,
+                        rows_per_group=3 * shape.group, lanes_per_group=3 if decode else 1,
+                        topk=3 if decode else 1, num_steps=steps, step=steps - 1,
+                        num_splits=2, plan=plans.PLANS[plan], mid_o=mid_o, mid_lse=mid_lse,
+                        hist=torch.arange(3 * steps, dtype=torch.int32).view(3, steps),
+                        new_kv=(k, v), pdl=True)
     return log
 
 
@@ -383,6 +385,24 @@ def _kernel_fp8_write(monkeypatch) -> list:
 
     monkeypatch.setattr(launchers, "fp8_write", fp8_write)
     return served
+
+
+@pytest.mark.parametrize("sms,launches", [
+    # Few requests (one group x 2 KV heads, 4 SMs): the split-KV kernel's tail programs
+    # store the new KV; the kernel is an ordinary launch that releases the merge.
+    (4, [("_partial_attn_kernel", True, False), ("merge_kernel", True, True)]),
+    # More programs than SMs: the KV write launch first, which releases the kernel.
+    (1, [("_write_kv_kernel", True, False), ("_partial_attn_kernel", True, True),
+         ("merge_kernel", True, True)]),
+])
+def test_decode_tail_stores_the_new_kv_in_few_request_rounds(monkeypatch, sms, launches):
+    """``launchers.tail_stores_kv``: a decode round of few requests is two launches, one of
+    many requests three; extend keeps its write launch whatever the round."""
+    monkeypatch.setattr(plans, "sms", lambda device: sms)
+    kws: list = []
+    assert _recorded_launches(monkeypatch, "mha", "dot", decode=True, kws=kws) == launches
+    assert kws[-2].get("NEW_KV", False) is (sms == 4)
+    assert _recorded_launches(monkeypatch, "mha", "dot")[0][0] == "_write_kv_kernel"
 
 
 @pytest.mark.parametrize("model,plan,launches", [
