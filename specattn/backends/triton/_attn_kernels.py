@@ -433,8 +433,9 @@ def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, KScale, VScale, stri
                      E5M2: tl.constexpr = False, SATURATE: tl.constexpr = True,
                      SIGNED_NAN: tl.constexpr = True):
     """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
-    call's new KV in one launch; a slot outside the pool is not written. PDL: the split-KV kernel after it may launch at once (its prefix programs read
-    other slots; its tail waits for this launch to end).
+    call's new KV in one launch (many-request decode, extend, FP8 pools); a slot outside the
+    pool is not written. PDL: the split-KV kernel after it may launch at once (its prefix
+    programs read other slots; its tail waits for this launch to end).
 
     FP8 (Kb/Vb: the pools viewed as ``uint8``): stores torch's codes of ``x.float() /
     scale`` (``fp8_codes.quantize_block``: ``K_QUANT`` / ``V_QUANT`` with ``KScale`` /

@@ -50,9 +50,9 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
     ``plans.ONE_WAVE_PLANS`` wherever they fit in one wave), as many prefix splits as fill
     one wave of the SMs' program slots (``Plan.programs_per_sm``) without a straggling
     second one (the short tail programs may start a second); else about 4 programs per SM,
-    rounded up, in extend about 2 (``docs/kernels.md``). The others (~200 KB of shared memory: one program per SM): one
-    wave, rounded down (``cute``: one wave of clusters). ``kv_bytes``: bytes of a pool
-    element."""
+    rounded up, in extend about 2 (``docs/kernels.md``). The others (~200 KB of shared
+    memory: one program per SM): one wave, rounded down (``cute``: one wave of clusters).
+    ``kv_bytes``: bytes of a pool element."""
     row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
@@ -241,16 +241,16 @@ def tail_stores_kv(mode: int, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
         v is None or v.stride(-1) == 1)
 
 
-def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple) -> dict:
-    """The split-KV kernel's ``NEW_KV`` arguments: ``tensors`` (the call's k and v as
-    ``[rows, H_kv, D]`` where ``tail_kv``, else the pools as placeholders), ``NEW_KV``,
-    ``BLOCK_KW``."""
+def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The split-KV kernel's ``(Kin, Vin, constexprs)``: where ``tail_kv``, the call's k and v
+    as ``[rows, H_kv, D]`` with ``NEW_KV`` and ``BLOCK_KW``; else the pools (never read)."""
     if not tail_kv:
-        return dict(tensors=(kb, vb))
+        return kb, vb, {}
     k, v = new_kv
     k3 = k if k.dim() == 3 else k.unsqueeze(1)
     v3 = k3 if v is None else v
-    return dict(tensors=(k3, v3), NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
+    return k3, v3, dict(NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
 
 
 def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
@@ -364,8 +364,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
-        new_kv_args = tail_kv_args(tail_kv, kb, vb, new_kv)
-        k_in, v_in = new_kv_args.pop("tensors")
+        k_in, v_in, new_kv_args = tail_kv_args(tail_kv, kb, vb, new_kv)
         K._partial_attn_kernel[grid](
             q, kb, vb, k_in, v_in, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale,
             k_scale if shape.v_is_k else v_scale, *common,
