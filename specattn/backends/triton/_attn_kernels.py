@@ -61,9 +61,10 @@ def _partial_attn_kernel(
     V = its first D_V columns), this call's KV already stored, or with NEW_KV (decode, pools
     of the call's dtype) stored by the tail programs: each stores its lanes' new keys and
     values, Kin / Vin [lanes, H_kv, D] (``BLOCK_KW``: the key row's width, a power of two),
-    at ``Hist[lane, step]`` and reads them from Kin / Vin, not back from the pool; MidO: [rows, H_q,
-    NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta: [B, 5] int32;
-    Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new tokens' slots);
+    at ``Hist[lane, step]`` and reads them from Kin / Vin, not back from the pool; MidO:
+    [rows, H_q, NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta:
+    [B, 5] int32; Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new
+    tokens' slots);
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
     key is ``code * KScale[0]``, a value ``code * VScale[0]``: the key scale folds into the
     softmax scale, the value scale into the normalised output. Q_F16 (SCALED, bf16 Q): q and

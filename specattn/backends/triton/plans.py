@@ -107,8 +107,10 @@ PLANS = {p.name: p for p in (
 
 # Programs one sm90 SM holds, by (plan, rows per tile, pool element bytes), at head dim 128:
 # the shared memory and registers of the kernel Triton 3.6 builds (bf16 and fp16 alike;
-# tests/test_triton_fp8_compile.py compiles each and checks the count). 64-row tiles
-# (wgmma) and fp32 pools take one.
+# tests/test_triton_fp8_compile.py compiles each and checks the count), as a few-request
+# round builds it (its decode tail stores the new KV: launchers.tail_stores_kv), the only
+# rounds that size splits by it besides dot-fp8's. 64-row tiles (wgmma) and fp32 pools take
+# one.
 PROGRAMS_PER_SM = {
     ("dot", 16, 2): 3,      # 70 KB shared, 128 registers
     ("dot", 32, 2): 2,      # 74 KB, 193 registers
