@@ -42,6 +42,14 @@ def split_cap(plan: Plan, rows: int) -> int:
     return max(1, min(DOT_MAX_SPLITS, room - tail_parts))
 
 
+def unsplit_programs(plan: Plan, shape: AttnShape, rows_per_group: int,
+                     num_groups: int) -> int:
+    """Programs of a round before prefix splits: row tiles x groups x KV heads (what
+    ``plans.few_groups`` judges)."""
+    return triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0]) * num_groups * \
+        shape.num_kv_heads
+
+
 def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: int,
                 device: torch.device, extend: bool, rows: int, kv_bytes: int = 2) -> int:
     """Prefix splits of a round of ``rows`` query rows (host ints only: graph-safe), at most
@@ -53,10 +61,10 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
     rounded up, in extend about 2 (``docs/kernels.md``). The others (~200 KB of shared
     memory: one program per SM): one wave, rounded down (``cute``: one wave of clusters).
     ``kv_bytes``: bytes of a pool element."""
-    row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
     if plan.kernel is Kernel.GLUON_WL:
+        row_tiles = triton.cdiv(rows_per_group, plan.tile(rows_per_group)[0])
         return worklist.programs_per_row_tile(row_tiles, num_groups, device)
-    programs = row_tiles * num_groups * shape.num_kv_heads
+    programs = unsplit_programs(plan, shape, rows_per_group, num_groups)
     sms = plans.sms(device)
     if plan.kernel is not Kernel.DOT:
         n = sms // programs
@@ -199,6 +207,14 @@ def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp
     return Fp8Write(k[0], v[0], k[1], v[1], codes)
 
 
+def _head_rows(k: torch.Tensor, v: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's new ``(k, v)`` as ``[rows, H_kv, D]`` each (MLA's ``[rows, D]`` latent: one
+    head, and the values are the keys)."""
+    k3 = k if k.dim() == 3 else k.unsqueeze(1)
+    return k3, k3 if v is None else v
+
+
 def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
                  v: Optional[torch.Tensor], pdl: bool = False,
                  fp8: Optional[Fp8Write] = None) -> bool:
@@ -211,8 +227,7 @@ def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
     rows = slots.shape[0]
     if rows == 0:
         return False
-    k3 = k if k.dim() == 3 else k.unsqueeze(1)
-    v3 = k3 if v is None else v
+    k3, v3 = _head_rows(k, v)
     quant: dict = {}
     k_scale = v_scale = slots  # placeholders, never read without FP8
     if fp8 is not None:
@@ -247,9 +262,7 @@ def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tupl
     as ``[rows, H_kv, D]`` with ``NEW_KV`` and ``BLOCK_KW``; else the pools (never read)."""
     if not tail_kv:
         return kb, vb, {}
-    k, v = new_kv
-    k3 = k if k.dim() == 3 else k.unsqueeze(1)
-    v3 = k3 if v is None else v
+    k3, v3 = _head_rows(*new_kv)
     return k3, v3, dict(NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
 
 
@@ -296,6 +309,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     kernel = plan.kernel
     scaled = getattr(runner, "fp8", False)
     written = False  # whether the launch just before the split-KV kernel is the KV write
+    tail_kv = False  # whether the split-KV kernel's tail programs store the new KV
     k_scale = v_scale = meta  # placeholders, never read without FP8
     if scaled:  # the kernels read the codes from the pool, the layer's scales folded in
         k_scale = scale_tensor(layer.k_scale, q.device)
@@ -307,12 +321,11 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         else:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
                                    fp8=fp8) and kernel is Kernel.DOT
-    block_m, num_warps = plan.tile(rows_per_group)
-    tail_kv = kernel is Kernel.DOT and not scaled and tail_stores_kv(
-        mode, kb, vb, new_kv, triton.cdiv(rows_per_group, block_m) * num_groups *
-        shape.num_kv_heads, q.device)
-    if kernel is Kernel.DOT and not scaled and not tail_kv:
-        written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
+    elif kernel is Kernel.DOT:
+        tail_kv = tail_stores_kv(mode, kb, vb, new_kv, unsplit_programs(
+            plan, shape, rows_per_group, num_groups), q.device)
+        if not tail_kv:
+            written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
     if kernel in SM90_KERNELS and mode == 2:
         raise ValueError(f"plan {plan.name} serves decode only")
     if kernel is Kernel.CUTE and scaled:
@@ -344,6 +357,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     dots["Q_F16"] = scaled and q.dtype == torch.bfloat16
     common = (step, float(layer.scaling), float(layer.logit_cap),
               Q_F16_PRESCALE if dots["Q_F16"] else 1.0)
+    block_m, num_warps = plan.tile(rows_per_group)
     if kernel is Kernel.DOT_MLA:
         if not shape.mla_kernel:
             raise ValueError(f"plan dot-mla needs an MLA shape with an even latent width, "
