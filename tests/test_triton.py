@@ -457,6 +457,26 @@ def test_q_f16_for_fp8_pools_under_bf16(monkeypatch, model, plan, dtype, kv, q_f
     assert kw["Q_F16"] is q_f16
 
 
+@pytest.mark.parametrize("kv,v_cvt", [("fp8_e4m3", True), ("fp8_e5m2", True), ("auto", False)])
+def test_value_tiles_widen_by_ptx_over_fp8_pools_where_the_device_has_it(monkeypatch, kv,
+                                                                        v_cvt):
+    """``V_CVT`` (``tiles.cvt_args``): the split-KV kernel's FP8 value tiles widen by inline
+    PTX on a CUDA sm89+ device, never on the interpreter (no PTX there) nor over bf16 pools."""
+    from specattn.backends.triton import launchers
+    from specattn.kernels import tiles
+
+    assert tiles.cvt_args(torch.device("cpu")) is False
+    kws: list = []
+    _recorded_launches(monkeypatch, "mha", "dot", kv, torch.bfloat16, kws)
+    (kw,) = [kw for kw in kws if "D_PE" in kw]
+    assert kw["V_CVT"] is False  # the interpreter
+    monkeypatch.setattr(launchers, "cvt_args", lambda device: True)  # as on an H200
+    kws = []
+    _recorded_launches(monkeypatch, "mha", "dot", kv, torch.bfloat16, kws)
+    (kw,) = [kw for kw in kws if "D_PE" in kw]
+    assert kw["V_CVT"] is v_cvt
+
+
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
     with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-m16, dot-fp8, dot-d256.*'dotx'"):

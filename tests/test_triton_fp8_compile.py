@@ -36,7 +36,7 @@ pytest.importorskip("triton")
 from specattn.backends.triton import plans  # noqa: E402
 from sm90_compile import H200_SHARED, Capture, compile_launch, in_child  # noqa: E402
 
-_SASS_OPS = re.compile(r"\b(F2F|F2FP|I2F|PRMT|HADD2\.F32)\b")
+_SASS_OPS = re.compile(r"\b(F2F|F2FP|I2F|PRMT|HADD2\.F32|LDS\.U8)\b")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,10 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
                  topk: int = 0) -> dict:
     """Capture and compile one launch: what the tests check."""
     fn, _, args, kw = _launch(model, kv, plan, extend, dtype, topk)
-    kernel = compile_launch(fn, args, dict(kw, DOT_PREC="tf32", DOT_F32=False))  # the GPU's dots
+    gpu = dict(DOT_PREC="tf32", DOT_F32=False)  # the GPU's dots
+    if "V_CVT" in kw:  # and an sm90's widening of FP8 values (``tiles.cvt_args``)
+        gpu["V_CVT"] = kw["SCALED"]
+    kernel = compile_launch(fn, args, dict(kw, **gpu))
     return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
                 warps=kw["num_warps"],
                 f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
@@ -150,6 +153,10 @@ def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
     # fp16 operands under both models: no fp16 -> fp32 step (HADD2.F32) of bf16's route
     assert got.get("HADD2.F32", 0) == 0, got
+    # The split-KV kernel's value tiles widen where they are loaded (``V_CVT``): P.V's
+    # operand is then read as fp16, never a code at a time (LDS.U8).
+    if got["kernel"] == "_partial_attn_kernel":
+        assert got.get("LDS.U8", 0) == 0, got
     # The query's 2^-8 prescale is an fp32 multiply before the conversion to fp16: moved
     # past it (an fp16 multiply), queries past fp16's range become infinities.
     assert got["f16_mul"] == 0, got

@@ -11,7 +11,8 @@ saw no key), the currency of the split-KV merges (``merge.py``, ``history_merge.
 - ``load_kv`` / ``attend_kv``: the same in two halves, for callers that edit the loaded tile
   (the Triton backend's tail swaps in this call's new keys);
 - ``softmax_update``: the online-softmax step on raw scores (scale, soft cap, mask);
-- ``widen``: FP8 codes as a dot operand of a wider dtype, exactly and cheaply;
+- ``widen``: FP8 codes as a dot operand of a wider dtype, exactly and cheaply (``cvt_args``:
+  where inline PTX may do it);
 - ``query_operand``: a query tile as a dot operand, fp16 (``F16``) or fp32 (``F32``);
 - ``dot_args``: the launch-time precision constexprs of these tiles.
 
@@ -51,7 +52,7 @@ def dot_args(dtype: torch.dtype, device: torch.device) -> dict:
 
 
 @triton.jit
-def widen(x, DTYPE: tl.constexpr):
+def widen(x, DTYPE: tl.constexpr, CVT: tl.constexpr = False):
     """``x`` (any shape) as ``DTYPE``: FP8 codes exactly, through fp16; other dtypes by
     ``.to``.
 
@@ -59,14 +60,48 @@ def widen(x, DTYPE: tl.constexpr):
     fp16; e5m2 is the top byte of an fp16), so codes -> fp16 is one hardware conversion for
     two codes (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``): the ``tl.dot`` kernels take FP8 tiles
     as fp16 (``query_operand``'s fp16 query under a bf16 model). Any other ``DTYPE`` (the
-    interpreter's fp32 dots) follows from the fp16 value, exactly."""
+    interpreter's fp32 dots) follows from the fp16 value, exactly.
+
+    ``CVT`` (CUDA sm89+, ``cvt_args``; fp16 ``DTYPE``): the same conversion as inline PTX,
+    which the compiler cannot move: the codes widen where they were loaded, and what moves
+    into the dot's operand layout is fp16. For a P.V tile that matters: its operand runs
+    down the keys, which for bytes is one shared-memory load per code, for fp16 the
+    transposing ``ldmatrix`` (``docs/kernels.md``)."""
     if x.dtype == DTYPE:
         y = x
+    elif CVT and x.dtype.is_fp8() and DTYPE == tl.float16:
+        y = _cvt_f16(x)
     elif x.dtype.is_fp8():
         y = x.to(tl.float16).to(DTYPE)
     else:
         y = x.to(DTYPE)
     return y
+
+
+@triton.jit
+def _cvt_f16(x):
+    """FP8 codes ``x`` -> fp16 by ``cvt.rn.f16x2``, four codes (one 32-bit register) per
+    call: the first two into the first output register, low byte first."""
+    if x.dtype == tl.float8e5:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 c<2>; mov.b32 {c0, c1}, $2; cvt.rn.f16x2.e5m2x2 $0, c0; "
+            "cvt.rn.f16x2.e5m2x2 $1, c1; }", "=r,=r,r", [x], dtype=tl.float16,
+            is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 c<2>; mov.b32 {c0, c1}, $2; cvt.rn.f16x2.e4m3x2 $0, c0; "
+            "cvt.rn.f16x2.e4m3x2 $1, c1; }", "=r,=r,r", [x], dtype=tl.float16,
+            is_pure=False, pack=4)
+    return y
+
+
+def cvt_args(device: torch.device) -> bool:
+    """Whether the FP8 tiles of a launch on ``device`` may widen by inline PTX (``widen``'s
+    ``CVT``): CUDA (not ROCm) with compute capability 8.9 or newer (the first with the
+    FP8 conversions), never on the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
@@ -107,7 +142,7 @@ def attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, lo
                 D_MAIN: tl.constexpr, D_PE: tl.constexpr, D_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
                 V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                DOT_F32: tl.constexpr):
+                DOT_F32: tl.constexpr, V_CVT: tl.constexpr = False):
     """One key tile: k_rows / v_rows [BLOCK_N] (pointers to each key's K / V row of this KV
     head), key_ok [BLOCK_N], vis [BLOCK_M, BLOCK_N].
 
@@ -117,7 +152,7 @@ def attend_tile(acc, m_i, l_i, q, qpe, k_rows, v_rows, key_ok, vis, sm_scale, lo
     k, kpe, v = load_kv(k_rows, v_rows, key_ok, D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE,
                         BLOCK_DV, V_IS_K)
     return attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE,
-                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                     V_IS_K, USE_CAP, DOT_PREC, DOT_F32, V_CVT)
 
 
 @triton.jit
@@ -176,17 +211,19 @@ def poison_rows(vis, bad, acc):
 @triton.jit
 def attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale, logit_cap, D_PE: tl.constexpr,
               V_IS_K: tl.constexpr, USE_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              DOT_F32: tl.constexpr, V_CVT: tl.constexpr = False):
     """The online-softmax update of ``attend_tile`` on loaded tiles (``load_kv``). K / V
     tiles of another dtype than ``q`` (FP8 codes) are widened to it, exactly (``widen``), and
-    P is cast to it: ``q``'s dtype is the dots' (fp16 for the ``F16`` query)."""
+    P is cast to it: ``q``'s dtype is the dots' (fp16 for the ``F16`` query). ``V_CVT``:
+    V's codes widen by inline PTX (``widen``'s ``CVT``; K's keep the compiler's conversion,
+    which ran faster for the QK operand)."""
     s = tl.dot(q, tl.trans(widen(k, q.dtype)), input_precision=DOT_PREC)
     if D_PE > 0:
         s += tl.dot(qpe, tl.trans(widen(kpe, q.dtype)), input_precision=DOT_PREC)
     p, alpha, m_new, l_i = softmax_update(s, vis, m_i, l_i, sm_scale, logit_cap, USE_CAP)
     if V_IS_K:
         v = k
-    v = widen(v, q.dtype)
+    v = widen(v, q.dtype, V_CVT and not V_IS_K)  # V_IS_K: the codes K widened already
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 

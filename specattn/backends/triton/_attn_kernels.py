@@ -53,7 +53,7 @@ def _partial_attn_kernel(
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
         Q_F16: tl.constexpr = False, NEW_KV: tl.constexpr = False,
-        BLOCK_KW: tl.constexpr = 16):
+        BLOCK_KW: tl.constexpr = 16, V_CVT: tl.constexpr = False):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -70,7 +70,7 @@ def _partial_attn_kernel(
     softmax scale, the value scale into the normalised output. Q_F16 (SCALED, bf16 Q): q and
     qpe are ``q * q_prescale`` (``2^-8``) in fp16 and ``sm_scale`` is times ``2^8``; every
     tile, prefix and tail, widens its codes to fp16 and P.V takes an fp16 P (see the module
-    doc). PDL (a
+    doc); V_CVT (``tiles.cvt_args``): the value tiles widen by inline PTX. PDL (a
     programmatic dependent launch after ``_write_kv_kernel``): only the tail reads the KV
     that launch writes, so only the tail program waits for it; every program lets the merge
     launch after its key loop.
@@ -112,7 +112,7 @@ def _partial_attn_kernel(
                 acc, m_i, l_i, q, qpe, Kb + slot * stride_ks + kvh * stride_kh,
                 Vb + slot * stride_vs + kvh * stride_vh, key_ok, vis, sm_scale, logit_cap,
                 D_MAIN, D_PE, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, V_IS_K, USE_CAP, DOT_PREC,
-                DOT_F32)
+                DOT_F32, V_CVT)
     else:
         if PDL and not NEW_KV:
             wait_for_primary()  # this call's KV, stored by the launch before
@@ -145,15 +145,16 @@ def _partial_attn_kernel(
                 # Causal new tokens: P.V reads the values with non-finite ones zeroed (else
                 # 0 * NaN reaches earlier rows) and the rows that see such a key become NaN
                 # (decode tails do not: ``TritonDecode.known_limits``).
-                v = widen(v, q.dtype)  # FP8 codes: widened before any arithmetic on them
+                v = widen(v, q.dtype, V_CVT)  # FP8 codes: widened before any arithmetic on them
                 bad = nonfinite_rows(v)
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, finite(v), vis,
                                           sm_scale, logit_cap, D_PE, False, USE_CAP, DOT_PREC,
-                                          DOT_F32)
+                                          DOT_F32, V_CVT)
                 acc = poison_rows(vis, bad, acc)
             else:
                 acc, m_i, l_i = attend_kv(acc, m_i, l_i, q, qpe, k, kpe, v, vis, sm_scale,
-                                          logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32)
+                                          logit_cap, D_PE, V_IS_K, USE_CAP, DOT_PREC, DOT_F32,
+                                          V_CVT)
     if PDL:
         launch_dependents()
 

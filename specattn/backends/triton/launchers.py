@@ -15,7 +15,7 @@ from ...fp8 import is_fp8_dtype, scale_tensor
 from ...kernels.fp8_codes import Codes, torch_codes, write_scale
 from ...kernels.merge import merge_partials
 from ...kernels.pdl import launch_args as pdl_launch_args
-from ...kernels.tiles import Q_F16_PRESCALE, dot_args
+from ...kernels.tiles import Q_F16_PRESCALE, cvt_args, dot_args
 from ...util import next_pow2
 from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, plans, worklist
@@ -392,6 +392,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             BLOCK_D=_pow2(shape.d_main), BLOCK_DPE=_pow2(shape.d_pe),
             BLOCK_DV=_pow2(shape.d_v), V_IS_K=shape.v_is_k, BLOCK_M=block_m,
             BLOCK_N=plan.block_n, USE_CAP=layer.logit_cap > 0, SCALED=scaled, **dots,
+            V_CVT=scaled and cvt_args(q.device),
             num_warps=num_warps, num_stages=plan.num_stages, **new_kv_args,
             **pdl_launch_args(pdl, dependent=written))
     merge_partials(mid_o, mid_lse, out, num_parts(plan, num_splits), pdl=pdl)
