@@ -27,6 +27,8 @@ Latent (MLA) and FP8 tiles: ``latent.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -101,7 +103,13 @@ def cvt_args(device: torch.device) -> bool:
     FP8 conversions), never on the interpreter."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _has_fp8_cvt(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_cvt(index: int) -> bool:
+    return tuple(torch.cuda.get_device_capability(index)) >= (8, 9)
 
 
 @triton.jit

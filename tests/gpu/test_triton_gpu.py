@@ -8,10 +8,14 @@ import random
 import pytest
 import torch
 
-from helpers import check_replayed_lanes
-from specattn import metadata
-from specattn.backends.torch_ref import reference_decode, reference_extend
-from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from helpers import check_replayed_lanes  # noqa: E402
+from specattn import metadata  # noqa: E402
+from specattn.backends.torch_ref import reference_decode, reference_extend  # noqa: E402
+from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner  # noqa: E402
+from specattn.kernels.tiles import cvt_args, widen  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -486,3 +490,29 @@ def test_pdl_extend_cuda_graph_replay(model, pdl):
     graph.replay()
     torch.cuda.synchronize()
     _close(out, reference_extend(r, layer, q, batch), dtype)
+
+
+# --- FP8 value tiles widened by PTX ------------------------------------------------------------
+
+@triton.jit
+def _widen_cvt_kernel(X, Y, R: tl.constexpr, C: tl.constexpr):
+    """An ``[R, C]`` code tile widened by ``widen``'s ``CVT``, stored as fp16."""
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(Y + offs, widen(tl.load(X + offs), tl.float16, True))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_widen_by_ptx_gives_every_codes_value_in_place(fp8):
+    """``widen(x, fp16, CVT=True)`` (the split-KV kernel's value tiles on sm89+): every code
+    of a 64 x 128 tile (each of the 256 codes at 32 places, shuffled, so that a swap within
+    a register's four codes shows) becomes torch's fp16 value, bit for bit (NaN as NaN)."""
+    if not cvt_args(torch.device(DEV)):
+        pytest.skip("the FP8 conversions need compute capability 8.9+")
+    g = torch.Generator().manual_seed(5)
+    codes = torch.arange(256, dtype=torch.int32).repeat(32)[torch.randperm(8192, generator=g)]
+    x = codes.to(torch.uint8).view(fp8).view(64, 128).to(DEV)
+    y = torch.empty(64, 128, dtype=torch.float16, device=DEV)
+    _widen_cvt_kernel[(1,)](x, y, R=64, C=128)
+    ref = x.to(torch.float16)
+    same = (y.isnan() & ref.isnan()) | (y.view(torch.int16) == ref.view(torch.int16))
+    assert bool(same.all()), (codes.view(64, 128)[~same.cpu()], y[~same], ref[~same])
