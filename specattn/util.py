@@ -3,6 +3,7 @@ kernels can run on a device, and the lazy import of a vendor library."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from types import ModuleType
@@ -40,6 +41,17 @@ def sm_count(device: torch.device) -> Optional[int]:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device ordinal ``device`` names (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index``, read once."""
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 def triton_runs(device: torch.device) -> bool:

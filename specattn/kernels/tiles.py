@@ -27,11 +27,11 @@ Latent (MLA) and FP8 tiles: ``latent.py``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ..util import device_capability, device_index
 
 # FP8 pools under a bf16 model: the query tile is ``q / Q_F16_SCALE`` in fp16 and the softmax
 # scale ``sm_scale * Q_F16_SCALE``. A power of two: exact both ways; fp16 then holds |q| up
@@ -103,13 +103,7 @@ def cvt_args(device: torch.device) -> bool:
     FP8 conversions), never on the interpreter."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _has_fp8_cvt(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _has_fp8_cvt(index: int) -> bool:
-    return tuple(torch.cuda.get_device_capability(index)) >= (8, 9)
+    return device_capability(device_index(device)) >= (8, 9)
 
 
 @triton.jit

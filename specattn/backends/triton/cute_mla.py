@@ -18,7 +18,8 @@ import torch
 
 from ...errors import InvalidInputError
 from ...kernels.merge import merge_partials
-from .plans import MAX_SPLITS, device_index, num_row_tiles
+from ...util import device_index
+from .plans import MAX_SPLITS, num_row_tiles
 
 log = logging.getLogger(__name__)
 

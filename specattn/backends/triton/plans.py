@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from ...errors import InvalidInputError
-from ...util import sm_count
+from ...util import device_capability as _capability  # (tests stand in for it)
+from ...util import device_index, sm_count
 
 log = logging.getLogger(__name__)
 
@@ -325,16 +326,6 @@ def platform_note(device: str, capability: Optional[tuple[int, int]],
                     f"request, {large} above (sm90; rank 512 + rope 64, {pools})")
         why = f"triton {version} has no tested Gluon and CuTe-DSL is not installed"
     return f"MLA draft decode: plans dot-wide / dot-mla (sm90 kernels off: {why})"
-
-
-def device_index(device: torch.device) -> int:
-    """The CUDA device ordinal ``device`` names (the current one for a bare ``cuda``)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 def _version(package: str) -> Optional[str]:
