@@ -285,8 +285,15 @@ class DraftBackend(ABC):
 
     def _kernel_writes_kv(self) -> bool:
         """True when ``_attend`` stores the call's new KV itself (fused into its kernel);
-        otherwise ``forward`` writes it with ``runner.write_kv`` first."""
+        otherwise ``forward`` writes it with ``_write_kv`` first."""
         return False
+
+    def _write_kv(self, layer: "AttentionLayer", loc: torch.Tensor, k: torch.Tensor,
+                  v: Optional[torch.Tensor]) -> None:
+        """Store the call's new KV at slots ``loc`` before ``_attend`` (unless
+        ``_kernel_writes_kv()``); default: ``runner.write_kv``. A backend may store the same
+        bytes its own way (``flashinfer``: ``kernels.kv_write.store_kv``, one launch)."""
+        self.runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed buffers a captured graph reads (``init_cuda_graph_state``)."""
@@ -477,8 +484,7 @@ class DraftDecodeBackend(DraftBackend):
         self._check_layer(layer)
         options = self._forward_options(layer, **options)
         if not self._kernel_writes_kv():
-            self.runner.write_kv(layer.layer_id, batch.out_cache_loc[:, :, step], k, v,
-                                 layer.k_scale, layer.v_scale)
+            self._write_kv(layer, batch.out_cache_loc[:, :, step], k, v)
         return self._attend(step, layer, q, k, v, **options)
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
@@ -623,8 +629,7 @@ class DraftExtendBackend(DraftBackend):
         self._check_layer(layer)
         options = self._forward_options(layer, **options)
         if not self._kernel_writes_kv():
-            self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc, k, v,
-                                 layer.k_scale, layer.v_scale)
+            self._write_kv(layer, self.batch.out_cache_loc, k, v)
         return self._attend(layer, q, k, v, **options)
 
     def _attend(self, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,

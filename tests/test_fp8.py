@@ -462,7 +462,7 @@ def test_triton_kv_write_stores_cudas_codes(kv, model, act, scales, scalar_quant
     division or (``mul``, older torch on CUDA) the multiplication by its float32 reciprocal,
     a tensor scale by the division (MLA: one latent pool, ``k_scale``); slots outside the
     pool are not written."""
-    from specattn.backends.triton.launchers import Fp8Write, write_new_kv
+    from specattn.kernels.kv_write import Fp8Write, write_new_kv
     from specattn.kernels import fp8_codes as F
 
     cpu = torch.device("cpu")
@@ -503,7 +503,7 @@ def test_triton_kv_write_stores_cudas_codes(kv, model, act, scales, scalar_quant
 def test_triton_attention_keeps_torchs_write_off_cuda():
     """On the CPU (the interpreter) the triton backend's FP8 write stays
     ``runner.write_kv``'s (``fp8_write`` is ``None``): the one launch serves CUDA only."""
-    from specattn.backends.triton.launchers import fp8_write
+    from specattn.kernels.kv_write import fp8_write
 
     runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=8, max_reqs=1,
                              max_context_len=8, device="cpu", kv_cache_dtype="fp8_e4m3")

@@ -322,11 +322,11 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
     with ``decode`` 3 lanes at step 1 of 2; 2 splits), the Triton kernels recorded:
     ``[(kernel, PDL, launch_pdl)]`` in launch order (their keywords appended to ``kws``)."""
     from specattn.backends.triton import _attn_kernels
-    from specattn.kernels import merge
+    from specattn.kernels import kv_write, merge
 
     log: list = []
     kws = [] if kws is None else kws
-    for module, name in ((_attn_kernels, "_write_kv_kernel"),
+    for module, name in ((kv_write, "_write_kv_kernel"),
                          (_attn_kernels, "_partial_attn_kernel"),
                          (_attn_kernels, "_mla_partial_kernel"), (merge, "merge_kernel")):
         monkeypatch.setattr(module, name, _Recorded(name, log, kws))
@@ -373,6 +373,7 @@ def _kernel_fp8_write(monkeypatch) -> list:
     torch's conversion flags and division (exact, for a Python number too); returns the
     list of its calls that served."""
     from specattn.kernels import fp8_codes as F
+    from specattn.kernels.kv_write import Fp8Write
 
     served: list = []
 
@@ -380,7 +381,7 @@ def _kernel_fp8_write(monkeypatch) -> list:
         k = F.write_scale(layer.k_scale, device, F.QUANT_DIV)
         v = k if runner.use_mla_backend else F.write_scale(layer.v_scale, device, F.QUANT_DIV)
         served.append(layer.layer_id)
-        return launchers.Fp8Write(k[0], v[0], k[1], v[1], F.torch_variant(
+        return Fp8Write(k[0], v[0], k[1], v[1], F.torch_variant(
             device, launchers.layer_pools(runner, layer.layer_id)[0].dtype))
 
     monkeypatch.setattr(launchers, "fp8_write", fp8_write)

@@ -62,7 +62,9 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
     name = "_mla_partial_kernel" if plan.startswith("dot-mla") else "_partial_attn_kernel"
     capture = Capture(getattr(K, name))
     setattr(K, name, capture)
-    K._write_kv_kernel = Capture(K._write_kv_kernel)  # bf16 pools: the KV write launch
+    from specattn.kernels import kv_write as W
+
+    W._write_kv_kernel = Capture(W._write_kv_kernel)  # bf16 pools: the KV write launch
     L.merge_partials = lambda *args, **kw: None
     dt = getattr(torch, dtype)
     topk, steps, slots = (topk or (4 if model == "mla" else 8)), 3, 256
@@ -188,13 +190,12 @@ def test_programs_per_sm_table_is_the_sm90_build(triton_of_the_gpu, key):
 def compile_write_case(model: str, kv: str, tensor_scales: bool) -> dict:
     """Capture and compile the FP8 KV write launch (``write_new_kv`` with ``Fp8Write``):
     the float instructions of its PTX."""
-    from specattn.backends.triton import _attn_kernels as K
-    from specattn.backends.triton import launchers as L
     from specattn.data import DraftRunner
     from specattn.fp8 import FP8_KV_DTYPES
     from specattn.kernels import fp8_codes as F
+    from specattn.kernels import kv_write as W
 
-    capture = K._write_kv_kernel = Capture(K._write_kv_kernel)
+    capture = W._write_kv_kernel = Capture(W._write_kv_kernel)
     if model == "mla":
         runner = DraftRunner.mla(16, 512, 64, num_layers=1, num_slots=64, max_reqs=1,
                                  max_context_len=8, kv_cache_dtype=kv)
@@ -207,7 +208,7 @@ def compile_write_case(model: str, kv: str, tensor_scales: bool) -> dict:
     ks, kq = F.write_scale(torch.tensor([0.37]) if tensor_scales else 0.37, cpu)
     vs, vq = F.write_scale(torch.tensor([1.9]), cpu)
     codes = F.Codes(FP8_KV_DTYPES[kv] == torch.float8_e5m2, True, False)
-    L.write_new_kv(runner, 0, torch.arange(8), k, v, fp8=L.Fp8Write(ks, vs, kq, vq, codes))
+    W.write_new_kv(runner, 0, torch.arange(8), k, v, fp8=W.Fp8Write(ks, vs, kq, vq, codes))
     (fn, _, args, kw), = capture.launches
     ptx = compile_launch(fn, args, kw).asm["ptx"]
     return dict(ops=sorted(set(re.findall(r"\b(?:fma|mul|div|add|sub)(?:\.\w+)*\.f32\b", ptx))),

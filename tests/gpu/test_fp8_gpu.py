@@ -166,7 +166,7 @@ def test_triton_fp8_kv_write_is_cuda_torchs_bytes(kv, model, act):
     ``runner.write_kv`` stores (``(x.float() / scale).to(dtype)``), for every bit pattern of
     the activation dtype (ties, subnormals, the overflow boundaries, infinities, NaNs, -0.0),
     Python-number and device-tensor scales; a slot outside the pool is not written."""
-    from specattn.backends.triton.launchers import fp8_write, write_new_kv
+    from specattn.kernels.kv_write import fp8_write, write_new_kv
     from specattn.data import AttentionLayer, DraftRunner
 
     dev = torch.device(DEV)
@@ -204,3 +204,37 @@ def test_triton_fp8_kv_write_is_cuda_torchs_bytes(kv, model, act):
         for name in (("kv_buffer",) if model == "mla" else ("k_buffer", "v_buffer")):
             got, want = (getattr(p, name)[0].view(torch.uint8) for p in pools)
             assert torch.equal(got, want), (name, k_scale, v_scale)
+
+
+@pytest.mark.parametrize("kv", ("auto",) + KVS)
+@pytest.mark.parametrize("model", ["mha", "mla"])
+def test_store_kv_is_one_launch_of_write_kvs_bytes(kv, model):
+    """``kernels.kv_write.store_kv`` (the KV write of ``flashinfer``'s decode and extend)
+    stores ``runner.write_kv``'s bytes, bf16 and FP8 pools, Python-number and device-tensor
+    scales, slots as a strided ``[B, K]`` view, in one CUDA kernel."""
+    from specattn.data import AttentionLayer, DraftRunner
+    from specattn.kernels.kv_write import store_kv
+
+    make = DraftRunner.mla if model == "mla" else DraftRunner.mha
+    heads = (16, 512, 64) if model == "mla" else (8, 4, 128)
+    dev = torch.device(DEV)
+    loc_all = torch.randperm(96, device=dev)[:4 * 4 * 3].view(4, 4, 3)  # [B, K, S]
+    loc = loc_all[:, :, 1]
+    for k_scale, v_scale in ((0.37, 1.7), (torch.tensor([0.6], device=dev), 2.0 ** -3)):
+        runners = [make(*heads, num_layers=1, num_slots=96, max_reqs=1, max_context_len=8,
+                        dtype=torch.bfloat16, device=DEV, kv_cache_dtype=kv) for _ in range(2)]
+        layer = AttentionLayer(0, 0.1, k_scale=k_scale, v_scale=v_scale)
+        shape = (16, 576) if model == "mla" else (16, 4, 128)
+        k = torch.randn(shape, device=dev, dtype=torch.bfloat16) * 3
+        v = None if model == "mla" else torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        store_kv(runners[0], layer, loc, k, v)  # the first call may probe torch's codes
+        runners[1].write_kv(0, loc, k, v, k_scale=k_scale, v_scale=v_scale)
+        for name in (("kv_buffer",) if model == "mla" else ("k_buffer", "v_buffer")):
+            got, want = (getattr(r, name)[0].view(torch.uint8) for r in runners)
+            assert torch.equal(got, want), (name, k_scale, v_scale)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            store_kv(runners[0], layer, loc, k, v)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert kernels == ["_write_kv_kernel"], kernels

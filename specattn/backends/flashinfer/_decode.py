@@ -29,8 +29,9 @@ plan each: their KV sets differ; the serving loop never runs step ``S - 1``; eag
 plan it on first use), their slot lists built with torch (``_slots.fill_ragged_slots``). Run
 step (``forward``): build the ``path`` histories on the device (graph-safe), run the passes;
 ``shared`` mode's history kernel also stores the step's K/V (the prefix pass never reads
-them: one launch less than ``runner.write_kv``), the other modes write them first with
-``runner.write_kv``.
+them), except into FP8 pools; the other modes, and FP8 pools, store them first in one launch
+(``kernels.kv_write.store_kv``: torch's codes, bit for bit, where ``runner.write_kv`` takes
+about ten launches).
 
 CUDA graphs: one set of wrappers per captured batch size, on fixed buffers sized for
 ``max_bs * K`` lanes. FlashInfer's plan is host code that writes the split schedule into the
@@ -238,6 +239,12 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
         return self.tree_mode == "path" and self.topk > 1
 
     # --- forward -----------------------------------------------------------------------------
+
+    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor,
+                  v: Optional[torch.Tensor]) -> None:
+        from ...kernels.kv_write import store_kv  # Triton, imported when a KV is stored
+
+        store_kv(self.runner, layer, loc, k, v)  # one launch on CUDA (FP8 codes included)
 
     def _kernel_writes_kv(self) -> bool:
         # The shared path's history kernel stores the new KV itself (pools of the model's

@@ -9,7 +9,7 @@ Plan step (``init_forward_metadata``): the indptrs from the lengths on the host
 together, a sync: ``data.host_lengths``), the slot list built on the device in one launch
 (``kernels.prefix_slots``, kept per signature and grid; ``_slots.fill_ragged_slots`` where
 Triton cannot run), one plan (a graph replay's: a direct replan, ``_replan``).
-Run step (``forward``): write K/V, run.
+Run step (``forward``): write K/V (``kernels.kv_write.store_kv``: one launch on CUDA), run.
 
 CUDA graphs: one pass per captured batch size on fixed buffers (slot list for
 ``bs * max_context_len`` slots, ``max_num_tokens`` new-token slots); capture and replay plan
@@ -57,6 +57,12 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def _default_params(self) -> Params:
         raise NotImplementedError
+
+    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor,
+                  v: Optional[torch.Tensor]) -> None:
+        from ...kernels.kv_write import store_kv  # Triton, imported when a KV is stored
+
+        store_kv(self.runner, layer, loc, k, v)  # one launch on CUDA (FP8 codes included)
 
     def _check_layer_params(self, layer) -> Params:
         return Params(float(layer.scaling), float(layer.logit_cap))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.fp8_codes import quantize_block
 from ...kernels.latent import load_latent
 from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import (Q_F16_SCALE, attend_kv, attend_tile, finite, in_pool, load_kv,
@@ -423,43 +422,3 @@ def _mla_partial_kernel(
     tl.store(mo + D_HALF + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
     tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse(m_i, l_i),
              mask=row_ok)
-
-
-@triton.jit
-def _write_kv_kernel(Slots, stride_slots, Kin, Vin, Kb, Vb, KScale, VScale, stride_kin_t,
-                     stride_kin_h, stride_vin_t, stride_vin_h, stride_ks, stride_kh, stride_vs,
-                     stride_vh, num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr,
-                     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_V: tl.constexpr,
-                     PDL: tl.constexpr = False, FP8: tl.constexpr = False,
-                     K_QUANT: tl.constexpr = 0, V_QUANT: tl.constexpr = 0,
-                     E5M2: tl.constexpr = False, SATURATE: tl.constexpr = True,
-                     SIGNED_NAN: tl.constexpr = True):
-    """Grid ``(rows, H_kv)``: ``Kb[Slots[r], h] = Kin[r, h]`` (and V; Slots strided): the
-    call's new KV in one launch (many-request decode, extend, FP8 pools); a slot outside the
-    pool is not written. PDL: the split-KV kernel after it may launch at once (its prefix
-    programs read other slots; its tail waits for this launch to end).
-
-    FP8 (Kb/Vb: the pools viewed as ``uint8``): stores torch's codes of ``x.float() /
-    scale`` (``fp8_codes.quantize_block``: ``K_QUANT`` / ``V_QUANT`` with ``KScale`` /
-    ``VScale``, the conversion variant ``E5M2`` / ``SATURATE`` / ``SIGNED_NAN``), the bytes
-    ``DraftRunner.write_kv`` stores, in one launch where torch takes ~5 per pool."""
-    if PDL:
-        launch_dependents()
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dst = tl.load(Slots + r * stride_slots).to(tl.int64)
-    offs = tl.arange(0, BLOCK_KW)
-    dst_k = dst + offs * 0  # a block, not a scalar: masks are blocks (and the interpreter's)
-    x = tl.load(Kin + r * stride_kin_t + h * stride_kin_h + offs, mask=offs < KW)
-    if FP8:
-        x = quantize_block(x, KScale, K_QUANT, E5M2, SATURATE, SIGNED_NAN)
-    tl.store(Kb + dst * stride_ks + h * stride_kh + offs, x.to(Kb.dtype.element_ty),
-             mask=(offs < KW) & (dst_k >= 0) & (dst_k < num_slots))
-    if WRITE_V:
-        offs_v = tl.arange(0, BLOCK_DV)
-        dst_v = dst + offs_v * 0
-        y = tl.load(Vin + r * stride_vin_t + h * stride_vin_h + offs_v, mask=offs_v < D_V)
-        if FP8:
-            y = quantize_block(y, VScale, V_QUANT, E5M2, SATURATE, SIGNED_NAN)
-        tl.store(Vb + dst * stride_vs + h * stride_vh + offs_v, y.to(Vb.dtype.element_ty),
-                 mask=(offs_v < D_V) & (dst_v >= 0) & (dst_v < num_slots))

@@ -6,13 +6,13 @@ launches on tensors only: graph-safe, no host sync.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 
-from ...fp8 import is_fp8_dtype, scale_tensor
-from ...kernels.fp8_codes import Codes, torch_codes, write_scale
+from ...fp8 import scale_tensor
+from ...kernels.kv_write import head_rows, fp8_write, layer_pools, write_new_kv
 from ...kernels.merge import merge_partials
 from ...kernels.pdl import launch_args as pdl_launch_args
 from ...kernels.tiles import Q_F16_PRESCALE, cvt_args, dot_args
@@ -82,15 +82,6 @@ def num_parts(plan: Plan, num_splits: int) -> int:
     """Partials per row: one per split, plus the history's own program in the ``tl.dot``
     split-KV kernel (the others walk it in their last split)."""
     return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
-
-
-def layer_pools(runner, layer_id: int):
-    """``(Kb, Vb, stride_ks, stride_kh, stride_vs, stride_vh)`` of one layer's pool."""
-    if runner.use_mla_backend:
-        kv = runner.kv_buffer[layer_id]
-        return kv, kv, kv.stride(0), 0, kv.stride(0), 0
-    k, v = runner.k_buffer[layer_id], runner.v_buffer[layer_id]
-    return k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1)
 
 
 def decode_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -174,75 +165,6 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
     return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
-class Fp8Write(NamedTuple):
-    """How ``write_new_kv`` stores codes into FP8 pools (``fp8_write``)."""
-
-    k_scale: torch.Tensor  # one element, float32: what K_QUANT multiplies / divides by
-    v_scale: torch.Tensor
-    k_quant: int  # fp8_codes.QUANT_DIV, or QUANT_MUL (a Python number, older torch)
-    v_quant: int
-    codes: Codes  # the device torch's conversion variant
-
-
-def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp8Write]:
-    """The arguments with which ``write_new_kv`` stores an FP8 pool's codes bit for bit as
-    ``runner.write_kv`` does on ``device`` (CUDA torch's ``(x.float() / scale).to(dtype)``,
-    ``specattn.kernels.fp8_codes``); ``None`` where ``runner.write_kv`` stores them: not a
-    CUDA device (the CPU divides differently), a byte layout (``runner.kv_layout``), a
-    scale the kernel does not mirror (``fp8_codes.write_scale``), rows without unit stride,
-    or a torch whose conversion the kernel does not give (``fp8_codes.torch_codes``)."""
-    if device.type != "cuda" or getattr(runner, "kv_layout", None) is not None:
-        return None
-    kb = layer_pools(runner, layer.layer_id)[0]
-    if not is_fp8_dtype(kb.dtype) or any(x is not None and x.stride(-1) != 1
-                                         for x in new_kv):
-        return None
-    codes = torch_codes(device, kb.dtype)
-    if codes is None:
-        return None
-    k = write_scale(layer.k_scale, device, codes.scalar_quant)
-    v = k if runner.use_mla_backend else write_scale(layer.v_scale, device, codes.scalar_quant)
-    if k is None or v is None:
-        return None
-    return Fp8Write(k[0], v[0], k[1], v[1], codes)
-
-
-def _head_rows(k: torch.Tensor, v: Optional[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call's new ``(k, v)`` as ``[rows, H_kv, D]`` each (MLA's ``[rows, D]`` latent: one
-    head, and the values are the keys)."""
-    k3 = k if k.dim() == 3 else k.unsqueeze(1)
-    return k3, k3 if v is None else v
-
-
-def write_new_kv(runner, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
-                 v: Optional[torch.Tensor], pdl: bool = False,
-                 fp8: Optional[Fp8Write] = None) -> bool:
-    """One launch: ``pool[slots[r]] = k[r]`` (and ``v``). slots: ``[rows]`` int;
-    k: ``[rows, H_kv, D]`` (MLA ``[rows, D]``). ``pdl``: the kernel lets a programmatic
-    dependent launch after it start at once. ``fp8`` (FP8 pools, ``fp8_write``): stores
-    ``runner.write_kv``'s codes, one launch where torch takes about ten per step. Returns
-    whether it launched (no rows: no launch)."""
-    kb, vb, sks, skh, svs, svh = layer_pools(runner, layer_id)
-    rows = slots.shape[0]
-    if rows == 0:
-        return False
-    k3, v3 = _head_rows(k, v)
-    quant: dict = {}
-    k_scale = v_scale = slots  # placeholders, never read without FP8
-    if fp8 is not None:
-        kb, vb = kb.view(torch.uint8), vb.view(torch.uint8)
-        k_scale, v_scale = fp8.k_scale, fp8.v_scale
-        quant = dict(FP8=True, K_QUANT=fp8.k_quant, V_QUANT=fp8.v_quant,
-                     enable_fp_fusion=False, **fp8.codes.kwargs())  # no fma: torch's roundings
-    K._write_kv_kernel[(rows, k3.shape[1])](
-        slots, slots.stride(0), k3, v3, kb, vb, k_scale, v_scale, k3.stride(0), k3.stride(1),
-        v3.stride(0), v3.stride(1), sks, skh, svs, svh, kb.shape[0], KW=k3.shape[2],
-        BLOCK_KW=_pow2(k3.shape[2]), D_V=v3.shape[2], BLOCK_DV=_pow2(v3.shape[2]),
-        WRITE_V=v is not None, num_warps=1, **quant, **pdl_launch_args(pdl))
-    return True
-
-
 def tail_stores_kv(mode: int, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
                    programs: int, device: torch.device) -> bool:
     """Whether the split-KV kernel's tail programs store this call's KV (``NEW_KV``) in
@@ -262,7 +184,7 @@ def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tupl
     as ``[rows, H_kv, D]`` with ``NEW_KV`` and ``BLOCK_KW``; else the pools (never read)."""
     if not tail_kv:
         return kb, vb, {}
-    k3, v3 = _head_rows(*new_kv)
+    k3, v3 = head_rows(*new_kv)
     return k3, v3, dict(NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
 
 
