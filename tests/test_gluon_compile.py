@@ -50,7 +50,7 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
     hist = torch.zeros(rows, steps, dtype=torch.int32)
     parents = torch.zeros(steps, batch, topk, dtype=torch.int64)
     splits = 3
-    mid_o = torch.zeros(rows + splits + batch, heads, splits, 512)
+    mid_o = torch.zeros(rows + splits + batch, heads, splits, 512, dtype=q_dtype)  # partials
     gluon_mla.attention(
         q, kv, torch.zeros(rows, 576, dtype=q_dtype), torch.zeros(rows, heads, 512,
                                                                  dtype=q_dtype),

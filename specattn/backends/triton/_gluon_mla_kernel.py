@@ -425,7 +425,7 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
     else:
         ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
             split * stride_mo_s + offs_oc[None, :]
-        gl.store(ptr, o, mask=o_ok[:, None])
+        gl.store(ptr, o.to(MidO.dtype.element_ty), mask=o_ok[:, None])
         if WRITE_LSE:
             offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
             seen = l_i > 0.0

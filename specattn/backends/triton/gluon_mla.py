@@ -53,7 +53,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     (this step's keys, stored at ``hist[:, step]``); out: ``[B*K, H, 512]``; meta: ``[>= B,
     5]`` int32 (``_metadata_kernels``); hist: ``[B*K, S]`` int32; parents:
     ``launchers.parent_args`` of ``[S, B, K]`` (path mode, ``mode == 1``).
-    Split: one split writes ``out``, several the fp32 partials ``mid_o [B*K, H, >= splits,
+    Split: one split writes ``out``, several the partials ``mid_o [B*K, H, >= splits,
     512]`` / ``mid_lse [B*K, H, >= splits]``. Work list (``worklist``'s table for
     ``num_splits`` programs per row tile): requests with one program write ``out``, the
     others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]`` /
