@@ -796,24 +796,3 @@ def test_fp8_decode_of_queries_past_fp16_range(model, kv, topk, plan):
 def test_fp8_extend_of_queries_past_fp16_range():
     """The causal tail (``finite`` / ``poison_rows``) and the MLA rope part, fp16 dots."""
     _fp8_extend("mla", "fp8_e4m3", 16, AttentionLayer(**BIG_Q_LAYER), q_mul=BIG_Q)
-
-
-@pytest.mark.parametrize("plan,dtype,want", [
-    ("gluon-wl", torch.bfloat16, torch.bfloat16), ("gluon-split", torch.float16, torch.float16),
-    ("dot-mla", torch.bfloat16, torch.bfloat16), ("dot-mla", torch.float32, torch.float32),
-    ("cute", torch.bfloat16, torch.float32), ("dot", torch.bfloat16, torch.float32),
-    ("dot-m16", torch.float16, torch.float32),
-])
-def test_partials_take_the_query_dtype_in_the_mla_kernels(plan, dtype, want):
-    """``launchers.partial_dtype``: bf16/fp16 partials where the MLA kernels write them, fp32
-    elsewhere; ``partial_views`` serves either from one fp32 graph buffer (its bytes)."""
-    got = launchers.partial_dtype(plans.PLANS[plan], dtype)
-    assert got == want
-    flat_o, flat_lse = torch.zeros(2 * 3 * 4 * 8), torch.zeros(2 * 3 * 4)
-    o, lse = launchers.partial_views((2, 3, 4), 8, torch.device("cpu"), flat_o, flat_lse, got)
-    assert o.dtype == got and o.shape == (2, 3, 4, 8) and lse.dtype == torch.float32
-    assert o.untyped_storage().data_ptr() == flat_o.untyped_storage().data_ptr()
-    o.fill_(1.5)
-    assert lse.shape == (2, 3, 4) and float(o.float().sum()) == 1.5 * o.numel()
-    small = launchers.partial_views((2, 3, 9), 8, torch.device("cpu"), flat_o, flat_lse, got)
-    assert small[0].untyped_storage().data_ptr() != flat_o.untyped_storage().data_ptr()

@@ -84,8 +84,7 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
     meta = torch.zeros(2, 5, dtype=torch.int32)
     hist = torch.zeros(rows, 1 if extend else steps, dtype=torch.int32)
     parts = 4
-    mid_o = torch.zeros(rows, shape.num_q_heads, parts, shape.d_v,
-                        dtype=L.partial_dtype(plans.PLANS[plan], dt))  # as the backend's
+    mid_o = torch.zeros(rows, shape.num_q_heads, parts, shape.d_v)
     lanes = 1 if extend else topk
     L.attention(q, runner, AttentionLayer(0, width ** -0.5, k_scale=0.37, v_scale=1.9), shape,
                 meta, runner.req_to_token, mode=2 if extend else 1, num_groups=2,

@@ -111,9 +111,9 @@ def merge_kernel(MidO, MidLse, Out, stride_mo_t, stride_mo_h, stride_mo_s, strid
 def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
                    parts: int, pdl: bool = False) -> None:
     """One ``merge_kernel`` launch: ``out [rows, H, D_v]`` from the first ``parts`` partials of
-    ``mid_o [rows, H, >= parts, D_v]`` (fp32, bf16 or fp16) / ``mid_lse [rows, H, >= parts]``
-    (fp32; both with unit last stride), summed in fp32. ``pdl``: a programmatic dependent
-    launch (sm90+; the launch before it wrote the partials)."""
+    ``mid_o [rows, H, >= parts, D_v]`` / ``mid_lse [rows, H, >= parts]`` (fp32, unit last
+    stride). ``pdl``: a programmatic dependent launch (sm90+; the launch before it wrote the
+    partials)."""
     rows, heads, d_v = out.shape
     t = merge_tiles(rows * heads, d_v, parts, out.device) or MergeTiles(
         1, next_pow2(d_v, 16), next_pow2(parts), 4 if d_v >= 256 else 2)  # every part at once

@@ -7,8 +7,7 @@ m % G)`` and are tiled ``BLOCK_M`` at a time so QK and PV run on tensor cores. P
 slices of ``R_b[0 : prefix_len]`` (lengths from the metadata kernels: a fixed grid), each
 key tile loaded once for the group; the tail is each lane's ``step + 1`` history slots
 (decode; ``path`` mode through ``parents``) or the new tokens (extend, causal). Each program
-writes a normalised partial (``MidO``'s dtype: ``launchers.partial_dtype``) and its fp32
-natural-log LSE (``-inf``: no key) for
+writes a normalised fp32 partial and its natural-log LSE (``-inf``: no key) for
 ``specattn.kernels.merge.merge_partials``. Keys are gathered through ``req_to_token`` (any
 page size); ``BLOCK_M, BLOCK_N, BLOCK_D >= 16``.
 
@@ -16,7 +15,7 @@ FP8 pools: the tiles widen the codes to the query tile's dtype (``tiles.widen``)
 (FP8 pools under a bf16 model): the query tile is prescaled fp16 (``tiles.query_operand``,
 the factor folded into ``sm_scale``), so the dots are fp16 with fp32 accumulation: codes ->
 fp16 is one exact conversion, where widening to bf16 goes through fp32 intermediates in every
-tile. The output is the query's dtype.
+tile. The partials stay fp32 and the output the query's dtype.
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ def _partial_attn_kernel(
     of the call's dtype) stored by the tail programs: each stores its lanes' new keys and
     values, Kin / Vin [lanes, H_kv, D] (``BLOCK_KW``: the key row's width, a power of two),
     at ``Hist[lane, step]`` and reads them from Kin / Vin, not back from the pool; MidO:
-    [rows, H_q, NUM_SPLITS + 1, D_V] (fp32 or the query's dtype); MidLse: [rows, H_q,
-    NUM_SPLITS + 1] fp32; Meta:
+    [rows, H_q, NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta:
     [B, 5] int32; Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new
     tokens' slots);
     Parents: [NUM_STEPS, B, TOPK] (path mode). SCALED (FP8 pools): Kb/Vb hold codes, a
@@ -167,8 +165,7 @@ def _partial_attn_kernel(
     o_mask = row_ok[:, None] & (offs_dv < D_V)[None, :]
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h
     ml = MidLse + q_row * stride_ml_t + head * stride_ml_h
-    tl.store(mo + split * stride_mo_s + offs_dv[None, :], o.to(MidO.dtype.element_ty),
-             mask=o_mask)
+    tl.store(mo + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
     tl.store(ml + split, lse(m_i, l_i), mask=row_ok)
 
 
@@ -341,8 +338,7 @@ def _mla_partial_kernel(
 
     Q: [rows, H, 2 * D_HALF + D_PE] (absorbed); KV: latent pool [slots, 2 * D_HALF + D_PE]
     (V = its first 2 * D_HALF columns); Kin: this call's latent rows [rows, 2 * D_HALF +
-    D_PE]; MidO: [rows, H, >= NUM_SPLITS, 2 * D_HALF] (fp32 or the query's dtype); MidLse:
-    [rows, H, >= NUM_SPLITS]
+    D_PE]; MidO: [rows, H, >= NUM_SPLITS, 2 * D_HALF] fp32; MidLse: [rows, H, >= NUM_SPLITS]
     fp32. All ``K * H`` rows of a group are one tile (``BLOCK_M`` = 64 fits ``K = 4, H =
     16``: the wgmma height), q stays on chip, each key tile is loaded once for S and P.V.
     Split 0 stores Kin at ``Hist[row, step]``; the tail reads those keys from Kin. SCALED
@@ -422,9 +418,7 @@ def _mla_partial_kernel(
     if SCALED:
         inv = inv * kv_scale
     mo = MidO + q_row[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo + offs_h[None, :], (acc_a * inv[:, None]).to(MidO.dtype.element_ty),
-             mask=hmask)
-    tl.store(mo + D_HALF + offs_h[None, :], (acc_b * inv[:, None]).to(MidO.dtype.element_ty),
-             mask=hmask)
+    tl.store(mo + offs_h[None, :], acc_a * inv[:, None], mask=hmask)
+    tl.store(mo + D_HALF + offs_h[None, :], acc_b * inv[:, None], mask=hmask)
     tl.store(MidLse + q_row * stride_ml_t + head * stride_ml_h + split, lse(m_i, l_i),
              mask=row_ok)

@@ -260,13 +260,11 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         shape, kernel_plan = plan["shape"], plan["plan"]
         if kernel_plan.kernel is P.Kernel.GLUON_WL:
             mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
-                                             q.device, bufs.mid_o, bufs.mid_lse,
-                                             L.partial_dtype(kernel_plan, q.dtype))
+                                             q.device, bufs.mid_o, bufs.mid_lse)
         else:
             parts = L.num_parts(kernel_plan, plan["num_splits"])
             mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, parts), shape.d_v,
-                                             q.device, bufs.mid_o, bufs.mid_lse,
-                                             L.partial_dtype(kernel_plan, q.dtype))
+                                             q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=1 if self.tree_mode == "path" else 0,
                            num_groups=plan["num_groups"],
@@ -356,8 +354,7 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
         shape = plan["shape"]
         parts = L.num_parts(plan["plan"], plan["num_splits"])
         mid_o, mid_lse = L.partial_views((plan["num_tokens"], shape.num_q_heads, parts),
-                                         shape.d_v, q.device, bufs.mid_o, bufs.mid_lse,
-                                         L.partial_dtype(plan["plan"], q.dtype))
+                                         shape.d_v, q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,

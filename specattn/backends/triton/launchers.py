@@ -25,10 +25,6 @@ from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, Attn
                     Plan)
 
 
-# The kernels whose partials take the query's dtype (``partial_dtype``).
-HALF_PARTIALS = (Kernel.DOT_MLA, Kernel.GLUON_WL, Kernel.GLUON_SPLIT)
-
-
 def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
 
@@ -156,34 +152,17 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     return launch
 
 
-def partial_dtype(plan: Plan, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a round's normalised partials: the query's (bf16 / fp16) in the MLA
-    kernels (``dot-mla``, the Gluon plans), whose partials are 512 columns of 64 rows a
-    program: half the bytes of fp32 to write and to merge (FlashInfer's split-KV partials
-    are its output dtype too); fp32 for fp32 queries, in ``cute`` (its kernel writes fp32)
-    and in the split-KV kernel, whose sm90 build took more registers to store bf16 (94 ->
-    111 at ``dot-m16``: 4 programs an SM, not 5). The LSEs stay fp32 and the merges sum in
-    fp32."""
-    half = dtype in (torch.bfloat16, torch.float16)
-    return dtype if half and plan.kernel in HALF_PARTIALS else torch.float32
-
-
 def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
-                  flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor],
-                  dtype: torch.dtype = torch.float32):
-    """Partials ``(lse_shape + (d_v,)`` in ``dtype``, ``lse_shape`` fp32): views of
-    ``flat_o`` (any dtype: its bytes) / ``flat_lse`` (fixed CUDA-graph buffers) when they are
-    large enough, else fresh buffers. ``lse_shape``: ``(rows, H_q, parts)``; ``gluon-wl``:
-    ``(slots, rows)``."""
+                  flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor]):
+    """fp32 partials ``(lse_shape + (d_v,), lse_shape)``: views of ``flat_o`` / ``flat_lse``
+    (fixed CUDA-graph buffers) when they are large enough, else fresh buffers.
+    ``lse_shape``: ``(rows, H_q, parts)``; ``gluon-wl``: ``(slots, rows)``."""
     n_l = math.prod(lse_shape)
     n_o = n_l * d_v
-    size = torch.empty((), dtype=dtype).element_size()
-    if flat_o is None or flat_o.numel() * flat_o.element_size() < n_o * size or \
-            flat_lse.numel() < n_l:
-        flat_o = torch.empty(n_o, dtype=dtype, device=device)
+    if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
+        flat_o = torch.empty(n_o, dtype=torch.float32, device=device)
         flat_lse = torch.empty(n_l, dtype=torch.float32, device=device)
-    o = flat_o if flat_o.dtype == dtype else flat_o.view(torch.uint8).view(dtype)
-    return o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
+    return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
 def tail_stores_kv(mode: int, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
