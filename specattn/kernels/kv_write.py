@@ -85,18 +85,17 @@ class Fp8Write(NamedTuple):
     codes: Codes  # the device torch's conversion variant
 
 
-def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp8Write]:
-    """The arguments with which ``write_new_kv`` stores an FP8 pool's codes bit for bit as
-    ``runner.write_kv`` does on ``device`` (CUDA torch's ``(x.float() / scale).to(dtype)``,
-    ``specattn.kernels.fp8_codes``); ``None`` where ``runner.write_kv`` stores them: not a
-    CUDA device (the CPU divides differently), a byte layout (``runner.kv_layout``), a
-    scale the kernel does not mirror (``fp8_codes.write_scale``), rows without unit stride,
-    or a torch whose conversion the kernel does not give (``fp8_codes.torch_codes``)."""
-    if device.type != "cuda" or getattr(runner, "kv_layout", None) is not None:
-        return None
+def _plain_rows(runner, new_kv: tuple, device: torch.device) -> bool:
+    """The one launch can store ``new_kv`` into ``runner``'s pools: a CUDA device, no byte
+    layout (``runner.kv_layout``), rows of unit stride."""
+    return device.type == "cuda" and getattr(runner, "kv_layout", None) is None and \
+        all(x is None or x.stride(-1) == 1 for x in new_kv)
+
+
+def _fp8_codes(runner, layer, device: torch.device) -> Optional[Fp8Write]:
+    """``fp8_write``'s answer once the rows are plain (``_plain_rows``)."""
     kb = layer_pools(runner, layer.layer_id)[0]
-    if not is_fp8_dtype(kb.dtype) or any(x is not None and x.stride(-1) != 1
-                                         for x in new_kv):
+    if not is_fp8_dtype(kb.dtype):
         return None
     codes = torch_codes(device, kb.dtype)
     if codes is None:
@@ -106,6 +105,18 @@ def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp
     if k is None or v is None:
         return None
     return Fp8Write(k[0], v[0], k[1], v[1], codes)
+
+
+def fp8_write(runner, layer, new_kv: tuple, device: torch.device) -> Optional[Fp8Write]:
+    """The arguments with which ``write_new_kv`` stores an FP8 pool's codes bit for bit as
+    ``runner.write_kv`` does on ``device`` (CUDA torch's ``(x.float() / scale).to(dtype)``,
+    ``specattn.kernels.fp8_codes``); ``None`` where ``runner.write_kv`` stores them: not a
+    CUDA device (the CPU divides differently), a byte layout (``runner.kv_layout``), a
+    scale the kernel does not mirror (``fp8_codes.write_scale``), rows without unit stride,
+    or a torch whose conversion the kernel does not give (``fp8_codes.torch_codes``)."""
+    if not _plain_rows(runner, new_kv, device):
+        return None
+    return _fp8_codes(runner, layer, device)
 
 
 def head_rows(k: torch.Tensor, v: Optional[torch.Tensor]
@@ -150,10 +161,8 @@ def store_kv(runner, layer, loc: torch.Tensor, k: torch.Tensor, v: Optional[torc
     """``runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)``'s bytes,
     in one launch where it can (module doc). loc: the slots, any shape of ``rows`` elements;
     k / v as ``write_new_kv`` takes them."""
-    if triton_runs(k.device) and k.device.type == "cuda" and \
-            getattr(runner, "kv_layout", None) is None and k.stride(-1) == 1 and \
-            (v is None or v.stride(-1) == 1):
-        fp8 = fp8_write(runner, layer, (k, v), k.device) if runner.fp8 else None
+    if triton_runs(k.device) and _plain_rows(runner, (k, v), k.device):
+        fp8 = _fp8_codes(runner, layer, k.device) if runner.fp8 else None
         if fp8 is not None or not runner.fp8:
             write_new_kv(runner, layer.layer_id, loc.reshape(-1), k, v, fp8=fp8)
             return

@@ -57,7 +57,7 @@ from ...errors import InvalidInputError
 from ...fp8 import scale_rows
 from ...graph_calls import KeptDecodeCalls, Replay
 from ...metadata import path_history_slots
-from ._passes import Params, Pass, captured, capturing, fp8_scales, replan
+from ._passes import OneLaunchKvWrite, Params, Pass, captured, capturing, fp8_scales, replan
 from ._slots import fill_ragged_slots, history_positions, host_arange, host_csr
 
 MODES = ("shared", "per-branch")
@@ -78,7 +78,7 @@ class _Round:
         self.seq_pad: Optional[np.ndarray] = None  # graph rounds' padded host lengths
 
 
-class FlashInferDecodeGlue(KeptDecodeCalls):
+class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
     """Common body of ``FlashInferDecode`` and ``FlashInferMLADecode`` (not registered).
 
     Extra keyword ``mode``: ``"shared"`` (default; a shared-prefix pass per round) or
@@ -239,12 +239,6 @@ class FlashInferDecodeGlue(KeptDecodeCalls):
         return self.tree_mode == "path" and self.topk > 1
 
     # --- forward -----------------------------------------------------------------------------
-
-    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor,
-                  v: Optional[torch.Tensor]) -> None:
-        from ...kernels.kv_write import store_kv  # Triton, imported when a KV is stored
-
-        store_kv(self.runner, layer, loc, k, v)  # one launch on CUDA (FP8 codes included)
 
     def _kernel_writes_kv(self) -> bool:
         # The shared path's history kernel stores the new KV itself (pools of the model's

@@ -30,13 +30,13 @@ from ...data import HOST_COPIES, host_lengths
 from ...fp8 import scale_rows
 from ...graph_calls import signature
 from ...util import triton_runs
-from ._passes import Params, Pass, captured, fp8_scales, replan
+from ._passes import OneLaunchKvWrite, Params, Pass, captured, fp8_scales, replan
 from ._slots import fill_ragged_slots, host_csr, host_indptr
 
 _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc")
 
 
-class FlashInferExtendGlue(DraftExtendBackend):
+class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
     """Common body of ``FlashInferExtend`` and ``FlashInferMLAExtend`` (not registered)."""
 
     known_limits = {"extend/*/isolation/*": (
@@ -57,12 +57,6 @@ class FlashInferExtendGlue(DraftExtendBackend):
 
     def _default_params(self) -> Params:
         raise NotImplementedError
-
-    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor,
-                  v: Optional[torch.Tensor]) -> None:
-        from ...kernels.kv_write import store_kv  # Triton, imported when a KV is stored
-
-        store_kv(self.runner, layer, loc, k, v)  # one launch on CUDA (FP8 codes included)
 
     def _check_layer_params(self, layer) -> Params:
         return Params(float(layer.scaling), float(layer.logit_cap))

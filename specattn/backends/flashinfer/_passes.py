@@ -121,6 +121,18 @@ def workspace(device: torch.device) -> torch.Tensor:
     return buf
 
 
+class OneLaunchKvWrite:
+    """Decode and extend glues: a step's new KV stored in one launch on CUDA
+    (``kernels.kv_write.store_kv``, FP8 codes included) where ``runner.write_kv`` takes one
+    launch per pool, or about ten for FP8 pools."""
+
+    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor,
+                  v: Optional[torch.Tensor]) -> None:
+        from ...kernels.kv_write import store_kv  # Triton, imported when a KV is stored
+
+        store_kv(self.runner, layer, loc, k, v)
+
+
 class Params(NamedTuple):
     """Plan-time attention parameters: softmax scale and logit soft cap (0 = off)."""
 
