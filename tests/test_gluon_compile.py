@@ -62,6 +62,7 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
         k_scale=torch.ones(1) if fp8 else None)
     (launch,) = (wl if work else split).launches
     assert launch[3]["FP8"] is fp8
+    assert launch[3]["Q_F16"] is (fp8 and q_dtype == torch.bfloat16)
     return launch
 
 
@@ -75,7 +76,8 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
     ptx = kernel.asm["ptx"]
     return dict(kernel=fn.__name__, fp8=kw["FP8"], shared=kernel.metadata.shared,
                 cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
-                cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx)
+                cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx,
+                f16_to_bf16="cvt.bf16.f16" in ptx or "cvt.rn.bf16.f16" in ptx)
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype,heads,topk,mode,cap,work", [
@@ -101,8 +103,10 @@ def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, m
     assert got["fp8"] == kv_dtype.startswith("float8")
     assert got["shared"] <= H200_SHARED and got["cubin"] > 0, got
     assert got["wgmma"] and got["cp_async"], got
-    # e4m3 codes are widened by the hardware conversion.
+    # e4m3 codes are widened by the hardware conversion, to fp16 under either query dtype
+    # (bf16 queries: the Q_F16 prescale), never on to bf16 (a quarter-rate F2F per code).
     assert got["e4m3_cvt"] == (kv_dtype == "float8_e4m3fn"), got
+    assert not (got["fp8"] and got["f16_to_bf16"]), got
 
 
 def test_launcher_refuses_a_pool_it_cannot_read():

@@ -10,6 +10,12 @@ two tiles are in flight during a tile's MMAs (``_tile_step_fp8``). The key scale
 the softmax scale and, the latent being the value too, into the normalised output. The
 call's new keys are in the pool already (torch quantized them): the kernel reads them there
 and stores none.
+
+``Q_F16`` (FP8 pools under bf16 queries, as the ``tl.dot`` kernels' ``Q_F16``): the query
+rows are stored as ``q * q_prescale`` (``2^-8``, a runtime argument) in fp16, the staging
+tile and P are fp16 and ``Q_F16_SCALE`` folds into the softmax scale. A code widens to fp16
+in one conversion per two codes; to bf16 it took that conversion and one ``F2F`` per code,
+a quarter-rate instruction, in every tile.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
+from ...kernels.tiles import Q_F16_SCALE
 from ._attn_kernels import META_W, MODE_PATH
 
 D_MAIN = gl.constexpr(512)
@@ -364,6 +371,39 @@ def _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
 
 
 @gluon.jit
+def _load_q_f16(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
+                H: gl.constexpr):
+    """The 64 query rows as ``_issue_q`` places them, each value ``q * q_prescale`` rounded to
+    fp16 (``Q_F16``: bf16 queries over FP8 pools), 128 latent columns at a time through
+    registers. The first tile's fence makes the stores visible to the wgmmas."""
+    offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    q_ok = offs_qm < n_rows
+    q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
+    offs_c = gl.arange(0, FP8_COLS, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    for c in gl.static_range(D_MAIN // FP8_COLS):
+        x = gl.load(q_rows[:, None] + c * FP8_COLS + offs_c[None, :], mask=q_ok[:, None],
+                    other=0.0)
+        q_smem.slice(c * FP8_COLS, FP8_COLS, dim=1).store(
+            (x.to(gl.float32) * q_prescale).to(gl.float16))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    x = gl.load(q_rows[:, None] + D_MAIN + offs_pe[None, :], mask=q_ok[:, None], other=0.0)
+    qpe_smem.store((x.to(gl.float32) * q_prescale).to(gl.float16))
+
+
+@gluon.jit
+def _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
+             H: gl.constexpr, Q_F16: gl.constexpr):
+    """The query rows into shared memory: by ``cp.async`` in the next copy group, or with
+    ``Q_F16`` prescaled to fp16 through registers (``_load_q_f16``)."""
+    if Q_F16:
+        _load_q_f16(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+                    q_prescale, H)
+    else:
+        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
+                 COPY_LAYOUT)
+
+
+@gluon.jit
 def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
                   stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows,
                   split, col0, H: gl.constexpr, DIRECT_OUT: gl.constexpr,
@@ -399,17 +439,19 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
 @gluon.jit
 def _gluon_mla_kernel(
         Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents, KScale,
-        step, sm_scale, logit_cap,
+        step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr):
+        USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr,
+        Q_F16: gl.constexpr = False):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``). ``FP8``:
-    KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read."""
-    dtype: gl.constexpr = Q.dtype.element_ty
+    KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read. ``Q_F16``
+    (FP8, bf16 Q): the wgmmas are fp16 on ``q * q_prescale`` (module doc)."""
+    dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
 
@@ -445,8 +487,8 @@ def _gluon_mla_kernel(
         # ahead: a stage is free once widened).
         q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
         k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
-        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-                 copy_layout)
+        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+                 q_prescale, H, Q_F16)
         for i in gl.static_range(NUM_STAGES):
             _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
                                              FP8_LAYOUT),
@@ -474,7 +516,7 @@ def _gluon_mla_kernel(
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_lane = offs_sm // H
-    qk_scale = sm_scale * LOG2E
+    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)

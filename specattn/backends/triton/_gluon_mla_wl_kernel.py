@@ -12,23 +12,25 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy
 from ._attn_kernels import META_W
 from ._gluon_mla_kernel import (
     BLOCK_M, COPY_LAYOUT, D_MAIN, FP8_LAYOUT, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT,
-    _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_q, _issue_tile, _issue_tile_fp8,
-    _prefix_slots, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
+    _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_tile, _issue_tile_fp8,
+    _prefix_slots, _start_q, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
+from ...kernels.tiles import Q_F16_SCALE
 
 
 @gluon.jit
 def _gluon_mla_wl_kernel(
         Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Work, Hist, Parents, KScale,
-        step, sm_scale, logit_cap,
+        step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_kvs, stride_kin_t, stride_mo_g, stride_ml_g,
         stride_ot, stride_oh, stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK,
         NUM_STEPS, batch, num_programs,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        USE_CAP: gl.constexpr, FP8: gl.constexpr):
+        USE_CAP: gl.constexpr, FP8: gl.constexpr, Q_F16: gl.constexpr = False):
     """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
-    rows ``lane * H + head``); the other tensors and ``FP8`` as in ``_gluon_mla_kernel``."""
-    dtype: gl.constexpr = Q.dtype.element_ty
+    rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
+    ``_gluon_mla_kernel``."""
+    dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -57,7 +59,7 @@ def _gluon_mla_wl_kernel(
 
     offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
     row_lane = offs_sm // H
-    qk_scale = sm_scale * LOG2E
+    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     # Programs start at request starts (``worklist``): one segment, or none past the last.
@@ -81,8 +83,8 @@ def _gluon_mla_wl_kernel(
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
-        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-                 COPY_LAYOUT)
+        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+                 q_prescale, H, Q_F16)
         if FP8:
             for i in gl.static_range(NUM_STAGES):
                 _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,

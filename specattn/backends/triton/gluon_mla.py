@@ -9,8 +9,8 @@ each warpgroup on half its columns, P.V from registers into each warpgroup's 256
 columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
 key read from ``k``). An FP8 pool (``float8_e4m3fn`` / ``float8_e5m2`` codes, a key is
 ``code * k_scale``): the codes go through a ring of their own and are widened exactly into
-a staging tile of the query's dtype that the wgmmas read; ``k_scale`` scales the scores
-and the output; the call's keys were stored by torch (``runner.write_kv``) and are read from
+a staging tile that the wgmmas read (fp16 under bf16 queries too: the query rows prescaled
+as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale`` scales the scores and the output; the call's keys were stored by torch (``runner.write_kv``) and are read from
 the pool. ``docs/kernels.md`` has the measurements.
 """
 
@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels.tiles import Q_F16_PRESCALE
 from .plans import gluon_import_reason, num_row_tiles
 
 NUM_WARPS = 8  # two warpgroups
@@ -70,12 +71,14 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     H = q.shape[1]
     par, par_s, par_b = parents
     scale = k_scale if fp8 else meta  # a placeholder, never read without FP8
+    q_f16 = fp8 and q.dtype == torch.bfloat16  # fp16 wgmmas: one conversion per two codes
+    prescale = Q_F16_PRESCALE if q_f16 else 1.0
     consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                  USE_CAP=logit_cap > 0, FP8=fp8, num_warps=NUM_WARPS)
+                  USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS)
     if work is None:
         K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
             q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale,
-            step, float(sm_scale), float(logit_cap),
+            step, float(sm_scale), float(logit_cap), prescale,
             q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
@@ -86,7 +89,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
 
     W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), num_splits)](
         q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par, scale,
-        step, float(sm_scale), float(logit_cap),
+        step, float(sm_scale), float(logit_cap), prescale,
         q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), mid_o.stride(0),
         mid_lse.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), par_s, par_b,
         kv.shape[0], topk, num_steps, batch, num_splits, **consts)
