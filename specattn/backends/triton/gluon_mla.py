@@ -10,8 +10,9 @@ columns. Split 0 stores the call's keys; the last split walks the lanes' history
 key read from ``k``). An FP8 pool (``float8_e4m3fn`` / ``float8_e5m2`` codes, a key is
 ``code * k_scale``): the codes go through a ring of their own and are widened exactly into
 a staging tile that the wgmmas read (fp16 under bf16 queries too: the query rows prescaled
-as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale`` scales the scores and the output; the call's keys were stored by torch (``runner.write_kv``) and are read from
-the pool. ``docs/kernels.md`` has the measurements.
+as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale`` scales the scores and the output; the
+call's keys were stored by torch (``runner.write_kv``) and are read from the pool.
+``docs/kernels.md`` has the measurements.
 """
 
 from __future__ import annotations
