@@ -443,8 +443,9 @@ class DraftDecodeBackend(DraftBackend):
       the same into fixed buffers (default ``_plan``); ``_alloc_graph_buffers(max_bs,
       max_num_tokens)``: those buffers.
     - ``_check_batch(batch, debug)``, ``_forward_options(layer, **options)``,
-      ``_kernel_writes_kv()``: extra batch rules, extra ``forward`` keywords, the KV-write
-      policy.
+      ``_kernel_writes_kv()``, ``_write_kv(layer, loc, k, v)``: extra batch rules, extra
+      ``forward`` keywords, the KV-write policy and the write itself (default
+      ``runner.write_kv``).
 
     ``self.batch`` is the ``DraftBatch`` forward reads: the caller's batch in an eager round;
     in a captured/replayed round, views of fixed buffers (``req_pool_indices``,
