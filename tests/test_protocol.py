@@ -95,6 +95,52 @@ def test_kv_write_policy(scoped_registry, fused):
     assert seen["written"] is not fused
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_write_kv_hook_stores_the_steps_kv(scoped_registry, fused):
+    """``_write_kv(layer, loc, k, v)`` is the write ``forward`` makes (decode: the step's
+    slots, extend: the round's), once, before ``_attend``; never when the kernel writes."""
+    calls = []
+
+    class Writer:
+        def _kernel_writes_kv(self):
+            return fused
+
+        def _write_kv(self, layer, loc, k, v):
+            calls.append((layer.layer_id, loc.clone()))
+            self.runner.write_kv(layer.layer_id, loc, k * 2, v * 2)  # its own way
+
+    class Decode(Writer, TorchRefDecode, name="protocol_writer_decode"):
+        pass
+
+    class Extend(Writer, TorchRefExtend, name="protocol_writer_extend"):
+        pass
+
+    runner, batch = _decode_case([4, 6])
+    decode = Decode(runner, 2, 3)
+    decode.init_forward_metadata(batch)
+    q, k, v = random_qkv(runner, 4)
+    decode.forward(1, LAYER, q, k, v)
+    slots = batch.out_cache_loc[:, :, 1]
+    if fused:
+        assert calls == []
+    else:
+        ((layer_id, loc),) = calls
+        assert layer_id == 0 and torch.equal(loc, slots)
+        assert torch.equal(runner.k_buffer[0][slots.reshape(-1)], (k * 2).reshape(4, 2, 16))
+
+    calls.clear()
+    ext = DraftExtendBatch(batch.req_pool_indices, batch.seq_lens, torch.tensor([1, 1]),
+                           batch.out_cache_loc[:, 0, 0])
+    extend = Extend(runner)
+    extend.init_forward_metadata(ext)
+    q, k, v = random_qkv(runner, 2)
+    extend.forward(LAYER, q, k, v)
+    assert len(calls) == (0 if fused else 1)
+    if not fused:
+        assert torch.equal(calls[0][1], ext.out_cache_loc)
+        assert torch.equal(runner.v_buffer[0][ext.out_cache_loc], (v * 2).reshape(2, 2, 16))
+
+
 def test_a_registered_backend_implements_attend(scoped_registry):
     with pytest.raises(RegistrationError, match="neither _attend"):
         class Empty(DraftExtendBackend, name="protocol_empty"):
