@@ -101,6 +101,8 @@ CASES = [
     ("mha", torch.float16, 8, 2048, 1, 4, 1, "lane", True, "shared"),
     ("mha", torch.bfloat16, 4, 4096, 4, 5, 16, "path", True, "shared"),
     ("mha", torch.bfloat16, 1, 32768, 4, 3, 1, "lane", False, "shared"),  # dot-m16, 64 splits
+    ("mha", torch.bfloat16, 1, 131072, 4, 3, 16, "path", False, "shared"),  # 128k, pages
+    ("mla", torch.bfloat16, 1, 131072, 4, 3, 64, "lane", False, "shared"),
     ("mha", torch.float16, 4, 1024, 4, 5, 1, "lane", False, "per-branch"),
     ("mla", torch.bfloat16, 4, 4096, 4, 5, 1, "path", True, "shared"),
     ("mla", torch.bfloat16, 4, 4096, 4, 5, 64, "lane", False, "shared"),
