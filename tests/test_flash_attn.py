@@ -349,6 +349,58 @@ def test_extend_calls_and_matches_reference(lib, page_size, ragged):
     assert call.max_seqlen_q == int(case.batch.extend_lens.max())
 
 
+@pytest.mark.parametrize("lib,page_size,ragged,chunks", [
+    ("fa4", 1, True, 3), ("fa4", 16, True, 4), ("fa4", 64, False, 2), ("fa3", 16, True, 5)])
+def test_extend_split_prefix(lib, page_size, ragged, chunks):
+    """A split extend: the chunks of the full pages before the first new token's page in
+    one non-causal call, the tail (that page and the new tokens) in one causal call, merged
+    by LSE; chunks past a short prefix are empty and must get no weight."""
+    _, cls, platform, rec = LIBS[lib]
+    case = make_extend_case(page_size=page_size, ragged=ragged, seed=20 + chunks,
+                            max_len=90, max_ext=6)
+    with installed(platform):
+        run_extend(cls(case.runner, split_prefix=chunks), case)
+    tail, prefix = rec.calls
+    assert tail.causal and not prefix.causal
+    assert tail.batch == 3 and prefix.batch == 3 * chunks
+    assert prefix.total_q == chunks * tail.total_q
+
+
+def test_extend_split_graph_replays_with_new_lengths():
+    """Captured with a split route, replayed with the tokens split otherwise over the same
+    requests (other prefix lengths, other tails)."""
+    _, cls, platform, rec = LIBS["fa4"]
+    case = make_extend_case(page_size=16, ragged=True, max_len=90, max_ext=4, seed=31)
+    b, runner = case.batch, case.runner
+    tokens = int(b.extend_lens.sum())
+    ext = b.extend_lens.roll(1)
+    rows = runner.req_to_token[b.req_pool_indices].long()
+    loc = torch.cat([rows[i, int(b.seq_lens[i] - ext[i]):int(b.seq_lens[i])] for i in range(3)])
+    gen = torch.Generator().manual_seed(1)
+    with installed(platform):
+        backend = cls(runner, split_prefix=3)
+        backend.init_cuda_graph_state(3, tokens)
+        for batch in (b, DraftExtendBatch(b.req_pool_indices, b.seq_lens, ext, loc)):
+            if batch is b:
+                backend.init_forward_metadata_capture_cuda_graph(batch)
+            else:
+                backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+            q, k, v = qkv(runner, tokens, gen)
+            out = backend.forward(case.layer, q, k, v)
+            assert_close_rel(out, reference_extend(runner, case.layer, q, batch), runner.dtype)
+    assert rec.calls[-1].batch == 3 * 3 and not rec.calls[-1].causal
+
+
+def test_extend_split_prefix_is_checked():
+    _, cls, platform, _ = LIBS["fa4"]
+    case = make_extend_case(page_size=16, ragged=False, seed=3)
+    with installed(platform):
+        for bad in (0, 2.0, True):
+            with pytest.raises(InvalidInputError, match="split_prefix"):
+                cls(case.runner, split_prefix=bad)
+        assert cls(case.runner).chunks_for(1) == 1  # no SM count here: one pass
+
+
 def test_extend_graph_protocol():
     _, cls, platform, rec = LIBS["fa4"]
     case = make_extend_case(page_size=16, ragged=False, max_ext=4, seed=5)

@@ -202,6 +202,8 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     assert launchers.split_cap(dot, 4) == plans.DOT_MAX_SPLITS
     assert launchers.split_cap(dot, 8) == 33 and launchers.split_cap(dot, 256) == 16
     assert launchers.split_cap(cute, 4) == plans.MAX_SPLITS
+    # gluon-wl's partials follow its work list: any row count may force up to DOT_MAX_SPLITS
+    assert launchers.split_cap(plans.PLANS["gluon-wl"], 256) == plans.DOT_MAX_SPLITS
     for rows in (1, 3, 4, 8, 15, 16, 17, 100):  # the parts always fit the buffer
         parts = launchers.num_parts(dot, launchers.split_cap(dot, rows))
         assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)

@@ -6,7 +6,11 @@ it. ``merge_parts`` is the loop it and the work list's segment merge run: a prog
 ``BLOCK_D``-wide column chunk of one row and folds ``BLOCK_P`` parts per load into an online
 softmax.
 
-``merge_tiles`` sizes both. Where the output rows alone occupy every SM, one program per row
+``chunk_tail_merge_kernel``: FlashAttention's split draft extend (``merge_chunks_and_tail``),
+one program per (token, head) folding the prefix chunks' states into the tail's, the
+libraries' empty rows (an infinite LSE, any output) weighted 0.
+
+``merge_tiles`` sizes the first two. Where the output rows alone occupy every SM, one program per row
 loads the parts as the merge always did (``chunks`` 1). Where they do not (one request split
 over every SM: 4 lanes x 16 heads of 132 parts of 512 latent columns, 17 MB, read by 64
 programs), the columns split into chunks, about four programs per SM, each loading its rows'
@@ -122,3 +126,61 @@ def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         NUM_PARTS=parts, BLOCK_P=t.block_p, D_V=d_v, BLOCK_D=t.block_d,
         num_warps=t.num_warps, **launch_args(pdl, dependent=True))
+
+
+@triton.jit
+def chunk_tail_merge_kernel(ChunkO, ChunkLse, TailO, TailLse, Out, num_rows,
+                            stride_co_t, stride_co_h, stride_cl_t, stride_cl_h,
+                            stride_to_t, stride_to_h, stride_tl_t, stride_tl_h,
+                            stride_ot, stride_oh, CHUNKS: tl.constexpr, D_V: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """Grid ``(rows, H)``: ``Out[t, h]`` merges ``CHUNKS`` chunk states at rows ``c * num_rows
+    + t`` of ``ChunkO`` / ``ChunkLse`` and the tail state at row ``t`` of ``TailO`` /
+    ``TailLse``. A state with an infinite LSE (either sign: the libraries' empty rows) gets
+    no weight, whatever its output holds."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_V
+    m = tl.load(TailLse + t * stride_tl_t + h * stride_tl_h)
+    m = tl.where(m == float("inf"), float("-inf"), m)
+    tail = tl.load(TailO + t * stride_to_t + h * stride_to_h + offs_d, mask=d_ok, other=0.0)
+    acc = tl.where(m == float("-inf"), 0.0, tail.to(tl.float32))
+    den = tl.where(m == float("-inf"), 0.0, 1.0)
+    for c in range(CHUNKS):
+        row = c * num_rows + t
+        lse = tl.load(ChunkLse + row * stride_cl_t + h * stride_cl_h)
+        lse = tl.where(lse == float("inf"), float("-inf"), lse)
+        o = tl.load(ChunkO + row * stride_co_t + h * stride_co_h + offs_d, mask=d_ok,
+                    other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse - shift)
+        rescale = tl.exp(m - shift)
+        acc = acc * rescale + tl.where(w > 0, o * w, 0.0)
+        den = den * rescale + w
+        m = m_new
+    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, (acc / den).to(Out.dtype.element_ty),
+             mask=d_ok)
+
+
+def merge_chunks_and_tail(chunk_o: torch.Tensor, chunk_lse: torch.Tensor,
+                          tail_o: torch.Tensor, tail_lse: torch.Tensor) -> torch.Tensor:
+    """One ``chunk_tail_merge_kernel`` launch: FlashAttention's split draft extend.
+
+    chunk_o ``[C * T, H, D_v]`` / chunk_lse ``[C * T, H]`` (natural log, any strides): the
+    ``C`` prefix chunks' states, chunk ``c`` at rows ``c * T : (c + 1) * T``; tail_o ``[T, H,
+    D_v]`` / tail_lse ``[T, H]``: the tail's (each row sees at least one key there). Returns
+    ``[T, H, D_v]`` in ``tail_o``'s dtype."""
+    rows, heads, d_v = tail_o.shape
+    chunks = chunk_o.shape[0] // max(1, rows)
+    out = torch.empty_like(tail_o)
+    if rows == 0:
+        return out
+    chunk_tail_merge_kernel[(rows, heads)](
+        chunk_o, chunk_lse, tail_o, tail_lse, out, rows,
+        chunk_o.stride(0), chunk_o.stride(1), chunk_lse.stride(0), chunk_lse.stride(1),
+        tail_o.stride(0), tail_o.stride(1), tail_lse.stride(0), tail_lse.stride(1),
+        out.stride(0), out.stride(1), CHUNKS=chunks, D_V=d_v, BLOCK_D=next_pow2(d_v, 16),
+        num_warps=4 if d_v > 128 else 2)
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -88,9 +88,11 @@ class Environment:
     setup: Optional[Callable] = None
     device: Optional[str] = None
     covers: tuple[str, ...] = field(default=())  # "name[flavour]" of the classes it runs
+    extra: tuple[tuple[str, Any], ...] = ()  # more conformance_tests options
 
     def options(self) -> dict:
-        return {"platform": self.platform, "setup": self.setup, "device": self.device}
+        return {"platform": self.platform, "setup": self.setup, "device": self.device,
+                **dict(self.extra)}
 
 
 def _lib(device: str, capability=None, *libs: str) -> Platform:
@@ -98,10 +100,15 @@ def _lib(device: str, capability=None, *libs: str) -> Platform:
 
 
 HOPPER_FA4 = _lib("cuda", (9, 0), "flash_attn.cute")
+# fa4 with its prefix split in three (decode and extend), a route its defaults take only
+# for long prefixes at small batches.
+FA4_SPLIT = (("decode_options", {"split_prefix": 3}), ("extend_options", {"split_prefix": 3}))
 STANDIN = (
     Environment("flashinfer", "flashinfer", _lib("cuda", (9, 0), "flashinfer"), _flashinfer,
                 "cpu", ("flashinfer[mha]", "flashinfer[mla]")),
     Environment("fa4", "fa4", HOPPER_FA4, _flash_attn, "cpu", ("fa4[cuda]",)),
+    Environment("fa4-split", "fa4", HOPPER_FA4, _flash_attn, "cpu", ("fa4[cuda]",),
+                extra=FA4_SPLIT),
     Environment("fa3-sm90", "fa3", _lib("cuda", (9, 0), "flash_attn_interface"), _flash_attn,
                 "cpu", ("fa3[sm90]",)),
     Environment("fa3-sm8x", "fa3", _lib("cuda", (8, 0), "flash_attn_interface"), _flash_attn,
@@ -144,6 +151,7 @@ NATIVE = (
 GPU_NATIVE = (
     Environment("flashinfer-gpu", "flashinfer", covers=("flashinfer[mha]", "flashinfer[mla]")),
     Environment("fa4-gpu", "fa4", covers=("fa4[cuda]",)),
+    Environment("fa4-split-gpu", "fa4", covers=("fa4[cuda]",), extra=FA4_SPLIT),
     Environment("fa3-gpu", "fa3", covers=("fa3[sm90]",)),
     Environment("flashmla-gpu", "flashmla", covers=("flashmla[default]",)),
 )

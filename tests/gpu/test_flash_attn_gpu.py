@@ -5,7 +5,8 @@ readable slots) with the real ``flash_attn.cute`` / ``flash_attn_interface`` at 
 ``performance.md`` GQA shape (32 q heads, 8 kv heads, head dim 128). Covers draft decode
 (topk 1/4/8, page size 1/16/64, lane/path trees, shared / per-branch / split-prefix / auto
 modes, the Triton history+merge kernel and the torch-merge fallback, bf16/fp16, ragged and
-uniform, random shapes), draft extend, the fa3 fallback, and CUDA
+uniform, random shapes), draft extend (one pass and split prefix, one request of 32k keys),
+the fa3 fallback, and CUDA
 graph capture + replay with a changed, padded batch. Also pins the installed signatures.
 """
 
@@ -25,8 +26,8 @@ from test_flash_attn import (assert_close_rel, make_case_on, make_decode_case,  
 
 from specattn.backends import flash_attn as fa  # noqa: E402
 from specattn.backends.flash_attn import _library  # noqa: E402
-from specattn.backends.torch_ref import reference_decode  # noqa: E402
-from specattn.data import DraftBatch  # noqa: E402
+from specattn.backends.torch_ref import reference_decode, reference_extend  # noqa: E402
+from specattn.data import DraftBatch, DraftExtendBatch  # noqa: E402
 from specattn.platforms._probes import module_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
@@ -115,6 +116,57 @@ def test_fa4_extend(dtype, page_size, ragged):
     case = make_extend_case(bs=6, page_size=page_size, ragged=ragged, dtype=dtype,
                             device="cuda", seed=page_size, max_len=500, max_ext=6, heads=GQA)
     run_extend(fa.FA4Extend(case.runner), case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("page_size,ragged,chunks", [(1, True, 3), (16, True, 8), (64, False, 2)])
+def test_fa4_extend_split_prefix(dtype, page_size, ragged, chunks):
+    case = make_extend_case(bs=6, page_size=page_size, ragged=ragged, dtype=dtype,
+                            device="cuda", seed=40 + page_size, max_len=700, max_ext=6,
+                            heads=GQA)
+    run_extend(fa.FA4Extend(case.runner, split_prefix=chunks), case)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fa4_extend_one_long_request_routes_to_a_split(page_size):
+    """One request of ~32k keys: the auto route splits the prefix over the SMs."""
+    case = make_extend_case(bs=1, page_size=page_size, ragged=False, device="cuda",
+                            seed=page_size, max_len=32768, max_ext=6, heads=GQA)
+    backend = fa.FA4Extend(case.runner)
+    assert backend.chunks_for(1) > 1
+    run_extend(backend, case)
+
+
+def test_fa4_extend_split_cuda_graph_replay():
+    """A split extend captured in a CUDA graph, replayed with the tokens split otherwise."""
+    case = make_extend_case(bs=3, page_size=16, ragged=True, device="cuda", seed=9,
+                            max_len=900, max_ext=4, heads=GQA)
+    b, runner = case.batch, case.runner
+    tokens = int(b.extend_lens.sum())
+    backend = fa.FA4Extend(runner, split_prefix=4)
+    run_extend(backend, case)  # eager warm-up: compiles every kernel variant
+    backend.init_cuda_graph_state(3, tokens)
+    backend.init_forward_metadata_capture_cuda_graph(b)
+    gen = torch.Generator().manual_seed(0)
+    static = qkv(runner, tokens, gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(case.layer, *static)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(case.layer, *static)
+    ext = b.extend_lens.roll(1)
+    rows = runner.req_to_token[b.req_pool_indices].long()
+    loc = torch.cat([rows[i, int(b.seq_lens[i] - ext[i]):int(b.seq_lens[i])] for i in range(3)])
+    other = DraftExtendBatch(b.req_pool_indices, b.seq_lens, ext, loc)
+    backend.init_forward_metadata_replay_cuda_graph(other, 3)
+    for dst, src in zip(static, qkv(runner, tokens, gen)):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close_rel(out, reference_extend(runner, case.layer, static[0], other), runner.dtype)
 
 
 def test_fa3_runs_here():

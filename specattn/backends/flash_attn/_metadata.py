@@ -126,35 +126,65 @@ def _decode_tables_kernel(ReqPoolIdx, SeqLens, OutLoc, ReqToToken, Table, Used, 
 
 @triton.jit(do_not_specialize_on_alignment=_CALLER_EXTEND)
 def _extend_tables_kernel(ReqPoolIdx, SeqLens, ExtLens, OutLoc, ReqToToken, Table, Seq, Cu,
-                          FixLoc, stride_rpi, stride_seq, stride_ext, stride_loc, stride_r2t,
-                          r2t_width, max_reqs, num_slots, bs, num_tokens, table_width,
-                          stride_table, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
-                          BLOCK_X: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr):
+                          FixLoc, CTable, CUsed, CCu, stride_rpi, stride_seq, stride_ext,
+                          stride_loc, stride_r2t, r2t_width, max_reqs, num_slots, bs,
+                          num_tokens, table_width, stride_table, stride_ctable,
+                          PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_X: tl.constexpr,
+                          BLOCK_T: tl.constexpr, FIXED: tl.constexpr, CHUNKS: tl.constexpr,
+                          CHUNK_PAGES: tl.constexpr):
     """Grid ``(B, X)``: request ``b``, column program ``x``. Program ``x == 0`` writes
-    ``Seq[b] = L'`` and ``Cu[b + 1] = E[0] + ... + E[b]`` (``Cu[0] = 0``), int32; ``Table``
-    row ``b`` = the page ids of ``R[0 : L']``, its column blocks shared by the ``X``
-    programs. ``FIXED``: the ``num_tokens`` new tokens' slots into ``FixLoc`` (int64), in
-    blocks shared by all programs."""
+    ``Cu[b + 1] = E[0] + ... + E[b]`` (``Cu[0] = 0``) and ``Seq[b]``, int32; ``Table`` row
+    ``b`` gets page ids, its column blocks shared by the ``X`` programs. ``FIXED``: the
+    ``num_tokens`` new tokens' slots into ``FixLoc`` (int64), in blocks shared by all
+    programs.
+
+    ``CHUNKS == 1``: ``Seq[b] = L'``, ``Table`` row ``b`` = the page ids of ``R[0 : L']``.
+    ``CHUNKS > 1`` (a split extend): the tail starts at ``s = ((L' - E) // P) * P``, the page
+    of the first new token: ``Seq[b] = L' - s``, ``Table`` row ``b`` = the page ids from
+    ``s``'s page on (``table_width`` columns); chunk ``c`` (``CHUNK_PAGES`` pages) of the
+    prefix ``R[0 : s]`` is row ``c * B + b`` of ``CTable`` (its page ids), ``CUsed[c * B +
+    b] = clamp(s - c * CHUNK_PAGES * P, 0, CHUNK_PAGES * P)`` keys and ``CCu[c * B + b + 1]
+    = c * num_tokens + Cu[b + 1]`` (``CCu[0] = 0``)."""
     b = tl.program_id(0)
     x = tl.program_id(1)
     nx = tl.num_programs(1)
     seq = tl.load(SeqLens + b * stride_seq).to(tl.int64)
+    start = seq * 0  # the tail's first key
+    if CHUNKS > 1:
+        start = ((seq - tl.load(ExtLens + b * stride_ext).to(tl.int64)) // PAGE) * PAGE
     if x == 0:
         offs_b = tl.arange(0, BLOCK_B)
         ext = tl.load(ExtLens + offs_b * stride_ext, mask=offs_b <= b, other=0).to(tl.int64)
-        tl.store(Cu + b + 1, tl.sum(ext, 0).to(tl.int32))
-        tl.store(Seq + b, seq.to(tl.int32))
+        cu = tl.sum(ext, 0).to(tl.int32)
+        tl.store(Cu + b + 1, cu)
+        tl.store(Seq + b, (seq - start).to(tl.int32))
         if b == 0:
             tl.store(Cu, 0)
+        if CHUNKS > 1:
+            span = CHUNK_PAGES * PAGE
+            for c in range(CHUNKS):
+                used = tl.minimum(tl.maximum(start - c * span, 0), span)
+                tl.store(CUsed + c * bs + b, used.to(tl.int32))
+                tl.store(CCu + c * bs + b + 1, c * num_tokens + cu)
+            if b == 0:
+                tl.store(CCu, 0)
     rpi = tl.load(ReqPoolIdx + b * stride_rpi).to(tl.int64)
     row = ReqToToken + tl.minimum(tl.maximum(rpi, 0), max_reqs - 1) * stride_r2t
     pages = (seq + PAGE - 1) // PAGE
+    first = start // PAGE
     out = Table + b.to(tl.int64) * stride_table
     offs_x = tl.arange(0, BLOCK_X)
     for x0 in range(x * BLOCK_X, table_width, nx * BLOCK_X):
         p = x0 + offs_x
-        tl.store(out + p, _page_ids(row, p, pages, r2t_width, num_slots, PAGE),
+        tl.store(out + p, _page_ids(row, first + p, pages, r2t_width, num_slots, PAGE),
                  mask=p < table_width)
+    if CHUNKS > 1:  # the prefix's pages, CHUNK_PAGES to a row of CTable
+        for x0 in range(x * BLOCK_X, CHUNKS * CHUNK_PAGES, nx * BLOCK_X):
+            p = x0 + offs_x
+            dest = CTable + ((p // CHUNK_PAGES) * bs + b).to(tl.int64) * stride_ctable + \
+                p % CHUNK_PAGES
+            tl.store(dest, _page_ids(row, p, pages, r2t_width, num_slots, PAGE),
+                     mask=p < CHUNKS * CHUNK_PAGES)
     if FIXED:
         offs_t = tl.arange(0, BLOCK_T)
         for t0 in range((b * nx + x) * BLOCK_T, num_tokens, bs * nx * BLOCK_T):
@@ -211,22 +241,29 @@ def decode_tables(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
 
 def extend_tables(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                   extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, runner, bufs,
-                  page_size: int, fixed_loc: Optional[torch.Tensor] = None) -> KernelLaunch:
-    """Fill ``bufs`` (an ``_extend._Buffers``) for an extend batch in one launch and return
-    the launch (called with ``(req_pool_indices, seq_lens, extend_lens, out_cache_loc)``, as
-    ``decode_tables``). fixed_loc: a CUDA-graph round's fixed ``out_cache_loc`` view (int64,
-    ``[T]``), which gets the new tokens' slots."""
+                  page_size: int, fixed_loc: Optional[torch.Tensor] = None,
+                  tail_pages: Optional[int] = None) -> KernelLaunch:
+    """Fill ``bufs`` (an ``_extend._Buffers``, split or not) for an extend batch in one
+    launch and return the launch (called with ``(req_pool_indices, seq_lens, extend_lens,
+    out_cache_loc)``, as ``decode_tables``). fixed_loc: a CUDA-graph round's fixed
+    ``out_cache_loc`` view (int64, ``[T]``), which gets the new tokens' slots. tail_pages:
+    the tail table's columns a split batch reads at most (default: all)."""
     bs, tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
     r2t, table = runner.req_to_token, bufs.pt
-    width = table.shape[1]
-    block_x, nx = _columns(width, 1)
+    width = table.shape[1] if tail_pages is None else min(tail_pages, table.shape[1])
+    split = bufs.chunks > 1
+    block_x, nx = _columns(max(width, bufs.chunks * bufs.chunk_pages if split else 0), 1)
+    ctable = bufs.cpt if split else table
     tail = (r2t, table, bufs.seq, bufs.cu, table if fixed_loc is None else fixed_loc,
+            ctable, bufs.cused if split else bufs.seq, bufs.ccu if split else bufs.cu,
             req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
             out_cache_loc.stride(0), r2t.stride(0), r2t.shape[1], r2t.shape[0],
-            runner.num_slots, bs, tokens, width, table.stride(0))
+            runner.num_slots, bs, tokens, width, table.stride(0), ctable.stride(0))
     consts = dict(PAGE=page_size, BLOCK_B=next_pow2(bs), BLOCK_X=block_x,
                   BLOCK_T=min(MAX_BLOCK_X, next_pow2(ceil_div(tokens, bs), lo=16)),
-                  FIXED=fixed_loc is not None, num_warps=4 if block_x >= 512 else 1)
+                  FIXED=fixed_loc is not None, CHUNKS=bufs.chunks,
+                  CHUNK_PAGES=bufs.chunk_pages if split else 1,
+                  num_warps=4 if block_x >= 512 else 1)
     launch = KernelLaunch(_extend_tables_kernel, (bs, nx), tail, consts)
     launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc)
     return launch

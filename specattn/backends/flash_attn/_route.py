@@ -1,4 +1,6 @@
-"""Which formulation a draft-decode round runs in ``mode="auto"``: a pure function of shapes.
+"""Which formulation a draft-decode round runs in ``mode="auto"``, and how many prefix chunks
+a draft extend batch runs by default (``topk=1``: one pass or a split): a pure function of
+shapes.
 
 FA4 has no split-KV on sm90: one CTA reads one (sequence, kv head)'s keys, so a pass over
 ``rows`` sequences runs ``ctas = rows * H_kv`` CTAs. Its time is the larger of two limits:

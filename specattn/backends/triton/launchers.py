@@ -34,7 +34,10 @@ def split_cap(plan: Plan, rows: int) -> int:
     take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
     rows, so a round of few rows (one request) gives the ``tl.dot`` kernels (split-KV and
     MLA) more splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one
-    prefix. The others keep ``MAX_SPLITS``."""
+    prefix. ``gluon-wl`` sizes its partials by its work list (programs per row tile), so it
+    takes up to ``DOT_MAX_SPLITS`` at any row count. The others keep ``MAX_SPLITS``."""
+    if plan.kernel is Kernel.GLUON_WL:
+        return DOT_MAX_SPLITS
     if plan.kernel not in (Kernel.DOT, Kernel.DOT_MLA):
         return MAX_SPLITS
     room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
