@@ -7,6 +7,11 @@ The clean round is also compared with the reference (the corrupted one has no ri
 
     compute-sanitizer --tool memcheck --error-exitcode 1 \\
         python tools/oob_run.py --backend triton dsa dsv4
+    compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python tools/oob_run.py --backend fa4 --option fa4:split_prefix=3
+
+``--option BACKEND:KEY=VALUE`` (as ``specattn bench``'s) passes constructor keywords to the
+backend's decode and extend classes that take them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import sys
 import torch
 
 from specattn.backends.torch_ref import reference_decode, reference_extend
+from specattn.bench.options import parse_options
+from specattn.registry import default_registry as registry
 from specattn.data import AttentionLayer
 from specattn.testing.checks import _shape_candidates
 from specattn.testing.rounds import RoundMaker, random_qkv
@@ -82,11 +89,18 @@ def _run(target: Target, kind: str, model: str, page: int, corrupt: bool) -> str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", nargs="+", required=True)
+    parser.add_argument("--option", nargs="+", default=[], metavar="BACKEND:KEY=VALUE")
+    parser.add_argument("--kind", nargs="+", default=["decode", "extend"],
+                        choices=["decode", "extend"])
     args = parser.parse_args()
     os.environ.pop("SPECATTN_DEBUG_CHECKS", None)
+    options = parse_options(args.option)
     for name in args.backend:
-        target = Target.build(name)
-        for kind in ("decode", "extend"):
+        kw = {kind: {k: v for o in options if o.backend == name for cls in o.classes(registry)
+                     if cls.kind == kind for k, v in o.kwargs_taken_by(cls).items()}
+              for kind in ("decode", "extend")}
+        target = Target.build(name, decode_options=kw["decode"], extend_options=kw["extend"])
+        for kind in args.kind:
             for model in ("mha", "mla"):
                 cls = target.class_for(kind, model)  # a str: skipped (said once, at page 1)
                 sizes = (1,) if isinstance(cls, str) else cls.page_sizes or (1, 64)
