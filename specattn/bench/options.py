@@ -6,8 +6,9 @@
 labelled ``BACKEND[KEY=VALUE,...]``, beside the backend's own variants. A value is a Python
 literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``) or else the text itself
 (``mode=per-branch``, ``plan=gluon-wl``: Triton's plans are named in
-``specattn.backends.triton.plans.PLANS``). A keyword applies to the backend's classes whose constructor takes it (``mode``: decode only);
-one that no class of the backend takes is a bad argument.
+``specattn.backends.triton.plans.PLANS``). A keyword applies to the backend's classes whose
+constructor takes it (``mode``: decode only); one that no class of the backend takes is a bad
+argument.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ softmax.
 one program per (token, head) folding the prefix chunks' states into the tail's, the
 libraries' empty rows (an infinite LSE, any output) weighted 0.
 
-``merge_tiles`` sizes the first two. Where the output rows alone occupy every SM, one program per row
-loads the parts as the merge always did (``chunks`` 1). Where they do not (one request split
-over every SM: 4 lanes x 16 heads of 132 parts of 512 latent columns, 17 MB, read by 64
-programs), the columns split into chunks, about four programs per SM, each loading its rows'
-parts at once: on the H200 `mla-b1-32k` went from 41.7 to 29.5 us. Chunking everywhere lost
-7% at `mla-long` and 6% at `mla-b8-p64` (same run), hence the rule.
+``merge_tiles`` sizes ``merge_kernel`` and the segment merge. Where the output rows alone
+occupy every SM, one program per row loads the parts as the merge always did (``chunks``
+1). Where they do not (one request split over every SM: 4 lanes x 16 heads of 132 parts of
+512 latent columns, 17 MB, read by 64 programs), the columns split into chunks, about four
+programs per SM, each loading its rows' parts at once: on the H200 `mla-b1-32k` went from
+41.7 to 29.5 us. Chunking everywhere lost 7% at `mla-long` and 6% at `mla-b8-p64` (same
+run), hence the rule.
 """
 
 from __future__ import annotations
