@@ -554,6 +554,28 @@ def test_merge_states_weights_and_empty_parts():
         torch.testing.assert_close(got, o2)
 
 
+def test_chunk_tail_merge_kernel_matches_torch():
+    """The split extend's merge as FA calls it: chunk states at rows ``c * T + t``, LSEs
+    token-major views of head-major tensors, empty chunks (+-inf LSE, NaN output) with no
+    weight, against ``merge_states``."""
+    from specattn.kernels.merge import merge_chunks_and_tail
+
+    gen = torch.Generator().manual_seed(3)
+    chunks, tokens, heads, d = 3, 5, 4, 24
+    o_c = torch.randn(chunks * tokens, heads, d, generator=gen).to(torch.bfloat16)
+    lse_c = (torch.randn(heads, chunks * tokens, generator=gen) * 3).t()
+    o_t = torch.randn(tokens, heads, d, generator=gen).to(torch.bfloat16)
+    lse_t = (torch.randn(heads, tokens, generator=gen) * 3).t()
+    lse_c[2], lse_c[tokens + 4, 1] = float("inf"), float("-inf")
+    o_c[2], o_c[tokens + 4, 1] = float("nan"), float("nan")
+    got = merge_chunks_and_tail(o_c, lse_c, o_t, lse_t)
+    want = merge_states([o_c[c * tokens:(c + 1) * tokens] for c in range(chunks)] + [o_t],
+                        [lse_c[c * tokens:(c + 1) * tokens] for c in range(chunks)] + [lse_t],
+                        torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
 # --- the Triton history+merge kernel and the routing rule ------------------------------------
 
 
