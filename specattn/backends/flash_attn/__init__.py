@@ -16,7 +16,9 @@ Triton kernel for the per-lane history and the natural-log LSE merge); ``K == 1`
 pass; ``mode="per-branch"`` is upstream's one-sequence-per-lane design; ``split_prefix=C``
 splits each prefix into ``C`` chunks; the default ``mode="auto"`` picks among these per round
 from the batch shape and SM count (``_route.py``). Draft extend is one causal
-varlen pass. Any page size: prefixes use page ids (``[num_pages, P, H_kv, D]`` view of the
+varlen pass, or where one request's pass would leave SMs idle (by default from the same
+model; ``split_prefix=C`` fixes it) ``C`` prefix chunks plus a causal tail merged by LSE
+(``_extend.py``). Any page size: prefixes use page ids (``[num_pages, P, H_kv, D]`` view of the
 pool), histories a page-size-1 view.
 
 Layout: ``backend.py`` (the registered classes), ``_decode.py`` / ``_extend.py`` (the glue),
@@ -31,7 +33,9 @@ libraries that follow their documented APIs (``tests/test_flash_attn.py``). On t
 ``torch_ref`` with the real FA4 kernel: decode (topk 1/4/8, page 1/16/64, lane/path,
 shared/per-branch/split-prefix/auto, Triton history+merge and the torch-merge fallback),
 random shapes, extend, ``fa3`` through FA4's sm90 kernel, and CUDA-graph capture/replay
-(H200, 2026-11-29: gqa-long 1.42x the floor, 5.9x faster than FA4 per-branch). The
+(H200, 2026-11-29: gqa-long 1.42x the floor, 5.9x faster than FA4 per-branch); on
+2026-12-03 also the split extend (forced chunks, one request of 32k keys on the auto route,
+a graph replay) and the conformance kit with ``split_prefix=3``. The
 FA3 library path (sm8x, or sm90 with ``flash_attn_interface``) and MUSA are untested on
 hardware.
 
