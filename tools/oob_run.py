@@ -24,8 +24,8 @@ import torch
 
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.bench.options import parse_options
-from specattn.registry import default_registry as registry
 from specattn.data import AttentionLayer
+from specattn.registry import default_registry as registry
 from specattn.testing.checks import _shape_candidates
 from specattn.testing.rounds import RoundMaker, random_qkv
 from specattn.testing.target import Target
@@ -86,6 +86,17 @@ def _run(target: Target, kind: str, model: str, page: int, corrupt: bool) -> str
     return "ran (corrupted req_to_token)" if corrupt else f"ok (max abs error {err:.3g})"
 
 
+def _constructor_options(options: list, name: str) -> dict:
+    """``{kind: keywords}`` that the ``--option`` entries give backend ``name``'s decode and
+    extend classes (either side may spell the backend by an alias)."""
+    mine = {c for kind in ("decode", "extend") for c in registry.classes(kind)
+            if name in (c.name, *c.aliases)}
+    return {kind: {k: v for o in options for cls in o.classes(registry)
+                   if cls in mine and cls.kind == kind
+                   for k, v in o.kwargs_taken_by(cls).items()}
+            for kind in ("decode", "extend")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", nargs="+", required=True)
@@ -96,9 +107,7 @@ def main() -> int:
     os.environ.pop("SPECATTN_DEBUG_CHECKS", None)
     options = parse_options(args.option)
     for name in args.backend:
-        kw = {kind: {k: v for o in options if o.backend == name for cls in o.classes(registry)
-                     if cls.kind == kind for k, v in o.kwargs_taken_by(cls).items()}
-              for kind in ("decode", "extend")}
+        kw = _constructor_options(options, name)
         target = Target.build(name, decode_options=kw["decode"], extend_options=kw["extend"])
         for kind in args.kind:
             for model in ("mha", "mla"):
