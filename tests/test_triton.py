@@ -353,7 +353,8 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
 
 
 @pytest.mark.parametrize("model,plan,kv,launches", [
-    # The split-KV kernel is a dependent launch after the KV write, which releases it.
+    # The split-KV kernel is a dependent launch after the KV write, which releases it (a
+    # round of many requests: more programs than SMs).
     ("mha", "dot", "auto", [("_write_kv_kernel", True, False),
                             ("_partial_attn_kernel", True, True), ("merge_kernel", True, True)]),
     # After torch's FP8 write (and the scales' copies): an ordinary launch that releases
@@ -367,6 +368,7 @@ def _recorded_launches(monkeypatch, model: str, plan: str, kv_cache_dtype: str =
 def test_pdl_launches(monkeypatch, model, plan, kv, launches):
     """Which launches of a pdl=True call are programmatic dependent launches (launch_pdl)
     and which kernels wait for or release their neighbours (PDL)."""
+    monkeypatch.setattr(plans, "sms", lambda device: 1)
     assert _recorded_launches(monkeypatch, model, plan, kv) == launches
 
 
@@ -390,6 +392,7 @@ def _kernel_fp8_write(monkeypatch) -> list:
     return served
 
 
+@pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("sms,launches", [
     # Few requests (one group x 2 KV heads, 4 SMs): the split-KV kernel's tail programs
     # store the new KV; the kernel is an ordinary launch that releases the merge.
@@ -398,14 +401,14 @@ def _kernel_fp8_write(monkeypatch) -> list:
     (1, [("_write_kv_kernel", True, False), ("_partial_attn_kernel", True, True),
          ("merge_kernel", True, True)]),
 ])
-def test_decode_tail_stores_the_new_kv_in_few_request_rounds(monkeypatch, sms, launches):
-    """``launchers.tail_stores_kv``: a decode round of few requests is two launches, one of
-    many requests three; extend keeps its write launch whatever the round."""
+def test_decode_and_extend_tail_store_the_new_kv_in_few_request_rounds(monkeypatch, sms,
+                                                                        launches, decode):
+    """``launchers.tail_stores_kv``: a decode or extend round of few requests is two
+    launches, one of many requests three."""
     monkeypatch.setattr(plans, "sms", lambda device: sms)
     kws: list = []
-    assert _recorded_launches(monkeypatch, "mha", "dot", decode=True, kws=kws) == launches
+    assert _recorded_launches(monkeypatch, "mha", "dot", decode=decode, kws=kws) == launches
     assert kws[-2].get("NEW_KV", False) is (sms == 4)
-    assert _recorded_launches(monkeypatch, "mha", "dot")[0][0] == "_write_kv_kernel"
 
 
 @pytest.mark.parametrize("model,plan,launches", [
@@ -630,6 +633,93 @@ def test_extend_dot_plans_write_and_attend(model, plan):
     out = backend.forward(layer, q, k, v)
     _close(out, reference_extend(runner, layer, q, batch), torch.bfloat16)
     _check_pool(runner, 0, batch.out_cache_loc, k, v)
+
+
+class _SplitKvLaunches:
+    """Stands for ``_partial_attn_kernel``: runs it, and counts its launches with and without
+    ``NEW_KV`` (``new_kv`` / ``plain``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.new_kv, self.plain = kernel, 0, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw.get("NEW_KV", False):
+                self.new_kv += 1
+            else:
+                self.plain += 1
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def _count_split_kv_launches(monkeypatch) -> _SplitKvLaunches:
+    from specattn.backends.triton import _attn_kernels
+
+    counted = _SplitKvLaunches(_attn_kernels._partial_attn_kernel)
+    monkeypatch.setattr(_attn_kernels, "_partial_attn_kernel", counted)
+    return counted
+
+
+@pytest.mark.parametrize("q_heads", [4, 6])  # GQA group 2, and 3: tokens straddling blocks
+def test_extend_tail_stores_the_new_kv_of_every_row_block(monkeypatch, q_heads):
+    """A few-request extend whose tail programs store the new KV (``NEW_KV``): request 0's 80
+    new tokens span 3-4 row blocks of 64 rows (each block stores its own tokens; with group 3
+    tokens 21 and 42 straddle two blocks, stored by both), request 1 has 5; ragged prefixes,
+    3 prefix splits. The output (NaN-poisoned, as the partials) is the reference's, and the
+    pools afterwards hold exactly the new K/V at the new tokens' slots, nothing else
+    changed."""
+    dtype, seq_lens, ext_lens = torch.bfloat16, [150 + 80, 37 + 5], [80, 5]
+    runner = randomize_pools(DraftRunner.mha(
+        q_heads, 2, 32, num_layers=2, num_slots=sum(seq_lens) + 8, max_reqs=4,
+        max_context_len=max(seq_lens) + 1, dtype=dtype, device=DEV))
+    batch = place_extend_round(runner, seq_lens, ext_lens)
+    monkeypatch.setattr(plans, "few_groups", lambda groups, device: True)
+    counted = _count_split_kv_launches(monkeypatch)
+    writes: list = []
+    monkeypatch.setattr(launchers, "write_new_kv", lambda *a, **kw: writes.append(a))
+    merge = launchers.merge_partials
+
+    def poisoned_merge(mid_o, mid_lse, out, *args, **kw):
+        out.fill_(float("nan"))
+        return merge(mid_o, mid_lse, out, *args, **kw)
+
+    monkeypatch.setattr(launchers, "merge_partials", poisoned_merge)
+    backend = TritonExtend(runner, num_splits=3)
+    layer = AttentionLayer(layer_id=1, scaling=0.2)
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["rows_per_group"] == 80 * (q_heads // 2)
+    assert backend._round_plan["plan"].tile(80 * (q_heads // 2))[0] == 64
+    q, k, v = new_qkv(runner, sum(ext_lens), dtype)
+    before = [p.clone() for p in runner.k_buffer + runner.v_buffer]
+    _poison(backend)
+    out = backend.forward(layer, q, k, v)
+    assert (counted.new_kv, counted.plain, writes) == (1, 0, [])
+    slots = batch.out_cache_loc.long()
+    assert slots.unique().numel() == slots.numel()
+    want = [p.clone() for p in before]
+    want[1][slots], want[3][slots] = k, v  # layer 1's k and v pools
+    for i, (got, exp) in enumerate(zip(runner.k_buffer + runner.v_buffer, want)):
+        differ = (got.view(torch.int16) != exp.view(torch.int16)).flatten(1).any(1)
+        assert not differ.any(), (i, differ.nonzero().flatten().tolist())
+    _close(out, reference_extend(runner, layer, q, batch), dtype)  # reads the pools
+
+
+def test_kits_mha_extend_cases_with_the_tail_storing_every_round(monkeypatch):
+    """The conformance kit's MHA extend cases (ragged rounds against the reference, graph
+    rounds with padding, the engines' fused / strided / shared-buffer inputs, isolation)
+    with the split-KV kernel's tail programs storing the new KV in every round whose pools
+    take the new rows' dtype (``tail_stores_kv`` judged as if every round had few requests;
+    FP8 pools keep the write launch)."""
+    from specattn.testing import check_backend
+
+    tail_stores_kv = launchers.tail_stores_kv
+    monkeypatch.setattr(launchers, "tail_stores_kv", lambda kb, vb, new_kv, programs, device:
+                        tail_stores_kv(kb, vb, new_kv, 0, device))
+    counted = _count_split_kv_launches(monkeypatch)
+    report = check_backend("triton", device=DEV, kinds=("extend",), models=("mha",),
+                           raise_on_failure=False)
+    assert report.ok and report.passed >= 2, report
+    assert counted.new_kv >= 10, (counted.new_kv, counted.plain)
 
 
 @pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mla", "dot-wide"),

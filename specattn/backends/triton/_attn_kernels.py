@@ -57,10 +57,12 @@ def _partial_attn_kernel(
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
     Q: [rows, H_q, D_MAIN + D_PE]; Kb/Vb: pools [slots, H_kv, D] (MLA: one latent pool,
-    V = its first D_V columns), this call's KV already stored, or with NEW_KV (decode, pools
-    of the call's dtype) stored by the tail programs: each stores its lanes' new keys and
-    values, Kin / Vin [lanes, H_kv, D] (``BLOCK_KW``: the key row's width, a power of two),
-    at ``Hist[lane, step]`` and reads them from Kin / Vin, not back from the pool; MidO:
+    V = its first D_V columns), this call's KV already stored, or with NEW_KV (decode and
+    extend, pools of the call's dtype) stored by the tail programs: each stores its row
+    block's lanes' (extend: new tokens') keys and values, Kin / Vin [rows, H_kv, D]
+    (``BLOCK_KW``: the key row's width, a power of two), at ``Hist[row, step]`` and reads
+    them from Kin / Vin, not back from the pool (another program of the launch may not have
+    stored them yet; the prefix splits never read them); MidO:
     [rows, H_q, NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta:
     [B, 5] int32; Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new
     tokens' slots);
@@ -117,7 +119,10 @@ def _partial_attn_kernel(
             wait_for_primary()  # this call's KV, stored by the launch before
         n_lo, n_hi, hl = _tail_range(row_lo, n_q, live, True, step, GROUP, BLOCK_M, MODE)
         if NEW_KV:
-            lanes = n_lo // hl + tl.arange(0, BLOCK_M)
+            # The row block's own lanes (decode: ``n_lo // hl``) or new tokens (extend, whose
+            # tail starts at token 0 in every block): a token whose rows straddle two blocks
+            # is stored by both, the same bytes.
+            lanes = row_lo // GROUP + tl.arange(0, BLOCK_M)
             new_src = (q_start + lanes).to(tl.int64)
             new_ok = lanes < n_hi // hl
             _store_new_keys(new_ok, new_src, Kin + kvh * stride_kin_h, Kb + kvh * stride_kh,

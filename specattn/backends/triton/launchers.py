@@ -168,15 +168,16 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
     return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
-def tail_stores_kv(mode: int, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
-                   programs: int, device: torch.device) -> bool:
+def tail_stores_kv(kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple, programs: int,
+                   device: torch.device) -> bool:
     """Whether the split-KV kernel's tail programs store this call's KV (``NEW_KV``) in
-    place of a KV write launch before it: decode (``mode`` 0 / 1) of a round of few
-    ``programs`` (``plans.few_groups``: one launch less is 4-8% of such a step) into pools
-    of the new rows' dtype. Rounds of many requests keep the launch: with the store in the
-    kernel, 32 requests x 4k tokens ran 14% slower (H200, ``docs/kernels.md``)."""
+    place of a KV write launch before it, so that the call is two launches (kernel, merge):
+    decode and extend of a round of few ``programs`` (``plans.few_groups``; in decode one
+    launch less is 4-8% of such a step) into pools of the new rows' dtype (FP8 pools keep
+    the launch). Rounds of many requests keep it: with the store in the kernel, 32 requests
+    x 4k tokens of decode ran 14% slower (H200, ``docs/kernels.md``)."""
     k, v = new_kv
-    return mode != 2 and plans.few_groups(programs, device) and k.dtype == kb.dtype and (
+    return plans.few_groups(programs, device) and k.dtype == kb.dtype and (
         v is None or v.dtype == vb.dtype) and k.stride(-1) == 1 and (
         v is None or v.stride(-1) == 1)
 
@@ -213,12 +214,12 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
 
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``): by the
-    ``tl.dot`` split-KV kernel's tail programs in a few-request decode (``tail_stores_kv``),
-    else by one launch before it; by the other kernels' first split; into an
-    FP8 pool before any kernel, as torch's codes: by that launch on CUDA (``fp8_write``),
-    else by ``runner.write_kv``; read back by the ``tl.dot`` kernels with the layer's scales
-    (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too; ``cute`` reads
-    bf16/fp16 pools only).
+    ``tl.dot`` split-KV kernel's tail programs in a few-request decode or extend
+    (``tail_stores_kv``), else by one launch before it; by the other kernels' first split;
+    into an FP8 pool before any kernel, as torch's codes: by that launch on CUDA
+    (``fp8_write``), else by ``runner.write_kv``; read back by the ``tl.dot`` kernels with
+    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
+    ``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``).
     pdl (sm90+, the ``tl.dot`` plans; the sm90 plans launch as without it): the merge is a
@@ -247,7 +248,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
                                    fp8=fp8) and kernel is Kernel.DOT
     elif kernel is Kernel.DOT:
-        tail_kv = tail_stores_kv(mode, kb, vb, new_kv, unsplit_programs(
+        tail_kv = tail_stores_kv(kb, vb, new_kv, unsplit_programs(
             plan, shape, rows_per_group, num_groups), q.device)
         if not tail_kv:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
