@@ -52,7 +52,8 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
     """One ``launchers.attention`` call on CPU tensors (``dtype`` queries, the bench's shapes:
     GQA 32 / 8 heads of 128 at K 8, MLA 16 heads of 512 + 64 at K 4; ``topk``: another K):
     its captured launch. Two requests on an H200's 132 SMs: a few-request round, whose
-    decode tail stores the new KV (``launchers.tail_stores_kv``)."""
+    tail stores the new KV over bf16/fp16 pools, decode and extend
+    (``launchers.tail_stores_kv``)."""
     from specattn.backends.triton import _attn_kernels as K
     from specattn.backends.triton import launchers as L
     from specattn.data import AttentionLayer, DraftRunner
@@ -132,7 +133,7 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
         gpu["V_CVT"] = kw["SCALED"]
     kernel = compile_launch(fn, args, dict(kw, **gpu))
     return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
-                warps=kw["num_warps"],
+                warps=kw["num_warps"], new_kv=bool(kw.get("NEW_KV", False)),
                 f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
                 **sass_counts(kernel.asm["cubin"]))
 
@@ -175,14 +176,19 @@ def programs_per_sm(shared: int, regs: int, warps: int) -> int:
                SM_WARPS // warps)
 
 
-@pytest.mark.parametrize("key", sorted(plans.PROGRAMS_PER_SM))
-def test_programs_per_sm_table_is_the_sm90_build(triton_of_the_gpu, key):
+@pytest.mark.parametrize("key,extend", [(key, extend) for key in sorted(plans.PROGRAMS_PER_SM)
+                                        for extend in (False, True)
+                                        if not (extend and key[0] == "dot-m16")])
+def test_programs_per_sm_table_is_the_sm90_build(triton_of_the_gpu, key, extend):
     """``plans.PROGRAMS_PER_SM`` (which sizes the serving regime's one-wave prefix splits)
-    is what the kernel Triton builds for sm90 leaves room for, bf16 queries at head dim 128."""
+    is what the kernel Triton builds for sm90 leaves room for, bf16 queries at head dim 128:
+    the few-request decode and extend builds (``dot-m16`` serves decode only), whose tail
+    stores the new KV over bf16 pools (``NEW_KV``; FP8 pools keep the write launch)."""
     plan, rows, kv_bytes = key
     got = in_child(__file__, dict(model="mha", kv="auto" if kv_bytes == 2 else "fp8_e4m3",
-                                  plan=plan, extend=False, dtype="bfloat16", topk=rows // 4))
+                                  plan=plan, extend=extend, dtype="bfloat16", topk=rows // 4))
     print(got)
+    assert got["new_kv"] is (kv_bytes == 2), got
     assert programs_per_sm(got["shared"], got["regs"], got["warps"]) == \
         plans.PROGRAMS_PER_SM[key], got
 

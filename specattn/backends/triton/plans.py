@@ -108,16 +108,17 @@ PLANS = {p.name: p for p in (
 
 # Programs one sm90 SM holds, by (plan, rows per tile, pool element bytes), at head dim 128:
 # the shared memory and registers of the kernel Triton 3.6 builds (bf16 and fp16 alike;
-# tests/test_triton_fp8_compile.py compiles each and checks the count), as a few-request
-# round builds it (its decode tail stores the new KV: launchers.tail_stores_kv), the only
-# rounds that size splits by it besides dot-fp8's. 64-row tiles (wgmma) and fp32 pools take
-# one.
+# tests/test_triton_fp8_compile.py compiles each, decode and extend, and checks the count),
+# as a few-request round builds it (its tail stores the new KV over bf16/fp16 pools, in
+# decode and extend: launchers.tail_stores_kv), the only rounds that size splits by it
+# besides dot-fp8's. 64-row tiles (wgmma) and fp32 pools take one.
 PROGRAMS_PER_SM = {
-    ("dot", 16, 2): 3,      # 70 KB shared, 128 registers
-    ("dot", 32, 2): 2,      # 74 KB, 193 registers
-    ("dot-m16", 16, 2): 5,  # 37 KB, 94 registers
-    ("dot-fp8", 16, 1): 2,  # 105 KB, 168 registers (fp16 value tiles: tiles.widen's CVT)
-    ("dot-fp8", 32, 1): 2,  # 113 KB, 183 registers
+    # decode: shared, registers; extend: shared, registers
+    ("dot", 16, 2): 3,      # 70 KB, 128; 39 KB, 163
+    ("dot", 32, 2): 2,      # 74 KB, 193; 45 KB, 209
+    ("dot-m16", 16, 2): 5,  # 37 KB, 94 (decode only)
+    ("dot-fp8", 16, 1): 2,  # 105 KB, 168; 107 KB, 188 (fp16 value tiles: tiles.widen's CVT)
+    ("dot-fp8", 32, 1): 2,  # 113 KB, 183; 115 KB, 255
 }
 
 
