@@ -2,7 +2,8 @@
 CPU tensors with its launches captured, and each captured launch (the arguments the launcher
 passes, in its order, with its constexprs) is compiled by Triton for an sm90 target down to a
 cubin. FP8 pools (e4m3 and e5m2) under bf16 and fp16 queries, the split and the work-list
-kernel, lane and path mode, with and without a logit cap; the bf16 path alongside.
+kernel, lane and path mode and the split kernel's extend, with and without a logit cap; the
+bf16 path alongside.
 
 Compiling checks the launcher against the kernels' signatures, that Gluon accepts the FP8
 path's layouts and conversions, and that shared memory fits the H200's 227 KB. Each case
@@ -42,7 +43,8 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
     wl = Capture(W._gluon_mla_wl_kernel)
     gluon_mla.kernel_module = lambda: type("M", (), {"_gluon_mla_kernel": split})
     W._gluon_mla_wl_kernel = wl
-    rows, steps, slots, batch = 2 * topk, 3, 4096, 2
+    extend = mode == 2  # topk: new tokens per request
+    rows, steps, slots, batch = 2 * topk, 1 if extend else 3, 4096, 2
     fp8 = kv_dtype != q_dtype
     q = torch.zeros(rows, heads, 576, dtype=q_dtype)
     kv = torch.zeros(slots, 576, dtype=torch.uint8).view(kv_dtype)
@@ -55,8 +57,9 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
         q, kv, torch.zeros(rows, 576, dtype=q_dtype), torch.zeros(rows, heads, 512,
                                                                  dtype=q_dtype),
         mid_o, torch.zeros(mid_o.shape[:-1]), torch.zeros(batch, 320, dtype=torch.int32),
-        meta, hist, (parents, parents.stride(0), parents.stride(1)) if mode else
-        (meta, 0, 0), mode=mode, batch=batch, topk=topk, num_steps=steps, step=1,
+        meta, hist, (parents, parents.stride(0), parents.stride(1)) if mode == 1 else
+        (meta, 0, 0), mode=mode, batch=batch, topk=1 if extend else topk, num_steps=steps,
+        step=0 if extend else 1, rows=topk * heads if extend else None,
         num_splits=splits, sm_scale=576 ** -0.5, logit_cap=cap, block_n=64, num_stages=2,
         work=torch.zeros(64, dtype=torch.int32) if work else None,
         k_scale=torch.ones(1) if fp8 else None)
@@ -93,6 +96,10 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
     # The bf16/fp16 path, same launcher.
     ("bfloat16", "bfloat16", 16, 4, 1, 0.0, True),
     ("float16", "float16", 16, 8, 0, 0.0, False),
+    # Extend (mode 2, the split kernel; topk = new tokens per request), bf16 and FP8.
+    ("bfloat16", "bfloat16", 16, 6, 2, 0.0, False),
+    ("float16", "float8_e4m3fn", 16, 6, 2, 0.0, False),
+    ("bfloat16", "float8_e5m2", 128, 3, 2, 30.0, False),
 ])
 def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, mode, cap,
                                         work):

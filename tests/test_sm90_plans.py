@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers import DEV, decode_sizes, place_decode_round, randn_qkv, require_triton_interpret
-from specattn.backends.torch_ref import reference_decode
+from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftRunner
 from specattn.errors import InvalidInputError
 from specattn.fp8 import FP8_KV_DTYPES, quantize
@@ -492,3 +492,114 @@ def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, c
     """Splits in more than one cluster per row tile write partials: buffers for them."""
     monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
     assert _refused_argument(change, num_splits=4) == argument
+
+
+# --- MLA extend: gluon-split ---------------------------------------------------------------
+
+def mla_extend_round(lens, ext, heads=16, kv="auto", k_scale=1.0):
+    """An MLA runner and an extend batch (``ext[b]`` new tokens closing request ``b``'s
+    ``lens[b]`` keys), the pool random (FP8: torch's codes)."""
+    from helpers import place_extend_round
+
+    r = DraftRunner.mla(heads, 512, 64, num_layers=1, num_slots=sum(lens) + 64,
+                        max_reqs=len(lens) + 2, max_context_len=max(lens) + 8,
+                        dtype=torch.bfloat16, device=DEV, kv_cache_dtype=kv)
+    x = torch.randn(r.kv_buffer[0].shape, generator=torch.Generator().manual_seed(5))
+    r.kv_buffer[0].copy_(quantize(x, k_scale, r.kv_buffer[0].dtype) if r.fp8 else x)
+    return r, place_extend_round(r, lens, ext)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("gluon,want", [(True, "gluon-split"), (False, "dot-mla")])
+def test_extend_choice_where_the_gates_pass(sm90, kv, gluon, want):
+    """MLA extend on sm90: ``gluon-split`` (bf16/fp16 and FP8 pools), a ``tl.dot`` plan
+    without Gluon; ``gluon-wl`` and ``cute`` serve decode only."""
+    from specattn.backends.triton import TritonExtend
+
+    sm90(gluon=gluon)
+    r, _ = mla_extend_round([40, 90], [6, 6], kv=kv)
+    assert TritonExtend(r)._plan_for(2, 12, 6)["plan"].name == want
+    if gluon:
+        assert TritonExtend(r, plan="gluon-split")._plan_for(2, 12, 6)["plan"].name == \
+            "gluon-split"
+        for name in ("gluon-wl", "cute"):
+            with pytest.raises(InvalidInputError, match="shared-prefix draft decode only"):
+                TritonExtend(r, plan=name)
+
+
+def test_extend_split_counts_of_gluon_split(sm90, monkeypatch):
+    """One request's extend fills the SMs with prefix splits up to the partial buffers' room
+    (``split_cap``'s rule for few rows), where decode keeps ``MAX_SPLITS``."""
+    from specattn.backends.triton import TritonExtend, launchers
+
+    sm90()
+    monkeypatch.setattr(plans, "sms", lambda device: 132)
+    split = plans.PLANS["gluon-split"]
+    assert launchers.split_cap(split, 8) == plans.MAX_SPLITS
+    assert launchers.split_cap(split, 8, extend=True) == 34  # 16 x 17 // 8
+    r, _ = mla_extend_round([2000], [6])
+    # 6 tokens x 16 heads: 2 row tiles; 132 // 2 = 66 splits, capped at 16 x 17 // 6 = 45.
+    assert TritonExtend(r)._plan_for(1, 6, 6)["num_splits"] == 45
+
+
+class _GluonExtendStandIn:
+    """``_gluon_mla_kernel`` in extend as the kernel behaves: split 0's keys into the pool
+    (FP8: torch stored the codes before), ``torch_ref``'s extend as output or partials."""
+
+    def __init__(self, runner, batch):
+        self.runner, self.batch, self.launches = runner, batch, []
+        self._gluon_mla_kernel = self
+
+    def __getitem__(self, grid):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, KScale, step, scale,
+                   cap, *strides_and_ints, **const):
+            self.launches.append((grid, const))
+            slots = Hist[:, 0].long()
+            if const["FP8"]:
+                assert torch.equal(KV[slots].view(torch.uint8),
+                                   quantize(Kin, KScale, KV.dtype).view(torch.uint8))
+                k_scale = KScale
+            else:
+                KV[slots] = Kin
+                k_scale = 1.0
+            ref = reference_extend(self.runner, AttentionLayer(0, scale, cap, k_scale=k_scale),
+                                   Q, self.batch)
+            if const["DIRECT_OUT"]:
+                Out.copy_(ref)
+            else:
+                splits = grid[2]
+                MidO[:, :, :splits] = ref.float()[:, :, None, :]
+                MidLse[:, :, :splits] = torch.randn(MidLse[:, :, :splits].shape)
+        return launch
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
+    """The extend launch: grid (row tiles of max E x H, B, splits), ``MODE`` 2, the new
+    tokens' slots as ``Hist [T, 1]``, the new keys in ``Kin``; the output matches
+    ``torch_ref`` (partials NaN-poisoned first)."""
+    from specattn.backends.torch_ref import reference_extend as ref_extend
+    from specattn.backends.triton import TritonExtend
+
+    sm90()
+    r, batch = mla_extend_round([30, 75], [5, 3], kv=kv, k_scale=0.37)
+    stand_in = _GluonExtendStandIn(r, batch)
+    monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
+    backend = TritonExtend(r, num_splits=num_splits)
+    layer = AttentionLayer(0, 576 ** -0.5, k_scale=0.37)
+    backend.init_forward_metadata(batch)
+    backend._active.mid_o.fill_(float("nan"))
+    backend._active.mid_lse.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(2)
+    q, k, _ = randn_qkv(r, 8, gen)
+    out = backend.forward(layer, q, k, None)
+    (grid, const), = stand_in.launches
+    assert grid == (2, 2, num_splits)  # 5 tokens x 16 heads: two 64-row tiles
+    assert const["MODE"] == 2 and const["FP8"] == (kv != "auto")
+    assert const["DIRECT_OUT"] == (num_splits == 1)
+    stored = r.kv_buffer[0][batch.out_cache_loc.long()]
+    want = quantize(k, 0.37, stored.dtype) if r.fp8 else k
+    assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
+    torch.testing.assert_close(out.float(), ref_extend(r, layer, q, batch).float(),
+                               atol=2e-2, rtol=2e-2)

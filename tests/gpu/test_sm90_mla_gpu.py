@@ -364,3 +364,71 @@ def test_fp8_cuda_graph_replay_after_a_scale_change(variant, kv, tree_mode):
     assert torch.equal(read_rows(r.kv_buffer[0], slots).view(torch.uint8),
                        want.view(torch.uint8)), "the replay did not store the new scale's codes"
     check_replayed_lanes(r, layer, batch, real, qs, outs, tree_mode, dtype)
+
+
+# --- extend: gluon-split ------------------------------------------------------------------
+
+def make_extend(dtype, H, lens, ext, page, kv="auto", k_scale=1.0, seed=0):
+    """An MLA runner (random pool; FP8: torch's codes) and an extend batch whose requests
+    hold whole pages in random order, request ``b``'s last ``ext[b]`` keys its new tokens."""
+    from specattn.data import DraftExtendBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-L // page) for L in lens]
+    pages = sum(need) + 1
+    r = DraftRunner.mla(H, 512, 64, num_layers=1, num_slots=pages * page,
+                        max_reqs=len(lens) + 2, max_context_len=max(lens) + page,
+                        page_size=page, dtype=dtype, device=DEV, kv_cache_dtype=kv)
+    x = torch.randn(r.kv_buffer[0].shape, generator=gen).to(DEV)
+    r.kv_buffer[0].copy_(quantize(x, k_scale, r.kv_buffer[0].dtype) if r.fp8 else x)
+    order = (torch.randperm(pages - 1, generator=gen) + 1).tolist()  # page 0 unused
+    rpi = torch.randperm(r.max_reqs, generator=gen)[:len(lens)]
+    new, used = [], 0
+    for b, L in enumerate(lens):
+        own = torch.tensor(order[used:used + need[b]])
+        used += need[b]
+        pos = torch.arange(L)
+        row = own[pos // page] * page + pos % page
+        r.req_to_token[int(rpi[b]), :L] = row.to(torch.int32).to(DEV)
+        new.append(row[L - ext[b]:])
+    batch = DraftExtendBatch(rpi.to(DEV), torch.tensor(lens, device=DEV),
+                             torch.tensor(ext, device=DEV), torch.cat(new).to(DEV))
+    return r, batch
+
+
+EXTEND_CASES = [
+    # dtype, H, lens, new tokens, P, logit_cap, num_splits, kv, k_scale
+    (torch.bfloat16, 16, [32768], [6], 1, 0.0, None, "auto", 1.0),
+    (torch.bfloat16, 16, [4096] * 8, [6] * 8, 64, 0.0, None, "auto", 1.0),
+    (torch.float16, 16, [900, 7, 2500, 64], [1, 5, 8, 3], 1, 30.0, None, "auto", 1.0),
+    (torch.bfloat16, 128, [1500, 300], [2, 4], 64, 0.0, 3, "auto", 1.0),
+    (torch.bfloat16, 16, [3000, 40], [6, 6], 1, 0.0, 1, "auto", 1.0),
+    (torch.bfloat16, 16, [32768], [6], 64, 0.0, None, "fp8_e4m3", 0.37),
+    (torch.float16, 16, [1200, 65, 3000], [4, 1, 7], 1, 0.0, None, "fp8_e5m2", 1.9),
+    (torch.bfloat16, 128, [700, 2100], [3, 1], 64, 20.0, None, "fp8_e4m3", 1.9),
+]
+
+
+@pytest.mark.parametrize("dtype,H,lens,ext,P,cap,num_splits,kv,k_scale", EXTEND_CASES)
+def test_extend_vs_reference(dtype, H, lens, ext, P, cap, num_splits, kv, k_scale):
+    """``gluon-split``'s extend (the table's MLA extend plan on sm90): the new keys in the
+    pool (FP8: torch's codes), the output against ``torch_ref`` with NaN-poisoned partials;
+    batch 1 at 32k keys, ragged batches with a one-token request, 128 heads."""
+    from specattn.backends.torch_ref import reference_extend
+    from specattn.backends.triton import TritonExtend
+
+    r, batch = make_extend(dtype, H, lens, ext, P, kv, k_scale, seed=len(lens) + P)
+    backend = TritonExtend(r, num_splits=num_splits)
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["plan"].name == "gluon-split"
+    layer = AttentionLayer(0, 576 ** -0.5, cap, k_scale=k_scale)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):  # a second call on the same metadata
+        q, k, _ = randn_qkv(r, sum(ext), gen)
+        backend._active.mid_o.fill_(float("nan"))
+        backend._active.mid_lse.fill_(float("nan"))
+        out = backend.forward(layer, q, k, None)
+        got = read_rows(r.kv_buffer[0], batch.out_cache_loc.long())
+        want = quantize(k, k_scale, got.dtype) if r.fp8 else k
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        close(out, reference_extend(r, layer, q, batch), dtype)

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
 from ...kernels.tiles import Q_F16_SCALE
-from ._attn_kernels import META_W, MODE_PATH
+from ._attn_kernels import META_W, MODE_EXTEND, MODE_PATH
 
 D_MAIN = gl.constexpr(512)
 D_PE = gl.constexpr(64)
@@ -83,9 +83,9 @@ def _alloc_fp8_ring(kv_dtype: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: g
 @gluon.jit
 def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
                TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, NEW_IN_POOL: gl.constexpr = False):
-    """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``) ->
-    ``(slot int64, new)``: its pool slot, and whether it is this call's key (read from
-    ``k``: the last slot of each lane). Path mode: the ancestor at that depth.
+    """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``; extend: ``hl`` 1,
+    new token ``idx``) -> ``(slot int64, new)``: its pool slot, and whether it is this call's
+    key (read from ``k``: the last slot of each lane). Path mode: the ancestor at that depth.
     ``NEW_IN_POOL`` (FP8 pools, where torch stored the call's keys): the slot of this call's
     key too, ``Hist[lane, step]``."""
     key_lane = idx // hl
@@ -242,24 +242,24 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
                           FP8_LAYOUT)
     acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero,
                                  row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
-                                 logit_cap, BLOCK_N, USE_CAP, p_layout)
+                                 logit_cap, BLOCK_N, USE_CAP, p_layout, MODE == MODE_EXTEND)
     return acc, m_i, l_i, slots
 
 
 @gluon.jit
 def _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero, row_lane, n_pref,
                  start, end, n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N: gl.constexpr,
-                 USE_CAP: gl.constexpr, p_layout: gl.constexpr):
+                 USE_CAP: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr = False):
     """Key tile ``t`` in shared memory (``k_s [BLOCK_N, D_MAIN]``, ``kpe_s [BLOCK_N, D_PE]``,
-    visible to the wgmmas): ``S = Q.K^T + Qpe.Kpe^T``, the online softmax, ``acc += P.K``.
-    Returns ``(acc, m_i, l_i)``."""
+    visible to the wgmmas): ``S = Q.K^T + Qpe.Kpe^T``, the online softmax, ``acc += P.K``
+    (``CAUSAL``: ``_tile_vis``'s extend tail). Returns ``(acc, m_i, l_i)``."""
     dtype: gl.constexpr = k_s.dtype
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = s_zero.type.layout
     s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s_tok = warpgroup_mma(qpe_smem, kpe_s.permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
-    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout)
+    vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout, CAUSAL)
     p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -270,9 +270,10 @@ def _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero, row_lan
 
 @gluon.jit
 def _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr):
+              s_layout: gl.constexpr, CAUSAL: gl.constexpr = False):
     """``[BLOCK_M, BLOCK_N]`` bool: which rows see which keys of tile ``t`` (prefix: every
-    row; tail: the rows of the key's lane)."""
+    row; tail: the rows of the key's lane; ``CAUSAL`` (extend, ``hl`` 1): the rows of the
+    key's new token and of the tokens after it)."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if t < n_pref:
         ok = start + t * BLOCK_N + offs_n < end
@@ -281,6 +282,8 @@ def _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N: gl.const
         idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
         ok = idx < n_hi
         key_lane = idx // hl
+    if CAUSAL:
+        return ok[None, :] & (key_lane[None, :] <= row_lane[:, None])
     return ok[None, :] & ((key_lane[None, :] < 0) | (key_lane[None, :] == row_lane[:, None]))
 
 
@@ -350,7 +353,7 @@ def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_ze
     acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s,
                                  kpe_smem.index(stage), s_zero, row_lane, n_pref, start, end,
                                  n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N, USE_CAP,
-                                 p_layout)
+                                 p_layout, MODE == MODE_EXTEND)
     return acc, m_i, l_i, slots
 
 
@@ -448,7 +451,9 @@ def _gluon_mla_kernel(
         Q_F16: gl.constexpr = False):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
-    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``). ``FP8``:
+    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
+    ``MODE_EXTEND``: ``T`` new tokens for ``B*K``, request ``b``'s ``Meta[b, 4]`` from row
+    ``Meta[b, 3]``, Hist ``[T, 1]`` their slots, the tail causal). ``FP8``:
     KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read. ``Q_F16``
     (FP8, bf16 Q): the wgmmas are fp16 on ``q * q_prescale`` (module doc)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
@@ -461,25 +466,36 @@ def _gluon_mla_kernel(
     rpi = gl.load(Meta + b * META_W).to(gl.int64)
     prefix_len = gl.load(Meta + b * META_W + 1)
     split_len = gl.load(Meta + b * META_W + 2)
-    q_start = b * TOPK
-    n_rows = TOPK * H
+    if MODE == MODE_EXTEND:  # lanes are the request's new tokens, one tail key each
+        q_start = gl.load(Meta + b * META_W + 3)
+        n_q = gl.load(Meta + b * META_W + 4)
+        hl = 1
+    else:
+        q_start = b * TOPK
+        n_q = TOPK
+        hl = step + 1
+    n_rows = n_q * H
     row_lo = rt * BLOCK_M
-    hl = step + 1
+    live = row_lo < n_rows  # row tiles past a short extend request do nothing
     r2t_row = ReqToToken + rpi * stride_r2t
 
     # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
     lane_lo = row_lo // H
-    lane_hi = gl.minimum(TOPK, (row_lo + BLOCK_M + H - 1) // H)
+    lane_hi = gl.minimum(n_q, (row_lo + BLOCK_M + H - 1) // H)
     if not FP8:  # FP8: torch stored them
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
 
     start = split * split_len
-    end = gl.minimum(prefix_len, start + split_len)
+    end = gl.where(live, gl.minimum(prefix_len, start + split_len), start)
     n_pref = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    n_lo = lane_lo * hl
-    n_hi = gl.where(split == NUM_SPLITS - 1, lane_hi * hl, n_lo)
+    # The tail: the lanes' own history, or (extend) every new token up to the tile's last.
+    if MODE == MODE_EXTEND:
+        n_lo = lane_lo * 0
+    else:
+        n_lo = lane_lo * hl
+    n_hi = gl.where((split == NUM_SPLITS - 1) & live, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
     if FP8:

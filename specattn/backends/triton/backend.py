@@ -63,7 +63,7 @@ class _TritonCommon:
         if forced is None:
             return L.plan_splits(plan, shape, rows_per_group, num_groups, self.runner.device,
                                  extend, rows, self.runner.kv_dtype.itemsize)
-        cap = L.split_cap(plan, rows)
+        cap = L.split_cap(plan, rows, extend)
         if forced > cap:
             raise InvalidInputError("num_splits", f"at most {cap} with plan {plan.name} for "
                                     f"{rows} query rows", forced)

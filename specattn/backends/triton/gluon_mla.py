@@ -1,18 +1,20 @@
-"""MLA draft decode on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``; sm90,
-Triton 3.6.x, a 512 + 64 latent, bf16/fp16 queries over a pool of their dtype or of FP8
-codes: ``plans.gluon_reason``); run on the H200.
+"""MLA draft decode and extend on Hopper in Gluon (plans ``gluon-wl`` and ``gluon-split``;
+sm90, Triton 3.6.x, a 512 + 64 latent, bf16/fp16 queries over a pool of their dtype or of
+FP8 codes: ``plans.gluon_reason``); run on the H200.
 
 One program of 8 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment of
 ``worklist``'s work list): the tile's ``K * H`` query rows in shared memory, key tiles
 gathered by ``cp.async`` into a ring (``req_to_token`` read a tile ahead), S by wgmma with
 each warpgroup on half its columns, P.V from registers into each warpgroup's 256 output
 columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
-key read from ``k``). An FP8 pool (``float8_e4m3fn`` / ``float8_e5m2`` codes, a key is
-``code * k_scale``): the codes go through a ring of their own and are widened exactly into
-a staging tile that the wgmmas read (fp16 under bf16 queries too: the query rows prescaled
-as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale`` scales the scores and the output; the
-call's keys were stored by torch (``runner.write_kv``) and are read from the pool.
-``docs/kernels.md`` has the measurements.
+key read from ``k``). Extend (``gluon-split``): the lanes are a request's new tokens and
+the tail is every new token up to the tile's last, causal. An FP8 pool (``float8_e4m3fn`` /
+``float8_e5m2`` codes, a key is ``code * k_scale``): the codes go through a ring of their
+own and are widened exactly into a staging tile that the wgmmas read (fp16 under bf16
+queries too: the query rows prescaled as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale``
+scales the scores and the output; the call's keys were stored by torch
+(``runner.write_kv``) and are read from the pool. ``docs/kernels.md`` has the
+measurements.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               topk: int, num_steps: int, step: int, num_splits: int, sm_scale: float,
               logit_cap: float, block_n: int, num_stages: int,
               work: Optional[torch.Tensor] = None,
-              k_scale: Optional[torch.Tensor] = None) -> None:
+              k_scale: Optional[torch.Tensor] = None, rows: Optional[int] = None) -> None:
     """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
     partials (``merge_partials``; ``worklist.merge``).
 
@@ -61,7 +63,11 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``mid_lse [slots, partial_rows]``.
     FP8 pool (``kv`` of ``FP8_POOLS``): ``k_scale`` is a one-element float32 tensor (a key is
     ``code * k_scale[0]``) and the call's codes are in the pool already (``k_new`` is not
-    read)."""
+    read).
+    Extend (``mode == 2``, the split kernel): q ``[T, H, 576]`` and k_new ``[T, 576]`` the
+    new tokens, hist ``[T, 1]`` their slots, meta rows as ``_extend_metadata_kernel``
+    writes them; ``rows``: the grid's query rows per request (``max E * H``; decode: ``K *
+    H``, the default)."""
     fp8 = kv.dtype in FP8_POOLS
     if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
         raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
@@ -77,7 +83,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
                   USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS)
     if work is None:
-        K._gluon_mla_kernel[(num_row_tiles(topk * H), batch, num_splits)](
+        K._gluon_mla_kernel[(num_row_tiles(rows or topk * H), batch, num_splits)](
             q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale,
             step, float(sm_scale), float(logit_cap), prescale,
             q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),

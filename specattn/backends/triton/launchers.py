@@ -29,16 +29,18 @@ def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
 
 
-def split_cap(plan: Plan, rows: int) -> int:
+def split_cap(plan: Plan, rows: int, extend: bool = False) -> int:
     """The most prefix splits a round of ``rows`` query rows (lanes; extend: new tokens) may
     take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
     rows, so a round of few rows (one request) gives the ``tl.dot`` kernels (split-KV and
-    MLA) more splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one
-    prefix. ``gluon-wl`` sizes its partials by its work list (programs per row tile), so it
-    takes up to ``DOT_MAX_SPLITS`` at any row count. The others keep ``MAX_SPLITS``."""
+    MLA) and ``gluon-split``'s extend more splits, up to ``DOT_MAX_SPLITS``: enough programs
+    to fill the GPU from one prefix. ``gluon-wl`` sizes its partials by its work list
+    (programs per row tile), so it takes up to ``DOT_MAX_SPLITS`` at any row count. The
+    others keep ``MAX_SPLITS``."""
     if plan.kernel is Kernel.GLUON_WL:
         return DOT_MAX_SPLITS
-    if plan.kernel not in (Kernel.DOT, Kernel.DOT_MLA):
+    if plan.kernel not in (Kernel.DOT, Kernel.DOT_MLA) and not (
+            extend and plan.kernel is Kernel.GLUON_SPLIT):
         return MAX_SPLITS
     room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
     tail_parts = num_parts(plan, 0)  # split-KV: the tail's own partial
@@ -77,7 +79,7 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
             not extend and plan.name in plans.ONE_WAVE_PLANS and programs <= slots)
         n = slots // programs if one_wave else triton.cdiv((2 if extend else 4) * sms,
                                                            programs)
-    n = max(1, min(split_cap(plan, rows), n))
+    n = max(1, min(split_cap(plan, rows, extend), n))
     return cute_mla.plan_splits(programs, device, n) if plan.kernel is Kernel.CUTE else n
 
 
@@ -252,7 +254,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             plan, shape, rows_per_group, num_groups), q.device)
         if not tail_kv:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
-    if kernel in SM90_KERNELS and mode == 2:
+    if kernel in SM90_KERNELS and kernel is not Kernel.GLUON_SPLIT and mode == 2:
         raise ValueError(f"plan {plan.name} serves decode only")
     if kernel is Kernel.CUTE and scaled:
         raise ValueError("plan cute serves bf16/fp16 pools only")
@@ -272,7 +274,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
-            k_scale=k_scale if scaled else None)
+            k_scale=k_scale if scaled else None, rows=rows_per_group)
         if wl:
             worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
         elif num_splits > 1:

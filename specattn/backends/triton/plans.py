@@ -101,7 +101,7 @@ PLANS = {p.name: p for p in (
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
     Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
     Plan("gluon-wl",    Kernel.GLUON_WL,     64, 64, 8, 2),  # sm90 MLA decode, <= 64 rows
-    Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA decode, cute off/FP8
+    Plan("gluon-split", Kernel.GLUON_SPLIT,  64, 64, 8, 2),  # sm90 MLA extend; decode, cute off
     Plan("cute",        Kernel.CUTE,         64, 64, 8, 2),  # sm90 MLA decode, CuTe-DSL
 )}
 
@@ -157,9 +157,15 @@ def choose_plan(runner, job: str, rows: int, interpret: bool, requests: int = 1)
     rows per request and KV head (decode: ``K * G``; per-branch: ``G``; extend: ``max E * G``)
     for a round of ``requests`` (decode: lane groups) requests.
     MLA decode on sm90: ``gluon-wl`` up to one 64-row tile, ``cute`` above, ``gluon-split``
-    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool). GQA decode of at most
-    16 rows over few requests (``few_groups``): ``dot-m16``."""
+    above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool); MLA extend on sm90:
+    ``gluon-split``. GQA decode of at most 16 rows over few requests (``few_groups``):
+    ``dot-m16``."""
     shape = AttnShape.of(runner)
+    if job == "extend" and runner.use_mla_backend:
+        gluon = gluon_reason(runner, interpret)
+        if gluon is None:
+            return PLANS["gluon-split"]
+        _log_once(f"triton MLA extend: a tl.dot plan, not gluon-split: {gluon}")
     if job == "decode" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
         cute = cute_reason(runner, interpret)
@@ -194,7 +200,8 @@ def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
     if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
         why = "an MLA latent of an even rank >= 32 plus a rope part"
     elif plan.kernel in SM90_KERNELS:
-        why = "shared-prefix draft decode only" if job != "decode" else \
+        serves = ("decode", "extend") if plan.kernel is Kernel.GLUON_SPLIT else ("decode",)
+        why = f"shared-prefix draft {' and '.join(serves)} only" if job not in serves else \
             (cute_reason if plan.kernel is Kernel.CUTE else gluon_reason)(runner, interpret)
     if why is not None:
         raise InvalidInputError("plan", f"a plan that serves this {job} here ({name}: {why})",
@@ -323,8 +330,9 @@ def platform_note(device: str, capability: Optional[tuple[int, int]],
             large = "cute" if cute else "gluon-split (cute needs CuTe-DSL: the 'fa' extra)"
             pools = ("bf16/fp16 or FP8 pools" if gluon else "bf16/fp16 pools") + \
                 (", FP8 above: gluon-split" if gluon and cute else "")
+            extend = "; MLA extend: plan gluon-split" if gluon else ""
             return (f"MLA draft decode: plan {small} up to {TILE_ROWS} query rows per "
-                    f"request, {large} above (sm90; rank 512 + rope 64, {pools})")
+                    f"request, {large} above{extend} (sm90; rank 512 + rope 64, {pools})")
         why = f"triton {version} has no tested Gluon and CuTe-DSL is not installed"
     return f"MLA draft decode: plans dot-wide / dot-mla (sm90 kernels off: {why})"
 
