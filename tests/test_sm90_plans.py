@@ -297,7 +297,8 @@ def stand_in_steps(r, batch, backend, calls, layer=None):
 class _GluonStandIn:
     """A kernel module whose ``_gluon_mla_kernel[grid](...)`` writes ``torch_ref``'s answer
     the way the Gluon split kernel does (output, or equal partials with arbitrary LSEs; the
-    call's keys into the pool), recording each launch."""
+    call's keys into the pool), recording each launch; a path-mode decode, or an extend
+    (``MODE`` 2: ``Hist`` holds the new tokens' slots)."""
 
     def __init__(self, runner, batch):
         self.runner, self.batch, self.launches = runner, batch, []
@@ -315,7 +316,8 @@ class _GluonStandIn:
                 k_scale = 1.0
                 KV[Hist[:, step].long()] = Kin
             layer = AttentionLayer(0, scale, cap, k_scale=k_scale)
-            ref = reference_decode(self.runner, layer, Q, self.batch, step, "path")
+            ref = reference_extend(self.runner, layer, Q, self.batch) if const["MODE"] == 2 \
+                else reference_decode(self.runner, layer, Q, self.batch, step, "path")
             if const["DIRECT_OUT"]:
                 Out.copy_(ref)
             else:
@@ -542,37 +544,6 @@ def test_extend_split_counts_of_gluon_split(sm90, monkeypatch):
     assert TritonExtend(r)._plan_for(1, 6, 6)["num_splits"] == 45
 
 
-class _GluonExtendStandIn:
-    """``_gluon_mla_kernel`` in extend as the kernel behaves: split 0's keys into the pool
-    (FP8: torch stored the codes before), ``torch_ref``'s extend as output or partials."""
-
-    def __init__(self, runner, batch):
-        self.runner, self.batch, self.launches = runner, batch, []
-        self._gluon_mla_kernel = self
-
-    def __getitem__(self, grid):
-        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, KScale, step, scale,
-                   cap, *strides_and_ints, **const):
-            self.launches.append((grid, const))
-            slots = Hist[:, 0].long()
-            if const["FP8"]:
-                assert torch.equal(KV[slots].view(torch.uint8),
-                                   quantize(Kin, KScale, KV.dtype).view(torch.uint8))
-                k_scale = KScale
-            else:
-                KV[slots] = Kin
-                k_scale = 1.0
-            ref = reference_extend(self.runner, AttentionLayer(0, scale, cap, k_scale=k_scale),
-                                   Q, self.batch)
-            if const["DIRECT_OUT"]:
-                Out.copy_(ref)
-            else:
-                splits = grid[2]
-                MidO[:, :, :splits] = ref.float()[:, :, None, :]
-                MidLse[:, :, :splits] = torch.randn(MidLse[:, :, :splits].shape)
-        return launch
-
-
 @pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
@@ -584,7 +555,7 @@ def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
 
     sm90()
     r, batch = mla_extend_round([30, 75], [5, 3], kv=kv, k_scale=0.37)
-    stand_in = _GluonExtendStandIn(r, batch)
+    stand_in = _GluonStandIn(r, batch)
     monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
     backend = TritonExtend(r, num_splits=num_splits)
     layer = AttentionLayer(0, 576 ** -0.5, k_scale=0.37)
