@@ -21,8 +21,8 @@ from . import _attn_kernels as K
 from . import cute_mla, gluon_mla, plans, worklist
 from ._metadata_kernels import _decode_metadata_kernel, _extend_metadata_kernel
 from ...kernels.kernel_launch import KernelLaunch
-from .plans import (DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, SM90_KERNELS, AttnShape, Kernel,
-                    Plan)
+from .plans import (DECODE_ONLY_KERNELS, DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, AttnShape,
+                    Kernel, Plan)
 
 
 def _pow2(x: int) -> int:
@@ -254,7 +254,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             plan, shape, rows_per_group, num_groups), q.device)
         if not tail_kv:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl)
-    if kernel in SM90_KERNELS and kernel is not Kernel.GLUON_SPLIT and mode == 2:
+    if kernel in DECODE_ONLY_KERNELS and mode == 2:
         raise ValueError(f"plan {plan.name} serves decode only")
     if kernel is Kernel.CUTE and scaled:
         raise ValueError("plan cute serves bf16/fp16 pools only")

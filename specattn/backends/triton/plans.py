@@ -40,6 +40,7 @@ class Kernel(str, enum.Enum):
 
 
 SM90_KERNELS = (Kernel.GLUON_WL, Kernel.GLUON_SPLIT, Kernel.CUTE)
+DECODE_ONLY_KERNELS = (Kernel.GLUON_WL, Kernel.CUTE)  # sm90 kernels without an extend mode
 
 
 def sms(device: torch.device) -> int:
@@ -200,7 +201,7 @@ def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
     if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
         why = "an MLA latent of an even rank >= 32 plus a rope part"
     elif plan.kernel in SM90_KERNELS:
-        serves = ("decode", "extend") if plan.kernel is Kernel.GLUON_SPLIT else ("decode",)
+        serves = ("decode",) if plan.kernel in DECODE_ONLY_KERNELS else ("decode", "extend")
         why = f"shared-prefix draft {' and '.join(serves)} only" if job not in serves else \
             (cute_reason if plan.kernel is Kernel.CUTE else gluon_reason)(runner, interpret)
     if why is not None:
