@@ -40,7 +40,8 @@ def compile_launch(fn, args, kw: dict, gluon: bool = False):
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    options = {k: kw[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kw}
+    options = {k: kw[k] for k in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+               if k in kw}
     consts = {k: v for k, v in kw.items() if k not in options}
     consts.update({p.name: p.default for p in fn.params
                    if p.is_constexpr and p.has_default and p.name not in consts})

@@ -62,7 +62,7 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
         step=0 if extend else 1, rows=topk * heads if extend else None,
         num_splits=splits, sm_scale=576 ** -0.5, logit_cap=cap, block_n=64, num_stages=2,
         work=torch.zeros(64, dtype=torch.int32) if work else None,
-        k_scale=torch.ones(1) if fp8 else None)
+        k_scale=torch.ones(1) if fp8 else None, pdl=True, dependent=fp8)
     (launch,) = (wl if work else split).launches
     assert launch[3]["FP8"] is fp8
     assert launch[3]["Q_F16"] is (fp8 and q_dtype == torch.bfloat16)
@@ -80,6 +80,9 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
     return dict(kernel=fn.__name__, fp8=kw["FP8"], shared=kernel.metadata.shared,
                 cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
                 cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx,
+                pdl_wait="griddepcontrol.wait" in ptx,
+                pdl_release="griddepcontrol.launch_dependents" in ptx,
+                launch_pdl=kernel.metadata.launch_pdl,
                 f16_to_bf16="cvt.bf16.f16" in ptx or "cvt.rn.bf16.f16" in ptx)
 
 
@@ -110,6 +113,10 @@ def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, m
     assert got["fp8"] == kv_dtype.startswith("float8")
     assert got["shared"] <= H200_SHARED and got["cubin"] > 0, got
     assert got["wgmma"] and got["cp_async"], got
+    # As the launcher builds them on sm90 (``pdl``): the merge released once the results are
+    # stored, a dependent launch after the KV write launch (FP8 pools) that waits for it.
+    assert got["pdl_release"] and got["pdl_wait"] == got["fp8"], got
+    assert got["launch_pdl"] == got["fp8"], got
     # e4m3 codes are widened by the hardware conversion, to fp16 under either query dtype
     # (bf16 queries: the Q_F16 prescale), never on to bf16 (a quarter-rate F2F per code).
     assert got["e4m3_cvt"] == (kv_dtype == "float8_e4m3fn"), got

@@ -574,3 +574,39 @@ def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
     assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
     torch.testing.assert_close(out.float(), ref_extend(r, layer, q, batch).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("plan", ["gluon-wl", "gluon-split"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_gluon_launches_chained_by_pdl(sm90, monkeypatch, plan, kv):
+    """With ``pdl`` (sm90: on by default) the Gluon kernel releases its merge, which is a
+    programmatic dependent launch; the kernel is one itself only after the FP8 KV write
+    launch (over a bf16 pool its first split stores the keys, and everything it reads may
+    come from the launch before). Off, nothing is chained."""
+    from specattn.backends.triton import launchers
+
+    sm90()
+    r, batch = mla_round([700, 1800], topk=4, steps=3, kv=kv, k_scale=0.5)
+    calls = []
+    monkeypatch.setattr(launchers.gluon_mla, "attention",
+                        lambda *a, **kw: calls.append(("kernel", kw["pdl"], kw["dependent"])))
+    monkeypatch.setattr(launchers.worklist, "merge",
+                        lambda *a, pdl=False, **kw: calls.append(("merge", pdl)))
+    monkeypatch.setattr(launchers, "merge_partials",
+                        lambda *a, pdl=False, **kw: calls.append(("merge", pdl)))
+    # The FP8 write launch as on CUDA (here torch's write would store the codes).
+    monkeypatch.setattr(launchers, "fp8_write", lambda *a: object())
+    monkeypatch.setattr(launchers, "write_new_kv",
+                        lambda *a, pdl=False, **kw: calls.append(("write", pdl)) or True)
+    layer = AttentionLayer(0, 576 ** -0.5, k_scale=0.5)
+    q, k, _ = randn_qkv(r, 8, torch.Generator().manual_seed(1))
+    for pdl in (True, False):
+        backend = TritonDecode(r, 4, 3, tree_mode="path", plan=plan, num_splits=3)
+        backend._pdl = pdl  # what `pdl=None` gives on an sm90 GPU, or `pdl=False`
+        backend.init_forward_metadata(batch)
+        calls.clear()
+        backend.forward(0, layer, q, k, None)
+        fp8 = kv != "auto"
+        want = [("write", pdl)] if fp8 else []
+        want += [("kernel", pdl, fp8), ("merge", pdl)]
+        assert calls == want, (pdl, calls)

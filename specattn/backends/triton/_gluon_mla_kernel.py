@@ -114,6 +114,20 @@ def _in_pool(slot, num_slots):
 
 
 @gluon.jit
+def _wait_for_primary():
+    """``pdl.wait_for_primary`` in Gluon: a no-op unless launched with ``launch_pdl``."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _launch_dependents():
+    """``pdl.launch_dependents`` in Gluon: the next launch (the merge) may start."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _prefix_slots(t, r2t_row, n_pref, start, end, BLOCK_N: gl.constexpr,
                   copy_layout: gl.constexpr):
     """Key tile ``t``'s raw ``req_to_token`` entries (zeros for a tail tile and past the
@@ -448,14 +462,19 @@ def _gluon_mla_kernel(
         stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK, NUM_STEPS, NUM_SPLITS,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr,
-        Q_F16: gl.constexpr = False):
+        Q_F16: gl.constexpr = False, PDL: gl.constexpr = False,
+        PDL_WAIT: gl.constexpr = False):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
     ``MODE_EXTEND``: ``T`` new tokens for ``B*K``, request ``b``'s ``Meta[b, 4]`` from row
     ``Meta[b, 3]``, Hist ``[T, 1]`` their slots, the tail causal). ``FP8``:
     KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read. ``Q_F16``
-    (FP8, bf16 Q): the wgmmas are fp16 on ``q * q_prescale`` (module doc)."""
+    (FP8, bf16 Q): the wgmmas are fp16 on ``q * q_prescale`` (module doc). ``PDL``: the
+    merge (a programmatic dependent launch) may start once every program has stored its
+    result; ``PDL_WAIT``: this is such a launch (after the KV write), waits for it first."""
+    if PDL_WAIT:
+        _wait_for_primary()
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
@@ -562,3 +581,5 @@ def _gluon_mla_kernel(
     _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
                   stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
                   n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+    if PDL:
+        _launch_dependents()

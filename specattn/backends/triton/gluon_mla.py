@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels.pdl import launch_args
 from ...kernels.tiles import Q_F16_PRESCALE
 from .plans import gluon_import_reason, num_row_tiles
 
@@ -48,7 +49,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               topk: int, num_steps: int, step: int, num_splits: int, sm_scale: float,
               logit_cap: float, block_n: int, num_stages: int,
               work: Optional[torch.Tensor] = None,
-              k_scale: Optional[torch.Tensor] = None, rows: Optional[int] = None) -> None:
+              k_scale: Optional[torch.Tensor] = None, rows: Optional[int] = None,
+              pdl: bool = False, dependent: bool = False) -> None:
     """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
     partials (``merge_partials``; ``worklist.merge``).
 
@@ -67,7 +69,10 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     Extend (``mode == 2``, the split kernel): q ``[T, H, 576]`` and k_new ``[T, 576]`` the
     new tokens, hist ``[T, 1]`` their slots, meta rows as ``_extend_metadata_kernel``
     writes them; ``rows``: the grid's query rows per request (``max E * H``; decode: ``K *
-    H``, the default)."""
+    H``, the default).
+    ``pdl`` (sm90): every program releases the merge launch (a programmatic dependent
+    launch, ``pdl.launch_args``) once it has stored its result; with ``dependent`` the
+    kernel is itself such a launch after the KV write launch and waits for it first."""
     fp8 = kv.dtype in FP8_POOLS
     if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
         raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
@@ -81,7 +86,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     q_f16 = fp8 and q.dtype == torch.bfloat16  # fp16 wgmmas: one conversion per two codes
     prescale = Q_F16_PRESCALE if q_f16 else 1.0
     consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                  USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS)
+                  USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS,
+                  **launch_args(pdl, dependent))
+    consts["PDL_WAIT"] = pdl and dependent
     if work is None:
         K._gluon_mla_kernel[(num_row_tiles(rows or topk * H), batch, num_splits)](
             q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale,

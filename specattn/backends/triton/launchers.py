@@ -24,6 +24,9 @@ from ...kernels.kernel_launch import KernelLaunch
 from .plans import (DECODE_ONLY_KERNELS, DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROWS, AttnShape,
                     Kernel, Plan)
 
+# Kernels launched as programmatic dependents of the KV write launch before them (``pdl``).
+PDL_AFTER_WRITE = (Kernel.DOT, Kernel.GLUON_WL, Kernel.GLUON_SPLIT)
+
 
 def _pow2(x: int) -> int:
     return next_pow2(x, lo=16)
@@ -224,10 +227,10 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     ``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``).
-    pdl (sm90+, the ``tl.dot`` plans; the sm90 plans launch as without it): the merge is a
-    programmatic dependent launch, and so is the split-KV kernel after the KV write launch
-    (not after torch's FP8 write, which is several launches); the MLA kernel stays an
-    ordinary launch (all it reads may come from the launch before). The ``tl.dot`` plans
+    pdl (sm90+; not ``cute``): the merge is a programmatic dependent launch, and so is the
+    split-KV or Gluon kernel after the KV write launch (not after torch's FP8 write, which
+    is several launches); ``dot-mla``, and the Gluon kernels over bf16/fp16 pools, stay
+    ordinary launches (all they read may come from the launch before). The ``tl.dot`` plans
     over FP8 pools under a bf16 model dot in fp16 on a prescaled query (``Q_F16``,
     ``_attn_kernels``)."""
     if not hist.is_contiguous():
@@ -248,7 +251,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
                             v_scale=layer.v_scale)
         else:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
-                                   fp8=fp8) and kernel is Kernel.DOT
+                                   fp8=fp8) and kernel in PDL_AFTER_WRITE
     elif kernel is Kernel.DOT:
         tail_kv = tail_stores_kv(kb, vb, new_kv, unsplit_programs(
             plan, shape, rows_per_group, num_groups), q.device)
@@ -274,11 +277,12 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             mode=mode, batch=num_groups, topk=topk, num_steps=num_steps, step=step,
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
-            k_scale=k_scale if scaled else None, rows=rows_per_group)
+            k_scale=k_scale if scaled else None, rows=rows_per_group, pdl=pdl,
+            dependent=written)
         if wl:
-            worklist.merge(mid_o, mid_lse, out, work, num_splits, topk)
+            worklist.merge(mid_o, mid_lse, out, work, num_splits, topk, pdl=pdl)
         elif num_splits > 1:
-            merge_partials(mid_o, mid_lse, out, num_splits)
+            merge_partials(mid_o, mid_lse, out, num_splits, pdl=pdl)
         return out
     par, par_s, par_b = parent_args(parents, meta)
     dots = dot_args(q.dtype, q.device)

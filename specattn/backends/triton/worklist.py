@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...kernels.merge import MergeTiles, merge_parts, merge_tiles
+from ...kernels.pdl import launch_args, wait_for_primary
 from ...util import next_pow2
 from . import plans
 from .plans import TILE_ROWS as BLOCK_M  # rows per program: the wgmma height
@@ -114,12 +115,15 @@ def fill(seq_lens: torch.Tensor, work: torch.Tensor, programs: int, tail: int,
 @triton.jit
 def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, stride_ot,
                           stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``merge.merge_tiles``): columns ``[c *
     BLOCK_D, (c + 1) * BLOCK_D)`` of ``Out[z, h]`` from request ``b = z // K``'s partial
     slots, row ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots,
     rows]``; ``merge.merge_parts``); requests with one segment were written by the kernel
-    and are left alone."""
+    and are left alone. ``PDL``: a programmatic dependent launch, waits for the partials."""
+    if PDL:
+        wait_for_primary()
     z = tl.program_id(0)
     h = tl.program_id(1)
     b = z // TOPK
@@ -145,15 +149,16 @@ SEGMENTS_PER_LOAD = 4  # the segment merge's parts per load where its rows occup
 
 
 def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
-          programs: int, topk: int) -> None:
+          programs: int, topk: int, pdl: bool = False) -> None:
     """Merge the partials of every request with several segments into ``out [B*K, H, D]``
     (no launch when ``programs`` is the batch: one program, a direct write, per request).
-    mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32."""
+    mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32.
+    ``pdl``: a programmatic dependent launch (sm90+) after the kernel that wrote them."""
     if programs > out.shape[0] // topk:
-        _merge_launch(mid_o, mid_lse, out, work, programs, topk)
+        _merge_launch(mid_o, mid_lse, out, work, programs, topk, pdl)
 
 
-def _merge_launch(mid_o, mid_lse, out, work, programs, topk) -> None:
+def _merge_launch(mid_o, mid_lse, out, work, programs, topk, pdl) -> None:
     rows, heads, d_v = out.shape
     batch = max(1, rows // max(1, topk))
     # A request's segments number about programs / batch (more for a long one: the loop).
@@ -162,4 +167,4 @@ def _merge_launch(mid_o, mid_lse, out, work, programs, topk) -> None:
     merge_segments_kernel[(rows, heads, t.chunks)](
         mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
         out.stride(1), programs, topk, H=heads, D_V=d_v, BLOCK_D=t.block_d,
-        BLOCK_P=t.block_p, num_warps=t.num_warps)
+        BLOCK_P=t.block_p, num_warps=t.num_warps, **launch_args(pdl, dependent=True))
