@@ -494,6 +494,9 @@ def test_plan_errors_name_the_plan():
         TritonDecode(mla, 4, 2, plan="gluon-wl")
     with pytest.raises(InvalidInputError, match=r"plan.*cute: shared-prefix draft decode"):
         TritonExtend(mla, plan="cute")
+    with pytest.raises(InvalidInputError, match=r"plan.*dot-m16: draft decode only"):
+        TritonExtend(runner, plan="dot-m16")
+    TritonDecode(runner, 2, 2, plan="dot-m16")  # decode: served
     with pytest.raises(InvalidInputError, match="plan"):
         TritonDecode(runner, 2, 2, plan=3)
     for name, plan in plans.PLANS.items():

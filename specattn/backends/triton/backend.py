@@ -148,10 +148,10 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
     ``mode``: ``"shared"`` or ``"per-branch"``; ``num_splits``: fixed prefix split count
     (``gluon-wl``: programs per row tile; default: from the SM count and the grid size);
     ``plan``: a plan name from ``plans.PLANS`` instead of the table's choice (benchmarks;
-    an error where the plan cannot serve this model here); ``pdl``: the ``tl.dot`` plans'
-    split-KV kernel and merge as programmatic dependent launches (default ``None``: where
-    they run, CUDA sm90+; ``True`` elsewhere is an error; the sm90 plans launch as without
-    it: ``launchers.attention``). The ``tl.dot``
+    an error where the plan cannot serve this model here); ``pdl``: the split-KV and
+    Gluon kernels and their merge as programmatic dependent launches (default ``None``: where
+    they run, CUDA sm90+; ``True`` elsewhere is an error; ``cute`` launches as without it:
+    ``launchers.attention``). The ``tl.dot``
     plans over FP8 pools under a bf16 model dot in fp16, on a query prescaled to fp16 (codes
     widen to fp16 in one exact conversion: ``launchers.attention``)."""
 

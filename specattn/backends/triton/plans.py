@@ -200,6 +200,8 @@ def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
     why = None
     if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
         why = "an MLA latent of an even rank >= 32 plus a rope part"
+    elif name == "dot-m16" and job == "extend":  # the table gives it decode rounds only
+        why = "draft decode only (its splits are sized by the decode build's slots per SM)"
     elif plan.kernel in SM90_KERNELS:
         serves = ("decode",) if plan.kernel in DECODE_ONLY_KERNELS else ("decode", "extend")
         why = f"shared-prefix draft {' and '.join(serves)} only" if job not in serves else \
