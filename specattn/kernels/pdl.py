@@ -2,7 +2,8 @@
 the launch before this one has ended and its writes are visible, ``launch_dependents`` lets
 the launch after this one start once every program of this one has called it (or ended).
 Both are no-ops in a kernel that was not launched that way (``launch_pdl=True``); kernels call
-them under a ``PDL`` constexpr only, never under the interpreter.
+them under a ``PDL`` constexpr only, never under the interpreter. Triton's own are
+builtins that Gluon kernels call too (the sm90 MLA kernels).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
+from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import Q_F16_SCALE
 from ._attn_kernels import META_W, MODE_EXTEND, MODE_PATH
 
@@ -111,20 +112,6 @@ def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, strid
 def _in_pool(slot, num_slots):
     """A gathered slot clamped into ``[0, num_slots)``: no read outside the pool."""
     return gl.minimum(gl.maximum(slot, 0), num_slots - 1)
-
-
-@gluon.jit
-def _wait_for_primary():
-    """``pdl.wait_for_primary`` in Gluon: a no-op unless launched with ``launch_pdl``."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _launch_dependents():
-    """``pdl.launch_dependents`` in Gluon: the next launch (the merge) may start."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -474,7 +461,7 @@ def _gluon_mla_kernel(
     merge (a programmatic dependent launch) may start once every program has stored its
     result; ``PDL_WAIT``: this is such a launch (after the KV write), waits for it first."""
     if PDL_WAIT:
-        _wait_for_primary()
+        wait_for_primary()
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
@@ -582,4 +569,4 @@ def _gluon_mla_kernel(
                   stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
                   n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
     if PDL:
-        _launch_dependents()
+        launch_dependents()

@@ -13,8 +13,8 @@ from ._attn_kernels import META_W
 from ._gluon_mla_kernel import (
     BLOCK_M, COPY_LAYOUT, D_MAIN, FP8_LAYOUT, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT,
     _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_tile, _issue_tile_fp8,
-    _launch_dependents, _prefix_slots, _start_q, _store_new_keys, _store_result, _tile_step,
-    _tile_step_fp8, _wait_for_primary)
+    _prefix_slots, _start_q, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
+from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import Q_F16_SCALE
 
 
@@ -33,7 +33,7 @@ def _gluon_mla_wl_kernel(
     rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
     ``_gluon_mla_kernel``; ``PDL`` / ``PDL_WAIT`` as there (the merge: the segment merge)."""
     if PDL_WAIT:
-        _wait_for_primary()
+        wait_for_primary()
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -150,4 +150,4 @@ def _gluon_mla_wl_kernel(
                           stride_ot, stride_oh, H * D_MAIN, D_MAIN, 0, H, 1, q_start,
                           row_lo, n_rows, 0, 0, H, False, True, row_layout)
     if PDL:
-        _launch_dependents()
+        launch_dependents()
