@@ -372,24 +372,27 @@ class _CuteStandIn:
 
     def __call__(self, q, kv, k_new, out, req_to_token, meta, hist, parents, **kw):
         self.calls.append(kw)
-        splits, mid_o, mid_lse = kw["num_splits"], kw["mid_o"], kw["mid_lse"]
-        assert mid_o.shape == (q.shape[0], q.shape[1], splits, 512) and mid_o.is_contiguous()
-        assert mid_lse.shape == (q.shape[0], q.shape[1], splits)
+        mid_o, mid_lse = kw["mid_o"], kw["mid_lse"]
+        _, groups = cute_mla.cluster_shape(kw["num_splits"], kw["batch"], q.device,
+                                           mid_o.shape[2])
+        assert mid_o.shape == (q.shape[0], q.shape[1], groups, 512) and mid_o.is_contiguous()
+        assert mid_lse.shape == (q.shape[0], q.shape[1], groups)
         kv[hist[:, kw["step"]].long()] = k_new
         layer = AttentionLayer(0, kw["sm_scale"], kw["logit_cap"])
         out.copy_(reference_decode(self.runner, layer, q, self.batch, kw["step"], "path"))
 
 
-def test_cute_launch_contract(sm90, monkeypatch):
+def test_cute_launch_contract(sm90, monkeypatch, h200_clusters):
     sm90()
     r, batch = mla_round([7, 18], topk=2)
     stand_in = _CuteStandIn(r, batch)
     monkeypatch.setattr(cute_mla, "attention", stand_in)
     backend = TritonDecode(r, 2, 3, tree_mode="path", num_splits=16, plan="cute")
     backend.init_forward_metadata(batch)
-    assert backend._round_plan["num_splits"] == cute_mla.MAX_SPLITS
+    assert backend._round_plan["num_splits"] == 16
     for call in stand_in_steps(r, batch, backend, stand_in.calls):
         assert call["num_splits"] == 16 and call["mode"] == 1
+        assert call["mid_o"].shape[2] == 2  # 2 clusters of 8 per request
         assert call["batch"] == 2 and call["topk"] == 2 and call["num_steps"] == 3
 
 
@@ -404,28 +407,38 @@ def test_kernels_read_the_metadata_rows_the_metadata_kernels_write():
 @pytest.fixture
 def h200_clusters(monkeypatch):
     monkeypatch.setattr(cute_mla, "max_active_clusters", lambda index, size: H200_CLUSTERS[size])
+    monkeypatch.setattr(cute_mla, "device_index", lambda device: 0)  # CPU tensors stand in
 
 
-@pytest.mark.parametrize("programs,limit,want", [
-    (32, 4, 4),  # mla-long: 2 clusters of 2 per request (32 clusters of 4 need 2 waves)
-    (30, 4, 4), (33, 4, 4), (34, 4, 3), (4, 33, 16), (4, 8, 8), (16, 8, 8), (128, 1, 1),
-    (200, 1, 1), (64, 2, 2), (67, 2, 1),
+@pytest.mark.parametrize("programs,limit,max_groups,want", [
+    (32, 4, 17, 4),  # mla-long: 2 clusters of 2 per request (32 clusters of 4 need 2 waves)
+    (30, 4, 17, 4), (33, 4, 17, 4), (34, 4, 17, 3), (4, 8, 17, 8), (16, 8, 17, 8),
+    (128, 1, 17, 1), (200, 1, 17, 1), (64, 2, 17, 2), (67, 2, 17, 1),
+    (4, 33, 17, 32),  # 4 requests: 16 clusters of 2 each
+    (1, 132, 68, 132),  # one request: 66 clusters of 2, a CTA per SM
+    (1, 132, 12, 96),  # at most 12 partials: 12 clusters of 8
 ])
-def test_splits_keep_the_clusters_in_one_wave(h200_clusters, programs, limit, want):
+def test_splits_keep_the_clusters_in_one_wave(h200_clusters, programs, limit, max_groups,
+                                              want):
     device = torch.device("cuda", 0)
-    got = cute_mla.plan_splits(programs, device, limit)
-    cluster, groups = cute_mla.cluster_shape(got, device=device, programs=programs)
+    got = cute_mla.plan_splits(programs, device, limit, max_groups)
+    cluster, groups = cute_mla.cluster_shape(got, programs, device, max_groups)
     assert got == want and cluster * groups == got and cluster <= cute_mla.MAX_CLUSTER
+    assert groups <= max_groups
     assert got == 1 or programs * groups <= H200_CLUSTERS[cluster]
 
 
-@pytest.mark.parametrize("splits,programs,want", [
-    (4, 32, (2, 2)), (4, 30, (4, 1)), (3, 32, (3, 1)), (16, 4, (8, 2)), (8, 16, (2, 4)),
-    (1, 500, (1, 1)),
-    (6, 40, (6, 1)),  # nothing fits one wave: the largest cluster that divides the splits
+@pytest.mark.parametrize("splits,programs,max_groups,want", [
+    (4, 32, 17, (2, 2)), (4, 30, 17, (4, 1)), (3, 32, 17, (3, 1)), (16, 4, 17, (8, 2)),
+    (8, 16, 17, (2, 4)), (1, 500, 17, (1, 1)),
+    (6, 40, 17, (6, 1)),  # nothing fits one wave: the largest cluster that divides the splits
+    (120, 1, 68, (8, 15)), (132, 1, 68, (2, 66)),
+    (132, 1, 30, (6, 22)),  # not one wave, but the fewest partials
+    (127, 1, 68, None),  # a prime: 127 clusters of 1, more than the partials
 ])
-def test_cluster_shape(h200_clusters, splits, programs, want):
-    assert cute_mla.cluster_shape(splits, programs, torch.device("cuda", 0)) == want
+def test_cluster_shape(h200_clusters, splits, programs, max_groups, want):
+    assert cute_mla.cluster_shape(splits, programs, torch.device("cuda", 0), max_groups) \
+        == want
 
 
 @pytest.mark.parametrize("groups", [2, 3, 4])
@@ -492,7 +505,8 @@ def test_attention_refuses_bad_arguments_before_any_cuda_work(change, argument):
 def test_attention_refuses_missing_partials_with_several_clusters(monkeypatch, change,
                                                                   argument):
     """Splits in more than one cluster per row tile write partials: buffers for them."""
-    monkeypatch.setattr(cute_mla, "cluster_shape", lambda splits, programs, device: (2, 2))
+    monkeypatch.setattr(cute_mla, "cluster_shape",
+                        lambda splits, programs, device, max_groups: (2, 2))
     assert _refused_argument(change, num_splits=4) == argument
 
 

@@ -197,11 +197,13 @@ def test_plan_tiles_and_splits():
 def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     """One request (few rows) may take up to DOT_MAX_SPLITS splits of the tl.dot kernel,
     within what the partial buffers hold; many rows keep MAX_SPLITS; the sm90 kernels keep
-    MAX_SPLITS; a forced num_splits above the cap is one short error."""
+    MAX_SPLITS but cute, whose clusters of up to 8 splits write one part each; a forced
+    num_splits above the cap is one short error."""
     dot, cute = plans.PLANS["dot"], plans.PLANS["cute"]
     assert launchers.split_cap(dot, 4) == plans.DOT_MAX_SPLITS
     assert launchers.split_cap(dot, 8) == 33 and launchers.split_cap(dot, 256) == 16
-    assert launchers.split_cap(cute, 4) == plans.MAX_SPLITS
+    assert launchers.split_cap(cute, 4) == 8 * 68 and launchers.split_cap(cute, 256) == 8 * 17
+    assert launchers.split_cap(plans.PLANS["gluon-split"], 4) == plans.MAX_SPLITS
     # gluon-wl's partials follow its work list: any row count may force up to DOT_MAX_SPLITS
     assert launchers.split_cap(plans.PLANS["gluon-wl"], 256) == plans.DOT_MAX_SPLITS
     for rows in (1, 3, 4, 8, 15, 16, 17, 100):  # the parts always fit the buffer
@@ -237,8 +239,8 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot-m16 for 8"):
         b = TritonDecode(runner, 4, 2, num_splits=40)
         b._make_plan(2)
-    with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 64\]"):
-        TritonDecode(runner, 4, 2, num_splits=65)
+    with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 256\]"):
+        TritonDecode(runner, 4, 2, num_splits=257)
 
 
 def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):

@@ -41,7 +41,7 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
 
     shapes = []
 
-    def forced(n, programs, device):
+    def forced(n, programs, device, max_groups):
         shapes.append((n, cluster, n // cluster))
         return cluster, n // cluster
 
@@ -53,6 +53,32 @@ def test_every_cluster_shape(monkeypatch, splits, cluster, dtype, H, K, tree_mod
     gen = torch.Generator().manual_seed(splits)
     run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, 0.0), tree_mode, gen)
     assert shapes and all(s == (splits, cluster, splits // cluster) for s in shapes)
+
+
+@pytest.mark.parametrize("num_splits,want", [
+    (None, None),  # the plan's own split count
+    (120, (8, 15)),  # 15 clusters of 8: all the H200 runs at once
+    (132, (2, 66)),  # one CTA per SM
+    (8, (8, 1)),  # one cluster: the output written directly
+])
+def test_one_request_over_the_whole_gpu(num_splits, want):
+    """One request of a long prefix split into up to one CTA per SM (far more splits than
+    the partial buffers' parts: one part per cluster), path mode, against the reference
+    with NaN-poisoned partial buffers."""
+    _require_cute()
+    from test_sm90_mla_gpu import make_round, run_round  # this folder (pytest's sys.path)
+
+    from specattn.backends.triton import TritonDecode, cute_mla, launchers
+    from specattn.data import AttentionLayer
+
+    r, batch = make_round(torch.bfloat16, 16, 4, 3, 64, [20000], "path")
+    backend = TritonDecode(r, 4, 3, tree_mode="path", num_splits=num_splits, plan="cute")
+    run_round(r, batch, backend, AttentionLayer(0, 576 ** -0.5, 0.0), "path",
+              torch.Generator().manual_seed(7))
+    splits = backend._round_plan["num_splits"]
+    shape = cute_mla.cluster_shape(splits, 1, torch.device("cuda"), launchers.partial_room(4))
+    assert shape is not None and (want is None or shape == want), (splits, shape)
+    assert num_splits is not None or splits > 16  # the plan fills the GPU
 
 
 def test_conformance_kit_with_the_cute_plan():

@@ -67,6 +67,12 @@ class _TritonCommon:
         if forced > cap:
             raise InvalidInputError("num_splits", f"at most {cap} with plan {plan.name} for "
                                     f"{rows} query rows", forced)
+        if plan.kernel is P.Kernel.CUTE and L.cute_mla.cluster_shape(
+                forced, L.unsplit_programs(plan, shape, rows_per_group, num_groups),
+                self.runner.device, L.partial_room(rows)) is None:
+            raise InvalidInputError(
+                "num_splits", f"clusters of at most {L.cute_mla.MAX_CLUSTER} splits, at most "
+                f"{L.partial_room(rows)} per row, with plan cute for {rows} query rows", forced)
         return forced
 
     def _options(self, num_splits: Optional[int], plan: Optional[str], job: str,
@@ -74,9 +80,9 @@ class _TritonCommon:
         """``num_splits`` / ``plan`` / ``pdl`` checked and kept; the per-round caches
         emptied."""
         if num_splits is not None and not (isinstance(num_splits, int)
-                                           and 1 <= num_splits <= P.DOT_MAX_SPLITS):
-            raise InvalidInputError("num_splits", f"an int in [1, {P.DOT_MAX_SPLITS}] or None",
-                                    repr(num_splits))
+                                           and 1 <= num_splits <= P.FORCED_MAX_SPLITS):
+            raise InvalidInputError("num_splits", f"an int in [1, {P.FORCED_MAX_SPLITS}] or "
+                                    "None", repr(num_splits))
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
                                     repr(plan))
@@ -262,7 +268,9 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
             mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
                                              q.device, bufs.mid_o, bufs.mid_lse)
         else:
-            parts = L.num_parts(kernel_plan, plan["num_splits"])
+            parts = L.num_parts(kernel_plan, plan["num_splits"], L.unsplit_programs(
+                kernel_plan, shape, plan["rows_per_group"], plan["num_groups"]), q.device,
+                lanes)
             mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, parts), shape.d_v,
                                              q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,

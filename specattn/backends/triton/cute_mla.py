@@ -19,7 +19,7 @@ import torch
 from ...errors import InvalidInputError
 from ...kernels.merge import merge_partials
 from ...util import device_index
-from .plans import MAX_SPLITS, num_row_tiles
+from .plans import num_row_tiles
 
 log = logging.getLogger(__name__)
 
@@ -37,35 +37,40 @@ def max_active_clusters(device_index: int, size: int) -> int:
     return int(HardwareInfo(device_id=device_index).get_max_active_clusters(size))
 
 
-def cluster_shape(splits: int, programs: int, device: torch.device) -> tuple[int, int]:
+def cluster_shape(splits: int, programs: int, device: torch.device,
+                  max_groups: int) -> Optional[tuple[int, int]]:
     """``(cluster, groups)`` for ``splits`` prefix splits of each of ``programs`` (request,
-    row tile) pairs: ``_one_wave_shape``, else the largest cluster size (at most
-    ``MAX_CLUSTER``) that divides ``splits``."""
-    shape = _one_wave_shape(splits, programs, device)
+    row tile) pairs, at most ``max_groups`` groups (the partials a row may hold):
+    ``_one_wave_shape``, else the largest cluster size (at most ``MAX_CLUSTER``) that
+    divides ``splits`` into so few groups; None if none does."""
+    shape = _one_wave_shape(splits, programs, device, max_groups)
     if shape is not None:
         return shape
-    largest = max(c for c in range(1, min(splits, MAX_CLUSTER) + 1) if splits % c == 0)
-    return largest, splits // largest
+    fits = [c for c in range(1, min(splits, MAX_CLUSTER) + 1)
+            if splits % c == 0 and splits // c <= max_groups]
+    return (fits[-1], splits // fits[-1]) if fits else None
 
 
-def plan_splits(programs: int, device: torch.device, limit: int) -> int:
-    """Prefix splits for ``programs`` (request, row tile) pairs: the most, up to ``limit``
-    (the SM-count answer) and ``MAX_SPLITS``, whose clusters (``cluster_shape``) all run at
-    once (a second wave of clusters costs more than a shorter split), else 1."""
-    for splits in range(max(1, min(limit, MAX_SPLITS)), 1, -1):
-        if _one_wave_shape(splits, programs, device) is not None:
+def plan_splits(programs: int, device: torch.device, limit: int, max_groups: int) -> int:
+    """Prefix splits for ``programs`` (request, row tile) pairs: the most, up to ``limit``,
+    whose clusters (``cluster_shape``, at most ``max_groups`` of them per row tile) all run
+    at once (a second wave of clusters costs more than a shorter split), else 1."""
+    for splits in range(max(1, limit), 1, -1):
+        if _one_wave_shape(splits, programs, device, max_groups) is not None:
             return splits
     return 1
 
 
-def _one_wave_shape(splits: int, programs: int,
-                    device: torch.device) -> Optional[tuple[int, int]]:
-    """The largest cluster size dividing ``splits`` (at most ``MAX_CLUSTER``) whose
-    ``programs * groups`` clusters all run at once, as ``(cluster, groups)``; None if none."""
-    index = device_index(device)
+def _one_wave_shape(splits: int, programs: int, device: torch.device,
+                    max_groups: int) -> Optional[tuple[int, int]]:
+    """The largest cluster size dividing ``splits`` (at most ``MAX_CLUSTER``) into at most
+    ``max_groups`` groups whose ``programs * groups`` clusters all run at once, as
+    ``(cluster, groups)``; None if none."""
     for c in range(min(splits, MAX_CLUSTER), 0, -1):
-        if splits % c == 0 and programs * (splits // c) <= max_active_clusters(index, c):
-            return c, splits // c
+        groups = splits // c
+        if splits % c == 0 and groups <= max_groups and \
+                programs * groups <= max_active_clusters(device_index(device), c):
+            return c, groups
     return None
 
 
@@ -134,7 +139,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     rows, max len]`` int32/int64; meta: ``[>= B, 5]`` int32; hist: ``[B*K, S]`` int32
     (contiguous); parents: ``[S, B, K]`` (``mode == 1``); mid_o / mid_lse: fp32 ``[B*K, H,
     >= groups, 512]`` / ``[B*K, H, >= groups]`` with unit last stride (needed with more than
-    one group); ``num_splits``: 1 to ``MAX_SPLITS``."""
+    one group); ``num_splits``: clusters of up to ``MAX_CLUSTER`` splits, as many clusters
+    per request row tile as ``mid_o`` holds partials (one without ``mid_o``)."""
     _check("q", q, 3, (0, 1))
     _check("kv", kv, 2, (0,))
     _check("k_new", k_new, 2, (0,))
@@ -144,10 +150,15 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     if mode == 1 and (parents is None or parents.stride(2) != 1):
         raise InvalidInputError("parents", "an [S, B, K] tensor with unit last stride in path "
                                 "mode", None if parents is None else parents.stride())
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise InvalidInputError("num_splits", f"1 to {MAX_SPLITS} prefix splits", num_splits)
     row_tiles = num_row_tiles(topk * q.shape[1])
-    cluster, groups = cluster_shape(num_splits, batch * row_tiles, q.device)
+    max_groups = 1 if mid_o is None or mid_o.dim() != 4 else mid_o.shape[2]
+    shape = cluster_shape(num_splits, batch * row_tiles, q.device, max_groups) \
+        if isinstance(num_splits, int) and num_splits >= 1 else None
+    if shape is None:
+        raise InvalidInputError("num_splits", f"clusters of at most {MAX_CLUSTER} splits, at "
+                                f"most {max_groups} per row (the partials mid_o holds)",
+                                num_splits)
+    cluster, groups = shape
     if groups > 1:
         _check_partials(mid_o, mid_lse, q, groups)
     path = mode == 1

@@ -34,20 +34,27 @@ def _pow2(x: int) -> int:
 
 def split_cap(plan: Plan, rows: int, extend: bool = False) -> int:
     """The most prefix splits a round of ``rows`` query rows (lanes; extend: new tokens) may
-    take. The partial buffers hold ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)``
-    rows, so a round of few rows (one request) gives the ``tl.dot`` kernels (split-KV and
-    MLA) and ``gluon-split``'s extend more splits, up to ``DOT_MAX_SPLITS``: enough programs
-    to fill the GPU from one prefix. ``gluon-wl`` sizes its partials by its work list
-    (programs per row tile), so it takes up to ``DOT_MAX_SPLITS`` at any row count. The
-    others keep ``MAX_SPLITS``."""
+    take. The partial buffers hold ``partial_room(rows)`` parts per row, so a round of few
+    rows (one request) gives the ``tl.dot`` kernels (split-KV and MLA) and ``gluon-split``'s
+    extend more splits, up to ``DOT_MAX_SPLITS``: enough programs to fill the GPU from one
+    prefix; ``cute`` writes one part per cluster of up to ``MAX_CLUSTER`` splits.
+    ``gluon-wl`` sizes its partials by its work list (programs per row tile), so it takes
+    up to ``DOT_MAX_SPLITS`` at any row count. The others keep ``MAX_SPLITS``."""
     if plan.kernel is Kernel.GLUON_WL:
         return DOT_MAX_SPLITS
+    if plan.kernel is Kernel.CUTE:
+        return cute_mla.MAX_CLUSTER * partial_room(rows)
     if plan.kernel not in (Kernel.DOT, Kernel.DOT_MLA) and not (
             extend and plan.kernel is Kernel.GLUON_SPLIT):
         return MAX_SPLITS
-    room = max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
     tail_parts = num_parts(plan, 0)  # split-KV: the tail's own partial
-    return max(1, min(DOT_MAX_SPLITS, room - tail_parts))
+    return max(1, min(DOT_MAX_SPLITS, partial_room(rows) - tail_parts))
+
+
+def partial_room(rows: int) -> int:
+    """Parts per query row the partial buffers hold for a round of ``rows`` rows: they hold
+    ``MAX_SPLITS + 1`` parts of ``max(rows, PARTIAL_ROWS)`` rows."""
+    return max(rows, PARTIAL_ROWS) * (MAX_SPLITS + 1) // max(1, rows)
 
 
 def unsplit_programs(plan: Plan, shape: AttnShape, rows_per_group: int,
@@ -83,12 +90,20 @@ def plan_splits(plan: Plan, shape: AttnShape, rows_per_group: int, num_groups: i
         n = slots // programs if one_wave else triton.cdiv((2 if extend else 4) * sms,
                                                            programs)
     n = max(1, min(split_cap(plan, rows, extend), n))
-    return cute_mla.plan_splits(programs, device, n) if plan.kernel is Kernel.CUTE else n
+    if plan.kernel is Kernel.CUTE:
+        return cute_mla.plan_splits(programs, device, n, partial_room(rows))
+    return n
 
 
-def num_parts(plan: Plan, num_splits: int) -> int:
+def num_parts(plan: Plan, num_splits: int, programs: int = 1,
+              device: Optional[torch.device] = None, rows: int = 1) -> int:
     """Partials per row: one per split, plus the history's own program in the ``tl.dot``
-    split-KV kernel (the others walk it in their last split)."""
+    split-KV kernel (the others walk it in their last split); ``cute``: one per cluster
+    of the ``programs`` (request, row tile) pairs' splits (``cute_mla.cluster_shape``) in
+    a round of ``rows`` query rows on ``device``."""
+    if plan.kernel is Kernel.CUTE:
+        shape = cute_mla.cluster_shape(num_splits, programs, device, partial_room(rows))
+        return num_splits if shape is None else shape[1]
     return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
 
 

@@ -29,6 +29,7 @@ TILE_ROWS = 64  # query rows of one sm90 program: the wgmma height of one warpgr
 MAX_SPLITS = 16  # prefix splits per request, at most (the partial buffers hold this many)
 DOT_MAX_SPLITS = 64  # the tl.dot kernels' (split-KV, MLA), when few query rows leave room
 PARTIAL_ROWS = 16  # the partial buffers hold MAX_SPLITS + 1 parts of at least this many rows
+FORCED_MAX_SPLITS = 256  # a forced num_splits, at most (each plan's split_cap bounds it further)
 
 
 class Kernel(str, enum.Enum):
