@@ -248,9 +248,10 @@ FP8_CASES = tuple(
     for c in _with_extend(fp8_case(d)))
 
 # Not in the default run (--case names them): mla-long at K = 8, issue #4's per-branch
-# ratio for MLA.
+# ratio for MLA; one request of 32k keys at K = 8 (two 64-row tiles: the cute plan).
 EXTRA_CASES = (
     _std("mla-long-k8", "mla", 32, 4096, 8, 5),
+    _std("mla-b1-32k-k8", "mla", 1, 32768, 8, 5),
 )
 
 # The same shapes scaled down for a small CPU (torch_ref and intel_amx).
