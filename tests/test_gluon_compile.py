@@ -80,6 +80,7 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
     return dict(kernel=fn.__name__, fp8=kw["FP8"], shared=kernel.metadata.shared,
                 cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
                 cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx,
+                e4m3_cvts=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_selects=ptx.count("selp.b16"),
                 pdl_wait="griddepcontrol.wait" in ptx,
                 pdl_release="griddepcontrol.launch_dependents" in ptx,
                 launch_pdl=kernel.metadata.launch_pdl,
@@ -120,6 +121,11 @@ def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, m
     # e4m3 codes are widened by the hardware conversion, to fp16 under either query dtype
     # (bf16 queries: the Q_F16 prescale), never on to bf16 (a quarter-rate F2F per code).
     assert got["e4m3_cvt"] == (kv_dtype == "float8_e4m3fn"), got
+    # The finite check of history tiles (a select per fp16 code) is compiled into the tail
+    # tiles' widening only: the prefix tiles' widening is a second copy of the conversions
+    # without it (one widening with a runtime check selected on every code of every tile).
+    if kv_dtype == "float8_e4m3fn":
+        assert got["e4m3_cvts"] > got["f16_selects"] // 2, got
     assert not (got["fp8"] and got["f16_to_bf16"]), got
 
 

@@ -201,13 +201,13 @@ def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, e
 
 
 @gluon.jit
-def _widen_tile(src, dst, tail, COLS: gl.constexpr, layout: gl.constexpr):
+def _widen_tile(src, dst, FINITE: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
     """``dst = src`` (FP8 codes widened to ``dst``'s dtype: exact for e4m3 and e5m2 into
-    bf16 and fp16), ``COLS`` columns at a time through registers. ``tail``: the tile holds
+    bf16 and fp16), ``COLS`` columns at a time through registers. ``FINITE``: the tile holds
     history keys (``_finite_tail``), whose non-finite values become 0."""
     for c in gl.static_range(src.shape[1] // COLS):
         x = src.slice(c * COLS, COLS, dim=1).load(layout).to(dst.dtype)
-        if tail:
+        if FINITE:
             x = gl.where((x - x) == 0, x, gl.zeros_like(x))
         dst.slice(c * COLS, COLS, dim=1).store(x)
 
@@ -229,9 +229,14 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     async_copy.wait_group(NUM_STAGES - 1)
     gl.thread_barrier()
     stage = t % NUM_STAGES
-    tail = t >= n_pref
-    _widen_tile(k_ring.index(stage), k_s, tail, FP8_COLS, FP8_LAYOUT)
-    _widen_tile(kpe_ring.index(stage), kpe_s, tail, D_PE, COPY_LAYOUT)
+    # Two branches, the finite check compiled into the tail's only: as a runtime operand of
+    # one widening it was computed and selected on every code of every tile.
+    if t >= n_pref:
+        _widen_tile(k_ring.index(stage), k_s, True, FP8_COLS, FP8_LAYOUT)
+        _widen_tile(kpe_ring.index(stage), kpe_s, True, D_PE, COPY_LAYOUT)
+    else:
+        _widen_tile(k_ring.index(stage), k_s, False, FP8_COLS, FP8_LAYOUT)
+        _widen_tile(kpe_ring.index(stage), kpe_s, False, D_PE, COPY_LAYOUT)
     # The staging tile (and Q) visible to the wgmmas; every warp is done with the stage.
     fence_async_shared()
     gl.thread_barrier()
