@@ -205,7 +205,10 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         num_groups = bs * self.topk // lanes
         splits = self._splits(plan, shape, rows_per_group, num_groups, bs * self.topk, False)
         out = dict(shape=shape, lanes=lanes, rows_per_group=rows_per_group, plan=plan,
-                   num_groups=num_groups, num_splits=splits, bs=bs)
+                   num_groups=num_groups, num_splits=splits, bs=bs,
+                   parts=L.num_parts(plan, splits, L.unsplit_programs(
+                       plan, shape, rows_per_group, num_groups), self.runner.device,
+                       bs * self.topk))
         if plan.kernel is P.Kernel.GLUON_WL:
             from . import worklist
 
@@ -268,10 +271,8 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
             mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
                                              q.device, bufs.mid_o, bufs.mid_lse)
         else:
-            parts = L.num_parts(kernel_plan, plan["num_splits"], L.unsplit_programs(
-                kernel_plan, shape, plan["rows_per_group"], plan["num_groups"]), q.device,
-                lanes)
-            mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, parts), shape.d_v,
+            mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, plan["parts"]),
+                                             shape.d_v,
                                              q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=1 if self.tree_mode == "path" else 0,

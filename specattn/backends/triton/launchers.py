@@ -101,9 +101,11 @@ def num_parts(plan: Plan, num_splits: int, programs: int = 1,
     split-KV kernel (the others walk it in their last split); ``cute``: one per cluster
     of the ``programs`` (request, row tile) pairs' splits (``cute_mla.cluster_shape``) in
     a round of ``rows`` query rows on ``device``."""
-    if plan.kernel is Kernel.CUTE:
+    if plan.kernel is Kernel.CUTE:  # plan_splits and a forced count's check found a shape
         shape = cute_mla.cluster_shape(num_splits, programs, device, partial_room(rows))
-        return num_splits if shape is None else shape[1]
+        if shape is None:
+            raise ValueError(f"plan cute: {num_splits} splits form no cluster shape")
+        return shape[1]
     return num_splits + 1 if plan.kernel is Kernel.DOT else num_splits
 
 
