@@ -272,8 +272,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
                                              q.device, bufs.mid_o, bufs.mid_lse)
         else:
             mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, plan["parts"]),
-                                             shape.d_v,
-                                             q.device, bufs.mid_o, bufs.mid_lse)
+                                             shape.d_v, q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=1 if self.tree_mode == "path" else 0,
                            num_groups=plan["num_groups"],
