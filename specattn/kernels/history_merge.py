@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2, prev_pow2
+from .merge import fold_state
 from .tiles import in_pool
 
 __all__ = ["history_merge"]
@@ -97,13 +98,7 @@ def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr
         lse_c = tl.where(ok, lse_c, float("-inf"))
         o_c = tl.load(op_ptr + crow * so_l + heads[:, None] * so_h + dv[None, :],
                       mask=gv & ok[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse_c)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: no NaN
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse_c - m_use)
-        acc = acc * alpha[:, None] + w[:, None] * o_c
-        l_sum = l_sum * alpha + w
-        m = m_new
+        m, l_sum, acc = fold_state(m, l_sum, acc, lse_c, o_c)
     if NEW_KV:  # this step's key: from k/v, stored at the lane's last slot (if in the pool)
         slot = tl.load(hist_ptr + lane * sh_l + (n_hist - 1) * sh_t).to(tl.int64)
         kn_row = kn_ptr + lane * skn_l + kvh * skn_h

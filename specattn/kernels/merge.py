@@ -30,6 +30,7 @@ import triton.language as tl
 from ..util import next_pow2, sm_count
 from .pdl import launch_args, wait_for_primary
 
+LOG2E = tl.constexpr(1.4426950408889634)
 MERGE_TILE = 8192  # parts x columns one chunk program loads at once (64 fp32 per thread)
 MERGE_PROGRAMS_PER_SM = 4  # the grid the column chunks aim for
 
@@ -62,6 +63,21 @@ def merge_tiles(rows: int, d_v: int, parts: int, device: torch.device
     block_p = max(1, min(next_pow2(max(1, parts)), MERGE_TILE // block_d))
     return MergeTiles(triton.cdiv(d_v, block_d), block_d, block_p,
                       4 if block_p * block_d >= 2048 else 2)
+
+
+@triton.jit
+def fold_state(m, den, acc, lse, o):
+    """Fold one state per row into a running LSE merge of ``R`` rows, base 2: ``m [R]``
+    (running max), ``den [R]`` (sum of weights) and ``acc [R, D]`` (weighted outputs) take
+    the states of LSE ``lse [R]`` (``-inf``: no keys) and normalised output ``o [R, D]`` (a
+    state of no weight adds nothing, whatever its ``o`` holds). Returns the new ``(m, den,
+    acc)``."""
+    m_new = tl.maximum(m, lse)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # every state so far empty: no NaN
+    w = tl.exp2(lse - shift)
+    rescale = tl.exp2(m - shift)
+    acc = acc * rescale[:, None] + tl.where(w[:, None] > 0, o * w[:, None], 0.0)
+    return m_new, den * rescale + w, acc
 
 
 @triton.jit
@@ -140,29 +156,26 @@ def chunk_tail_merge_kernel(ChunkO, ChunkLse, TailO, TailLse, Out, num_rows,
     ``TailLse``. A state with an infinite LSE (either sign: the libraries' empty rows) gets
     no weight, whatever its output holds."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) + tl.zeros([1], tl.int32)  # one head: fold_state's rows
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D_V
-    m = tl.load(TailLse + t * stride_tl_t + h * stride_tl_h)
-    m = tl.where(m == float("inf"), float("-inf"), m)
-    tail = tl.load(TailO + t * stride_to_t + h * stride_to_h + offs_d, mask=d_ok, other=0.0)
-    acc = tl.where(m == float("-inf"), 0.0, tail.to(tl.float32))
-    den = tl.where(m == float("-inf"), 0.0, 1.0)
-    for c in range(CHUNKS):
-        row = c * num_rows + t
-        lse = tl.load(ChunkLse + row * stride_cl_t + h * stride_cl_h)
-        lse = tl.where(lse == float("inf"), float("-inf"), lse)
-        o = tl.load(ChunkO + row * stride_co_t + h * stride_co_h + offs_d, mask=d_ok,
-                    other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse - shift)
-        rescale = tl.exp(m - shift)
-        acc = acc * rescale + tl.where(w > 0, o * w, 0.0)
-        den = den * rescale + w
-        m = m_new
-    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, (acc / den).to(Out.dtype.element_ty),
-             mask=d_ok)
+    d_ok = (offs_d < D_V)[None, :]
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_D], tl.float32)
+    for c in range(CHUNKS + 1):  # the chunks, then the tail
+        if c < CHUNKS:
+            row = c * num_rows + t
+            lse = tl.load(ChunkLse + row * stride_cl_t + h * stride_cl_h)
+            o = tl.load(ChunkO + row * stride_co_t + h[:, None] * stride_co_h + offs_d[None, :],
+                        mask=d_ok, other=0.0)
+        else:
+            lse = tl.load(TailLse + t * stride_tl_t + h * stride_tl_h)
+            o = tl.load(TailO + t * stride_to_t + h[:, None] * stride_to_h + offs_d[None, :],
+                        mask=d_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), float("-inf"), lse) * LOG2E
+        m, den, acc = fold_state(m, den, acc, lse, o.to(tl.float32))
+    tl.store(Out + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+             (acc / den[:, None]).to(Out.dtype.element_ty), mask=d_ok)
 
 
 def merge_chunks_and_tail(chunk_o: torch.Tensor, chunk_lse: torch.Tensor,
