@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import DEV, require_triton_interpret
@@ -123,6 +123,7 @@ def test_schedule_covers_every_unit_once(lens, tail, block_n, extra):
     assert len(set(slots)) == len(slots) and max(slots) < programs + len(lens)
 
 
+@settings(max_examples=50)  # a kernel launch per example under the interpreter: ~0.25 s each
 @given(lens=st.lists(st.integers(0, 700), min_size=1, max_size=40),
        tail=st.integers(1, 3), block_n=st.sampled_from([16, 64]),
        extra=st.integers(0, 100))

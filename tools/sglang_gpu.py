@@ -90,7 +90,7 @@ def parse_args(argv=None):
     args.no_timing = args.no_timing or args.quick
     args.budget_s = args.budget_s or preset.get("budget_s", 300.0)
     args.share = 1.0 if args.no_timing else preset.get("share", 0.5)
-    args.reps = 3 if args.tiny else preset.get("reps", 30)
+    args.reps = 1 if args.tiny else preset.get("reps", 30)  # tiny: checked, not timed
     args.timing_topks = args.timing_topks or preset.get("topks", [4, 1, 8])
     args.graphs = args.device == "cuda" if args.graphs is None else args.graphs
     try:

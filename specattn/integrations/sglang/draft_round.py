@@ -939,12 +939,12 @@ def time_pair(fx: Fixture, case: RoundCase, backend: str, tol: float, reps: int 
             if who == "stock" and type(container).__name__ in UPSTREAM:
                 out["upstream"] = UPSTREAM[type(container).__name__]["eager"][1]
             eager = run_eager(fx, container, settings, model, inputs)
-            steps = time_steps(fx, eager, reps=max(3, reps * 2 // 3))
+            steps = time_steps(fx, eager, reps=max(1, reps * 2 // 3))
             eager.steps_inputs = []  # the recorded batches hold the step backends
             graph = capture_graph(fx, container, settings, model)  # no records in the graph
             tree = execute_tree(fx, graph, inputs)
             side = {"served_by": served_by(container), "step_us": steps,
-                    **time_graph_round(fx, graph, inputs, reps=reps)}
+                    **time_graph_round(fx, graph, inputs, reps=reps, warmup=min(3, reps))}
             kept[who] = (eager, tree)
             out[who] = side
             del graph, container
