@@ -7,8 +7,9 @@ it. ``merge_parts`` is the loop it and the work list's segment merge run: a prog
 softmax.
 
 ``chunk_tail_merge_kernel``: FlashAttention's split draft extend (``merge_chunks_and_tail``),
-one program per (token, head) folding the prefix chunks' states into the tail's, the
-libraries' empty rows (an infinite LSE, any output) weighted 0.
+one program per (token, head) folding the prefix chunks' states and the tail's, the
+libraries' empty rows (an infinite LSE, any output) weighted 0. ``fold_state`` is its fold of
+one state, and ``history_merge``'s of a split prefix's chunk states.
 
 ``merge_tiles`` sizes ``merge_kernel`` and the segment merge. Where the output rows alone
 occupy every SM, one program per row loads the parts as the merge always did (``chunks``
