@@ -33,12 +33,10 @@ import triton
 import triton.language as tl
 
 from ..util import next_pow2, prev_pow2
-from .merge import fold_state
+from .merge import LOG2E, fold_state
 from .tiles import in_pool
 
 __all__ = ["history_merge"]
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -129,7 +127,7 @@ def history_merge_kernel(q_ptr, k_ptr, v_ptr, hist_ptr, op_ptr, lse_ptr, out_ptr
         if HAS_CAP:
             # cap * tanh(s / cap), tanh via the sigmoid (portable to the interpreter).
             s = cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
-        s = s * 1.4426950408889634  # base 2, like the prefix LSE
+        s = s * LOG2E  # base 2, like the prefix LSE
         m_new = tl.maximum(m, s)
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new)
@@ -206,6 +204,6 @@ def history_merge(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         v_new.stride(1), GROUP=group, BLOCK_G=block_g, D_QK=d, D_MAIN=d_main,
         BLOCK_TAIL=next_pow2(tail) if tail else 0, D_V=dv, BLOCK_V=block_v,
         HAS_CAP=cap > 0, NEW_KV=new_kv, WRITE_V=write_v,
-        LSE_TO_LOG2=1.0 if lse_base == "2" else _LOG2E, CHUNKS=chunks,
+        LSE_TO_LOG2=1.0 if lse_base == "2" else LOG2E.value, CHUNKS=chunks,
         INF_IS_EMPTY=inf_is_empty, SCALE_V=float(v_scale) != 1.0, num_warps=warps)
     return out
