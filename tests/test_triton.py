@@ -154,15 +154,28 @@ def test_plan_table(shape, job, rows, name):
     assert plans.choose_plan(_runner_for(shape), job, rows, True).name == name
 
 
-def test_dot_m16_serves_few_requests_only(monkeypatch):
-    """16-row GQA tiles take dot-m16 (32-key tiles, 4 programs per SM) while the round's
-    groups (requests x KV heads) are at most the SMs; more requests keep dot."""
+def test_few_request_plans(monkeypatch):
+    """While a round's groups (requests x KV heads) are at most the SMs, GQA decode takes
+    dot-m16 up to 16 rows and dot-m32 up to 32, extend of 17-32 rows dot-extend and FP8
+    decode up to 16 rows dot-fp8-m16; more requests, more rows, an extend of 16 rows or
+    fewer and FP8 extend keep dot / dot-fp8."""
     monkeypatch.setattr(plans, "sms", lambda device: 132)
-    runner = _runner_for(GQA)
-    assert plans.choose_plan(runner, "decode", 16, True, requests=16).name == "dot-m16"
-    assert plans.choose_plan(runner, "decode", 16, True, requests=17).name == "dot"
+    runner, fp8 = _runner_for(GQA), _runner_for(GQA, kv="fp8_e4m3")
+    few, many = 16, 17  # x 8 KV heads: 128 and 136 groups on 132 SMs
+    for job, rows, name in [("decode", 16, "dot-m16"), ("decode", 17, "dot-m32"),
+                            ("decode", 32, "dot-m32"), ("decode", 33, "dot"),
+                            ("extend", 16, "dot"), ("extend", 24, "dot-extend"),
+                            ("extend", 32, "dot-extend"), ("extend", 40, "dot"),
+                            ("per-branch", 4, "dot")]:
+        assert plans.choose_plan(runner, job, rows, True, requests=few).name == name
+        assert plans.choose_plan(runner, job, rows, True, requests=many).name == "dot"
+    for job, rows, name in [("decode", 16, "dot-fp8-m16"), ("decode", 32, "dot-fp8"),
+                            ("extend", 16, "dot-fp8")]:
+        assert plans.choose_plan(fp8, job, rows, True, requests=few).name == name
+        assert plans.choose_plan(fp8, job, rows, True, requests=many).name == "dot-fp8"
     assert TritonDecode(runner, 4, 2).plan_for(32).name == "dot"
     assert TritonDecode(runner, 4, 2).plan_for(8).name == "dot-m16"
+    assert TritonDecode(runner, 8, 2).plan_for(8).name == "dot-m32"
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -228,6 +241,13 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     assert launchers.plan_splits(dot, GQA, 24, 32, h200, extend=True, rows=192) == 2
     fp8 = plans.PLANS["dot-fp8"]
     assert launchers.plan_splits(fp8, GQA, 16, 1, h200, extend=False, rows=4, kv_bytes=1) == 33
+    # The five-stage few-request plans: dot-m32 and dot-extend 2 programs per SM at 32 rows,
+    # dot-fp8-m16 3 at 16.
+    for name, rows, extend, kv_bytes, splits in [("dot-m32", 32, False, 2, 33),
+                                                 ("dot-extend", 24, True, 2, 33),
+                                                 ("dot-fp8-m16", 16, False, 1, 49)]:
+        assert launchers.plan_splits(plans.PLANS[name], GQA, rows, 1, h200, extend=extend,
+                                     rows=rows // 4, kv_bytes=kv_bytes) == splits
     # dot-fp8 fills one wave wherever it fits one: 32 requests (256 of 264 slots) in 1 split,
     # where dot takes 3; 40 requests (320 programs) do not fit: about 4 per SM.
     assert launchers.plan_splits(fp8, GQA, 32, 32, h200, extend=False, rows=256,
@@ -487,7 +507,7 @@ def test_value_tiles_widen_by_ptx_over_fp8_pools_where_the_device_has_it(monkeyp
 
 def test_plan_errors_name_the_plan():
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-m16, dot-fp8, dot-d256.*'dotx'"):
+    with pytest.raises(InvalidInputError, match=r"plan.*one of dot, dot-m16, dot-m32, dot-extend, dot-fp8, dot-fp8-m16, dot-d256.*'dotx'"):
         TritonDecode(runner, 2, 2, plan="dotx")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-mla: an MLA latent"):
         TritonDecode(runner, 2, 2, plan="dot-mla")
@@ -597,6 +617,8 @@ DOT_PLAN_CASES = [
     # the split-KV kernel; the MLA kernel's first split); MLA topk 8 = 32 rows
     ("mha", 4, "path", "shared", "dot"),
     ("mha", 4, "lane", "shared", "dot-m16"),
+    ("mha", 8, "path", "shared", "dot-m32"),
+    ("mha", 4, "lane", "shared", "dot-extend"),
     ("mha", 2, "lane", "per-branch", "dot"),
     ("mha", 4, "lane", "shared", "dot-d256"),
     ("mha", 4, "path", "shared", "dot-wide"),
@@ -625,8 +647,9 @@ def test_dot_plans_write_and_attend(model, topk, tree_mode, mode, plan):
         _check_pool(runner, 1, batch.out_cache_loc[:, :, step], k, v)
 
 
-@pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mha", "dot-wide"),
-                                        ("mla", "dot-wide"), ("mla", "dot-mla")])
+@pytest.mark.parametrize("model,plan", [("mha", "dot"), ("mha", "dot-extend"), ("mha", "dot-m32"),
+                                        ("mha", "dot-wide"), ("mla", "dot-wide"),
+                                        ("mla", "dot-mla")])
 def test_extend_dot_plans_write_and_attend(model, plan):
     runner, batch = make_extend(model, torch.bfloat16, page=1, seq_lens=[30, 19],
                                 ext_lens=[6, 3])
@@ -829,12 +852,14 @@ def _fp8_runner(model: str, kv: str, *, seq_lens, topk, steps, page, heads=4) ->
 FP8_LAYER = dict(layer_id=0, scaling=0.2, k_scale=0.37, v_scale=1.9)
 
 FP8_DECODE_CASES = [
-    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot-fp8; MLA picks
-    # dot-mla at 64 rows (16 heads x K 4), forced below
+    # model, kv, topk, page, heads, plan (None: the table's): MHA picks dot-fp8-m16 (2
+    # requests x 2 KV heads: a few-request round on the interpreter's 4 "SMs"), dot-fp8 forced
+    # below; MLA picks dot-mla at 64 rows (16 heads x K 4), forced below
     ("mha", "fp8_e4m3", 1, 1, 4, None),
     ("mha", "fp8_e5m2", 4, 16, 4, None),
     ("mla", "fp8_e4m3", 4, 16, 16, None),
     ("mla", "fp8_e5m2", 1, 1, 4, "dot-mla"),
+    ("mha", "fp8_e4m3", 4, 1, 4, "dot-fp8"),
 ]
 
 
@@ -845,7 +870,7 @@ def test_fp8_decode_on_the_default_plans(model, kv, topk, page, heads, plan):
                          heads=heads)
     batch = place_decode_round(runner, lens, topk, steps, page, "path")
     backend = TritonDecode(runner, topk, steps, tree_mode="path", plan=plan)
-    assert backend.plan.name == ("dot-fp8" if model == "mha" else "dot-mla")
+    assert backend.plan.name == (plan or ("dot-fp8-m16" if model == "mha" else "dot-mla"))
     run_decode_round(runner, batch, backend, torch.bfloat16,
                      AttentionLayer(**FP8_LAYER, logit_cap=0.0), "path")
 

@@ -199,6 +199,51 @@ def test_extend_real_shapes(model):
     _close(out, reference_extend(r, layer, q, batch), dtype)
 
 
+# job, kv, B, L, K (extend: the longest request's new tokens), page, ragged, the plan the
+# table picks for that few-request round (GQA 32 / 8 heads: 4 query heads per KV head).
+FEW_REQUEST_PLANS = [
+    ("decode", "auto", 1, 32768, 8, 1, False, "dot-m32"),
+    ("decode", "auto", 3, 8192, 8, 16, True, "dot-m32"),
+    ("extend", "auto", 1, 32768, 6, 1, False, "dot-extend"),
+    ("extend", "auto", 8, 4096, 6, 16, True, "dot-extend"),
+    ("decode", "fp8_e4m3", 1, 32768, 4, 1, False, "dot-fp8-m16"),
+    ("decode", "fp8_e5m2", 4, 4096, 4, 16, True, "dot-fp8-m16"),
+]
+
+
+@pytest.mark.parametrize("job,kv,B,L,K,P,ragged,plan", FEW_REQUEST_PLANS)
+def test_few_request_plans_real_shapes(job, kv, B, L, K, P, ragged, plan):
+    """The five-stage plans of few-request rounds, as the table picks them, against torch_ref
+    (FP8: over the dequantized pool, scales != 1), partials NaN-poisoned: B 1 at 32k keys
+    (their most splits) and ragged batches over pages of 16."""
+    from specattn.backends.triton import TritonDecode, TritonExtend
+
+    dtype = torch.bfloat16
+    lens = [random.randint(L // 2, 3 * L // 2) if ragged else L for _ in range(B)]
+    scales = dict(k_scale=0.37, v_scale=1.9) if kv != "auto" else {}
+    layer = AttentionLayer(0, 128 ** -0.5, **scales)
+    if job == "decode":
+        r, batch = make_decode("mha", dtype, K, 3, P, lens, "path", kv=kv)
+        backend = TritonDecode(r, K, 3, tree_mode="path")
+        assert backend.plan_for(B).name == plan
+        run_round(r, batch, backend, dtype, layer, "path")
+        return
+    ext = [K] + [random.randint(1, K) for _ in range(B - 1)]
+    r = make_runner("mha", dtype, P, sum(lens) + 16, B + 2, max(lens) + P)
+    rpi = torch.randperm(B + 2, device=DEV)[:B]
+    fill_rows(r, rpi, lens, sum(lens) + 16)
+    loc = torch.cat([r.req_to_token[rpi[b], n - e:n].long() for b, (n, e) in
+                     enumerate(zip(lens, ext))])
+    batch = DraftExtendBatch(rpi, torch.tensor(lens, device=DEV), torch.tensor(ext, device=DEV),
+                             loc)
+    backend = TritonExtend(r)
+    backend.init_forward_metadata(batch)
+    assert backend._round_plan["plan"].name == plan
+    q, k, v = qkv(r, sum(ext), dtype)
+    _poison_partials(backend)
+    _close(backend.forward(layer, q, k, v), reference_extend(r, layer, q, batch), dtype)
+
+
 @pytest.mark.parametrize("tree_mode", ["lane", "path"])
 def test_cuda_graph_capture_replay_padded(tree_mode):
     """Capture all steps at bs=8; replay with new seq_lens / rows / slots / parents and a

@@ -72,7 +72,9 @@ def num_row_tiles(rows: int) -> int:
 class Plan:
     """A kernel and its tiling. ``block_m``: query rows per tile, at most (a group of fewer
     rows takes the next power of two, at least 16, and 4 warps at 32 rows or fewer);
-    ``block_n``: keys per tile; ``num_stages``: the key-tile pipeline depth."""
+    ``block_n``: keys per tile; ``num_stages``: the key loop's software-pipeline stages
+    (the ``tl.dot`` kernels: Triton divides them between the slot-table load and the key and
+    value loads it addresses, so 3 stages keep one key tile in flight and 5 keep two)."""
 
     name: str
     kernel: Kernel
@@ -98,7 +100,10 @@ class Plan:
 PLANS = {p.name: p for p in (
     Plan("dot",         Kernel.DOT,          64, 64, 8, 3),  # MHA/GQA, head dim <= 128
     Plan("dot-m16",     Kernel.DOT,          16, 32, 4, 3),  # MHA/GQA, <= 16 rows, dim <= 128
+    Plan("dot-m32",     Kernel.DOT,          32, 32, 4, 5),  # MHA/GQA, 17-32 rows, dim <= 128
+    Plan("dot-extend",  Kernel.DOT,          64, 64, 8, 5),  # MHA/GQA extend, 17-32 rows
     Plan("dot-fp8",     Kernel.DOT,          64, 128, 8, 3),  # FP8 pools, head dim <= 128
+    Plan("dot-fp8-m16", Kernel.DOT,          16, 64, 4, 5),  # FP8 pools, <= 16 rows
     Plan("dot-d256",    Kernel.DOT,          64, 32, 8, 3),  # head dim 129..256
     Plan("dot-wide",    Kernel.DOT,          32, 32, 4, 2),  # rope part or head dim > 256
     Plan("dot-mla",     Kernel.DOT_MLA,      64, 64, 8, 3),  # MLA, >= 64 rows per request
@@ -119,8 +124,11 @@ PROGRAMS_PER_SM = {
     ("dot", 16, 2): 3,      # 70 KB, 128; 39 KB, 163
     ("dot", 32, 2): 2,      # 74 KB, 193; 45 KB, 209
     ("dot-m16", 16, 2): 5,  # 37 KB, 94 (decode only)
+    ("dot-m32", 32, 2): 2,  # 42 KB, 187; 42 KB, 186
+    ("dot-extend", 32, 2): 2,  # 77 KB, 219; 77 KB, 215
     ("dot-fp8", 16, 1): 2,  # 105 KB, 168; 107 KB, 188 (fp16 value tiles: tiles.widen's CVT)
     ("dot-fp8", 32, 1): 2,  # 113 KB, 183; 115 KB, 255
+    ("dot-fp8-m16", 16, 1): 3,  # 55 KB, 142; 69 KB, 148
 }
 
 
@@ -160,8 +168,9 @@ def choose_plan(runner, job: str, rows: int, interpret: bool, requests: int = 1)
     for a round of ``requests`` (decode: lane groups) requests.
     MLA decode on sm90: ``gluon-wl`` up to one 64-row tile, ``cute`` above, ``gluon-split``
     above where ``cute`` does not serve (no CuTe-DSL, or an FP8 pool); MLA extend on sm90:
-    ``gluon-split``. GQA decode of at most 16 rows over few requests (``few_groups``):
-    ``dot-m16``."""
+    ``gluon-split``. Over few requests (``few_groups``), GQA decode of at most 16 rows takes
+    ``dot-m16``, of 17-32 rows ``dot-m32``, GQA extend of 17-32 rows ``dot-extend``, and FP8
+    decode of at most 16 rows ``dot-fp8-m16``."""
     shape = AttnShape.of(runner)
     if job == "extend" and runner.use_mla_backend:
         gluon = gluon_reason(runner, interpret)
@@ -186,10 +195,14 @@ def choose_plan(runner, job: str, rows: int, interpret: bool, requests: int = 1)
         return PLANS["dot-wide"]
     if shape.d_main > 128:
         return PLANS["dot-d256"]
-    if getattr(runner, "fp8", False):
-        return PLANS["dot-fp8"]
     few = few_groups(requests * shape.num_kv_heads, torch.device(runner.device))
-    return PLANS["dot-m16" if rows <= 16 and job == "decode" and few else "dot"]
+    if getattr(runner, "fp8", False):
+        return PLANS["dot-fp8-m16" if few and job == "decode" and rows <= 16 else "dot-fp8"]
+    if few and job == "decode" and rows <= 32:
+        return PLANS["dot-m16" if rows <= 16 else "dot-m32"]
+    if few and job == "extend" and 16 < rows <= 32:
+        return PLANS["dot-extend"]
+    return PLANS["dot"]
 
 
 def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
