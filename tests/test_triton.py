@@ -518,6 +518,12 @@ def test_plan_errors_name_the_plan():
         TritonExtend(mla, plan="cute")
     with pytest.raises(InvalidInputError, match=r"plan.*dot-m16: draft decode only"):
         TritonExtend(runner, plan="dot-m16")
+    for name in plans.HEAD_DIM_128_PLANS:  # sized for head dim <= 128: MLA rows refused
+        with pytest.raises(InvalidInputError, match=rf"plan.*{name}: MHA/GQA of head dim"):
+            TritonDecode(mla, 4, 2, plan=name)
+    wide = _runner_for(plans.AttnShape(8, 2, 256, 0, 256, False))
+    with pytest.raises(InvalidInputError, match=r"plan.*dot-extend: MHA/GQA of head dim"):
+        TritonExtend(wide, plan="dot-extend")
     TritonDecode(runner, 2, 2, plan="dot-m16")  # decode: served
     with pytest.raises(InvalidInputError, match="plan"):
         TritonDecode(runner, 2, 2, plan=3)

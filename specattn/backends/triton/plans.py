@@ -63,6 +63,12 @@ def few_groups(groups: int, device: torch.device) -> bool:
 ONE_WAVE_PLANS = frozenset({"dot-fp8"})
 
 
+# Few-request plans sized for MHA/GQA at head dim <= 128 (their tiles, stages and slots per
+# SM): forced on wider rows they are refused (64-key tiles in 5 stages over MLA's 576-wide
+# rows need 289 KB of shared memory).
+HEAD_DIM_128_PLANS = frozenset({"dot-m16", "dot-m32", "dot-extend", "dot-fp8-m16"})
+
+
 def num_row_tiles(rows: int) -> int:
     """The sm90 kernels' ``TILE_ROWS``-row tiles over a request's ``rows`` query rows."""
     return -(-rows // TILE_ROWS)
@@ -212,8 +218,11 @@ def plan_named(name: str, runner, job: str, interpret: bool) -> Plan:
     if plan is None:
         raise InvalidInputError("plan", f"one of {', '.join(PLANS)}", repr(name))
     why = None
-    if plan.kernel is Kernel.DOT_MLA and not AttnShape.of(runner).mla_kernel:
+    shape = AttnShape.of(runner)
+    if plan.kernel is Kernel.DOT_MLA and not shape.mla_kernel:
         why = "an MLA latent of an even rank >= 32 plus a rope part"
+    elif name in HEAD_DIM_128_PLANS and (shape.d_pe > 0 or shape.d_main > 128):
+        why = "MHA/GQA of head dim <= 128"
     elif name == "dot-m16" and job == "extend":  # the table gives it decode rounds only
         why = "draft decode only (its splits are sized by the decode build's slots per SM)"
     elif plan.kernel in SM90_KERNELS:
