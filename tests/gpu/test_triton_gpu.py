@@ -71,6 +71,19 @@ def fill_rows(r, rpi, seq_lens, num_slots):
     return perm, used
 
 
+def make_extend(model, dtype, page, lens, ext):
+    """A runner of page size ``page`` and an extend batch whose request ``b`` has ``lens[b]``
+    tokens, its last ``ext[b]`` new (rows of a shuffled ``req_to_token``)."""
+    B = len(lens)
+    r = make_runner(model, dtype, page, sum(lens) + 16, B + 2, max(lens) + page)
+    rpi = torch.randperm(B + 2, device=DEV)[:B]
+    fill_rows(r, rpi, lens, sum(lens) + 16)
+    loc = torch.cat([r.req_to_token[rpi[b], n - e:n].long() for b, (n, e) in
+                     enumerate(zip(lens, ext))])
+    return r, DraftExtendBatch(rpi, torch.tensor(lens, device=DEV),
+                               torch.tensor(ext, device=DEV), loc)
+
+
 def qkv(r, rows, dtype):
     if r.use_mla_backend:
         return (torch.randn(rows, 16, 576, device=DEV, dtype=dtype),
@@ -182,15 +195,8 @@ def test_extend_real_shapes(model):
     from specattn.backends.triton import TritonExtend
 
     dtype, B = torch.bfloat16, 8
-    lens = [random.randint(2048, 6144) for _ in range(B)]
     ext = [random.randint(1, 6) for _ in range(B)]
-    r = make_runner(model, dtype, 1, sum(lens) + 16, B + 2, max(lens) + 1)
-    rpi = torch.randperm(B + 2, device=DEV)[:B]
-    fill_rows(r, rpi, lens, sum(lens) + 16)
-    loc = torch.cat([r.req_to_token[rpi[b], L - E:L].long() for b, (L, E) in
-                     enumerate(zip(lens, ext))])
-    batch = DraftExtendBatch(rpi, torch.tensor(lens, device=DEV), torch.tensor(ext, device=DEV),
-                             loc)
+    r, batch = make_extend(model, dtype, 1, [random.randint(2048, 6144) for _ in range(B)], ext)
     backend = TritonExtend(r)
     layer = AttentionLayer(0, 0.08)
     backend.init_forward_metadata(batch)
@@ -229,13 +235,7 @@ def test_few_request_plans_real_shapes(job, kv, B, L, K, P, ragged, plan):
         run_round(r, batch, backend, dtype, layer, "path")
         return
     ext = [K] + [random.randint(1, K) for _ in range(B - 1)]
-    r = make_runner("mha", dtype, P, sum(lens) + 16, B + 2, max(lens) + P)
-    rpi = torch.randperm(B + 2, device=DEV)[:B]
-    fill_rows(r, rpi, lens, sum(lens) + 16)
-    loc = torch.cat([r.req_to_token[rpi[b], n - e:n].long() for b, (n, e) in
-                     enumerate(zip(lens, ext))])
-    batch = DraftExtendBatch(rpi, torch.tensor(lens, device=DEV), torch.tensor(ext, device=DEV),
-                             loc)
+    r, batch = make_extend("mha", dtype, P, lens, ext)
     backend = TritonExtend(r)
     backend.init_forward_metadata(batch)
     assert backend._round_plan["plan"].name == plan
@@ -408,13 +408,7 @@ def _extend_batch(model, B, L, P, dtype):
     above B 1) whose new tokens are the last ``E_b`` of each request."""
     lens = [L] if B == 1 else [random.randint(L // 2, 3 * L // 2) for _ in range(B)]
     ext = [6] if B == 1 else [random.randint(1, 6) for _ in range(B)]
-    r = make_runner(model, dtype, P, sum(lens) + 16, B + 2, max(lens) + P)
-    rpi = torch.randperm(B + 2, device=DEV)[:B]
-    fill_rows(r, rpi, lens, sum(lens) + 16)
-    loc = torch.cat([r.req_to_token[rpi[b], n - e:n].long() for b, (n, e) in
-                     enumerate(zip(lens, ext))])
-    return r, DraftExtendBatch(rpi, torch.tensor(lens, device=DEV),
-                               torch.tensor(ext, device=DEV), loc)
+    return make_extend(model, dtype, P, lens, ext)
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
