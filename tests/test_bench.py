@@ -1139,7 +1139,8 @@ def test_a_run_stopped_part_way_keeps_its_finished_cases(tmp_path, monkeypatch):
     out = tmp_path / "stopped"
     with pytest.raises(KeyboardInterrupt):
         cli_main(["--case", "cpu-gqa-small", "cpu-extend", "--device", "cpu", "--quick",
-                  "--backend", "torch_ref", "--reps", "1", "--out", str(out)])
+                  "--backend", "torch_ref", "--reps", "1", "--no-round", "--no-raw",
+                  "--no-sglang", "--out", str(out)])
     rows = report.read_csv(str(out / "bench.csv"))
     assert {r["case"] for r in rows} == {"cpu-gqa-small"}
     timed = [r for r in rows if r["variant"] == "torch_ref"]
