@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend, _replan)
+from specattn.backends.flashinfer._mla_plan import DeviceMLAPlan
 from specattn.data import DraftBatch, DraftExtendBatch
 from specattn.errors import InvalidInputError
 from standins import flashinfer as fi_standin
@@ -155,6 +156,13 @@ def host_work(fake_flashinfer, monkeypatch):  # noqa: F811 (the imported fixture
         return native(self, *args)
 
     monkeypatch.setattr(fi_standin.FakePlanner, "_plan_staged", counting)
+    on_device = DeviceMLAPlan.__call__
+
+    def counting_device(self, *args):  # an MLA graph replan's schedule, one launch
+        plans[id(self.workspace)] += 1
+        return on_device(self, *args)
+
+    monkeypatch.setattr(DeviceMLAPlan, "__call__", counting_device)
     for cls in (fi_standin.FakePrefill, fi_standin.FakeDecode, fi_standin.FakeMLA):
         monkeypatch.setattr(cls, "plan", _counting_public(cls.plan, plans))
     monkeypatch.setattr(validation, "_scan_values", lambda t, debug: bool(debug))

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from . import flashinfer_mla as mla
 from ._common import expect, masked_pv
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -101,24 +102,36 @@ class FakePlanner:
         expect(pin.device.type == "cpu" and iws.device == fws.device,
                "the native planner takes the pinned host copy of the int workspace")
         self.calls.append(args)
-        schedule = torch.tensor(qo.tolist() + kv.tolist() + lens.tolist()
-                                + [int(a) for a in args[6:]], dtype=torch.int32)
-        used = schedule.numel() * 4
-        pin.view(torch.int32)[:schedule.numel()].copy_(schedule)
+        plan_info, used = self._stage(*args)
         if self.copies:
             iws[:used].copy_(pin[:used], non_blocking=True)
+        return plan_info, used
+
+    def _stage(self, fws, iws, pin, qo, kv, lens, *scalars):
+        """``(plan_info, bytes)``: a schedule of every argument staged in ``pin``."""
+        schedule = torch.tensor(qo.tolist() + kv.tolist() + lens.tolist()
+                                + [int(a) for a in scalars], dtype=torch.int32)
+        used = schedule.numel() * 4
+        pin.view(torch.int32)[:schedule.numel()].copy_(schedule)
         return [used, lens.numel(), int(qo[-1]), int(kv[-1]), hash(tuple(schedule.tolist()))], used
 
 
 class FakeMLANative(FakePlanner):
-    """The MLA module's native planner (0.7.4): stages the schedule in the pinned buffer it is
-    given, copies nothing and returns ``(plan_info, staged bytes)``."""
+    """The MLA module's native planner (0.7.4): stages FlashInfer's MLA schedule
+    (``flashinfer_mla.mla_plan``) in the pinned buffer it is given, copies nothing and returns
+    ``(plan_info, staged bytes)``: ``plan(float_ws, int_ws, pinned, qo, kv, lens, heads,
+    head_dim, causal)``."""
 
     def __init__(self) -> None:
         super().__init__(copies=False)
 
     def plan(self, *args):
         return self._plan_staged(*args)
+
+    def _stage(self, fws, iws, pin, qo, kv, lens, heads, head_dim, causal):
+        plan_info, arrays = mla.mla_plan(qo.tolist(), kv.tolist(), lens.tolist(), heads,
+                                         causal)
+        return plan_info, mla.stage(pin, arrays)
 
 
 class FakeMLAProxy:
@@ -149,9 +162,9 @@ def _check_schedule(w, qo, kv, lens, used):
            "run: the int workspace holds the plan of another batch")
 
 
-def _int_workspaces(ws):
-    """0.7.4's per-wrapper int workspace (8 MiB there; small here) and its pinned copy."""
-    iws = torch.zeros(1 << 16, dtype=torch.uint8, device=ws.device)
+def _int_workspaces(ws, size=1 << 16):
+    """0.7.4's per-wrapper int workspace (8 MiB there; smaller here) and its pinned copy."""
+    iws = torch.zeros(size, dtype=torch.uint8, device=ws.device)
     return iws, torch.zeros(iws.shape, dtype=torch.uint8)
 
 
@@ -341,7 +354,7 @@ class FakeMLABackend:
         self._backend = "fa2"
         self._float_workspace_buffer = wrapper._float_workspace_buffer
         self.device = self._float_workspace_buffer.device
-        fresh = _int_workspaces(self._float_workspace_buffer)
+        fresh = _int_workspaces(self._float_workspace_buffer, mla.offsets()[1])
         self._int_workspace_buffer = fresh[0] if int_workspace is None else int_workspace
         self._pin_memory_int_workspace_buffer = fresh[1]  # a new pinned buffer per plan
         self._qo_indptr_buf, self._kv_indptr_buf = wrapper.graph_bufs[:2]
@@ -424,20 +437,19 @@ class FakeMLA(_FakeWrapper):
         lo, pages = pb._planned_kv_page_range
         expect(lo >= 0 and kv_cache[0].shape[0] >= pages,
                "KV cache does not cover the planned CSR page indices.")
-        qo, kvp = pb._qo_indptr_buf.tolist(), pb._kv_indptr_buf.tolist()
-        lens = pb._kv_len_arr_buf.tolist()
         expect(pb._plan_info == self._plan_info, "run: the wrapper and its backend disagree "
                "on plan_info")
-        _check_schedule(pb, qo, kvp, lens, pb._plan_info[0])
         fp8 = self.kv_data_type in _FP8
         expect(fp8 == (ckv_scale is not None) == (kpe_scale is not None),
                "ckv_scale and kpe_scale: required with an FP8 pool, refused otherwise")
         ckv, kpe = _host_scale("ckv_scale", ckv_scale), _host_scale("kpe_scale", kpe_scale)
         q = torch.cat([query[0], query[1]], -1)
-        kv = torch.cat([kv_cache[0][:, 0].float() * ckv, kv_cache[1][:, 0].float() * kpe],
-                       -1)[:, None]
-        o, lse = _attend_csr(q, kv, kv[..., :query[0].shape[-1]], qo, kvp,
-                             pb._kv_indices_buf, self.causal, self.scale, 0.0)
+        kv = torch.cat([kv_cache[0][:, 0].float() * ckv, kv_cache[1][:, 0].float() * kpe], -1)
+        # The kernel reads the schedule in the int workspace, nothing of the host plan.
+        schedule = mla.read_schedule(pb._int_workspace_buffer, pb._plan_info, mla.SMS)
+        o, lse = mla.run_schedule(pb._plan_info, schedule, pb._kv_indices_buf, q, kv,
+                                  query[0].shape[-1], q.shape[1], self.causal, self.scale,
+                                  mla.SMS)
         return (o, lse) if return_lse else o
 
 

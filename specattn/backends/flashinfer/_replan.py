@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...util import sm_count
+from ...util import sm_count, triton_runs
 
 if TYPE_CHECKING:
+    from ._mla_plan import DeviceMLAPlan
     from ._slots import HostCSR
 
 __all__ = ["Replanner", "direct_replanner"]
@@ -245,6 +246,7 @@ class _MLAReplanner(Replanner):
                  validate: Callable, capacity: Optional[int]) -> None:
         super().__init__(wrapper, key)
         pb = self.backend = wrapper._planned_backend
+        self.device_planner = device_plan(pb, num_heads)
         self.head = (pb._float_workspace_buffer, pb._int_workspace_buffer,
                      pb._pin_memory_int_workspace_buffer)
         self.num_heads, self.kv_bound, self.validate = num_heads, kv_bound, validate
@@ -301,14 +303,41 @@ class _MLAReplanner(Replanner):
         if self._checked(csr, bs):  # host lists: the CSR is on the host
             self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
                           pb._backend, pb._kv_data_type)
-        plan_info, staged = self._native(csr)
-        self._copy_csr((pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf), csr,
-                       on_device)
-        pb._plan_info = self.wrapper._plan_info = plan_info
-        pb._staged_int_workspace_bytes = staged
+        bufs = (pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf)
+        if self.device_planner is not None:  # the schedule of the captured lengths, by one launch
+            self._copy_csr(bufs, csr, on_device)
+            self.device_planner(csr.max_q)
+        else:
+            plan_info, staged = self._native(csr)
+            self._copy_csr(bufs, csr, on_device)
+            pb._plan_info = self.wrapper._plan_info = plan_info
+            pb._staged_int_workspace_bytes = staged
         pb._planned_query_shape = (csr.rows, self.num_heads)
         pb._planned_kv_page_range = (0, self.kv_bound) if csr.total > 0 else (0, 0)
         return True
+
+
+def device_plan(backend: Any, num_heads: int) -> Optional["DeviceMLAPlan"]:
+    """The device-side planner of a planned MLA backend's captured plan (``_mla_plan``), or
+    ``None`` where Triton does not run on its device or its ``plan_info`` is not 0.7.4's."""
+    from ._mla_plan import DeviceMLAPlan, plan_layout
+
+    layout = plan_layout(backend._plan_info)
+    if layout is None or not triton_runs(backend.device):
+        _fall_back_device(f"plan_info {backend._plan_info!r} is not FlashInfer 0.7.4's MLA "
+                          "layout" if layout is None else f"Triton does not run on "
+                          f"{backend.device}")
+        return None
+    return DeviceMLAPlan(layout, backend._qo_indptr_buf, backend._kv_indptr_buf,
+                         backend._kv_len_arr_buf, backend._int_workspace_buffer, num_heads,
+                         backend._causal)
+
+
+def _fall_back_device(why: str) -> None:
+    """Log once at INFO why an MLA graph replan runs FlashInfer's host planner."""
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("FlashInfer MLA graph replans run its host planner: %s", why)
 
 
 def _prefill(wrapper: Any, key: Any, kw: dict, heads: tuple):
