@@ -258,8 +258,8 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     (slots clamped into the pool), through strided index tensors, also past one block of
     lengths (``many``: 70 requests); with ``fixed`` it also copies the batch into the fixed
     buffers, the requests past it padded (row 0, length 1, slot 0); with ``csr`` it writes
-    the list's ``kv_indptr`` and lengths (as ``host_csr``); nothing is written past
-    ``total``."""
+    the list's ``kv_indptr`` and lengths (as ``host_csr``), with ``qo`` the query indptr of
+    strided extend lengths (padding requests: none); nothing is written past ``total``."""
     gen = torch.Generator().manual_seed(3)
     r2t = torch.randint(-5, 1100, (6, 700), generator=gen, dtype=torch.int32)
     rows = torch.tensor([[4, 9], [1, 9], [5, 9], [0, 9]])[:, 0]  # stride 2
@@ -280,12 +280,15 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     if padded:
         fixed = (torch.full((bs,), -1), torch.full((bs,), -1), torch.full((bs, 3, 5), -1))
     csr = (torch.full((bs + 1,), -1, dtype=torch.int32), torch.full((bs,), -1, dtype=torch.int32))
+    ext = torch.randint(0, 9, (raw, 3), generator=gen)[:, 1]  # stride 3
+    qo = torch.full((bs + 1,), -1, dtype=torch.int32)
     out = prefix_slots(got, total, int(all_lens.max()), r2t, rows, lens, 1000, bs=bs,
-                       fixed=fixed, loc=loc if padded else None, csr=csr)
+                       fixed=fixed, loc=loc if padded else None, csr=csr, qo=(ext, qo))
     assert out.data_ptr() == got.data_ptr() and out.numel() == total
     assert torch.equal(got, want)
     host = host_csr(host_arange(bs, 1), all_lens, 1)
     assert torch.equal(csr[0], host.kv_indptr) and torch.equal(csr[1], host.kv_lens)
+    assert torch.equal(qo, host_indptr(torch.cat([ext, torch.zeros(padded, dtype=ext.dtype)])))
     if padded:
         assert fixed[0].tolist() == rows.tolist() + [0] * padded
         assert fixed[1].tolist() == lens.tolist() + [1] * padded

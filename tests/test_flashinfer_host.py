@@ -221,7 +221,7 @@ def test_replay_metadata_plans_once_and_reads_nothing_back(host_work, monkeypatc
             assert dev.reads == [], dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
             assert plans.public == 0 and direct.calls == i + 1
-        assert on_device == [True] * 3
+        assert on_device == [(True, False)] * 3  # the prefix pass's query indptr is kept
 
 
 @pytest.mark.parametrize("mla, topk, tree_mode", DECODE[:2] + DECODE[3:4])
@@ -295,7 +295,7 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mon
             assert len(dev.reads) == reads, dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
             assert plans.public == 0
-    assert on_device == [True, True]
+    assert on_device == [(True, True)] * 2  # the extend's query indptr too
 
 
 def _captured_extend(mla: bool, seed: int):
@@ -335,13 +335,14 @@ def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla
 
 
 def _record_device_csr(monkeypatch) -> list:
-    """The ``on_device`` flag of every direct replan's CSR copy (``_replan``)."""
+    """The ``(on_device, qo_on_device)`` flags of every direct replan's CSR copy
+    (``_replan``)."""
     seen: list = []
     copy = _replan.Replanner._copy_csr
 
-    def recording(self, bufs, csr, on_device):
-        seen.append(on_device)
-        return copy(self, bufs, csr, on_device)
+    def recording(self, bufs, csr, on_device, qo_on_device=False):
+        seen.append((on_device, qo_on_device))
+        return copy(self, bufs, csr, on_device, qo_on_device)
 
     monkeypatch.setattr(_replan.Replanner, "_copy_csr", recording)
     return seen

@@ -13,7 +13,8 @@ round's fixed buffers, padded to the captured batch size as ``DraftDecodeBackend
 (request row 0, length ``fill``, slot 0), and the padded requests' prefixes are listed too.
 With ``csr`` it also writes the list's ``kv_indptr`` and ``kv_lens`` (each program knows its
 request's offset and length): the device copies of the host CSR that FlashInfer's plan would
-otherwise copy from the host every round.
+otherwise copy from the host every round; with ``qo`` (an extend round) also the query
+indptr of the round's new tokens.
 
 The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
 pool, positions into the row), which needs about fifteen launches for it.
@@ -46,18 +47,19 @@ _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every 
 # The caller's tensors and the total lead (a kept launch's new arguments); their addresses
 # move between rounds: no alignment specialization on them (``kernel_launch``).
 @triton.jit(do_not_specialize=["raw", "total"],
-            do_not_specialize_on_alignment=["Rows", "Lens", "Loc"])
-def _prefix_slots_kernel(Rows, Lens, Loc, total, ReqToToken, Out, FixRows, FixLens, FixLoc,
-                         CsrIndptr, CsrLens,
-                         stride_rows, stride_lens, stride_r2t_row, stride_r2t_pos,
+            do_not_specialize_on_alignment=["Rows", "Lens", "Loc", "Ext"])
+def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, ReqToToken, Out, FixRows, FixLens,
+                         FixLoc, CsrIndptr, CsrLens, QoIndptr,
+                         stride_rows, stride_lens, stride_ext, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
                          raw, num_slots, width, fill,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
-                         BLOCK_LOC: tl.constexpr, CSR: tl.constexpr):
+                         BLOCK_LOC: tl.constexpr, CSR: tl.constexpr, QO: tl.constexpr):
     """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
     BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding. CSR: program
-    ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``."""
+    ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``;
+    QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     real = b < raw
@@ -83,6 +85,18 @@ def _prefix_slots_kernel(Rows, Lens, Loc, total, ReqToToken, Out, FixRows, FixLe
             tl.store(CsrLens + b, n.to(tl.int32))
             if b == tl.num_programs(0) - 1:
                 tl.store(CsrIndptr + b + 1, (start + n).to(tl.int32))
+    if QO:
+        if tile == 0:
+            rows_before = (b * 0).to(tl.int64)
+            for first in range(0, b, BLOCK_B):
+                offs_b = first + tl.arange(0, BLOCK_B)
+                ext = tl.load(Ext + offs_b * stride_ext, mask=(offs_b < b) & (offs_b < raw),
+                              other=0).to(tl.int64)
+                rows_before += tl.sum(ext, 0)
+            tl.store(QoIndptr + b, rows_before.to(tl.int32))
+            if b == tl.num_programs(0) - 1:
+                mine = tl.where(real, tl.load(Ext + src * stride_ext).to(tl.int64), 0)
+                tl.store(QoIndptr + b + 1, (rows_before + mine).to(tl.int32))
     if FIXED:
         if tile == 0:
             tl.store(FixRows + b, row)
@@ -102,6 +116,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  fixed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                  loc: Optional[torch.Tensor] = None,
                  csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 qo: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  kept: Optional[dict] = None, kept_key: Optional[tuple] = None
                  ) -> torch.Tensor:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
@@ -114,6 +129,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
 
     fixed: ``(rows [bs], lens [bs], loc [bs, K, S])`` int64 contiguous buffers that get the
     padded batch (CUDA-graph rounds), ``loc``: the caller's ``out_cache_loc [raw, K, S]``.
+    csr: ``(kv_indptr [bs + 1], kv_lens [bs])`` int32 buffers that get the list's CSR.
+    qo: ``(ext [raw] int, any stride; qo_indptr [bs + 1] int32)``: an extend's new tokens per
+    request and the buffer that gets their indptr (padding requests have none).
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
     callers that launch it every round. kept_key: the caller's key for every argument but
     ``total`` and ``longest`` (a kept graph call's, whose tensors' signatures and addresses
@@ -125,6 +143,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
         return out[:0]
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
+    ext = out if qo is None else qo[0]
     key = None
     if kept is not None:
         key = (kept_key, tiles) if kept_key is not None else (
@@ -132,14 +151,15 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
             num_slots, signature(out), out.data_ptr(), signature(req_to_token),
             req_to_token.data_ptr(),
             None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
-            None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr))
+            None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr),
+            None if qo is None else (signature(qo[0]), signature(qo[1]), qo[1].data_ptr()))
         launch = kept.get(key)
         if launch is not None:
-            launch(rows, lens, src_loc, total)
+            launch(rows, lens, src_loc, ext, total)
             return out[:max(total, 0)]
-    launch = _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill, fixed,
-                     csr)
-    launch(rows, lens, src_loc, total)
+    launch = _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
+                     fixed, csr, None if qo is None else qo[1])
+    launch(rows, lens, src_loc, ext, total)
     if key is not None:
         if len(kept) >= MAX_KEPT:
             kept.clear()
@@ -147,9 +167,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     return out[:max(total, 0)]
 
 
-def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,
-            fixed, csr) -> KernelLaunch:
-    """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, total)``."""
+def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
+            fixed, csr, qo_indptr) -> KernelLaunch:
+    """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, ext, total)``."""
     if fixed is None:
         fix_rows = fix_lens = fix_loc = out
         loc_strides, steps, loc_n = (0, 0, 0), 1, 1
@@ -160,10 +180,11 @@ def _launch(out, req_to_token, rows, lens, src_loc, num_slots, bs, tiles, fill,
         loc_strides = src_loc.stride()
     csr_indptr, csr_lens = (out, out) if csr is None else csr
     tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, csr_indptr, csr_lens,
-            rows.stride(0), lens.stride(0),
+            out if qo_indptr is None else qo_indptr, rows.stride(0), lens.stride(0),
+            ext.stride(0),
             req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
             num_slots, req_to_token.shape[1], fill)
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
                   NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
-                  num_warps=4)
+                  QO=qo_indptr is not None, num_warps=4)
     return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

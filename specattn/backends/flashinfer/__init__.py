@@ -21,6 +21,8 @@ page size > 1 with ``topk > 1``). Layout of this package:
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
 - ``_replan.py``: a graph wrapper's later plans as direct calls of FlashInfer's native
   planner (the public ``plan`` costs far more host time);
+- ``_mla_plan.py``: an MLA graph wrapper's split schedule, written on the device by one
+  Triton launch in place of FlashInfer's MLA host planner;
 - ``specattn.kernels.history_merge``: the fused history pass + merge (Triton, shared with
   ``flashmla`` and ``fa4``);
 - ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;
@@ -28,11 +30,12 @@ page size > 1 with ``topk > 1``). Layout of this package:
 
 Limits: FlashInfer plans the softmax scale and the soft cap, so a layer with other values
 than the last plan triggers a re-plan (eager; refused under graph capture). MLA has no soft
-cap. CUDA graph replay (decode and extend) re-plans on the host (FlashInfer's scheduler is
-host code): per round one launch and one FlashInfer plan (``per-branch``: one per step; after
-the capture's public plan a direct call of FlashInfer's native planner), from
-the lengths' host copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one
-copy of the lengths per round, which waits for the device).
+cap. CUDA graph replay (decode and extend) re-plans before each replay: per round one
+launch and one FlashInfer plan of the MHA passes (``per-branch``: one per step; after the
+capture's public plan a direct call of FlashInfer's native planner, host code), and for MLA
+a second launch that writes FlashInfer's MLA schedule on the device; from the lengths' host
+copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one copy of the lengths
+per round, which waits for the device).
 """
 
 from __future__ import annotations

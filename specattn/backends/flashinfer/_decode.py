@@ -23,7 +23,8 @@ launch is kept per signature and grid and launched directly), and one FlashInfer
 prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: that launch,
 numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
 FlashInfer's native planner, ``_replan``, whose captured ``kv_indptr`` / ``kv_lens`` the
-launch writes too: no host-to-device copy of the CSR); no device-to-host read.
+launch writes too: no host-to-device copy of the CSR; MLA: a second launch that writes the
+schedule from them, ``_mla_plan``); no device-to-host read.
 ``per-branch`` mode plans the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one
 plan each: their KV sets differ; the serving loop never runs step ``S - 1``; eager calls
 plan it on first use), their slot lists built with torch (``_slots.fill_ragged_slots``). Run
@@ -176,6 +177,7 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
             # A graph round whose plan takes the key CSR written on the device: the host
             # CSR goes into kept pageable buffers (``host_csr``).
             dev_csr = None if source is None else rnd.prefix.device_csr()
+            dev_csr = None if dev_csr is None else dev_csr[:2]  # the query indptr is kept
             csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin,
                            out=None if dev_csr is None else self._host_bufs(rnd, bs))
             out = rnd.prefix.reserve(csr.total)

@@ -76,35 +76,44 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         if self._triton is None:
             self._triton = triton_runs(r.device)
         # Graph passes keep their slot-list launches (an eager pass's buffer may be
-        # replaced) and write the key CSR into the captured buffers: its host copy then goes
-        # into kept pageable buffers (nothing copies from them).
+        # replaced) and write the CSR, query indptr included, into the captured buffers:
+        # its host copy then goes into kept pageable buffers (nothing copies from them).
         dev_csr = p.device_csr() if p.graph and self._triton else None
-        csr = host_csr(host_indptr(ext_host, pin=p.pin), seq_host, int(ext_host.max()),
-                       pin=p.pin, out=None if dev_csr is None else
-                       self._host_bufs(p, len(seq_host)))
+        if dev_csr is None:
+            qo = host_indptr(ext_host, pin=p.pin)
+            csr = host_csr(qo, seq_host, int(ext_host.max()), pin=p.pin)
+        else:
+            kept = self._host_bufs(p, len(seq_host))
+            qo = host_indptr(ext_host, out=kept[2])
+            csr = host_csr(qo, seq_host, int(ext_host.max()), out=kept[:2])
         out = p.reserve(csr.total)
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
-            rows, lens = batch.req_pool_indices, batch.seq_lens
+            rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
             # A graph pass's buffers (slot list, device CSR) stay put: the pass, the CSR's
-            # addresses and the caller's two index tensors' signatures key its launch.
+            # addresses and the caller's index tensors' signatures key its launch.
             key = (id(p), signature(rows), signature(lens), None if dev_csr is None else
-                   tuple(t.data_ptr() for t in dev_csr)) if p.graph else None
+                   (signature(ext), tuple(t.data_ptr() for t in dev_csr))) if p.graph \
+                else None
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
-                         csr=dev_csr, kept=self._slot_launches if p.graph else None,
-                         kept_key=key)
+                         csr=None if dev_csr is None else dev_csr[:2],
+                         qo=None if dev_csr is None else (ext, dev_csr[2]),
+                         kept=self._slot_launches if p.graph else None, kept_key=key)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
-        p.plan(csr, True, self.params, on_device=dev_csr is not None)
+        on_device = dev_csr is not None
+        p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device)
         self._pass = p
 
-    def _host_bufs(self, p: Pass, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_indptr [m + 1], kv_lens [m])`` int32 host buffers kept per graph pass."""
+    def _host_bufs(self, p: Pass, m: int) -> tuple[torch.Tensor, ...]:
+        """``(kv_indptr [m + 1], kv_lens [m], qo_indptr [m + 1])`` int32 host buffers kept
+        per graph pass."""
         if p.host_csr is None or p.host_csr[1].numel() != m:
             p.host_csr = (torch.empty(m + 1, dtype=torch.int32),
-                          torch.empty(m, dtype=torch.int32))
+                          torch.empty(m, dtype=torch.int32),
+                          torch.empty(m + 1, dtype=torch.int32))
         return p.host_csr
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,

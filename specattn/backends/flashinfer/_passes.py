@@ -160,7 +160,7 @@ class Pass:
         self._direct: Optional[Replanner] = None  # graph passes: after the first public plan
         self._plan_kw: dict = {}  # the keyword arguments of the last public plan
         # Graph passes planned from a device-written CSR: its host copy, kept (pageable).
-        self.host_csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.host_csr: Optional[tuple[torch.Tensor, ...]] = None
 
     @property
     def graph(self) -> bool:
@@ -177,24 +177,27 @@ class Pass:
             self.wrapper = self._direct = None  # its reference is to the old buffer
         return self.indices
 
-    def device_csr(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``(kv_indptr [M + 1], kv_lens [M])``: the captured int32 buffers of the next plan's
-        CSR, which a caller may write on the device itself (then ``plan(...,
-        on_device=True)``); ``None`` where the next plan copies them from the host (no
-        direct replanner yet, or one that takes none)."""
+    def device_csr(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(kv_indptr [M + 1], kv_lens [M], qo_indptr [M + 1])``: the captured int32
+        buffers of the next plan's CSR, which a caller may write on the device itself (then
+        ``plan(..., on_device=True)``, and ``qo_on_device=True`` for the last); ``None``
+        where the next plan copies them from the host (no direct replanner yet, or one that
+        takes none)."""
         return self._direct.device_buffers() if self._direct is not None else None
 
     def plan(self, csr: "HostCSR", causal: bool, params: Params, *,
-             on_device: bool = False) -> None:
+             on_device: bool = False, qo_on_device: bool = False) -> None:
         """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only): a
         direct replan where the graph wrapper's last public plan had these parameters.
-        ``on_device``: ``device_csr()`` already holds ``csr``'s key indptr and lengths."""
+        ``on_device``: ``device_csr()`` already holds ``csr``'s key indptr and lengths,
+        ``qo_on_device``: and its query indptr."""
         if self.wrapper is None:
             self.wrapper = self._make_wrapper(csr.kv_lens.numel())
             self._direct = None
         self._last = (csr, causal)
         direct = self._direct
-        if direct is not None and direct.key == (causal, params) and direct(csr, on_device):
+        if direct is not None and direct.key == (causal, params) and \
+                direct(csr, on_device, qo_on_device):
             return
         self._public_plan(csr, causal, params)
 

@@ -24,6 +24,12 @@ never changes. The MLA bound that the public plan reads from the device (the ran
 ``kv_indices``, checked by its ``run``) is the pool: every slot the glue lists is clamped
 into ``[0, num_slots)``.
 
+An MLA graph wrapper does not call FlashInfer's MLA planner at all after its capture: its
+schedule is a function of the lengths the glue writes on the device, and one Triton launch
+writes it there (``_mla_plan``, ``device_plan``), keeping the capture's ``plan_info``
+(offsets and grid). Where that launch cannot run (Triton does not run on the device, or a
+``plan_info`` not laid out as 0.7.4's) the native planner serves, as for the other wrappers.
+
 ``direct_replanner`` makes a replanner after a public plan, or returns ``None`` (the caller
 keeps the public plan) for any state it does not recognise: not a graph wrapper, another
 backend than FlashInfer's fa2/fa3 planners, plan arguments it does not reproduce, or a
@@ -93,14 +99,16 @@ def _missing(obj: Any, names: tuple) -> Optional[str]:
 
 
 class Replanner:
-    """``replanner(csr, on_device) -> bool``: one direct replan of its wrapper for ``csr``;
-    ``False`` (nothing changed) where the public plan must serve this batch. ``key``: the
-    plan-time parameters it was made for (the caller's; another key needs a public plan).
+    """``replanner(csr, on_device, qo_on_device) -> bool``: one direct replan of its wrapper
+    for ``csr``; ``False`` (nothing changed) where the public plan must serve this batch.
+    ``key``: the plan-time parameters it was made for (the caller's; another key needs a
+    public plan).
 
     ``on_device``: the caller wrote ``kv_indptr`` and ``kv_lens`` of ``csr`` into
     ``device_buffers()`` itself (``kernels.prefix_slots``), so only the query indptr is
     copied, and only when it is another host tensor than the last one copied (a kept
-    ``qo_indptr`` is never written)."""
+    ``qo_indptr`` is never written); ``qo_on_device``: it wrote the query indptr there too
+    (an extend's), so nothing is copied."""
 
     def __init__(self, wrapper: Any, key: Any) -> None:
         self.wrapper = wrapper
@@ -108,29 +116,35 @@ class Replanner:
         self.calls = 0  # direct replans made
         self._qo_copied: Any = None  # the host qo_indptr last copied to the device
 
-    def __call__(self, csr: "HostCSR", on_device: bool = False) -> bool:
-        if not self._replan(csr, on_device):
+    def __call__(self, csr: "HostCSR", on_device: bool = False,
+                 qo_on_device: bool = False) -> bool:
+        if not self._replan(csr, on_device, qo_on_device):
             return False
         self.calls += 1
         return True
 
     def device_buffers(self) -> Optional[tuple]:
-        """``(kv_indptr [M + 1], kv_lens [M])``: the captured int32 buffers a replan copies
-        the host CSR's into (``None``: this wrapper takes no device-written CSR)."""
+        """``(kv_indptr [M + 1], kv_lens [M], qo_indptr [M + 1])``: the captured int32
+        buffers a replan copies the host CSR's into (``None``: this wrapper takes no
+        device-written CSR)."""
         return None
 
-    def _copy_csr(self, bufs: tuple, csr: "HostCSR", on_device: bool) -> None:
+    def _copy_csr(self, bufs: tuple, csr: "HostCSR", on_device: bool,
+                  qo_on_device: bool = False) -> None:
         """The host CSR into the captured ``bufs`` ``(qo_indptr, kv_indptr, kv_lens)``
-        (``non_blocking`` from pinned memory), but what ``on_device`` says is there."""
+        (``non_blocking`` from pinned memory), but what ``on_device`` / ``qo_on_device`` say
+        is there."""
         qo, kv, lens = bufs
-        if csr.qo_indptr is not self._qo_copied or not on_device:
+        if qo_on_device:
+            self._qo_copied = None
+        elif csr.qo_indptr is not self._qo_copied or not on_device:
             qo.copy_(csr.qo_indptr, non_blocking=True)
             self._qo_copied = csr.qo_indptr if on_device else None
         if not on_device:
             kv.copy_(csr.kv_indptr, non_blocking=True)
             lens.copy_(csr.kv_lens, non_blocking=True)
 
-    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
         raise NotImplementedError
 
 
@@ -166,9 +180,9 @@ class _PrefillReplanner(Replanner):
                      w._kv_lens_buffer[:w._fixed_batch_size])
 
     def device_buffers(self) -> Optional[tuple]:
-        return self.bufs[1:]
+        return (*self.bufs[1:], self.bufs[0])
 
-    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
         cap = w._max_total_num_rows
@@ -178,12 +192,14 @@ class _PrefillReplanner(Replanner):
                 *self.shape]
         if self.tail is not None:
             uniform = self.uniform
-            if uniform and csr.qo_indptr is not self._uniform_qo:
+            # A query indptr the caller wrote on the device is in a kept host buffer whose
+            # values change: checked every time.
+            if uniform and (qo_on_device or csr.qo_indptr is not self._uniform_qo):
                 if not _uniform_rows(csr, uniform):
                     return False  # FlashInfer drops the hint with a warning: its plan serves it
                 self._uniform_qo = csr.qo_indptr
             args += [*self.tail, uniform, False]
-        self._copy_csr(self.bufs, csr, on_device)
+        self._copy_csr(self.bufs, csr, on_device, qo_on_device)
         w._plan_info = self.plan(*args)
         w._batch_size = bs
         w._qo_indptr_last = csr.rows
@@ -209,7 +225,7 @@ class _DecodeReplanner(Replanner):
         self.tail = (-1, False, 0, 1, True) if w._backend == "fa2" else ()
         self.plan = w._cached_module.plan
 
-    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
         if on_device or bs != w._fixed_batch_size or csr.rows != bs:
@@ -226,6 +242,10 @@ class _MLAReplanner(Replanner):
     """``BatchMLAPagedAttentionWrapper`` planned on fa2/fa3 (0.7.4
     ``mla/_batch_mla/_backends/_fa_common.py``: ``_plan_generated_fa`` on the planned backend
     the first plan made, which a graph wrapper keeps).
+
+    ``device_planner`` (``_mla_plan.DeviceMLAPlan``, ``None`` where it cannot run): a replan
+    copies the query indptr (and the key CSR where the caller did not write it) and launches
+    it; FlashInfer's planner below is the fallback.
 
     0.7.4's MLA module is a proxy (``_BatchMLAModuleProxy``) whose native planner writes the
     schedule into the pinned int workspace and returns the bytes it staged; the proxy then
@@ -260,7 +280,8 @@ class _MLAReplanner(Replanner):
         self.plan = module.plan_with_staged_workspace_bytes if self.staged else module.plan
 
     def device_buffers(self) -> Optional[tuple]:
-        return self.backend._kv_indptr_buf, self.backend._kv_len_arr_buf
+        pb = self.backend
+        return pb._kv_indptr_buf, pb._kv_len_arr_buf, pb._qo_indptr_buf
 
     def _checked(self, csr: "HostCSR", bs: int) -> bool:
         """Whether the batch needs the public plan's workload check. Its work count is at
@@ -295,7 +316,7 @@ class _MLAReplanner(Replanner):
         device[:staged].copy_(block[:staged], non_blocking=True)
         return plan_info, staged
 
-    def _replan(self, csr: "HostCSR", on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
         pb = self.backend
         bs = csr.kv_lens.shape[0]
         if bs != pb._kv_len_arr_buf.shape[0] or csr.total > pb._kv_indices_buf.shape[0]:
@@ -305,11 +326,11 @@ class _MLAReplanner(Replanner):
                           pb._backend, pb._kv_data_type)
         bufs = (pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf)
         if self.device_planner is not None:  # the schedule of the captured lengths, by one launch
-            self._copy_csr(bufs, csr, on_device)
+            self._copy_csr(bufs, csr, on_device, qo_on_device)
             self.device_planner(csr.max_q)
         else:
             plan_info, staged = self._native(csr)
-            self._copy_csr(bufs, csr, on_device)
+            self._copy_csr(bufs, csr, on_device, qo_on_device)
             pb._plan_info = self.wrapper._plan_info = plan_info
             pb._staged_int_workspace_bytes = staged
         pb._planned_query_shape = (csr.rows, self.num_heads)
