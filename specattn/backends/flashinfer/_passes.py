@@ -19,7 +19,8 @@ other values (eager only).
 CUDA-graph passes re-plan before every replay: the first plan of a graph wrapper is
 FlashInfer's public ``plan`` (it sets up the wrapper, its module and captured buffers); later
 plans with the same scale, soft cap and causality call FlashInfer's native planner directly
-(``_replan``), falling back to the public plan for anything it does not recognise.
+(``_replan``; an MLA wrapper's schedule is written on the device instead, ``_mla_plan``),
+falling back to the public plan for anything it does not recognise.
 
 FP8 pools (``runner.fp8``): the plans name the pool's dtype as ``kv_data_type`` (the query
 stays in the model dtype), and ``run(q, layer_id, k_scale, v_scale)`` passes the scales as
