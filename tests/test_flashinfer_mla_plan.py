@@ -167,8 +167,10 @@ def test_plan_layout_reads_flashinfers_plan_info_only():
     layout = plan_layout(plan_info)
     assert layout.cluster == 1 and layout.clusters == mla.SMS
     assert layout.offsets == tuple(o // 4 for o in plan_info[2:16])
+    squeezed = list(plan_info)
+    squeezed[3] = squeezed[2] + 16 * 1024  # room for 4,096 work items, not 16,384
     for bad in ([64, 1, 4, 4, 0], plan_info[:2] + [4] + plan_info[3:], [3] + plan_info[1:],
-                None):
+                squeezed, None):
         assert plan_layout(bad) is None
 
 

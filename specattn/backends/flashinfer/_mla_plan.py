@@ -57,9 +57,16 @@ class MLAPlanLayout(NamedTuple):
     offsets: tuple  # q_indptr .. work_indptr: 14 element offsets
 
 
+# Entries of each array in ``plan_info``'s order: per work item, or per CTA (``None``).
+_ENTRIES = (_MAX_WORKS, _MAX_WORKS, _MAX_WORKS, None, None, None, None, None, _MAX_WORKS,
+            _MAX_WORKS, _MAX_WORKS, _MAX_WORKS, _MAX_WORKS, _MAX_WORKS)
+
+
 def plan_layout(plan_info: Any) -> Optional[MLAPlanLayout]:
-    """The layout of a FlashInfer MLA ``plan_info``, or ``None`` where it is not 0.7.4's
-    (18 values, 16-byte aligned offsets, a cluster of 1 or 2 CTAs)."""
+    """The layout of a FlashInfer MLA ``plan_info``, or ``None`` where it is not 0.7.4's:
+    18 values, a cluster of 1 or 2 CTAs, 16-byte aligned offsets in allocation order, each
+    array followed by room for its entries (``_MAX_WORKS`` per work-item array, one per CTA
+    for the merge arrays), so that no write of the device schedule reaches another array."""
     try:
         values = [int(v) for v in plan_info]
     except (TypeError, ValueError):
@@ -67,7 +74,10 @@ def plan_layout(plan_info: Any) -> Optional[MLAPlanLayout]:
     if len(values) != 18 or values[0] not in (1, 2) or values[1] < 1:
         return None
     offsets = values[2:16]
-    if any(o < 0 or o % 16 for o in offsets):
+    ctas = values[0] * values[1]
+    ends = offsets[1:] + [offsets[-1] + 4 * _MAX_WORKS]
+    if any(o < 0 or o % 16 or end - o < 4 * (n or ctas)
+           for o, end, n in zip(offsets, ends, _ENTRIES)):
         return None
     return MLAPlanLayout(values[0], values[1], tuple(o // 4 for o in offsets))
 
