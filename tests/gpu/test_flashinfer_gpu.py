@@ -342,12 +342,7 @@ def test_replay_metadata_host_time(shape):
             planner.append(time.perf_counter() - start)
 
     setattr(direct, attr, timed)
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-        times.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
+    times = _replay_call_times(backend, batch, bs)
     assert len(planner) == (0 if on_device else 20)
     planner = planner or [0.0] * 20
     median = sorted(times)[len(times) // 2]
@@ -358,6 +353,17 @@ def test_replay_metadata_host_time(shape):
     print(report)
     assert glue < 150e-6, report
     assert plan >= 30e-6 or median < 150e-6, report
+
+
+def _replay_call_times(backend, batch, bs: int, calls: int = 20) -> list:
+    """Host seconds of ``calls`` replay metadata calls, each after a synchronisation."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return times
 
 
 # (mla, requests, context): the serving extend shapes, 4 new tokens per request.
@@ -386,12 +392,7 @@ def test_extend_replay_metadata_host_time(mla, bs, ctx):
     torch.cuda.synchronize()
     direct = backend._graphs[bs]._direct
     assert direct is not None and (getattr(direct, "device_planner", None) is not None) == mla
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        backend.init_forward_metadata_replay_cuda_graph(batch, bs)
-        times.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
+    times = _replay_call_times(backend, batch, bs)
     median = sorted(times)[len(times) // 2]
     report = f"median {median * 1e6:.0f} us: {[round(t * 1e6) for t in sorted(times)]}"
     print(report)
