@@ -94,6 +94,15 @@ def _tile_keys(q_len, kv_len, tile, tiles, TILE: tl.constexpr, heads, CAUSAL: tl
     return keys
 
 
+@triton.jit
+def _merge_ctas(keys, rows, limit, CLUSTER: tl.constexpr):
+    """``(rows per merge CTA, merge CTAs)`` of a split tile: FlashInfer's ``max(keys *
+    cluster // limit, 1)`` groups of its rows, rounded up."""
+    groups = tl.maximum(keys * CLUSTER // limit, 1)
+    row_chunk = tl.maximum((rows + groups - 1) // groups, 1)
+    return row_chunk, (rows + row_chunk - 1) // row_chunk
+
+
 @triton.jit(do_not_specialize=["max_tiles"])
 def _mla_plan_kernel(max_tiles, QoIndptr, KvIndptr, KvLens, Work, bs, heads, clusters, ctas,
                      o_q_indptr, o_kv_indptr, o_partial, o_m_start, o_m_end, o_mp_start,
@@ -135,11 +144,10 @@ def _mla_plan_kernel(max_tiles, QoIndptr, KvIndptr, KvLens, Work, bs, heads, clu
         n = tl.maximum((keys + limit - 1) // limit, 1)
         rows = tl.minimum(TILE, q_len * heads - tile * TILE)
         split = (p < tiles) & (keys > limit)
-        row_chunk = (rows + tl.maximum(keys * CLUSTER // limit, 1) - 1) // \
-            tl.maximum(keys * CLUSTER // limit, 1)
+        _, ctas_of_tile = _merge_ctas(keys, rows, limit, CLUSTER)
         fulls += tl.where(p < tiles, n - 1, 0)
         parts += tl.where(split, n * rows, 0)
-        merges += tl.where(split, (rows + row_chunk - 1) // tl.maximum(row_chunk, 1), 0)
+        merges += tl.where(split, ctas_of_tile, 0)
     num_fulls = tl.sum(fulls)
     num_works = num_fulls + tl.sum(tiles)
     per, extra = num_works // clusters, num_works % clusters
@@ -191,8 +199,7 @@ def _mla_plan_kernel(max_tiles, QoIndptr, KvIndptr, KvLens, Work, bs, heads, clu
             tl.store(Work + o_kv_start + w, start, mask=ok)
             tl.store(Work + o_kv_end + w, tl.minimum(start + limit, keys), mask=ok)
         if split:
-            groups = tl.maximum(keys * CLUSTER // limit, 1)
-            row_chunk = (rows + groups - 1) // groups
+            row_chunk, ctas_of_tile = _merge_ctas(keys, rows, limit, CLUSTER)
             first = mj * row_chunk
             ok = (first < rows) & (merge_at + mj < ctas)
             at = merge_at + mj
@@ -202,7 +209,7 @@ def _mla_plan_kernel(max_tiles, QoIndptr, KvIndptr, KvLens, Work, bs, heads, clu
             tl.store(Work + o_mp_start + at, part_at + first, mask=ok)
             tl.store(Work + o_mp_end + at, part_at + n * rows + tl.zeros_like(mj), mask=ok)
             tl.store(Work + o_m_stride + at, rows + tl.zeros_like(mj), mask=ok)
-            merge_at += (rows + row_chunk - 1) // row_chunk
+            merge_at += ctas_of_tile
             part_at += n * rows
         full_at += n - 1
         tail_at += 1
@@ -218,7 +225,7 @@ class DeviceMLAPlan:
                  kv_indptr: torch.Tensor, kv_lens: torch.Tensor, workspace: torch.Tensor,
                  heads: int, causal: bool) -> None:
         bs = kv_lens.shape[0]
-        self.layout, self.heads, self.bs, self.workspace = layout, heads, bs, workspace
+        self.heads, self.workspace = heads, workspace
         self.tile = layout.cluster * _CTA_TILE_Q
         work = workspace.view(torch.int32)
         ctas = layout.cluster * layout.clusters
