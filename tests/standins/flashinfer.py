@@ -18,7 +18,8 @@ int and pinned int workspaces, the captured buffers, ``_plan_info`` and ``_cache
 under 0.7.4's names; the public plan ends with the native planner (``FakePlanner``, the
 argument list of 0.7.4's call), which writes a schedule of its arguments into the int
 workspace. ``run`` reads the CSR from the captured buffers and checks that the int workspace
-holds their schedule. The public MLA plan reads the range of ``kv_indices`` back from the
+holds their schedule; the MLA wrapper's planner writes FlashInfer's real MLA schedule
+(``flashinfer_mla``) and its ``run`` computes what that schedule says, reading nothing else. The public MLA plan reads the range of ``kv_indices`` back from the
 device (``aminmax(...).item()``), as 0.7.4 does.
 """
 
