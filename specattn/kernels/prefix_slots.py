@@ -65,11 +65,16 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, ReqToToken, Out, FixRows, 
     real = b < raw
     src = tl.minimum(b, raw - 1)  # padding loads a real request, then drops it
     start = (b * 0).to(tl.int64)  # the lengths of requests 0 .. b - 1, BLOCK_B at a time
+    rows_before = (b * 0).to(tl.int64)  # QO: their new tokens (padding has none)
     for first in range(0, b, BLOCK_B):
         offs_b = first + tl.arange(0, BLOCK_B)
         lens = tl.load(Lens + offs_b * stride_lens, mask=offs_b < raw, other=0).to(tl.int64)
         lens = tl.where(offs_b < raw, lens, fill)
         start += tl.sum(tl.where(offs_b < b, lens, 0), 0)
+        if QO:
+            ext = tl.load(Ext + offs_b * stride_ext, mask=(offs_b < b) & (offs_b < raw),
+                          other=0).to(tl.int64)
+            rows_before += tl.sum(ext, 0)
     n = tl.where(real, tl.load(Lens + src * stride_lens).to(tl.int64), fill)
     row = tl.where(real, tl.load(Rows + src * stride_rows).to(tl.int64), 0)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -87,12 +92,6 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, ReqToToken, Out, FixRows, 
                 tl.store(CsrIndptr + b + 1, (start + n).to(tl.int32))
     if QO:
         if tile == 0:
-            rows_before = (b * 0).to(tl.int64)
-            for first in range(0, b, BLOCK_B):
-                offs_b = first + tl.arange(0, BLOCK_B)
-                ext = tl.load(Ext + offs_b * stride_ext, mask=(offs_b < b) & (offs_b < raw),
-                              other=0).to(tl.int64)
-                rows_before += tl.sum(ext, 0)
             tl.store(QoIndptr + b, rows_before.to(tl.int32))
             if b == tl.num_programs(0) - 1:
                 mine = tl.where(real, tl.load(Ext + src * stride_ext).to(tl.int64), 0)

@@ -85,11 +85,12 @@ _MLA_BACKEND_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer",
                       "_kv_data_type", "_plan_generated_fa", "device")
 
 
-def _fall_back(why: str) -> None:
-    """Log once at INFO why a wrapper keeps FlashInfer's public plan."""
+def _fall_back(why: str, what: str = "FlashInfer graph replans use the public plan") -> None:
+    """Log once at INFO why a wrapper keeps FlashInfer's public plan (or, ``what``, another
+    fallback)."""
     if why not in _LOGGED:
         _LOGGED.add(why)
-        log.info("FlashInfer graph replans use the public plan: %s", why)
+        log.info("%s: %s", what, why)
 
 
 def _missing(obj: Any, names: tuple) -> Optional[str]:
@@ -324,13 +325,12 @@ class _MLAReplanner(Replanner):
         if self._checked(csr, bs):  # host lists: the CSR is on the host
             self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
                           pb._backend, pb._kv_data_type)
-        bufs = (pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf)
+        self._copy_csr((pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf), csr,
+                       on_device, qo_on_device)
         if self.device_planner is not None:  # the schedule of the captured lengths, by one launch
-            self._copy_csr(bufs, csr, on_device, qo_on_device)
             self.device_planner(csr.max_q)
         else:
             plan_info, staged = self._native(csr)
-            self._copy_csr(bufs, csr, on_device, qo_on_device)
             pb._plan_info = self.wrapper._plan_info = plan_info
             pb._staged_int_workspace_bytes = staged
         pb._planned_query_shape = (csr.rows, self.num_heads)
@@ -345,20 +345,13 @@ def device_plan(backend: Any, num_heads: int) -> Optional["DeviceMLAPlan"]:
 
     layout = plan_layout(backend._plan_info)
     if layout is None or not triton_runs(backend.device):
-        _fall_back_device(f"plan_info {backend._plan_info!r} is not FlashInfer 0.7.4's MLA "
-                          "layout" if layout is None else f"Triton does not run on "
-                          f"{backend.device}")
+        _fall_back(f"plan_info {backend._plan_info!r} is not FlashInfer 0.7.4's MLA layout"
+                   if layout is None else f"Triton does not run on {backend.device}",
+                   "FlashInfer MLA graph replans run its host planner")
         return None
     return DeviceMLAPlan(layout, backend._qo_indptr_buf, backend._kv_indptr_buf,
                          backend._kv_len_arr_buf, backend._int_workspace_buffer, num_heads,
                          backend._causal)
-
-
-def _fall_back_device(why: str) -> None:
-    """Log once at INFO why an MLA graph replan runs FlashInfer's host planner."""
-    if why not in _LOGGED:
-        _LOGGED.add(why)
-        log.info("FlashInfer MLA graph replans run its host planner: %s", why)
 
 
 def _prefill(wrapper: Any, key: Any, kw: dict, heads: tuple):
