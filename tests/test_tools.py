@@ -97,7 +97,7 @@ def test_gpu_check_dry_run_names_what_exists(tmp_path):
     assert res.returncode == 0, res.stderr
     assert f"install.sh {env['GPU_SITE']} flashinfer fa4" in res.stdout, res.stdout
     steps = _steps(res.stdout)
-    assert list(steps) == ["gpu-tests", "kit", "memcheck"], res.stdout
+    assert list(steps) == ["gpu-tests", "kit", "memcheck", "memcheck-graphs"], res.stdout
     for argv in steps.values():
         _assert_paths_exist(argv)
     tests = steps["gpu-tests"]
@@ -120,6 +120,9 @@ def test_gpu_check_dry_run_names_what_exists(tmp_path):
     memcheck = steps["memcheck"]
     assert memcheck[0].endswith("bin/compute-sanitizer") and "memcheck" in memcheck
     assert memcheck[memcheck.index("tools/oob_run.py") + 1:] == ["--backend", "triton"]
+    graphs = steps["memcheck-graphs"]
+    assert graphs[0] == memcheck[0] and "tests/conformance" in graphs
+    assert graphs[-1] == f"graph and ({kit[kit.index('-k') + 1]})"  # the kit's graph cases
     only = _gpu_sh({**env, "CHECK_STEPS": "kit"}, "check")
     assert list(_steps(only.stdout)) == ["kit"], only.stdout
 

@@ -7,7 +7,8 @@
 #                                          same warm machine, carries .gpu/fa4)
 #   bash tools/gpu.sh check [PYTEST_ARGS]  tests/gpu but the slow stress loops (PYTEST_ARGS
 #                                          added), the conformance kit on every GPU backend,
-#                                          compute-sanitizer memcheck over tools/oob_run.py;
+#                                          compute-sanitizer memcheck over tools/oob_run.py
+#                                          and the kit's CUDA-graph cases;
 #                                          CHECK_STEPS="stress" runs the stress loops
 #   bash tools/gpu.sh bench [ARGS]         python -m specattn bench ARGS, results in $OUT/bench/
 #                                          and $OUT/bench.tgz
@@ -155,6 +156,11 @@ check() {
   if [ -n "$cs" ]; then
     step memcheck "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 \
       "$PY" tools/oob_run.py --backend triton
+    # The kit's CUDA-graph cases: replays whose metadata (slot lists, CSRs, FlashInfer's MLA
+    # schedule) device launches write, at ragged and padded batches.
+    step memcheck-graphs "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 \
+      "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts= tests/conformance \
+      -k "graph and ($KIT_K)"
   else
     note "- memcheck: skipped (no compute-sanitizer on PATH or beside nvcc)"
   fi
