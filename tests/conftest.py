@@ -13,8 +13,23 @@ try:
     _HAS_CUDA = torch.cuda.is_available()
 except Exception:  # pragma: no cover
     _HAS_CUDA = False
+# pytest-xdist's workers share the machine's cores. torch's default, one thread per core in
+# every worker, oversubscribes them, and its OpenMP threads then wait on each other (CPU
+# tests of this suite ran up to 8x slower): each worker, and what it starts, takes its share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _CORES // _WORKERS))
+    if "torch" in globals():
+        torch.set_num_threads(max(1, _CORES // _WORKERS))
+
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from interpreter_patch_once import install
+
+        install()  # the interpreter patches triton.language once per launch, not per helper
 
 import pytest
 from hypothesis import HealthCheck, settings

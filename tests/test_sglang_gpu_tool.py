@@ -11,12 +11,12 @@ import csv
 import importlib.metadata
 import os
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from interpreter_patch_once import script_command
 from specattn.integrations.sglang.draft_round import (Record, compare, kv_reads,
                                                       tree_verdict, upstream_check)
 
@@ -37,10 +37,10 @@ def tool_run(tmp_path_factory):
         pytest.skip(_sglang_missing())
     out = tmp_path_factory.mktemp("sglang")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.abspath(ROOT)}
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "sglang_gpu.py"), "--out", str(out),
-           "--device", "cpu", "--dtype", "fp32", "--tiny", "--backends", "triton",
-           "--case", "mha:2:4", "--case", "mla:1:1", "--perturb",
-           "--timing", "2x8", "--timing-topks", "2", "--models", "mha"]
+    cmd = script_command(os.path.join(ROOT, "tools", "sglang_gpu.py"), "--out", str(out),
+                         "--device", "cpu", "--dtype", "fp32", "--tiny", "--backends",
+                         "triton", "--case", "mha:2:4", "--case", "mla:1:1", "--perturb",
+                         "--timing", "2x8", "--timing-topks", "2", "--models", "mha")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     return res, out
 

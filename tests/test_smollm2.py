@@ -36,6 +36,9 @@ def _missing() -> str | None:
 
 MISSING = _missing()
 needs_model = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+# One pytest-xdist worker for the module: the model loads once and _generate's runs are
+# shared by the tests that compare them.
+pytestmark = pytest.mark.xdist_group("smollm2")
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.")
