@@ -552,10 +552,11 @@ def test_extend_split_counts_of_gluon_split(sm90, monkeypatch):
     monkeypatch.setattr(plans, "sms", lambda device: 132)
     split = plans.PLANS["gluon-split"]
     assert launchers.split_cap(split, 8) == plans.MAX_SPLITS
-    assert launchers.split_cap(split, 8, extend=True) == 34  # 16 x 17 // 8
+    assert launchers.split_cap(split, 8, extend=True) == 51  # 24 x 17 // 8
     r, _ = mla_extend_round([2000], [6])
-    # 6 tokens x 16 heads: 2 row tiles; 132 // 2 = 66 splits, capped at 16 x 17 // 6 = 45.
-    assert TritonExtend(r)._plan_for(1, 6, 6)["num_splits"] == 45
+    # 6 tokens x 16 heads: 2 row tiles; 132 // 2 = 66 splits, capped at DOT_MAX_SPLITS
+    # (24 x 17 // 6 = 68 parts fit).
+    assert TritonExtend(r)._plan_for(1, 6, 6)["num_splits"] == plans.DOT_MAX_SPLITS
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])

@@ -214,8 +214,9 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     num_splits above the cap is one short error."""
     dot, cute = plans.PLANS["dot"], plans.PLANS["cute"]
     assert launchers.split_cap(dot, 4) == plans.DOT_MAX_SPLITS
-    assert launchers.split_cap(dot, 8) == 33 and launchers.split_cap(dot, 256) == 16
-    assert launchers.split_cap(cute, 4) == 8 * 68 and launchers.split_cap(cute, 256) == 8 * 17
+    assert launchers.split_cap(dot, 8) == 50  # 24 x 17 // 8 parts, less the tail's
+    assert launchers.split_cap(dot, 256) == 16
+    assert launchers.split_cap(cute, 4) == 8 * 102 and launchers.split_cap(cute, 256) == 8 * 17
     assert launchers.split_cap(plans.PLANS["gluon-split"], 4) == plans.MAX_SPLITS
     # gluon-wl's partials follow its work list: any row count may force up to DOT_MAX_SPLITS
     assert launchers.split_cap(plans.PLANS["gluon-wl"], 256) == plans.DOT_MAX_SPLITS
@@ -256,8 +257,8 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     assert launchers.plan_splits(fp8, GQA, 32, 40, h200, extend=False, rows=320,
                                  kv_bytes=1) == 2
     runner = _runner_for(GQA, torch.float32)
-    with pytest.raises(InvalidInputError, match=r"num_splits.*at most 33 with plan dot-m16 for 8"):
-        b = TritonDecode(runner, 4, 2, num_splits=40)
+    with pytest.raises(InvalidInputError, match=r"num_splits.*at most 50 with plan dot-m16 for 8"):
+        b = TritonDecode(runner, 4, 2, num_splits=60)
         b._make_plan(2)
     with pytest.raises(InvalidInputError, match=r"num_splits.*\[1, 256\]"):
         TritonDecode(runner, 4, 2, num_splits=257)
@@ -265,12 +266,12 @@ def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
 
 def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):
     """dot-mla (one partial per split, no tail part) takes the split-KV kernel's room rule: one
-    MLA request of 16 heads at 32k gets 64 splits in decode (K = 4: one 64-row tile) and 45
-    in extend (E = 6: two row tiles, 90 programs), where MAX_SPLITS gave 16 and 32 programs;
+    MLA request of 16 heads at 32k gets 64 splits in decode (K = 4: one 64-row tile) and in
+    extend (E = 6: two row tiles, 128 programs), where MAX_SPLITS gave 16 and 32 programs;
     the parts always fit the partial buffers."""
     mla = plans.PLANS["dot-mla"]
     assert launchers.split_cap(mla, 4) == plans.DOT_MAX_SPLITS
-    assert launchers.split_cap(mla, 6) == 45 and launchers.split_cap(mla, 256) == 17
+    assert launchers.split_cap(mla, 6) == 64 and launchers.split_cap(mla, 256) == 17
     for rows in (1, 3, 4, 6, 8, 15, 16, 17, 100):
         parts = launchers.num_parts(mla, launchers.split_cap(mla, rows))
         assert rows * parts <= max(rows, plans.PARTIAL_ROWS) * (plans.MAX_SPLITS + 1)
@@ -278,7 +279,7 @@ def test_dot_mla_split_cap_fills_the_gpu_from_one_request(monkeypatch):
     monkeypatch.setattr(plans, "sms", lambda device: 132)  # an H200
     h200 = torch.device("cpu")
     assert launchers.plan_splits(mla, MLA, 4 * 16, 1, h200, extend=False, rows=4) == 64
-    assert launchers.plan_splits(mla, MLA, 6 * 16, 1, h200, extend=True, rows=6) == 45
+    assert launchers.plan_splits(mla, MLA, 6 * 16, 1, h200, extend=True, rows=6) == 64
     assert launchers.plan_splits(mla, MLA, 4 * 16, 32, h200, extend=False, rows=128) == 4
 
 
