@@ -64,27 +64,27 @@ def install() -> bool:
         return False
     scope_type = interpreter._LangPatchScope
     run_grid = grid.__call__
-    launches: list[frozenset] = []  # per launch running: the language modules it patched
-    state = {"launch_patch": False}  # the next _patch_lang call is a launch's own
-
     both = SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
+    patched = _language_modules(both, tl)  # what every launch patches
+    # Launches running, and whether the next _patch_lang call is a launch's own.
+    state = {"launches": 0, "launch_patch": False}
 
     def patch_lang(fn):
         if state["launch_patch"]:  # a launch patches both modules its helpers may name
             state["launch_patch"] = False
             return original(both)
-        if launches and _language_modules(fn, tl) <= launches[-1]:
-            return scope_type()  # a helper inside a launch that has patched its modules
+        if state["launches"] and _language_modules(fn, tl) <= patched:
+            return scope_type()  # a helper inside a launch: its modules are patched
         return original(fn)
 
     def launch(self, *args, **kwargs):
-        launches.append(_language_modules(both, tl))
+        state["launches"] += 1
         state["launch_patch"] = True
         try:
             return run_grid(self, *args, **kwargs)
         finally:
             state["launch_patch"] = False
-            launches.pop()
+            state["launches"] -= 1
 
     patch_lang._patched_once = True
     interpreter._patch_lang = patch_lang
