@@ -46,7 +46,7 @@ COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 # instruction; its rows are distributed as COPY_LAYOUT's (a conversion between their row
 # slices moves nothing), so the 64-wide rope part goes through COPY_LAYOUT.
 FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
-# Latent columns widened at a time: the whole row, 128 codes a thread (2-3% faster than 128
+# Latent columns widened at a time: the whole row, 128 codes a thread (1-3% faster than 128
 # or 256 columns on the H200, docs/kernels.md).
 FP8_COLS = gl.constexpr(512)
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
