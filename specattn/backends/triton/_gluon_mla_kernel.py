@@ -49,7 +49,6 @@ FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 # Latent columns widened at a time: the whole row, 128 codes a thread (1-3% faster than 128
 # or 256 columns on the H200, docs/kernels.md).
 FP8_COLS = gl.constexpr(512)
-HALF = gl.constexpr(256)  # FP8 tiles: latent columns widened while the other half's S runs
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 
 
@@ -232,51 +231,27 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     async_copy.wait_group(NUM_STAGES - 1)
     gl.thread_barrier()
     stage = t % NUM_STAGES
-    # The latent in two halves: the first half's (and the rope's) S wgmmas run while the
-    # second half widens. Two branches, the finite check compiled into the tail's only: as a
-    # runtime operand of one widening it was computed and selected on every code of every
-    # tile.
-    tail = t >= n_pref
-    _widen_half(k_ring.index(stage), k_s, 0, tail)
-    if tail:
+    # Two branches, the finite check compiled into the tail's only: as a runtime operand of
+    # one widening it was computed and selected on every code of every tile.
+    if t >= n_pref:
+        _widen_tile(k_ring.index(stage), k_s, True, FP8_COLS, FP8_LAYOUT)
         _widen_tile(kpe_ring.index(stage), kpe_s, True, D_PE, COPY_LAYOUT)
     else:
+        _widen_tile(k_ring.index(stage), k_s, False, FP8_COLS, FP8_LAYOUT)
         _widen_tile(kpe_ring.index(stage), kpe_s, False, D_PE, COPY_LAYOUT)
+    # The staging tile (and Q) visible to the wgmmas; every warp is done with the stage.
     fence_async_shared()
     gl.thread_barrier()
-    s_tok = warpgroup_mma(q_smem.slice(0, HALF, dim=1),
-                          k_s.slice(0, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    s_tok = warpgroup_mma(qpe_smem, kpe_s.permute((1, 0)), s_tok, is_async=True)
-    _widen_half(k_ring.index(stage), k_s, HALF, tail)
-    # The staging tile visible to the wgmmas; every warp is done with the ring stage.
-    fence_async_shared()
-    gl.thread_barrier()
-    s_tok = warpgroup_mma(q_smem.slice(HALF, HALF, dim=1),
-                          k_s.slice(HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
     _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start,
                     end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                     stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
     async_copy.commit_group()
     slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
                           FP8_LAYOUT)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    acc, m_i, l_i = _attend_scores(t, s, acc, m_i, l_i, k_s, row_lane, n_pref, start, end,
-                                   n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N, USE_CAP,
-                                   p_layout, MODE == MODE_EXTEND)
+    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero,
+                                 row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
+                                 logit_cap, BLOCK_N, USE_CAP, p_layout, MODE == MODE_EXTEND)
     return acc, m_i, l_i, slots
-
-
-@gluon.jit
-def _widen_half(ring, k_s, col: gl.constexpr, tail):
-    """Latent columns ``[col, col + HALF)`` of a ring stage widened into the staging tile
-    (``tail``: a history tile, its non-finite values zeroed)."""
-    src = ring.slice(col, HALF, dim=1)
-    dst = k_s.slice(col, HALF, dim=1)
-    if tail:
-        _widen_tile(src, dst, True, HALF, FP8_LAYOUT)
-    else:
-        _widen_tile(src, dst, False, HALF, FP8_LAYOUT)
 
 
 @gluon.jit
@@ -286,22 +261,12 @@ def _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero, row_lan
     """Key tile ``t`` in shared memory (``k_s [BLOCK_N, D_MAIN]``, ``kpe_s [BLOCK_N, D_PE]``,
     visible to the wgmmas): ``S = Q.K^T + Qpe.Kpe^T``, the online softmax, ``acc += P.K``
     (``CAUSAL``: ``_tile_vis``'s extend tail). Returns ``(acc, m_i, l_i)``."""
+    dtype: gl.constexpr = k_s.dtype
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = s_zero.type.layout
     s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s_tok = warpgroup_mma(qpe_smem, kpe_s.permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
-    return _attend_scores(t, s, acc, m_i, l_i, k_s, row_lane, n_pref, start, end, n_lo, n_hi,
-                          hl, qk_scale, logit_cap, BLOCK_N, USE_CAP, p_layout, CAUSAL)
-
-
-@gluon.jit
-def _attend_scores(t, s, acc, m_i, l_i, k_s, row_lane, n_pref, start, end, n_lo, n_hi, hl,
-                   qk_scale, logit_cap, BLOCK_N: gl.constexpr, USE_CAP: gl.constexpr,
-                   p_layout: gl.constexpr, CAUSAL: gl.constexpr = False):
-    """Tile ``t``'s raw scores ``s [BLOCK_M, BLOCK_N]`` (waited): the online softmax and
-    ``acc += P.K``. Returns ``(acc, m_i, l_i)``."""
-    dtype: gl.constexpr = k_s.dtype
-    o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = s.type.layout
     vis = _tile_vis(t, row_lane, n_pref, start, end, n_lo, n_hi, hl, BLOCK_N, s_layout, CAUSAL)
     p, alpha, m_i, l_i = _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
