@@ -516,9 +516,8 @@ def _gluon_mla_kernel(
         # ahead: a stage is free once widened).
         q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
         k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
-        if not Q_F16:  # Q by cp.async, in the first copy group
-            _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                     q_prescale, H, Q_F16)
+        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+                 q_prescale, H, Q_F16)
         for i in gl.static_range(NUM_STAGES):
             _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
                                              FP8_LAYOUT),
@@ -527,9 +526,6 @@ def _gluon_mla_kernel(
                             TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
             async_copy.commit_group()
         slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, FP8_LAYOUT)
-        if Q_F16:  # through registers, while the ring's first tiles are in flight
-            _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                     q_prescale, H, Q_F16)
     else:
         q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
         # Q rows (row m: lane m // H, head m % H), in the first copy group.

@@ -87,9 +87,8 @@ def _gluon_mla_wl_kernel(
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
-        if not (FP8 and Q_F16):  # Q by cp.async, in the first copy group
-            _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                     q_prescale, H, Q_F16)
+        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
+                 q_prescale, H, Q_F16)
         if FP8:
             for i in gl.static_range(NUM_STAGES):
                 _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
@@ -101,9 +100,6 @@ def _gluon_mla_wl_kernel(
                 async_copy.commit_group()
             slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
                                   FP8_LAYOUT)
-            if Q_F16:  # through registers, while the ring's first tiles are in flight
-                _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                         q_prescale, H, Q_F16)
         else:
             for i in gl.static_range(NUM_STAGES - 1):
                 _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
