@@ -48,7 +48,7 @@ COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 # Latent columns widened at a time: the whole row, 128 codes a thread (1-3% faster than 128
 # or 256 columns on the H200, docs/kernels.md).
-FP8_COLS = gl.constexpr(512)
+FP8_COLS = D_MAIN
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 
 
