@@ -32,8 +32,6 @@ def _gluon_mla_wl_kernel(
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
     ``_gluon_mla_kernel``; ``PDL`` / ``PDL_WAIT`` as there (the merge: the segment merge)."""
-    if PDL_WAIT:
-        wait_for_primary()
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -96,7 +94,7 @@ def _gluon_mla_wl_kernel(
                                 k_ring, kpe_ring, KV, stride_kvs, n_pref, 0, end, n_lo, n_hi,
                                 hl, q_start, b, step, Hist, Parents, stride_par_s,
                                 stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                                NUM_STAGES)
+                                NUM_STAGES, PDL_WAIT)
                 async_copy.commit_group()
             slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
                                   FP8_LAYOUT)
@@ -124,7 +122,7 @@ def _gluon_mla_wl_kernel(
                     stride_kvs, n_pref, 0, end, n_lo, n_hi, hl, q_start, b, step, Hist,
                     Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
                     qk_scale * k_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
-                    P_LAYOUT)
+                    P_LAYOUT, PDL_WAIT)
             async_copy.wait_group(0)
             acc = acc * k_scale  # the value scale: the latent is the value
         else:
@@ -149,5 +147,7 @@ def _gluon_mla_wl_kernel(
                           MidLse + slot * stride_ml_g - q_start * H,
                           stride_ot, stride_oh, H * D_MAIN, D_MAIN, 0, H, 1, q_start,
                           row_lo, n_rows, 0, 0, H, False, True, row_layout)
+    if PDL_WAIT:
+        wait_for_primary()
     if PDL:
         launch_dependents()

@@ -71,9 +71,13 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     writes them; ``rows``: the grid's query rows per request (``max E * H``; decode: ``K *
     H``, the default).
     ``pdl`` (sm90): every program releases the merge launch (a programmatic dependent
-    launch, ``pdl.launch_args``) once it has stored its result; with ``dependent`` the
-    kernel is itself such a launch after the KV write launch and waits for it first."""
+    launch, ``pdl.launch_args``) once it has stored its result; with ``dependent`` (FP8
+    pools) the kernel is itself such a launch after the KV write launch: a program waits for
+    it before its first tail tile (the prefix is older keys) and before it ends."""
     fp8 = kv.dtype in FP8_POOLS
+    if dependent and not fp8:
+        raise ValueError("a dependent Gluon launch serves FP8 pools only: over other pools "
+                         "the kernel stores the call's keys itself")
     if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
         raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
     if not fp8 and kv.dtype != q.dtype:
