@@ -460,6 +460,39 @@ def test_kits_fp8_cases_with_the_fp8_write_launch(monkeypatch, kv, model, kind):
     assert report.ok and report.passed >= 2 and served, report
 
 
+@pytest.mark.parametrize("decode,sms,tail", [(True, 4, True), (True, 1, False),
+                                             (False, 4, False)])
+def test_fp8_decode_tail_stores_the_codes_in_few_request_rounds(monkeypatch, decode, sms,
+                                                                 tail):
+    """Over FP8 pools whose codes the kernel gives (``fp8_write``), a decode round of few
+    requests is two launches as over bf16: the tail programs store the codes (``NEW_KV``
+    with ``FP8``, the write's scales and variant); many requests and extend keep the KV
+    write launch."""
+    _kernel_fp8_write(monkeypatch)
+    monkeypatch.setattr(plans, "sms", lambda device: sms)
+    kws: list = []
+    log = _recorded_launches(monkeypatch, "mha", "dot", "fp8_e4m3", decode=decode, kws=kws)
+    assert [name for name, *_ in log].count("_write_kv_kernel") == (0 if tail else 1)
+    (kw,) = [kw for kw in kws if "D_PE" in kw]
+    assert kw.get("NEW_KV", False) is tail and kw.get("FP8", False) is tail
+    if tail:
+        assert kw["K_QUANT"] == kw["V_QUANT"] == 2 and kw["E5M2"] is False
+
+
+@pytest.mark.parametrize("kv,sms", [("fp8_e4m3", 32), ("fp8_e5m2", 32), ("fp8_e4m3", 1)])
+def test_kits_fp8_decode_cases_with_the_tail_storing_the_codes(monkeypatch, kv, sms):
+    """The kit's FP8 decode cases (pools bit for bit against ``runner.write_kv``, scales
+    changed between rounds, graphs) where the tail programs store the codes (a round's
+    programs fit 32 SMs) and where the KV write launch does (1 SM)."""
+    from specattn.testing import check_backend
+
+    served = _kernel_fp8_write(monkeypatch)
+    monkeypatch.setattr(plans, "sms", lambda device: sms)
+    report = check_backend("triton", device=DEV, kinds=("decode",), models=("mha",),
+                           select=f"kv-{kv}", raise_on_failure=False)
+    assert report.ok and report.passed >= 2 and served, report
+
+
 def test_pdl_reaches_both_classes_as_a_bench_option():
     """``--option triton:pdl=True`` sets the keyword of the decode and the extend class."""
     from specattn.bench.options import check_options, parse_option

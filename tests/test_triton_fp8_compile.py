@@ -65,8 +65,19 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
     setattr(K, name, capture)
     from specattn.kernels import kv_write as W
 
-    W._write_kv_kernel = Capture(W._write_kv_kernel)  # bf16 pools: the KV write launch
+    W._write_kv_kernel = Capture(W._write_kv_kernel)  # the KV write launch, where there is one
     L.merge_partials = lambda *args, **kw: None
+    # FP8 pools as on a CUDA device whose torch the kernels' codes match (``fp8_write``):
+    # a few-request decode's tail stores the codes (``NEW_KV`` with ``FP8``).
+    from specattn.kernels import fp8_codes as F
+
+    def fp8_write(runner, layer, new_kv, device):
+        k, v = (F.write_scale(x, device) for x in (layer.k_scale, layer.v_scale))
+        codes = F.Codes(runner.k_buffer[0].dtype == torch.float8_e5m2, True, False) \
+            if not runner.use_mla_backend else F.Codes(False, True, False)
+        return W.Fp8Write(k[0], v[0], k[1], v[1], codes)
+
+    L.fp8_write = fp8_write
     dt = getattr(torch, dtype)
     topk, steps, slots = (topk or (4 if model == "mla" else 8)), 3, 256
     if model == "mla":
@@ -183,12 +194,13 @@ def test_programs_per_sm_table_is_the_sm90_build(triton_of_the_gpu, key, extend)
     """``plans.PROGRAMS_PER_SM`` (which sizes the serving regime's one-wave prefix splits)
     is what the kernel Triton builds for sm90 leaves room for, bf16 queries at head dim 128:
     the few-request decode and extend builds (``dot-m16`` serves decode only), whose tail
-    stores the new KV over bf16 pools (``NEW_KV``; FP8 pools keep the write launch)."""
+    stores the new KV (``NEW_KV``) over bf16 pools and, in decode, over FP8 ones (torch's
+    codes; FP8 extend keeps the write launch)."""
     plan, rows, kv_bytes = key
     got = in_child(__file__, dict(model="mha", kv="auto" if kv_bytes == 2 else "fp8_e4m3",
                                   plan=plan, extend=extend, dtype="bfloat16", topk=rows // 4))
     print(got)
-    assert got["new_kv"] is (kv_bytes == 2), got
+    assert got["new_kv"] is (kv_bytes == 2 or not extend), got
     assert programs_per_sm(got["shared"], got["regs"], got["warps"]) == \
         plans.PROGRAMS_PER_SM[key], got
 

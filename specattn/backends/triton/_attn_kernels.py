@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...kernels.fp8_codes import quantize_block
 from ...kernels.latent import load_latent
 from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import (Q_F16_SCALE, attend_kv, attend_tile, finite, in_pool, load_kv,
@@ -39,7 +40,7 @@ MODE_EXTEND = tl.constexpr(2)
 @triton.jit
 def _partial_attn_kernel(
         Q, Kb, Vb, Kin, Vin, MidO, MidLse, ReqToToken, Meta, Hist, Parents, KScale, VScale,
-        step, sm_scale, logit_cap, q_prescale,
+        WKScale, WVScale, step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
@@ -52,7 +53,9 @@ def _partial_attn_kernel(
         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, SCALED: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
         Q_F16: tl.constexpr = False, NEW_KV: tl.constexpr = False,
-        BLOCK_KW: tl.constexpr = 16, V_CVT: tl.constexpr = False):
+        BLOCK_KW: tl.constexpr = 16, V_CVT: tl.constexpr = False, FP8: tl.constexpr = False,
+        K_QUANT: tl.constexpr = 0, V_QUANT: tl.constexpr = 0, E5M2: tl.constexpr = False,
+        SATURATE: tl.constexpr = True, SIGNED_NAN: tl.constexpr = True):
     """Grid ``(row_blocks, groups * H_kv, NUM_SPLITS + 1)``; program ``split == NUM_SPLITS``
     walks the tail (fusing it into the last split measured ~10% slower on the H200).
 
@@ -62,7 +65,11 @@ def _partial_attn_kernel(
     block's lanes' (extend: new tokens') keys and values, Kin / Vin [rows, H_kv, D]
     (``BLOCK_KW``: the key row's width, a power of two), at ``Hist[row, step]`` and reads
     them from Kin / Vin, not back from the pool (another program of the launch may not have
-    stored them yet; the prefix splits never read them); MidO:
+    stored them yet; the prefix splits never read them). NEW_KV with FP8 (decode over FP8
+    pools): the tail program stores torch's codes of its lanes' keys and values
+    (``fp8_codes.quantize_block`` with ``WKScale`` / ``WVScale``, ``K_QUANT`` / ``V_QUANT``
+    and the conversion variant, as ``_write_kv_kernel``) and reads them back from the pool
+    after a barrier: a decode tail reads only its own lanes' new keys. MidO:
     [rows, H_q, NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta:
     [B, 5] int32; Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new
     tokens' slots);
@@ -127,11 +134,15 @@ def _partial_attn_kernel(
             new_ok = lanes < n_hi // hl
             _store_new_keys(new_ok, new_src, Kin + kvh * stride_kin_h, Kb + kvh * stride_kh,
                             Hist, step, stride_kin_t, stride_ks, NUM_STEPS, num_slots,
-                            D_MAIN + D_PE, BLOCK_KW)
+                            D_MAIN + D_PE, BLOCK_KW, WKScale, FP8, K_QUANT, E5M2, SATURATE,
+                            SIGNED_NAN)
             if not V_IS_K:
                 _store_new_keys(new_ok, new_src, Vin + kvh * stride_vin_h, Vb + kvh * stride_vh,
                                 Hist, step, stride_vin_t, stride_vs, NUM_STEPS, num_slots,
-                                D_V, BLOCK_DV)
+                                D_V, BLOCK_DV, WVScale, FP8, V_QUANT, E5M2, SATURATE,
+                                SIGNED_NAN)
+            if FP8:
+                tl.debug_barrier()  # the codes stored, visible to the block's loads below
         for n0 in range(n_lo, n_hi, BLOCK_N):
             idx, key_ok, slot, vis = _tail_keys(n0 + offs_n, n_hi, row_ok, hl, q_local, q_start,
                                                 b, step, r2t_row, prefix_len, Hist, Parents,
@@ -139,7 +150,7 @@ def _partial_attn_kernel(
                                                 num_slots, MODE)
             k_rows = Kb + slot * stride_ks + kvh * stride_kh
             v_rows = Vb + slot * stride_vs + kvh * stride_vh
-            if NEW_KV:  # a lane's last key is its new one: read from Kin / Vin
+            if NEW_KV and not FP8:  # a lane's last key is its new one: read from Kin / Vin
                 new, src = _new_keys(idx, key_ok, hl, q_start, MODE)
                 k_rows = tl.where(new, Kin + src * stride_kin_t + kvh * stride_kin_h, k_rows)
                 v_rows = tl.where(new, Vin + src * stride_vin_t + kvh * stride_vin_h, v_rows)
@@ -208,22 +219,32 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
 
 @triton.jit
 def _store_new_keys(new, src, Kin, KV, Hist, step, stride_kin_t, stride_kvs, NUM_STEPS,
-                    num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr):
+                    num_slots, KW: tl.constexpr, BLOCK_KW: tl.constexpr, Scale=None,
+                    FP8: tl.constexpr = False, QUANT: tl.constexpr = 0,
+                    E5M2: tl.constexpr = False, SATURATE: tl.constexpr = True,
+                    SIGNED_NAN: tl.constexpr = True):
     """Store the new rows ``new [BLOCK_N]`` (rows ``src`` of Kin: latent rows, or one KV
     head's keys or values) at their slots ``Hist[src, step]`` (``KW`` = the row width); a
-    slot outside the pool is not written."""
+    slot outside the pool is not written. FP8: as torch's codes (``_copy_rows``)."""
     dst = tl.load(Hist + src * NUM_STEPS + step, mask=new, other=0).to(tl.int64)
     new = new & (dst >= 0) & (dst < num_slots)
-    _copy_rows(Kin + src * stride_kin_t, KV + dst * stride_kvs, new, KW, BLOCK_KW)
+    _copy_rows(Kin + src * stride_kin_t, KV + dst * stride_kvs, new, KW, BLOCK_KW, Scale, FP8,
+               QUANT, E5M2, SATURATE, SIGNED_NAN)
 
 
 @triton.jit
-def _copy_rows(src_rows, dst_rows, ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+def _copy_rows(src_rows, dst_rows, ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, Scale=None,
+               FP8: tl.constexpr = False, QUANT: tl.constexpr = 0, E5M2: tl.constexpr = False,
+               SATURATE: tl.constexpr = True, SIGNED_NAN: tl.constexpr = True):
     """Copy ``WIDTH`` elements of each row ``src_rows[i] -> dst_rows[i]`` where ``ok[i]``
-    (``BLOCK_W >= WIDTH``, a power of two)."""
+    (``BLOCK_W >= WIDTH``, a power of two). FP8 (an FP8 pool): stores the codes
+    ``fp8_codes.quantize_block`` gives (``Scale``, ``QUANT`` and the variant)."""
     offs = tl.arange(0, BLOCK_W)
     m = ok[:, None] & (offs < WIDTH)[None, :]
     x = tl.load(src_rows[:, None] + offs[None, :], mask=m, other=0.0)
+    if FP8:
+        x = quantize_block(x, Scale, QUANT, E5M2, SATURATE, SIGNED_NAN).to(
+            dst_rows.dtype.element_ty, bitcast=True)
     tl.store(dst_rows[:, None] + offs[None, :], x.to(dst_rows.dtype.element_ty), mask=m)
 
 

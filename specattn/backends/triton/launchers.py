@@ -12,7 +12,7 @@ import torch
 import triton
 
 from ...fp8 import scale_tensor
-from ...kernels.kv_write import head_rows, fp8_write, layer_pools, write_new_kv
+from ...kernels.kv_write import Fp8Write, head_rows, fp8_write, layer_pools, write_new_kv
 from ...kernels.merge import merge_partials
 from ...kernels.pdl import launch_args as pdl_launch_args
 from ...kernels.tiles import Q_F16_PRESCALE, cvt_args, dot_args
@@ -191,27 +191,34 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
 
 
 def tail_stores_kv(kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple, programs: int,
-                   device: torch.device) -> bool:
+                   device: torch.device, fp8: bool = False) -> bool:
     """Whether the split-KV kernel's tail programs store this call's KV (``NEW_KV``) in
     place of a KV write launch before it, so that the call is two launches (kernel, merge):
     decode and extend of a round of few ``programs`` (``plans.few_groups``; in decode one
-    launch less is 4-8% of such a step) into pools of the new rows' dtype (FP8 pools keep
-    the launch). Rounds of many requests keep it: with the store in the kernel, 32 requests
+    launch less is 4-8% of such a step) into pools of the new rows' dtype, or with ``fp8``
+    (the caller found the kernel's codes to be torch's: ``fp8_write``; decode only) into
+    FP8 pools. Rounds of many requests keep it: with the store in the kernel, 32 requests
     x 4k tokens of decode ran 14% slower (H200, ``docs/kernels.md``)."""
     k, v = new_kv
-    return plans.few_groups(programs, device) and k.dtype == kb.dtype and (
-        v is None or v.dtype == vb.dtype) and k.stride(-1) == 1 and (
+    return plans.few_groups(programs, device) and (fp8 or (k.dtype == kb.dtype and (
+        v is None or v.dtype == vb.dtype))) and k.stride(-1) == 1 and (
         v is None or v.stride(-1) == 1)
 
 
-def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The split-KV kernel's ``(Kin, Vin, constexprs)``: where ``tail_kv``, the call's k and v
-    as ``[rows, H_kv, D]`` with ``NEW_KV`` and ``BLOCK_KW``; else the pools (never read)."""
+def tail_kv_args(tail_kv: bool, kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple,
+                 fp8: Optional[Fp8Write] = None) -> tuple:
+    """The split-KV kernel's ``(Kin, Vin, WKScale, WVScale, constexprs)``: where ``tail_kv``,
+    the call's k and v as ``[rows, H_kv, D]`` with ``NEW_KV`` and ``BLOCK_KW`` (and with
+    ``fp8``, the FP8 write's scales and constexprs, as ``write_new_kv`` passes them); else
+    the pools (never read)."""
     if not tail_kv:
-        return kb, vb, {}
+        return kb, vb, kb, vb, {}
     k3, v3 = head_rows(*new_kv)
-    return k3, v3, dict(NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
+    consts = dict(NEW_KV=True, BLOCK_KW=_pow2(k3.shape[2]))
+    if fp8 is None:
+        return k3, v3, kb, vb, consts
+    return k3, v3, fp8.k_scale, fp8.v_scale, dict(
+        consts, FP8=True, K_QUANT=fp8.k_quant, V_QUANT=fp8.v_quant, **fp8.codes.kwargs())
 
 
 def parent_args(parents: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
@@ -258,6 +265,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     scaled = getattr(runner, "fp8", False)
     written = False  # whether the launch just before the split-KV kernel is the KV write
     tail_kv = False  # whether the split-KV kernel's tail programs store the new KV
+    fp8: Optional[Fp8Write] = None  # how a kernel stores FP8 codes torch's way
     k_scale = v_scale = meta  # placeholders, never read without FP8
     if scaled:  # the kernels read the codes from the pool, the layer's scales folded in
         k_scale = scale_tensor(layer.k_scale, q.device)
@@ -266,6 +274,10 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         if fp8 is None:  # torch's codes, stored by torch
             runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
                             v_scale=layer.v_scale)
+        elif kernel is Kernel.DOT and mode != 2 and tail_stores_kv(
+                kb, vb, new_kv, unsplit_programs(plan, shape, rows_per_group, num_groups),
+                q.device, fp8=True):
+            tail_kv = True  # the kernel's tail programs store the codes
         else:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
                                    fp8=fp8) and kernel in PDL_AFTER_WRITE
@@ -327,10 +339,11 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     else:
         grid = (triton.cdiv(rows_per_group, block_m), num_groups * shape.num_kv_heads,
                 num_splits + 1)
-        k_in, v_in, new_kv_args = tail_kv_args(tail_kv, kb, vb, new_kv)
+        k_in, v_in, wk_scale, wv_scale, new_kv_args = tail_kv_args(
+            tail_kv, kb, vb, new_kv, fp8)
         K._partial_attn_kernel[grid](
             q, kb, vb, k_in, v_in, mid_o, mid_lse, req_to_token, meta, hist, par, k_scale,
-            k_scale if shape.v_is_k else v_scale, *common,
+            k_scale if shape.v_is_k else v_scale, wk_scale, wv_scale, *common,
             q.stride(0), q.stride(1), sks, skh, svs, svh,
             k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
