@@ -73,9 +73,8 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
 
     def fp8_write(runner, layer, new_kv, device):
         k, v = (F.write_scale(x, device) for x in (layer.k_scale, layer.v_scale))
-        codes = F.Codes(runner.k_buffer[0].dtype == torch.float8_e5m2, True, False) \
-            if not runner.use_mla_backend else F.Codes(False, True, False)
-        return W.Fp8Write(k[0], v[0], k[1], v[1], codes)
+        e5m2 = L.layer_pools(runner, layer.layer_id)[0].dtype == torch.float8_e5m2
+        return W.Fp8Write(k[0], v[0], k[1], v[1], F.Codes(e5m2, True, False))
 
     L.fp8_write = fp8_write
     dt = getattr(torch, dtype)
@@ -143,10 +142,20 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
     if "V_CVT" in kw:  # and an sm90's widening of FP8 values (``tiles.cvt_args``)
         gpu["V_CVT"] = kw["SCALED"]
     kernel = compile_launch(fn, args, dict(kw, **gpu))
-    return dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
-                warps=kw["num_warps"], new_kv=bool(kw.get("NEW_KV", False)),
-                f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
-                **sass_counts(kernel.asm["cubin"]))
+    got = dict(kernel=fn.__name__, shared=kernel.metadata.shared, q_f16=bool(kw["Q_F16"]),
+               warps=kw["num_warps"], new_kv=bool(kw.get("NEW_KV", False)),
+               fp8_store=bool(kw.get("FP8", False)),
+               f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
+               **sass_counts(kernel.asm["cubin"]))
+    if got["fp8_store"]:  # the same kernel without the tail's FP8 store: the widening alone
+        plain = {k: v for k, v in kw.items() if k not in _FP8_STORE}
+        got["widen"] = sass_counts(compile_launch(fn, args, dict(plain, **gpu)).asm["cubin"])
+    return got
+
+
+# The split-KV kernel's constexprs of a tail that stores FP8 codes (``launchers.tail_kv_args``).
+_FP8_STORE = ("NEW_KV", "BLOCK_KW", "FP8", "K_QUANT", "V_QUANT", "E5M2", "SATURATE",
+              "SIGNED_NAN")
 
 
 @pytest.mark.parametrize("model,kv,plan,extend,dtype", [
@@ -165,8 +174,12 @@ def test_fp8_kernels_compile_for_sm90(triton_of_the_gpu, model, kv, plan, extend
     assert got["shared"] <= H200_SHARED, got
     # FP8 codes widen through fp16 (F2FP), never by a per-element F2F conversion.
     assert got.get("F2F", 0) == 0 and got.get("F2FP", 0) > 0, got
-    # fp16 operands under both models: no fp16 -> fp32 step (HADD2.F32) of bf16's route
-    assert got.get("HADD2.F32", 0) == 0, got
+    # fp16 operands under both models: no fp16 -> fp32 step (HADD2.F32) of bf16's route. A
+    # few-request decode's tail storing FP8 codes converts the call's fp16 rows to fp32 for
+    # torch's quantization (HADD2.F32 under an fp16 model): checked without that store.
+    widen = got.get("widen", got)
+    assert widen.get("HADD2.F32", 0) == 0, got
+    assert got.get("HADD2.F32", 0) == 0 or (got["fp8_store"] and dtype == "float16"), got
     # The split-KV kernel's value tiles widen where they are loaded (``V_CVT``): P.V's
     # operand is then read as fp16, never a code at a time (LDS.U8).
     if got["kernel"] == "_partial_attn_kernel":
