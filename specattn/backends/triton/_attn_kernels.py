@@ -65,11 +65,12 @@ def _partial_attn_kernel(
     block's lanes' (extend: new tokens') keys and values, Kin / Vin [rows, H_kv, D]
     (``BLOCK_KW``: the key row's width, a power of two), at ``Hist[row, step]`` and reads
     them from Kin / Vin, not back from the pool (another program of the launch may not have
-    stored them yet; the prefix splits never read them). NEW_KV with FP8 (decode over FP8
-    pools): the tail program stores torch's codes of its lanes' keys and values
+    stored them yet; the prefix splits never read them). NEW_KV with FP8 (FP8 pools): the
+    tail program stores torch's codes of the keys and values its tail reads
     (``fp8_codes.quantize_block`` with ``WKScale`` / ``WVScale``, ``K_QUANT`` / ``V_QUANT``
-    and the conversion variant, as ``_write_kv_kernel``) and reads them back from the pool
-    after a barrier: a decode tail reads only its own lanes' new keys. MidO:
+    and the conversion variant, as ``_write_kv_kernel``: decode, its own lanes'; extend,
+    every new token up to its block's last) and reads them back from the pool after a
+    barrier. MidO:
     [rows, H_q, NUM_SPLITS + 1, D_V] fp32; MidLse: [rows, H_q, NUM_SPLITS + 1] fp32; Meta:
     [B, 5] int32; Hist: [lanes, NUM_STEPS] int32 (decode; extend: [tokens, 1], the new
     tokens' slots);
@@ -128,19 +129,23 @@ def _partial_attn_kernel(
         if NEW_KV:
             # The row block's own lanes (decode: ``n_lo // hl``) or new tokens (extend, whose
             # tail starts at token 0 in every block): a token whose rows straddle two blocks
-            # is stored by both, the same bytes.
-            lanes = row_lo // GROUP + tl.arange(0, BLOCK_M)
-            new_src = (q_start + lanes).to(tl.int64)
-            new_ok = lanes < n_hi // hl
-            _store_new_keys(new_ok, new_src, Kin + kvh * stride_kin_h, Kb + kvh * stride_kh,
-                            Hist, step, stride_kin_t, stride_ks, NUM_STEPS, num_slots,
-                            D_MAIN + D_PE, BLOCK_KW, WKScale, FP8, K_QUANT, E5M2, SATURATE,
-                            SIGNED_NAN)
-            if not V_IS_K:
-                _store_new_keys(new_ok, new_src, Vin + kvh * stride_vin_h, Vb + kvh * stride_vh,
-                                Hist, step, stride_vin_t, stride_vs, NUM_STEPS, num_slots,
-                                D_V, BLOCK_DV, WVScale, FP8, V_QUANT, E5M2, SATURATE,
-                                SIGNED_NAN)
+            # is stored by both, the same bytes. An FP8 extend's tail reads every new token
+            # up to the block's last back from the pool: the block stores them all.
+            if FP8 and MODE == MODE_EXTEND:
+                for l0 in range(0, n_hi // hl, BLOCK_M):
+                    _store_new_kv(l0, n_hi // hl, q_start, kvh, Kin, Vin, Kb, Vb, Hist, step,
+                                  WKScale, WVScale, stride_kin_t, stride_kin_h, stride_vin_t,
+                                  stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
+                                  NUM_STEPS, num_slots, D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV,
+                                  V_IS_K, BLOCK_M, FP8, K_QUANT, V_QUANT, E5M2, SATURATE,
+                                  SIGNED_NAN)
+            else:
+                _store_new_kv(row_lo // GROUP, n_hi // hl, q_start, kvh, Kin, Vin, Kb, Vb, Hist,
+                              step, WKScale, WVScale, stride_kin_t, stride_kin_h, stride_vin_t,
+                              stride_vin_h, stride_ks, stride_kh, stride_vs, stride_vh,
+                              NUM_STEPS, num_slots, D_MAIN + D_PE, BLOCK_KW, D_V, BLOCK_DV,
+                              V_IS_K, BLOCK_M, FP8, K_QUANT, V_QUANT, E5M2, SATURATE,
+                              SIGNED_NAN)
             if FP8:
                 tl.debug_barrier()  # the codes stored, visible to the block's loads below
         for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -215,6 +220,28 @@ def _new_keys(idx, key_ok, hl, q_start, MODE: tl.constexpr):
         new = key_ok & (idx % hl == hl - 1)
         src = q_start + idx // hl
     return new, src.to(tl.int64)
+
+
+@triton.jit
+def _store_new_kv(l0, l_hi, q_start, kvh, Kin, Vin, Kb, Vb, Hist, step, WKScale, WVScale,
+                  stride_kin_t, stride_kin_h, stride_vin_t, stride_vin_h, stride_ks, stride_kh,
+                  stride_vs, stride_vh, NUM_STEPS, num_slots, KW: tl.constexpr,
+                  BLOCK_KW: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  V_IS_K: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
+                  K_QUANT: tl.constexpr, V_QUANT: tl.constexpr, E5M2: tl.constexpr,
+                  SATURATE: tl.constexpr, SIGNED_NAN: tl.constexpr):
+    """Store KV head ``kvh``'s new keys and values of the group's lanes (extend: new tokens)
+    ``[l0, min(l0 + BLOCK_M, l_hi))`` (``_store_new_keys``)."""
+    lanes = l0 + tl.arange(0, BLOCK_M)
+    src = (q_start + lanes).to(tl.int64)
+    ok = lanes < l_hi
+    _store_new_keys(ok, src, Kin + kvh * stride_kin_h, Kb + kvh * stride_kh, Hist, step,
+                    stride_kin_t, stride_ks, NUM_STEPS, num_slots, KW, BLOCK_KW, WKScale, FP8,
+                    K_QUANT, E5M2, SATURATE, SIGNED_NAN)
+    if not V_IS_K:
+        _store_new_keys(ok, src, Vin + kvh * stride_vin_h, Vb + kvh * stride_vh, Hist, step,
+                        stride_vin_t, stride_vs, NUM_STEPS, num_slots, D_V, BLOCK_DV, WVScale,
+                        FP8, V_QUANT, E5M2, SATURATE, SIGNED_NAN)
 
 
 @triton.jit

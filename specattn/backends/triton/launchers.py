@@ -196,8 +196,7 @@ def tail_stores_kv(kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple, programs: 
     place of a KV write launch before it, so that the call is two launches (kernel, merge):
     decode and extend of a round of few ``programs`` (``plans.few_groups``; in decode one
     launch less is 4-8% of such a step) into pools of the new rows' dtype, or with ``fp8``
-    (the caller found the kernel's codes to be torch's: ``fp8_write``; decode only) into
-    FP8 pools. Rounds of many requests keep it: with the store in the kernel, 32 requests
+    (the caller found the kernel's codes to be torch's: ``fp8_write``) into FP8 pools. Rounds of many requests keep it: with the store in the kernel, 32 requests
     x 4k tokens of decode ran 14% slower (H200, ``docs/kernels.md``)."""
     k, v = new_kv
     return plans.few_groups(programs, device) and (fp8 or (k.dtype == kb.dtype and (
@@ -274,7 +273,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         if fp8 is None:  # torch's codes, stored by torch
             runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
                             v_scale=layer.v_scale)
-        elif kernel is Kernel.DOT and mode != 2 and tail_stores_kv(
+        elif kernel is Kernel.DOT and tail_stores_kv(
                 kb, vb, new_kv, unsplit_programs(plan, shape, rows_per_group, num_groups),
                 q.device, fp8=True):
             tail_kv = True  # the kernel's tail programs store the codes
