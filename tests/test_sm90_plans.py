@@ -30,7 +30,9 @@ from specattn.kernels.merge import merge_partials
 
 require_triton_interpret()
 
-from specattn.backends.triton import TritonDecode, cute_mla, gluon_mla, plans  # noqa: E402
+from specattn.backends.triton import (TritonDecode, cute_mla, gluon_mla, launchers,  # noqa: E402
+                                      plans)
+from specattn.kernels import fp8_codes as F  # noqa: E402
 
 H200_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}  # CUDA's answers
 
@@ -305,10 +307,14 @@ class _GluonStandIn:
         self._gluon_mla_kernel = self
 
     def __getitem__(self, grid):
-        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, KScale, step, scale,
-                   cap, *strides_and_ints, **const):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Hist, Par, KScale, WScale, step,
+                   scale, cap, *strides_and_ints, **const):
             self.launches.append((grid, const))
-            if const["FP8"]:  # torch stored the call's codes; the kernel reads the pool
+            if const.get("STORE_FP8"):  # the kernel stores the codes (fp8_codes' own)
+                codes = F.Codes(const["E5M2"], const["SATURATE"], const["SIGNED_NAN"])
+                KV[Hist[:, step].long()] = F.quantize(Kin, WScale, const["W_QUANT"],
+                                                      codes).view(KV.dtype)
+            if const["FP8"]:  # the call's codes are in the pool; the kernel reads them there
                 k_scale = KScale
                 assert torch.equal(KV[Hist[:, step].long()].view(torch.uint8),
                                    quantize(Kin, KScale, KV.dtype).view(torch.uint8))
@@ -345,11 +351,16 @@ def test_gluon_split_launch_contract(sm90, monkeypatch, num_splits):
 
 @pytest.mark.parametrize("kv", list(FP8_KV_DTYPES))
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_gluon_split_launch_contract_fp8(sm90, monkeypatch, kv, num_splits):
-    """FP8: the launcher quantizes the call's keys with torch into the pool before the
-    launch and passes the layer's ``k_scale`` as a one-element float32 tensor (a float or a
-    tensor); the kernel's answer is the attention of the dequantized pool."""
+@pytest.mark.parametrize("kernel_writes", [False, True])
+def test_gluon_split_launch_contract_fp8(sm90, monkeypatch, kv, num_splits, kernel_writes):
+    """FP8: the call's keys are quantized into the pool, by torch before the launch or, where
+    the kernels' codes are the device torch's (``fp8_write``, as on CUDA), by the kernel
+    (``STORE_FP8``, the write's scale and variant), bit for bit torch's either way; the
+    layer's ``k_scale`` is a one-element float32 tensor (a float or a tensor); the kernel's
+    answer is the attention of the dequantized pool."""
     sm90()
+    if kernel_writes:
+        monkeypatch.setattr(launchers, "fp8_write", _cpu_fp8_write)
     r, batch = mla_round([7, 18], topk=2, steps=3, kv=kv, k_scale=0.37)
     stand_in = _GluonStandIn(r, batch)
     monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
@@ -361,6 +372,17 @@ def test_gluon_split_launch_contract_fp8(sm90, monkeypatch, kv, num_splits):
         for grid, const in stand_in_steps(r, batch, backend, stand_in.launches, layer=layer):
             assert grid == (1, 2, num_splits) and const["FP8"]
             assert const["DIRECT_OUT"] == (num_splits == 1)
+            assert const.get("STORE_FP8", False) is kernel_writes
+
+
+def _cpu_fp8_write(runner, layer, new_kv, device):
+    """``launchers.fp8_write`` as on CUDA, with CPU torch's division (a scale of either kind
+    divides)."""
+    from specattn.kernels.kv_write import Fp8Write
+
+    k = F.write_scale(layer.k_scale, device, F.QUANT_DIV)
+    return Fp8Write(k[0], k[0], k[1], k[1], F.torch_variant(
+        device, runner.kv_buffer[layer.layer_id].dtype))
 
 
 class _CuteStandIn:
@@ -559,16 +581,20 @@ def test_extend_split_counts_of_gluon_split(sm90, monkeypatch):
     assert TritonExtend(r)._plan_for(1, 6, 6)["num_splits"] == plans.DOT_MAX_SPLITS
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])
+@pytest.mark.parametrize("kv,kernel_writes", [("auto", False), ("fp8_e5m2", False),
+                                               ("fp8_e5m2", True)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
+def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, kernel_writes, num_splits):
     """The extend launch: grid (row tiles of max E x H, B, splits), ``MODE`` 2, the new
-    tokens' slots as ``Hist [T, 1]``, the new keys in ``Kin``; the output matches
+    tokens' slots as ``Hist [T, 1]``, the new keys in ``Kin`` (FP8: their codes stored by
+    torch, or by the kernel where its codes are the device torch's); the output matches
     ``torch_ref`` (partials NaN-poisoned first)."""
     from specattn.backends.torch_ref import reference_extend as ref_extend
     from specattn.backends.triton import TritonExtend
 
     sm90()
+    if kernel_writes:
+        monkeypatch.setattr(launchers, "fp8_write", _cpu_fp8_write)
     r, batch = mla_extend_round([30, 75], [5, 3], kv=kv, k_scale=0.37)
     stand_in = _GluonStandIn(r, batch)
     monkeypatch.setattr(gluon_mla, "kernel_module", lambda: stand_in)
@@ -583,6 +609,7 @@ def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
     (grid, const), = stand_in.launches
     assert grid == (2, 2, num_splits)  # 5 tokens x 16 heads: two 64-row tiles
     assert const["MODE"] == 2 and const["FP8"] == (kv != "auto")
+    assert const.get("STORE_FP8", False) is kernel_writes
     assert const["DIRECT_OUT"] == (num_splits == 1)
     stored = r.kv_buffer[0][batch.out_cache_loc.long()]
     want = quantize(k, 0.37, stored.dtype) if r.fp8 else k
@@ -595,21 +622,23 @@ def test_gluon_split_extend_launch_contract(sm90, monkeypatch, kv, num_splits):
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_gluon_launches_chained_by_pdl(sm90, monkeypatch, plan, kv):
     """With ``pdl`` (sm90: on by default) the Gluon kernel releases its merge, which is a
-    programmatic dependent launch; the kernel is one itself only after the FP8 KV write
-    launch (over a bf16 pool its first split stores the keys, and everything it reads may
-    come from the launch before). Off, nothing is chained."""
+    programmatic dependent launch; the kernel is never one itself: it stores the call's keys
+    (over an FP8 pool the codes, ``write``, where the device torch's codes are the
+    kernels'), and everything it reads may come from the launch before. Off, nothing is
+    chained."""
     from specattn.backends.triton import launchers
 
     sm90()
     r, batch = mla_round([700, 1800], topk=4, steps=3, kv=kv, k_scale=0.5)
     calls = []
     monkeypatch.setattr(launchers.gluon_mla, "attention",
-                        lambda *a, **kw: calls.append(("kernel", kw["pdl"], kw["dependent"])))
+                        lambda *a, **kw: calls.append(("kernel", kw["pdl"], kw["dependent"],
+                                                       kw["write"] is not None)))
     monkeypatch.setattr(launchers.worklist, "merge",
                         lambda *a, pdl=False, **kw: calls.append(("merge", pdl)))
     monkeypatch.setattr(launchers, "merge_partials",
                         lambda *a, pdl=False, **kw: calls.append(("merge", pdl)))
-    # The FP8 write launch as on CUDA (here torch's write would store the codes).
+    # The kernels' FP8 codes as on CUDA (here torch's write would store them).
     monkeypatch.setattr(launchers, "fp8_write", lambda *a: object())
     monkeypatch.setattr(launchers, "write_new_kv",
                         lambda *a, pdl=False, **kw: calls.append(("write", pdl)) or True)
@@ -622,6 +651,4 @@ def test_gluon_launches_chained_by_pdl(sm90, monkeypatch, plan, kv):
         calls.clear()
         backend.forward(0, layer, q, k, None)
         fp8 = kv != "auto"
-        want = [("write", pdl)] if fp8 else []
-        want += [("kernel", pdl, fp8), ("merge", pdl)]
-        assert calls == want, (pdl, calls)
+        assert calls == [("kernel", pdl, False, fp8), ("merge", pdl)], (pdl, calls)

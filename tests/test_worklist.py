@@ -30,6 +30,7 @@ from specattn.fp8 import quantize
 require_triton_interpret()
 
 from specattn.backends.triton import gluon_mla, plans, worklist  # noqa: E402
+from specattn.kernels import fp8_codes as F  # noqa: E402
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -195,10 +196,14 @@ class _WorkListStandIn:
         self._gluon_mla_wl_kernel = self
 
     def __getitem__(self, grid):
-        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Work, Hist, Par, KScale, step,
-                   scale, cap, *strides_and_ints, **const):
+        def launch(Q, KV, Kin, MidO, MidLse, Out, R2T, Meta, Work, Hist, Par, KScale, WScale,
+                   step, scale, cap, *strides_and_ints, **const):
             self.launches.append((grid, const))
             topk, num_steps, batch, programs = strides_and_ints[-4:]
+            if const.get("STORE_FP8"):  # the kernel stores the codes (fp8_codes' own)
+                codes = F.Codes(const["E5M2"], const["SATURATE"], const["SIGNED_NAN"])
+                KV[Hist[:, step].long()] = F.quantize(Kin, WScale, const["W_QUANT"],
+                                                      codes).view(KV.dtype)
             if const["FP8"]:
                 assert torch.equal(KV[Hist[:, step].long()].view(torch.uint8),
                                    quantize(Kin, KScale, KV.dtype).view(torch.uint8))
@@ -225,9 +230,18 @@ class _WorkListStandIn:
 @pytest.mark.parametrize("lens,programs,want_p,kv", [
     ([7, 300, 18, 0, 45], None, 5, "auto"), ([40, 41], None, 4, "auto"),
     ([40, 41], 1, 2, "auto"), ([900, 5], 9, 9, "auto"),
-    ([7, 300, 18, 0, 45], None, 5, "fp8_e4m3"), ([900, 5], 9, 9, "fp8_e5m2")])
+    ([7, 300, 18, 0, 45], None, 5, "fp8_e4m3"), ([900, 5], 9, 9, "fp8_e5m2"),
+    ([900, 5], 9, 9, "fp8_e4m3/kernel-writes")])
 def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p, kv):
-    from test_sm90_plans import mla_round, stand_in_steps
+    """``kernel-writes``: the kernels' FP8 codes are the device torch's (``fp8_write``, as on
+    CUDA), so the kernel stores them (``STORE_FP8``)."""
+    from test_sm90_plans import _cpu_fp8_write, mla_round, stand_in_steps
+
+    from specattn.backends.triton import launchers
+
+    kv, _, writes = kv.partition("/")
+    if writes:
+        monkeypatch.setattr(launchers, "fp8_write", _cpu_fp8_write)
 
     from specattn.backends.triton import TritonDecode, _gluon_mla_wl_kernel
 
@@ -254,7 +268,7 @@ def test_launcher_with_a_stand_in_kernel(monkeypatch, lens, programs, want_p, kv
     for grid, const in stand_in_steps(r, batch, backend, stand_in.launches, layer=layer):
         assert grid == (1, P) and const["MODE"] == 1 and const["H"] == 16
         assert const["BLOCK_N"] == block_n and const["num_warps"] == 8
-        assert const["FP8"] == r.fp8
+        assert const["FP8"] == r.fp8 and const.get("STORE_FP8", False) is bool(writes)
     # A merge launch per step exactly when a request has several segments (never at P == B).
     several = any(len(want.parts(b)) for b in range(len(lens)))
     assert several == (P > len(lens))  # these cases: spare programs split a request

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
+from ...kernels.fp8_codes import quantize_block
 from ...kernels.pdl import launch_dependents, wait_for_primary
 from ...kernels.tiles import Q_F16_SCALE
 from ._attn_kernels import META_W, MODE_EXTEND, MODE_PATH
@@ -319,9 +320,13 @@ def _softmax(s, vis, m_i, l_i, qk_scale, logit_cap, USE_CAP: gl.constexpr):
 
 @gluon.jit
 def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, lane_hi, step,
-                    NUM_STEPS, num_slots, layout: gl.constexpr):
+                    NUM_STEPS, num_slots, layout: gl.constexpr, WScale=None,
+                    STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0,
+                    E5M2: gl.constexpr = False, SATURATE: gl.constexpr = True,
+                    SIGNED_NAN: gl.constexpr = True):
     """``KV[Hist[z, step]] = Kin[z]`` for the lanes ``z = q_start + [lane_lo, lane_hi)`` (a
-    slot outside the pool is not written)."""
+    slot outside the pool is not written). ``STORE_FP8``: torch's codes of ``Kin[z]``
+    (``fp8_codes.quantize_block`` with ``WScale``, ``W_QUANT`` and the variant)."""
     offs_l = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, 1024, layout=gl.SliceLayout(0, layout))
     c_ok = offs_c < D_MAIN + D_PE
@@ -333,6 +338,9 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
         ok = ok & (dst >= 0) & (dst < num_slots)
         m = ok[:, None] & c_ok[None, :]
         x = gl.load(Kin + z[:, None] * stride_kin_t + offs_c[None, :], mask=m, other=0.0)
+        if STORE_FP8:
+            x = quantize_block(x, WScale, W_QUANT, E5M2, SATURATE, SIGNED_NAN).to(
+                KV.dtype.element_ty, bitcast=True)
         gl.store(KV + dst[:, None] * stride_kvs + offs_c[None, :], x, mask=m)
 
 
@@ -453,7 +461,7 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
 
 @gluon.jit
 def _gluon_mla_kernel(
-        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents, KScale,
+        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents, KScale, WScale,
         step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_kvs, stride_kin_t,
         stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
@@ -461,7 +469,9 @@ def _gluon_mla_kernel(
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr,
         Q_F16: gl.constexpr = False, PDL: gl.constexpr = False,
-        PDL_WAIT: gl.constexpr = False):
+        PDL_WAIT: gl.constexpr = False, STORE_FP8: gl.constexpr = False,
+        W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False, SATURATE: gl.constexpr = True,
+        SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
@@ -472,7 +482,11 @@ def _gluon_mla_kernel(
     merge (a programmatic dependent launch) may start once every program has stored its
     result; ``PDL_WAIT``: this is such a launch (after the KV write of an FP8 pool): its
     prefix tiles are older keys, so a program waits for the write only before its first
-    tail tile (``_issue_tile_fp8``), and at its end, so that the kernel ends after it."""
+    tail tile (``_issue_tile_fp8``), and at its end, so that the kernel ends after it.
+    ``STORE_FP8`` (FP8, no write launch): the tail program of each row tile stores torch's
+    codes of the keys its tail reads (``_store_new_keys``: decode, its lanes'; extend,
+    every new token up to the tile's last; other tiles store the same bytes) and reads them
+    back from the pool after a barrier."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
@@ -499,10 +513,17 @@ def _gluon_mla_kernel(
     # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
     lane_lo = row_lo // H
     lane_hi = gl.minimum(n_q, (row_lo + BLOCK_M + H - 1) // H)
-    if not FP8:  # FP8: torch stored them
+    if not FP8:  # FP8: the write launch or the tail program (STORE_FP8) stores them
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
+    if STORE_FP8:
+        if (split == NUM_SPLITS - 1) & live:
+            _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start,
+                            0 if MODE == MODE_EXTEND else lane_lo, lane_hi, step, NUM_STEPS,
+                            num_slots, KV_WRITE_LAYOUT, WScale, True, W_QUANT, E5M2, SATURATE,
+                            SIGNED_NAN)
+            gl.thread_barrier()  # the codes stored, visible to this program's tail copies
 
     start = split * split_len
     end = gl.where(live, gl.minimum(prefix_len, start + split_len), start)

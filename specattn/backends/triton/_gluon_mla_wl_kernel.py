@@ -20,18 +20,21 @@ from ...kernels.tiles import Q_F16_SCALE
 
 @gluon.jit
 def _gluon_mla_wl_kernel(
-        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Work, Hist, Parents, KScale,
+        Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Work, Hist, Parents, KScale, WScale,
         step, sm_scale, logit_cap, q_prescale,
         stride_qt, stride_qh, stride_kvs, stride_kin_t, stride_mo_g, stride_ml_g,
         stride_ot, stride_oh, stride_r2t, stride_par_s, stride_par_b, num_slots, TOPK,
         NUM_STEPS, batch, num_programs,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         USE_CAP: gl.constexpr, FP8: gl.constexpr, Q_F16: gl.constexpr = False,
-        PDL: gl.constexpr = False, PDL_WAIT: gl.constexpr = False):
+        PDL: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
+        STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
+        SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
-    ``_gluon_mla_kernel``; ``PDL`` / ``PDL_WAIT`` as there (the merge: the segment merge)."""
+    ``_gluon_mla_kernel``; ``PDL`` / ``PDL_WAIT`` / ``STORE_FP8`` as there (the merge: the
+    segment merge; the programs whose segment holds tail tiles store the codes)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -81,10 +84,16 @@ def _gluon_mla_wl_kernel(
         n_hi = gl.where(t_hi > n_pref,
                         n_lo + gl.minimum(tail_keys, (t_hi - n_pref) * BLOCK_N), n_lo)
         first = u_b >= u_begin
-        if not FP8:  # FP8: torch stored them
+        if not FP8:  # FP8: the write launch or the tail's programs (STORE_FP8) store them
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
+        if STORE_FP8:
+            if t_hi > n_pref:
+                _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
+                                lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT, WScale,
+                                True, W_QUANT, E5M2, SATURATE, SIGNED_NAN)
+                gl.thread_barrier()  # visible to this program's tail copies
         _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
                  q_prescale, H, Q_F16)
         if FP8:

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels.kv_write import Fp8Write
 from ...kernels.pdl import launch_args
 from ...kernels.tiles import Q_F16_PRESCALE
 from .plans import gluon_import_reason, num_row_tiles
@@ -50,7 +51,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               logit_cap: float, block_n: int, num_stages: int,
               work: Optional[torch.Tensor] = None,
               k_scale: Optional[torch.Tensor] = None, rows: Optional[int] = None,
-              pdl: bool = False, dependent: bool = False) -> None:
+              pdl: bool = False, dependent: bool = False,
+              write: Optional[Fp8Write] = None) -> None:
     """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
     partials (``merge_partials``; ``worklist.merge``).
 
@@ -73,11 +75,17 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     ``pdl`` (sm90): every program releases the merge launch (a programmatic dependent
     launch, ``pdl.launch_args``) once it has stored its result; with ``dependent`` (FP8
     pools) the kernel is itself such a launch after the KV write launch: a program waits for
-    it before its first tail tile (the prefix is older keys) and before it ends."""
+    it before its first tail tile (the prefix is older keys) and before it ends.
+    ``write`` (FP8 pools, ``kv_write.fp8_write``'s answer; no write launch before): the
+    kernel stores torch's codes of ``k_new`` itself, from the programs whose tails read
+    them."""
     fp8 = kv.dtype in FP8_POOLS
-    if dependent and not fp8:
-        raise ValueError("a dependent Gluon launch serves FP8 pools only: over other pools "
-                         "the kernel stores the call's keys itself")
+    if (dependent or write is not None) and not fp8:
+        raise ValueError("a dependent Gluon launch or its own FP8 write serves FP8 pools "
+                         "only: over other pools the kernel stores the call's keys itself")
+    if dependent and write is not None:
+        raise ValueError("the call's codes are stored by the write launch (dependent) or by "
+                         "the kernel (write), not both")
     if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
         raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
     if not fp8 and kv.dtype != q.dtype:
@@ -93,9 +101,13 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
                   USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS,
                   **launch_args(pdl, dependent))
     consts["PDL_WAIT"] = pdl and dependent
+    w_scale = meta  # a placeholder, never read without write
+    if write is not None:
+        w_scale = write.k_scale
+        consts.update(STORE_FP8=True, W_QUANT=write.k_quant, **write.codes.kwargs())
     if work is None:
         K._gluon_mla_kernel[(num_row_tiles(rows or topk * H), batch, num_splits)](
-            q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale,
+            q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, hist, par, scale, w_scale,
             step, float(sm_scale), float(logit_cap), prescale,
             q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -106,7 +118,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     from . import _gluon_mla_wl_kernel as W
 
     W._gluon_mla_wl_kernel[(num_row_tiles(topk * H), num_splits)](
-        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par, scale,
+        q, kv, k_new, mid_o, mid_lse, out, req_to_token, meta, work, hist, par, scale, w_scale,
         step, float(sm_scale), float(logit_cap), prescale,
         q.stride(0), q.stride(1), kv.stride(0), k_new.stride(0), mid_o.stride(0),
         mid_lse.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), par_s, par_b,

@@ -277,6 +277,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
                 kb, vb, new_kv, unsplit_programs(plan, shape, rows_per_group, num_groups),
                 q.device, fp8=True):
             tail_kv = True  # the kernel's tail programs store the codes
+        elif kernel in (Kernel.GLUON_WL, Kernel.GLUON_SPLIT):
+            tail_kv = True  # so do the Gluon kernels' (gluon_mla.attention's write)
         else:
             written = write_new_kv(runner, layer.layer_id, hist[:, step], *new_kv, pdl=pdl,
                                    fp8=fp8) and kernel in PDL_AFTER_WRITE
@@ -306,7 +308,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
             k_scale=k_scale if scaled else None, rows=rows_per_group, pdl=pdl,
-            dependent=written)
+            dependent=written, write=fp8 if tail_kv else None)
         if wl:
             worklist.merge(mid_o, mid_lse, out, work, num_splits, topk, pdl=pdl)
         elif num_splits > 1:
