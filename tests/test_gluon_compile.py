@@ -72,13 +72,17 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
 
 def _fp8_write(kv_dtype):
     """The FP8 write a CUDA device whose torch the kernels' codes match gets
-    (``kv_write.fp8_write``): a Python-number scale's reciprocal, its torch's variant."""
+    (``kv_write.fp8_write``), its torch's variant: under e4m3 pools a Python-number scale's
+    reciprocal (``QUANT_MUL``), under e5m2 a tensor scale (``QUANT_DIV``, a correctly
+    rounded division)."""
     from specattn.kernels import fp8_codes as F
     from specattn.kernels.kv_write import Fp8Write
 
-    scale, quant = F.write_scale(0.37, torch.device("cpu"))
+    e5m2 = kv_dtype == torch.float8_e5m2
+    scale, quant = F.write_scale(torch.full((1,), 0.37) if e5m2 else 0.37, torch.device("cpu"))
+    assert quant == (F.QUANT_DIV if e5m2 else F.QUANT_MUL)
     return Fp8Write(scale, scale, quant, quant,
-                    F.Codes(kv_dtype == torch.float8_e5m2, True, False))
+                    F.Codes(e5m2, True, False))
 
 
 def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, cap: float,

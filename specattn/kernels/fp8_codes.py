@@ -95,7 +95,10 @@ def quantize_block(x, Scale, QUANT: tl.constexpr, E5M2: tl.constexpr,
     if QUANT == 1:
         y = y * tl.load(Scale)
     elif QUANT == 2:
-        y = tl.math.div_rn(y, tl.load(Scale) + tl.zeros_like(y))
+        s = tl.load(Scale)
+        # div_rn takes two tensors of one shape: `s` broadcast to y's (a select, not
+        # zeros_like, so that Gluon kernels, whose tensors carry a layout, can call this).
+        y = tl.math.div_rn(y, tl.where(y == y, s, s))
     return fp8_code(y, E5M2, SATURATE, SIGNED_NAN)
 
 
