@@ -632,7 +632,7 @@ def test_gluon_launches_chained_by_pdl(sm90, monkeypatch, plan, kv):
     r, batch = mla_round([700, 1800], topk=4, steps=3, kv=kv, k_scale=0.5)
     calls = []
     monkeypatch.setattr(launchers.gluon_mla, "attention",
-                        lambda *a, **kw: calls.append(("kernel", kw["pdl"], kw["dependent"],
+                        lambda *a, **kw: calls.append(("kernel", kw["pdl"],
                                                        kw["write"] is not None)))
     monkeypatch.setattr(launchers.worklist, "merge",
                         lambda *a, pdl=False, **kw: calls.append(("merge", pdl)))
@@ -651,4 +651,4 @@ def test_gluon_launches_chained_by_pdl(sm90, monkeypatch, plan, kv):
         calls.clear()
         backend.forward(0, layer, q, k, None)
         fp8 = kv != "auto"
-        assert calls == [("kernel", pdl, False, fp8), ("merge", pdl)], (pdl, calls)
+        assert calls == [("kernel", pdl, fp8), ("merge", pdl)], (pdl, calls)

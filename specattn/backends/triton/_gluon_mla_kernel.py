@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
 from ...kernels.fp8_codes import quantize_block
-from ...kernels.pdl import launch_dependents, wait_for_primary
+from ...kernels.pdl import launch_dependents
 from ...kernels.tiles import Q_F16_SCALE
 from ._attn_kernels import META_W, MODE_EXTEND, MODE_PATH
 
@@ -177,18 +177,15 @@ def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr, COLS: gl.constexpr = D
 def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo,
                     n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
                     TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, PDL_WAIT: gl.constexpr = False):
+                    NUM_STAGES: gl.constexpr):
     """``_issue_tile`` for an FP8 pool: the codes of key tile ``t`` into ring stage ``t %
     NUM_STAGES`` (``slots`` in ``FP8_LAYOUT``'s rows), every key from the pool (this call's
-    too); keys past the end are zero-filled. ``PDL_WAIT`` (a dependent of the KV write
-    launch): a tail tile, which holds this call's keys, waits for that launch first."""
+    too); keys past the end are zero-filled."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_LAYOUT))
     if t < n_pref:
         ok = start + t * BLOCK_N + offs_n < end
         slot = _in_pool(slots.to(gl.int64), num_slots)
     else:
-        if PDL_WAIT:
-            wait_for_primary()
         idx = n_lo + (t - n_pref) * BLOCK_N + offs_n
         ok = idx < n_hi
         slot, new = _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s,
@@ -224,7 +221,7 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
                    hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
                    NUM_STEPS, num_slots, qk_scale, logit_cap, MODE: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr,
-                   p_layout: gl.constexpr, PDL_WAIT: gl.constexpr = False):
+                   p_layout: gl.constexpr):
     """``_tile_step`` over an FP8 ring: wait for tile ``t``'s codes, widen them into the
     staging tile ``k_s`` / ``kpe_s``, refill their ring stage with tile ``t + NUM_STAGES``
     (``NUM_STAGES`` tiles in flight during the MMAs), then ``S``, the online softmax and
@@ -248,8 +245,7 @@ def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, 
     gl.thread_barrier()
     _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start,
                     end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                    PDL_WAIT)
+                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
     async_copy.commit_group()
     slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
                           FP8_LAYOUT)
@@ -469,9 +465,8 @@ def _gluon_mla_kernel(
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, FP8: gl.constexpr,
         Q_F16: gl.constexpr = False, PDL: gl.constexpr = False,
-        PDL_WAIT: gl.constexpr = False, STORE_FP8: gl.constexpr = False,
-        W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False, SATURATE: gl.constexpr = True,
-        SIGNED_NAN: gl.constexpr = True):
+        STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
+        SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
     the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
@@ -480,13 +475,10 @@ def _gluon_mla_kernel(
     KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read. ``Q_F16``
     (FP8, bf16 Q): the wgmmas are fp16 on ``q * q_prescale`` (module doc). ``PDL``: the
     merge (a programmatic dependent launch) may start once every program has stored its
-    result; ``PDL_WAIT``: this is such a launch (after the KV write of an FP8 pool): its
-    prefix tiles are older keys, so a program waits for the write only before its first
-    tail tile (``_issue_tile_fp8``), and at its end, so that the kernel ends after it.
-    ``STORE_FP8`` (FP8, no write launch): the tail program of each row tile stores torch's
-    codes of the keys its tail reads (``_store_new_keys``: decode, its lanes'; extend,
-    every new token up to the tile's last; other tiles store the same bytes) and reads them
-    back from the pool after a barrier."""
+    result. ``STORE_FP8`` (FP8): the tail program of each row tile stores torch's codes of
+    the keys its tail reads (``_store_new_keys``: decode, its lanes'; extend, every new
+    token up to the tile's last; other tiles store the same bytes) and reads them back from
+    the pool after a barrier; without it torch stored them before the kernel."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
@@ -548,7 +540,7 @@ def _gluon_mla_kernel(
                                              FP8_LAYOUT),
                             k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
                             hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-                            TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES, PDL_WAIT)
+                            TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
             async_copy.commit_group()
         slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, FP8_LAYOUT)
     else:
@@ -583,7 +575,7 @@ def _gluon_mla_kernel(
                 kpe_st.index(0), s_zero, row_lane, r2t_row, KV, stride_kvs, n_pref, start,
                 end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                 stride_par_b, TOPK, NUM_STEPS, num_slots, qk_scale * k_scale, logit_cap, MODE,
-                BLOCK_N, NUM_STAGES, USE_CAP, P_LAYOUT, PDL_WAIT)
+                BLOCK_N, NUM_STAGES, USE_CAP, P_LAYOUT)
         async_copy.wait_group(0)
         acc = acc * k_scale  # the value scale: the latent is the value
     else:
@@ -600,7 +592,5 @@ def _gluon_mla_kernel(
     _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
                   stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
                   n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
-    if PDL_WAIT:
-        wait_for_primary()
     if PDL:
         launch_dependents()

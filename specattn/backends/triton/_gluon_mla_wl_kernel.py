@@ -14,7 +14,7 @@ from ._gluon_mla_kernel import (
     BLOCK_M, COPY_LAYOUT, D_MAIN, FP8_LAYOUT, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT,
     _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_tile, _issue_tile_fp8,
     _prefix_slots, _start_q, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
-from ...kernels.pdl import launch_dependents, wait_for_primary
+from ...kernels.pdl import launch_dependents
 from ...kernels.tiles import Q_F16_SCALE
 
 
@@ -27,13 +27,13 @@ def _gluon_mla_wl_kernel(
         NUM_STEPS, batch, num_programs,
         H: gl.constexpr, MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         USE_CAP: gl.constexpr, FP8: gl.constexpr, Q_F16: gl.constexpr = False,
-        PDL: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
+        PDL: gl.constexpr = False,
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
-    ``_gluon_mla_kernel``; ``PDL`` / ``PDL_WAIT`` / ``STORE_FP8`` as there (the merge: the
+    ``_gluon_mla_kernel``; ``PDL`` / ``STORE_FP8`` as there (the merge: the
     segment merge; the programs whose segment holds tail tiles store the codes)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
@@ -103,7 +103,7 @@ def _gluon_mla_wl_kernel(
                                 k_ring, kpe_ring, KV, stride_kvs, n_pref, 0, end, n_lo, n_hi,
                                 hl, q_start, b, step, Hist, Parents, stride_par_s,
                                 stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                                NUM_STAGES, PDL_WAIT)
+                                NUM_STAGES)
                 async_copy.commit_group()
             slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
                                   FP8_LAYOUT)
@@ -131,7 +131,7 @@ def _gluon_mla_wl_kernel(
                     stride_kvs, n_pref, 0, end, n_lo, n_hi, hl, q_start, b, step, Hist,
                     Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
                     qk_scale * k_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
-                    P_LAYOUT, PDL_WAIT)
+                    P_LAYOUT)
             async_copy.wait_group(0)
             acc = acc * k_scale  # the value scale: the latent is the value
         else:
@@ -156,7 +156,5 @@ def _gluon_mla_wl_kernel(
                           MidLse + slot * stride_ml_g - q_start * H,
                           stride_ot, stride_oh, H * D_MAIN, D_MAIN, 0, H, 1, q_start,
                           row_lo, n_rows, 0, 0, H, False, True, row_layout)
-    if PDL_WAIT:
-        wait_for_primary()
     if PDL:
         launch_dependents()

@@ -51,8 +51,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
               logit_cap: float, block_n: int, num_stages: int,
               work: Optional[torch.Tensor] = None,
               k_scale: Optional[torch.Tensor] = None, rows: Optional[int] = None,
-              pdl: bool = False, dependent: bool = False,
-              write: Optional[Fp8Write] = None) -> None:
+              pdl: bool = False, write: Optional[Fp8Write] = None) -> None:
     """Launch the split kernel, or with ``work`` the work-list kernel; the caller merges the
     partials (``merge_partials``; ``worklist.merge``).
 
@@ -66,26 +65,20 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]`` /
     ``mid_lse [slots, partial_rows]``.
     FP8 pool (``kv`` of ``FP8_POOLS``): ``k_scale`` is a one-element float32 tensor (a key is
-    ``code * k_scale[0]``) and the call's codes are in the pool already (``k_new`` is not
-    read).
+    ``code * k_scale[0]``); with ``write`` (``kv_write.fp8_write``'s answer) the kernel
+    stores torch's codes of ``k_new`` itself, from the programs whose tails read them, else
+    the call's codes are in the pool already (``k_new`` is not read).
     Extend (``mode == 2``, the split kernel): q ``[T, H, 576]`` and k_new ``[T, 576]`` the
     new tokens, hist ``[T, 1]`` their slots, meta rows as ``_extend_metadata_kernel``
     writes them; ``rows``: the grid's query rows per request (``max E * H``; decode: ``K *
     H``, the default).
     ``pdl`` (sm90): every program releases the merge launch (a programmatic dependent
-    launch, ``pdl.launch_args``) once it has stored its result; with ``dependent`` (FP8
-    pools) the kernel is itself such a launch after the KV write launch: a program waits for
-    it before its first tail tile (the prefix is older keys) and before it ends.
-    ``write`` (FP8 pools, ``kv_write.fp8_write``'s answer; no write launch before): the
-    kernel stores torch's codes of ``k_new`` itself, from the programs whose tails read
-    them."""
+    launch, ``pdl.launch_args``) once it has stored its result; the kernel itself is an
+    ordinary launch (it may read what the launch before wrote)."""
     fp8 = kv.dtype in FP8_POOLS
-    if (dependent or write is not None) and not fp8:
-        raise ValueError("a dependent Gluon launch or its own FP8 write serves FP8 pools "
-                         "only: over other pools the kernel stores the call's keys itself")
-    if dependent and write is not None:
-        raise ValueError("the call's codes are stored by the write launch (dependent) or by "
-                         "the kernel (write), not both")
+    if write is not None and not fp8:
+        raise ValueError("the Gluon kernels' FP8 write serves FP8 pools only: over other "
+                         "pools they store the call's keys themselves")
     if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or k_scale.numel() != 1):
         raise ValueError("an FP8 pool needs k_scale, a one-element float32 tensor")
     if not fp8 and kv.dtype != q.dtype:
@@ -99,8 +92,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     prescale = Q_F16_PRESCALE if q_f16 else 1.0
     consts = dict(H=H, MODE=mode, BLOCK_N=block_n, NUM_STAGES=num_stages,
                   USE_CAP=logit_cap > 0, FP8=fp8, Q_F16=q_f16, num_warps=NUM_WARPS,
-                  **launch_args(pdl, dependent))
-    consts["PDL_WAIT"] = pdl and dependent
+                  **launch_args(pdl))
     w_scale = meta  # a placeholder, never read without write
     if write is not None:
         w_scale = write.k_scale

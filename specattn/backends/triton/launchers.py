@@ -25,7 +25,7 @@ from .plans import (DECODE_ONLY_KERNELS, DOT_MAX_SPLITS, MAX_SPLITS, PARTIAL_ROW
                     Kernel, Plan)
 
 # Kernels launched as programmatic dependents of the KV write launch before them (``pdl``).
-PDL_AFTER_WRITE = (Kernel.DOT, Kernel.GLUON_WL, Kernel.GLUON_SPLIT)
+PDL_AFTER_WRITE = (Kernel.DOT,)
 
 
 def _pow2(x: int) -> int:
@@ -196,8 +196,9 @@ def tail_stores_kv(kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple, programs: 
     place of a KV write launch before it, so that the call is two launches (kernel, merge):
     decode and extend of a round of few ``programs`` (``plans.few_groups``; in decode one
     launch less is 4-8% of such a step) into pools of the new rows' dtype, or with ``fp8``
-    (the caller found the kernel's codes to be torch's: ``fp8_write``) into FP8 pools. Rounds of many requests keep it: with the store in the kernel, 32 requests
-    x 4k tokens of decode ran 14% slower (H200, ``docs/kernels.md``)."""
+    (the caller found the kernel's codes to be torch's: ``fp8_write``) into FP8 pools.
+    Rounds of many requests keep it: with the store in the kernel, 32 requests x 4k tokens
+    of decode ran 14% slower (H200, ``docs/kernels.md``)."""
     k, v = new_kv
     return plans.few_groups(programs, device) and (fp8 or (k.dtype == kb.dtype and (
         v is None or v.dtype == vb.dtype))) and k.stride(-1) == 1 and (
@@ -243,17 +244,18 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
     new_kv: ``(k, v)`` of this call (``v`` None for MLA), stored at ``hist[row, step]``
     (decode: ``hist [lanes, num_steps]``; extend: ``hist [tokens, 1]``, ``step = 0``): by the
     ``tl.dot`` split-KV kernel's tail programs in a few-request decode or extend
-    (``tail_stores_kv``), else by one launch before it; by the other kernels' first split;
-    into an FP8 pool before any kernel, as torch's codes: by that launch on CUDA
-    (``fp8_write``), else by ``runner.write_kv``; read back by the ``tl.dot`` kernels with
-    the layer's scales (``layer.k_scale`` / ``v_scale``) folded in (by the Gluon kernels too;
-    ``cute`` reads bf16/fp16 pools only).
+    (``tail_stores_kv``), else by one launch before it; by the other kernels' first split
+    (the Gluon kernels': the programs whose tails read them). Into an FP8 pool as torch's
+    codes: on CUDA (``fp8_write``) by the Gluon kernels, the few-request ``tl.dot`` tail
+    programs or that launch, else by ``runner.write_kv`` before any kernel; read back by the
+    ``tl.dot`` and Gluon kernels with the layer's scales (``layer.k_scale`` / ``v_scale``)
+    folded in (``cute`` reads bf16/fp16 pools only).
     work: the ``gluon-wl`` round's work list (``decode_metadata``); ``num_splits`` is then the
     programs per row tile and ``mid_o`` / ``mid_lse`` are its slots (``partial_views``).
     pdl (sm90+; not ``cute``): the merge is a programmatic dependent launch, and so is the
-    split-KV or Gluon kernel after the KV write launch (not after torch's FP8 write, which
-    is several launches); ``dot-mla``, and the Gluon kernels over bf16/fp16 pools, stay
-    ordinary launches (all they read may come from the launch before). The ``tl.dot`` plans
+    split-KV kernel after the KV write launch (not after torch's FP8 write, which is several
+    launches); ``dot-mla`` and the Gluon kernels stay ordinary launches (all they read may
+    come from the launch before). The ``tl.dot`` plans
     over FP8 pools under a bf16 model dot in fp16 on a prescaled query (``Q_F16``,
     ``_attn_kernels``)."""
     if not hist.is_contiguous():
@@ -308,7 +310,7 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
             num_splits=num_splits, sm_scale=layer.scaling, logit_cap=layer.logit_cap,
             block_n=plan.block_n, num_stages=plan.num_stages, work=work if wl else None,
             k_scale=k_scale if scaled else None, rows=rows_per_group, pdl=pdl,
-            dependent=written, write=fp8 if tail_kv else None)
+            write=fp8 if tail_kv else None)
         if wl:
             worklist.merge(mid_o, mid_lse, out, work, num_splits, topk, pdl=pdl)
         elif num_splits > 1:
