@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from specattn.platforms import Platform, current_platform
+from specattn.platforms import Platform, current_platform, triton_interpret_enabled
 from standins import aiter as aiter_standin
 from standins import flash_mla as fm_standin
 from standins import flashinfer as fi_standin
@@ -158,8 +158,11 @@ GPU_NATIVE = (
 
 
 def environments() -> tuple[Environment, ...]:
-    """The environments to run on this machine: native, stand-ins, and the vendor libraries
-    for real where ``current_platform()`` has them (GPU)."""
+    """The environments to run on this machine: native, the vendor libraries for real where
+    ``current_platform()`` has them (GPU), and the stand-ins where Triton's interpreter is on:
+    their backends' Triton kernels (slot lists, merges) run on the CPU, which takes it
+    (``tests/conftest.py`` turns it on where there is no GPU; on a GPU host, run them with
+    ``TRITON_INTERPRET=1``)."""
     platform = current_platform()
     gpu = tuple(e for e in GPU_NATIVE if platform.device == "cuda")
-    return NATIVE + gpu + STANDIN
+    return NATIVE + gpu + (STANDIN if triton_interpret_enabled() else ())

@@ -8,8 +8,8 @@ KScale[0]``. The codes of a key tile are gathered by ``cp.async`` into a ring of
 wgmmas read (``_widen_tile``), and the ring stage is refilled as soon as it is widened, so
 two tiles are in flight during a tile's MMAs (``_tile_step_fp8``). The key scale folds into
 the softmax scale and, the latent being the value too, into the normalised output. The
-call's new keys are in the pool already (torch quantized them): the kernel reads them there
-and stores none.
+call's new keys are read back from the pool: the kernel stores their codes first
+(``STORE_FP8``: torch's codes, ``fp8_codes``), or torch stored them before it.
 
 ``Q_F16`` (FP8 pools under bf16 queries, as the ``tl.dot`` kernels' ``Q_F16``): the query
 rows are stored as ``q * q_prescale`` (``2^-8``, a runtime argument) in fp16, the staging
@@ -90,8 +90,8 @@ def _tail_rows(idx, ok, hl, q_start, b, step, Hist, Parents, stride_par_s, strid
     """Tail key ``idx`` (lane ``idx // hl``'s history slot ``idx % hl``; extend: ``hl`` 1,
     new token ``idx``) -> ``(slot int64, new)``: its pool slot, and whether it is this call's
     key (read from ``k``: the last slot of each lane). Path mode: the ancestor at that depth.
-    ``NEW_IN_POOL`` (FP8 pools, where torch stored the call's keys): the slot of this call's
-    key too, ``Hist[lane, step]``."""
+    ``NEW_IN_POOL`` (FP8 pools, the call's codes stored before the tail reads them): the
+    slot of this call's key too, ``Hist[lane, step]``."""
     key_lane = idx // hl
     depth = idx % hl
     new = ok & (depth == hl - 1)
@@ -505,7 +505,7 @@ def _gluon_mla_kernel(
     # Lanes of this row tile (their tail keys, and the new keys split 0 stores).
     lane_lo = row_lo // H
     lane_hi = gl.minimum(n_q, (row_lo + BLOCK_M + H - 1) // H)
-    if not FP8:  # FP8: the write launch or the tail program (STORE_FP8) stores them
+    if not FP8:  # FP8: the tail program (STORE_FP8) or torch stores them
         if split == 0:
             _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                             lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)

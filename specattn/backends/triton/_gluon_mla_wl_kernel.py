@@ -84,7 +84,7 @@ def _gluon_mla_wl_kernel(
         n_hi = gl.where(t_hi > n_pref,
                         n_lo + gl.minimum(tail_keys, (t_hi - n_pref) * BLOCK_N), n_lo)
         first = u_b >= u_begin
-        if not FP8:  # FP8: the write launch or the tail's programs (STORE_FP8) store them
+        if not FP8:  # FP8: the tail's programs (STORE_FP8) or torch store them
             if first:
                 _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo,
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT)
