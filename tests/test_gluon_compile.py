@@ -81,8 +81,7 @@ def _fp8_write(kv_dtype):
     e5m2 = kv_dtype == torch.float8_e5m2
     scale, quant = F.write_scale(torch.full((1,), 0.37) if e5m2 else 0.37, torch.device("cpu"))
     assert quant == (F.QUANT_DIV if e5m2 else F.QUANT_MUL)
-    return Fp8Write(scale, scale, quant, quant,
-                    F.Codes(e5m2, True, False))
+    return Fp8Write(scale, scale, quant, quant, F.Codes(e5m2, True, False))
 
 
 def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, cap: float,
