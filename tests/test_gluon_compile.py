@@ -96,7 +96,7 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
                 cubin=len(kernel.asm["cubin"]), wgmma="wgmma.mma_async" in ptx,
                 cp_async="cp.async" in ptx, e4m3_cvt="cvt.rn.f16x2.e4m3x2" in ptx,
                 e4m3_cvts=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_selects=ptx.count("selp.b16"),
-                pdl_wait="griddepcontrol.wait" in ptx,
+                pdl_wait="griddepcontrol.wait" in ptx, warp_specialised="setmaxnreg" in ptx,
                 pdl_release="griddepcontrol.launch_dependents" in ptx,
                 launch_pdl=kernel.metadata.launch_pdl,
                 f16_to_bf16="cvt.bf16.f16" in ptx or "cvt.rn.bf16.f16" in ptx)
@@ -129,6 +129,9 @@ def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, m
     assert got["fp8"] == kv_dtype.startswith("float8")
     assert got["shared"] <= H200_SHARED and got["cubin"] > 0, got
     assert got["wgmma"] and got["cp_async"], got
+    # Over FP8 pools the split kernel is warp-specialised (a producer warpgroup widening the
+    # codes, its registers moved to the computing warps); the work-list kernel is not.
+    assert got["warp_specialised"] == (got["fp8"] and not work), got
     # As the launcher builds them on sm90 (``pdl``): the merge released once the results are
     # stored; over FP8 pools the kernel stores the call's codes itself (no write launch to
     # wait for).

@@ -6,7 +6,10 @@
 KScale[0]``. The codes of a key tile are gathered by ``cp.async`` into a ring of FP8 tiles
 (``_alloc_fp8_ring``), widened exactly to the query's dtype into one staging tile that the
 wgmmas read (``_widen_tile``), and the ring stage is refilled as soon as it is widened, so
-two tiles are in flight during a tile's MMAs (``_tile_step_fp8``). The key scale folds into
+two tiles are in flight during a tile's MMAs: in the work-list kernel by the same 8 warps
+(``_tile_step_fp8``), in the split kernel by a producer warpgroup of its own while the 8
+warps compute on the tile before (``_ws_produce`` / ``_ws_consume``: warp-specialised,
+mbarriers hand the staging tile over). The key scale folds into
 the softmax scale and, the latent being the value too, into the normalised output. The
 call's new keys are read back from the pool: the kernel stores their codes first
 (``STORE_FP8``: torch's codes, ``fp8_codes``), or torch stored them before it.
@@ -23,7 +26,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from ...kernels.fp8_codes import quantize_block
 from ...kernels.pdl import launch_dependents
@@ -51,6 +54,13 @@ FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 # or 256 columns on the H200, docs/kernels.md).
 FP8_COLS = D_MAIN
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+# The split kernel over FP8 pools is warp-specialised: its producer warpgroup's layouts (4
+# warps), the latent columns it widens at a time, and its registers (the 8 consumer warps
+# get the rest: 240).
+WS_FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+WS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+WS_FP8_COLS = gl.constexpr(256)
+WS_PRODUCER_REGS = gl.constexpr(96)
 
 
 @gluon.constexpr_function
@@ -177,11 +187,13 @@ def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr, COLS: gl.constexpr = D
 def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo,
                     n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
                     TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr):
+                    NUM_STAGES: gl.constexpr, l8: gl.constexpr = FP8_LAYOUT,
+                    lc: gl.constexpr = COPY_LAYOUT):
     """``_issue_tile`` for an FP8 pool: the codes of key tile ``t`` into ring stage ``t %
-    NUM_STAGES`` (``slots`` in ``FP8_LAYOUT``'s rows), every key from the pool (this call's
-    too); keys past the end are zero-filled."""
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_LAYOUT))
+    NUM_STAGES`` (``slots`` in ``l8``'s rows), every key from the pool (this call's too);
+    keys past the end are zero-filled. ``l8`` / ``lc``: the codes' and the rope part's copy
+    layouts (8 warps; the split kernel's FP8 producer's: 4)."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, l8))
     if t < n_pref:
         ok = start + t * BLOCK_N + offs_n < end
         slot = _in_pool(slots.to(gl.int64), num_slots)
@@ -192,12 +204,12 @@ def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, e
                                stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, True)
     rows = KV + slot * stride_kvs
     stage = t % NUM_STAGES
-    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, FP8_LAYOUT))
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, l8))
     async_copy.async_copy_global_to_shared(k_ring.index(stage),
                                            rows[:, None] + offs_d[None, :], mask=ok[:, None])
-    pe_rows = gl.convert_layout(rows, gl.SliceLayout(1, COPY_LAYOUT))
-    pe_ok = gl.convert_layout(ok, gl.SliceLayout(1, COPY_LAYOUT))
-    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    pe_rows = gl.convert_layout(rows, gl.SliceLayout(1, lc))
+    pe_ok = gl.convert_layout(ok, gl.SliceLayout(1, lc))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, lc))
     async_copy.async_copy_global_to_shared(kpe_ring.index(stage),
                                            pe_rows[:, None] + D_MAIN + offs_pe[None, :],
                                            mask=pe_ok[:, None])
@@ -456,6 +468,86 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
 
 
 @gluon.jit
+def _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, empty, n_pref,
+                start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                stride_par_b, TOPK, NUM_STEPS, num_slots, total, MODE: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The FP8 split kernel's producer warpgroup: the codes of each key tile by ``cp.async`` into the ring
+    (``NUM_STAGES`` tiles ahead), widened into the staging tile once the consumers are done
+    with the last one (``empty``), handed over (``full``)."""
+    for i in gl.static_range(NUM_STAGES):
+        _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
+                                         WS_FP8_LAYOUT),
+                        k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi, hl,
+                        q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+                        NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES, WS_FP8_LAYOUT,
+                        WS_COPY_LAYOUT)
+        async_copy.commit_group()
+    slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, WS_FP8_LAYOUT)
+    for t in range(total):
+        stage = t % NUM_STAGES
+        async_copy.wait_group(NUM_STAGES - 1)
+        gl.thread_barrier()
+        mbarrier.wait(empty.index(0), (t & 1) ^ 1)
+        if t >= n_pref:  # history keys: their non-finite values zeroed (_finite_tail)
+            _widen_tile(k_ring.index(stage), k_st, True, WS_FP8_COLS, WS_FP8_LAYOUT)
+            _widen_tile(kpe_ring.index(stage), kpe_st, True, D_PE, WS_COPY_LAYOUT)
+        else:
+            _widen_tile(k_ring.index(stage), k_st, False, WS_FP8_COLS, WS_FP8_LAYOUT)
+            _widen_tile(kpe_ring.index(stage), kpe_st, False, D_PE, WS_COPY_LAYOUT)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(0), count=1)
+        _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref,
+                        start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                        stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
+                        NUM_STAGES, WS_FP8_LAYOUT, WS_COPY_LAYOUT)
+        async_copy.commit_group()
+        slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
+                              WS_FP8_LAYOUT)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, Out, MidO, MidLse, KScale,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_mo_t, stride_mo_h,
+                stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows, q_prescale,
+                n_pref, start, end, n_lo, n_hi, hl, split, total, sm_scale, logit_cap,
+                H: gl.constexpr, Q_F16: gl.constexpr, BLOCK_N: gl.constexpr,
+                USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, MODE: gl.constexpr):
+    """The FP8 split kernel's consumer warpgroups: the query rows, then per key tile S, the online softmax
+    and P.V on the staging tile the producer filled (``full``), released after (``empty``);
+    the result as the kernel stores it."""
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
+             H, Q_F16)
+    if not Q_F16:
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    k_scale = gl.load(KScale)
+    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0) * k_scale
+    row_lane = (row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))) // H
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    for t in range(total):
+        mbarrier.wait(full.index(0), t & 1)
+        acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_st, kpe_st, s_zero,
+                                     row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
+                                     logit_cap, BLOCK_N, USE_CAP, P_LAYOUT,
+                                     MODE == MODE_EXTEND)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(0), count=1)
+    acc = acc * k_scale  # the value scale: the latent is the value
+    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
+                  n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+
+
+@gluon.jit
 def _gluon_mla_kernel(
         Q, KV, Kin, MidO, MidLse, Out, ReqToToken, Meta, Hist, Parents, KScale, WScale,
         step, sm_scale, logit_cap, q_prescale,
@@ -467,8 +559,8 @@ def _gluon_mla_kernel(
         Q_F16: gl.constexpr = False, PDL: gl.constexpr = False,
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
-    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps. See ``gluon_mla`` for the algorithm and
-    the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``FP8``: and a producer warpgroup). See
+    ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
     ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
     ``MODE_EXTEND``: ``T`` new tokens for ``B*K``, request ``b``'s ``Meta[b, 4]`` from row
     ``Meta[b, 3]``, Hist ``[T, 1]`` their slots, the tail causal). ``FP8``:
@@ -478,7 +570,9 @@ def _gluon_mla_kernel(
     result. ``STORE_FP8`` (FP8): the tail program of each row tile stores torch's codes of
     the keys its tail reads (``_store_new_keys``: decode, its lanes'; extend, every new
     token up to the tile's last; other tiles store the same bytes) and reads them back from
-    the pool after a barrier; without it torch stored them before the kernel."""
+    the pool after a barrier; without it torch stored them before the kernel. Over FP8 pools
+    the kernel is warp-specialised: a producer warpgroup copies and widens each key tile
+    (``_ws_produce``) while the 8 warps compute on the one before (``_ws_consume``)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     copy_layout: gl.constexpr = COPY_LAYOUT
@@ -528,21 +622,25 @@ def _gluon_mla_kernel(
     n_hi = gl.where((split == NUM_SPLITS - 1) & live, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
-    if FP8:
-        # Q, one staging tile of the query's dtype, the ring of codes (NUM_STAGES tiles
-        # ahead: a stage is free once widened).
+    if FP8:  # warp-specialised: _ws_produce widens, _ws_consume computes and stores
         q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
         k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
-        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                 q_prescale, H, Q_F16)
-        for i in gl.static_range(NUM_STAGES):
-            _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
-                                             FP8_LAYOUT),
-                            k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
-                            hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-                            TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
-            async_copy.commit_group()
-        slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, FP8_LAYOUT)
+        full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(full.index(0), count=1)
+        mbarrier.init(empty.index(0), count=1)
+        gl.warp_specialize([
+            (_ws_consume, (Q, q_smem, qpe_smem, k_st.index(0), kpe_st.index(0), full, empty,
+                           Out, MidO, MidLse, KScale, stride_qt, stride_qh, stride_ot,
+                           stride_oh, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t,
+                           stride_ml_h, q_start, row_lo, n_rows, q_prescale, n_pref, start,
+                           end, n_lo, n_hi, hl, split, total, sm_scale, logit_cap, H, Q_F16,
+                           BLOCK_N, USE_CAP, DIRECT_OUT, MODE)),
+            (_ws_produce, (KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st.index(0),
+                           kpe_st.index(0), full, empty, n_pref, start, end, n_lo, n_hi, hl,
+                           q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
+                           NUM_STEPS, num_slots, total, MODE, BLOCK_N, NUM_STAGES)),
+        ], [4], [WS_PRODUCER_REGS])
     else:
         q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
         # Q rows (row m: lane m // H, head m % H), in the first copy group.
@@ -560,37 +658,24 @@ def _gluon_mla_kernel(
         slots = _prefix_slots(NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
                               copy_layout)
 
-    offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    row_lane = offs_sm // H
-    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    if FP8:
-        k_scale = gl.load(KScale)
-        for t in range(total):
-            acc, m_i, l_i, slots = _tile_step_fp8(
-                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, k_st.index(0),
-                kpe_st.index(0), s_zero, row_lane, r2t_row, KV, stride_kvs, n_pref, start,
-                end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                stride_par_b, TOPK, NUM_STEPS, num_slots, qk_scale * k_scale, logit_cap, MODE,
-                BLOCK_N, NUM_STAGES, USE_CAP, P_LAYOUT)
-        async_copy.wait_group(0)
-        acc = acc * k_scale  # the value scale: the latent is the value
-    else:
+    if not FP8:
+        offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        row_lane = offs_sm // H
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         for t in range(total):
             acc, m_i, l_i, slots = _tile_step(
                 t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero,
                 row_lane, r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
                 n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-                TOPK, NUM_STEPS, num_slots, qk_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES,
-                USE_CAP, copy_layout, P_LAYOUT)
+                TOPK, NUM_STEPS, num_slots, sm_scale * LOG2E, logit_cap, MODE, BLOCK_N,
+                NUM_STAGES, USE_CAP, copy_layout, P_LAYOUT)
         async_copy.wait_group(0)
-
-    # Epilogue: normalise; one split writes Out, several write partials + LSE.
-    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
-                  n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+        # Epilogue: normalise; one split writes Out, several write partials + LSE.
+        _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                      stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
+                      n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
     if PDL:
         launch_dependents()

@@ -324,7 +324,7 @@ def gluon_import_reason() -> Optional[str]:
                 f"{'/'.join(v + '.x' for v in GLUON_TRITON)} only (Gluon's API moves)")
     try:
         from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
-            async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+            async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
     except Exception as exc:
         return f"Gluon's Hopper ops do not import ({type(exc).__name__}: {exc})"
     return None
