@@ -472,9 +472,9 @@ def _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, e
                 start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
                 stride_par_b, TOPK, NUM_STEPS, num_slots, total, MODE: gl.constexpr,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The FP8 split kernel's producer warpgroup: the codes of each key tile by ``cp.async`` into the ring
-    (``NUM_STAGES`` tiles ahead), widened into the staging tile once the consumers are done
-    with the last one (``empty``), handed over (``full``)."""
+    """The FP8 split kernel's producer warpgroup: the codes of each key tile by ``cp.async``
+    into the ring (``NUM_STAGES`` tiles ahead), widened into the staging tile once the
+    consumers are done with the last one (``empty``), handed over (``full``)."""
     for i in gl.static_range(NUM_STAGES):
         _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
                                          WS_FP8_LAYOUT),
@@ -515,9 +515,9 @@ def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, Out, MidO, MidLs
                 n_pref, start, end, n_lo, n_hi, hl, split, total, sm_scale, logit_cap,
                 H: gl.constexpr, Q_F16: gl.constexpr, BLOCK_N: gl.constexpr,
                 USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, MODE: gl.constexpr):
-    """The FP8 split kernel's consumer warpgroups: the query rows, then per key tile S, the online softmax
-    and P.V on the staging tile the producer filled (``full``), released after (``empty``);
-    the result as the kernel stores it."""
+    """The FP8 split kernel's consumer warpgroups: the query rows, then per key tile S, the
+    online softmax and P.V on the staging tile the producer filled (``full``), released
+    after (``empty``); the result as the kernel stores it."""
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
              H, Q_F16)
