@@ -560,8 +560,9 @@ def _gluon_mla_kernel(
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``FP8``: and a producer warpgroup). See
-    ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV ``[slots, 576]``, Kin ``[B*K, 576]``, MidO
-    ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``, Out ``[B*K, H, 512]``; extend,
+    ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV ``[slots,
+    576]``, Kin ``[B*K, 576]``, MidO ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``,
+    Out ``[B*K, H, 512]``; extend,
     ``MODE_EXTEND``: ``T`` new tokens for ``B*K``, request ``b``'s ``Meta[b, 4]`` from row
     ``Meta[b, 3]``, Hist ``[T, 1]`` their slots, the tail causal). ``FP8``:
     KV holds codes, a key is ``code * KScale[0]`` (module doc); Kin is not read. ``Q_F16``
