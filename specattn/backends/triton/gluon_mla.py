@@ -11,10 +11,12 @@ key read from ``k``). Extend (``gluon-split``): the lanes are a request's new to
 the tail is every new token up to the tile's last, causal. An FP8 pool (``float8_e4m3fn`` /
 ``float8_e5m2`` codes, a key is ``code * k_scale``): the codes go through a ring of their
 own and are widened exactly into a staging tile that the wgmmas read (fp16 under bf16
-queries too: the query rows prescaled as the ``tl.dot`` kernels' ``Q_F16``); ``k_scale``
-scales the scores and the output; the call's keys were stored by torch
-(``runner.write_kv``) and are read from the pool. ``docs/kernels.md`` has the
-measurements.
+queries too: the query rows prescaled as the ``tl.dot`` kernels' ``Q_F16``; in
+``gluon-split`` by a producer warpgroup of 4 more warps while the 8 compute, the kernel
+warp-specialised); ``k_scale`` scales the scores and the output; the call's codes are
+stored by the programs whose tails read them (``write``), or by torch
+(``runner.write_kv``) before the kernel, and read from the pool. ``docs/kernels.md`` has
+the measurements.
 """
 
 from __future__ import annotations
