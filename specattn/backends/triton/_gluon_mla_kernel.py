@@ -6,10 +6,9 @@
 KScale[0]``. The codes of a key tile are gathered by ``cp.async`` into a ring of FP8 tiles
 (``_alloc_fp8_ring``), widened exactly to the query's dtype into one staging tile that the
 wgmmas read (``_widen_tile``), and the ring stage is refilled as soon as it is widened, so
-two tiles are in flight during a tile's MMAs: in the work-list kernel by the same 8 warps
-(``_tile_step_fp8``), in the split kernel by a producer warpgroup of its own while the 8
-warps compute on the tile before (``_ws_produce`` / ``_ws_consume``: warp-specialised,
-mbarriers hand the staging tile over). The key scale folds into
+two tiles are in flight during a tile's MMAs, by a producer warpgroup of its own while the
+kernel's 8 warps compute on the tile before (``_ws_attend``: warp-specialised, mbarriers
+hand the staging tile over). The key scale folds into
 the softmax scale and, the latent being the value too, into the normalised output. The
 call's new keys are read back from the pool: the kernel stores their codes first
 (``STORE_FP8``: torch's codes, ``fp8_codes``), or torch stored them before it.
@@ -46,21 +45,16 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
     version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 512 // 2, 16]))
 P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
-# FP8 codes: 16-byte copies and widenings of 16 codes, 4 rows x 128 codes per warp
-# instruction; its rows are distributed as COPY_LAYOUT's (a conversion between their row
-# slices moves nothing), so the 64-wide rope part goes through COPY_LAYOUT.
-FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
-# Latent columns widened at a time: the whole row, 128 codes a thread (1-3% faster than 128
-# or 256 columns on the H200, docs/kernels.md).
-FP8_COLS = D_MAIN
 KV_WRITE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
-# The split kernel over FP8 pools is warp-specialised: its producer warpgroup's layouts (4
-# warps), the latent columns it widens at a time, and its registers (the 8 consumer warps
-# get the rest: 240).
-WS_FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-WS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-WS_FP8_COLS = gl.constexpr(256)
-WS_PRODUCER_REGS = gl.constexpr(96)
+# Both kernels are warp-specialised: a producer warpgroup (4 warps, PRODUCER_REGS registers;
+# the 8 computing warps get the rest: 240) copies the key tiles, 16 bytes a copy: bf16/fp16
+# rows in COPY4_LAYOUT (COPY_LAYOUT over 4 warps), FP8 codes in FP8_LAYOUT (16 codes, 4 rows
+# x 128 codes per warp instruction; the rope part in COPY4_LAYOUT, whose rows are
+# distributed alike), widened FP8_COLS latent columns at a time.
+COPY4_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+FP8_COLS = gl.constexpr(256)
+PRODUCER_REGS = gl.constexpr(96)
 
 
 @gluon.constexpr_function
@@ -187,13 +181,11 @@ def _finite_tail(k_tile, t, n_pref, layout: gl.constexpr, COLS: gl.constexpr = D
 def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo,
                     n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
                     TOPK, NUM_STEPS, num_slots, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, l8: gl.constexpr = FP8_LAYOUT,
-                    lc: gl.constexpr = COPY_LAYOUT):
-    """``_issue_tile`` for an FP8 pool: the codes of key tile ``t`` into ring stage ``t %
-    NUM_STAGES`` (``slots`` in ``l8``'s rows), every key from the pool (this call's too);
-    keys past the end are zero-filled. ``l8`` / ``lc``: the codes' and the rope part's copy
-    layouts (8 warps; the split kernel's FP8 producer's: 4)."""
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, l8))
+                    NUM_STAGES: gl.constexpr):
+    """``_issue_tile`` for an FP8 pool, by the producer warpgroup: the codes of key tile
+    ``t`` into ring stage ``t % NUM_STAGES`` (``slots`` in ``FP8_LAYOUT``'s rows), every key
+    from the pool (this call's too); keys past the end are zero-filled."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_LAYOUT))
     if t < n_pref:
         ok = start + t * BLOCK_N + offs_n < end
         slot = _in_pool(slots.to(gl.int64), num_slots)
@@ -204,12 +196,12 @@ def _issue_tile_fp8(t, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start, e
                                stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, True)
     rows = KV + slot * stride_kvs
     stage = t % NUM_STAGES
-    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, l8))
+    offs_d = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, FP8_LAYOUT))
     async_copy.async_copy_global_to_shared(k_ring.index(stage),
                                            rows[:, None] + offs_d[None, :], mask=ok[:, None])
-    pe_rows = gl.convert_layout(rows, gl.SliceLayout(1, lc))
-    pe_ok = gl.convert_layout(ok, gl.SliceLayout(1, lc))
-    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, lc))
+    pe_rows = gl.convert_layout(rows, gl.SliceLayout(1, COPY4_LAYOUT))
+    pe_ok = gl.convert_layout(ok, gl.SliceLayout(1, COPY4_LAYOUT))
+    offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, COPY4_LAYOUT))
     async_copy.async_copy_global_to_shared(kpe_ring.index(stage),
                                            pe_rows[:, None] + D_MAIN + offs_pe[None, :],
                                            mask=pe_ok[:, None])
@@ -225,46 +217,6 @@ def _widen_tile(src, dst, FINITE: gl.constexpr, COLS: gl.constexpr, layout: gl.c
         if FINITE:
             x = gl.where((x - x) == 0, x, gl.zeros_like(x))
         dst.slice(c * COLS, COLS, dim=1).store(x)
-
-
-@gluon.jit
-def _tile_step_fp8(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring, k_s, kpe_s,
-                   s_zero, row_lane, r2t_row, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
-                   hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                   NUM_STEPS, num_slots, qk_scale, logit_cap, MODE: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr,
-                   p_layout: gl.constexpr):
-    """``_tile_step`` over an FP8 ring: wait for tile ``t``'s codes, widen them into the
-    staging tile ``k_s`` / ``kpe_s``, refill their ring stage with tile ``t + NUM_STAGES``
-    (``NUM_STAGES`` tiles in flight during the MMAs), then ``S``, the online softmax and
-    ``P.V`` on the staging tile. ``qk_scale`` includes the key scale. Returns ``(acc, m_i,
-    l_i, slots)``; ``slots``: the next issue's ``req_to_token`` entries."""
-    # Tile t's codes have landed (each thread's copies), and every warp is done with the
-    # staging tile (tile t - 1's MMAs waited).
-    async_copy.wait_group(NUM_STAGES - 1)
-    gl.thread_barrier()
-    stage = t % NUM_STAGES
-    # Two branches, the finite check compiled into the tail's only: as a runtime operand of
-    # one widening it was computed and selected on every code of every tile.
-    if t >= n_pref:
-        _widen_tile(k_ring.index(stage), k_s, True, FP8_COLS, FP8_LAYOUT)
-        _widen_tile(kpe_ring.index(stage), kpe_s, True, D_PE, COPY_LAYOUT)
-    else:
-        _widen_tile(k_ring.index(stage), k_s, False, FP8_COLS, FP8_LAYOUT)
-        _widen_tile(kpe_ring.index(stage), kpe_s, False, D_PE, COPY_LAYOUT)
-    # The staging tile (and Q) visible to the wgmmas; every warp is done with the stage.
-    fence_async_shared()
-    gl.thread_barrier()
-    _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref, start,
-                    end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
-    async_copy.commit_group()
-    slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
-                          FP8_LAYOUT)
-    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s, kpe_s, s_zero,
-                                 row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
-                                 logit_cap, BLOCK_N, USE_CAP, p_layout, MODE == MODE_EXTEND)
-    return acc, m_i, l_i, slots
 
 
 @gluon.jit
@@ -353,39 +305,6 @@ def _store_new_keys(Kin, KV, Hist, stride_kin_t, stride_kvs, q_start, lane_lo, l
 
 
 @gluon.jit
-def _tile_step(t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero, row_lane,
-               r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end, n_lo, n_hi, hl,
-               q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
-               num_slots, qk_scale, logit_cap, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr, copy_layout: gl.constexpr,
-               p_layout: gl.constexpr):
-    """One key tile ``t``: refill the stage the previous tile used with tile
-    ``t + NUM_STAGES - 1``, wait for tile ``t``, then ``S``, the online softmax and ``P.V``.
-    Returns ``(acc, m_i, l_i, slots)``; ``slots``: the next issue's ``req_to_token``
-    entries."""
-    # Every warp is done with stage t - 1: refill it with tile t + NUM_STAGES - 1.
-    gl.thread_barrier()
-    _issue_tile(t + NUM_STAGES - 1, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
-                BLOCK_N, NUM_STAGES, copy_layout)
-    async_copy.commit_group()
-    # First read at the next issue, a tile's MMAs later.
-    slots = _prefix_slots(t + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, copy_layout)
-    async_copy.wait_group(NUM_STAGES - 1)
-    fence_async_shared()
-    gl.thread_barrier()
-    stage = t % NUM_STAGES
-    k_s = k_smem.index(stage)
-    _finite_tail(k_s, t, n_pref, copy_layout)
-    acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_s,
-                                 kpe_smem.index(stage), s_zero, row_lane, n_pref, start, end,
-                                 n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N, USE_CAP,
-                                 p_layout, MODE == MODE_EXTEND)
-    return acc, m_i, l_i, slots
-
-
-@gluon.jit
 def _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
              H: gl.constexpr, copy_layout: gl.constexpr):
     """Start the ``cp.async`` of the 64 query rows (row m: lane m // H, head m % H; latent and
@@ -405,17 +324,14 @@ def _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
 def _load_q_f16(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
                 H: gl.constexpr):
     """The 64 query rows as ``_issue_q`` places them, each value ``q * q_prescale`` rounded to
-    fp16 (``Q_F16``: bf16 queries over FP8 pools), ``FP8_COLS`` latent columns at a time
-    through registers. The first tile's fence makes the stores visible to the wgmmas."""
+    fp16 (``Q_F16``: bf16 queries over FP8 pools), through registers; the caller's fence
+    makes the stores visible to the wgmmas."""
     offs_qm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, COPY_LAYOUT))
     q_ok = offs_qm < n_rows
     q_rows = Q + (q_start + offs_qm // H).to(gl.int64) * stride_qt + (offs_qm % H) * stride_qh
-    offs_c = gl.arange(0, FP8_COLS, layout=gl.SliceLayout(0, COPY_LAYOUT))
-    for c in gl.static_range(D_MAIN // FP8_COLS):
-        x = gl.load(q_rows[:, None] + c * FP8_COLS + offs_c[None, :], mask=q_ok[:, None],
-                    other=0.0)
-        q_smem.slice(c * FP8_COLS, FP8_COLS, dim=1).store(
-            (x.to(gl.float32) * q_prescale).to(gl.float16))
+    offs_c = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    x = gl.load(q_rows[:, None] + offs_c[None, :], mask=q_ok[:, None], other=0.0)
+    q_smem.store((x.to(gl.float32) * q_prescale).to(gl.float16))
     offs_pe = gl.arange(0, D_PE, layout=gl.SliceLayout(0, COPY_LAYOUT))
     x = gl.load(q_rows[:, None] + D_MAIN + offs_pe[None, :], mask=q_ok[:, None], other=0.0)
     qpe_smem.store((x.to(gl.float32) * q_prescale).to(gl.float16))
@@ -470,54 +386,101 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
 @gluon.jit
 def _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, empty, n_pref,
                 start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                stride_par_b, TOPK, NUM_STEPS, num_slots, total, MODE: gl.constexpr,
+                stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi, MODE: gl.constexpr,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The FP8 split kernel's producer warpgroup: the codes of each key tile by ``cp.async``
-    into the ring (``NUM_STAGES`` tiles ahead), widened into the staging tile once the
-    consumers are done with the last one (``empty``), handed over (``full``)."""
+    """The FP8 kernels' producer warpgroup: the codes of key tiles ``[t_lo, t_hi)`` by
+    ``cp.async`` into the ring (``NUM_STAGES`` tiles ahead), each widened into the staging
+    tile once the consumers are done with the last one (``empty``), handed over (``full``)."""
     for i in gl.static_range(NUM_STAGES):
-        _issue_tile_fp8(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
-                                         WS_FP8_LAYOUT),
+        _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end,
+                                                BLOCK_N, FP8_LAYOUT),
                         k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi, hl,
                         q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                        NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES, WS_FP8_LAYOUT,
-                        WS_COPY_LAYOUT)
+                        NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
         async_copy.commit_group()
-    slots = _prefix_slots(NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N, WS_FP8_LAYOUT)
-    for t in range(total):
+    slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
+                          FP8_LAYOUT)
+    for t in range(t_lo, t_hi):
         stage = t % NUM_STAGES
         async_copy.wait_group(NUM_STAGES - 1)
         gl.thread_barrier()
-        mbarrier.wait(empty.index(0), (t & 1) ^ 1)
+        mbarrier.wait(empty.index(0), ((t - t_lo) & 1) ^ 1)
+        k_s = k_st.index(0)
+        kpe_s = kpe_st.index(0)
         if t >= n_pref:  # history keys: their non-finite values zeroed (_finite_tail)
-            _widen_tile(k_ring.index(stage), k_st, True, WS_FP8_COLS, WS_FP8_LAYOUT)
-            _widen_tile(kpe_ring.index(stage), kpe_st, True, D_PE, WS_COPY_LAYOUT)
+            _widen_tile(k_ring.index(stage), k_s, True, FP8_COLS, FP8_LAYOUT)
+            _widen_tile(kpe_ring.index(stage), kpe_s, True, D_PE, COPY4_LAYOUT)
         else:
-            _widen_tile(k_ring.index(stage), k_st, False, WS_FP8_COLS, WS_FP8_LAYOUT)
-            _widen_tile(kpe_ring.index(stage), kpe_st, False, D_PE, WS_COPY_LAYOUT)
+            _widen_tile(k_ring.index(stage), k_s, False, FP8_COLS, FP8_LAYOUT)
+            _widen_tile(kpe_ring.index(stage), kpe_s, False, D_PE, COPY4_LAYOUT)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(full.index(0), count=1)
         _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref,
                         start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
                         stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                        NUM_STAGES, WS_FP8_LAYOUT, WS_COPY_LAYOUT)
+                        NUM_STAGES)
         async_copy.commit_group()
         slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
-                              WS_FP8_LAYOUT)
+                              FP8_LAYOUT)
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, Out, MidO, MidLse, KScale,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_mo_t, stride_mo_h,
-                stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo, n_rows, q_prescale,
-                n_pref, start, end, n_lo, n_hi, hl, split, total, sm_scale, logit_cap,
-                H: gl.constexpr, Q_F16: gl.constexpr, BLOCK_N: gl.constexpr,
-                USE_CAP: gl.constexpr, DIRECT_OUT: gl.constexpr, MODE: gl.constexpr):
-    """The FP8 split kernel's consumer warpgroups: the query rows, then per key tile S, the
-    online softmax and P.V on the staging tile the producer filled (``full``), released
-    after (``empty``); the result as the kernel stores it."""
+def _ws_copy(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_smem, kpe_smem, full, empty, n_pref,
+             start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+             stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi, MODE: gl.constexpr,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The bf16/fp16 kernels' producer warpgroup: key tiles ``[t_lo, t_hi)`` by ``cp.async``
+    straight into the ring the consumers read (a tail tile's non-finite values zeroed,
+    ``_finite_tail``), each stage handed over once its tile has landed (``full``) and
+    refilled once the consumers are done with it (``empty``): tile ``t`` is handed over
+    before the producer waits to refill tile ``t - 1``'s stage."""
+    for i in gl.static_range(NUM_STAGES):
+        _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end, BLOCK_N,
+                                            COPY4_LAYOUT),
+                    k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
+                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
+                    COPY4_LAYOUT)
+        async_copy.commit_group()
+    slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
+                          COPY4_LAYOUT)
+    for t in range(t_lo, t_hi):
+        n = t - t_lo
+        # Tile t has landed (the tiles issued after it may be in flight: all but the first
+        # iteration's last refill was one tile ago).
+        if n == 0:
+            async_copy.wait_group(NUM_STAGES - 1)
+        else:
+            async_copy.wait_group(NUM_STAGES - 2)
+        _finite_tail(k_smem.index(t % NUM_STAGES), t, n_pref, COPY4_LAYOUT, 128)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(t % NUM_STAGES), count=1)
+        if n > 0:  # refill tile t - 1's stage with tile t - 1 + NUM_STAGES
+            u = t - 1
+            mbarrier.wait(empty.index(u % NUM_STAGES), ((u - t_lo) // NUM_STAGES) & 1)
+            _issue_tile(u + NUM_STAGES, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
+                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
+                        MODE, BLOCK_N, NUM_STAGES, COPY4_LAYOUT)
+            async_copy.commit_group()
+            slots = _prefix_slots(u + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
+                                  COPY4_LAYOUT)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt, stride_qh,
+                q_start, row_lo, n_rows, q_prescale, n_pref, start, end, n_lo, n_hi, hl, t_lo,
+                t_hi, sm_scale, logit_cap, H: gl.constexpr, Q_F16: gl.constexpr,
+                BLOCK_N: gl.constexpr, USE_CAP: gl.constexpr, MODE: gl.constexpr,
+                NB: gl.constexpr, FP8: gl.constexpr):
+    """The consumer warpgroups (the kernel's 8 warps): the query rows, then per key tile of
+    ``[t_lo, t_hi)`` S, the online softmax and P.V on the tile the producer handed over in
+    buffer ``t % NB`` of ``k_st`` / ``kpe_st`` (``full``), released after (``empty``).
+    Returns ``(acc, m_i, l_i)``; ``FP8``: the key scale applied."""
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, q_prescale,
              H, Q_F16)
@@ -526,25 +489,71 @@ def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, Out, MidO, MidLs
         async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
-    k_scale = gl.load(KScale)
-    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0) * k_scale
+    if FP8:
+        k_scale = gl.load(KScale)
+        qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0) * k_scale
+    else:
+        qk_scale = sm_scale * LOG2E
     row_lane = (row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))) // H
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    for t in range(total):
-        mbarrier.wait(full.index(0), t & 1)
-        acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_st, kpe_st, s_zero,
-                                     row_lane, n_pref, start, end, n_lo, n_hi, hl, qk_scale,
-                                     logit_cap, BLOCK_N, USE_CAP, P_LAYOUT,
-                                     MODE == MODE_EXTEND)
+    for t in range(t_lo, t_hi):
+        buf = t % NB
+        mbarrier.wait(full.index(buf), ((t - t_lo) // NB) & 1)
+        acc, m_i, l_i = _attend_tile(t, acc, m_i, l_i, q_smem, qpe_smem, k_st.index(buf),
+                                     kpe_st.index(buf), s_zero, row_lane, n_pref, start, end,
+                                     n_lo, n_hi, hl, qk_scale, logit_cap, BLOCK_N, USE_CAP,
+                                     P_LAYOUT, MODE == MODE_EXTEND)
         gl.thread_barrier()
-        mbarrier.arrive(empty.index(0), count=1)
-    acc = acc * k_scale  # the value scale: the latent is the value
-    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
-                  n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+        mbarrier.arrive(empty.index(buf), count=1)
+    if FP8:
+        acc = acc * k_scale  # the value scale: the latent is the value
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_attend(Q, KV, Kin, q_smem, qpe_smem, k_st, kpe_st, k_ring, kpe_ring, KScale, stride_qt,
+               stride_qh, stride_kvs, stride_kin_t, r2t_row, q_start, row_lo, n_rows,
+               q_prescale, n_pref, start, end, n_lo, n_hi, hl, b, step, Hist, Parents,
+               stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi, sm_scale,
+               logit_cap, H: gl.constexpr, Q_F16: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, USE_CAP: gl.constexpr, MODE: gl.constexpr,
+               FP8: gl.constexpr):
+    """Key tiles ``[t_lo, t_hi)`` warp-specialised (shared memory as the caller allocated
+    it): a producer warpgroup copies them (``_ws_copy``: into the ring ``k_st`` /
+    ``kpe_st`` the 8 warps read; ``FP8``: ``_ws_produce``, codes into ``k_ring`` /
+    ``kpe_ring``, widened into the one staging tile ``k_st`` / ``kpe_st``) while the
+    kernel's 8 warps compute (``_ws_consume``). Returns ``(acc, m_i, l_i)`` there."""
+    NB: gl.constexpr = 1 if FP8 else NUM_STAGES
+    full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NB):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    if FP8:
+        return gl.warp_specialize([
+            (_ws_consume, (Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt,
+                           stride_qh, q_start, row_lo, n_rows, q_prescale, n_pref, start, end,
+                           n_lo, n_hi, hl, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N,
+                           USE_CAP, MODE, NB, FP8)),
+            (_ws_produce, (KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, empty,
+                           n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                           stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi,
+                           MODE, BLOCK_N, NUM_STAGES)),
+        ], [4], [PRODUCER_REGS])
+    else:
+        return gl.warp_specialize([
+            (_ws_consume, (Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt,
+                           stride_qh, q_start, row_lo, n_rows, q_prescale, n_pref, start, end,
+                           n_lo, n_hi, hl, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N,
+                           USE_CAP, MODE, NB, FP8)),
+            (_ws_copy, (KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_st, kpe_st, full, empty,
+                        n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                        stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi,
+                        MODE, BLOCK_N, NUM_STAGES)),
+        ], [4], [PRODUCER_REGS])
 
 
 @gluon.jit
@@ -576,7 +585,6 @@ def _gluon_mla_kernel(
     (``_ws_produce``) while the 8 warps compute on the one before (``_ws_consume``)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    copy_layout: gl.constexpr = COPY_LAYOUT
 
     rt = gl.program_id(0)
     b = gl.program_id(1)
@@ -623,60 +631,23 @@ def _gluon_mla_kernel(
     n_hi = gl.where((split == NUM_SPLITS - 1) & live, lane_hi * hl, n_lo)
     total = n_pref + gl.cdiv(n_hi - n_lo, BLOCK_N)
 
-    if FP8:  # warp-specialised: _ws_produce widens, _ws_consume computes and stores
-        q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
+    # Q, and the ring the 8 warps read; FP8: one staging tile they read, and the ring of
+    # codes the producer widens into it.
+    q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1 if FP8 else NUM_STAGES)
+    if FP8:
         k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
-        full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(full.index(0), count=1)
-        mbarrier.init(empty.index(0), count=1)
-        gl.warp_specialize([
-            (_ws_consume, (Q, q_smem, qpe_smem, k_st.index(0), kpe_st.index(0), full, empty,
-                           Out, MidO, MidLse, KScale, stride_qt, stride_qh, stride_ot,
-                           stride_oh, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t,
-                           stride_ml_h, q_start, row_lo, n_rows, q_prescale, n_pref, start,
-                           end, n_lo, n_hi, hl, split, total, sm_scale, logit_cap, H, Q_F16,
-                           BLOCK_N, USE_CAP, DIRECT_OUT, MODE)),
-            (_ws_produce, (KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st.index(0),
-                           kpe_st.index(0), full, empty, n_pref, start, end, n_lo, n_hi, hl,
-                           q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                           NUM_STEPS, num_slots, total, MODE, BLOCK_N, NUM_STAGES)),
-        ], [4], [WS_PRODUCER_REGS])
     else:
-        q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
-        # Q rows (row m: lane m // H, head m % H), in the first copy group.
-        _issue_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows, H,
-                 copy_layout)
-        for i in gl.static_range(NUM_STAGES - 1):
-            _issue_tile(i, _prefix_slots(i, r2t_row, n_pref, start, end, BLOCK_N,
-                                         copy_layout),
-                        k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start,
-                        end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                        stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                        copy_layout)
-            async_copy.commit_group()
-        # The slots of the next tile to copy.
-        slots = _prefix_slots(NUM_STAGES - 1, r2t_row, n_pref, start, end, BLOCK_N,
-                              copy_layout)
+        k_ring, kpe_ring = k_st, kpe_st  # not read
+    acc, m_i, l_i = _ws_attend(
+        Q, KV, Kin, q_smem, qpe_smem, k_st, kpe_st, k_ring, kpe_ring, KScale, stride_qt,
+        stride_qh, stride_kvs, stride_kin_t, r2t_row, q_start, row_lo, n_rows, q_prescale,
+        n_pref, start, end, n_lo, n_hi, hl, b, step, Hist, Parents, stride_par_s,
+        stride_par_b, TOPK, NUM_STEPS, num_slots, 0, total, sm_scale, logit_cap, H, Q_F16,
+        BLOCK_N, NUM_STAGES, USE_CAP, MODE, FP8)
 
-    if not FP8:
-        offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        row_lane = offs_sm // H
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        for t in range(total):
-            acc, m_i, l_i, slots = _tile_step(
-                t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero,
-                row_lane, r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
-                n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
-                TOPK, NUM_STEPS, num_slots, sm_scale * LOG2E, logit_cap, MODE, BLOCK_N,
-                NUM_STAGES, USE_CAP, copy_layout, P_LAYOUT)
-        async_copy.wait_group(0)
-        # Epilogue: normalise; one split writes Out, several write partials + LSE.
-        _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
-                      stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
-                      n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
+    # Epilogue: normalise; one split writes Out, several write partials + LSE.
+    _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride_mo_t,
+                  stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, q_start, row_lo,
+                  n_rows, split, 0, H, DIRECT_OUT, True, gl.SliceLayout(1, s_layout))
     if PDL:
         launch_dependents()

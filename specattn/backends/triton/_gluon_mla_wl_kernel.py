@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy
 
 from ._attn_kernels import META_W
 from ._gluon_mla_kernel import (
-    BLOCK_M, COPY_LAYOUT, D_MAIN, FP8_LAYOUT, KV_WRITE_LAYOUT, LOG2E, O_LAYOUT, P_LAYOUT,
-    _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring, _issue_tile, _issue_tile_fp8,
-    _prefix_slots, _start_q, _store_new_keys, _store_result, _tile_step, _tile_step_fp8)
+    BLOCK_M, D_MAIN, KV_WRITE_LAYOUT, _acc_layout, _alloc_fp8_ring, _alloc_q_and_ring,
+    _store_new_keys, _store_result, _ws_attend)
 from ...kernels.pdl import launch_dependents
-from ...kernels.tiles import Q_F16_SCALE
 
 
 @gluon.jit
@@ -56,16 +53,13 @@ def _gluon_mla_wl_kernel(
     n_lo = lane_lo * hl
     tail_keys = (lane_hi - lane_lo) * hl
 
-    if FP8:  # Q, a staging tile, the ring of codes (``_gluon_mla_kernel``)
-        q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1)
+    # Q and the ring the 8 warps read; FP8: a staging tile, the ring of codes
+    # (``_gluon_mla_kernel``).
+    q_smem, qpe_smem, k_st, kpe_st = _alloc_q_and_ring(dtype, BLOCK_N, 1 if FP8 else NUM_STAGES)
+    if FP8:
         k_ring, kpe_ring = _alloc_fp8_ring(KV.dtype.element_ty, BLOCK_N, NUM_STAGES)
     else:
-        q_smem, qpe_smem, k_smem, kpe_smem = _alloc_q_and_ring(dtype, BLOCK_N, NUM_STAGES)
-
-    offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
-    row_lane = offs_sm // H
-    qk_scale = sm_scale * LOG2E * (Q_F16_SCALE if Q_F16 else 1.0)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        k_ring, kpe_ring = k_st, kpe_st  # not read
 
     # Programs start at request starts (``worklist``): one segment, or none past the last.
     if (b < batch) & (u_b < u_end):
@@ -94,55 +88,12 @@ def _gluon_mla_wl_kernel(
                                 lane_hi, step, NUM_STEPS, num_slots, KV_WRITE_LAYOUT, WScale,
                                 True, W_QUANT, E5M2, SATURATE, SIGNED_NAN)
                 gl.thread_barrier()  # visible to this program's tail copies
-        _start_q(Q, q_smem, qpe_smem, stride_qt, stride_qh, q_start, row_lo, n_rows,
-                 q_prescale, H, Q_F16)
-        if FP8:
-            for i in gl.static_range(NUM_STAGES):
-                _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
-                                                        BLOCK_N, FP8_LAYOUT),
-                                k_ring, kpe_ring, KV, stride_kvs, n_pref, 0, end, n_lo, n_hi,
-                                hl, q_start, b, step, Hist, Parents, stride_par_s,
-                                stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                                NUM_STAGES)
-                async_copy.commit_group()
-            slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, 0, end, BLOCK_N,
-                                  FP8_LAYOUT)
-        else:
-            for i in gl.static_range(NUM_STAGES - 1):
-                _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, 0, end,
-                                                    BLOCK_N, COPY_LAYOUT),
-                            k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0,
-                            end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
-                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
-                            BLOCK_N, NUM_STAGES, COPY_LAYOUT)
-                async_copy.commit_group()
-            slots = _prefix_slots(t_lo + NUM_STAGES - 1, r2t_row, n_pref, 0, end, BLOCK_N,
-                                  COPY_LAYOUT)
-
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-        acc = gl.zeros([BLOCK_M, D_MAIN], gl.float32, O_LAYOUT)
-        if FP8:
-            k_scale = gl.load(KScale)
-            for t in range(t_lo, t_hi):
-                acc, m_i, l_i, slots = _tile_step_fp8(
-                    t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_ring, kpe_ring,
-                    k_st.index(0), kpe_st.index(0), s_zero, row_lane, r2t_row, KV,
-                    stride_kvs, n_pref, 0, end, n_lo, n_hi, hl, q_start, b, step, Hist,
-                    Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
-                    qk_scale * k_scale, logit_cap, MODE, BLOCK_N, NUM_STAGES, USE_CAP,
-                    P_LAYOUT)
-            async_copy.wait_group(0)
-            acc = acc * k_scale  # the value scale: the latent is the value
-        else:
-            for t in range(t_lo, t_hi):
-                acc, m_i, l_i, slots = _tile_step(
-                    t, slots, acc, m_i, l_i, q_smem, qpe_smem, k_smem, kpe_smem, s_zero,
-                    row_lane, r2t_row, KV, Kin, stride_kvs, stride_kin_t, n_pref, 0, end,
-                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, num_slots, qk_scale, logit_cap, MODE,
-                    BLOCK_N, NUM_STAGES, USE_CAP, COPY_LAYOUT, P_LAYOUT)
-            async_copy.wait_group(0)
+        acc, m_i, l_i = _ws_attend(
+            Q, KV, Kin, q_smem, qpe_smem, k_st, kpe_st, k_ring, kpe_ring, KScale, stride_qt,
+            stride_qh, stride_kvs, stride_kin_t, r2t_row, q_start, row_lo, n_rows, q_prescale,
+            n_pref, 0, end, n_lo, n_hi, hl, b, step, Hist, Parents, stride_par_s, stride_par_b,
+            TOPK, NUM_STEPS, num_slots, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N,
+            NUM_STAGES, USE_CAP, MODE, FP8)
 
         # The request's only segment writes Out; the others a partial in slot p + b, whose
         # rows are request-relative: the base moves back by the request's first row.
