@@ -568,7 +568,7 @@ def _gluon_mla_kernel(
         Q_F16: gl.constexpr = False, PDL: gl.constexpr = False,
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
-    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps (``FP8``: and a producer warpgroup). See
+    """Grid ``(row_tiles, B, NUM_SPLITS)``, 8 warps and a producer warpgroup. See
     ``gluon_mla`` for the algorithm and the tensors (Q ``[B*K, H, 576]``, KV ``[slots,
     576]``, Kin ``[B*K, 576]``, MidO ``[B*K, H, parts, 512]``, MidLse ``[B*K, H, parts]``,
     Out ``[B*K, H, 512]``; extend,
@@ -580,9 +580,9 @@ def _gluon_mla_kernel(
     result. ``STORE_FP8`` (FP8): the tail program of each row tile stores torch's codes of
     the keys its tail reads (``_store_new_keys``: decode, its lanes'; extend, every new
     token up to the tile's last; other tiles store the same bytes) and reads them back from
-    the pool after a barrier; without it torch stored them before the kernel. Over FP8 pools
-    the kernel is warp-specialised: a producer warpgroup copies and widens each key tile
-    (``_ws_produce``) while the 8 warps compute on the one before (``_ws_consume``)."""
+    the pool after a barrier; without it torch stored them before the kernel. The kernel is
+    warp-specialised (``_ws_attend``): a producer warpgroup copies (over FP8 pools, and
+    widens) each key tile while the 8 warps compute on the one before."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
 

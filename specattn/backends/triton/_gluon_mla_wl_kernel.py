@@ -27,7 +27,7 @@ def _gluon_mla_wl_kernel(
         PDL: gl.constexpr = False,
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
-    """Grid ``(row_tiles, P)``, 8 warps. ``Work``: ``worklist``'s table; MidO
+    """Grid ``(row_tiles, P)``, 8 warps and a producer warpgroup (``_ws_attend``). ``Work``: ``worklist``'s table; MidO
     ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot ``p + b``, request-relative
     rows ``lane * H + head``); the other tensors, ``FP8`` and ``Q_F16`` as in
     ``_gluon_mla_kernel``; ``PDL`` / ``STORE_FP8`` as there (the merge: the

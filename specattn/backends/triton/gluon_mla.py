@@ -2,18 +2,18 @@
 sm90, Triton 3.6.x, a 512 + 64 latent, bf16/fp16 queries over a pool of their dtype or of
 FP8 codes: ``plans.gluon_reason``); run on the H200.
 
-One program of 8 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment of
-``worklist``'s work list): the tile's ``K * H`` query rows in shared memory, key tiles
-gathered by ``cp.async`` into a ring (``req_to_token`` read a tile ahead), S by wgmma with
-each warpgroup on half its columns, P.V from registers into each warpgroup's 256 output
-columns. Split 0 stores the call's keys; the last split walks the lanes' history (the new
-key read from ``k``). Extend (``gluon-split``): the lanes are a request's new tokens and
-the tail is every new token up to the tile's last, causal. An FP8 pool (``float8_e4m3fn`` /
-``float8_e5m2`` codes, a key is ``code * k_scale``): the codes go through a ring of their
-own and are widened exactly into a staging tile that the wgmmas read (fp16 under bf16
-queries too: the query rows prescaled as the ``tl.dot`` kernels' ``Q_F16``; in
-``gluon-split`` by a producer warpgroup of 4 more warps while the 8 compute, the kernel
-warp-specialised); ``k_scale`` scales the scores and the output; the call's codes are
+One program of 12 warps per (64-row tile, request, prefix split; ``gluon-wl``: per segment
+of ``worklist``'s work list), warp-specialised: a producer warpgroup (4 warps) gathers key
+tiles by ``cp.async`` into a ring (``req_to_token`` read a tile ahead) and hands each over
+by mbarrier, while 8 warps hold the tile's ``K * H`` query rows in shared memory and run S
+by wgmma (each warpgroup on half its columns) and P.V from registers into each warpgroup's
+256 output columns. Split 0 stores the call's keys; the last split walks the lanes'
+history (the new key read from ``k``). Extend (``gluon-split``): the lanes are a request's
+new tokens and the tail is every new token up to the tile's last, causal. An FP8 pool
+(``float8_e4m3fn`` / ``float8_e5m2`` codes, a key is ``code * k_scale``): the producer
+copies the codes into a ring of their own and widens them exactly into a staging tile that
+the wgmmas read (fp16 under bf16 queries too: the query rows prescaled as the ``tl.dot``
+kernels' ``Q_F16``); ``k_scale`` scales the scores and the output; the call's codes are
 stored by the programs whose tails read them (``write``), or by torch
 (``runner.write_kv``) before the kernel, and read from the pool. ``docs/kernels.md`` has
 the measurements.
@@ -31,7 +31,7 @@ from ...kernels.pdl import launch_args
 from ...kernels.tiles import Q_F16_PRESCALE
 from .plans import gluon_import_reason, num_row_tiles
 
-NUM_WARPS = 8  # two warpgroups
+NUM_WARPS = 8  # the two computing warpgroups (the producer's 4 warps are warp_specialize's)
 FP8_POOLS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
