@@ -472,6 +472,26 @@ def _ws_copy(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_smem, kpe_smem, full,
 
 
 @gluon.jit
+def _ws_producer(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_ring, kpe_ring, k_st, kpe_st,
+                 full, empty, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist,
+                 Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi,
+                 MODE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 FP8: gl.constexpr):
+    """The producer warpgroup of either pool: ``_ws_produce`` (FP8 codes, widened into the
+    staging tile) or ``_ws_copy`` (bf16/fp16, straight into the ring)."""
+    if FP8:
+        _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, empty,
+                    n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                    stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi, MODE,
+                    BLOCK_N, NUM_STAGES)
+    else:
+        _ws_copy(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_st, kpe_st, full, empty,
+                 n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                 stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi, MODE,
+                 BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
 def _ws_consume(Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt, stride_qh,
                 q_start, row_lo, n_rows, q_prescale, n_pref, start, end, n_lo, n_hi, hl, t_lo,
                 t_hi, sm_scale, logit_cap, H: gl.constexpr, Q_F16: gl.constexpr,
@@ -532,28 +552,16 @@ def _ws_attend(Q, KV, Kin, q_smem, qpe_smem, k_st, kpe_st, k_ring, kpe_ring, KSc
     for i in gl.static_range(NB):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if FP8:
-        return gl.warp_specialize([
-            (_ws_consume, (Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt,
-                           stride_qh, q_start, row_lo, n_rows, q_prescale, n_pref, start, end,
-                           n_lo, n_hi, hl, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N,
-                           USE_CAP, MODE, NB, FP8)),
-            (_ws_produce, (KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, empty,
-                           n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
-                           stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi,
-                           MODE, BLOCK_N, NUM_STAGES)),
-        ], [4], [PRODUCER_REGS])
-    else:
-        return gl.warp_specialize([
-            (_ws_consume, (Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt,
-                           stride_qh, q_start, row_lo, n_rows, q_prescale, n_pref, start, end,
-                           n_lo, n_hi, hl, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N,
-                           USE_CAP, MODE, NB, FP8)),
-            (_ws_copy, (KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_st, kpe_st, full, empty,
-                        n_pref, start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
-                        stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, t_lo, t_hi,
-                        MODE, BLOCK_N, NUM_STAGES)),
-        ], [4], [PRODUCER_REGS])
+    return gl.warp_specialize([
+        (_ws_consume, (Q, q_smem, qpe_smem, k_st, kpe_st, full, empty, KScale, stride_qt,
+                       stride_qh, q_start, row_lo, n_rows, q_prescale, n_pref, start, end, n_lo,
+                       n_hi, hl, t_lo, t_hi, sm_scale, logit_cap, H, Q_F16, BLOCK_N, USE_CAP,
+                       MODE, NB, FP8)),
+        (_ws_producer, (KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_ring, kpe_ring, k_st,
+                        kpe_st, full, empty, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
+                        step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                        num_slots, t_lo, t_hi, MODE, BLOCK_N, NUM_STAGES, FP8)),
+    ], [4], [PRODUCER_REGS])
 
 
 @gluon.jit
