@@ -390,13 +390,16 @@ def _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, e
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The FP8 kernels' producer warpgroup: the codes of key tiles ``[t_lo, t_hi)`` by
     ``cp.async`` into the ring (``NUM_STAGES`` tiles ahead), each widened into the staging
-    tile once the consumers are done with the last one (``empty``), handed over (``full``)."""
+    tile once the consumers are done with the last one (``empty``), handed over (``full``).
+    A tile past ``t_hi`` is not copied, its copy group left empty (``wait_group`` counts
+    groups)."""
     for i in gl.static_range(NUM_STAGES):
-        _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end,
-                                                BLOCK_N, FP8_LAYOUT),
-                        k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi, hl,
-                        q_start, b, step, Hist, Parents, stride_par_s, stride_par_b, TOPK,
-                        NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
+        if t_lo + i < t_hi:
+            _issue_tile_fp8(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end,
+                                                    BLOCK_N, FP8_LAYOUT),
+                            k_ring, kpe_ring, KV, stride_kvs, n_pref, start, end, n_lo, n_hi,
+                            hl, q_start, b, step, Hist, Parents, stride_par_s, stride_par_b,
+                            TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES)
         async_copy.commit_group()
     slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
                           FP8_LAYOUT)
@@ -416,13 +419,14 @@ def _ws_produce(KV, stride_kvs, r2t_row, k_ring, kpe_ring, k_st, kpe_st, full, e
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(full.index(0), count=1)
-        _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref,
-                        start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
-                        stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N,
-                        NUM_STAGES)
+        if t + NUM_STAGES < t_hi:
+            _issue_tile_fp8(t + NUM_STAGES, slots, k_ring, kpe_ring, KV, stride_kvs, n_pref,
+                            start, end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents,
+                            stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots, MODE,
+                            BLOCK_N, NUM_STAGES)
+            slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
+                                  FP8_LAYOUT)
         async_copy.commit_group()
-        slots = _prefix_slots(t + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
-                              FP8_LAYOUT)
     async_copy.wait_group(0)
 
 
@@ -435,14 +439,16 @@ def _ws_copy(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_smem, kpe_smem, full,
     straight into the ring the consumers read (a tail tile's non-finite values zeroed,
     ``_finite_tail``), each stage handed over once its tile has landed (``full``) and
     refilled once the consumers are done with it (``empty``): tile ``t`` is handed over
-    before the producer waits to refill tile ``t - 1``'s stage."""
+    before the producer waits to refill tile ``t - 1``'s stage. A tile past ``t_hi`` is not
+    copied, its copy group left empty (``wait_group`` counts groups)."""
     for i in gl.static_range(NUM_STAGES):
-        _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end, BLOCK_N,
-                                            COPY4_LAYOUT),
-                    k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start, end,
-                    n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
-                    stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
-                    COPY4_LAYOUT)
+        if t_lo + i < t_hi:
+            _issue_tile(t_lo + i, _prefix_slots(t_lo + i, r2t_row, n_pref, start, end,
+                                                BLOCK_N, COPY4_LAYOUT),
+                        k_smem, kpe_smem, KV, Kin, stride_kvs, stride_kin_t, n_pref, start,
+                        end, n_lo, n_hi, hl, q_start, b, step, Hist, Parents, stride_par_s,
+                        stride_par_b, TOPK, NUM_STEPS, num_slots, MODE, BLOCK_N, NUM_STAGES,
+                        COPY4_LAYOUT)
         async_copy.commit_group()
     slots = _prefix_slots(t_lo + NUM_STAGES, r2t_row, n_pref, start, end, BLOCK_N,
                           COPY4_LAYOUT)
@@ -460,14 +466,15 @@ def _ws_copy(KV, Kin, stride_kvs, stride_kin_t, r2t_row, k_smem, kpe_smem, full,
         mbarrier.arrive(full.index(t % NUM_STAGES), count=1)
         if n > 0:  # refill tile t - 1's stage with tile t - 1 + NUM_STAGES
             u = t - 1
-            mbarrier.wait(empty.index(u % NUM_STAGES), ((u - t_lo) // NUM_STAGES) & 1)
-            _issue_tile(u + NUM_STAGES, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
-                        stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b, step,
-                        Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS, num_slots,
-                        MODE, BLOCK_N, NUM_STAGES, COPY4_LAYOUT)
+            if u + NUM_STAGES < t_hi:
+                mbarrier.wait(empty.index(u % NUM_STAGES), ((u - t_lo) // NUM_STAGES) & 1)
+                _issue_tile(u + NUM_STAGES, slots, k_smem, kpe_smem, KV, Kin, stride_kvs,
+                            stride_kin_t, n_pref, start, end, n_lo, n_hi, hl, q_start, b,
+                            step, Hist, Parents, stride_par_s, stride_par_b, TOPK, NUM_STEPS,
+                            num_slots, MODE, BLOCK_N, NUM_STAGES, COPY4_LAYOUT)
+                slots = _prefix_slots(u + NUM_STAGES + 1, r2t_row, n_pref, start, end,
+                                      BLOCK_N, COPY4_LAYOUT)
             async_copy.commit_group()
-            slots = _prefix_slots(u + NUM_STAGES + 1, r2t_row, n_pref, start, end, BLOCK_N,
-                                  COPY4_LAYOUT)
     async_copy.wait_group(0)
 
 
