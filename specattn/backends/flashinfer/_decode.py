@@ -59,7 +59,7 @@ from ...fp8 import scale_rows
 from ...graph_calls import KeptDecodeCalls, Replay
 from ...metadata import path_history_slots
 from ._passes import OneLaunchKvWrite, Params, Pass, captured, capturing, fp8_scales, replan
-from ._slots import fill_ragged_slots, history_positions, host_arange, host_csr
+from ._slots import KeptCSR, fill_ragged_slots, history_positions, host_arange, host_csr
 
 MODES = ("shared", "per-branch")
 
@@ -75,7 +75,7 @@ class _Round:
         self.rows = self.plen = self.seq_host = None  # per lane (per-branch mode)
         self.bs = 0
         self.qo: Optional[torch.Tensor] = None  # the prefix pass's qo_indptr (host), by bs
-        self.host: Optional[tuple] = None  # graph rounds' kept host CSR buffers (_host_bufs)
+        self.host: Optional[KeptCSR] = None  # graph rounds' kept host CSR buffers
         self.seq_pad: Optional[np.ndarray] = None  # graph rounds' padded host lengths
 
 
@@ -175,11 +175,17 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
         rnd.planned = [False] * len(rnd.steps)
         if self.shared:
             # A graph round whose plan takes the key CSR written on the device: the host
-            # CSR goes into kept pageable buffers (``host_csr``).
+            # CSR goes into kept pageable buffers (``KeptCSR``; its lengths are the round's
+            # padded array).
             dev_csr = None if source is None else rnd.prefix.device_csr()
             dev_csr = None if dev_csr is None else dev_csr[:2]  # the query indptr is kept
-            csr = host_csr(self._prefix_qo(rnd, bs), seq_host, k, pin=rnd.prefix.pin,
-                           out=None if dev_csr is None else self._host_bufs(rnd, bs))
+            qo = self._prefix_qo(rnd, bs)
+            if dev_csr is None:
+                csr = host_csr(qo, seq_host, k, pin=rnd.prefix.pin)
+            else:
+                if rnd.host is None or rnd.host.m != bs:
+                    rnd.host = KeptCSR(bs)
+                csr = rnd.host.fill(seq_host, qo_indptr=qo, max_q=k)
             out = rnd.prefix.reserve(csr.total)
             from ...kernels.prefix_slots import prefix_slots
 
@@ -205,14 +211,6 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
             for i in range(self._planned_steps):
                 self._plan_step(rnd, i)
         self._active = rnd
-
-    @staticmethod
-    def _host_bufs(rnd: _Round, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_indptr [bs + 1], kv_lens [bs])`` int32 host buffers kept by the round."""
-        if rnd.host is None or rnd.host[1].numel() != bs:
-            rnd.host = (torch.empty(bs + 1, dtype=torch.int32),
-                        torch.empty(bs, dtype=torch.int32))
-        return rnd.host
 
     def _prefix_qo(self, rnd: _Round, bs: int) -> torch.Tensor:
         """The prefix pass's ``qo_indptr`` on the host: ``K`` rows per request (kept)."""

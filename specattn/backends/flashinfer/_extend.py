@@ -31,7 +31,7 @@ from ...fp8 import scale_rows
 from ...graph_calls import signature
 from ...util import triton_runs
 from ._passes import OneLaunchKvWrite, Params, Pass, captured, fp8_scales, replan
-from ._slots import fill_ragged_slots, host_csr, host_indptr
+from ._slots import KeptCSR, fill_ragged_slots, host_csr, host_indptr
 
 _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc")
 
@@ -72,6 +72,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
     def _prepare(self, p: Pass, batch) -> None:
         """Slot list on the device, one plan (host)."""
         seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
+        seq_np, ext_np = seq_host.numpy(), ext_host.numpy()
         r = self.runner
         if self._triton is None:
             self._triton = triton_runs(r.device)
@@ -80,22 +81,25 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         # its host copy then goes into kept pageable buffers (nothing copies from them).
         dev_csr = p.device_csr() if p.graph and self._triton else None
         if dev_csr is None:
-            qo = host_indptr(ext_host, pin=p.pin)
-            csr = host_csr(qo, seq_host, int(ext_host.max()), pin=p.pin)
+            qo = host_indptr(ext_np, pin=p.pin)
+            csr = host_csr(qo, seq_np, int(ext_np.max()), pin=p.pin)
         else:
-            kept = self._host_bufs(p, len(seq_host))
-            qo = host_indptr(ext_host, out=kept[2])
-            csr = host_csr(qo, seq_host, int(ext_host.max()), out=kept[:2])
+            if p.kept_csr is None or p.kept_csr.m != seq_np.shape[0]:
+                p.kept_csr = KeptCSR(seq_np.shape[0], with_qo=True)
+            csr = p.kept_csr.fill(seq_np, qo_lens=ext_np)
         out = p.reserve(csr.total)
         if self._triton:
             from ...kernels.prefix_slots import prefix_slots
 
             rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
             # A graph pass's buffers (slot list, device CSR) stay put: the pass, the CSR's
-            # addresses and the caller's index tensors' signatures key its launch.
-            key = (id(p), signature(rows), signature(lens), None if dev_csr is None else
-                   (signature(ext), tuple(t.data_ptr() for t in dev_csr))) if p.graph \
-                else None
+            # addresses and the caller's index tensors' signatures key its launch (the
+            # batch's, from its check, where it has one).
+            key = None
+            if p.graph:
+                sig = self._checked_batch or (signature(rows), signature(lens), signature(ext))
+                key = (id(p), sig, None if dev_csr is None else
+                       tuple(t.data_ptr() for t in dev_csr))
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
                          qo=None if dev_csr is None else (ext, dev_csr[2]),
@@ -106,15 +110,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         on_device = dev_csr is not None
         p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device)
         self._pass = p
-
-    def _host_bufs(self, p: Pass, m: int) -> tuple[torch.Tensor, ...]:
-        """``(kv_indptr [m + 1], kv_lens [m], qo_indptr [m + 1])`` int32 host buffers kept
-        per graph pass."""
-        if p.host_csr is None or p.host_csr[1].numel() != m:
-            p.host_csr = (torch.empty(m + 1, dtype=torch.int32),
-                          torch.empty(m, dtype=torch.int32),
-                          torch.empty(m + 1, dtype=torch.int32))
-        return p.host_csr
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:

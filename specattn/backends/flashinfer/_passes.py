@@ -47,7 +47,7 @@ from ._replan import Replanner, direct_replanner
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
-    from ._slots import HostCSR
+    from ._slots import HostCSR, KeptCSR
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
            "flashinfer_module", "capturing", "captured", "replan", "fp8_scales", "pins"]
@@ -161,7 +161,7 @@ class Pass:
         self._direct: Optional[Replanner] = None  # graph passes: after the first public plan
         self._plan_kw: dict = {}  # the keyword arguments of the last public plan
         # Graph passes planned from a device-written CSR: its host copy, kept (pageable).
-        self.host_csr: Optional[tuple[torch.Tensor, ...]] = None
+        self.kept_csr: Optional["KeptCSR"] = None
 
     @property
     def graph(self) -> bool:

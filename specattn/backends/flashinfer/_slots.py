@@ -29,8 +29,8 @@ import torch
 
 from ...metadata import in_pool
 
-__all__ = ["HostCSR", "csr_indptr", "fill_ragged_slots", "history_positions", "host_arange",
-           "host_csr", "host_indptr"]
+__all__ = ["HostCSR", "KeptCSR", "csr_indptr", "fill_ragged_slots", "history_positions",
+           "host_arange", "host_csr", "host_indptr"]
 
 
 class HostCSR(NamedTuple):
@@ -65,42 +65,66 @@ def _as_numpy(x) -> np.ndarray:
     return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-def host_indptr(lens, *, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``; written into ``out``
-    ``[M + 1]`` when given). lens: ``[M]`` int (CPU tensor or array)."""
+def host_indptr(lens, *, pin: bool = False) -> torch.Tensor:
+    """``[0, cumsum(lens)]`` as int32 on the CPU (pinned with ``pin``). lens: ``[M]`` int
+    (CPU tensor or array)."""
     lens = _as_numpy(lens)
-    if out is None:
-        out, a = _host_ints(lens.shape[0] + 1, pin)
-    else:
-        a = out.numpy()
+    out, a = _host_ints(lens.shape[0] + 1, pin)
     a[0] = 0
-    a[1:] = lens
-    np.cumsum(a[1:], out=a[1:])
+    lens.cumsum(out=a[1:])
     return out
 
 
-def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *,
-             pin: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-             ) -> HostCSR:
+def host_csr(qo_indptr: torch.Tensor, kv_lens, max_q: int, *, pin: bool = False) -> HostCSR:
     """The ``HostCSR`` of sequences of ``kv_lens [M]`` keys (int, CPU tensor or array) with
     the query rows of ``qo_indptr [M + 1]`` (int32, CPU; pinned with ``pin`` by the caller),
-    at most ``max_q`` per sequence. Numpy arithmetic on ``M`` values written into two new
+    at most ``max_q`` per sequence: numpy arithmetic on ``M`` values written into two new
     host tensors (pinned with ``pin``; each its own allocation: the native planners take
-    their start as the array), or into ``out`` ``(kv_indptr [M + 1], kv_lens [M])``: kept
-    pageable buffers, for a caller whose device copies of them are written on the device
-    (``Pass.device_csr``), so that nothing copies from them after the plan returns (a copy
-    from pageable memory is done when it returns)."""
+    their start as the array). Graph rounds whose device copies are written on the device
+    keep theirs instead (``KeptCSR``)."""
     lens_np = _as_numpy(kv_lens)
-    if out is None:
-        kv_t = host_indptr(lens_np, pin=pin)
-        lens_t, lens = _host_ints(lens_np.shape[0], pin)
-    else:
-        kv_t = host_indptr(lens_np, out=out[0])
-        lens_t, lens = out[1], out[1].numpy()
+    kv_t = host_indptr(lens_np, pin=pin)
+    lens_t, lens = _host_ints(lens_np.shape[0], pin)
     lens[:] = lens_np
     longest = int(lens.max()) if lens.shape[0] else 0
     rows = int(qo_indptr.numpy()[-1])
     return HostCSR(qo_indptr, kv_t, lens_t, int(kv_t.numpy()[-1]), max_q, rows, longest)
+
+
+class KeptCSR:
+    """Kept pageable int32 host buffers for the CSR of a graph pass of ``m`` sequences, with
+    their numpy views: ``kv_indptr [m + 1]``, ``kv_lens [m]`` and, ``with_qo``, ``qo_indptr
+    [m + 1]``. For graph rounds whose device copies the glue writes on the device itself
+    (``Pass.device_csr``): nothing copies from these buffers after the plan returns, so
+    each round rewrites them in place, a few numpy calls on ``m`` values (the host time of
+    a replay metadata call is what an engine waits for)."""
+
+    def __init__(self, m: int, with_qo: bool = False) -> None:
+        self.m = m
+        self.kv_indptr, self._kv = _host_ints(m + 1, False)
+        self.kv_lens, self._lens = _host_ints(m, False)
+        self._kv[0] = 0
+        self.qo_indptr, self._qo = _host_ints(m + 1, False) if with_qo else (None, None)
+        if with_qo:
+            self._qo[0] = 0
+
+    def fill(self, kv_lens: np.ndarray, *, qo_lens: Optional[np.ndarray] = None,
+             qo_indptr: Optional[torch.Tensor] = None, max_q: int = 0) -> HostCSR:
+        """The ``HostCSR`` of sequences of ``kv_lens [m]`` keys, written into the buffers:
+        query rows ``qo_lens [m]`` (into the kept ``qo_indptr``; ``max_q`` their largest)
+        or a given host ``qo_indptr [m + 1]`` with at most ``max_q`` rows a sequence."""
+        lens, kv = self._lens, self._kv
+        lens[:] = kv_lens
+        lens.cumsum(out=kv[1:])
+        if qo_lens is not None:
+            qo_lens.cumsum(out=self._qo[1:])
+            qo_indptr, rows = self.qo_indptr, int(self._qo[-1])
+            max_q = int(qo_lens.max()) if self.m else 0
+        else:
+            rows = int(qo_indptr.numpy()[-1])
+        longest = int(lens.max()) if self.m else 0
+        return HostCSR(qo_indptr, self.kv_indptr, self.kv_lens, int(kv[-1]), max_q, rows,
+                       longest)
 
 
 def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:
