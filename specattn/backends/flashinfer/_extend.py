@@ -93,13 +93,11 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
 
             rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
             # A graph pass's buffers (slot list, device CSR) stay put: the pass, the CSR's
-            # addresses and the caller's index tensors' signatures key its launch (the
-            # batch's, from its check, where it has one).
-            key = None
-            if p.graph:
-                sig = self._checked_batch or (signature(rows), signature(lens), signature(ext))
-                key = (id(p), sig, None if dev_csr is None else
-                       tuple(t.data_ptr() for t in dev_csr))
+            # addresses and the caller's index tensors' signatures key its launch (not the
+            # batch's signature: it holds the new tokens' count, which varies by round).
+            key = (id(p), signature(rows), signature(lens), None if dev_csr is None else
+                   (signature(ext), tuple(t.data_ptr() for t in dev_csr))) if p.graph \
+                else None
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
                          qo=None if dev_csr is None else (ext, dev_csr[2]),
