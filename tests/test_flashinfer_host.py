@@ -314,8 +314,9 @@ def _captured_extend(mla: bool, seed: int):
 @pytest.mark.parametrize("mla", [False, True])
 def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla):
     """Where a graph round's checks read no values (device tensors), a replay whose batch
-    tensors have the signature of the last checked one is not checked again; another
-    signature is, and an invalid batch of a new signature is still refused."""
+    tensors have the signature of the last checked one is not checked again, another count
+    of new tokens included (the checks read only their slots' dtype, rank and device);
+    another signature is, and an invalid batch of a new signature is still refused."""
     from specattn import base
 
     checked = []
@@ -325,6 +326,18 @@ def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla
     backend, b, host = _captured_extend(mla, seed=7)
     for _ in range(3):
         backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    assert len(checked) == 1
+    # One new token fewer (request r's last): another count, the same signature.
+    r = int((b.extend_lens > 1).nonzero()[0, 0])
+    drop = int(b.extend_lens[:r + 1].sum()) - 1
+    keep = [i for i in range(b.out_cache_loc.shape[0]) if i != drop]
+    fewer = b.extend_lens.clone()
+    fewer[r] -= 1
+    shorter = b.seq_lens.clone()
+    shorter[r] -= 1
+    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
+        b.req_pool_indices, shorter, fewer, b.out_cache_loc[keep], shorter.clone(),
+        fewer.clone()), 3)
     assert len(checked) == 1
     backend.init_forward_metadata_replay_cuda_graph(b, 3)  # no host copies: a new signature
     assert len(checked) == 2

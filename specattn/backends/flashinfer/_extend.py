@@ -138,7 +138,11 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             index = tuple(getattr(batch, name) for name in _INDEX_FIELDS)
             if validation.graph_checks_read_values(*index):
                 return None
-            return (type(batch), *(signature(t) for t in index),
+            # The new tokens' slots by all but their count: the device-side checks read only
+            # their dtype, rank and device, and the count changes from round to round.
+            loc = index[3]
+            return (type(batch), *(signature(t) for t in index[:3]),
+                    (loc.dtype, loc.dim(), loc.stride(), loc.device),
                     *(None if getattr(batch, name, None) is None else
                       signature(getattr(batch, name)) for name in HOST_COPIES))
         except (AttributeError, TypeError):
