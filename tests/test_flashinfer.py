@@ -298,6 +298,37 @@ def test_prefix_slots_kernel_matches_fill_ragged_slots(padded, many):
     assert torch.equal(short[:10], want[:10]) and (short[10:] == -1).all()
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_prefix_slots_copies_an_extends_new_token_slots(many):
+    """With ``ext_loc`` (an extend graph round) the launch also copies the caller's
+    new-token slots (strided) into the fixed buffer, request-major, past one block of
+    lengths too (``many``), every position of a long request's tiles; never more than the
+    caller's tokens (lengths on the device that sum past them write nothing beyond)."""
+    gen = torch.Generator().manual_seed(5)
+    r2t = torch.randint(0, 1000, (6, 700), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([4, 1, 5, 0])
+    lens = torch.tensor([3, 600, 1, 700])
+    ext = torch.tensor([2, 520, 1, 3])  # 520 new tokens: past one 512-position tile
+    if many:
+        rows = torch.randint(0, 6, (70,), generator=gen)
+        lens = torch.randint(1, 40, (70,), generator=gen)
+        ext = torch.minimum(torch.randint(1, 6, (70,), generator=gen), lens)
+    bs, tokens = rows.shape[0], int(ext.sum())
+    total = int(lens.sum())
+    loc = torch.randint(0, 1000, (tokens, 2), generator=gen)[:, 0]  # stride 2
+    csr = (torch.zeros(bs + 1, dtype=torch.int32), torch.zeros(bs, dtype=torch.int32))
+    qo = torch.zeros(bs + 1, dtype=torch.int32)
+    fixed = torch.full((tokens + 5,), -1)
+    out = torch.full((total,), -1, dtype=torch.int32)
+    prefix_slots(out, total, int(lens.max()), r2t, rows, lens, 1000, csr=csr, qo=(ext, qo),
+                 ext_loc=(loc, fixed[:tokens]))
+    assert torch.equal(fixed[:tokens], loc) and (fixed[tokens:] == -1).all()
+    fixed.fill_(-1)
+    prefix_slots(out, total, int(lens.max()), r2t, rows, lens, 1000, csr=csr, qo=(ext, qo),
+                 ext_loc=(loc[:tokens - 2], fixed[:tokens - 2]))
+    assert torch.equal(fixed[:tokens - 2], loc[:tokens - 2]) and (fixed[tokens - 2:] == -1).all()
+
+
 def test_prefix_slots_kept_launch_serves_rounds_of_other_lengths():
     """With ``kept``, one launch per signature and grid: the tile count is rounded to a power
     of two, so rounds whose longest prefix needs 2 tiles (600, 1000 positions) share one kept

@@ -14,7 +14,9 @@ round's fixed buffers, padded to the captured batch size as ``DraftDecodeBackend
 With ``csr`` it also writes the list's ``kv_indptr`` and ``kv_lens`` (each program knows its
 request's offset and length): the device copies of the host CSR that FlashInfer's plan would
 otherwise copy from the host every round; with ``qo`` (an extend round) also the query
-indptr of the round's new tokens.
+indptr of the round's new tokens, and with ``ext_loc`` their slots, copied from the caller's
+``out_cache_loc`` into the round's fixed buffer (the copy an extend graph round needs
+anyway, in the same launch).
 
 The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
 pool, positions into the row), which needs about fifteen launches for it.
@@ -46,20 +48,23 @@ _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every 
 
 # The caller's tensors and the total lead (a kept launch's new arguments); their addresses
 # move between rounds: no alignment specialization on them (``kernel_launch``).
-@triton.jit(do_not_specialize=["raw", "total"],
+@triton.jit(do_not_specialize=["raw", "total", "tokens"],
             do_not_specialize_on_alignment=["Rows", "Lens", "Loc", "Ext"])
-def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, ReqToToken, Out, FixRows, FixLens,
+def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, FixRows, FixLens,
                          FixLoc, CsrIndptr, CsrLens, QoIndptr,
                          stride_rows, stride_lens, stride_ext, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
                          raw, num_slots, width, fill,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
-                         BLOCK_LOC: tl.constexpr, CSR: tl.constexpr, QO: tl.constexpr):
+                         BLOCK_LOC: tl.constexpr, CSR: tl.constexpr, QO: tl.constexpr,
+                         EXT_LOC: tl.constexpr):
     """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
     BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding. CSR: program
     ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``;
-    QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens)."""
+    QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens); EXT_LOC (with
+    QO): program ``(b, i)`` also copies request ``b``'s new tokens' slots at those positions
+    from ``Loc [tokens]`` into ``FixLoc``, at most ``tokens`` in all."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     real = b < raw
@@ -96,6 +101,12 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, ReqToToken, Out, FixRows, 
             if b == tl.num_programs(0) - 1:
                 mine = tl.where(real, tl.load(Ext + src * stride_ext).to(tl.int64), 0)
                 tl.store(QoIndptr + b + 1, (rows_before + mine).to(tl.int32))
+        if EXT_LOC:
+            mine = tl.where(real, tl.load(Ext + src * stride_ext).to(tl.int64), 0)
+            at = rows_before + t
+            new = (t < mine) & (at < tokens)
+            loc = tl.load(Loc + at * stride_loc_b, mask=new, other=0).to(tl.int64)
+            tl.store(FixLoc + at, loc, mask=new)
     if FIXED:
         if tile == 0:
             tl.store(FixRows + b, row)
@@ -116,6 +127,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  loc: Optional[torch.Tensor] = None,
                  csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  qo: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 ext_loc: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  kept: Optional[dict] = None, kept_key: Optional[tuple] = None
                  ) -> torch.Tensor:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
@@ -131,6 +143,8 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     csr: ``(kv_indptr [bs + 1], kv_lens [bs])`` int32 buffers that get the list's CSR.
     qo: ``(ext [raw] int, any stride; qo_indptr [bs + 1] int32)``: an extend's new tokens per
     request and the buffer that gets their indptr (padding requests have none).
+    ext_loc (with ``qo``): ``(out_cache_loc [T] int, any stride; fixed [>= T] int64)``: the
+    new tokens' slots, copied into ``fixed`` (an extend graph round's buffer).
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
     callers that launch it every round. kept_key: the caller's key for every argument but
     ``total`` and ``longest`` (a kept graph call's, whose tensors' signatures and addresses
@@ -142,6 +156,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
         return out[:0]
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
+    tokens = 0
+    if ext_loc is not None:
+        src_loc, tokens = ext_loc[0], ext_loc[0].shape[0]
     ext = out if qo is None else qo[0]
     key = None
     if kept is not None:
@@ -151,14 +168,16 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
             req_to_token.data_ptr(),
             None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
             None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr),
-            None if qo is None else (signature(qo[0]), signature(qo[1]), qo[1].data_ptr()))
+            None if qo is None else (signature(qo[0]), signature(qo[1]), qo[1].data_ptr()),
+            None if ext_loc is None else (ext_loc[1].data_ptr(), ext_loc[1].shape))
         launch = kept.get(key)
         if launch is not None:
-            launch(rows, lens, src_loc, ext, total)
+            launch(rows, lens, src_loc, ext, total, tokens)
             return out[:max(total, 0)]
     launch = _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
-                     fixed, csr, None if qo is None else qo[1])
-    launch(rows, lens, src_loc, ext, total)
+                     fixed, csr, None if qo is None else qo[1],
+                     None if ext_loc is None else ext_loc[1])
+    launch(rows, lens, src_loc, ext, total, tokens)
     if key is not None:
         if len(kept) >= MAX_KEPT:
             kept.clear()
@@ -167,11 +186,14 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
 
 
 def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
-            fixed, csr, qo_indptr) -> KernelLaunch:
-    """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, ext, total)``."""
+            fixed, csr, qo_indptr, ext_fixed=None) -> KernelLaunch:
+    """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, ext, total,
+    tokens)``."""
     if fixed is None:
         fix_rows = fix_lens = fix_loc = out
         loc_strides, steps, loc_n = (0, 0, 0), 1, 1
+        if ext_fixed is not None:  # an extend's new-token slots, [T] -> the fixed buffer
+            fix_loc, loc_strides = ext_fixed, (src_loc.stride(0), 0, 0)
     else:
         fix_rows, fix_lens, fix_loc = fixed
         steps = src_loc.shape[2]
@@ -185,5 +207,5 @@ def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, f
             num_slots, req_to_token.shape[1], fill)
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
                   NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
-                  QO=qo_indptr is not None, num_warps=4)
+                  QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None, num_warps=4)
     return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

@@ -92,19 +92,28 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             from ...kernels.prefix_slots import prefix_slots
 
             rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
-            # A graph pass's buffers (slot list, device CSR) stay put: the pass, the CSR's
-            # addresses and the caller's index tensors' signatures key its launch (not the
-            # batch's signature: it holds the new tokens' count, which varies by round).
-            key = (id(p), signature(rows), signature(lens), None if dev_csr is None else
-                   (signature(ext), tuple(t.data_ptr() for t in dev_csr))) if p.graph \
-                else None
+            # With the device CSR the launch also copies the new tokens' slots into the
+            # graph's fixed buffer (``_fills_graph_round``).
+            loc = None if dev_csr is None else (self.graph_source.out_cache_loc,
+                                                batch.out_cache_loc)
+            # A graph pass's buffers (slot list, device CSR, fixed slots) stay put: the
+            # pass, their addresses and the caller's index tensors' signatures key its
+            # launch (the new tokens' slots by dtype and stride: their count varies).
+            key = None
+            if p.graph:
+                key = (id(p), signature(rows), signature(lens), signature(ext))
+                if loc is not None:
+                    key += (loc[0].dtype, loc[0].stride(0),
+                            tuple(t.data_ptr() for t in (*dev_csr, loc[1])))
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
-                         qo=None if dev_csr is None else (ext, dev_csr[2]),
+                         qo=None if dev_csr is None else (ext, dev_csr[2]), ext_loc=loc,
                          kept=self._slot_launches if p.graph else None, kept_key=key)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
+        if p.graph and dev_csr is None:
+            batch.out_cache_loc.copy_(self.graph_source.out_cache_loc)
         on_device = dev_csr is not None
         p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device)
         self._pass = p
@@ -147,6 +156,11 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
                       signature(getattr(batch, name)) for name in HOST_COPIES))
         except (AttributeError, TypeError):
             return None
+
+    def _fills_graph_round(self) -> bool:
+        """A graph round's new-token slots are copied into the fixed buffer by the slot-list
+        launch where it writes the device CSR, else by ``_prepare`` (one copy)."""
+        return True
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """The passes of each captured batch size are made at capture."""
