@@ -233,6 +233,23 @@ def test_kernel_launch_runs_the_kept_kernel_with_every_bound_argument(monkeypatc
     assert len(kernel.launches) == 3 and len(compiled.runs) == 1
 
 
+def test_kernel_launch_passes_its_trailing_tensors_as_addresses(monkeypatch):
+    """Triton's launcher asks the driver about every tensor argument's pointer; the trailing
+    tensors, checked by the first (ordinary) launch, go to the direct launches as addresses,
+    and the launch holds them."""
+    _knobs(monkeypatch)
+    compiled = _Compiled({"A": "*i64", "B": "*i32", "n": "i32", "BLOCK": "constexpr"})
+    kernel = _Kernel(compiled)
+    buf = torch.arange(4, dtype=torch.int32)
+    launch = kernel_launch.KernelLaunch(kernel, (6,), (buf, 7), {"BLOCK": 8})
+    launch("a0")
+    assert kernel.launches[0][1][1] is buf
+    launch("a1")
+    assert compiled.runs == [(6, 1, 1, 1000, "fn", "meta", None, None, None, "a1",
+                              buf.data_ptr(), 7, 8)]
+    assert launch.tail[0] is buf
+
+
 @pytest.mark.parametrize("compiled", [
     None,  # the interpreter returns no compiled kernel
     _Compiled({"A": "*i64", "B": "*i32", "n": "i32"}),  # a launcher without the constexprs

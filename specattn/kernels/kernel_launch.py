@@ -13,7 +13,10 @@ Whoever keeps a ``KernelLaunch`` reuses it only for calls whose leading tensors 
 dtypes, devices, shapes and strides of its first call (the backends key it by them:
 ``specattn.graph_calls.signature``), and the kernels declare those tensors
 ``do_not_specialize_on_alignment``, so their data pointers may move. The trailing arguments
-and constexprs are the ones it was made with.
+and constexprs are the ones it was made with. Its trailing tensors go to the direct launch
+as their addresses (the ``KernelLaunch`` holds the tensors): Triton's launcher asks the
+driver about every tensor's pointer (``cuPointerGetAttribute``, a driver call each), which
+the first, ordinary launch did for them already.
 
 The ordinary launch is used instead where there is no compiled kernel (the CPU
 interpreter: ``TRITON_INTERPRET=1``), where a launch hook is installed (profilers read
@@ -24,6 +27,8 @@ a Triton whose compiled kernels take another argument list (``_direct``).
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import torch
 
 try:  # releases without triton.knobs keep the ordinary launch
     from triton import knobs as _knobs
@@ -92,7 +97,12 @@ def _direct(kernel: Any, compiled: Any, n_args: int, tail: tuple,
         return None
     if compiled.function is None:
         return None
-    return tail + tuple(consts[name] for name in names[n_args:])
+    return _addresses(tail) + tuple(consts[name] for name in names[n_args:])
+
+
+def _addresses(args: tuple) -> tuple:
+    """``args`` with each tensor replaced by its data pointer."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _driver_functions():
