@@ -312,6 +312,29 @@ def _captured_extend(mla: bool, seed: int):
 
 
 @pytest.mark.parametrize("mla", [False, True])
+def test_extend_replay_of_another_index_signature_builds_its_launch(host_work, monkeypatch,
+                                                                     mla):
+    """The slot-list launch's key takes the index tensors' signatures that the round's
+    graph check computed: lengths of another stride build a launch of their own, and the
+    first signature's launch serves its next replay."""
+    from specattn.kernels import prefix_slots as slots_module
+
+    made = []
+    build = slots_module._launch
+    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    backend, _, host = _captured_extend(mla, seed=5)
+    backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    before = len(made)
+    strided = torch.stack([host.seq_lens, host.seq_lens], 1)[:, 0]  # same values, stride 2
+    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
+        host.req_pool_indices, strided, host.extend_lens, host.out_cache_loc,
+        host.seq_lens_cpu, host.extend_lens_cpu), 3)
+    assert len(made) == before + 1
+    backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    assert len(made) == before + 1
+
+
+@pytest.mark.parametrize("mla", [False, True])
 def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla):
     """Where a graph round's checks read no values (device tensors), a replay whose batch
     tensors have the signature of the last checked one is not checked again, another count

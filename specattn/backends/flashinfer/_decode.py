@@ -59,7 +59,8 @@ from ...fp8 import scale_rows
 from ...graph_calls import KeptDecodeCalls, Replay
 from ...metadata import path_history_slots
 from ._passes import OneLaunchKvWrite, Params, Pass, captured, capturing, fp8_scales, replan
-from ._slots import KeptCSR, fill_ragged_slots, history_positions, host_arange, host_csr
+from ._slots import (KeptCSR, fill_ragged_slots, history_positions, host_arange, host_csr,
+                     prefix_slots_launcher)
 
 MODES = ("shared", "per-branch")
 
@@ -187,8 +188,7 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
                     rnd.host = KeptCSR(bs)
                 csr = rnd.host.fill(seq_host, qo_indptr=qo, max_q=k)
             out = rnd.prefix.reserve(csr.total)
-            from ...kernels.prefix_slots import prefix_slots
-
+            prefix_slots = prefix_slots_launcher()
             if kept_key is not None:  # the CSR buffers the launch writes, if any
                 kept_key = (kept_key, None if dev_csr is None else
                             tuple(t.data_ptr() for t in dev_csr))

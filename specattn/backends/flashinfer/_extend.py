@@ -31,7 +31,8 @@ from ...fp8 import scale_rows
 from ...graph_calls import signature
 from ...util import triton_runs
 from ._passes import OneLaunchKvWrite, Params, Pass, captured, fp8_scales, replan
-from ._slots import KeptCSR, fill_ragged_slots, host_csr, host_indptr
+from ._slots import (KeptCSR, fill_ragged_slots, host_csr, host_indptr,
+                     prefix_slots_launcher)
 
 _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc")
 
@@ -54,6 +55,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
         self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
         self._checked_batch: Optional[tuple] = None  # the last checked graph batch's signature
+        self._round_index: Optional[tuple] = None  # the graph round's index tensors, signatures
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -89,8 +91,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             csr = p.kept_csr.fill(seq_np, qo_lens=ext_np)
         out = p.reserve(csr.total)
         if self._triton:
-            from ...kernels.prefix_slots import prefix_slots
-
             rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
             # With the device CSR the launch also copies the new tokens' slots into the
             # graph's fixed buffer (``_fills_graph_round``).
@@ -101,10 +101,11 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # launch (the new tokens' slots by dtype and stride: their count varies).
             key = None
             if p.graph:
-                key = (id(p), signature(rows), signature(lens), signature(ext))
+                key = (id(p), *self._index_signatures(rows, lens, ext))
                 if loc is not None:
                     key += (loc[0].dtype, loc[0].stride(0),
                             tuple(t.data_ptr() for t in (*dev_csr, loc[1])))
+            prefix_slots = prefix_slots_launcher()
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
                          qo=None if dev_csr is None else (ext, dev_csr[2]), ext_loc=loc,
@@ -139,23 +140,36 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         if key is None or key != self._checked_batch:
             super()._check_graph_batch(batch)
             self._checked_batch = key
+        # The round's index tensors and their signatures, for the slot-list launch's key.
+        self._round_index = None if key is None else (
+            tuple(getattr(batch, name) for name in _INDEX_FIELDS[:3]), key[1:4])
 
     def _batch_signature(self, batch) -> Optional[tuple]:
         """The signature of ``batch``'s index tensors and host copies (``None``: the checks
-        read values here, or ``batch`` is not a batch)."""
+        read values here, or ``batch`` is not a batch). A signature equal to the last checked
+        one holds its devices: no check reads values there either."""
         try:
             index = tuple(getattr(batch, name) for name in _INDEX_FIELDS)
-            if validation.graph_checks_read_values(*index):
-                return None
             # The new tokens' slots by all but their count: the device-side checks read only
             # their dtype, rank and device, and the count changes from round to round.
             loc = index[3]
-            return (type(batch), *(signature(t) for t in index[:3]),
-                    (loc.dtype, loc.dim(), loc.stride(), loc.device),
-                    *(None if getattr(batch, name, None) is None else
-                      signature(getattr(batch, name)) for name in HOST_COPIES))
+            key = (type(batch), *(signature(t) for t in index[:3]),
+                   (loc.dtype, loc.dim(), loc.stride(), loc.device),
+                   *(None if getattr(batch, name, None) is None else
+                     signature(getattr(batch, name)) for name in HOST_COPIES))
         except (AttributeError, TypeError):
             return None
+        if key != self._checked_batch and validation.graph_checks_read_values(*index):
+            return None
+        return key
+
+    def _index_signatures(self, rows, lens, ext) -> tuple:
+        """The signatures of a round's ``rows``, ``lens`` and ``ext`` (those its graph check
+        computed where they are its tensors)."""
+        known = self._round_index
+        if known is not None and all(a is b for a, b in zip(known[0], (rows, lens, ext))):
+            return known[1]
+        return signature(rows), signature(lens), signature(ext)
 
     def _fills_graph_round(self) -> bool:
         """A graph round's new-token slots are copied into the fixed buffer by the slot-list
@@ -166,7 +180,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
         self._slot_launches.clear()
-        self._checked_batch = None
+        self._checked_batch = self._round_index = None
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size

@@ -22,7 +22,8 @@ host round trip: ``fill_ragged_slots`` here (torch, any layout) or, for the pref
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from functools import cache
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -30,7 +31,16 @@ import torch
 from ...metadata import in_pool
 
 __all__ = ["HostCSR", "KeptCSR", "csr_indptr", "fill_ragged_slots", "history_positions",
-           "host_arange", "host_csr", "host_indptr"]
+           "host_arange", "host_csr", "host_indptr", "prefix_slots_launcher"]
+
+
+@cache
+def prefix_slots_launcher() -> Callable:
+    """``specattn.kernels.prefix_slots.prefix_slots``, imported at the first call (it
+    imports Triton); a replay calls this, not an import statement, on its host path."""
+    from ...kernels.prefix_slots import prefix_slots
+
+    return prefix_slots
 
 
 class HostCSR(NamedTuple):
