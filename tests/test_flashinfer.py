@@ -33,8 +33,9 @@ from helpers import extend_lengths, fill_slots, poison_pools, randn_qkv
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend)
 from specattn.backends.flashinfer._passes import _graph_split_kwargs
-from specattn.backends.flashinfer._slots import (fill_ragged_slots, history_positions,
-                                                 host_arange, host_csr, host_indptr)
+from specattn.backends.flashinfer._slots import (KeptCSR, fill_ragged_slots,
+                                                 history_positions, host_arange, host_csr,
+                                                 host_indptr)
 from specattn.backends.torch_ref import reference_decode, reference_extend
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from specattn.errors import BackendUnavailableError, InvalidInputError
@@ -250,6 +251,27 @@ def test_host_indptr():
     csr = host_csr(host_arange(3, 2), torch.tensor([5, 1, 7]), 2)
     assert csr.kv_indptr.tolist() == [0, 5, 6, 13] and csr.kv_lens.tolist() == [5, 1, 7]
     assert csr.kv_lens.dtype == torch.int32 and (csr.total, csr.max_q) == (13, 2)
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, KeptCSR.LIST_SUMS, KeptCSR.LIST_SUMS + 1, 40])
+def test_kept_csr_fill_matches_host_csr(m):
+    """A kept CSR (Python sums up to ``LIST_SUMS`` sequences, numpy's above) holds what
+    ``host_csr`` builds, round after round in the same buffers, with query lengths or a
+    given query indptr."""
+    gen = torch.Generator().manual_seed(m)
+    with_qo, given = KeptCSR(m, with_qo=True), KeptCSR(m)
+    fields = ("qo_indptr", "kv_indptr", "kv_lens", "total", "max_q", "rows", "max_kv")
+    for _ in range(2):
+        kv = torch.randint(1, 5000, (m,), generator=gen)
+        q = torch.randint(1, 9, (m,), generator=gen)
+        max_q = int(q.max()) if m else 0
+        want = host_csr(host_indptr(q), kv, max_q)
+        for got in (with_qo.fill(kv.numpy(), qo_lens=q.numpy()),
+                    given.fill(kv.numpy(), qo_indptr=want.qo_indptr, max_q=max_q)):
+            for name in fields:
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a.tolist() == b.tolist() and a.dtype == torch.int32) if \
+                    isinstance(b, torch.Tensor) else a == b, (name, a, b)
 
 
 @pytest.mark.parametrize("padded, many", [(0, False), (2, False), (3, True)])

@@ -23,6 +23,7 @@ host round trip: ``fill_ragged_slots`` here (torch, any layout) or, for the pref
 from __future__ import annotations
 
 from functools import cache
+from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -106,8 +107,10 @@ class KeptCSR:
     their numpy views: ``kv_indptr [m + 1]``, ``kv_lens [m]`` and, ``with_qo``, ``qo_indptr
     [m + 1]``. For graph rounds whose device copies the glue writes on the device itself
     (``Pass.device_csr``): nothing copies from these buffers after the plan returns, so
-    each round rewrites them in place, a few numpy calls on ``m`` values (the host time of
-    a replay metadata call is what an engine waits for)."""
+    each round rewrites them in place (the host time of a replay metadata call is what an
+    engine waits for): Python sums of up to ``LIST_SUMS`` values, else numpy's."""
+
+    LIST_SUMS = 16  # up to here Python's sums take less host time than numpy's calls
 
     def __init__(self, m: int, with_qo: bool = False) -> None:
         self.m = m
@@ -123,18 +126,25 @@ class KeptCSR:
         """The ``HostCSR`` of sequences of ``kv_lens [m]`` keys, written into the buffers:
         query rows ``qo_lens [m]`` (into the kept ``qo_indptr``; ``max_q`` their largest)
         or a given host ``qo_indptr [m + 1]`` with at most ``max_q`` rows a sequence."""
-        lens, kv = self._lens, self._kv
-        lens[:] = kv_lens
-        lens.cumsum(out=kv[1:])
+        self._lens[:] = kv_lens
+        total, longest = self._sums(kv_lens, self._kv)
         if qo_lens is not None:
-            qo_lens.cumsum(out=self._qo[1:])
-            qo_indptr, rows = self.qo_indptr, int(self._qo[-1])
-            max_q = int(qo_lens.max()) if self.m else 0
+            qo_indptr = self.qo_indptr
+            rows, max_q = self._sums(qo_lens, self._qo)
         else:
             rows = int(qo_indptr.numpy()[-1])
-        longest = int(lens.max()) if self.m else 0
-        return HostCSR(qo_indptr, self.kv_indptr, self.kv_lens, int(kv[-1]), max_q, rows,
-                       longest)
+        return HostCSR(qo_indptr, self.kv_indptr, self.kv_lens, total, max_q, rows, longest)
+
+    def _sums(self, values: np.ndarray, indptr: np.ndarray) -> tuple[int, int]:
+        """``indptr[1:]`` = the running sums of ``values [m]``; returns (their sum, the
+        largest value), 0 for none."""
+        if self.m <= self.LIST_SUMS:
+            ints = values.tolist()
+            sums = list(accumulate(ints))
+            indptr[1:] = sums
+            return (sums[-1], max(ints)) if ints else (0, 0)
+        values.cumsum(out=indptr[1:])
+        return int(indptr[-1]), int(values.max())
 
 
 def host_arange(n: int, step: int, *, pin: bool = False) -> torch.Tensor:
