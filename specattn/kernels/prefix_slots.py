@@ -129,8 +129,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  qo: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ext_loc: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  kept: Optional[dict] = None, kept_key: Optional[tuple] = None
-                 ) -> torch.Tensor:
-    """Write the prefix slot list of ``bs`` requests into ``out[:total]``; returns that view.
+                 ) -> None:
+    """Write the prefix slot list of ``bs`` requests into ``out[:total]`` (no view is
+    returned: a view costs host time, and a replay makes this call every round).
 
     rows, lens: ``[raw]`` int (any strides): ``req_pool_indices`` and ``seq_lens`` of the
     caller's requests. ``bs`` (default ``raw``): requests in the list, ``raw .. bs - 1``
@@ -153,7 +154,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     raw = rows.shape[0]
     bs = raw if bs is None else bs
     if bs == 0 or (fixed is None and csr is None and total <= 0):
-        return out[:0]
+        return
     tiles = next_pow2(-(-longest // _BLOCK_T))
     src_loc = out if fixed is None else loc
     tokens = 0
@@ -173,7 +174,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
         launch = kept.get(key)
         if launch is not None:
             launch(rows, lens, src_loc, ext, total, tokens)
-            return out[:max(total, 0)]
+            return
     launch = _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
                      fixed, csr, None if qo is None else qo[1],
                      None if ext_loc is None else ext_loc[1])
@@ -182,7 +183,6 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
         if len(kept) >= MAX_KEPT:
             kept.clear()
         kept[key] = launch
-    return out[:max(total, 0)]
 
 
 def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
