@@ -298,6 +298,16 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mon
     assert on_device == [(True, True)] * 2  # the extend's query indptr too
 
 
+def _count_slot_list_launches(monkeypatch) -> list:
+    """A list that gets an entry for every slot-list launch built from now on."""
+    from specattn.kernels import prefix_slots as slots_module
+
+    made: list = []
+    build = slots_module._launch
+    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    return made
+
+
 def _captured_extend(mla: bool, seed: int):
     """``(backend, batch, the batch with host copies)``: a flashinfer extend backend whose
     graph of 3 requests is captured with the host-copy batch."""
@@ -317,11 +327,7 @@ def test_extend_replay_of_another_index_signature_builds_its_launch(host_work, m
     """The slot-list launch's key takes the index tensors' signatures that the round's
     graph check computed: lengths of another stride build a launch of their own, and the
     first signature's launch serves its next replay."""
-    from specattn.kernels import prefix_slots as slots_module
-
-    made = []
-    build = slots_module._launch
-    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    made = _count_slot_list_launches(monkeypatch)
     backend, _, host = _captured_extend(mla, seed=5)
     backend.init_forward_metadata_replay_cuda_graph(host, 3)
     before = len(made)
@@ -425,11 +431,7 @@ def test_sglang_adapter_passes_the_engine_host_copies():
 def test_kept_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, mla):  # noqa: F811
     """Replay calls of one signature are kept (``graph_calls``): after the first, each
     launches the kept slot-list kernel, building no new launch."""
-    from specattn.kernels import prefix_slots as slots_module
-
-    made = []
-    build = slots_module._launch
-    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    made = _count_slot_list_launches(monkeypatch)
     case = make_decode_case(mla=mla, bs=3, topk=4, steps=3, seed=1)
     full = _with_host_copy(case.batch)
     backend = (FlashInferMLADecode if mla else FlashInferDecode)(case.runner, 4, 3)
@@ -446,11 +448,7 @@ def test_kept_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, m
 def test_extend_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch, mla):  # noqa: F811
     """An extend graph pass keys its slot-list launch by the pass, its device CSR and the
     caller's two index tensors' signatures: replays after the first build no new launch."""
-    from specattn.kernels import prefix_slots as slots_module
-
-    made = []
-    build = slots_module._launch
-    monkeypatch.setattr(slots_module, "_launch", lambda *a: made.append(1) or build(*a))
+    made = _count_slot_list_launches(monkeypatch)
     backend, _, host = _captured_extend(mla, seed=4)
     backend.init_forward_metadata_replay_cuda_graph(host, 3)
     before = len(made)
