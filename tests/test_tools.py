@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -202,6 +203,24 @@ def test_gpu_ab_dry_run_alternates_the_packages(tmp_path):
     assert "tools/ab_table.py" in table and table[-2:] == ["--out", env["OUT"] + "/ab.md"]
 
 
+def test_gpu_host_ab_dry_run_runs_the_tool(tmp_path):
+    env = _gpu_host(tmp_path)
+    ref = tmp_path / "ab"
+    ref.mkdir()
+    res = _gpu_sh(env, "host-ab", str(ref), "--case", "gqa-b8-p16-extend")
+    assert res.returncode == 3 and "git archive" in res.stderr  # no specattn/ in it
+    (ref / "specattn").mkdir()
+    res = _gpu_sh(env, "host-ab", str(ref), "--case", "gqa-b8-p16-extend", "--backend",
+                  "flashinfer")
+    assert res.returncode == 0, res.stderr
+    steps = _steps(res.stdout)
+    assert list(steps) == ["host-ab"]
+    cmd = steps["host-ab"]
+    _assert_paths_exist(cmd)
+    assert cmd[1:] == ["tools/host_ab.py", str(ref), "--case", "gqa-b8-p16-extend",
+                       "--backend", "flashinfer", "--out", env["OUT"] + "/host_ab.md"], cmd
+
+
 def test_ab_table_joins_the_runs(tmp_path, capsys):
     ab_table = _tool("ab_table")
     rows = {"a1": [("mla-long", "ok", 70.0), ("gqa-long", "ok", 150.0), ("extend", "ok", 9.0)],
@@ -223,6 +242,31 @@ def test_ab_table_joins_the_runs(tmp_path, capsys):
     for run in ("b1", "b2"):
         (tmp_path / run / "bench.csv").unlink()
     assert ab_table.main([str(tmp_path)]) == 1
+
+
+def test_host_ab_times_both_packages_in_one_process(tmp_path):
+    """The older package is imported beside this one and each is timed: a REF whose replay
+    metadata call sleeps 2 ms comes out slower."""
+    ref = tmp_path / "ref" / "specattn"
+    shutil.copytree(os.path.join(ROOT, "specattn"), ref,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(ref / "__init__.py", "a") as f:
+        f.write("\nimport time as _time\nfrom .base import DraftDecodeBackend as _Decode\n"
+                "_replay = _Decode.init_forward_metadata_replay_cuda_graph\n"
+                "_Decode.init_forward_metadata_replay_cuda_graph = "
+                "lambda *a: (_time.sleep(0.002), _replay(*a))[1]\n")
+    out = tmp_path / "host_ab.md"
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, "host_ab.py"), str(ref.parent),
+                          "--case", "gqa-small", "--backend", "torch_ref", "--rounds", "2",
+                          "--calls", "5", "--device", "cpu", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    row = out.read_text().splitlines()[-1]
+    assert row.startswith("| gqa-small | torch_ref | "), row
+    ref_us, this_us = (cell.split(" / ") for cell in row.split(" | ")[2:4])
+    assert len(ref_us) == len(this_us) == 2
+    assert min(map(float, ref_us)) > 2000 > max(map(float, this_us)), row
+    assert float(row.split(" | ")[4].rstrip(" |")) < 0.5, row
 
 
 def test_cpu_soak_runs_an_environment_and_reports_it():

@@ -20,6 +20,10 @@
 #   bash tools/gpu.sh ab REF [ARGS]        that bench of REF/specattn (`mkdir -p .ab && git
 #                                          archive TAG specattn | tar -x -C .ab`) and of this
 #                                          tree, A B A B; times and ratio in $OUT/ab.md
+#   bash tools/gpu.sh host-ab REF ARGS     the replay metadata call's host time of REF/specattn
+#                                          against this tree's, alternating in one process
+#                                          (tools/host_ab.py REF ARGS: --case ... --backend
+#                                          ...); the table in $OUT/host_ab.md
 #
 # Every command but fa4-first first unpacks the offline bundle (.gpu/, git-ignored: carry
 # .gpu/install.sh with .gpu/flashinfer, and .gpu/fa4 after fa4-first), installs carried
@@ -41,7 +45,7 @@ die() { echo "gpu.sh: $*" >&2; exit 3; }
 [ $# -ge 1 ] || usage
 cmd=$1
 shift
-case "$cmd" in fa4-first | check | bench | sglang | ab) ;; *) usage ;; esac
+case "$cmd" in fa4-first | check | bench | sglang | ab | host-ab) ;; *) usage ;; esac
 : "${OUT:?OUT must name the folder whose files come back (the GPU host sets it)}"
 
 BUNDLE=${GPU_BUNDLE:-.gpu}
@@ -213,6 +217,11 @@ case "$cmd" in
     if [ -n "$DRY" ]; then echo "fa4-first: bash $BUNDLE/install.sh $SITE fa4-first"
     else bash "$BUNDLE/install.sh" "$SITE" fa4-first > /dev/null && note "- fa4-first: unpacked into $SITE"
     fi ;;
+  host-ab)
+    [ $# -ge 1 ] || usage
+    [ -d "$1/specattn" ] || die "$1 holds no specattn/ package (here: mkdir -p .ab && git archive TAG specattn | tar -x -C .ab)"
+    setup
+    step host-ab "$PY" tools/host_ab.py "$@" --out "$OUT/host_ab.md" ;;
   *) "$cmd" "$@" ;;  # check, bench, sglang, ab
 esac
 if [ -z "$DRY" ] && compgen -G "$LOGS/*" > /dev/null; then tar czf "$OUT/logs.tgz" -C "$LOGS" .; fi
