@@ -55,7 +55,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         self._triton: Optional[bool] = None  # the slot-list kernel runs on this device
         self._slot_launches: dict = {}  # graph passes' kept slot-list launches (prefix_slots)
         self._checked_batch: Optional[tuple] = None  # the last checked graph batch's signature
-        self._round_index: Optional[tuple] = None  # the graph round's index tensors, signatures
 
     def _default_params(self) -> Params:
         raise NotImplementedError
@@ -100,8 +99,10 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # pass, their addresses and the caller's index tensors' signatures key its
             # launch (the new tokens' slots by dtype and stride: their count varies).
             key = None
-            if p.graph:
-                key = (id(p), *self._index_signatures(rows, lens, ext))
+            if p.graph:  # (a graph round's check left its batch's signature, or None)
+                sigs = self._checked_batch
+                key = (id(p), *(sigs[1:4] if sigs is not None else
+                                (signature(rows), signature(lens), signature(ext))))
                 if loc is not None:
                     key += (loc[0].dtype, loc[0].stride(0),
                             tuple(t.data_ptr() for t in (*dev_csr, loc[1])))
@@ -135,14 +136,12 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
     def _check_graph_batch(self, batch) -> None:
         """As the base class, once per signature of the batch's tensors where no check reads
         their values (device tensors: ``validation.graph_checks_read_values``): what it
-        checks there is their dtypes, shapes and devices."""
+        checks there is their dtypes, shapes and devices. The round's signature (or
+        ``None``) stays in ``_checked_batch``: the slot-list launch's key reads it."""
         key = self._batch_signature(batch)
         if key is None or key != self._checked_batch:
             super()._check_graph_batch(batch)
             self._checked_batch = key
-        # The round's index tensors and their signatures, for the slot-list launch's key.
-        self._round_index = None if key is None else (
-            tuple(getattr(batch, name) for name in _INDEX_FIELDS[:3]), key[1:4])
 
     def _batch_signature(self, batch) -> Optional[tuple]:
         """The signature of ``batch``'s index tensors and host copies (``None``: the checks
@@ -163,14 +162,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             return None
         return key
 
-    def _index_signatures(self, rows, lens, ext) -> tuple:
-        """The signatures of a round's ``rows``, ``lens`` and ``ext`` (those its graph check
-        computed where they are its tensors)."""
-        known = self._round_index
-        if known is not None and all(a is b for a, b in zip(known[0], (rows, lens, ext))):
-            return known[1]
-        return signature(rows), signature(lens), signature(ext)
-
     def _fills_graph_round(self) -> bool:
         """A graph round's new-token slots are copied into the fixed buffer by the slot-list
         launch where it writes the device CSR, else by ``_prepare`` (one copy)."""
@@ -180,7 +171,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         """The passes of each captured batch size are made at capture."""
         self._graphs.clear()
         self._slot_launches.clear()
-        self._checked_batch = self._round_index = None
+        self._checked_batch = None
 
     def _plan_graph(self, batch, *, capture: bool) -> None:
         bs = batch.batch_size
