@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
 REF_NAME = "specattn_ref"
 WARM_UP_CALLS = 30
 
@@ -47,8 +49,6 @@ def replay_host_us(pkg: str, case_name: str, backend: str, device: str, calls: i
     harness = importlib.import_module(f"{pkg}.bench.harness")
     parts = importlib.import_module(f"{pkg}.bench.parts")
     platforms = importlib.import_module(f"{pkg}.platforms")
-    import torch
-
     by_name = {c.name: c for group in cases.CASE_SETS.values() for c in group}
     if case_name not in by_name:
         raise SystemExit(f"host_ab: {pkg} has no case {case_name!r}")
@@ -98,8 +98,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda where there is one")
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
-    import torch
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
