@@ -294,6 +294,30 @@ def test_replay_metadata_is_a_fixed_launch_count_without_sync(mla):
     assert seen[0] == seen[1] and len(seen[0]) <= 2, seen
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_extend_replay_metadata_is_a_fixed_launch_count_without_sync(mla):
+    """One extend replay metadata call (a graph pass, host copies of the lengths given)
+    makes the same device work at 1 request as at 8 with more new tokens: the slot-list
+    kernel, which also copies the new tokens' slots into the graph's buffer, and the
+    schedule (MHA: the native planner's copy of it; MLA: its launch), under torch's sync
+    check."""
+    seen = []
+    for bs, max_ext in ((1, 2), (8, 5)):
+        case = make_extend_case(mla=mla, bs=bs, dtype=torch.bfloat16, device="cuda", seed=bs,
+                                max_len=600, max_ext=max_ext, heads=MLA if mla else GQA)
+        b = case.batch
+        batch = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens,
+                                 b.out_cache_loc, seq_lens_cpu=b.seq_lens.cpu(),
+                                 extend_lens_cpu=b.extend_lens.cpu())
+        backend = (FlashInferMLAExtend if mla else FlashInferExtend)(case.runner)
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=int(b.extend_lens.sum()))
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+        for _ in range(2):
+            backend.init_forward_metadata_replay_cuda_graph(batch, bs)
+        seen.append(sorted(replay_device_work(backend, batch, bs)))
+    assert seen[0] == seen[1] and len(seen[0]) <= 2, seen
+
+
 # --- host work of the replay metadata call ---------------------------------------------------
 
 # (mla, requests, context, K, page size): the serving shapes (DeepSeek-style MLA: 16 heads,
