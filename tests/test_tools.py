@@ -278,6 +278,16 @@ def test_cpu_soak_runs_an_environment_and_reports_it():
     assert int(line.split(" random rounds")[0].rsplit(" ", 1)[1]) > 0
 
 
+def test_cpu_soak_explains_itself_and_names_an_unknown_environment():
+    tool = os.path.join(TOOLS, "cpu_soak.py")
+    res = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "torch_ref" in res.stdout, res.stderr
+    res = subprocess.run([sys.executable, tool, "1", "nosuch"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "not 'nosuch'" in res.stderr, res.stderr
+
+
 def test_library_signatures_reports_what_is_missing(capsys):
     tool = _tool("library_signatures")
     assert tool.main(["--library", "flash_mla", "flash_attn_interface"]) == 0

@@ -9,6 +9,7 @@ interpreter compiles less; a failure prints its seed (replay: ``--same-config 10
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -21,10 +22,18 @@ from environments import NATIVE, STANDIN  # noqa: E402
 from specattn.testing.soak import soak  # noqa: E402
 
 
-def main() -> int:
-    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 40.0
+def main(argv=None) -> int:
     envs = {e.label: e for e in STANDIN + NATIVE}
-    names = sys.argv[2:] or list(envs)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("seconds", nargs="?", type=float, default=40.0,
+                    help="seconds of random rounds per environment (default 40)")
+    ap.add_argument("envs", nargs="*", metavar="ENV",
+                    help=f"environments (default: every one): {', '.join(envs)}")
+    args = ap.parse_args(argv)
+    unknown = [name for name in args.envs if name not in envs]
+    if unknown:
+        ap.error(f"ENV: one of {', '.join(envs)}, not {unknown[0]!r}")
+    seconds, names = args.seconds, args.envs or list(envs)
     failed = 0
     for label in names:
         env = envs[label]
