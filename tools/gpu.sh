@@ -194,12 +194,18 @@ sglang() {
     -p no:cacheprovider -rs tests/gpu/test_sglang_gpu.py
 }
 
+ref_package() {  # ref_package DIR: DIR's absolute path, when it holds a specattn/ package
+  local ref
+  ref=$(cd "$1" && pwd) || die "no folder $1"
+  [ -d "$ref/specattn" ] || die "$ref holds no specattn/ package (here: mkdir -p .ab && git archive TAG specattn | tar -x -C .ab)"
+  echo "$ref"
+}
+
 ab() {
   [ $# -ge 1 ] || usage
   local label=$1 ref r
-  ref=$(cd "$1" && pwd) || die "no folder $1"
+  ref=$(ref_package "$1") || exit 3
   shift
-  [ -d "$ref/specattn" ] || die "$ref holds no specattn/ package (here: mkdir -p .ab && git archive TAG specattn | tar -x -C .ab)"
   setup
   [ -n "$DRY" ] || rm -rf /tmp/gpu-ab
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
@@ -212,17 +218,19 @@ ab() {
   if [ -z "$DRY" ] && [ -d /tmp/gpu-ab ]; then tar czf "$OUT/ab.tgz" -C /tmp/gpu-ab .; fi
 }
 
+host-ab() {
+  [ $# -ge 1 ] || usage
+  ref_package "$1" > /dev/null || exit 3
+  setup
+  step host-ab "$PY" tools/host_ab.py "$@" --out "$OUT/host_ab.md"
+}
+
 case "$cmd" in
   fa4-first)
     if [ -n "$DRY" ]; then echo "fa4-first: bash $BUNDLE/install.sh $SITE fa4-first"
     else bash "$BUNDLE/install.sh" "$SITE" fa4-first > /dev/null && note "- fa4-first: unpacked into $SITE"
     fi ;;
-  host-ab)
-    [ $# -ge 1 ] || usage
-    [ -d "$1/specattn" ] || die "$1 holds no specattn/ package (here: mkdir -p .ab && git archive TAG specattn | tar -x -C .ab)"
-    setup
-    step host-ab "$PY" tools/host_ab.py "$@" --out "$OUT/host_ab.md" ;;
-  *) "$cmd" "$@" ;;  # check, bench, sglang, ab
+  *) "$cmd" "$@" ;;  # check, bench, sglang, ab, host-ab
 esac
 if [ -z "$DRY" ] && compgen -G "$LOGS/*" > /dev/null; then tar czf "$OUT/logs.tgz" -C "$LOGS" .; fi
 rm -rf "$LOGS"
