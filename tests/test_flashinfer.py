@@ -191,13 +191,15 @@ def fake_flashinfer(monkeypatch):
     """FlashInfer replaced by the stand-in, on a fake sm90 platform with the library."""
     fi = fi_standin.make()
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
-    from specattn.backends.flashinfer import _passes
+    from specattn.backends.flashinfer import _passes, _prefill_plan
 
     # The stand-in computes in float32, so the glue is checked at fp32 tolerance too.
     for cls in (FlashInferDecode, FlashInferExtend, FlashInferMLADecode, FlashInferMLAExtend):
         monkeypatch.setattr(cls, "dtypes", cls.dtypes + (torch.float32,))
     monkeypatch.setattr(_passes, "_WORKSPACE_BYTES", 16)
     monkeypatch.setattr(_passes, "_WORKSPACES", {})
+    # The stand-in's FA2 planner counts fi_standin.SMS SMs (the CPU has none).
+    monkeypatch.setattr(_prefill_plan, "sm_count", lambda device: fi_standin.SMS)
     with use_platform(FI_CUDA):
         yield fi
 

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend, _replan)
+from specattn.backends.flashinfer import _decode, _extend, _slots
 from specattn.backends.flashinfer._mla_plan import DeviceMLAPlan
 from specattn.data import DraftBatch, DraftExtendBatch
 from specattn.errors import InvalidInputError
@@ -126,7 +127,9 @@ class DeviceReads(TorchFunctionMode):
 
 class Plans(Counter):
     """FlashInfer's native planner calls per wrapper (by its int workspace, which an MLA
-    wrapper's planned backends share in graph mode); ``public``: the public ``plan`` calls."""
+    wrapper's planned backends share in graph mode), and the schedules written on the device
+    instead (the MLA planner's launch, the slot-list launch's prefill schedule); ``public``:
+    the public ``plan`` calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,6 +166,15 @@ def host_work(fake_flashinfer, monkeypatch):  # noqa: F811 (the imported fixture
         return on_device(self, *args)
 
     monkeypatch.setattr(DeviceMLAPlan, "__call__", counting_device)
+    slots = _slots.prefix_slots_launcher()
+
+    def counting_slots(*args, schedule=None, **kw):  # a prefill schedule in the slot launch
+        if schedule is not None:
+            plans[schedule.work.data_ptr()] += 1
+        return slots(*args, schedule=schedule, **kw)
+
+    for glue in (_decode, _extend):
+        monkeypatch.setattr(glue, "prefix_slots_launcher", lambda: counting_slots)
     for cls in (fi_standin.FakePrefill, fi_standin.FakeDecode, fi_standin.FakeMLA):
         monkeypatch.setattr(cls, "plan", _counting_public(cls.plan, plans))
     monkeypatch.setattr(validation, "_scan_values", lambda t, debug: bool(debug))

@@ -39,6 +39,7 @@ import triton.language as tl
 from ..util import next_pow2
 from ..graph_calls import MAX_KEPT, signature
 from .kernel_launch import KernelLaunch
+from .prefill_schedule import Fa2Schedule, fa2_schedule
 
 __all__ = ["prefix_slots"]
 
@@ -51,20 +52,25 @@ _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every 
 @triton.jit(do_not_specialize=["raw", "total", "tokens"],
             do_not_specialize_on_alignment=["Rows", "Lens", "Loc", "Ext"])
 def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, FixRows, FixLens,
-                         FixLoc, CsrIndptr, CsrLens, QoIndptr,
+                         FixLoc, CsrIndptr, CsrLens, QoIndptr, Work, Mask,
                          stride_rows, stride_lens, stride_ext, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
                          raw, num_slots, width, fill,
+                         o_request, o_qo_tile, o_kv_tile, o_merge, o_o_indptr, o_chunk, o_rows,
+                         o_mask, padded, rows_cap, cta_tile_q, group, min_chunk, max_split,
+                         qrows,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
                          BLOCK_LOC: tl.constexpr, CSR: tl.constexpr, QO: tl.constexpr,
-                         EXT_LOC: tl.constexpr):
+                         EXT_LOC: tl.constexpr, SCHED: tl.constexpr, SPLIT: tl.constexpr):
     """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
     BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding. CSR: program
     ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``;
     QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens); EXT_LOC (with
     QO): program ``(b, i)`` also copies request ``b``'s new tokens' slots at those positions
-    from ``Loc [tokens]`` into ``FixLoc``, at most ``tokens`` in all."""
+    from ``Loc [tokens]`` into ``FixLoc``, at most ``tokens`` in all. SCHED: program ``(b,
+    0)`` writes request ``b``'s part of FlashInfer's FA2 graph schedule of the round
+    (``prefill_schedule.fa2_schedule``; query rows ``Ext`` with QO, else ``qrows`` each)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     real = b < raw
@@ -107,6 +113,12 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
             new = (t < mine) & (at < tokens)
             loc = tl.load(Loc + at * stride_loc_b, mask=new, other=0).to(tl.int64)
             tl.store(FixLoc + at, loc, mask=new)
+    if SCHED:
+        if tile == 0:
+            fa2_schedule(b, tl.num_programs(0), raw, Lens, stride_lens, Ext, stride_ext, fill,
+                         qrows, Work, Mask, o_request, o_qo_tile, o_kv_tile, o_merge,
+                         o_o_indptr, o_chunk, o_rows, o_mask, padded, rows_cap, cta_tile_q,
+                         group, min_chunk, max_split, QO, SPLIT, BLOCK_B, BLOCK_T)
     if FIXED:
         if tile == 0:
             tl.store(FixRows + b, row)
@@ -128,6 +140,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  qo: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ext_loc: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 schedule: Optional[Fa2Schedule] = None,
                  kept: Optional[dict] = None, kept_key: Optional[tuple] = None
                  ) -> None:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]`` (no view is
@@ -146,6 +159,8 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     request and the buffer that gets their indptr (padding requests have none).
     ext_loc (with ``qo``): ``(out_cache_loc [T] int, any stride; fixed [>= T] int64)``: the
     new tokens' slots, copied into ``fixed`` (an extend graph round's buffer).
+    schedule: where FlashInfer's FA2 graph schedule of the round goes (a prefill wrapper's
+    int workspace; ``prefill_schedule``), written by the same launch.
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
     callers that launch it every round. kept_key: the caller's key for every argument but
     ``total`` and ``longest`` (a kept graph call's, whose tensors' signatures and addresses
@@ -170,14 +185,15 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
             None if fixed is None else tuple((signature(t), t.data_ptr()) for t in fixed),
             None if csr is None else tuple((signature(t), t.data_ptr()) for t in csr),
             None if qo is None else (signature(qo[0]), signature(qo[1]), qo[1].data_ptr()),
-            None if ext_loc is None else (ext_loc[1].data_ptr(), ext_loc[1].shape))
+            None if ext_loc is None else (ext_loc[1].data_ptr(), ext_loc[1].shape),
+            None if schedule is None else schedule.key())
         launch = kept.get(key)
         if launch is not None:
             launch(rows, lens, src_loc, ext, total, tokens)
             return
     launch = _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
                      fixed, csr, None if qo is None else qo[1],
-                     None if ext_loc is None else ext_loc[1])
+                     None if ext_loc is None else ext_loc[1], schedule)
     launch(rows, lens, src_loc, ext, total, tokens)
     if key is not None:
         if len(kept) >= MAX_KEPT:
@@ -186,7 +202,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
 
 
 def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, fill,
-            fixed, csr, qo_indptr, ext_fixed=None) -> KernelLaunch:
+            fixed, csr, qo_indptr, ext_fixed=None, schedule=None) -> KernelLaunch:
     """The launch over grid ``(bs, tiles)``, called with ``(rows, lens, loc, ext, total,
     tokens)``."""
     if fixed is None:
@@ -200,12 +216,18 @@ def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, f
         loc_n = src_loc.shape[1] * steps
         loc_strides = src_loc.stride()
     csr_indptr, csr_lens = (out, out) if csr is None else csr
+    sched = (out, out, *(0,) * 15) if schedule is None else (
+        schedule.work, schedule.mask, *schedule.offsets, schedule.padded, schedule.rows_cap,
+        schedule.cta_tile_q, schedule.group, schedule.min_chunk, schedule.max_split,
+        schedule.qrows)
     tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, csr_indptr, csr_lens,
-            out if qo_indptr is None else qo_indptr, rows.stride(0), lens.stride(0),
-            ext.stride(0),
+            out if qo_indptr is None else qo_indptr, *sched[:2], rows.stride(0),
+            lens.stride(0), ext.stride(0),
             req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
-            num_slots, req_to_token.shape[1], fill)
+            num_slots, req_to_token.shape[1], fill, *sched[2:])
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
                   NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
-                  QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None, num_warps=4)
+                  QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None,
+                  SCHED=schedule is not None,
+                  SPLIT=schedule is not None and schedule.split, num_warps=4)
     return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

@@ -337,8 +337,8 @@ def test_replay_metadata_host_time(shape):
     """The replay metadata call (``seq_lens_cpu`` given; a kept call: one slot-list launch
     and one direct replan) takes under 150 us of host time less FlashInfer's native planner,
     the median of 20 calls after warm-up, and under 150 us in all where that planner takes
-    under 30 us (the MHA planners) or does not run (MLA: the schedule is one launch,
-    ``_mla_plan``)."""
+    under 30 us or does not run: the schedule is written on the device (MLA: one launch,
+    ``_mla_plan``; the MHA prefix pass's FA2 schedule: the slot-list launch)."""
     mla, bs, ctx, topk, page = shape
     steps = 3
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, page_size=page,
@@ -353,8 +353,9 @@ def test_replay_metadata_host_time(shape):
     prefix = backend._graphs[bs].prefix
     direct = prefix._direct
     assert direct is not None and direct.calls >= 5 and len(backend._replays) == 1
-    on_device = getattr(direct, "device_planner", None) is not None
-    assert on_device == mla, "MLA replans write the schedule on the device (see the INFO log)"
+    on_device = getattr(direct, "device_planner", None) is not None or \
+        direct.schedule is not None
+    assert on_device, "graph replans write the schedule on the device (see the INFO log)"
     attr = "raw" if getattr(direct, "raw", None) is not None else "plan"
     native, planner = getattr(direct, attr), []
 
@@ -532,3 +533,65 @@ def _same_mla_schedule(plan_info, ws_a, ws_b):
         return sorted(tuple(s[n][w] for n in items) for w in range(s["work_indptr"][-1]))
 
     assert works(a) == works(b)
+
+
+@pytest.mark.parametrize("kind, bs", [("prefix", 8), ("prefix", 20), ("extend", 1),
+                                      ("extend", 8)])
+def test_device_prefill_schedule_is_flashinfers(kind, bs):
+    """The FA2 schedule the slot-list launch writes (``prefill_schedule``) into a poisoned
+    int workspace equals FlashInfer's planner's of the same round (pass A, public plans),
+    array by array as the kernel reads them, over rounds of other lengths (extend: other
+    splits of the captured tokens; a prefix pass of 20 requests: the unsplit plan), and the
+    two passes compute bit-identical outputs."""
+    from specattn.backends.flashinfer._passes import Params
+    from specattn.backends.flashinfer._slots import host_csr, host_indptr
+    from specattn.kernels.prefix_slots import prefix_slots
+    from standins import flashinfer_prefill as fa2
+
+    a, b, causal = _replan_passes(kind, bs)
+    params = Params(0.1, 0.0)
+    gen = torch.Generator().manual_seed(bs + 100)
+    first = _replan_csr(kind, bs, gen)
+    for p in (a, b):
+        p.plan(first, causal, params)
+    schedule = b.device_schedule(causal, params)
+    assert schedule is not None, "no device schedule (see the INFO log)"
+    assert schedule.split == (bs * 8 < torch.cuda.get_device_properties(0).multi_processor_count)
+    r = a.runner
+    for _ in range(3):
+        lens = torch.randint(0, 4096, (bs,), generator=gen)
+        if causal:  # an extend round: another split of the captured 4 * bs tokens
+            ext = torch.multinomial(torch.ones(bs), 4 * bs, replacement=True,
+                                    generator=gen).bincount(minlength=bs)
+            lens = torch.maximum(lens, ext)
+            csr = host_csr(host_indptr(ext, pin=True), lens, int(ext.max()), pin=True)
+        else:
+            csr = _replan_csr(kind, bs, gen)
+            lens = csr.kv_lens.long()
+        a._direct = None
+        a.plan(csr, causal, params)  # FlashInfer's planner
+        b.wrapper._int_workspace_buffer.fill_(0x5A)
+        dev_csr = b.device_csr()
+        qo = (ext.cuda(), dev_csr[2]) if causal else None
+        prefix_slots(b.reserve(csr.total), csr.total, csr.max_kv, r.req_to_token,
+                     torch.zeros(bs, dtype=torch.int64, device="cuda"), lens.cuda(),
+                     r.num_slots, csr=dev_csr[:2], qo=qo, schedule=schedule)
+        b.plan(csr, causal, params, on_device=True, qo_on_device=causal, scheduled=True)
+        torch.cuda.synchronize()
+        info = [int(x) for x in a.wrapper._plan_info]
+        assert info == [int(x) for x in b.wrapper._plan_info]
+        want = fa2.read_schedule(a.wrapper._int_workspace_buffer, info, bs)
+        got = fa2.read_schedule(b.wrapper._int_workspace_buffer, info, bs)
+        assert got == want
+        slots = torch.randint(0, r.num_slots, (csr.total,), generator=gen, dtype=torch.int32)
+        for p in (a, b):
+            p.indices[:csr.total].copy_(slots)
+        for pool in (r.k_buffer[0], r.v_buffer[0]):  # no NaN slot
+            pool.copy_(torch.randn(pool.shape, generator=gen).to(pool.dtype))
+        q = torch.randn(csr.rows, r.num_q_heads, r.head_dim, generator=gen).to("cuda",
+                                                                                torch.bfloat16)
+        (o_a, lse_a), (o_b, lse_b) = a.run(q, 0), b.run(q, 0)
+        assert torch.isfinite(o_a).all()
+        assert torch.equal(o_a, o_b)
+        if lse_a is not None:
+            assert torch.equal(lse_a, lse_b)

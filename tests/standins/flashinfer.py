@@ -32,9 +32,11 @@ from typing import Optional
 import torch
 
 from . import flashinfer_mla as mla
+from . import flashinfer_prefill as prefill
 from ._common import expect, masked_pv
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SMS = prefill.SMS  # the SMs the stand-in's planners count
 
 
 def _host_scale(name, value):
@@ -115,6 +117,22 @@ class FakePlanner:
         used = schedule.numel() * 4
         pin.view(torch.int32)[:schedule.numel()].copy_(schedule)
         return [used, lens.numel(), int(qo[-1]), int(kv[-1]), hash(tuple(schedule.tolist()))], used
+
+
+class FakeFA2Planner(FakePlanner):
+    """The prefill module's native planner (0.7.4's FA2 ``PrefillPlan``): FlashInfer's real
+    schedule and ``plan_info`` (``flashinfer_prefill``) for ``SMS`` SMs."""
+
+    def _stage(self, fws, iws, pin, qo, kv, lens, total_rows, bs, hq, hkv, page, graph,
+               d_qk, d_vo, causal, window, split, disable, colocated, uniform, fixed_uniform):
+        expect(window == -1 and colocated == 0 and not fixed_uniform,
+               "the stand-in plans without a window, colocated CTAs or fixed uniform rows")
+        plan_info, arrays, used = prefill.fa2_plan(
+            qo.tolist(), kv.tolist(), total_rows, hq, hkv, d_vo, page=page, graph=bool(graph),
+            uniform=uniform, disable_split_kv=bool(disable), fixed_split_size=split,
+            sms=prefill.SMS)
+        prefill.stage(pin, plan_info, arrays)
+        return plan_info, used
 
 
 class FakeMLANative(FakePlanner):
@@ -253,13 +271,17 @@ class FakePrefill(_FakeWrapper):
                    "cuda graph mode: the rows and batch size of the first plan at most")
             self._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
         self._stage(qo_indptr, kv_indptr, indices, last_page_len)
-        self._cached_module = self._cached_module or FakePlanner()
+        self._cached_module = self._cached_module or FakeFA2Planner()
         # prefill.py: the FA2 planner's arguments, uniform_q_len forwarded in graph mode
         # when it describes the batch (else dropped with a warning).
         uniform = int(uniform_q_len or 0)
         if not (self.use_cuda_graph and uniform > 0 and bool((q_lens == uniform).all())):
             uniform = 0
         split = -1 if fixed_split_size is None else fixed_split_size
+        self._fa2 = dict(hq=hq, hkv=hkv, head_dim=head_dim_vo or d, page=page_size,
+                         graph=self.use_cuda_graph, uniform=uniform,
+                         disable_split_kv=bool(disable_split_kv),
+                         fixed_split_size=split or -1)
         self._plan_info = self._cached_module.plan(
             self._float_workspace_buffer, self._int_workspace_buffer,
             self._pin_memory_int_workspace_buffer, qo_indptr, kv_indptr, kv_lens,
@@ -269,6 +291,22 @@ class FakePrefill(_FakeWrapper):
         self.uniform_q_len = uniform_q_len
         self.q_data_type, self.kv_data_type = q_data_type, kv_data_type
         self._seq_lens_kv = self._seq_lens_q = seq_lens
+
+    def _planned_csr(self):
+        """As the base, but the int workspace must hold FlashInfer's FA2 schedule of the
+        captured CSR (as its kernel reads it: graph mode's valid work items and rows)."""
+        kv = self._paged_kv_indptr_buf.tolist()
+        qo = self._qo_indptr_buf.tolist()
+        plan_info = self._plan_info
+        _, want, _ = prefill.fa2_plan(qo, kv, plan_info[1], **self._fa2, sms=prefill.SMS)
+        got = prefill.read_schedule(self._int_workspace_buffer, plan_info, len(qo) - 1,
+                                    len(want["request"]), qo[-1])
+        expect(got == want, "run: the int workspace holds another FA2 schedule than the "
+               f"CSR's: {got} against {want}")
+        lens = self._kv_lens_buffer[:len(kv) - 1].tolist()
+        expect(lens == [b - a for a, b in zip(kv, kv[1:])],
+               "run: kv_lens does not match kv_indptr")
+        return qo, kv, self._paged_kv_indices_buf
 
     def run(self, q, kv, *, k_scale=None, v_scale=None, return_lse=False):
         k, v = kv[0][:, 0], kv[1][:, 0]

@@ -189,9 +189,15 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
                 csr = rnd.host.fill(seq_host, qo_indptr=qo, max_q=k)
             out = rnd.prefix.reserve(csr.total)
             prefix_slots = prefix_slots_launcher()
-            if kept_key is not None:  # the CSR buffers the launch writes, if any
+            # With the device CSR, FlashInfer's schedule of the round too.
+            schedule = None if dev_csr is None else \
+                rnd.prefix.device_schedule(False, self.params)
+            if schedule is not None and schedule.qrows != k:  # its rows: a plan's uniform K
+                schedule = None
+            if kept_key is not None:  # the CSR buffers and schedule the launch writes, if any
                 kept_key = (kept_key, None if dev_csr is None else
-                            tuple(t.data_ptr() for t in dev_csr))
+                            tuple(t.data_ptr() for t in dev_csr),
+                            None if schedule is None else schedule.key())
             if source is None:
                 prefix_slots(out, csr.total, csr.max_kv, self.runner.req_to_token,
                              batch.req_pool_indices, batch.seq_lens, self.runner.num_slots)
@@ -201,9 +207,10 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
                              bs=bs, fill=self.get_cuda_graph_seq_len_fill_value(),
                              fixed=(batch.req_pool_indices, batch.seq_lens,
                                     batch.out_cache_loc),
-                             loc=source.out_cache_loc, csr=dev_csr, kept=self._slot_launches,
-                             kept_key=kept_key)
-            rnd.prefix.plan(csr, False, self.params, on_device=dev_csr is not None)
+                             loc=source.out_cache_loc, csr=dev_csr, schedule=schedule,
+                             kept=self._slot_launches, kept_key=kept_key)
+            rnd.prefix.plan(csr, False, self.params, on_device=dev_csr is not None,
+                            scheduled=schedule is not None)
         else:
             rnd.rows = batch.req_pool_indices.to(torch.int64).repeat_interleave(k)
             rnd.plen = batch.seq_lens.to(torch.int64).repeat_interleave(k)

@@ -75,6 +75,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
         seq_np, ext_np = seq_host.numpy(), ext_host.numpy()
         r = self.runner
+        schedule = None
         if self._triton is None:
             self._triton = triton_runs(r.device)
         # Graph passes keep their slot-list launches (an eager pass's buffer may be
@@ -98,6 +99,8 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # A graph pass's buffers (slot list, device CSR, fixed slots) stay put: the
             # pass, their addresses and the caller's index tensors' signatures key its
             # launch (the new tokens' slots by dtype and stride: their count varies).
+            # With it, FlashInfer's schedule of the round too (the host planner then idles).
+            schedule = None if dev_csr is None else p.device_schedule(True, self.params)
             key = None
             if p.graph:  # (a graph round's check left its batch's signature, or None)
                 sigs = self._checked_batch
@@ -105,19 +108,22 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
                                 (signature(rows), signature(lens), signature(ext))))
                 if loc is not None:
                     key += (loc[0].dtype, loc[0].stride(0),
-                            tuple(t.data_ptr() for t in (*dev_csr, loc[1])))
+                            tuple(t.data_ptr() for t in (*dev_csr, loc[1])),
+                            None if schedule is None else schedule.key())
             prefix_slots = prefix_slots_launcher()
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
                          qo=None if dev_csr is None else (ext, dev_csr[2]), ext_loc=loc,
-                         kept=self._slot_launches if p.graph else None, kept_key=key)
+                         schedule=schedule, kept=self._slot_launches if p.graph else None,
+                         kept_key=key)
         else:
             fill_ragged_slots(out, csr.total, r.req_to_token, batch.req_pool_indices,
                               batch.seq_lens, num_slots=r.num_slots)
         if p.graph and dev_csr is None:
             batch.out_cache_loc.copy_(self.graph_source.out_cache_loc)
         on_device = dev_csr is not None
-        p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device)
+        p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device,
+               scheduled=schedule is not None)
         self._pass = p
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,

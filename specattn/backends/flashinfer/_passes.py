@@ -47,6 +47,7 @@ from ._replan import Replanner, direct_replanner
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
+    from ...kernels.prefill_schedule import Fa2Schedule
     from ._slots import HostCSR, KeptCSR
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
@@ -186,19 +187,30 @@ class Pass:
         takes none)."""
         return self._direct.device_buffers() if self._direct is not None else None
 
+    def device_schedule(self, causal: bool, params: Params) -> Optional["Fa2Schedule"]:
+        """Where a caller's launch may write the next plan's schedule itself (then
+        ``plan(..., scheduled=True)``): the direct replanner's, for a plan with these
+        parameters; ``None`` where FlashInfer's planner writes it."""
+        direct = self._direct
+        if direct is None or direct.key != (causal, params):
+            return None
+        return direct.schedule
+
     def plan(self, csr: "HostCSR", causal: bool, params: Params, *,
-             on_device: bool = False, qo_on_device: bool = False) -> None:
+             on_device: bool = False, qo_on_device: bool = False,
+             scheduled: bool = False) -> None:
         """One FlashInfer plan over ``indices[:csr.total]`` (``csr``: host tensors only): a
         direct replan where the graph wrapper's last public plan had these parameters.
         ``on_device``: ``device_csr()`` already holds ``csr``'s key indptr and lengths,
-        ``qo_on_device``: and its query indptr."""
+        ``qo_on_device``: and its query indptr, ``scheduled``: and ``device_schedule()``
+        its schedule."""
         if self.wrapper is None:
             self.wrapper = self._make_wrapper(csr.kv_lens.numel())
             self._direct = None
         self._last = (csr, causal)
         direct = self._direct
         if direct is not None and direct.key == (causal, params) and \
-                direct(csr, on_device, qo_on_device):
+                direct(csr, on_device, qo_on_device, scheduled):
             return
         self._public_plan(csr, causal, params)
 

@@ -49,8 +49,10 @@ import numpy as np
 import torch
 
 from ...util import sm_count, triton_runs
+from ._prefill_plan import device_schedule
 
 if TYPE_CHECKING:
+    from ...kernels.prefill_schedule import Fa2Schedule
     from ._mla_plan import DeviceMLAPlan
     from ._slots import HostCSR
 
@@ -111,6 +113,10 @@ class Replanner:
     ``qo_indptr`` is never written); ``qo_on_device``: it wrote the query indptr there too
     (an extend's), so nothing is copied."""
 
+    #: Where the caller's slot-list launch writes this wrapper's schedule (``None``: the
+    #: native planner writes it; ``_prefill_plan``).
+    schedule: Optional["Fa2Schedule"] = None
+
     def __init__(self, wrapper: Any, key: Any) -> None:
         self.wrapper = wrapper
         self.key = key
@@ -118,8 +124,9 @@ class Replanner:
         self._qo_copied: Any = None  # the host qo_indptr last copied to the device
 
     def __call__(self, csr: "HostCSR", on_device: bool = False,
-                 qo_on_device: bool = False) -> bool:
-        if not self._replan(csr, on_device, qo_on_device):
+                 qo_on_device: bool = False, scheduled: bool = False) -> bool:
+        """``scheduled``: the caller's launch wrote ``csr``'s schedule at ``schedule``."""
+        if not self._replan(csr, on_device, qo_on_device, scheduled):
             return False
         self.calls += 1
         return True
@@ -145,7 +152,8 @@ class Replanner:
             kv.copy_(csr.kv_indptr, non_blocking=True)
             lens.copy_(csr.kv_lens, non_blocking=True)
 
-    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool,
+                scheduled: bool) -> bool:
         raise NotImplementedError
 
 
@@ -179,11 +187,21 @@ class _PrefillReplanner(Replanner):
         # The captured CSR buffers, sliced once (a replan serves the captured size only).
         self.bufs = (w._qo_indptr_buf, w._paged_kv_indptr_buf,
                      w._kv_lens_buffer[:w._fixed_batch_size])
+        if fa2:
+            self.schedule = device_schedule(w, w._plan_info, w._fixed_batch_size, heads,
+                                            uniform=self.uniform,
+                                            disable_split_kv=self.tail[1],
+                                            fixed_split_size=split)
+            if self.schedule is None:
+                _fall_back(f"plan_info {w._plan_info!r} is not FlashInfer 0.7.4's FA2 graph "
+                           "layout, or Triton does not run there",
+                           "FlashInfer prefill graph replans run its host planner")
 
     def device_buffers(self) -> Optional[tuple]:
         return (*self.bufs[1:], self.bufs[0])
 
-    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool,
+                scheduled: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
         cap = w._max_total_num_rows
@@ -201,7 +219,8 @@ class _PrefillReplanner(Replanner):
                 self._uniform_qo = csr.qo_indptr
             args += [*self.tail, uniform, False]
         self._copy_csr(self.bufs, csr, on_device, qo_on_device)
-        w._plan_info = self.plan(*args)
+        if not (scheduled and self.schedule is not None):
+            w._plan_info = self.plan(*args)
         w._batch_size = bs
         w._qo_indptr_last = csr.rows
         w._max_q_len = csr.max_q
@@ -226,7 +245,8 @@ class _DecodeReplanner(Replanner):
         self.tail = (-1, False, 0, 1, True) if w._backend == "fa2" else ()
         self.plan = w._cached_module.plan
 
-    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool,
+                scheduled: bool) -> bool:
         w = self.wrapper
         bs = csr.kv_lens.shape[0]
         if on_device or bs != w._fixed_batch_size or csr.rows != bs:
@@ -317,7 +337,8 @@ class _MLAReplanner(Replanner):
         device[:staged].copy_(block[:staged], non_blocking=True)
         return plan_info, staged
 
-    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool) -> bool:
+    def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool,
+                scheduled: bool) -> bool:
         pb = self.backend
         bs = csr.kv_lens.shape[0]
         if bs != pb._kv_len_arr_buf.shape[0] or csr.total > pb._kv_indices_buf.shape[0]:
