@@ -8,7 +8,8 @@ Plan step (``init_forward_metadata``): the indptrs from the lengths on the host
 (``batch.seq_lens_cpu`` / ``extend_lens_cpu``; the missing ones copied from the device
 together, a sync: ``data.host_lengths``), the slot list built on the device in one launch
 (``kernels.prefix_slots``, kept per signature and grid; ``_slots.fill_ragged_slots`` where
-Triton cannot run), one plan (a graph replay's: a direct replan, ``_replan``).
+Triton cannot run), one plan (a graph replay's: a direct replan, ``_replan``, whose FA2
+schedule the slot-list launch writes, ``_prefill_plan``).
 Run step (``forward``): write K/V (``kernels.kv_write.store_kv``: one launch on CUDA), run.
 
 CUDA graphs: one pass per captured batch size on fixed buffers (slot list for

@@ -24,6 +24,11 @@ never changes. The MLA bound that the public plan reads from the device (the ran
 ``kv_indices``, checked by its ``run``) is the pool: every slot the glue lists is clamped
 into ``[0, num_slots)``.
 
+A prefill graph wrapper planned by FA2 (the extend pass, the decode's prefix pass) does not
+call FlashInfer's planner either where the caller's slot-list launch wrote the round's
+schedule (``schedule``, ``_prefill_plan``; ``scheduled=True``): its grid, query tile and
+split path are the capture's, so the capture's ``plan_info`` stays.
+
 An MLA graph wrapper does not call FlashInfer's MLA planner at all after its capture: its
 schedule is a function of the lengths the glue writes on the device, and one Triton launch
 writes it there (``_mla_plan``, ``device_plan``), keeping the capture's ``plan_info``
