@@ -13,6 +13,7 @@ that takes it reaches the right attention (the stand-in's ``run`` checks the wor
 from __future__ import annotations
 
 import random
+import sys
 import types
 
 import pytest
@@ -42,7 +43,9 @@ def _wrapper(plan_info, size):
 
 @pytest.fixture(autouse=True)
 def _stand_in_sms(monkeypatch):
+    """The stand-in's SMs, and FlashInfer 0.7.4 imported."""
     monkeypatch.setattr(_prefill_plan, "sm_count", lambda device: SMS)
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.7.4"))
 
 
 def _device(q_lens, kv_lens, hq, hkv, rows_cap, *, uniform=0, disable=False, fill=1,
@@ -128,6 +131,8 @@ def test_other_plan_layouts_get_no_device_schedule():
         assert device_schedule(wrapper, info, 2, heads, **{**kw, **extra}) is None
     eager, _, _ = fa2.fa2_plan(qo, kv, 8, 32, 8, 128, graph=False, sms=SMS)
     assert device_schedule(w, eager, 2, (32, 8, 128, 1), **kw) is None
+    sys.modules["flashinfer"].__version__ = "0.7.5"  # another release's planner
+    assert device_schedule(w, plan_info, 2, (32, 8, 128, 1), **kw) is None
 
 
 def compile_slot_launch(extend: bool) -> dict:

@@ -494,6 +494,7 @@ class FakeMLA(_FakeWrapper):
 
 def make() -> types.ModuleType:
     fi = types.ModuleType("flashinfer")
+    fi.__version__ = "0.7.4"  # the release whose planners and attributes it stands for
     fi.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
     fi.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
     fi.mla = types.SimpleNamespace(

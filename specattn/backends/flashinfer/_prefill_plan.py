@@ -15,12 +15,13 @@ The grid (``padded_batch_size``), the query tile and the split path are fixed at
 graph mode (FlashInfer sizes them for the captured rows, or ``uniform_q_len``), so the
 capture's ``plan_info`` serves every replay; ``device_schedule`` declines a plan whose values
 are not laid out as 0.7.4's ``PrefillPlanImpl`` lays them out for these sizes, another
-backend than fa2, a fixed split size (its split path changes with the lengths), pages of
+FlashInfer release (``PLANNER_VERSIONS``), another backend than fa2, a fixed split size (its split path changes with the lengths), pages of
 more than one token, and a device where Triton does not run.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,9 @@ from ...util import sm_count, triton_runs
 __all__ = ["device_schedule", "fa2_offsets"]
 
 _BLOCKS_PER_SM = 2  # PrefillPlanImpl: num_blocks_per_sm
+# FlashInfer releases whose FA2 planner this is: its key-chunk search and work-item budget do
+# not show in ``plan_info``, so another release keeps its own planner.
+PLANNER_VERSIONS = frozenset({"0.7.4"})
 
 
 def _align(at: int, size: int, align: int) -> tuple[int, int]:
@@ -69,8 +73,9 @@ def device_schedule(wrapper: Any, plan_info: Any, bs: int, heads: tuple, *, unif
         return None
     workspace = wrapper._int_workspace_buffer
     sms = sm_count(workspace.device)
+    version = getattr(sys.modules.get("flashinfer"), "__version__", None)
     if len(info) != 15 or wrapper._backend != "fa2" or page != 1 or fixed_split_size > 0 \
-            or not sms or not triton_runs(workspace.device):
+            or version not in PLANNER_VERSIONS or not sms or not triton_runs(workspace.device):
         return None
     padded, rows_cap, cta, graph, split = info[0], info[1], info[3], info[13], info[14]
     if not graph or bool(split) == bool(disable_split_kv) or padded < 1 or cta < 1:

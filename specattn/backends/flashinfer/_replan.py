@@ -199,7 +199,7 @@ class _PrefillReplanner(Replanner):
                                             fixed_split_size=split)
             if self.schedule is None:
                 _fall_back(f"plan_info {w._plan_info!r} is not FlashInfer 0.7.4's FA2 graph "
-                           "layout, or Triton does not run there",
+                           "layout, another FlashInfer release, or Triton does not run there",
                            "FlashInfer prefill graph replans run its host planner")
 
     def device_buffers(self) -> Optional[tuple]:
