@@ -22,12 +22,14 @@ more than one token, and a device where Triton does not run.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ...kernels.prefill_schedule import Fa2Schedule
 from ...util import sm_count, triton_runs
+
+if TYPE_CHECKING:
+    from ...kernels.prefill_schedule import Fa2Schedule
 
 __all__ = ["device_schedule", "fa2_offsets"]
 
@@ -61,7 +63,7 @@ def fa2_offsets(padded: int, bs: int, rows_cap: int, split: bool) -> tuple:
 
 
 def device_schedule(wrapper: Any, plan_info: Any, bs: int, heads: tuple, *, uniform: int,
-                    disable_split_kv: bool, fixed_split_size: int) -> Optional[Fa2Schedule]:
+                    disable_split_kv: bool, fixed_split_size: int) -> Optional["Fa2Schedule"]:
     """The device schedule of ``wrapper``'s captured plan, or ``None`` (the host planner
     serves). heads: ``(num_qo_heads, num_kv_heads, head_dim, page_size)``; uniform: the
     plan's ``uniform_q_len`` (0: none), also the rows of every request where the launch does
@@ -84,6 +86,8 @@ def device_schedule(wrapper: Any, plan_info: Any, bs: int, heads: tuple, *, unif
     got = (info[2], *info[4:10], info[12])
     if got != offsets or used > workspace.numel():
         return None
+    from ...kernels.prefill_schedule import Fa2Schedule  # Triton: once a graph pass plans
+
     words = tuple(o // 4 for o in offsets[:7])
     # Kernel order: request, qo_tile, kv_tile, merge, o_indptr, chunk, rows (int32), mask.
     return Fa2Schedule(workspace[:workspace.numel() // 4 * 4].view(torch.int32),
