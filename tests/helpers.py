@@ -17,6 +17,8 @@ builders of ``test_flash_attn`` / ``test_flashinfer`` (also used by their GPU te
   ``CountedKernel``, ``TorchOps``, ``forbid_host_reads``, ``trace_specattn``, ``quiet_replay``,
   ``checked_replay`` (what the call launches, runs, reads and checks) and the batches it is
   given (``first_requests``, ``replaced``, ``strided_seq_lens``, ``with_bad_slot``).
+- ``plan_on_device``: a FlashInfer graph pass planned as the glue plans it (the slot-list
+  launch writes the CSR and the schedule).
 """
 
 from __future__ import annotations
@@ -320,3 +322,27 @@ def replay_device_work(backend, batch, bs: int) -> list[str]:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def plan_on_device(p, csr, causal: bool, params, ext: Optional[torch.Tensor] = None) -> bool:
+    """Plan FlashInfer graph pass ``p`` for the host CSR ``csr`` the way the glue does: one
+    slot-list launch (``kernels.prefix_slots``, request rows 0) writes the key CSR (with
+    ``ext``, an extend's new tokens per request, also the query indptr) and, where the pass
+    takes it, the round's schedule (its requests' query rows otherwise ``csr``'s first);
+    then the replan. Returns whether the schedule was written by the launch."""
+    from specattn.kernels.prefix_slots import prefix_slots
+
+    r = p.runner
+    dev = p.device_csr()
+    assert dev is not None, "no direct replanner yet: plan the pass once first"
+    bs = csr.kv_lens.shape[0]
+    rows = int(csr.qo_indptr[1] - csr.qo_indptr[0]) if bs else 0
+    schedule = p.device_schedule(causal, params, None if ext is not None else rows)
+    lens = csr.kv_lens.to(r.device, torch.int64)
+    qo = None if ext is None else (ext.to(r.device), dev[2])
+    prefix_slots(p.reserve(max(csr.total, 1)), csr.total, max(csr.max_kv, 1), r.req_to_token,
+                 torch.zeros(bs, dtype=torch.int64, device=r.device), lens, r.num_slots,
+                 csr=dev[:2], qo=qo, schedule=schedule)
+    p.plan(csr, causal, params, on_device=True, qo_on_device=ext is not None,
+           scheduled=schedule is not None)
+    return schedule is not None

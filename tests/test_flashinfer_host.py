@@ -34,7 +34,6 @@ from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend, _replan)
 from specattn.backends.flashinfer import _decode, _extend, _slots
-from specattn.backends.flashinfer._mla_plan import DeviceMLAPlan
 from specattn.data import DraftBatch, DraftExtendBatch
 from specattn.errors import InvalidInputError
 from standins import flashinfer as fi_standin
@@ -128,7 +127,7 @@ class DeviceReads(TorchFunctionMode):
 class Plans(Counter):
     """FlashInfer's native planner calls per wrapper (by its int workspace, which an MLA
     wrapper's planned backends share in graph mode), and the schedules written on the device
-    instead (the MLA planner's launch, the slot-list launch's prefill schedule); ``public``:
+    instead (by the slot-list launch); ``public``:
     the public ``plan`` calls."""
 
     def __init__(self) -> None:
@@ -159,16 +158,9 @@ def host_work(fake_flashinfer, monkeypatch):  # noqa: F811 (the imported fixture
         return native(self, *args)
 
     monkeypatch.setattr(fi_standin.FakePlanner, "_plan_staged", counting)
-    on_device = DeviceMLAPlan.__call__
-
-    def counting_device(self, *args):  # an MLA graph replan's schedule, one launch
-        plans[id(self.workspace)] += 1
-        return on_device(self, *args)
-
-    monkeypatch.setattr(DeviceMLAPlan, "__call__", counting_device)
     slots = _slots.prefix_slots_launcher()
 
-    def counting_slots(*args, schedule=None, **kw):  # a prefill schedule in the slot launch
+    def counting_slots(*args, schedule=None, **kw):  # a schedule in the slot-list launch
         if schedule is not None:
             plans[schedule.work.data_ptr()] += 1
         return slots(*args, schedule=schedule, **kw)

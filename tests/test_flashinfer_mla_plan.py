@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from specattn.backends.flashinfer import _mla_plan as mla_plan
-from specattn.backends.flashinfer._mla_plan import DeviceMLAPlan, plan_layout
+from specattn.backends.flashinfer._mla_plan import MLASchedule, plan_layout
 from specattn.backends.flashinfer._passes import MLAPass, Params
+from specattn.kernels.prefix_slots import prefix_slots
+from helpers import plan_on_device
 from standins import flashinfer_mla as mla
 from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
 from test_flashinfer_replan import _extend_csr, _prefix_csr, _runner
@@ -35,15 +37,24 @@ def _indptr(lens):
 
 
 def _device_schedule(q_lens, kv_lens, heads, causal, sms):
-    """``(plan_info, FlashInfer's arrays, the device's arrays)`` of one batch: the device
-    planner runs on the host plan's layout over a poisoned workspace."""
+    """``(plan_info, FlashInfer's arrays, the device's arrays)`` of one batch: the slot-list
+    launch writes the schedule on the host plan's layout into a poisoned workspace (query
+    rows from the launch's ``Ext`` where they differ, else ``qrows`` each, as a decode's)."""
     qo, kv = _indptr(q_lens), _indptr(kv_lens)
     plan_info, ref = mla.mla_plan(qo, kv, kv_lens, heads, causal, sms)
     workspace = torch.full((mla.offsets(sms)[1],), 0x7F, dtype=torch.uint8)
-    plan = DeviceMLAPlan(plan_layout(plan_info), torch.tensor(qo, dtype=torch.int32),
-                         torch.tensor(kv, dtype=torch.int32),
-                         torch.tensor(kv_lens, dtype=torch.int32), workspace, heads, causal)
-    plan(max(q_lens))
+    bs = len(kv_lens)
+    uniform = len(set(q_lens)) == 1 and q_lens[0] > 0
+    schedule = MLASchedule(workspace.view(torch.int32), workspace, plan_layout(plan_info),
+                           heads, causal, bs, q_lens[0] if uniform else 0)
+    width = max(kv_lens + [1])
+    csr = (torch.zeros(bs + 1, dtype=torch.int32), torch.zeros(bs, dtype=torch.int32))
+    ext = None if uniform else (torch.tensor(q_lens), torch.zeros(bs + 1, dtype=torch.int32))
+    prefix_slots(torch.zeros(max(kv[-1], 1), dtype=torch.int32), kv[-1], width,
+                 torch.arange(width, dtype=torch.int32)[None].expand(bs, width),
+                 torch.arange(bs), torch.tensor(kv_lens), 1 << 20, csr=csr, qo=ext,
+                 schedule=schedule)
+    assert csr[0].tolist() == kv  # the launch's own CSR agrees with the schedule's offsets
     return plan_info, ref, mla.read_schedule(workspace, plan_info, sms)
 
 
@@ -134,8 +145,8 @@ PARAMS = Params(0.25, 0.0)
 ])
 def test_graph_replan_writes_the_schedule_on_the_device(fake_flashinfer, kind, causal,  # noqa: F811
                                                         batches, heads):
-    """After the capture's public plan a replan is one device launch: FlashInfer's planner is
-    not called again, ``plan_info`` (the captured grid) is kept, and the run gives what a
+    """After the capture's public plan the slot-list launch writes the schedule: FlashInfer's
+    planner is not called again, ``plan_info`` (the captured grid) is kept, and the run gives what a
     public plan of the same batch gives."""
     csr = [_prefix_csr(b) if kind == "mla" else _extend_csr(*b) for b in batches]
     runner = _runner(kind, heads)
@@ -144,8 +155,9 @@ def test_graph_replan_writes_the_schedule_on_the_device(fake_flashinfer, kind, c
     captured = list(graph.wrapper._plan_info)
     native = graph.wrapper._planned_backend._cached_module.calls
     before = len(native)
-    graph.plan(csr[1], causal, PARAMS)
-    assert graph._direct.device_planner is not None and graph._direct.calls == 1
+    ext = None if kind == "mla" else torch.tensor(batches[1][1])
+    assert plan_on_device(graph, csr[1], causal, PARAMS, ext)
+    assert graph._direct.calls == 1
     assert len(native) == before and list(graph.wrapper._plan_info) == captured
     public = MLAPass(runner, with_lse=kind == "mla", capacity=200)
     public.plan(csr[1], causal, PARAMS)
@@ -182,5 +194,5 @@ def test_replan_without_the_device_planner_runs_flashinfers(fake_flashinfer,  # 
     p = MLAPass(runner, with_lse=True, graph_rows=3, capacity=200)
     p.plan(_prefix_csr([5, 9, 2]), False, PARAMS)
     native = p.wrapper._planned_backend._cached_module.calls
-    p.plan(_prefix_csr([7, 1, 30]), False, PARAMS)
-    assert p._direct.device_planner is None and len(native) == 2
+    assert not plan_on_device(p, _prefix_csr([7, 1, 30]), False, PARAMS)
+    assert p._direct.schedule is None and len(native) == 2

@@ -135,13 +135,15 @@ def test_other_plan_layouts_get_no_device_schedule():
     assert device_schedule(w, plan_info, 2, (32, 8, 128, 1), **kw) is None
 
 
-def compile_slot_launch(extend: bool) -> dict:
-    """The slot-list launch with a schedule (an extend's: query rows from the launch's own
-    ``Ext``; a decode prefix's: ``qrows`` each), captured on CPU tensors and compiled for
-    sm90: ``{"shared": bytes}``."""
+def compile_slot_launch(kind: str, extend: bool) -> dict:
+    """The slot-list launch with a schedule (``kind``: ``fa2`` or ``mla``; an extend's: query
+    rows from the launch's own ``Ext``; a decode prefix's: ``qrows`` each), captured on CPU
+    tensors and compiled for sm90: ``{"shared": bytes}``."""
+    from specattn.backends.flashinfer._mla_plan import MLASchedule, plan_layout
     from specattn.kernels import prefix_slots as ps
     from specattn.kernels.prefill_schedule import Fa2Schedule
     from sm90_compile import compile_launch
+    from standins import flashinfer_mla as mla
 
     seen = {}
 
@@ -153,10 +155,17 @@ def compile_slot_launch(extend: bool) -> dict:
             seen["head"] = head
 
     ps.KernelLaunch = Captured
-    ws = torch.zeros(4096, dtype=torch.uint8)
-    schedule = Fa2Schedule(ws.view(torch.int32), ws, (0, 64, 128, 300, 200, 240, 244, 1600),
-                           40, 32, 64, 4, 128, 33, 0 if extend else 4, True)
     bs = 8
+    if kind == "fa2":
+        ws = torch.zeros(4096, dtype=torch.uint8)
+        schedule = Fa2Schedule(ws.view(torch.int32), ws, (0, 64, 128, 300, 200, 240, 244, 1600),
+                               40, 32, 64, 4, 128, 33, 0 if extend else 4, True)
+    else:
+        plan_info, _ = mla.mla_plan(list(range(bs + 1)), list(range(bs + 1)), [1] * bs, 16,
+                                    extend)
+        ws = torch.zeros(mla.offsets()[1], dtype=torch.uint8)
+        schedule = MLASchedule(ws.view(torch.int32), ws, plan_layout(plan_info), 16, extend,
+                               bs, 0 if extend else 4)
     ones = torch.ones(bs, dtype=torch.int64)
     csr = (torch.zeros(bs + 1, dtype=torch.int32), torch.zeros(bs, dtype=torch.int32))
     qo = (ones, torch.zeros(bs + 1, dtype=torch.int32)) if extend else None
@@ -167,18 +176,18 @@ def compile_slot_launch(extend: bool) -> dict:
     return {"shared": kernel.metadata.shared}
 
 
+@pytest.mark.parametrize("kind", ["fa2", "mla"])
 @pytest.mark.parametrize("extend", [True, False], ids=["extend", "decode"])
-def test_slot_launch_with_schedule_compiles_for_sm90(extend):
-    """The schedule's device function compiles inside the slot-list kernel (types the
+def test_slot_launch_with_schedule_compiles_for_sm90(kind, extend):
+    """The schedules' device functions compile inside the slot-list kernel (types the
     interpreter does not check: its loops' carried values). Any Triton release."""
     from sm90_compile import in_child
 
-    got = in_child(__file__, dict(extend=extend))
+    got = in_child(__file__, dict(kind=kind, extend=extend))
     assert got["shared"] >= 0
 
 
 if __name__ == "__main__":
     import json
-    import sys
 
     print(json.dumps(compile_slot_launch(**json.loads(sys.argv[1]))))

@@ -104,7 +104,7 @@ def _captured(w, kind):
 @pytest.fixture
 def host_planner(monkeypatch):
     """MLA graph replans through FlashInfer's native host planner (no device schedule)."""
-    monkeypatch.setattr(_replan, "device_plan", lambda backend, heads: None)
+    monkeypatch.setattr(_replan, "_device_mla_schedule", lambda backend, heads: None)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -156,6 +156,16 @@ class Fa2Schedule(NamedTuple):
     qrows: int
     split: bool
 
+    def ints(self) -> tuple:
+        """The slot-list kernel's ``s0 .. s17`` and ``qrows``."""
+        return (*self.offsets, self.padded, self.rows_cap, self.cta_tile_q, self.group,
+                self.min_chunk, self.max_split, 0, 0, 0, 0, self.qrows)
+
+    def consts(self) -> dict:
+        """The slot-list kernel's schedule constexprs (``prefix_slots.NO_SCHEDULE``)."""
+        return dict(SCHED=1, SPLIT=self.split, CLUSTER=1, CAUSAL=False, SCHED_B=1, SCHED_N=1,
+                    SCHED_M=1)
+
     def key(self) -> tuple:
         """The schedule's identity for a kept launch (its tensors by address)."""
         return (self.work.data_ptr(), self.mask.data_ptr(), *self.offsets, *self[3:])

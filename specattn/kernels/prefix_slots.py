@@ -32,7 +32,7 @@ reuse a kept launch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import triton
@@ -41,12 +41,16 @@ import triton.language as tl
 from ..util import next_pow2
 from ..graph_calls import MAX_KEPT, signature
 from .kernel_launch import KernelLaunch
-from .prefill_schedule import Fa2Schedule, fa2_schedule
+from .mla_schedule import MAX_WORKS as MLA_MAX_WORKS, mla_schedule
+from .prefill_schedule import fa2_schedule
 
 __all__ = ["prefix_slots"]
 
 _BLOCK_T = 512  # prefix positions per program
 _BLOCK_B = 64  # lengths summed at a time (fixed: one compiled kernel for every batch size)
+# An MLA schedule's chunks of one tile written at a time, and its work-list capacity.
+_MLA_CHUNKS = tl.constexpr(256)
+_MLA_MAX_WORKS = tl.constexpr(MLA_MAX_WORKS)
 
 
 # The caller's tensors and the total lead (a kept launch's new arguments); their addresses
@@ -58,21 +62,25 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
                          stride_rows, stride_lens, stride_ext, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
                          raw, num_slots, width, fill,
-                         o_request, o_qo_tile, o_kv_tile, o_merge, o_o_indptr, o_chunk, o_rows,
-                         o_mask, padded, rows_cap, cta_tile_q, group, min_chunk, max_split,
-                         qrows,
+                         s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14,
+                         s15, s16, s17, qrows,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
                          LOC_N: tl.constexpr, NUM_STEPS: tl.constexpr,
                          BLOCK_LOC: tl.constexpr, CSR: tl.constexpr, QO: tl.constexpr,
-                         EXT_LOC: tl.constexpr, SCHED: tl.constexpr, SPLIT: tl.constexpr):
+                         EXT_LOC: tl.constexpr, SCHED: tl.constexpr, SPLIT: tl.constexpr,
+                         CLUSTER: tl.constexpr, CAUSAL: tl.constexpr, SCHED_B: tl.constexpr,
+                         SCHED_N: tl.constexpr, SCHED_M: tl.constexpr):
     """Grid ``(bs, tiles)``: program ``(b, i)`` lists positions ``[i * BLOCK_T, (i + 1) *
     BLOCK_T)`` of request ``b``'s prefix. Requests ``b >= raw`` are padding. CSR: program
     ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``;
     QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens); EXT_LOC (with
     QO): program ``(b, i)`` also copies request ``b``'s new tokens' slots at those positions
     from ``Loc [tokens]`` into ``FixLoc``, at most ``tokens`` in all. SCHED: program ``(b,
-    0)`` writes request ``b``'s part of FlashInfer's FA2 graph schedule of the round
-    (``prefill_schedule.fa2_schedule``; query rows ``Ext`` with QO, else ``qrows`` each)."""
+    0)`` writes request ``b``'s part of FlashInfer's graph schedule of the round into
+    ``Work`` / ``Mask`` (query rows ``Ext`` with QO, else ``qrows`` each): 1, the FA2
+    prefill schedule (``prefill_schedule.fa2_schedule``), 2, the MLA one
+    (``mla_schedule.mla_schedule``); ``s0 .. s17``: the schedule's integers, in its writer's
+    order (``Fa2Schedule`` / ``MLASchedule.ints``)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     real = b < raw
@@ -115,12 +123,17 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
             new = (t < mine) & (at < tokens)
             loc = tl.load(Loc + at * stride_loc_b, mask=new, other=0).to(tl.int64)
             tl.store(FixLoc + at, loc, mask=new)
-    if SCHED:
+    if SCHED == 1:
         if tile == 0:
             fa2_schedule(b, tl.num_programs(0), raw, Lens, stride_lens, Ext, stride_ext, fill,
-                         qrows, Work, Mask, o_request, o_qo_tile, o_kv_tile, o_merge,
-                         o_o_indptr, o_chunk, o_rows, o_mask, padded, rows_cap, cta_tile_q,
-                         group, min_chunk, max_split, QO, SPLIT, BLOCK_B, BLOCK_T)
+                         qrows, Work, Mask, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11,
+                         s12, s13, QO, SPLIT, BLOCK_B, BLOCK_T)
+    if SCHED == 2:
+        if tile == 0:
+            mla_schedule(b, tl.num_programs(0), raw, Lens, stride_lens, Ext, stride_ext, fill,
+                         qrows, start, Work, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11,
+                         s12, s13, s14, s15, s16, CLUSTER, CAUSAL, QO, SCHED_B,
+                         _MLA_CHUNKS, SCHED_N, SCHED_M, _MLA_MAX_WORKS)
     if FIXED:
         if tile == 0:
             tl.store(FixRows + b, row)
@@ -134,6 +147,26 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
             tl.store(FixLoc + b * LOC_N + e, tl.where(real, loc, 0), mask=e_ok)
 
 
+# The schedule constexprs of a launch that writes none.
+NO_SCHEDULE = (("SCHED", 0), ("SPLIT", False), ("CLUSTER", 1), ("CAUSAL", False),
+               ("SCHED_B", 1), ("SCHED_N", 1), ("SCHED_M", 1))
+
+
+class Schedule(Protocol):
+    """What a launch needs of a schedule to write: the int workspace as int32 (``work``) and
+    as bytes (``mask``), ``ints()`` (19: ``s0 .. s17`` and ``qrows``), ``consts()`` (the
+    ``NO_SCHEDULE`` names) and ``key()`` (its identity for a kept launch)."""
+
+    work: torch.Tensor
+    mask: torch.Tensor
+
+    def ints(self) -> tuple: ...
+
+    def consts(self) -> dict: ...
+
+    def key(self) -> tuple: ...
+
+
 def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torch.Tensor,
                  rows: torch.Tensor, lens: torch.Tensor, num_slots: int, *,
                  bs: Optional[int] = None, fill: int = 1,
@@ -142,7 +175,7 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
                  csr: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  qo: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ext_loc: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 schedule: Optional[Fa2Schedule] = None,
+                 schedule: Optional["Schedule"] = None,
                  kept: Optional[dict] = None, kept_key: Optional[tuple] = None
                  ) -> None:
     """Write the prefix slot list of ``bs`` requests into ``out[:total]`` (no view is
@@ -161,8 +194,8 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     request and the buffer that gets their indptr (padding requests have none).
     ext_loc (with ``qo``): ``(out_cache_loc [T] int, any stride; fixed [>= T] int64)``: the
     new tokens' slots, copied into ``fixed`` (an extend graph round's buffer).
-    schedule: where FlashInfer's FA2 graph schedule of the round goes (a prefill wrapper's
-    int workspace; ``prefill_schedule``), written by the same launch.
+    schedule: where FlashInfer's graph schedule of the round goes and how (``Fa2Schedule``:
+    a prefill wrapper's; ``MLASchedule``: an MLA wrapper's), written by the same launch.
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
     callers that launch it every round. kept_key: the caller's key for every argument but
     ``total`` and ``longest`` (a kept graph call's, whose tensors' signatures and addresses
@@ -218,18 +251,17 @@ def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, f
         loc_n = src_loc.shape[1] * steps
         loc_strides = src_loc.stride()
     csr_indptr, csr_lens = (out, out) if csr is None else csr
-    sched = (out, out, *(0,) * 15) if schedule is None else (
-        schedule.work, schedule.mask, *schedule.offsets, schedule.padded, schedule.rows_cap,
-        schedule.cta_tile_q, schedule.group, schedule.min_chunk, schedule.max_split,
-        schedule.qrows)
+    if schedule is None:
+        buffers, ints, sched = (out, out), (0,) * 19, dict(NO_SCHEDULE)
+    else:
+        buffers, ints, sched = (schedule.work, schedule.mask), schedule.ints(), schedule.consts()
     tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, csr_indptr, csr_lens,
-            out if qo_indptr is None else qo_indptr, *sched[:2], rows.stride(0),
+            out if qo_indptr is None else qo_indptr, *buffers, rows.stride(0),
             lens.stride(0), ext.stride(0),
             req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
-            num_slots, req_to_token.shape[1], fill, *sched[2:])
+            num_slots, req_to_token.shape[1], fill, *ints)
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
                   NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
-                  QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None,
-                  SCHED=schedule is not None,
-                  SPLIT=schedule is not None and schedule.split, num_warps=4)
+                  QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None, **sched,
+                  num_warps=4)
     return KernelLaunch(_prefix_slots_kernel, (bs, tiles), tail, consts)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import replay_device_work  # noqa: E402
+from helpers import plan_on_device, replay_device_work  # noqa: E402
 from test_flashinfer import (assert_close_rel, decode_inputs, extend_inputs,  # noqa: E402
                              make_decode_case, make_extend_case, run_decode_round)
 
@@ -337,8 +337,8 @@ def test_replay_metadata_host_time(shape):
     """The replay metadata call (``seq_lens_cpu`` given; a kept call: one slot-list launch
     and one direct replan) takes under 150 us of host time less FlashInfer's native planner,
     the median of 20 calls after warm-up, and under 150 us in all where that planner takes
-    under 30 us or does not run: the schedule is written on the device (MLA: one launch,
-    ``_mla_plan``; the MHA prefix pass's FA2 schedule: the slot-list launch)."""
+    under 30 us or does not run: the slot-list launch writes the schedule (``_mla_plan``,
+    ``_prefill_plan``)."""
     mla, bs, ctx, topk, page = shape
     steps = 3
     case = make_decode_case(mla=mla, bs=bs, topk=topk, steps=steps, page_size=page,
@@ -353,8 +353,7 @@ def test_replay_metadata_host_time(shape):
     prefix = backend._graphs[bs].prefix
     direct = prefix._direct
     assert direct is not None and direct.calls >= 5 and len(backend._replays) == 1
-    on_device = getattr(direct, "device_planner", None) is not None or \
-        direct.schedule is not None
+    on_device = direct.schedule is not None
     assert on_device, "graph replans write the schedule on the device (see the INFO log)"
     attr = "raw" if getattr(direct, "raw", None) is not None else "plan"
     native, planner = getattr(direct, attr), []
@@ -416,7 +415,7 @@ def test_extend_replay_metadata_host_time(mla, bs, ctx):
         backend.init_forward_metadata_replay_cuda_graph(batch, bs)
     torch.cuda.synchronize()
     direct = backend._graphs[bs]._direct
-    assert direct is not None and (getattr(direct, "device_planner", None) is not None) == mla
+    assert direct is not None and direct.schedule is not None  # written by the slot launch
     times = _replay_call_times(backend, batch, bs)
     median = sorted(times)[len(times) // 2]
     report = f"median {median * 1e6:.0f} us: {[round(t * 1e6) for t in sorted(times)]}"
@@ -486,7 +485,12 @@ def test_direct_replan_is_bit_identical_to_the_public_plan(kind, bs):
     assert b._direct is not None, "no direct replanner (see the INFO log)"
     a._direct = None
     a.plan(second, causal, params)  # public
-    b.plan(second, causal, params)  # direct
+    mla = kind.startswith("mla")
+    if mla:  # direct, the schedule written by the slot-list launch (MHA: FlashInfer's planner)
+        ext = torch.full((bs,), 4) if causal else None
+        assert plan_on_device(b, second, causal, params, ext)
+    else:
+        b.plan(second, causal, params)
     torch.cuda.synchronize()
     assert b._direct.calls == 1
     info_a, _, bufs_a = _plan_state(a, kind)
@@ -496,7 +500,6 @@ def test_direct_replan_is_bit_identical_to_the_public_plan(kind, bs):
     for x, y in zip(bufs_a, bufs_b):
         assert torch.equal(x, y)
     r = a.runner
-    mla = kind.startswith("mla")
     for pool in ([r.kv_buffer[0]] if mla else [r.k_buffer[0], r.v_buffer[0]]):  # no NaN slot
         pool.copy_(torch.randn(pool.shape, generator=gen).to(pool.dtype))
     slots = torch.randint(0, r.num_slots, (second.total,), generator=gen, dtype=torch.int32)
@@ -512,7 +515,7 @@ def test_direct_replan_is_bit_identical_to_the_public_plan(kind, bs):
     if lse_a is not None:
         assert torch.equal(lse_a, lse_b)
     if mla:  # B's schedule, written on the device: FlashInfer's work items and merges
-        assert b._direct.device_planner is not None
+        assert b._direct.schedule is not None
         _same_mla_schedule(info_a, _plan_state(a, kind)[1], _plan_state(b, kind)[1])
 
 
@@ -554,7 +557,7 @@ def test_device_prefill_schedule_is_flashinfers(kind, bs):
     first = _replan_csr(kind, bs, gen)
     for p in (a, b):
         p.plan(first, causal, params)
-    schedule = b.device_schedule(causal, params)
+    schedule = b.device_schedule(causal, params, rows=None if causal else 4)
     assert schedule is not None, "no device schedule (see the INFO log)"
     assert schedule.split == (bs * 8 < torch.cuda.get_device_properties(0).multi_processor_count)
     r = a.runner

@@ -19,10 +19,12 @@ page size > 1 with ``topk > 1``). Layout of this package:
   no host sync);
 - ``specattn.kernels.prefix_slots``: the prefix slot list in one launch (Triton);
 - ``_passes.py``: one planned FlashInfer call (the only vendor imports);
-- ``_replan.py``: a graph wrapper's later plans as direct calls of FlashInfer's native
-  planner (the public ``plan`` costs far more host time);
-- ``_mla_plan.py``: an MLA graph wrapper's split schedule, written on the device by one
-  Triton launch in place of FlashInfer's MLA host planner;
+- ``_replan.py``: a graph wrapper's later plans as direct replans (the public ``plan`` costs
+  far more host time): FlashInfer's native planner, or none where the slot-list launch
+  writes the schedule;
+- ``_prefill_plan.py`` / ``_mla_plan.py``: where the slot-list launch writes a prefill (FA2)
+  or MLA graph wrapper's schedule, in place of FlashInfer's host planners
+  (``specattn.kernels.prefill_schedule`` / ``mla_schedule``: the device functions);
 - ``specattn.kernels.history_merge``: the fused history pass + merge (Triton, shared with
   ``flashmla`` and ``fa4``);
 - ``_decode.py`` / ``_extend.py``: the plan/run protocol shared by both flavours;

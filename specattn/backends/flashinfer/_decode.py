@@ -21,10 +21,10 @@ the device. ``shared`` mode: one launch (``kernels.prefix_slots``) writes the pr
 list (in graph rounds it also copies the caller's batch into the fixed buffers, padded; the
 launch is kept per signature and grid and launched directly), and one FlashInfer plan of the
 prefix pass serves every step. Host work per round, whatever ``B`` and ``S``: that launch,
-numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct call of
-FlashInfer's native planner, ``_replan``, whose captured ``kv_indptr`` / ``kv_lens`` the
-launch writes too: no host-to-device copy of the CSR; MLA: a second launch that writes the
-schedule from them, ``_mla_plan``); no device-to-host read.
+numpy arithmetic on ``B + 1`` lengths, the plan (in graph rounds a direct replan,
+``_replan``, whose captured ``kv_indptr`` / ``kv_lens`` and schedule the launch writes too:
+no host-to-device copy of the CSR, no host planner; ``_prefill_plan``, ``_mla_plan``); no
+device-to-host read.
 ``per-branch`` mode plans the passes of steps ``0 .. max(S - 2, 0)`` (one wrapper and one
 plan each: their KV sets differ; the serving loop never runs step ``S - 1``; eager calls
 plan it on first use), their slot lists built with torch (``_slots.fill_ragged_slots``). Run
@@ -191,9 +191,7 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
             prefix_slots = prefix_slots_launcher()
             # With the device CSR, FlashInfer's schedule of the round too.
             schedule = None if dev_csr is None else \
-                rnd.prefix.device_schedule(False, self.params)
-            if schedule is not None and schedule.qrows != k:  # its rows: a plan's uniform K
-                schedule = None
+                rnd.prefix.device_schedule(False, self.params, rows=k)
             if kept_key is not None:  # the CSR buffers and schedule the launch writes, if any
                 kept_key = (kept_key, None if dev_csr is None else
                             tuple(t.data_ptr() for t in dev_csr),

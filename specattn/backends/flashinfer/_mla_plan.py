@@ -1,32 +1,16 @@
-"""FlashInfer's MLA split schedule, written on the device (one Triton launch).
+"""FlashInfer's MLA split schedule of a CUDA-graph wrapper, written on the device.
 
-Shapes: a CUDA-graph MLA pass of ``B`` sequences (fixed at capture) over the captured int32
-buffers ``qo_indptr [B + 1]``, ``kv_indptr [B + 1]``, ``kv_len_arr [B]``; the wrapper's int
-workspace (``uint8 [8 MiB]``) gets the schedule as FlashInfer 0.7.4's ``MLAPlan``
-(``include/flashinfer/attention/scheduler.cuh``) lays it out, at the offsets of the capture's
-``plan_info``: per work item ``q_indptr``, ``kv_indptr``, ``partial_indptr``, ``q_len``,
-``kv_len``, ``q_start``, ``kv_start``, ``kv_end``; per cluster ``work_indptr [clusters +
-1]``; per CTA the merge ranges (``merge_packed_offset_start/end``,
-``merge_partial_packed_offset_start/end``, ``merge_partial_stride``, zero past the last).
+Shapes: a CUDA-graph MLA pass of ``B`` sequences (fixed at capture), planned once by
+FlashInfer's public ``plan`` (its ``plan_info``: 18 values, the grid ``(cluster, clusters)``
+and the int32 offsets of the schedule's arrays in the wrapper's int workspace).
+``mla_schedule_for`` returns where and how the slot-list launch (``kernels.prefix_slots``,
+``schedule=``) writes each round's schedule there (``kernels.mla_schedule``: what it
+computes, and where it differs from FlashInfer's planner), or ``None`` where it cannot.
 
 Why: FlashInfer's MLA planner is host code that reads the round's lengths, so an engine runs
 it before every graph replay: 75-150 us of host time at batch 1 to 8 on the H200's host, most
-of a round whose GPU work is 30-60 us. The schedule is a function of the lengths the glue
-already writes on the device (``kernels.prefix_slots``), so one launch computes it there.
-
-What it computes, as FlashInfer's planner does: a sequence's packed query rows (``q_len *
-heads``) in tiles of ``cluster * 64`` rows, the last tile first; a tile's keys (a causal
-tile's up to its last row, FlashInfer's ``packed_causal_kv_end``) cut into chunks of the
-round's ``kv_len_limit`` (the keys per cluster, rounded up as FlashInfer rounds it); a split
-tile's chunks write consecutive partial rows and get ``max(keys * cluster // limit, 1)``
-merge CTAs, in tile order. Two choices differ and are FlashInfer's to make freely, since its
-kernel reads only the work lists: the cluster of a chunk (FlashInfer pops the least loaded
-cluster from a heap; here the full chunks go round-robin first, then each tile's last,
-shorter chunk round-robin onto the clusters after them, which is as balanced: every full
-chunk is ``limit`` keys), and the cluster size, which is the capture's (the graph replays the
-capture's grid, whose ``gridDim.x * 64`` the kernel takes as the tile; FlashInfer's own
-replan picks it again from the round's mean query rows and a round that crossed 64 rows would
-replay a grid of the other size).
+of a round whose GPU work is 30-60 us. The lengths are already on the device, in the
+slot-list launch that writes the CSR, which writes the schedule too.
 """
 
 from __future__ import annotations
@@ -34,17 +18,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from ...kernels.kernel_launch import KernelLaunch
-from ...util import next_pow2
+from ...kernels.mla_schedule import MAX_WORKS as _MAX_WORKS
+from ...util import next_pow2, triton_runs
 
-__all__ = ["MLAPlanLayout", "DeviceMLAPlan", "plan_layout"]
+__all__ = ["MLAPlanLayout", "MLASchedule", "mla_schedule_for", "plan_layout"]
 
 _CTA_TILE_Q = 64  # FlashInfer's MLA query rows per CTA
-_MAX_WORKS = 16384  # FlashInfer's work-list capacity (max_total_num_works)
-_BLOCK_CHUNKS = 256  # chunks of one tile written at a time
 
 
 class MLAPlanLayout(NamedTuple):
@@ -82,159 +62,46 @@ def plan_layout(plan_info: Any) -> Optional[MLAPlanLayout]:
     return MLAPlanLayout(values[0], values[1], tuple(o // 4 for o in offsets))
 
 
-@triton.jit
-def _tile_keys(q_len, kv_len, tile, tiles, TILE: tl.constexpr, heads, CAUSAL: tl.constexpr):
-    """Keys a query tile sees: all, or (causal) up to its last packed row (FlashInfer's
-    ``packed_causal_kv_end``)."""
-    keys = kv_len
-    if CAUSAL:
-        seen = kv_len - q_len + ((tile + 1) * TILE + heads - 1) // heads
-        seen = tl.maximum(tl.minimum(seen, kv_len), 0)
-        keys = tl.where(tile + 1 == tiles, kv_len, seen)
-    return keys
+class MLASchedule(NamedTuple):
+    """Where and how a launch writes an MLA wrapper's schedule: ``work`` (its int workspace as
+    int32) and ``mask`` (as bytes; unused), the capture's grid and ``layout.offsets``, the
+    query heads, causality, the requests (``bs``) and the query rows of every request where
+    the launch does not write them (``qrows``: a decode's ``K``; 0 for an extend's)."""
+
+    work: torch.Tensor
+    mask: torch.Tensor
+    layout: MLAPlanLayout
+    heads: int
+    causal: bool
+    bs: int
+    qrows: int = 0
+
+    def ints(self) -> tuple:
+        """The slot-list kernel's ``s0 .. s17`` and ``qrows``."""
+        lay = self.layout
+        return (self.heads, lay.clusters, lay.cluster * lay.clusters, *lay.offsets, 0,
+                self.qrows)
+
+    def consts(self) -> dict:
+        """The slot-list kernel's schedule constexprs (``prefix_slots.NO_SCHEDULE``)."""
+        lay = self.layout
+        ctas = lay.cluster * lay.clusters
+        return dict(SCHED=2, SPLIT=False, CLUSTER=lay.cluster, CAUSAL=bool(self.causal),
+                    SCHED_B=next_pow2(self.bs), SCHED_N=next_pow2(max(lay.clusters + 1, ctas)),
+                    SCHED_M=lay.cluster * _CTA_TILE_Q)
+
+    def key(self) -> tuple:
+        """The schedule's identity for a kept launch (its workspace by address)."""
+        return (self.work.data_ptr(), *self.layout, self.heads, self.causal, self.bs,
+                self.qrows)
 
 
-@triton.jit
-def _merge_ctas(keys, rows, limit, CLUSTER: tl.constexpr):
-    """``(rows per merge CTA, merge CTAs)`` of a split tile: FlashInfer's ``max(keys *
-    cluster // limit, 1)`` groups of its rows, rounded up."""
-    groups = tl.maximum(keys * CLUSTER // limit, 1)
-    row_chunk = tl.maximum((rows + groups - 1) // groups, 1)
-    return row_chunk, (rows + row_chunk - 1) // row_chunk
-
-
-@triton.jit(do_not_specialize=["max_tiles"])
-def _mla_plan_kernel(max_tiles, QoIndptr, KvIndptr, KvLens, Work, bs, heads, clusters, ctas,
-                     o_q_indptr, o_kv_indptr, o_partial, o_m_start, o_m_end, o_mp_start,
-                     o_mp_end, o_m_stride, o_q_len, o_kv_len, o_q_start, o_kv_start, o_kv_end,
-                     o_work_indptr,
-                     CLUSTER: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_B: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     MAX_WORKS: tl.constexpr):
-    """Grid ``(bs,)``: every program sums the round (``BLOCK_B`` sequences at once, ``max_tiles``
-    tiles of the longest), program ``b`` writes sequence ``b``'s work items and merge CTAs,
-    program 0 the clusters' ``work_indptr`` and the unused merge CTAs' zeros."""
-    TILE: tl.constexpr = CLUSTER * 64
-    b = tl.program_id(0)
-    r = tl.arange(0, BLOCK_B)
-    live = r < bs
-    qo0 = tl.load(QoIndptr + r, mask=live, other=0)
-    q_len = tl.load(QoIndptr + r + 1, mask=live, other=0) - qo0
-    kv_len = tl.load(KvLens + r, mask=live, other=0)
-    tiles = (q_len * heads + TILE - 1) // TILE
-
-    # The round's keys, over every tile (the last tile of a sequence first: p = 0).
-    total = tl.zeros([BLOCK_B], dtype=tl.int64)
-    for p in range(0, max_tiles):
-        tile = tiles - 1 - p
-        keys = _tile_keys(q_len, kv_len, tile, tiles, TILE, heads, CAUSAL)
-        total += tl.where(p < tiles, keys, 0).to(tl.int64)
-    per_cluster = tl.maximum((tl.sum(total) + clusters - 1) // clusters, 1)
-    limit = tl.where(per_cluster <= 8, 32, tl.where(per_cluster <= 16, 64, tl.where(
-        per_cluster <= 32, 128, tl.where(per_cluster <= 64, 192,
-                                         (per_cluster + 255) // 256 * 256)))).to(tl.int32)
-
-    # Per sequence: full chunks, partial rows and merge CTAs of its tiles.
-    fulls = tl.zeros([BLOCK_B], dtype=tl.int32)
-    parts = tl.zeros([BLOCK_B], dtype=tl.int32)
-    merges = tl.zeros([BLOCK_B], dtype=tl.int32)
-    for p in range(0, max_tiles):
-        tile = tiles - 1 - p
-        keys = _tile_keys(q_len, kv_len, tile, tiles, TILE, heads, CAUSAL)
-        n = tl.maximum((keys + limit - 1) // limit, 1)
-        rows = tl.minimum(TILE, q_len * heads - tile * TILE)
-        split = (p < tiles) & (keys > limit)
-        _, ctas_of_tile = _merge_ctas(keys, rows, limit, CLUSTER)
-        fulls += tl.where(p < tiles, n - 1, 0)
-        parts += tl.where(split, n * rows, 0)
-        merges += tl.where(split, ctas_of_tile, 0)
-    num_fulls = tl.sum(fulls)
-    num_works = num_fulls + tl.sum(tiles)
-    per, extra = num_works // clusters, num_works % clusters
-
-    if b == 0:
-        c = tl.arange(0, BLOCK_N)
-        tl.store(Work + o_work_indptr + c, c * per + tl.minimum(c, extra), mask=c <= clusters)
-        m = tl.arange(0, BLOCK_N)
-        unused = (m >= tl.sum(merges)) & (m < ctas)
-        zero = tl.zeros([BLOCK_N], dtype=tl.int32)
-        tl.store(Work + o_m_start + m, zero, mask=unused)
-        tl.store(Work + o_m_end + m, zero, mask=unused)
-        tl.store(Work + o_mp_start + m, zero, mask=unused)
-        tl.store(Work + o_mp_end + m, zero, mask=unused)
-        tl.store(Work + o_m_stride + m, zero, mask=unused)
-
-    mine = r == b
-    full_at = tl.sum(tl.where(mine, tl.cumsum(fulls, 0) - fulls, 0))
-    tail_at = num_fulls + tl.sum(tl.where(mine, tl.cumsum(tiles, 0) - tiles, 0))
-    part_at = tl.sum(tl.where(mine, tl.cumsum(parts, 0) - parts, 0))
-    merge_at = tl.sum(tl.where(mine, tl.cumsum(merges, 0) - merges, 0))
-    q0 = tl.sum(tl.where(mine, qo0, 0))
-    ql = tl.sum(tl.where(mine, q_len, 0))
-    kl = tl.sum(tl.where(mine, kv_len, 0))
-    kv0 = tl.load(KvIndptr + b)
-    my_tiles = (ql * heads + TILE - 1) // TILE
-    j = tl.arange(0, BLOCK_C)
-    mj = tl.arange(0, BLOCK_M)
-    for p in range(0, my_tiles):
-        tile = my_tiles - 1 - p
-        keys = _tile_keys(ql, kl, tile, my_tiles, TILE, heads, CAUSAL)
-        n = tl.maximum((keys + limit - 1) // limit, 1)
-        rows = tl.minimum(TILE, ql * heads - tile * TILE)
-        split = keys > limit
-        for j0 in range(0, n, BLOCK_C):
-            k = j0 + j
-            ok = k < n
-            order = tl.where(k == n - 1, tail_at, full_at + k)
-            cluster = order % clusters
-            w = cluster * per + tl.minimum(cluster, extra) + order // clusters
-            ok = ok & (w < MAX_WORKS)
-            start = k * limit
-            tl.store(Work + o_q_indptr + w, q0 + tl.zeros_like(k), mask=ok)
-            tl.store(Work + o_kv_indptr + w, kv0 + tl.zeros_like(k), mask=ok)
-            tl.store(Work + o_partial + w, tl.where(split, part_at + k * rows, -1), mask=ok)
-            tl.store(Work + o_q_len + w, ql + tl.zeros_like(k), mask=ok)
-            tl.store(Work + o_kv_len + w, kl + tl.zeros_like(k), mask=ok)
-            tl.store(Work + o_q_start + w, tile * TILE + tl.zeros_like(k), mask=ok)
-            tl.store(Work + o_kv_start + w, start, mask=ok)
-            tl.store(Work + o_kv_end + w, tl.minimum(start + limit, keys), mask=ok)
-        if split:
-            row_chunk, ctas_of_tile = _merge_ctas(keys, rows, limit, CLUSTER)
-            first = mj * row_chunk
-            ok = (first < rows) & (merge_at + mj < ctas)
-            at = merge_at + mj
-            packed = q0 * heads + tile * TILE
-            tl.store(Work + o_m_start + at, packed + first, mask=ok)
-            tl.store(Work + o_m_end + at, packed + tl.minimum(first + row_chunk, rows), mask=ok)
-            tl.store(Work + o_mp_start + at, part_at + first, mask=ok)
-            tl.store(Work + o_mp_end + at, part_at + n * rows + tl.zeros_like(mj), mask=ok)
-            tl.store(Work + o_m_stride + at, rows + tl.zeros_like(mj), mask=ok)
-            merge_at += ctas_of_tile
-            part_at += n * rows
-        full_at += n - 1
-        tail_at += 1
-
-
-class DeviceMLAPlan:
-    """``plan(max_q)``: one launch writing the schedule of the round whose lengths are in
-    the captured buffers (``qo_indptr``, ``kv_indptr``, ``kv_len_arr``, int32) into
-    ``workspace`` (the wrapper's int workspace) at ``layout``'s offsets. ``max_q``: the most
-    query rows of a sequence this round (host int: the tiles each program walks)."""
-
-    def __init__(self, layout: MLAPlanLayout, qo_indptr: torch.Tensor,
-                 kv_indptr: torch.Tensor, kv_lens: torch.Tensor, workspace: torch.Tensor,
-                 heads: int, causal: bool) -> None:
-        bs = kv_lens.shape[0]
-        self.heads, self.workspace = heads, workspace
-        self.tile = layout.cluster * _CTA_TILE_Q
-        work = workspace.view(torch.int32)
-        ctas = layout.cluster * layout.clusters
-        tail = (qo_indptr, kv_indptr, kv_lens, work, bs, heads, layout.clusters, ctas,
-                *layout.offsets)
-        consts = dict(CLUSTER=layout.cluster, CAUSAL=bool(causal), BLOCK_B=next_pow2(bs),
-                      BLOCK_C=_BLOCK_CHUNKS, BLOCK_N=next_pow2(max(layout.clusters + 1, ctas)),
-                      BLOCK_M=self.tile, MAX_WORKS=_MAX_WORKS, num_warps=4)
-        self._launch = KernelLaunch(_mla_plan_kernel, (bs,), tail, consts)
-
-    def __call__(self, max_q: int) -> None:
-        self._launch(-(-max_q * self.heads // self.tile))
+def mla_schedule_for(backend: Any, num_heads: int) -> Optional[MLASchedule]:
+    """The device schedule of a planned MLA backend's captured plan, or ``None`` where Triton
+    does not run on its device or its ``plan_info`` is not laid out as 0.7.4's."""
+    layout = plan_layout(backend._plan_info)
+    if layout is None or not triton_runs(backend.device):
+        return None
+    ws = backend._int_workspace_buffer
+    return MLASchedule(ws[:ws.numel() // 4 * 4].view(torch.int32), ws.view(torch.uint8), layout,
+                       num_heads, bool(backend._causal), backend._kv_len_arr_buf.shape[0])

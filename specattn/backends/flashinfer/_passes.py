@@ -18,9 +18,10 @@ other values (eager only).
 
 CUDA-graph passes re-plan before every replay: the first plan of a graph wrapper is
 FlashInfer's public ``plan`` (it sets up the wrapper, its module and captured buffers); later
-plans with the same scale, soft cap and causality call FlashInfer's native planner directly
-(``_replan``; an MLA wrapper's schedule is written on the device instead, ``_mla_plan``),
-falling back to the public plan for anything it does not recognise.
+plans with the same scale, soft cap and causality replan directly (``_replan``: the
+slot-list launch writes the schedule, ``_prefill_plan`` / ``_mla_plan``, or FlashInfer's
+native planner is called), falling back to the public plan for anything it does not
+recognise.
 
 FP8 pools (``runner.fp8``): the plans name the pool's dtype as ``kv_data_type`` (the query
 stays in the model dtype), and ``run(q, layer_id, k_scale, v_scale)`` passes the scales as
@@ -36,7 +37,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -47,7 +48,6 @@ from ._replan import Replanner, direct_replanner
 
 if TYPE_CHECKING:
     from ...data import DraftRunner
-    from ...kernels.prefill_schedule import Fa2Schedule
     from ._slots import HostCSR, KeptCSR
 
 __all__ = ["Params", "Pass", "PrefillPass", "DecodePass", "MLAPass", "workspace",
@@ -187,14 +187,17 @@ class Pass:
         takes none)."""
         return self._direct.device_buffers() if self._direct is not None else None
 
-    def device_schedule(self, causal: bool, params: Params) -> Optional["Fa2Schedule"]:
+    def device_schedule(self, causal: bool, params: Params,
+                        rows: Optional[int] = None) -> Optional[Any]:
         """Where a caller's launch may write the next plan's schedule itself (then
         ``plan(..., scheduled=True)``): the direct replanner's, for a plan with these
-        parameters; ``None`` where FlashInfer's planner writes it."""
+        parameters (``prefill_schedule.Fa2Schedule``, ``_mla_plan.MLASchedule``); ``None``
+        where FlashInfer's planner writes it. ``rows``: the query rows of every request
+        where the launch does not write the query indptr (a decode's ``K``)."""
         direct = self._direct
         if direct is None or direct.key != (causal, params):
             return None
-        return direct.schedule
+        return direct.schedule if rows is None else direct.schedule_for(rows)
 
     def plan(self, csr: "HostCSR", causal: bool, params: Params, *,
              on_device: bool = False, qo_on_device: bool = False,

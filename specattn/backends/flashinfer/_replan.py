@@ -24,16 +24,12 @@ never changes. The MLA bound that the public plan reads from the device (the ran
 ``kv_indices``, checked by its ``run``) is the pool: every slot the glue lists is clamped
 into ``[0, num_slots)``.
 
-A prefill graph wrapper planned by FA2 (the extend pass, the decode's prefix pass) does not
-call FlashInfer's planner either where the caller's slot-list launch wrote the round's
-schedule (``schedule``, ``_prefill_plan``; ``scheduled=True``): its grid, query tile and
-split path are the capture's, so the capture's ``plan_info`` stays.
-
-An MLA graph wrapper does not call FlashInfer's MLA planner at all after its capture: its
-schedule is a function of the lengths the glue writes on the device, and one Triton launch
-writes it there (``_mla_plan``, ``device_plan``), keeping the capture's ``plan_info``
-(offsets and grid). Where that launch cannot run (Triton does not run on the device, or a
-``plan_info`` not laid out as 0.7.4's) the native planner serves, as for the other wrappers.
+A graph replan calls no planner at all where the caller's slot-list launch wrote the
+round's schedule (``schedule``; ``scheduled=True``): a prefill wrapper planned by FA2 (the
+extend pass, the decode's prefix pass; ``_prefill_plan``) and an MLA wrapper
+(``_mla_plan``). Their grids (and FA2's query tile and split path) are the capture's, so the
+capture's ``plan_info`` stays. Where that launch cannot write it (Triton does not run on the
+device, a ``plan_info`` not laid out as 0.7.4's) the native planner serves.
 
 ``direct_replanner`` makes a replanner after a public plan, or returns ``None`` (the caller
 keeps the public plan) for any state it does not recognise: not a graph wrapper, another
@@ -53,12 +49,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...util import sm_count, triton_runs
+from ...util import sm_count
 from ._prefill_plan import device_schedule
 
 if TYPE_CHECKING:
-    from ...kernels.prefill_schedule import Fa2Schedule
-    from ._mla_plan import DeviceMLAPlan
+    from ._mla_plan import MLASchedule
     from ._slots import HostCSR
 
 __all__ = ["Replanner", "direct_replanner"]
@@ -119,14 +114,25 @@ class Replanner:
     (an extend's), so nothing is copied."""
 
     #: Where the caller's slot-list launch writes this wrapper's schedule (``None``: the
-    #: native planner writes it; ``_prefill_plan``).
-    schedule: Optional["Fa2Schedule"] = None
+    #: native planner writes it; ``_prefill_plan``, ``_mla_plan``).
+    schedule: Optional[Any] = None
 
     def __init__(self, wrapper: Any, key: Any) -> None:
         self.wrapper = wrapper
         self.key = key
         self.calls = 0  # direct replans made
         self._qo_copied: Any = None  # the host qo_indptr last copied to the device
+        self._rows_schedule: Any = None  # ``schedule`` for the last ``schedule_for`` rows
+
+    def schedule_for(self, rows: int) -> Any:
+        """``schedule`` for a launch whose requests have ``rows`` query rows each where it
+        does not write the query indptr (a decode's ``K``), kept for the next round."""
+        s = self.schedule
+        if s is None or s.qrows == rows:
+            return s
+        if self._rows_schedule is None or self._rows_schedule.qrows != rows:
+            self._rows_schedule = s._replace(qrows=rows)  # (``schedule`` is set once)
+        return self._rows_schedule
 
     def __call__(self, csr: "HostCSR", on_device: bool = False,
                  qo_on_device: bool = False, scheduled: bool = False) -> bool:
@@ -269,9 +275,9 @@ class _MLAReplanner(Replanner):
     ``mla/_batch_mla/_backends/_fa_common.py``: ``_plan_generated_fa`` on the planned backend
     the first plan made, which a graph wrapper keeps).
 
-    ``device_planner`` (``_mla_plan.DeviceMLAPlan``, ``None`` where it cannot run): a replan
-    copies the query indptr (and the key CSR where the caller did not write it) and launches
-    it; FlashInfer's planner below is the fallback.
+    ``schedule`` (``_mla_plan.MLASchedule``, ``None`` where it cannot run): where the
+    caller's slot-list launch writes the round's schedule (``scheduled=True``); a replan
+    then copies at most the query indptr. FlashInfer's planner below serves otherwise.
 
     0.7.4's MLA module is a proxy (``_BatchMLAModuleProxy``) whose native planner writes the
     schedule into the pinned int workspace and returns the bytes it staged; the proxy then
@@ -292,7 +298,7 @@ class _MLAReplanner(Replanner):
                  validate: Callable, capacity: Optional[int]) -> None:
         super().__init__(wrapper, key)
         pb = self.backend = wrapper._planned_backend
-        self.device_planner = device_plan(pb, num_heads)
+        self.schedule = _device_mla_schedule(pb, num_heads)
         self.head = (pb._float_workspace_buffer, pb._int_workspace_buffer,
                      pb._pin_memory_int_workspace_buffer)
         self.num_heads, self.kv_bound, self.validate = num_heads, kv_bound, validate
@@ -353,9 +359,7 @@ class _MLAReplanner(Replanner):
                           pb._backend, pb._kv_data_type)
         self._copy_csr((pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf), csr,
                        on_device, qo_on_device)
-        if self.device_planner is not None:  # the schedule of the captured lengths, by one launch
-            self.device_planner(csr.max_q)
-        else:
+        if not (scheduled and self.schedule is not None):  # else the caller's launch wrote it
             plan_info, staged = self._native(csr)
             pb._plan_info = self.wrapper._plan_info = plan_info
             pb._staged_int_workspace_bytes = staged
@@ -364,20 +368,18 @@ class _MLAReplanner(Replanner):
         return True
 
 
-def device_plan(backend: Any, num_heads: int) -> Optional["DeviceMLAPlan"]:
-    """The device-side planner of a planned MLA backend's captured plan (``_mla_plan``), or
-    ``None`` where Triton does not run on its device or its ``plan_info`` is not 0.7.4's."""
-    from ._mla_plan import DeviceMLAPlan, plan_layout
+def _device_mla_schedule(backend: Any, num_heads: int) -> Optional["MLASchedule"]:
+    """Where a slot-list launch writes a planned MLA backend's schedule (``_mla_plan``), or
+    ``None`` (logged once) where Triton does not run on its device or its ``plan_info`` is
+    not 0.7.4's."""
+    from ._mla_plan import mla_schedule_for  # Triton: once a graph pass plans
 
-    layout = plan_layout(backend._plan_info)
-    if layout is None or not triton_runs(backend.device):
-        _fall_back(f"plan_info {backend._plan_info!r} is not FlashInfer 0.7.4's MLA layout"
-                   if layout is None else f"Triton does not run on {backend.device}",
+    schedule = mla_schedule_for(backend, num_heads)
+    if schedule is None:
+        _fall_back(f"plan_info {backend._plan_info!r} is not FlashInfer 0.7.4's MLA layout, "
+                   f"or Triton does not run on {backend.device}",
                    "FlashInfer MLA graph replans run its host planner")
-        return None
-    return DeviceMLAPlan(layout, backend._qo_indptr_buf, backend._kv_indptr_buf,
-                         backend._kv_len_arr_buf, backend._int_workspace_buffer, num_heads,
-                         backend._causal)
+    return schedule
 
 
 def _prefill(wrapper: Any, key: Any, kw: dict, heads: tuple):
