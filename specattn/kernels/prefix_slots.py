@@ -16,9 +16,10 @@ request's offset and length): the device copies of the host CSR that FlashInfer'
 otherwise copy from the host every round; with ``qo`` (an extend round) also the query
 indptr of the round's new tokens, and with ``ext_loc`` their slots, copied from the caller's
 ``out_cache_loc`` into the round's fixed buffer (the copy an extend graph round needs
-anyway, in the same launch). With ``schedule`` it also writes FlashInfer's FA2 graph
-schedule of the round into a prefill wrapper's int workspace (``prefill_schedule``): each
-``(b, 0)`` program already holds its request's place in the round.
+anyway, in the same launch). With ``schedule`` it also writes FlashInfer's graph schedule
+of the round into the wrapper's int workspace (a prefill wrapper's FA2 schedule,
+``prefill_schedule``; an MLA wrapper's, ``mla_schedule``): each ``(b, 0)`` program already
+holds its request's place in the round.
 
 The same values as ``backends.flashinfer._slots.fill_ragged_slots`` (slots clamped into the
 pool, positions into the row), which needs about fifteen launches for it.
