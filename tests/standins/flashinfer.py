@@ -221,15 +221,6 @@ class _FakeWrapper:
             self._paged_kv_indices_buf = indices  # kept by reference, read at run time
         self.plans += 1
 
-    def _planned_csr(self):
-        """``(qo, kv, indices)`` the kernels would read: the captured buffers in graph mode."""
-        kv = self._paged_kv_indptr_buf.tolist()
-        qo = self._qo_indptr_buf.tolist() if self._qo_indptr_buf is not None else \
-            list(range(len(kv)))
-        _check_schedule(self, qo, kv, self._kv_lens_buffer[:len(kv) - 1].tolist(),
-                        self._plan_info[0])
-        return qo, kv, self._paged_kv_indices_buf
-
 
 class FakePrefill(_FakeWrapper):
     def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
@@ -293,8 +284,9 @@ class FakePrefill(_FakeWrapper):
         self._seq_lens_kv = self._seq_lens_q = seq_lens
 
     def _planned_csr(self):
-        """As the base, but the int workspace must hold FlashInfer's FA2 schedule of the
-        captured CSR (as its kernel reads it: graph mode's valid work items and rows)."""
+        """``(qo, kv, indices)`` the kernels would read (the captured buffers in graph mode);
+        the int workspace must hold FlashInfer's FA2 schedule of that CSR (as its kernel
+        reads it: graph mode's valid work items and rows)."""
         kv = self._paged_kv_indptr_buf.tolist()
         qo = self._qo_indptr_buf.tolist()
         plan_info = self._plan_info
