@@ -162,9 +162,9 @@ class Fa2Schedule(NamedTuple):
                 self.min_chunk, self.max_split, 0, 0, 0, 0, self.qrows)
 
     def consts(self) -> dict:
-        """The slot-list kernel's schedule constexprs (``prefix_slots.NO_SCHEDULE``)."""
-        return dict(SCHED=1, SPLIT=self.split, CLUSTER=1, CAUSAL=False, SCHED_B=1, SCHED_N=1,
-                    SCHED_M=1)
+        """The slot-list kernel's schedule constexprs this schedule sets (the others:
+        ``prefix_slots.NO_SCHEDULE``'s)."""
+        return dict(SCHED=1, SPLIT=self.split)
 
     def key(self) -> tuple:
         """The schedule's identity for a kept launch (its tensors by address)."""

@@ -156,7 +156,7 @@ NO_SCHEDULE = (("SCHED", 0), ("SPLIT", False), ("CLUSTER", 1), ("CAUSAL", False)
 class Schedule(Protocol):
     """What a launch needs of a schedule to write: the int workspace as int32 (``work``) and
     as bytes (``mask``), ``ints()`` (19: ``s0 .. s17`` and ``qrows``), ``consts()`` (the
-    ``NO_SCHEDULE`` names) and ``key()`` (its identity for a kept launch)."""
+    ``NO_SCHEDULE`` names it sets) and ``key()`` (its identity for a kept launch)."""
 
     work: torch.Tensor
     mask: torch.Tensor
@@ -255,7 +255,8 @@ def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, f
     if schedule is None:
         buffers, ints, sched = (out, out), (0,) * 19, dict(NO_SCHEDULE)
     else:
-        buffers, ints, sched = (schedule.work, schedule.mask), schedule.ints(), schedule.consts()
+        buffers, ints = (schedule.work, schedule.mask), schedule.ints()
+        sched = dict(NO_SCHEDULE, **schedule.consts())
     tail = (req_to_token, out, fix_rows, fix_lens, fix_loc, csr_indptr, csr_lens,
             out if qo_indptr is None else qo_indptr, *buffers, rows.stride(0),
             lens.stride(0), ext.stride(0),

@@ -83,10 +83,11 @@ class MLASchedule(NamedTuple):
                 self.qrows)
 
     def consts(self) -> dict:
-        """The slot-list kernel's schedule constexprs (``prefix_slots.NO_SCHEDULE``)."""
+        """The slot-list kernel's schedule constexprs this schedule sets (the others:
+        ``prefix_slots.NO_SCHEDULE``'s)."""
         lay = self.layout
         ctas = lay.cluster * lay.clusters
-        return dict(SCHED=2, SPLIT=False, CLUSTER=lay.cluster, CAUSAL=bool(self.causal),
+        return dict(SCHED=2, CLUSTER=lay.cluster, CAUSAL=bool(self.causal),
                     SCHED_B=next_pow2(self.bs), SCHED_N=next_pow2(max(lay.clusters + 1, ctas)),
                     SCHED_M=lay.cluster * _CTA_TILE_Q)
 
