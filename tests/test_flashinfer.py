@@ -191,7 +191,7 @@ def fake_flashinfer(monkeypatch):
     """FlashInfer replaced by the stand-in, on a fake sm90 platform with the library."""
     fi = fi_standin.make()
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
-    from specattn.backends.flashinfer import _passes, _prefill_plan
+    from specattn.backends.flashinfer import _passes, _prefill_plan, _replan
 
     # The stand-in computes in float32, so the glue is checked at fp32 tolerance too.
     for cls in (FlashInferDecode, FlashInferExtend, FlashInferMLADecode, FlashInferMLAExtend):
@@ -200,6 +200,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(_passes, "_WORKSPACES", {})
     # The stand-in's FA2 planner counts fi_standin.SMS SMs (the CPU has none).
     monkeypatch.setattr(_prefill_plan, "sm_count", lambda device: fi_standin.SMS)
+    monkeypatch.setattr(_replan, "sm_count", lambda device: fi_standin.SMS)
     with use_platform(FI_CUDA):
         yield fi
 

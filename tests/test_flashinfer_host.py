@@ -34,7 +34,7 @@ from specattn import validation
 from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
                                           FlashInferMLADecode, FlashInferMLAExtend, _replan)
 from specattn.backends.flashinfer import _decode, _extend, _slots
-from specattn.data import DraftBatch, DraftExtendBatch
+from specattn.data import DraftBatch, DraftExtendBatch, host_lengths
 from specattn.errors import InvalidInputError
 from standins import flashinfer as fi_standin
 from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
@@ -280,8 +280,14 @@ def test_per_branch_replay_plans_each_step_wrapper_once(host_work, steps):
 @pytest.mark.parametrize("bs", [2, 5])
 def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, monkeypatch, mla,
                                                                   bs):
+    """An extend graph replay, with or without the batch's host copies: one schedule (the
+    slot-list launch's), a direct replan without host lengths (no CSR copy, no host CSR),
+    no public plan and no read of a device tensor."""
     plans, watch = host_work
     on_device = _record_device_csr(monkeypatch)
+    lengths = []
+    monkeypatch.setattr(_extend, "host_lengths",
+                        lambda *a: lengths.append(1) or host_lengths(*a))
     case = make_extend_case(mla=mla, bs=bs, seed=bs)
     b = case.batch
     host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
@@ -291,15 +297,17 @@ def test_extend_replay_metadata_plans_once_and_reads_nothing_back(host_work, mon
         backend = cls(case.runner)
         backend.init_cuda_graph_state(bs, int(b.extend_lens.sum()))
         backend.init_forward_metadata_capture_cuda_graph(host)
-        for batch, reads in ((host, 0), (b, 1)):
+        direct = backend._graphs[bs]._direct
+        for i, batch in enumerate((host, b)):
             plans.clear()
+            lengths.clear()
             dev.recording, dev.reads = True, []
             backend.init_forward_metadata_replay_cuda_graph(batch, bs)
             dev.recording = False
-            assert len(dev.reads) == reads, dev.reads
+            assert dev.reads == [], dev.reads
             assert sum(plans.values()) == 1 and len(plans) == 1, plans
-            assert plans.public == 0
-    assert on_device == [(True, True)] * 2  # the extend's query indptr too
+            assert plans.public == 0 and direct.calls == i + 1 and lengths == []
+    assert on_device == []  # the launch wrote the CSR, query indptr included
 
 
 def _count_slot_list_launches(monkeypatch) -> list:
@@ -459,3 +467,43 @@ def test_extend_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch,
     for _ in range(3):
         backend.init_forward_metadata_replay_cuda_graph(host, 3)
     assert before >= 1 and len(made) == before, made
+
+
+def test_extend_replay_past_the_captured_rows_plans_from_host_lengths(fake_flashinfer):  # noqa: F811
+    """A prefill replay of more new tokens than the capture planned (within the graph's
+    buffers) cannot be planned without the lengths (FlashInfer's grid and ``merge_indptr``
+    are sized for the capture's): it takes the host path, whose plan refuses it as
+    FlashInfer's does; a replay within the capture's tokens plans without them. (An MLA
+    plan has no such bound.)"""
+    case = make_extend_case(mla=False, bs=3, seed=6)
+    b = case.batch
+    host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
+                            b.seq_lens.clone(), b.extend_lens.clone())
+    backend = FlashInferExtend(case.runner)
+    tokens = int(b.extend_lens.sum())
+    backend.init_cuda_graph_state(3, 2 * tokens)
+    backend.init_forward_metadata_capture_cuda_graph(host)
+    direct = backend._graphs[3]._direct
+    backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    assert direct.calls == 1
+    more = b.extend_lens.clone()
+    more[0] += 1
+    loc = torch.arange(tokens + 1, dtype=b.out_cache_loc.dtype)
+    bigger = DraftExtendBatch(b.req_pool_indices, b.seq_lens + (more - b.extend_lens), more,
+                              loc, None, None)
+    with pytest.raises(AssertionError, match="rows and batch size"):  # FlashInfer's refusal
+        backend.init_forward_metadata_replay_cuda_graph(bigger, 3)
+    assert direct.calls == 1
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_layer_of_other_scaling_after_a_lengthless_replay_is_refused(fake_flashinfer,  # noqa: F811
+                                                                        mla):
+    """A graph replay's metadata planned without host lengths keeps no host CSR to plan
+    other scaling with: a forward of such a layer is refused with the layer named."""
+    from specattn.backends.flashinfer._passes import Params, replan
+
+    backend, _, host = _captured_extend(mla, seed=7)
+    backend.init_forward_metadata_replay_cuda_graph(host, 3)
+    with pytest.raises(InvalidInputError, match="layer: .*without host lengths"):
+        replan([backend._pass], backend.params, Params(0.5, 0.0))

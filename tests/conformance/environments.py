@@ -41,7 +41,7 @@ def _patched(obj, **attrs) -> Iterator[None]:
 @contextlib.contextmanager
 def _flashinfer() -> Iterator[None]:
     from specattn.backends import flashinfer as fi_backends
-    from specattn.backends.flashinfer import _passes, _prefill_plan
+    from specattn.backends.flashinfer import _passes, _prefill_plan, _replan
 
     classes = (fi_backends.FlashInferDecode, fi_backends.FlashInferExtend,
                fi_backends.FlashInferMLADecode, fi_backends.FlashInferMLAExtend)
@@ -53,6 +53,7 @@ def _flashinfer() -> Iterator[None]:
         stack.enter_context(_patched(_passes, _WORKSPACE_BYTES=16, _WORKSPACES={}))
         # The stand-in's FA2 planner counts fi_standin.SMS SMs (the CPU has none).
         stack.enter_context(_patched(_prefill_plan, sm_count=lambda device: fi_standin.SMS))
+        stack.enter_context(_patched(_replan, sm_count=lambda device: fi_standin.SMS))
         yield
 
 

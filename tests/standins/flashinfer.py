@@ -373,6 +373,7 @@ def _validate_fa_plan_workload(qo_indptr, kv_len_arr, num_heads, causal, device,
 
 
 _validate_fa_plan_workload.calls = 0
+_FA_MAX_WORK_ITEMS = 16384  # 0.7.4's work-item capacity of the FA MLA planner (_fa_common.py)
 
 
 class FakeMLABackend:

@@ -12,6 +12,11 @@ Triton cannot run), one plan (a graph replay's: a direct replan, ``_replan``, wh
 schedule the slot-list launch writes, ``_prefill_plan``).
 Run step (``forward``): write K/V (``kernels.kv_write.store_kv``: one launch on CUDA), run.
 
+A graph replay whose pass takes the device schedule reads no host lengths: its one launch is
+sized by the pass (the grid by ``max_context_len``, the writes by the slot list's capacity)
+and its replan checks only what the host knows (the captured size, the capture's query rows;
+``Pass.plan_lengthless``). A layer of other scaling cannot be planned after such a round.
+
 CUDA graphs: one pass per captured batch size on fixed buffers (slot list for
 ``bs * max_context_len`` slots, ``max_num_tokens`` new-token slots); capture and replay plan
 on the host (outside the graph) like the eager path. FlashInfer's graph-mode plan sizes its
@@ -71,8 +76,11 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             self._eager = self._new_pass()
         self._prepare(self._eager, batch)
 
-    def _prepare(self, p: Pass, batch) -> None:
-        """Slot list on the device, one plan (host)."""
+    def _prepare(self, p: Pass, batch, replay: bool = False) -> None:
+        """Slot list on the device, one plan (host). ``replay``: a graph replay's, which
+        needs no host lengths where the launch writes the CSR and the schedule."""
+        if replay and self._prepare_lengthless(p, batch):
+            return
         seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
         seq_np, ext_np = seq_host.numpy(), ext_host.numpy()
         r = self.runner
@@ -126,6 +134,34 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device,
                scheduled=schedule is not None)
         self._pass = p
+
+    def _prepare_lengthless(self, p: Pass, batch) -> bool:
+        """A graph replay's slot list, CSR and schedule in one launch sized by the pass's
+        capacity (the grid by ``max_context_len``: programs past a request's keys write
+        nothing), and a replan from what the host knows without the lengths
+        (``Pass.plan_lengthless``). ``False``: the pass cannot (no device schedule, or a
+        round its replanner must see the lengths of)."""
+        r = self.runner
+        if self._triton is None:
+            self._triton = triton_runs(r.device)
+        dev_csr = p.device_csr() if self._triton else None
+        schedule = None if dev_csr is None else p.device_schedule(True, self.params)
+        if schedule is None or not p.plan_lengthless(
+                batch.batch_size, int(batch.out_cache_loc.shape[0]), True, self.params):
+            return False
+        rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
+        loc = (self.graph_source.out_cache_loc, batch.out_cache_loc)
+        sigs = self._checked_batch
+        key = (id(p), *(sigs[1:4] if sigs is not None else
+                        (signature(rows), signature(lens), signature(ext))),
+               loc[0].dtype, loc[0].stride(0),
+               tuple(t.data_ptr() for t in (*dev_csr, loc[1])), schedule.key())
+        prefix_slots_launcher()(p.indices, p.indices.numel(), r.max_context_len,
+                                r.req_to_token, rows, lens, r.num_slots, csr=dev_csr[:2],
+                                qo=(ext, dev_csr[2]), ext_loc=loc, schedule=schedule,
+                                kept=self._slot_launches, kept_key=key)
+        self._pass = p
+        return True
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -184,4 +220,4 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         bs = batch.batch_size
         self._prepare(captured(self._graphs, bs, capture,
                                lambda: self._new_pass(bs, bs * self.runner.max_context_len)),
-                      batch)
+                      batch, replay=not capture)

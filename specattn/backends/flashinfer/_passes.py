@@ -85,6 +85,11 @@ def replan(passes: list["Pass"], old: "Params", new: "Params") -> None:
             "layer", f"scaling={old.scale} and logit_cap={old.cap} under CUDA graph capture "
             "(FlashInfer plans them; run one eager call or the warm-up first)",
             f"scaling={new.scale}, logit_cap={new.cap}")
+    if any(p._last is None and p.wrapper is not None for p in passes):
+        raise InvalidInputError(
+            "layer", f"scaling={old.scale} and logit_cap={old.cap} after a CUDA-graph "
+            "replay's metadata (planned on the device, without host lengths)",
+            f"scaling={new.scale}, logit_cap={new.cap}")
     log.debug("re-planning for scaling=%s logit_cap=%s", new.scale, new.cap)
     for p in passes:
         p.replan(new)
@@ -198,6 +203,17 @@ class Pass:
         if direct is None or direct.key != (causal, params):
             return None
         return direct.schedule if rows is None else direct.schedule_for(rows)
+
+    def plan_lengthless(self, bs: int, rows: int, causal: bool, params: Params) -> bool:
+        """A direct replan without host lengths (``Replanner.lengthless``): the caller's
+        launch wrote the CSR and ``device_schedule(causal, params)``'s schedule of ``bs``
+        sequences and ``rows`` query rows. ``False``: plan from host lengths instead."""
+        direct = self._direct
+        if direct is None or direct.key != (causal, params) or \
+                not direct.lengthless(bs, rows):
+            return False
+        self._last = None  # no host CSR: a later public replan needs one
+        return True
 
     def plan(self, csr: "HostCSR", causal: bool, params: Params, *,
              on_device: bool = False, qo_on_device: bool = False,

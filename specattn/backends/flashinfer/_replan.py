@@ -148,6 +148,13 @@ class Replanner:
         device-written CSR)."""
         return None
 
+    def lengthless(self, bs: int, rows: int) -> bool:
+        """One replan of a round whose CSR and schedule (``schedule``) the caller's launch
+        writes, made from what the host knows without the lengths: ``bs`` sequences and
+        ``rows`` query rows in all. ``False`` (nothing changed) where that does not settle
+        it: the caller then plans from host lengths."""
+        return False
+
     def _copy_csr(self, bufs: tuple, csr: "HostCSR", on_device: bool,
                   qo_on_device: bool = False) -> None:
         """The host CSR into the captured ``bufs`` ``(qo_indptr, kv_indptr, kv_lens)``
@@ -210,6 +217,20 @@ class _PrefillReplanner(Replanner):
 
     def device_buffers(self) -> Optional[tuple]:
         return (*self.bufs[1:], self.bufs[0])
+
+    def lengthless(self, bs: int, rows: int) -> bool:
+        """The captured size and at most the captured rows (FlashInfer's ``merge_indptr``
+        and grid are sized for them), no uniform-rows promise to check; the facts ``run``
+        would read that need no lengths (a graph replay reads none)."""
+        w = self.wrapper
+        cap = w._max_total_num_rows
+        if self.schedule is None or self.uniform or bs != w._fixed_batch_size or \
+                cap is None or rows > cap:
+            return False
+        w._batch_size = bs
+        w._qo_indptr_last = rows
+        self.calls += 1
+        return True
 
     def _replan(self, csr: "HostCSR", on_device: bool, qo_on_device: bool,
                 scheduled: bool) -> bool:
@@ -315,15 +336,28 @@ class _MLAReplanner(Replanner):
         pb = self.backend
         return pb._kv_indptr_buf, pb._kv_len_arr_buf, pb._qo_indptr_buf
 
-    def _checked(self, csr: "HostCSR", bs: int) -> bool:
+    def lengthless(self, bs: int, rows: int) -> bool:
+        """The captured size, and a workload the planner's check could not refuse with
+        ``rows`` as the bound of every sequence's rows; the facts ``run`` would read."""
+        pb = self.backend
+        if self.schedule is None or bs != pb._kv_len_arr_buf.shape[0] or \
+                self._checked(rows, bs):
+            return False
+        pb._planned_query_shape = (rows, self.num_heads)
+        pb._planned_kv_page_range = (0, self.kv_bound)
+        self.calls += 1
+        return True
+
+    def _checked(self, max_q: int, bs: int) -> bool:
         """Whether the batch needs the public plan's workload check. Its work count is at
         most the query tiles plus one split per cluster (a split is at least the average
         of a cluster's keys), causal or not; a causal plan is also refused where a 64-row
-        query tile can end inside a query's heads (heads not dividing 64)."""
+        query tile can end inside a query's heads (heads not dividing 64). ``max_q``: the
+        most query rows of a sequence (or a bound of it)."""
         if self.capacity is None or not self.sms or (self.backend._causal
                                                      and 64 % self.num_heads):
             return True
-        items = bs * -(-csr.max_q * self.num_heads // 64)
+        items = bs * -(-max_q * self.num_heads // 64)
         # Key counts under 2**29 keep the planner's int32 split arithmetic in range.
         return items + self.sms > self.capacity or \
             self.backend._kv_indices_buf.shape[0] >= 1 << 29
@@ -354,7 +388,7 @@ class _MLAReplanner(Replanner):
         bs = csr.kv_lens.shape[0]
         if bs != pb._kv_len_arr_buf.shape[0] or csr.total > pb._kv_indices_buf.shape[0]:
             return False
-        if self._checked(csr, bs):  # host lists: the CSR is on the host
+        if self._checked(csr.max_q, bs):  # host lists: the CSR is on the host
             self.validate(csr.qo_indptr, csr.kv_lens, self.num_heads, pb._causal, pb.device,
                           pb._backend, pb._kv_data_type)
         self._copy_csr((pb._qo_indptr_buf, pb._kv_indptr_buf, pb._kv_len_arr_buf), csr,
