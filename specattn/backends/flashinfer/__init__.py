@@ -31,13 +31,17 @@ page size > 1 with ``topk > 1``). Layout of this package:
 - ``backend.py``: the four registered classes.
 
 Limits: FlashInfer plans the softmax scale and the soft cap, so a layer with other values
-than the last plan triggers a re-plan (eager; refused under graph capture). MLA has no soft
-cap. CUDA graph replay (decode and extend) re-plans before each replay: per round one
-launch and one FlashInfer plan of the MHA passes (``per-branch``: one per step; after the
-capture's public plan a direct call of FlashInfer's native planner, host code), and for MLA
-a second launch that writes FlashInfer's MLA schedule on the device; from the lengths' host
-copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one copy of the lengths
-per round, which waits for the device).
+than the last plan triggers a re-plan (eager; refused under graph capture, and after an
+extend graph replay, which plans without host lengths). MLA has no soft cap. CUDA graph
+replay (decode and extend) re-plans before each replay with one kept launch: the slot list,
+the CSR and, where the capture's plan has the layout FlashInfer 0.7.4 gives it, FlashInfer's
+schedule (FA2 prefill or MLA) written on the device, so no planner runs on the host. Other
+layouts (another FlashInfer release, fa3, a fixed split size), and the decode passes planned
+per step (one lane, or the ``per-branch`` mode), call FlashInfer's native planner (host
+code). A decode replay reads the
+lengths' host copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one copy
+of the lengths per round, which waits for the device); an extend replay with a device
+schedule reads none.
 """
 
 from __future__ import annotations
