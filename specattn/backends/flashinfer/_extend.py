@@ -105,20 +105,10 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # graph's fixed buffer (``_fills_graph_round``).
             loc = None if dev_csr is None else (self.graph_source.out_cache_loc,
                                                 batch.out_cache_loc)
-            # A graph pass's buffers (slot list, device CSR, fixed slots) stay put: the
-            # pass, their addresses and the caller's index tensors' signatures key its
-            # launch (the new tokens' slots by dtype and stride: their count varies).
-            # With it, FlashInfer's schedule of the round too (the host planner then idles).
+            # With the device CSR, FlashInfer's schedule of the round too (the host planner
+            # then idles).
             schedule = None if dev_csr is None else p.device_schedule(True, self.params)
-            key = None
-            if p.graph:  # (a graph round's check left its batch's signature, or None)
-                sigs = self._checked_batch
-                key = (id(p), *(sigs[1:4] if sigs is not None else
-                                (signature(rows), signature(lens), signature(ext))))
-                if loc is not None:
-                    key += (loc[0].dtype, loc[0].stride(0),
-                            tuple(t.data_ptr() for t in (*dev_csr, loc[1])),
-                            None if schedule is None else schedule.key())
+            key = self._launch_key(p, batch, loc, dev_csr, schedule) if p.graph else None
             prefix_slots = prefix_slots_launcher()
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
                          csr=None if dev_csr is None else dev_csr[:2],
@@ -149,19 +139,30 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         if schedule is None or not p.plan_lengthless(
                 batch.batch_size, int(batch.out_cache_loc.shape[0]), True, self.params):
             return False
-        rows, lens, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_lens
         loc = (self.graph_source.out_cache_loc, batch.out_cache_loc)
-        sigs = self._checked_batch
-        key = (id(p), *(sigs[1:4] if sigs is not None else
-                        (signature(rows), signature(lens), signature(ext))),
-               loc[0].dtype, loc[0].stride(0),
-               tuple(t.data_ptr() for t in (*dev_csr, loc[1])), schedule.key())
         prefix_slots_launcher()(p.indices, p.indices.numel(), r.max_context_len,
-                                r.req_to_token, rows, lens, r.num_slots, csr=dev_csr[:2],
-                                qo=(ext, dev_csr[2]), ext_loc=loc, schedule=schedule,
-                                kept=self._slot_launches, kept_key=key)
+                                r.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                r.num_slots, csr=dev_csr[:2], qo=(batch.extend_lens, dev_csr[2]),
+                                ext_loc=loc, schedule=schedule, kept=self._slot_launches,
+                                kept_key=self._launch_key(p, batch, loc, dev_csr, schedule))
         self._pass = p
         return True
+
+    def _launch_key(self, p: Pass, batch, loc: Optional[tuple], dev_csr: Optional[tuple],
+                    schedule) -> tuple:
+        """The key of a graph pass's kept slot-list launch. Its buffers (slot list, device
+        CSR, fixed slots) stay put: the pass, their addresses and the caller's index
+        tensors' signatures (those the round's check left, if any) key it, the new tokens'
+        slots by dtype and stride (their count varies), and the schedule it writes."""
+        sigs = self._checked_batch
+        key = (id(p), *(sigs[1:4] if sigs is not None else
+                        (signature(batch.req_pool_indices), signature(batch.seq_lens),
+                         signature(batch.extend_lens))))
+        if loc is not None:
+            key += (loc[0].dtype, loc[0].stride(0),
+                    tuple(t.data_ptr() for t in (*dev_csr, loc[1])),
+                    None if schedule is None else schedule.key())
+        return key
 
     def _attend(self, layer, q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
