@@ -79,18 +79,21 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
     def _prepare(self, p: Pass, batch, replay: bool = False) -> None:
         """Slot list on the device, one plan (host). ``replay``: a graph replay's, which
         needs no host lengths where the launch writes the CSR and the schedule."""
-        if replay and self._prepare_lengthless(p, batch):
-            return
-        seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
-        seq_np, ext_np = seq_host.numpy(), ext_host.numpy()
         r = self.runner
-        schedule = None
         if self._triton is None:
             self._triton = triton_runs(r.device)
         # Graph passes keep their slot-list launches (an eager pass's buffer may be
         # replaced) and write the CSR, query indptr included, into the captured buffers:
         # its host copy then goes into kept pageable buffers (nothing copies from them).
+        # With it, FlashInfer's schedule of the round too (the host planner then idles).
         dev_csr = p.device_csr() if p.graph and self._triton else None
+        schedule = None if dev_csr is None else p.device_schedule(True, self.params)
+        if replay and schedule is not None and p.plan_lengthless(
+                batch.batch_size, int(batch.out_cache_loc.shape[0]), True, self.params):
+            self._launch_lengthless(p, batch, dev_csr, schedule)
+            return
+        seq_host, ext_host = host_lengths(batch, "seq_lens", "extend_lens")
+        seq_np, ext_np = seq_host.numpy(), ext_host.numpy()
         if dev_csr is None:
             qo = host_indptr(ext_np, pin=p.pin)
             csr = host_csr(qo, seq_np, int(ext_np.max()), pin=p.pin)
@@ -105,9 +108,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # graph's fixed buffer (``_fills_graph_round``).
             loc = None if dev_csr is None else (self.graph_source.out_cache_loc,
                                                 batch.out_cache_loc)
-            # With the device CSR, FlashInfer's schedule of the round too (the host planner
-            # then idles).
-            schedule = None if dev_csr is None else p.device_schedule(True, self.params)
             key = self._launch_key(p, batch, loc, dev_csr, schedule) if p.graph else None
             prefix_slots = prefix_slots_launcher()
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
@@ -125,20 +125,12 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
                scheduled=schedule is not None)
         self._pass = p
 
-    def _prepare_lengthless(self, p: Pass, batch) -> bool:
+    def _launch_lengthless(self, p: Pass, batch, dev_csr: tuple, schedule) -> None:
         """A graph replay's slot list, CSR and schedule in one launch sized by the pass's
         capacity (the grid by ``max_context_len``: programs past a request's keys write
-        nothing), and a replan from what the host knows without the lengths
-        (``Pass.plan_lengthless``). ``False``: the pass cannot (no device schedule, or a
-        round its replanner must see the lengths of)."""
+        nothing), after a replan from what the host knows without the lengths
+        (``Pass.plan_lengthless``)."""
         r = self.runner
-        if self._triton is None:
-            self._triton = triton_runs(r.device)
-        dev_csr = p.device_csr() if self._triton else None
-        schedule = None if dev_csr is None else p.device_schedule(True, self.params)
-        if schedule is None or not p.plan_lengthless(
-                batch.batch_size, int(batch.out_cache_loc.shape[0]), True, self.params):
-            return False
         loc = (self.graph_source.out_cache_loc, batch.out_cache_loc)
         prefix_slots_launcher()(p.indices, p.indices.numel(), r.max_context_len,
                                 r.req_to_token, batch.req_pool_indices, batch.seq_lens,
@@ -146,7 +138,6 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
                                 ext_loc=loc, schedule=schedule, kept=self._slot_launches,
                                 kept_key=self._launch_key(p, batch, loc, dev_csr, schedule))
         self._pass = p
-        return True
 
     def _launch_key(self, p: Pass, batch, loc: Optional[tuple], dev_csr: Optional[tuple],
                     schedule) -> tuple:

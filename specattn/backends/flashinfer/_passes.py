@@ -199,8 +199,8 @@ class Pass:
         parameters (``prefill_schedule.Fa2Schedule``, ``_mla_plan.MLASchedule``); ``None``
         where FlashInfer's planner writes it. ``rows``: the query rows of every request
         where the launch does not write the query indptr (a decode's ``K``)."""
-        direct = self._direct
-        if direct is None or direct.key != (causal, params):
+        direct = self._direct_for(causal, params)
+        if direct is None:
             return None
         return direct.schedule if rows is None else direct.schedule_for(rows)
 
@@ -208,9 +208,8 @@ class Pass:
         """A direct replan without host lengths (``Replanner.lengthless``): the caller's
         launch wrote the CSR and ``device_schedule(causal, params)``'s schedule of ``bs``
         sequences and ``rows`` query rows. ``False``: plan from host lengths instead."""
-        direct = self._direct
-        if direct is None or direct.key != (causal, params) or \
-                not direct.lengthless(bs, rows):
+        direct = self._direct_for(causal, params)
+        if direct is None or not direct.lengthless(bs, rows):
             return False
         self._last = None  # no host CSR: a later public replan needs one
         return True
@@ -227,11 +226,15 @@ class Pass:
             self.wrapper = self._make_wrapper(csr.kv_lens.numel())
             self._direct = None
         self._last = (csr, causal)
-        direct = self._direct
-        if direct is not None and direct.key == (causal, params) and \
-                direct(csr, on_device, qo_on_device, scheduled):
+        direct = self._direct_for(causal, params)
+        if direct is not None and direct(csr, on_device, qo_on_device, scheduled):
             return
         self._public_plan(csr, causal, params)
+
+    def _direct_for(self, causal: bool, params: Params) -> Optional[Replanner]:
+        """The direct replanner where the last public plan had these parameters."""
+        direct = self._direct
+        return direct if direct is not None and direct.key == (causal, params) else None
 
     def replan(self, params: Params) -> None:
         if self._last is not None:
