@@ -3,6 +3,7 @@ reason when SGLang (the pinned version) is not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 
@@ -49,51 +50,13 @@ def sglang_cpu():
 
 
 @pytest.fixture
-def specattn_plugin(monkeypatch, sglang_cpu):
+def specattn_plugin(sglang_cpu):
     """Factory: opt in with ``env`` (e.g. ``{"SPECATTN_SGLANG": "1"}``), run the plugin's
-    entry function and apply SGLang's hooks; every patched target is restored afterwards."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.speculative import draft_utils, spec_utils
+    entry function and apply SGLang's hooks (``draft_round.sglang_hooks``); SGLang's factory,
+    hooks, top-k selection and the opt-in variables are restored afterwards, also after a
+    test that applied the plugin some other way."""
+    from specattn.integrations.sglang.draft_round import sglang_hooks
 
-    import specattn.integrations.sglang.plugin as plugin
-
-    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    factory = draft_utils.DraftBackendFactory
-    originals = {name: factory.__dict__[name]
-                 for name in ("create_decode_backend", "create_draft_extend_backend")}
-    select = spec_utils.select_top_k_tokens
-    holders = _holders_of(select)
-
-    def enable(env: dict) -> None:
-        for key in ("SPECATTN_SGLANG", "SPECATTN_SGLANG_BACKEND", "SPECATTN_SGLANG_TREE_MODE",
-                    "SPECATTN_SGLANG_OPTIONS"):
-            monkeypatch.delenv(key, raising=False)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        HookRegistry.reset()
-        plugin.register()
-        HookRegistry.apply_hooks()
-
-    yield enable
-    for name, fn in originals.items():
-        setattr(factory, name, fn)
-    for module in holders:
-        module.select_top_k_tokens = select
-    spec_utils.select_top_k_tokens = select
-    HookRegistry.reset()
-    HookRegistry._hooks.update(saved_hooks)
-    HookRegistry._patched.update(saved_patched)
-
-
-def _holders_of(fn) -> list:
-    import sys
-
-    holders = []
-    for module in list(sys.modules.values()):
-        try:
-            if vars(module).get("select_top_k_tokens") is fn:
-                holders.append(module)
-        except TypeError:
-            continue
-    return holders
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(sglang_hooks(None))  # the state to restore, and no opt-in
+        yield lambda env: stack.enter_context(sglang_hooks(env))
