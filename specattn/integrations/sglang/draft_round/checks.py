@@ -13,6 +13,7 @@ import torch
 from .fixture import Fixture
 from .runs import Record
 
+
 def perturbed(rec: Record) -> Record:
     """A copy of ``rec`` whose first step's attention output is wrong by 10% of its scale
     (a comparison must fail it)."""

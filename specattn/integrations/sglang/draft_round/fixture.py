@@ -12,6 +12,7 @@ import torch
 from ....errors import BackendUnavailableError, InvalidInputError
 from .. import stubs
 
+
 def install_stubs(gpu: bool) -> list[str]:
     """Stand-ins for what SGLang imports but cannot have here (``stubs``). On a GPU host:
     ``sgl_kernel`` (``sgl_kernel.scalar_type`` left missing: SGLang falls back without it;

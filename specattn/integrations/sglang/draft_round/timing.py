@@ -13,7 +13,6 @@ from .fixture import Fixture, RoundCase
 from .runs import (DraftModel, Record, _sync, capture_graph, execute_tree, make_container,
                    run_eager)
 
-# --- timing --------------------------------------------------------------------------------------
 
 def time_graph_round(fx: Fixture, graph, inputs: dict, reps: int = 30,
                      warmup: int = 3) -> dict:
