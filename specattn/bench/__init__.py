@@ -245,7 +245,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     from ..platforms import current_platform
     from . import cases as C
     from . import report, run
-    from .._console import ItemProgress, make_console
+    from .._console import ItemProgress
     from .harness import CudaClock, WallClock, copy_bandwidth
 
     parser = build_parser()
@@ -322,6 +322,21 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
         rows = merge_rows(rows, sglang_rows([p.case for p in plans], device, seed=args.seed,
                                             backends=args.backend))
+    rows, sweep_rows = _write_results(args, argv, out, info, bandwidth, clock.name, on_gpu,
+                                      rows, sweep_rows)
+    failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
+    return 1 if failed else 0
+
+def _write_results(args, argv: Optional[Sequence[str]], out: str, info: dict,
+                   bandwidth: Optional[float], clock_name: str, on_gpu: bool, rows: list,
+                   sweep_rows: list) -> tuple[list, list]:
+    """The run's files in ``out`` (``bench.csv``, ``sweep.csv``, ``parts.csv``,
+    ``versions.json``, PNGs, ``table.md`` with its notes; ``--append``: merged with the
+    folder's earlier rows) and its table on the console; returns the rows and sweep rows
+    written."""
+    from .._console import make_console
+    from . import report
+
     parts = report.parts_rows(rows)
     if args.append:
         rows, sweep_rows, parts = _merge(out, rows, sweep_rows, parts)
@@ -342,7 +357,25 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     title = info["gpu"] or "CPU"
     pngs, png_note = ([], "") if args.check_only else report.write_pngs(rows, sweep_rows, out,
                                                                         title)
-    header = _header(info, bandwidth, clock.name, on_gpu, rows)
+    header = _header(info, bandwidth, clock_name, on_gpu, rows)
+    notes = _notes(rows, sweep_rows, parts, pngs, png_note)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(header + "\n\n" + report.render_table(rows, cpu=not on_gpu) + "\n" + notes)
+    console = make_console()
+    console.print(header + "\n")
+    report.print_table(rows, console, cpu=not on_gpu)
+    console.print(notes)
+    print(f"wrote {out}/ (bench.csv, table.md, versions.json"
+          + (", sweep.csv" if sweep_rows else "") + (", parts.csv" if parts else "")
+          + (f", {len(pngs)} PNG" if pngs else "") + ")")
+    return rows, sweep_rows
+
+
+def _notes(rows: list, sweep_rows: list, parts: list, pngs: list, png_note: str) -> str:
+    """The markdown under ``table.md``'s table: compute rates, FP8 pools, step parts, the
+    sweep's files, chart and noise warnings (each where the run has them)."""
+    from . import report
+
     notes = ""
     rates = report.rate_lines(rows)
     if rates:
@@ -360,14 +393,5 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     noise = report.noise_warning(rows)
     if noise:
         notes += f"\n{noise}.\n"
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(header + "\n\n" + report.render_table(rows, cpu=not on_gpu) + "\n" + notes)
-    console = make_console()
-    console.print(header + "\n")
-    report.print_table(rows, console, cpu=not on_gpu)
-    console.print(notes)
-    print(f"wrote {out}/ (bench.csv, table.md, versions.json"
-          + (", sweep.csv" if sweep_rows else "") + (", parts.csv" if parts else "")
-          + (f", {len(pngs)} PNG" if pngs else "") + ")")
-    failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
-    return 1 if failed else 0
+    return notes
+
