@@ -74,6 +74,53 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not broken, broken
 
 
+# `git show REV:PATH` in a text (REV and PATH may be on the next line).
+GIT_SHOW = re.compile(r"git show\s+([^\s:`]+):([^\s`]+)")
+
+
+def _history_available() -> str:
+    """Why the repository's history cannot be read here ('' when it can)."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"git unavailable: {exc}"
+    if shallow.returncode != 0:
+        return "not a git checkout"
+    return "a shallow clone" if shallow.stdout.strip() == "true" else ""
+
+
+def _tag_missing(rev: str) -> bool:
+    return subprocess.run(["git", "rev-parse", "-q", "--verify", f"refs/tags/{rev}"],
+                          cwd=ROOT, capture_output=True).returncode != 0
+
+
+def test_every_git_show_the_docs_cite_reads_a_commit_of_the_history():
+    """The results moved out of ``benchmarks/results/`` are cited as ``git show REV:PATH``:
+    REV is a commit hash of the history (tags need not travel with a clone) and PATH exists
+    there. A laboratory's tag (``lab-...``, commits off ``main``) is checked where the
+    clone has it; ``PATH`` in capitals is a placeholder."""
+    why = _history_available()
+    if why:
+        pytest.skip(f"the citations are checked against the git history: {why}")
+    pages = [ROOT / "README.md", ROOT / "benchmarks" / "results" / "README.md",
+             *sorted((ROOT / "docs").rglob("*.md"))]
+    bad = []
+    for page in pages:
+        for rev, path in GIT_SHOW.findall(page.read_text()):
+            path = path.rstrip(".,;)")
+            if path == "PATH" or (rev.startswith("lab-") and _tag_missing(rev)):
+                continue
+            if "..." in path:  # a pattern (REV:benchmarks/results/...), not one file
+                path = path.split("...")[0].rstrip("/")
+            named = re.fullmatch(r"[0-9a-f]{7,40}", rev) or rev.startswith("lab-")
+            found = subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT,
+                                   capture_output=True).returncode == 0
+            if not (named and found):
+                bad.append((str(page.relative_to(ROOT)), f"{rev}:{path}"))
+    assert not bad, bad
+
+
 def test_the_tools_cite_the_repositorys_docs_not_the_spec():
     """selection.md / performance.md in a message: written as docs/..., which exists."""
     for path in sorted((ROOT / "specattn").rglob("*.py")):
