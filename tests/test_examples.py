@@ -59,3 +59,17 @@ def test_custom_backend(monkeypatch, capsys, scoped_registry):
 
     assert "my_ref" in scoped_registry.all_names("decode")
     assert "my_ref" not in default_registry.all_names("decode")
+
+
+@pytest.mark.parametrize("argv", [[], ["--backend", "triton", "--rounds", "2"]])
+def test_graph_round(argv, monkeypatch, capsys):
+    """The graph protocol of a serving engine (capture once, replay call + replay per
+    round, a padded round between full ones) gives torch_ref's outputs."""
+    assert run_example("graph_round.py", argv, monkeypatch) == 0
+    out = capsys.readouterr().out
+    if "triton" in argv:
+        assert "decode backend 'triton'" in out
+    rounds = re.findall(r"^round \d: (\d) of 2 requests, lengths \[([\d, ]+)\]", out, re.M)
+    assert [int(n) for n, _ in rounds] == [2, 1, 2][:len(rounds)]
+    assert len(rounds) == (2 if "--rounds" in argv else 3)
+    assert "replays match torch_ref" in out
