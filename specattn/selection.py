@@ -232,8 +232,10 @@ def auto_order(platform: Optional[Platform] = None, kind: Optional[str] = None,
 
 def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError:
     valid = [n for n in registry.all_names(kind)] + [AUTO]
-    closest = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.0)
-    hint = closest[0] if closest else None
+    # Case folded (``FlashInfer``); no hint for a name close to none (``nope``).
+    folded = {n.lower(): n for n in valid}
+    closest = difflib.get_close_matches(str(name).lower(), list(folded), n=1)
+    hint = folded[closest[0]] if closest else None
     # The original's sentence, then the answer, then the list it comes from.
     message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name) + "."
                + (f" Did you mean {hint!r}?" if hint else "")
@@ -247,7 +249,7 @@ def describe_error(exc: BaseException) -> str:
     keeps the original factory's sentence, for code that matches it). A backend that cannot
     run: ``BackendUnavailableError: `` and its ``summary``. Else ``Type: message``."""
     if isinstance(exc, UnknownBackendError):
-        if exc.closest and difflib.get_close_matches(str(exc.name), [exc.closest], n=1):
+        if exc.closest:
             return f"unknown backend {exc.name!r}; did you mean {exc.closest!r}?"
         known = ", ".join(n for n in exc.valid_names if n != AUTO)
         return f"unknown backend {exc.name!r}; known names: {known}"

@@ -72,6 +72,13 @@ def test_unknown_name_message(kind, prefix, name, closest):
     assert err.name == name and err.closest == closest and list(err.valid_names) == valid
 
 
+def test_unknown_name_close_to_none_gets_no_hint():
+    err = error_of(factory("nope").resolve_decode_backend)
+    assert type(err) is UnknownBackendError and err.closest is None
+    assert "Did you mean" not in str(err) and str(err).startswith(
+        "EAGLE is not supported in decode attention backend nope. Valid decode backend names: ")
+
+
 def test_unknown_name_message_snapshot(empty_registry):
     for name in ("alpha", "beta"):
         type(name, (DraftDecodeBackend,), {"__module__": "fakes",
