@@ -327,6 +327,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
     return 1 if failed else 0
 
+
 def _write_results(args, argv: Optional[Sequence[str]], out: str, info: dict,
                    bandwidth: Optional[float], clock_name: str, on_gpu: bool, rows: list,
                    sweep_rows: list) -> tuple[list, list]:
