@@ -191,3 +191,20 @@ def test_docs_build_strictly(tmp_path):
     api = (site / "api" / "factory" / "index.html").read_text()
     assert "create_decode_backend" in api and "explain_decode_backend" in api
     assert (site / "changelog" / "index.html").is_file()
+
+
+def test_the_kernel_pages_plan_table_is_the_codes():
+    """docs/kernels.md's plan table names every plan of ``plans.PLANS``, each with the code's
+    block m/n, warps and stages (``M/N, WARPS ..., STAGES``)."""
+    from specattn.backends.triton.plans import PLANS
+
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    table = text[text.index("## The plan table"):]
+    table = table[:table.index("\n## ", 5)]
+    rows = {}
+    for name, tiles in re.findall(r"^\| `([\w-]+)` \|[^|]*\| ([^|]*) \|", table, re.M):
+        m, n = re.match(r"(\d+)/(\d+),", tiles).groups()
+        numbers = re.findall(r"\d+", tiles.split(",", 1)[1])
+        rows[name] = (int(m), int(n), int(numbers[0]), int(numbers[-1]))
+    assert rows == {p.name: (p.block_m, p.block_n, p.num_warps, p.num_stages)
+                    for p in PLANS.values()}
