@@ -19,17 +19,15 @@ from typing import Callable, Optional
 import torch
 
 import sglang_stubs
-from specattn.integrations.sglang.draft_round import draft_positions  # noqa: F401
+from specattn.integrations.sglang.draft_round import (  # noqa: F401
+    draft_positions, eagle_draft_batch)
 
 sglang_stubs.install()
 
-from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
-    CaptureHiddenMode, ForwardBatch, ForwardMode)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.speculative.draft_utils import DraftBackendFactory  # noqa: E402
-from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import (  # noqa: E402
     dense_attention as dense_kit, mla_attention as mla_kit)
 from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
@@ -197,22 +195,8 @@ def draft_inputs(fx: Fixture, topk: int, seed: int = 1) -> dict:
 def draft_batch(fx: Fixture, topk: int, out_cache_loc: torch.Tensor, inputs: dict,
                 seq_dtype=torch.int32) -> ForwardBatch:
     """The DECODE batch SGLang's ``prepare_for_draft`` hands ``draft_forward``."""
-    lens = fx.shape.prefix_lens
-    spec = EagleDraftInput(topk_p=inputs["topk_p"].clone(),
-                           topk_index=inputs["topk_index"].clone(),
-                           hidden_states=inputs["hidden_states"].clone(),
-                           capture_hidden_mode=CaptureHiddenMode.LAST,
-                           num_tokens_per_req=topk, num_tokens_for_logprob_per_req=topk)
-    seq = torch.tensor(lens, dtype=seq_dtype)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(lens), input_ids=None,
-                      req_pool_indices=torch.arange(len(lens), dtype=torch.int32),
-                      seq_lens=seq, seq_lens_cpu=seq.clone(), out_cache_loc=out_cache_loc.clone(),
-                      seq_lens_sum=sum(lens),
-                      positions=seq.repeat_interleave(topk).to(torch.int64),
-                      spec_algorithm=SpeculativeAlgorithm.EAGLE, spec_info=spec,
-                      capture_hidden_mode=CaptureHiddenMode.LAST)
-    fx.runner.kv_index_translator.bind_own_plan(fb)
-    return fb
+    return eagle_draft_batch(fx.runner, fx.shape.prefix_lens, topk, out_cache_loc, inputs,
+                             seq_dtype=seq_dtype)
 
 
 def create_decode_container(fx: Fixture, topk: int, steps: int):

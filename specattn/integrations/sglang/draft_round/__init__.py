@@ -31,7 +31,8 @@ draft model with records, the factory with or without the plugin, eager and grap
 
 from .checks import (UPSTREAM, Verdict, check_tree, compare, kv_reads, perturbed, rel_err,
                      tree_reference, tree_verdict, upstream_check)
-from .fixture import Fixture, RoundCase, build_fixture, draft_positions, install_stubs
+from .fixture import (Fixture, RoundCase, build_fixture, draft_positions, eagle_draft_batch,
+                      install_stubs)
 from .runs import (SPECATTN_ENV_KEYS, DraftModel, EagerGraphBackend, Record, capture_graph,
                    capture_graph_recorded, execute_tree, make_container, run_eager, run_graph,
                    sglang_hooks)
@@ -42,4 +43,5 @@ __all__ = ["RoundCase", "Fixture", "Record", "Verdict", "build_fixture", "sglang
            "run_graph", "execute_tree", "compare", "check_tree", "tree_reference",
            "time_graph_round", "time_steps", "time_pair", "served_by", "install_stubs",
            "SPECATTN_ENV_KEYS", "draft_positions", "DraftModel", "EagerGraphBackend",
-           "rel_err", "kv_reads", "tree_verdict", "UPSTREAM", "upstream_check", "perturbed"]
+           "rel_err", "kv_reads", "tree_verdict", "UPSTREAM", "upstream_check", "perturbed",
+           "eagle_draft_batch"]

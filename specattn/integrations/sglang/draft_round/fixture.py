@@ -190,27 +190,36 @@ class Fixture:
 
     def batch_of(self, inputs: dict):
         """The DECODE batch SGLang's ``prepare_for_draft`` hands ``draft_forward``."""
-        from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode,
-                                                                  ForwardBatch, ForwardMode)
-        from sglang.srt.speculative.eagle_info import EagleDraftInput
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        return eagle_draft_batch(self.runner, self.lengths, self.case.topk, self.loc, inputs,
+                                 device=self.device)
 
-        topk = self.case.topk
-        spec = EagleDraftInput(topk_p=inputs["topk_p"].clone(),
-                               topk_index=inputs["topk_index"].clone(),
-                               hidden_states=inputs["hidden_states"].clone(),
-                               capture_hidden_mode=CaptureHiddenMode.LAST,
-                               num_tokens_per_req=topk, num_tokens_for_logprob_per_req=topk)
-        seq = torch.tensor(self.lengths, dtype=torch.int32, device=self.device)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=self.batch, input_ids=None,
-            req_pool_indices=torch.arange(self.batch, dtype=torch.int32, device=self.device),
-            seq_lens=seq, seq_lens_cpu=seq.cpu(), out_cache_loc=self.loc.clone(),
-            seq_lens_sum=sum(self.lengths), positions=seq.repeat_interleave(topk).long(),
-            spec_algorithm=SpeculativeAlgorithm.EAGLE, spec_info=spec,
-            capture_hidden_mode=CaptureHiddenMode.LAST)
-        self.runner.kv_index_translator.bind_own_plan(fb)
-        return fb
+
+def eagle_draft_batch(runner, lengths, topk: int, out_cache_loc: torch.Tensor, inputs: dict,
+                      *, device: str = "cpu", seq_dtype: torch.dtype = torch.int32):
+    """The DECODE ``ForwardBatch`` SGLang's ``prepare_for_draft`` hands ``draft_forward``:
+    requests ``0 .. B-1`` of ``lengths`` (a host copy of them too), ``topk`` lanes each, a
+    copy of ``out_cache_loc`` and of ``inputs``' ``topk_p`` / ``topk_index`` /
+    ``hidden_states``; bound to ``runner``'s KV index translator."""
+    from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode,
+                                                              ForwardBatch, ForwardMode)
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    spec = EagleDraftInput(topk_p=inputs["topk_p"].clone(),
+                           topk_index=inputs["topk_index"].clone(),
+                           hidden_states=inputs["hidden_states"].clone(),
+                           capture_hidden_mode=CaptureHiddenMode.LAST,
+                           num_tokens_per_req=topk, num_tokens_for_logprob_per_req=topk)
+    seq = torch.tensor(lengths, dtype=seq_dtype, device=device)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=len(lengths), input_ids=None,
+        req_pool_indices=torch.arange(len(lengths), dtype=torch.int32, device=device),
+        seq_lens=seq, seq_lens_cpu=seq.to("cpu", copy=True),
+        out_cache_loc=out_cache_loc.clone(), seq_lens_sum=sum(lengths),
+        positions=seq.repeat_interleave(topk).long(), spec_algorithm=SpeculativeAlgorithm.EAGLE,
+        spec_info=spec, capture_hidden_mode=CaptureHiddenMode.LAST)
+    runner.kv_index_translator.bind_own_plan(fb)
+    return fb
 
 
 def build_fixture(model: str, lengths, *, shape, page_size: int, steps: int, topk_max: int,
