@@ -10,13 +10,12 @@ from typing import Optional, TextIO
 
 import torch
 
-from ..config import SpecConfig
 from ..data import DraftRunner
 from ..errors import SpecAttnError
-from ..factory import DraftBackendFactory
 from ..selection import describe_error
 from ..platforms import Platform, current_platform, torch_device_type, use_platform
 from ._args import non_negative, positive
+from ._backends import select_backends
 from .eagle import EagleDrafter, ErrorMeter
 from .model import DraftModel, ModelConfig
 from .render import LEGEND, lane_divergence, render_meter, render_tree, slow_start_note
@@ -148,23 +147,9 @@ def _run(args: argparse.Namespace, out: TextIO, started: float) -> int:
         f"{args.steps}, tree mode {args.tree_mode}")
     say()
 
-    config = SpecConfig(attention_backend=args.backend, page_size=args.page_size)
-    factory = DraftBackendFactory(config, runner, args.topk, args.steps,
-                                  tree_mode=args.tree_mode)
-    if args.explain:
-        say(f"selection (attention_backend={args.backend!r}):")
-        say(factory.explain_draft_extend_backend().explain())
-        say(factory.explain_decode_backend().explain())
-    extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
-    if extend is None:
-        raise SpecAttnError(f"{args.backend!r} has no draft-extend backend; the demo needs "
-                            "one (pass another --backend)")
+    extend, decode = select_backends(args, runner, say)
     names = {"extend": type(extend).name,
              "decode": None if decode is None else type(decode).name}
-    say(f"-> extend: {names['extend']} ({type(extend).qualified_name()}); decode: "
-        + ("none (num_steps == 1: the extend's top-k is the whole draft)" if decode is None
-           else f"{names['decode']} ({type(decode).qualified_name()})")
-        + ("" if args.explain else f" (attention_backend={args.backend!r}; --explain: why)"))
     say()
 
     gen = torch.Generator().manual_seed(args.seed + 1)

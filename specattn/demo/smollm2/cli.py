@@ -18,13 +18,12 @@ from typing import Optional, TextIO
 
 import torch
 
-from ...config import SpecConfig
 from ...errors import SpecAttnError
-from ...factory import DraftBackendFactory
 from ...selection import describe_error
 from ...platforms import Platform, current_platform, torch_device_type, use_platform
 from ..._console import ItemProgress
 from .._args import positive
+from .._backends import select_backends
 from ..render import render_tree, slow_start_note
 
 __all__ = ["build_parser", "cli_main", "DEFAULT_PROMPTS"]
@@ -199,20 +198,7 @@ def _run(args: argparse.Namespace, model, load_s: float, out: TextIO,
                              args.steps)
     runner = make_draft_runner(model.draft, args.draft_layers, len(prompts), context,
                                topk=args.topk, num_steps=args.steps, page_size=args.page_size)
-    factory = DraftBackendFactory(SpecConfig(attention_backend=args.backend,
-                                             page_size=args.page_size),
-                                  runner, args.topk, args.steps, tree_mode=args.tree_mode)
-    if args.explain:
-        say(f"selection (attention_backend={args.backend!r}):")
-        say(factory.explain_draft_extend_backend().explain())
-        say(factory.explain_decode_backend().explain())
-    extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
-    if extend is None:
-        raise SpecAttnError(f"{args.backend!r} has no draft-extend backend; the demo needs "
-                            "one (pass another --backend)")
-    say(f"-> extend: {type(extend).name}; decode: "
-        + ("none (steps == 1)" if decode is None else type(decode).name)
-        + ("" if args.explain else f" (attention_backend={args.backend!r}; --explain: why)"))
+    extend, decode = select_backends(args, runner, say)
     say()
 
     stop = [tok.eos_id]
