@@ -208,3 +208,35 @@ def test_the_kernel_pages_plan_table_is_the_codes():
         rows[name] = (int(m), int(n), int(numbers[0]), int(numbers[-1]))
     assert rows == {p.name: (p.block_m, p.block_n, p.num_warps, p.num_stages)
                     for p in PLANS.values()}
+
+
+def _serving_table(text: str) -> tuple[str, list[list[str]]]:
+    """The results folder docs/serving.md's measured section links, and its table's rows."""
+    section = text[text.index("## Measured on an H200"):]
+    folder = re.search(r"\(\.\./(benchmarks/results/[\w.-]+)/", section).group(1)
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `")]
+    return folder, rows
+
+
+def test_the_serving_pages_table_is_its_runs_bench_csv():
+    """Every number of docs/serving.md's table (read floor; triton and flashinfer step and
+    its ratio to the read floor; round and host time) is the linked run's ``bench.csv``,
+    rounded as printed."""
+    import csv
+
+    folder, rows = _serving_table((ROOT / "docs" / "serving.md").read_text())
+    with open(ROOT / folder / "bench.csv", newline="") as f:
+        csv_rows = {(r["case"], r["variant"]): r for r in csv.DictReader(f)
+                    if r["lengths"] == "uniform"}
+    assert len(rows) >= 10
+    for cells in rows:
+        case = cells[0].strip("`")
+        expected = [f"{float(csv_rows[case, 'read-floor']['time_us']):.1f}"]
+        for backend in ("triton", "flashinfer"):
+            r = csv_rows[case, backend]
+            expected.append(f"{float(r['time_us']):.1f} ({float(r['x_read_floor']):.2f}x)")
+        for backend in ("triton", "flashinfer"):
+            r = csv_rows[case, backend]
+            expected.append(f"{float(r['round_us']):.1f} / {float(r['round_host_us']):.1f}")
+        assert cells[2:] == expected, case
