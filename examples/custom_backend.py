@@ -36,6 +36,7 @@ def main() -> int:
                                            runner, topk=2, num_steps=3)
     print(factory.explain_decode_backend().explain())
     decode, extend = factory.create_decode_backend(), factory.create_draft_extend_backend()
+    assert decode is not None and extend is not None  # "mine" registers both
     layer, q = specattn.AttentionLayer(0, scaling=32 ** -0.5), torch.randn(5, 4, 32)
     # Request 0: a prompt of 5 tokens in slots 1..5, then one draft step of 2 lanes.
     runner.req_to_token[0, :5] = torch.arange(1, 6, dtype=torch.int32)

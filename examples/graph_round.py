@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     decode = factory.create_decode_backend()
     reference = specattn.DraftBackendFactory(specattn.SpecConfig(attention_backend="torch_ref"),
                                              runner, topk=K, num_steps=S).create_decode_backend()
+    assert decode is not None and reference is not None  # num_steps >= 2: a decode backend
     layer = specattn.AttentionLayer(0, scaling=D ** -0.5)
 
     alloc = PagedKVAllocator(runner)  # stands in for the engine's allocator

@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     factory = specattn.DraftBackendFactory(config, runner, topk=K, num_steps=S,
                                            tree_mode=args.tree_mode)
     extend, decode = factory.create_draft_extend_backend(), factory.create_decode_backend()
+    if extend is None or decode is None:  # no draft extend (flashmla); decode: S >= 2 has one
+        raise SystemExit(f"{args.backend!r} has no draft-extend backend: pass another --backend")
     print(f"platform {specattn.platforms.current_platform()}: extend backend "
           f"{type(extend).name!r}, decode backend {type(decode).name!r}")
 
@@ -79,11 +81,11 @@ def main(argv=None) -> int:
             tokens.append(ids)
         alloc.release_draft()
         # 3. "Verify" (no target here): accept a prefix of the best path, add a bonus token.
-        lane, path = score.argmax(-1), []
+        lane, picked = score.argmax(-1), []
         for i in range(S - 1, -1, -1):
-            path.append(tokens[i].gather(1, lane[:, None]))
+            picked.append(tokens[i].gather(1, lane[:, None]))
             lane = parents[i].gather(1, lane[:, None])[:, 0]
-        path = torch.cat(path[::-1], dim=1).cpu()                       # [B, S]
+        path = torch.cat(picked[::-1], dim=1).cpu()                     # [B, S]
         n_acc = torch.randint(0, S + 1, (B,), generator=gen)
         new = [torch.cat([path[b, :n_acc[b]], torch.randint(VOCAB, (1,), generator=gen)])
                for b in range(B)]

@@ -7,7 +7,7 @@ check tensor values on a device too). Depends on ``specattn.errors`` alone."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, TypeGuard
 
 import torch
 
@@ -25,7 +25,8 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("SPECATTN_DEBUG_CHECKS", "0") not in ("", "0")
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
+    """An int that is not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
+from ._tensor_checks import _is_int
 from .data import DraftBatch, DraftExtendBatch
 from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
 from .install import install_hint
@@ -103,6 +104,12 @@ class DraftBackend(ABC):
     # reference computes (e.g. a sliding window wide enough to cover any prefix); the
     # caller's options override them.
     kit_options: ClassVar[Mapping[str, Any]] = {}
+    # Set by the hook: False on a class without name= (no registration inherited).
+    _registered: ClassVar[bool] = False
+
+    # The round ``forward`` reads (``DraftBatch`` / ``DraftExtendBatch``; the subclasses
+    # declare which): ``None`` until the first metadata call.
+    batch: Any
 
     def __init_subclass__(cls, *, name: Optional[str] = None, **declaration: Any) -> None:
         unknown = set(declaration) - set(_DECLARATION_KEYWORDS)
@@ -134,6 +141,12 @@ class DraftBackend(ABC):
     @classmethod
     def qualified_name(cls) -> str:
         return f"{cls.__module__}.{cls.__qualname__}"
+
+    @classmethod
+    def runtime_note(cls, platform: Platform) -> str:
+        """What this class runs on ``platform`` when worth saying (which kernel, a slow
+        path), for ``specattn list`` and ``select``; empty by default."""
+        return ""
 
     @classmethod
     def priority_on(cls, platform: Platform) -> int:
@@ -342,7 +355,7 @@ _CAPABILITIES: dict[str, tuple[str, Any]] = {
 }
 
 
-def _check_capabilities(cls: type) -> None:
+def _check_capabilities(cls: type[DraftBackend]) -> None:
     """The capability ClassVars a class body sets (``cls.__dict__``: inherited ones were
     checked on their class) have the right types, and no name in it is a misspelled
     capability (``max_top_k``), which would otherwise be ignored."""
@@ -360,7 +373,7 @@ def _check_capabilities(cls: type) -> None:
                                         f"you mean {close[0]!r}?), got {field} = {value!r}")
 
 
-def _apply_declaration(cls: type, name: str, decl: dict[str, Any]) -> None:
+def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any]) -> None:
     where = f"{cls.__module__}.{cls.__qualname__}"
 
     def bad(what: str, value: Any) -> RegistrationError:
@@ -405,8 +418,8 @@ def _apply_declaration(cls: type, name: str, decl: dict[str, Any]) -> None:
     cls.mla_required_name = mla_name
     kind_base = next((b for b in cls.__mro__ if b.__dict__.get("kind") in ("decode", "extend")),
                      None)
-    if kind_base is not None and cls._attend is kind_base._attend and \
-            cls.forward is kind_base.forward:
+    if kind_base is not None and all(getattr(cls, hook) is getattr(kind_base, hook)
+                                     for hook in ("_attend", "forward")):
         raise RegistrationError(f"{where}: implements neither _attend (the hook the protocol "
                                 "calls) nor forward")
     cls._registered = True
@@ -454,6 +467,7 @@ class DraftDecodeBackend(DraftBackend):
     """
 
     kind = "decode"
+    batch: DraftBatch  # set by the metadata calls; forward() before one is a CallOrderError
 
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
@@ -538,7 +552,7 @@ class DraftDecodeBackend(DraftBackend):
         graph = self._require_graph_state()
         self._check_graph_batch(batch)
         bs = batch.batch_size
-        if self.tree_mode == "path":
+        if self.tree_mode == "path" and batch.parents is not None:  # checked: set in path mode
             graph.parents[bs] = batch.parents
         self._graph_round(graph, batch, bs)
         self._plan_graph(self.batch, capture=True)
@@ -553,8 +567,8 @@ class DraftDecodeBackend(DraftBackend):
             raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] (the "
                                     "captured batch size)", repr(bs))
         captured = graph.parents.get(bs)
-        if self.tree_mode == "path" and captured is not None and (
-                batch.parents.data_ptr() != captured.data_ptr()):
+        if self.tree_mode == "path" and captured is not None and batch.parents is not None \
+                and batch.parents.data_ptr() != captured.data_ptr():
             # The graph reads the tensor given at capture ([S, bs, K], validated then); this
             # batch's values go into it.
             captured[:, :raw].copy_(batch.parents)
@@ -606,6 +620,7 @@ class DraftExtendBackend(DraftBackend):
     """
 
     kind = "extend"
+    batch: DraftExtendBatch  # set by the metadata calls; forward() before one is a CallOrderError
     max_extend_len: Optional[int] = None
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
@@ -755,7 +770,3 @@ class _FixedRound:
             self.seq_cpu[raw:bs].fill_(seq_fill)
             host = self.seq_cpu[:bs]
         return DraftBatch(self.rpi[:bs], self.seq[:bs], self.loc[:bs], parents, host)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

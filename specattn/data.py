@@ -14,7 +14,7 @@ import torch
 from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
 from .errors import InvalidInputError
 from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize, write_rows, zeros
-from .keys import BackendRequest
+from .keys import BackendRequest, Kind
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
 
@@ -130,6 +130,19 @@ class DraftRunner:
     pools) or ``DraftRunner.wrap_mha(...)`` / ``wrap_mla(...)`` (uses an engine's tensors,
     no copy).
     """
+
+    # The shape fields and pools of the other model type (MLA's on an MHA runner and the
+    # reverse) are None.
+    num_q_heads: Optional[int]
+    num_kv_heads: Optional[int]
+    head_dim: Optional[int]
+    v_head_dim: Optional[int]
+    k_buffer: Optional[list[torch.Tensor]]
+    v_buffer: Optional[list[torch.Tensor]]
+    num_heads: Optional[int]
+    kv_lora_rank: Optional[int]
+    qk_rope_head_dim: Optional[int]
+    kv_buffer: Optional[list[torch.Tensor]]
 
     def __init__(self, *, use_mla_backend: bool, dtype: torch.dtype,
                  device: torch.device | str, page_size: int, num_layers: int,
@@ -305,10 +318,15 @@ class DraftRunner:
         fp8 = FP8_KV_DTYPES.get(self.kv_cache_dtype)
         if fp8 is not None:
             return fp8
-        pool = self.kv_buffer if self.use_mla_backend else self.k_buffer
-        return pool[0].dtype
+        return self.layer_pools(0)[0].dtype
 
-    def backend_request(self, kind: str, *, topk: int = 1, num_steps: int = 2,
+    def layer_pools(self, layer_id: int) -> list[torch.Tensor]:
+        """Layer ``layer_id``'s pools: ``[kv_buffer[layer_id]]`` (MLA) or
+        ``[k_buffer[layer_id], v_buffer[layer_id]]`` (MHA)."""
+        pools = [self.kv_buffer] if self.use_mla_backend else [self.k_buffer, self.v_buffer]
+        return [p[layer_id] for p in pools if p is not None]
+
+    def backend_request(self, kind: Kind, *, topk: int = 1, num_steps: int = 2,
                         tree_mode: str = "lane") -> BackendRequest:
         """The full ``BackendRequest`` for this runner (dtype and head dim included)."""
         return BackendRequest(kind=kind, mla=self.use_mla_backend, topk=topk,
@@ -323,12 +341,16 @@ class DraftRunner:
         ``fp8.quantize(k, k_scale)`` and ``fp8.quantize(v, v_scale)`` (MLA: ``k_scale``);
         other pools ignore the scales."""
         loc = loc.reshape(-1).long()
+        pools = self.layer_pools(layer_id)
         if self.kv_layout is not None:  # FP8 byte layout: quantize on write
-            self.kv_layout.write(self.kv_buffer[layer_id], loc, k.reshape(loc.shape[0], -1))
+            self.kv_layout.write(pools[0], loc, k.reshape(loc.shape[0], -1))
             return
-        pools = [self.kv_buffer[layer_id]] if self.use_mla_backend else [
-            self.k_buffer[layer_id], self.v_buffer[layer_id]]
-        rows = [k.reshape(loc.shape[0], -1)] if self.use_mla_backend else [k, v]
+        if self.use_mla_backend:
+            rows = [k.reshape(loc.shape[0], -1)]
+        elif v is None:
+            raise InvalidInputError("v", "the new values [N, H_kv, D_v] (an MHA runner)", "None")
+        else:
+            rows = [k, v]
         for pool, x, scale in zip(pools, rows, (k_scale, v_scale)):
             if self.fp8:
                 write_rows(pool, loc, quantize(x, scale, pool.dtype))
@@ -380,29 +402,23 @@ def check_runner(runner: DraftRunner) -> None:
             device=runner.device)
     _last_dim_contiguous("runner.req_to_token", runner.req_to_token)  # rows by stride
     if runner.use_mla_backend:
-        for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(runner, field)
-            if not _is_int(value) or value < (0 if field == "qk_rope_head_dim" else 1):
-                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
+        _int_field(runner, "num_heads")
+        width = _int_field(runner, "kv_lora_rank") + _int_field(runner, "qk_rope_head_dim", 0)
         pools = {"runner.kv_buffer": runner.kv_buffer}
-        width = runner.kv_lora_rank + runner.qk_rope_head_dim
-        expected = {"runner.kv_buffer": (width,)}
+        expected: dict[str, tuple[int, ...]] = {"runner.kv_buffer": (width,)}
         layout = getattr(runner, "kv_layout", None)
         if layout is not None:  # FP8 byte layout (specattn.kv_layouts): uint8 pools
             _check_layout_pools(runner, layout)
             return
     else:
-        for field in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
-            value = getattr(runner, field)
-            if not _is_int(value) or value < 1:
-                raise InvalidInputError(f"runner.{field}", "a positive int", repr(value))
-        if runner.num_q_heads % runner.num_kv_heads:
-            raise InvalidInputError("runner.num_q_heads",
-                                    f"a multiple of num_kv_heads={runner.num_kv_heads}",
-                                    runner.num_q_heads)
+        q_heads, kv_heads = _int_field(runner, "num_q_heads"), _int_field(runner, "num_kv_heads")
+        head_dim, v_head_dim = _int_field(runner, "head_dim"), _int_field(runner, "v_head_dim")
+        if q_heads % kv_heads:
+            raise InvalidInputError("runner.num_q_heads", f"a multiple of num_kv_heads={kv_heads}",
+                                    q_heads)
         pools = {"runner.k_buffer": runner.k_buffer, "runner.v_buffer": runner.v_buffer}
-        expected = {"runner.k_buffer": (runner.num_kv_heads, runner.head_dim),
-                    "runner.v_buffer": (runner.num_kv_heads, runner.v_head_dim)}
+        expected = {"runner.k_buffer": (kv_heads, head_dim),
+                    "runner.v_buffer": (kv_heads, v_head_dim)}
     num_slots = None
     for name, pool in pools.items():
         if pool is None or len(pool) != runner.num_layers:
@@ -422,6 +438,15 @@ def check_runner(runner: DraftRunner) -> None:
                 raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
                                         t.shape[0])
             num_slots = t.shape[0]
+
+
+def _int_field(runner: DraftRunner, field: str, least: int = 1) -> int:
+    """``runner.<field>``, checked to be an int >= ``least``."""
+    value = getattr(runner, field)
+    if not _is_int(value) or value < least:
+        raise InvalidInputError(f"runner.{field}", "a positive int" if least == 1 else
+                                f"an int >= {least}", repr(value))
+    return value
 
 
 def _check_layout_pools(runner: DraftRunner, layout) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from ._logging import get_logger
-from .base import DraftDecodeBackend, DraftExtendBackend
+from .base import DraftBackend, DraftDecodeBackend, DraftExtendBackend
 from .config import SpecConfig
 from .errors import InvalidInputError
-from .keys import BackendRequest, check_draft_params
+from .keys import BackendRequest, Kind, check_draft_params
 from .platforms import Platform
 from .plugins import load_plugins
 from .registry import Registry
@@ -59,7 +59,7 @@ class DraftBackendFactory:
                                     "of constructor keywords", repr(backend_options))
         self.backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
 
-    def request(self, kind: str) -> BackendRequest:
+    def request(self, kind: Kind) -> BackendRequest:
         """What selection knows for ``kind``: model type, topk, steps, page size, KV dtype."""
         return BackendRequest(kind=kind, mla=bool(self.runner.use_mla_backend),
                               topk=self.topk, num_steps=self.num_steps,
@@ -67,7 +67,7 @@ class DraftBackendFactory:
                               kv_cache_dtype=self.config.kv_cache_dtype,
                               tree_mode=self.tree_mode)
 
-    def _explain(self, kind: str) -> Selection:
+    def _explain(self, kind: Kind) -> Selection:
         if self.registry is None:
             load_plugins()
         name = self.config.backend_name(kind)
@@ -83,11 +83,12 @@ class DraftBackendFactory:
 
     def resolve_decode_backend(self) -> Optional[type[DraftDecodeBackend]]:
         """The decode class (``None`` when ``num_steps <= 1``), not instantiated."""
-        return self.explain_decode_backend().backend
+        return cast(Optional[type[DraftDecodeBackend]], self.explain_decode_backend().backend)
 
     def resolve_draft_extend_backend(self) -> Optional[type[DraftExtendBackend]]:
         """The extend class (``None`` for ``flashmla``), not instantiated."""
-        return self.explain_draft_extend_backend().backend
+        return cast(Optional[type[DraftExtendBackend]],
+                    self.explain_draft_extend_backend().backend)
 
     def _check_runner_page_size(self) -> None:
         page = getattr(self.runner, "page_size", self.config.page_size)
@@ -113,7 +114,7 @@ class DraftBackendFactory:
         return cls(self.runner, topk=self.topk, num_steps=self.num_steps,
                    **self._options_for(cls))
 
-    def _options_for(self, cls: type) -> dict[str, Any]:
+    def _options_for(self, cls: type[DraftBackend]) -> dict[str, Any]:
         """The ``backend_options`` keywords of ``cls``'s backend that its constructor takes;
         raises for a keyword that no class of that backend takes."""
         names = (cls.name, *cls.aliases)
@@ -144,6 +145,6 @@ class DraftBackendFactory:
 _RESERVED = frozenset({"tree_mode", "topk", "num_steps"})
 
 
-def _keywords(cls: type) -> set[str]:
+def _keywords(cls: type[DraftBackend]) -> set[str]:
     """Keyword-only constructor arguments of ``cls`` a ``backend_options`` entry may set."""
     return keyword_args(cls) - _RESERVED

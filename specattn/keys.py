@@ -7,10 +7,11 @@ from typing import Literal, Optional
 
 import torch
 
+from ._tensor_checks import _is_int
 from .errors import InvalidInputError
 
 Kind = Literal["decode", "extend"]
-KINDS: tuple[str, str] = ("decode", "extend")
+KINDS: tuple[Kind, Kind] = ("decode", "extend")
 TREE_MODES: tuple[str, str] = ("lane", "path")
 
 __all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "a_kind", "check_draft_params"]
@@ -19,10 +20,6 @@ __all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "a_kind", "check_dra
 def a_kind(kind: str) -> str:
     """``"a decode"`` / ``"an extend"``, for messages."""
     return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_draft_params(topk: object, num_steps: object, tree_mode: object = "lane", *,

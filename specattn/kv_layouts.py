@@ -239,6 +239,8 @@ def rope_for_width(kv_cache_dtype: str, kv_lora_rank: int, width: int) -> int:
                              qk_rope_head_dim=rope, page_size=1)
         except InvalidInputError:
             continue
+        if lay is None:  # a plain dtype: no layout to size
+            break
         if lay.bytes_per_token == width:
             return rope
         if lay.bytes_per_token > width:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .keys import KINDS
 from .platforms import Platform, current_platform
 from .plugins import load_plugins
-from .registry import Registry, active_registry, default_registry
+from .registry import Dispatcher, Registry, active_registry, default_registry
+
+if TYPE_CHECKING:
+    from .base import DraftBackend
 
 __all__ = ["BackendInfo", "list_backends", "known_libraries"]
 
@@ -34,30 +37,31 @@ class BackendInfo:
     qualified_name: str
     runs_here: bool
     reason: str  # why not, or a note when it runs
-    backend: Optional[type] = None
+    backend: Optional[type[DraftBackend]] = None
 
 
-def _runs_here(cls: type, platform: Platform) -> tuple[bool, str]:
+def _runs_here(cls: type[DraftBackend], platform: Platform) -> tuple[bool, str]:
     reasons = cls.platform_reasons(platform)
     if cls.pending:
         reasons.append(cls.pending)
-    note = cls.runtime_note(platform) if hasattr(cls, "runtime_note") else ""
+    note = cls.runtime_note(platform)
     return (not reasons, "; ".join(reasons) if reasons else note)
 
 
-def _dispatch_here(registry: Registry, kind: str, name: str, platform: Platform,
+def _dispatch_here(registry: Registry, disp: Dispatcher, platform: Platform,
                    depth: int = 0) -> tuple[bool, str]:
     """(the target here runs here?, "here -> target" and why it cannot run) of a dispatcher.
 
     A dispatcher "runs here" only when the backend it routes to on ``platform`` does: one of
-    the target's classes of ``kind`` (or, for a dispatcher target, its own target) runs."""
-    disp = registry.dispatcher(kind, name)
+    the target's classes of its kind (or, for a dispatcher target, its own target) runs."""
+    kind = disp.kind
     route = next((r for r in disp.routes if r.when(platform)), None)
     target = route.target if route else None
     if target is None:
         return False, disp.warning or "here -> no backend"
-    if registry.dispatcher(kind, target) is not None and depth < 8:
-        ok, why = _dispatch_here(registry, kind, target, platform, depth + 1)
+    inner = registry.dispatcher(kind, target)
+    if inner is not None and depth < 8:
+        ok, why = _dispatch_here(registry, inner, platform, depth + 1)
         return ok, f"here -> {target}, {why}"
     if any(_runs_here(cls, platform)[0] for cls in registry.classes(kind, target)):
         return True, f"here -> {target}"
@@ -88,7 +92,7 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
                                     tuple(d["capabilities"]), d["tested_on"], d["class"], ok,
                                     reason, cls))
         for disp in registry.dispatchers(k):
-            ok, reason = _dispatch_here(registry, k, disp.name, platform)
+            ok, reason = _dispatch_here(registry, disp, platform)
             rows.append(BackendInfo(
                 disp.name, k, "dispatcher", (), ("mha", "mla"),
                 "; ".join(f"{r.when.description} -> {r.target or 'none'}" for r in disp.routes),

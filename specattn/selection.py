@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ._logging import deprecation_once, get_logger, warn_once
 from .errors import BackendUnavailableError, ModelMismatchError, UnknownBackendError
 from .keys import BackendRequest
 from .platforms import Platform, current_platform
 from .registry import Registry, active_registry
+
+if TYPE_CHECKING:
+    from .base import DraftBackend
 
 log = get_logger("selection")
 
@@ -39,7 +42,7 @@ class Selection:
     requested: Optional[str]
     request: BackendRequest
     platform: Platform
-    backend: Optional[type] = None
+    backend: Optional[type[DraftBackend]] = None
     steps: list[str] = field(default_factory=list)
     rejected: dict[str, list[str]] = field(default_factory=dict)
 
@@ -179,19 +182,19 @@ def _cause(classes: list, sel: Selection, platform: Platform) -> str:
         causes = [f"{c.flavour if same_name else c.name}: "
                   + ", ".join(sel.rejected.get(c.qualified_name(), [])) for c in here]
     else:
-        first = [sel.rejected.get(c.qualified_name(), []) for c in classes]
-        first = first[0] if len(first) == 1 else [r[0] for r in first if r]
+        each = [sel.rejected.get(c.qualified_name(), []) for c in classes]
+        first = each[0] if len(each) == 1 else [r[0] for r in each if r]
         causes = [r.split(", this platform is")[0] for r in first]
     return "; ".join(dict.fromkeys(causes))
 
 
-def _note(cls: type, platform: Platform) -> str:
+def _note(cls: type[DraftBackend], platform: Platform) -> str:
     """``"; <runtime note>"`` (e.g. which kernel runs here) when the class gives one."""
-    note = cls.runtime_note(platform) if hasattr(cls, "runtime_note") else ""
+    note = cls.runtime_note(platform)
     return f"; {note}" if note else ""
 
 
-def _auto_rank(cls: type, platform: Platform) -> tuple:
+def _auto_rank(cls: type[DraftBackend], platform: Platform) -> tuple:
     """``auto``'s order: highest priority on the platform first, then by name."""
     return (-cls.priority_on(platform), cls.name, cls.qualified_name())
 

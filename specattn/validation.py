@@ -251,7 +251,7 @@ def _check_qkv(runner: DraftRunner, rows: Optional[int], q: torch.Tensor, k: tor
     q = _tensor("q", q, dtypes=dt, ndim=3, device=dev)
     n = q.shape[0] if rows is None else rows
     if runner.use_mla_backend:
-        width = runner.kv_lora_rank + runner.qk_rope_head_dim
+        width = runner.head_dim  # MLA: kv_lora_rank + qk_rope_head_dim
         _shape("q", q, (n, runner.num_heads, width))
         k = _tensor("k", k, dtypes=dt, ndim=2, device=dev)
         _shape("k", k, (n, width))

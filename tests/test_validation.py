@@ -116,7 +116,7 @@ def test_runner_mha(kwargs, argument, fragment):
 @pytest.mark.parametrize("kwargs,argument,fragment", [
     (dict(num_heads=0), "runner.num_heads", "got 0"),
     (dict(kv_lora_rank=None), "runner.kv_lora_rank", "got None"),
-    (dict(qk_rope_head_dim=-1), "runner.qk_rope_head_dim", "got -1"),
+    (dict(qk_rope_head_dim=-1), "runner.qk_rope_head_dim", "an int >= 0, got -1"),
     (dict(kv_buffer=[torch.zeros(64, 10, dtype=torch.bfloat16)]), "runner.kv_buffer[0]",
      "shape [num_slots, 12]"),
     (dict(kv_buffer=None), "runner.kv_buffer", "a list of 1 tensors"),
@@ -127,6 +127,11 @@ def test_runner_mla(kwargs, argument, fragment):
                 qk_rope_head_dim=4, kv_buffer=[torch.zeros(64, 12, dtype=torch.bfloat16)])
     args.update(kwargs)
     _expect(lambda: DraftRunner(**args), argument, fragment)
+
+
+def test_an_mha_runners_write_needs_the_values():
+    runner = DraftRunner.wrap_mha(R2T, [_k()], [_k()], 4)
+    _expect(lambda: runner.write_kv(0, torch.tensor([1]), _k(n=1), None), "v", "got None")
 
 
 def test_wrap_runner_accepts_engine_tensors():

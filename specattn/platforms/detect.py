@@ -57,7 +57,7 @@ def detect() -> Platform:
         try:
             import torch_npu  # noqa: F401  (registers torch.npu)
 
-            if torch.npu.is_available():
+            if torch.npu.is_available():  # type: ignore[attr-defined]  # torch_npu's
                 return Platform("npu", None, amx, triton_interpret=interp,
                                 device_name="Ascend NPU")
         except Exception as exc:  # a broken CANN install must not break CPU users

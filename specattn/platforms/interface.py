@@ -67,7 +67,7 @@ class Platform:
         return "" if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
 
     def __str__(self) -> str:
-        parts = [self.device]
+        parts: list[str] = [self.device]
         if self.capability is not None:
             parts.append(self.capability_str)
         if self.device == "cpu":

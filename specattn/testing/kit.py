@@ -135,7 +135,7 @@ def conformance_tests(backend: BackendSpec, **options: Any):
     session = Session(target, seed=seed, level=level)
     planned = plan_cases(target, kinds=kinds, models=models, level=level)
     if planned and all(reason for _, reason in planned):
-        reasons = "; ".join(dict.fromkeys(reason for _, reason in planned))
+        reasons = "; ".join(dict.fromkeys(reason for _, reason in planned if reason))
         warnings.warn(NothingRunsHereWarning(
             f"specattn conformance kit for {target.label}: no case runs here ({reasons}); "
             "`pytest -rs` lists each case's reason"), stacklevel=2)

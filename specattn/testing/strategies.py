@@ -22,7 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..config import SpecConfig
-from ..keys import KINDS, TREE_MODES, BackendRequest
+from ..keys import KINDS, TREE_MODES, BackendRequest, Kind
 from ..platforms import Platform
 from ..registry import active_registry
 from .rounds import DecodeRound, ExtendRound, ModelShape, RoundMaker
@@ -104,7 +104,7 @@ def configs(draw, names: Optional[st.SearchStrategy] = None,
 
 
 @st.composite
-def backend_requests(draw, kind: Optional[str] = None) -> BackendRequest:
+def backend_requests(draw, kind: Optional[Kind] = None) -> BackendRequest:
     """What serving code asks of a backend (dtype and head dim included)."""
     mla = draw(st.booleans())
     return BackendRequest(
