@@ -12,17 +12,18 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from ._logging import get_logger
 from .errors import DuplicateBackendError, RegistrationError
 from .keys import KINDS
 from .platforms import Predicate
 
-if TYPE_CHECKING:
-    from .base import DraftBackend
-
 log = get_logger("registry")
+
+# A registered class: a subclass of ``specattn.base.DraftBackend``, typed loosely here because
+# that module registers its subclasses into this one (an import back would be a circle).
+BackendClass = type[Any]
 
 __all__ = ["Registry", "Route", "Dispatcher", "default_registry", "active_registry",
            "scoped_registry"]
@@ -59,13 +60,13 @@ class Registry:
     """
 
     def __init__(self) -> None:
-        self._classes: dict[str, dict[str, dict[str, type[DraftBackend]]]] = {k: {} for k in KINDS}
+        self._classes: dict[str, dict[str, dict[str, BackendClass]]] = {k: {} for k in KINDS}
         self._aliases: dict[str, dict[str, tuple[str, bool]]] = {k: {} for k in KINDS}
         self._dispatchers: dict[str, dict[str, Dispatcher]] = {k: {} for k in KINDS}
 
     # --- writing ---------------------------------------------------------------------------
 
-    def register(self, cls: type[DraftBackend], *, replace: bool = False) -> None:
+    def register(self, cls: BackendClass, *, replace: bool = False) -> None:
         """Add a declared backend class (called by ``__init_subclass__``)."""
         kind, name, flavour = cls.kind, cls.name, cls.flavour
         if kind not in KINDS:
@@ -96,8 +97,8 @@ class Registry:
                 table.update({a: (c.name, True) for a in c.deprecated_aliases})
         self._aliases[kind] = table
 
-    def _check_name_free(self, kind: str, name: str, cls: type[DraftBackend], *,
-                         is_alias: bool) -> None:
+    def _check_name_free(self, kind: str, name: str, cls: BackendClass, *, is_alias: bool
+                         ) -> None:
         if name in self._dispatchers[kind]:
             raise DuplicateBackendError(f"{cls.qualified_name()}: {name!r} is already a "
                                         f"{kind} dispatcher")
@@ -127,7 +128,7 @@ class Registry:
             raise DuplicateBackendError(f"{kind} name {dispatcher.name!r} is already taken")
         self._dispatchers[kind][dispatcher.name] = dispatcher
 
-    def unregister(self, cls: type[DraftBackend]) -> None:
+    def unregister(self, cls: BackendClass) -> None:
         """Remove ``cls`` (and the aliases no remaining class declares)."""
         flavours = self._classes[cls.kind].get(cls.name, {})
         if flavours.get(cls.flavour) is not cls:
@@ -158,7 +159,7 @@ class Registry:
     def dispatcher(self, kind: str, name: str) -> Optional[Dispatcher]:
         return self._dispatchers[kind].get(name)
 
-    def classes(self, kind: str, name: Optional[str] = None) -> list[type[DraftBackend]]:
+    def classes(self, kind: str, name: Optional[str] = None) -> list[BackendClass]:
         """Classes of ``kind`` (all, or those registered under ``name``), by qualified name."""
         if name is None:
             found = [c for flavours in self._classes[kind].values() for c in flavours.values()]

@@ -167,9 +167,7 @@ class _Adapter:
         r = self.runner
         if k is None or not save_kv_cache:
             slots = slots.reshape(-1).long()
-            lid = layer.layer_id
-            pools = [r.kv_buffer[lid]] if r.use_mla_backend else [r.k_buffer[lid],
-                                                                    r.v_buffer[lid]]
+            pools = r.layer_pools(layer.layer_id)
             if r.fp8:
                 stored = [dequantize(read_rows(pool, slots), scale, r.dtype) for pool, scale
                           in zip(pools, layer_scales(layer, r.use_mla_backend))]
