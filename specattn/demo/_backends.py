@@ -1,4 +1,4 @@
-"""The backend choice both demo command lines make and print (``demo.cli``, ``demo.smollm2.cli``)."""
+"""The backend choice both demo command lines make and print (`demo.cli`, `demo.smollm2.cli`)."""
 
 from __future__ import annotations
 
