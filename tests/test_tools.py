@@ -203,6 +203,49 @@ def test_gpu_ab_dry_run_alternates_the_packages(tmp_path):
     assert "tools/ab_table.py" in table and table[-2:] == ["--out", env["OUT"] + "/ab.md"]
 
 
+def test_gpu_ab_dry_run_with_another_b_package(tmp_path):
+    """``AB_B=DIR``: B is DIR's package (run from inside it, as A is), the steps and the
+    table named by DIR, so that several A/Bs fit one call."""
+    env = _gpu_host(tmp_path)
+    ref, lab = tmp_path / "ref", tmp_path / "lab-x"
+    (ref / "specattn").mkdir(parents=True)
+    lab.mkdir()
+    res = _gpu_sh({**env, "AB_B": str(lab)}, "ab", str(ref))
+    assert res.returncode == 3 and "git archive" in res.stderr  # no specattn/ in B
+    (lab / "specattn").mkdir()
+    res = _gpu_sh({**env, "AB_B": str(lab)}, "ab", str(ref), "--case", "gqa-b1-k8")
+    assert res.returncode == 0, res.stderr
+    steps = _steps(res.stdout)
+    assert list(steps) == ["ab-lab-x-a1", "ab-lab-x-b1", "ab-lab-x-a2", "ab-lab-x-b2",
+                           "ab-lab-x-table"]
+    a, b = steps["ab-lab-x-a1"], steps["ab-lab-x-b1"]
+    assert a[:3] == ["env", "-C", str(ref)] and b[:3] == ["env", "-C", str(lab)]
+    assert b[3].startswith(f"PYTHONPATH={lab}") and ROOT not in b[3]
+    assert b[8:] == ["--out", "/tmp/gpu-ab-lab-x/b1", "--case", "gqa-b1-k8"]
+    table = steps["ab-lab-x-table"]
+    assert table[-4:] == ["--b-label", str(lab), "--out", env["OUT"] + "/ab-lab-x.md"]
+
+
+def test_ab_table_names_its_b_package(tmp_path):
+    sys.path.insert(0, TOOLS)
+    try:
+        import ab_table
+    finally:
+        sys.path.remove(TOOLS)
+    for side in ("a1", "b1"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "bench.csv").write_text(
+            "case,lengths,variant,status,time_us\ngqa-b1-k8,uniform,triton,ok,"
+            + ("13.0" if side == "a1" else "12.0") + "\n")
+    out = tmp_path / "ab.md"
+    assert ab_table.main([str(tmp_path), "--a-label", "REF", "--b-label", "LAB",
+                          "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "A = `REF`, B = `LAB`" in text and "| 0.923 |" in text
+    assert ab_table.main([str(tmp_path), "--out", str(out)]) == 0
+    assert "B = this tree" in out.read_text()
+
+
 def test_gpu_host_ab_dry_run_runs_the_tool(tmp_path):
     env = _gpu_host(tmp_path)
     ref = tmp_path / "ab"

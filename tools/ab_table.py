@@ -1,9 +1,9 @@
 """Join the ``specattn bench`` runs of an A/B (``bash tools/gpu.sh ab``) into one table.
 
-    python tools/ab_table.py DIR [--a-label REF] [--out ab.md]
+    python tools/ab_table.py DIR [--a-label REF] [--b-label DIR] [--out ab.md]
 
-``DIR`` holds the runs as ``a1/ b1/ a2/ b2/ ...`` (A: the older package, B: this tree, in
-the order they ran), each with its ``bench.csv``. Per (case, lengths, variant): every run's
+``DIR`` holds the runs as ``a1/ b1/ a2/ b2/ ...`` (A: the older package, B: this tree or
+another package, in the order they ran), each with its ``bench.csv``. Per (case, lengths, variant): every run's
 time and the ratio of the medians, B over A (below 1: B is faster). Rows that failed or ran
 on one side only show ``-``.
 """
@@ -35,7 +35,8 @@ def read_runs(root: str) -> dict[str, list[dict[tuple, float]]]:
     return runs
 
 
-def table(runs: dict[str, list[dict[tuple, float]]], a_label: str = "A") -> str:
+def table(runs: dict[str, list[dict[tuple, float]]], a_label: str = "A",
+          b_label: Optional[str] = None) -> str:
     keys = list(dict.fromkeys(k for side in ("b", "a") for run in runs[side] for k in run))
 
     def cell(side: str, key: tuple) -> tuple[str, Optional[float]]:
@@ -44,7 +45,7 @@ def table(runs: dict[str, list[dict[tuple, float]]], a_label: str = "A") -> str:
             return "-", None
         return ", ".join(f"{t:.1f}" for t in times), statistics.median(times)
 
-    lines = [f"# A/B: A = `{a_label}`, B = this tree",
+    lines = [f"# A/B: A = `{a_label}`, B = " + (f"`{b_label}`" if b_label else "this tree"),
              "",
              f"Runs in the order A1 B1 A2 B2 ... ({len(runs['a'])} of A, {len(runs['b'])} of "
              "B); us per run; `B/A`: median over median (below 1: B is faster). A drift "
@@ -63,6 +64,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir")
     ap.add_argument("--a-label", default="A")
+    ap.add_argument("--b-label", help="B's package folder (default: this tree)")
     ap.add_argument("--out", help="write the table here (default: print it)")
     args = ap.parse_args(argv)
     runs = read_runs(args.dir)
@@ -70,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"ab_table: {args.dir} needs a1/bench.csv and b1/bench.csv at least",
               file=sys.stderr)
         return 1
-    text = table(runs, args.a_label)
+    text = table(runs, args.a_label, args.b_label)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

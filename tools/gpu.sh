@@ -19,7 +19,10 @@
 #                                          .gpu/flashinfer and .whl (tools/sglang_wheels.sh)
 #   bash tools/gpu.sh ab REF [ARGS]        that bench of REF/specattn (`mkdir -p .ab && git
 #                                          archive TAG specattn | tar -x -C .ab`) and of this
-#                                          tree, A B A B; times and ratio in $OUT/ab.md
+#                                          tree, A B A B; times and ratio in $OUT/ab.md; with
+#                                          AB_B=DIR, of DIR/specattn instead of this tree,
+#                                          into $OUT/ab-<DIR's name>.md (several A/Bs in one
+#                                          call, each B a folder like REF)
 #   bash tools/gpu.sh host-ab REF ARGS     the replay metadata call's host time of REF/specattn
 #                                          against this tree's, alternating in one process
 #                                          (tools/host_ab.py REF ARGS: --case ... --backend
@@ -203,19 +206,32 @@ ref_package() {  # ref_package DIR: DIR's absolute path, when it holds a specatt
 
 ab() {
   [ $# -ge 1 ] || usage
-  local label=$1 ref r
+  local label=$1 ref b="" name=ab prefix="" r
   ref=$(ref_package "$1") || exit 3
   shift
+  if [ -n "${AB_B:-}" ]; then  # B: another package folder; its steps and files named by it
+    b=$(ref_package "$AB_B") || exit 3
+    name=ab-$(basename "$b")
+    prefix=$name-
+  fi
   setup
-  [ -n "$DRY" ] || rm -rf /tmp/gpu-ab
+  local runs=/tmp/gpu-$name
+  [ -n "$DRY" ] || rm -rf "$runs"
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-    # A from inside REF: `python -m` puts the working directory first on sys.path.
-    step "a$r" env -C "$ref" PYTHONPATH="$ref${LIBPATH:+:$LIBPATH}" "$PY" -m specattn bench \
-      --out "/tmp/gpu-ab/a$r" "$@"
-    step "b$r" "$PY" -m specattn bench --out "/tmp/gpu-ab/b$r" "$@"
+    # A (and a B folder) from inside it: `python -m` puts the working directory first on
+    # sys.path, so its specattn package runs, not this tree's.
+    step "${prefix}a$r" env -C "$ref" PYTHONPATH="$ref${LIBPATH:+:$LIBPATH}" "$PY" -m specattn \
+      bench --out "$runs/a$r" "$@"
+    if [ -n "$b" ]; then
+      step "${prefix}b$r" env -C "$b" PYTHONPATH="$b${LIBPATH:+:$LIBPATH}" "$PY" -m specattn \
+        bench --out "$runs/b$r" "$@"
+    else
+      step "b$r" "$PY" -m specattn bench --out "$runs/b$r" "$@"
+    fi
   done
-  step ab-table "$PY" tools/ab_table.py /tmp/gpu-ab --a-label "$label" --out "$OUT/ab.md"
-  if [ -z "$DRY" ] && [ -d /tmp/gpu-ab ]; then tar czf "$OUT/ab.tgz" -C /tmp/gpu-ab .; fi
+  step "$name-table" "$PY" tools/ab_table.py "$runs" --a-label "$label" \
+    ${b:+--b-label "$AB_B"} --out "$OUT/$name.md"
+  if [ -z "$DRY" ] && [ -d "$runs" ]; then tar czf "$OUT/$name.tgz" -C "$runs" .; fi
 }
 
 host-ab() {
