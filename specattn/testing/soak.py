@@ -156,8 +156,8 @@ def soak(backend: BackendSpec, *, rounds: int, seed: int = 0, graph_every: int =
         s = seed + i
         case = _round_case(target, s, graph_every, max_len, same_config)
         result.rounds += 1
-        if case is None:
-            result.skipped += 1
+        if case is None or limit_for(target.class_for(case.kind, case.model), case.id):
+            result.skipped += 1  # nothing runs here, or a limit the class declares (as the kit)
             continue
         session = Session(target, seed=s)
         try:
