@@ -3,9 +3,9 @@
     python tools/ab_table.py DIR [--a-label REF] [--b-label DIR] [--out ab.md]
 
 ``DIR`` holds the runs as ``a1/ b1/ a2/ b2/ ...`` (A: the older package, B: this tree or
-another package, in the order they ran), each with its ``bench.csv``. Per (case, lengths, variant): every run's
-time and the ratio of the medians, B over A (below 1: B is faster). Rows that failed or ran
-on one side only show ``-``.
+another package, in the order they ran), each with its ``bench.csv``. Per (case, lengths,
+variant): every run's time and the ratio of the medians, B over A (below 1: B is faster).
+Rows that failed or ran on one side only show ``-``.
 """
 
 from __future__ import annotations

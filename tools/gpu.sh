@@ -216,18 +216,14 @@ ab() {
   fi
   setup
   local runs=/tmp/gpu-$name
+  # A (and a B folder) from inside it: `python -m` puts the working directory first on
+  # sys.path, so its specattn package runs, not this tree's.
+  local a_in=(env -C "$ref" PYTHONPATH="$ref${LIBPATH:+:$LIBPATH}") b_in=()
+  [ -z "$b" ] || b_in=(env -C "$b" PYTHONPATH="$b${LIBPATH:+:$LIBPATH}")
   [ -n "$DRY" ] || rm -rf "$runs"
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-    # A (and a B folder) from inside it: `python -m` puts the working directory first on
-    # sys.path, so its specattn package runs, not this tree's.
-    step "${prefix}a$r" env -C "$ref" PYTHONPATH="$ref${LIBPATH:+:$LIBPATH}" "$PY" -m specattn \
-      bench --out "$runs/a$r" "$@"
-    if [ -n "$b" ]; then
-      step "${prefix}b$r" env -C "$b" PYTHONPATH="$b${LIBPATH:+:$LIBPATH}" "$PY" -m specattn \
-        bench --out "$runs/b$r" "$@"
-    else
-      step "b$r" "$PY" -m specattn bench --out "$runs/b$r" "$@"
-    fi
+    step "${prefix}a$r" "${a_in[@]}" "$PY" -m specattn bench --out "$runs/a$r" "$@"
+    step "${prefix}b$r" ${b_in[@]+"${b_in[@]}"} "$PY" -m specattn bench --out "$runs/b$r" "$@"
   done
   step "$name-table" "$PY" tools/ab_table.py "$runs" --a-label "$label" \
     ${b:+--b-label "$AB_B"} --out "$OUT/$name.md"
