@@ -240,3 +240,24 @@ def test_the_serving_pages_table_is_its_runs_bench_csv():
             r = csv_rows[case, backend]
             expected.append(f"{float(r['round_us']):.1f} / {float(r['round_host_us']):.1f}")
         assert cells[2:] == expected, case
+
+
+def test_the_selection_pages_sample_is_what_select_prints(capsys):
+    """docs/selection.md's ``$ specattn select ...`` block: every line it shows (``...`` elides)
+    is a line of the command's output, in the same order."""
+    import shlex
+
+    from specattn.cli import main
+
+    text = (ROOT / "docs" / "selection.md").read_text()
+    block = re.search(r"```text\n\$ specattn (select .*?)\n(.*?)```", text, re.S)
+    assert block, "docs/selection.md: the sample of `specattn select`"
+    assert main(shlex.split(block.group(1))) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in block.group(2).splitlines():
+        if line == "...":
+            continue
+        assert line in printed[at:], f"docs/selection.md shows a line select does not print: {line}"
+        at = printed.index(line, at) + 1
+
