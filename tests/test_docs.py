@@ -258,6 +258,40 @@ def test_the_selection_pages_sample_is_what_select_prints(capsys):
     for line in block.group(2).splitlines():
         if line == "...":
             continue
-        assert line in printed[at:], f"docs/selection.md shows a line select does not print: {line}"
+        assert line in printed[at:], f"docs/selection.md: select does not print {line!r}"
         at = printed.index(line, at) + 1
+
+
+def _documented_flags(page: pathlib.Path) -> list[tuple[str, str]]:
+    """(command, --flag) for every flag written after ``specattn list|select|demo|bench`` on
+    the same line of a page."""
+    found = []
+    for m in re.finditer(r"specattn (list|select|demo|bench)\b([^`\n]*)", page.read_text()):
+        found += [(m.group(1), f) for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", m.group(2))]
+    return found
+
+
+def test_every_flag_the_docs_give_a_command_exists():
+    """A ``--flag`` the README or a docs page writes after ``specattn <command>`` is an option of
+    that command's parser (the demo's: the synthetic or the SmolLM2 one)."""
+    import argparse
+
+    from specattn.bench import build_parser as bench_parser
+    from specattn.cli import build_parser
+    from specattn.demo.cli import build_parser as demo_parser
+    from specattn.demo.smollm2.cli import build_parser as smollm2_parser
+
+    def options(*parsers: argparse.ArgumentParser) -> set[str]:
+        return {s for p in parsers for a in p._actions for s in a.option_strings}
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    known = {"list": options(top, sub.choices["list"]),
+             "select": options(top, sub.choices["select"]),
+             "demo": options(top, demo_parser(), smollm2_parser()),
+             "bench": options(top, bench_parser())}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    unknown = [(str(page.relative_to(ROOT)), command, flag) for page in pages
+               for command, flag in _documented_flags(page) if flag not in known[command]]
+    assert not unknown, unknown
 
