@@ -295,3 +295,20 @@ def test_every_flag_the_docs_give_a_command_exists():
                for command, flag in _documented_flags(page) if flag not in known[command]]
     assert not unknown, unknown
 
+
+def test_every_environment_variable_the_package_reads_is_documented():
+    """docs/environment.md ("every variable specattn reads") has a row for each ``SPECATTN_*``
+    name the package's code holds (``__all__`` lists aside)."""
+    names = set()
+    for path in sorted((ROOT / "specattn").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        exported = {id(c) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                    for c in ast.walk(node.value)}
+        names |= {node.value for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and re.fullmatch(r"SPECATTN_[A-Z0-9_]+", node.value)
+                  and id(node) not in exported}
+    table = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "docs" / "environment.md").read_text(),
+                           re.M))
+    assert len(names) >= 5 and not names - table, sorted(names - table)
