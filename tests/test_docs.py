@@ -312,3 +312,15 @@ def test_every_environment_variable_the_package_reads_is_documented():
     table = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "docs" / "environment.md").read_text(),
                            re.M))
     assert len(names) >= 5 and not names - table, sorted(names - table)
+
+
+def test_the_kit_page_names_every_built_in_declared_limit():
+    """docs/conformance.md lists the built-in ``known_limits``: every built-in class that
+    declares some is named there."""
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    section = text[text.index("## Declared limits"):]
+    section = section[:section.index("\n## ")]
+    named = set(re.findall(r"`(\w+)`", section))
+    limited = {cls.name for kind in ("decode", "extend") for cls in default_registry.classes(kind)
+               if cls.known_limits and cls.__module__.startswith("specattn.")}
+    assert limited and not limited - named, sorted(limited - named)
