@@ -1,7 +1,7 @@
 """A third-party backend: subclass, pass ``name=``, and the factory can select it by name.
 
 This one wraps the reference math (``specattn.backends.torch_ref``); a real one would launch
-its own kernels in ``forward``. Run:  python examples/custom_backend.py
+its own kernels in ``_attend``. Run:  python examples/custom_backend.py
 """
 
 import torch
