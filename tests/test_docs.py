@@ -324,3 +324,14 @@ def test_the_kit_page_names_every_built_in_declared_limit():
     limited = {cls.name for kind in ("decode", "extend") for cls in default_registry.classes(kind)
                if cls.known_limits and cls.__module__.startswith("specattn.")}
     assert limited and not limited - named, sorted(limited - named)
+
+
+def test_the_benchmark_page_leaves_out_columns_in_the_codes_order():
+    """docs/performance.md's order in which the terminal table leaves columns out is
+    ``report.TERMINAL_DROP_ORDER``."""
+    from specattn.bench.report import TERMINAL_DROP_ORDER
+
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    sentence = re.search(r"left out first, then (.*?), in that order", text)
+    assert sentence, "docs/performance.md: the columns left out of a narrow table"
+    assert tuple(re.findall(r"`([^`]+)`", sentence.group(1))) == TERMINAL_DROP_ORDER
