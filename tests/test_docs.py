@@ -335,3 +335,22 @@ def test_the_benchmark_page_leaves_out_columns_in_the_codes_order():
     sentence = re.search(r"left out first, then (.*?), in that order", text)
     assert sentence, "docs/performance.md: the columns left out of a narrow table"
     assert tuple(re.findall(r"`([^`]+)`", sentence.group(1))) == TERMINAL_DROP_ORDER
+
+
+def test_the_install_pages_extras_are_pyprojects():
+    """docs/install.md's table of extras: one row per extra of ``pyproject.toml``, naming
+    exactly the packages it installs."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]*) \|",
+                           (ROOT / "docs" / "install.md").read_text(), re.M))
+
+    def name(requirement: str) -> str:
+        return re.match(r"[\w.-]+(\[[^\]]*\])?", requirement).group(0)
+
+    assert set(rows) == set(extras)
+    for extra, requirements in extras.items():
+        documented = re.findall(r"`([^`]+)`", rows[extra])
+        assert sorted(map(name, documented)) == sorted(map(name, requirements)), extra
