@@ -1,8 +1,8 @@
 """Exceptions raised by specattn.
 
 Every class subclasses the builtin a caller would already catch (``ValueError``,
-``LookupError``, ``RuntimeError``, ``TypeError``), so code written against the original
-factory (which raised plain ``ValueError``) keeps working.
+``RuntimeError``, ``TypeError``), so code written against the original factory (which raised
+plain ``ValueError``) keeps working.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = [
 
 
 class SpecAttnError(Exception):
-    """Base class of every error specattn raises on purpose."""
+    """Base class of the errors specattn raises on purpose (``docs/api/errors.md`` lists the
+    few that keep Python's own types)."""
 
 
 class UnknownBackendError(SpecAttnError, ValueError):
