@@ -13,7 +13,7 @@ PASSED, FAILED, SKIPPED, LIMIT = "passed", "failed", "skipped", "declared limit"
 
 @dataclass
 class CaseResult:
-    """One case: its id (``decode/mha/bf16/k3/p1/path/ragged``), outcome and why."""
+    """One case: its id (``decode/mha/numerics/bf16/k3/p1/path/ragged``), outcome and why."""
 
     case: str
     status: str
