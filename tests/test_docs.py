@@ -74,6 +74,23 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not broken, broken
 
 
+def test_every_backend_the_docs_show_implements_the_hooks():
+    """A backend class in the README, the docs or the examples implements the hooks
+    (``_plan``, ``_attend``), never the public methods that run the protocol around them:
+    a class that overrides ``forward`` or ``init_forward_metadata`` skips the input checks
+    and the KV write, and fails the conformance kit."""
+    block = re.compile(r"```python\n(.*?)```", re.S)
+    backend = re.compile(r"^class \w+\(Draft(Decode|Extend)Backend\b", re.M)
+    public = re.compile(r"^\s+def (forward|init_forward_metadata)\(", re.M)
+    texts = [(p, block.findall(p.read_text())) for p in
+             [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
+    texts += [(p, [p.read_text()]) for p in sorted((ROOT / "examples").glob("*.py"))]
+    shown = [(p, code) for p, codes in texts for code in codes if backend.search(code)]
+    assert len(shown) >= 4, [str(p.relative_to(ROOT)) for p, _ in shown]
+    bad = [str(p.relative_to(ROOT)) for p, code in shown if public.search(code)]
+    assert not bad, bad
+
+
 # `git show REV:PATH` in a text (REV and PATH may be on the next line).
 GIT_SHOW = re.compile(r"git show\s+([^\s:`]+):([^\s`]+)")
 
