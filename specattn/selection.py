@@ -173,8 +173,12 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
 def _cause(classes: list, sel: Selection, platform: Platform) -> str:
     """The short cause of a rejection: what the candidates that run here refuse in the
     request (page size, dtype, ...); when none runs here, each candidate's first reason
-    without the platform (the caller names it), each once."""
+    without the platform (the caller names it), each once, from the candidates that serve
+    the request's model when one does (``flashinfer`` for an MLA model: what its MLA class
+    needs, not that its MHA class serves MHA)."""
     here = [c for c in classes if not c.platform_reasons(platform)]
+    if not here:
+        classes = [c for c in classes if sel.request.model in c.models] or classes
     if len(here) == 1:
         causes = sel.rejected.get(here[0].qualified_name(), [])
     elif here:

@@ -135,6 +135,25 @@ def test_unavailable_lists_every_flavour():
     assert "serves MLA models, the model is MHA" in text
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_summary_of_a_backend_with_a_flavour_per_model_is_what_that_flavour_needs(mla):
+    """flashinfer on a CPU: the one line says what its class for the model needs, not that
+    its class for the other model serves the other model (the full message says so)."""
+    from specattn.selection import describe_error
+
+    err = error_of(factory("flashinfer", mla=mla).resolve_decode_backend)
+    assert isinstance(err, BackendUnavailableError)
+    other, model = ("MHA", "MLA") if mla else ("MLA", "MHA")
+    assert f"serves {other} models, the model is {model}" in str(err)
+    assert err.summary == ("flashinfer: needs CUDA; needs the 'flashinfer' package, which is "
+                           "not installed (pip install flashinfer-python~=0.7.0)")
+    assert "serves" not in describe_error(err)
+    # Where no class serves the model, that is the cause.
+    err = error_of(factory("fa3", mla=True).resolve_decode_backend)
+    assert isinstance(err, BackendUnavailableError)
+    assert err.summary == "fa3: serves MHA models, the model is MLA"
+
+
 def test_unavailable_message_snapshot(empty_registry):
     type("Only", (DraftDecodeBackend,), {"__module__": "fakes", "page_sizes": frozenset({64}),
                                          "init_forward_metadata": lambda s, b: None,
