@@ -31,15 +31,18 @@ class UnknownBackendError(SpecAttnError, ValueError):
 
     The message begins exactly like the original factory's
     (``EAGLE is not supported in decode attention backend {name}``), then names the closest
-    match (``Did you mean 'triton'?``) and lists the valid names.
+    match (``Did you mean 'triton'?``) and lists the valid names. ``only_kind`` is the other
+    kind when the name is registered for that kind alone (a decode-only backend asked for
+    draft extend): the message then says which configuration field to name it in.
     """
 
     def __init__(self, message: str, name: object, valid_names: Sequence[str],
-                 closest: str | None):
+                 closest: str | None, only_kind: str | None = None):
         super().__init__(message)
         self.name = name
         self.valid_names = tuple(valid_names)
         self.closest = closest
+        self.only_kind = only_kind
 
 
 class ModelMismatchError(SpecAttnError, ValueError):

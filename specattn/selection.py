@@ -237,17 +237,34 @@ def auto_order(platform: Optional[Platform] = None, kind: Optional[str] = None,
     return rows
 
 
+# The SpecConfig field that names only the backend of each kind (rule 2; extend's under the
+# default speculative_attention_mode).
+_KIND_FIELDS = {"decode": "decode_attention_backend", "extend": "prefill_attention_backend"}
+
+
 def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError:
     valid = [n for n in registry.all_names(kind)] + [AUTO]
-    # Case folded (``FlashInfer``); no hint for a name close to none (``nope``).
+    other = "extend" if kind == "decode" else "decode"
+    only = other if name in registry.all_names(other) else None
+    # Case folded (``FlashInfer``); no hint for a name close to none (``nope``), nor for a
+    # name of the other kind only (not a typo).
     folded = {n.lower(): n for n in valid}
-    closest = difflib.get_close_matches(str(name).lower(), list(folded), n=1)
+    closest = [] if only else difflib.get_close_matches(str(name).lower(), list(folded), n=1)
     hint = folded[closest[0]] if closest else None
     # The original's sentence, then the answer, then the list it comes from.
     message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name) + "."
                + (f" Did you mean {hint!r}?" if hint else "")
+               + (f" {name!r} is registered for {other} only: {_only_advice(kind)}."
+                  if only else "")
                + f" Valid {kind} backend names: {', '.join(sorted(valid))}.")
-    return UnknownBackendError(message, name, sorted(valid), hint)
+    return UnknownBackendError(message, name, sorted(valid), hint, only)
+
+
+def _only_advice(kind: str) -> str:
+    """Where to name a backend that has no class of ``kind`` (the other kind's only)."""
+    other = "extend" if kind == "decode" else "decode"
+    return (f"name it in {_KIND_FIELDS[other]}, and the {kind} backend in "
+            f"{_KIND_FIELDS[kind]} or nowhere (auto; docs/selection.md, rule 2)")
 
 
 def describe_error(exc: BaseException) -> str:
@@ -256,6 +273,10 @@ def describe_error(exc: BaseException) -> str:
     keeps the original factory's sentence, for code that matches it). A backend that cannot
     run: ``BackendUnavailableError: `` and its ``summary``. Else ``Type: message``."""
     if isinstance(exc, UnknownBackendError):
+        if exc.only_kind:
+            kind = "extend" if exc.only_kind == "decode" else "decode"
+            return (f"backend {exc.name!r} has no {kind} class (it is registered for "
+                    f"{exc.only_kind} only): {_only_advice(kind)}")
         if exc.closest:
             return f"unknown backend {exc.name!r}; did you mean {exc.closest!r}?"
         known = ", ".join(n for n in exc.valid_names if n != AUTO)

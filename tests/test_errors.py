@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specattn import DraftBackendFactory, DraftDecodeBackend, SpecConfig
+from specattn import DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, SpecConfig
 from specattn.errors import (
     BackendUnavailableError,
     DuplicateBackendError,
@@ -89,6 +89,38 @@ def test_unknown_name_message_snapshot(empty_registry):
     assert str(info.value) == ("EAGLE is not supported in decode attention backend alpah. "
                                "Did you mean 'alpha'? "
                                "Valid decode backend names: alpha, auto, beta.")
+
+
+def test_a_name_of_the_other_kind_only_says_which_field_names_it(empty_registry):
+    """A decode-only backend named in attention_backend (both kinds): extend's error keeps
+    the original sentence, then says where to name it instead of a spelling hint; decode
+    selects it from decode_attention_backend and extend goes to auto."""
+    from specattn.selection import describe_error
+
+    type("Mine", (DraftDecodeBackend,), {"__module__": "fakes",
+                                         "_attend": lambda s, *a: None}, name="mine")
+    type("Ref", (DraftExtendBackend,), {"__module__": "fakes",
+                                        "_attend": lambda s, *a: None}, name="ref")
+    with pytest.raises(UnknownBackendError) as info:
+        select("extend", "mine", BackendRequest(kind="extend"), CPU)
+    assert str(info.value) == (
+        "EAGLE is not supported in attention backend mine. 'mine' is registered for decode "
+        "only: name it in decode_attention_backend, and the extend backend in "
+        "prefill_attention_backend or nowhere (auto; docs/selection.md, rule 2). "
+        "Valid extend backend names: auto, ref.")
+    assert info.value.only_kind == "decode" and info.value.closest is None
+    assert describe_error(info.value) == (
+        "backend 'mine' has no extend class (it is registered for decode only): name it in "
+        "decode_attention_backend, and the extend backend in prefill_attention_backend or "
+        "nowhere (auto; docs/selection.md, rule 2)")
+    with pytest.raises(UnknownBackendError) as info:
+        select("decode", "ref", BackendRequest(kind="decode", num_steps=3), CPU)
+    assert "'ref' is registered for extend only: name it in prefill_attention_backend, and " \
+           "the decode backend in decode_attention_backend or nowhere" in str(info.value)
+    f = DraftBackendFactory(SpecConfig(decode_attention_backend="mine"),
+                            SimpleNamespace(use_mla_backend=False), 1, 3, platform=CPU)
+    assert f.resolve_decode_backend().name == "mine"
+    assert f.resolve_draft_extend_backend().name == "ref"
 
 
 # --- MLA-only names (rule 8) -------------------------------------------------------------------
