@@ -446,6 +446,15 @@ def test_every_select_option_has_help_and_a_default(capsys):
             assert "default" in action.help, action.dest
 
 
+def test_every_bench_and_demo_option_has_help():
+    from specattn.bench import build_parser as bench_parser
+    from specattn.demo.cli import build_parser as demo_parser
+
+    for parser in (bench_parser(), demo_parser()):
+        missing = [a.dest for a in parser._actions if a.dest != "help" and not a.help]
+        assert not missing, (parser.prog, missing)
+
+
 def test_python_dash_m_specattn():
     proc = subprocess.run([sys.executable, "-m", "specattn", "--version"],
                           capture_output=True, text=True)

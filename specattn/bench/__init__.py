@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="pools of the shape: 'auto' (the --dtype) or FP8 (k_scale 0.45, "
                        "v_scale 0.3, as the fp8 cases; case custom-fp8)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="model dtype of every case: queries, keys, values and the pools "
+                   "unless FP8 (default: bf16)")
     p.add_argument("--out", metavar="DIR", help="results folder (default: "
                    f"{_default_root()}/<date>-<gpu or cpu>, or its first free -2, -3... "
                    "when it already holds a run and --append is not given; "
@@ -99,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="CPU: wall time, or this process's CPU time (steadier on a shared "
                    "machine, with --threads 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the inputs and of the ragged lengths (default: 0)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where to run: auto is CUDA when torch sees a GPU, else the CPU "
+                   "(default: auto)")
     p.add_argument("--list-cases", action="store_true", help="print the cases and exit")
     return p
 
