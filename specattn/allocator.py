@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import metadata
-from .errors import InvalidInputError
+from .errors import CallOrderError, InvalidInputError, OutOfCapacityError
 from .util import ceil_div
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ class PagedKVAllocator:
     def new_request(self) -> int:
         """A free ``req_to_token`` row, with length 0."""
         if not self._free_reqs:
-            raise RuntimeError(f"out of request rows: all {self.runner.max_reqs} rows of "
-                               "req_to_token are in use; free_request() some")
+            raise OutOfCapacityError(f"out of request rows: all {self.runner.max_reqs} rows "
+                                     "of req_to_token are in use; free_request() some")
         req = self._free_reqs.pop()
         self._pages[req] = []
         self._lens[req] = 0
@@ -79,7 +79,7 @@ class PagedKVAllocator:
     def free_request(self, req: int) -> None:
         """Give back ``req``'s row and all its pages."""
         self._check_req(req)
-        self._no_draft("free_request")
+        self._no_draft("free_request()")
         self._free_pages.extend(reversed(self._pages.pop(req)))
         del self._lens[req]
         self._free_reqs.append(req)
@@ -103,7 +103,7 @@ class PagedKVAllocator:
         """Slots ``[n]`` (int64) of positions ``seq_len .. seq_len + n - 1``, written to
         ``req_to_token``; allocates pages as needed."""
         self._check_req(req)
-        self._no_draft("extend")
+        self._no_draft("extend()")
         if not isinstance(n, int) or n < 0:
             raise InvalidInputError("n", "an int >= 0", repr(n))
         start = self._lens[req]
@@ -116,7 +116,7 @@ class PagedKVAllocator:
     def truncate(self, req: int, new_len: int) -> None:
         """Shrink ``req`` to ``new_len`` tokens, freeing the whole pages past it."""
         self._check_req(req)
-        self._no_draft("truncate")
+        self._no_draft("truncate()")
         if not isinstance(new_len, int) or not 0 <= new_len <= self._lens[req]:
             raise InvalidInputError("new_len", f"an int in [0, {self._lens[req]}] (the "
                                     f"length of request {req})", repr(new_len))
@@ -133,9 +133,7 @@ class PagedKVAllocator:
         ``P > 1 and K > 1``, copies the KV of each partial last page into every branch's first
         page. Call ``release_draft()`` after the round.
         """
-        if self._draft is not None:
-            raise RuntimeError("alloc_draft: a draft round is already allocated; call "
-                               "release_draft() first")
+        self._no_draft("alloc_draft()")
         if not isinstance(topk, int) or topk < 1:
             raise InvalidInputError("topk", "an int >= 1", repr(topk))
         if not isinstance(num_steps, int) or num_steps < 1:
@@ -177,7 +175,8 @@ class PagedKVAllocator:
         """Free the draft round's slots; committed lengths are back to their values before
         ``alloc_draft``."""
         if self._draft is None:
-            raise RuntimeError("release_draft: no draft round is allocated")
+            raise CallOrderError("alloc_draft", "a call before release_draft()",
+                                 "no draft round is allocated")
         draft, self._draft = self._draft, None
         for r, length in draft.items():
             self._shrink(r, length)
@@ -191,8 +190,8 @@ class PagedKVAllocator:
 
     def _no_draft(self, what: str) -> None:
         if self._draft is not None:
-            raise RuntimeError(f"{what}: a draft round is allocated; call release_draft() "
-                               "first")
+            raise CallOrderError("release_draft", f"a call before {what}",
+                                 "a draft round is allocated")
 
     def _reserve(self, targets: dict[int, int]) -> None:
         """Give each request enough pages for ``targets[req]`` tokens, all or nothing."""
@@ -205,9 +204,9 @@ class PagedKVAllocator:
             need[r] = max(0, ceil_div(t, self.page_size) - len(self._pages[r]))
         total = sum(need.values())
         if total > len(self._free_pages):
-            raise RuntimeError(f"out of KV slots: need {total} more pages of "
-                               f"{self.page_size} slots, {len(self._free_pages)} free of "
-                               f"{self.num_pages - 1}")
+            raise OutOfCapacityError(f"out of KV slots: need {total} more pages of "
+                                     f"{self.page_size} slots, {len(self._free_pages)} free "
+                                     f"of {self.num_pages - 1}")
         for r, k in need.items():
             for _ in range(k):
                 self._pages[r].append(self._free_pages.pop())

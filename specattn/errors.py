@@ -1,8 +1,8 @@
 """Exceptions raised by specattn.
 
 Every class subclasses the builtin a caller would already catch (``ValueError``,
-``RuntimeError``, ``TypeError``), so code written against the original factory (which raised
-plain ``ValueError``) keeps working.
+``RuntimeError``, ``TypeError``, ``LookupError``), so code written against the original
+factory (which raised plain ``ValueError``) keeps working.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ __all__ = [
     "DuplicateBackendError",
     "InvalidInputError",
     "CallOrderError",
+    "OutOfCapacityError",
+    "NotRegisteredError",
 ]
 
 
@@ -86,7 +88,17 @@ class InvalidInputError(SpecAttnError, ValueError):
 
 
 class CallOrderError(InvalidInputError, RuntimeError):
-    """A backend method called out of protocol order: ``forward`` before
-    ``init_forward_metadata``, or a CUDA-graph capture/replay before ``init_cuda_graph_state``.
-    ``argument`` names the call that has to come first. Also a ``RuntimeError``: code that
-    caught the plain ``RuntimeError`` some backends raised for this keeps working."""
+    """A method called out of protocol order: a backend's ``forward`` before
+    ``init_forward_metadata``, a CUDA-graph capture/replay before ``init_cuda_graph_state``,
+    or ``PagedKVAllocator``'s ``alloc_draft`` twice without ``release_draft``. ``argument``
+    names the call that has to come first. Also a ``RuntimeError``: code that caught the
+    plain ``RuntimeError`` some backends raised for this keeps working."""
+
+
+class OutOfCapacityError(SpecAttnError, RuntimeError):
+    """A ``PagedKVAllocator`` without a free ``req_to_token`` row or enough free KV slots for
+    the call (nothing was allocated); ``free_request`` or ``truncate`` some first."""
+
+
+class NotRegisteredError(SpecAttnError, LookupError):
+    """``Registry.unregister`` of a class that registry does not hold."""

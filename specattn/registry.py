@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ._logging import get_logger
-from .errors import DuplicateBackendError, RegistrationError
+from .errors import DuplicateBackendError, NotRegisteredError, RegistrationError
 from .keys import KINDS
 from .platforms import Predicate
 
@@ -132,7 +132,7 @@ class Registry:
         """Remove ``cls`` (and the aliases no remaining class declares)."""
         flavours = self._classes[cls.kind].get(cls.name, {})
         if flavours.get(cls.flavour) is not cls:
-            raise LookupError(f"{cls.qualified_name()} is not registered here")
+            raise NotRegisteredError(f"{cls.qualified_name()} is not registered here")
         del flavours[cls.flavour]
         if not flavours:
             del self._classes[cls.kind][cls.name]

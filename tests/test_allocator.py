@@ -9,7 +9,7 @@ import torch
 
 from specattn import DraftRunner
 from specattn.allocator import PagedKVAllocator
-from specattn.errors import InvalidInputError
+from specattn.errors import CallOrderError, InvalidInputError, OutOfCapacityError
 
 
 def _runner(page_size=4, num_slots=256, mla=False, max_context_len=128, max_reqs=4):
@@ -68,21 +68,21 @@ def test_errors():
     runner = _runner(page_size=4, num_slots=32, max_context_len=20, max_reqs=2)
     alloc = PagedKVAllocator(runner)
     a, b = alloc.new_request(), alloc.new_request()
-    with pytest.raises(RuntimeError, match="out of request rows"):
+    with pytest.raises(OutOfCapacityError, match="out of request rows"):
         alloc.new_request()
     with pytest.raises(InvalidInputError, match="max_context_len=20"):
         alloc.extend(a, 21)
     with pytest.raises(InvalidInputError, match="^n:"):
         alloc.extend(a, -1)
     alloc.extend(a, 20)  # 5 of the 7 usable pages
-    with pytest.raises(RuntimeError, match="out of KV slots: need 3 more pages"):
+    with pytest.raises(OutOfCapacityError, match="out of KV slots: need 3 more pages"):
         alloc.extend(b, 12)
     assert alloc.seq_len(b) == 0 and alloc.num_free_pages == 2  # all or nothing
     with pytest.raises(InvalidInputError, match="new_len"):
         alloc.truncate(a, 21)
     with pytest.raises(InvalidInputError, match="req"):
         alloc.free_request(7)
-    with pytest.raises(RuntimeError, match="no draft round"):
+    with pytest.raises(CallOrderError, match="^alloc_draft: .*no draft round"):
         alloc.release_draft()
     with pytest.raises(InvalidInputError, match="runner.num_slots"):
         PagedKVAllocator(_runner(page_size=16, num_slots=16))
@@ -105,7 +105,7 @@ def test_draft_errors():
     for call in (lambda: alloc.alloc_draft(torch.tensor([a]), 2, 2),
                  lambda: alloc.extend(a, 1), lambda: alloc.truncate(a, 1),
                  lambda: alloc.free_request(a)):
-        with pytest.raises(RuntimeError, match="release_draft"):
+        with pytest.raises(CallOrderError, match="^release_draft: "):
             call()
     alloc.release_draft()
     assert alloc.seq_len(a) == 5
@@ -201,7 +201,7 @@ def test_draft_out_of_slots_leaves_state_unchanged():
     alloc = PagedKVAllocator(runner)
     a = alloc.new_request()
     alloc.extend(a, 6)
-    with pytest.raises(RuntimeError, match="out of KV slots"):
+    with pytest.raises(OutOfCapacityError, match="out of KV slots"):
         alloc.alloc_draft(torch.tensor([a]), 4, 7)  # 13 pages
     assert alloc.seq_len(a) == 6 and alloc.num_free_pages == 7
     alloc.alloc_draft(torch.tensor([a]), 2, 2)  # still allowed afterwards

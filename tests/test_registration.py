@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from specattn import DraftBackend, DraftDecodeBackend, DraftExtendBackend
-from specattn.errors import DuplicateBackendError, RegistrationError
+from specattn.errors import DuplicateBackendError, NotRegisteredError, RegistrationError
 from specattn.platforms import Platform, is_cpu
 from specattn.registry import Dispatcher, Route, default_registry
 
@@ -192,8 +192,9 @@ def test_unregister(empty_registry):
     empty_registry.unregister(a)
     assert empty_registry.names("decode") == []
     assert empty_registry.canonical("decode", "al") == (None, False)
-    with pytest.raises(LookupError):
+    with pytest.raises(NotRegisteredError, match="is not registered here"):
         empty_registry.unregister(a)
+    assert issubclass(NotRegisteredError, LookupError)
 
 
 # --- built-ins ---------------------------------------------------------------------------------
