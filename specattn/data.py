@@ -204,6 +204,13 @@ class DraftRunner:
 
         ``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: FP8 pools (``dtype`` stays the
         activation dtype)."""
+        _check_allocation(dtype, device, num_layers=num_layers, num_slots=num_slots,
+                          max_reqs=max_reqs, max_context_len=max_context_len,
+                          page_size=page_size, num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          v_head_dim=head_dim if v_head_dim is None else v_head_dim)
+        layout_for(kv_cache_dtype, use_mla_backend=False, kv_lora_rank=None,
+                   qk_rope_head_dim=None, page_size=page_size)  # the name, before its pools
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         store = _pool_dtype(kv_cache_dtype, dtype)
         k = [zeros((num_slots, num_kv_heads, head_dim), store, device)
@@ -227,6 +234,10 @@ class DraftRunner:
         ``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: FP8 pools; ``"fp8_ds_mla"`` /
         ``"fp8_ds_v4"``: uint8 pools in that FP8 layout (``specattn.kv_layouts``). ``dtype``
         stays the activation dtype."""
+        _check_allocation(dtype, device, num_layers=num_layers, num_slots=num_slots,
+                          max_reqs=max_reqs, max_context_len=max_context_len,
+                          page_size=page_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                          qk_rope_head_dim=qk_rope_head_dim, zero_ok=("qk_rope_head_dim",))
         layout = layout_for(kv_cache_dtype, use_mla_backend=True, kv_lora_rank=kv_lora_rank,
                             qk_rope_head_dim=qk_rope_head_dim, page_size=page_size)
         if layout is not None:
@@ -367,6 +378,26 @@ class DraftRunner:
         return (f"DraftRunner({shape}, layers={self.num_layers}, slots={self.num_slots}, "
                 f"page_size={self.page_size}, dtype={str(self.dtype).replace('torch.', '')}, "
                 f"kv_cache_dtype={self.kv_cache_dtype}, device={self.device})")
+
+
+def _check_allocation(dtype: object, device: object, zero_ok: tuple[str, ...] = (),
+                      **sizes: object) -> None:
+    """The arguments ``mha`` / ``mla`` allocate with, checked before the first allocation
+    (torch would refuse them first, with its own error): each of ``sizes`` an int >= 1 (>= 0
+    for those named in ``zero_ok``), ``dtype`` an activation dtype, ``device`` a device
+    torch can name."""
+    for name, value in sizes.items():
+        least = 0 if name in zero_ok else 1
+        if not _is_int(value) or value < least:
+            raise InvalidInputError(name, "a positive int" if least == 1 else
+                                    f"an int >= {least}", repr(value))
+    if dtype not in ACT_DTYPES:
+        raise InvalidInputError("dtype", "bfloat16, float16 or float32", repr(dtype))
+    try:
+        torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise InvalidInputError("device", "a torch device ('cpu', 'cuda', 'cuda:1', ...)",
+                                repr(device)) from None
 
 
 def _pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:

@@ -56,3 +56,28 @@ def test_wrapping_names_the_pool_and_its_shape(call, argument, got):
     with pytest.raises(InvalidInputError, match=f"^{argument}: expected") as info:
         call()
     assert got in str(info.value)
+
+
+SIZES = dict(num_layers=1, num_slots=8, max_reqs=2, max_context_len=8)
+
+
+@pytest.mark.parametrize("call,argument,got", [
+    (lambda: DraftRunner.mha(4, 2, 8, **{**SIZES, "num_slots": -1}), "num_slots", "got -1"),
+    (lambda: DraftRunner.mha(4, 2, -8, **SIZES), "head_dim", "got -8"),
+    (lambda: DraftRunner.mha(4, 2, 8, **{**SIZES, "num_layers": 1.5}), "num_layers",
+     "got 1.5"),
+    (lambda: DraftRunner.mha(4, 2, 8, **{**SIZES, "max_context_len": -3}), "max_context_len",
+     "got -3"),
+    (lambda: DraftRunner.mha(4, 2, 8, **SIZES, dtype="bfloat16"), "dtype", "got 'bfloat16'"),
+    (lambda: DraftRunner.mha(4, 2, 8, **SIZES, device="gpu"), "device", "got 'gpu'"),
+    (lambda: DraftRunner.mha(4, 2, 8, **SIZES, kv_cache_dtype=["auto"]), "kv_cache_dtype",
+     "got ['auto']"),
+    (lambda: DraftRunner.mla(4, 16, -1, **SIZES), "qk_rope_head_dim", "an int >= 0, got -1"),
+    (lambda: DraftRunner.mla(4, 16, 8, **{**SIZES, "max_reqs": -2}), "max_reqs", "got -2"),
+])
+def test_allocating_constructors_check_sizes_before_allocating(call, argument, got):
+    """``DraftRunner.mha`` / ``mla`` size tensors with their arguments: a size, dtype or
+    device torch cannot allocate with is refused first, naming the argument."""
+    with pytest.raises(InvalidInputError, match=f"^{argument}: expected") as info:
+        call()
+    assert str(info.value).endswith(got)
