@@ -100,10 +100,14 @@ def _check_host_copies(batch, debug: Optional[bool]) -> None:
                        device=torch.device("cpu"))
         dev = getattr(batch, mirrored)
         _shape(f"batch.{name}", host, tuple(dev.shape))
-        if _scan_values(dev, debug) and not torch.equal(host.to(torch.int64),
-                                                        dev.to("cpu", torch.int64)):
+        if not _scan_values(dev, debug):
+            continue
+        differ = (host.to(torch.int64) != dev.to("cpu", torch.int64)).nonzero()
+        if differ.numel():  # the first differing request: the lists can be B long
+            b = int(differ[0, 0])
             raise InvalidInputError(f"batch.{name}", f"the values of batch.{mirrored}",
-                                    f"{host.tolist()} (batch.{mirrored}: {dev.tolist()})")
+                                    f"{name}[{b}]={int(host[b])} ({mirrored}[{b}]="
+                                    f"{int(dev[b])})")
 
 
 def _check_distinct(name: str, loc: torch.Tensor, debug: Optional[bool]) -> None:

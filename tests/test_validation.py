@@ -173,7 +173,7 @@ def test_wrap_runner_accepts_engine_tensors():
     (dict(seq_lens_cpu=torch.tensor([4, 9, 1])), "batch.seq_lens_cpu", "shape (2,)"),
     (dict(seq_lens_cpu=torch.tensor([4.0, 9.0])), "batch.seq_lens_cpu", "float32"),
     (dict(seq_lens_cpu=torch.tensor([4, 8])), "batch.seq_lens_cpu",
-     "the values of batch.seq_lens, got [4, 8]"),
+     "the values of batch.seq_lens, got seq_lens_cpu[1]=8 (seq_lens[1]=9)"),
 ])
 def test_decode_batch(over, argument, fragment):
     backend = TorchRefDecode(_mha(), K, S)
@@ -347,7 +347,22 @@ def test_host_copies_are_optional_and_compared_where_values_are_checked(monkeypa
     wrong = _batch(seq_lens_cpu=torch.tensor([4, 8]))
     validation.check_decode_batch(backend.runner, K, S, "lane", wrong, debug=False)
     _expect(lambda: validation.check_decode_batch(backend.runner, K, S, "lane", wrong,
-                                                  debug=True), "batch.seq_lens_cpu", "[4, 8]")
+                                                  debug=True), "batch.seq_lens_cpu",
+            "seq_lens_cpu[1]=8")
+
+
+def test_a_host_copy_that_differs_is_named_by_one_request():
+    """A serving batch has thousands of requests: the message names the first request whose
+    host copy differs, not both lists."""
+    n = 4096
+    batch = DraftBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                       torch.zeros(n, K, S, dtype=torch.int64),
+                       seq_lens_cpu=torch.zeros(n, dtype=torch.int64))
+    batch.seq_lens_cpu[3000] = 5
+    with pytest.raises(InvalidInputError) as info:
+        validation.check_decode_batch(_mha(), K, S, "lane", batch)
+    assert str(info.value) == ("batch.seq_lens_cpu: expected the values of batch.seq_lens, "
+                               "got seq_lens_cpu[3000]=5 (seq_lens[3000]=0)")
 
 
 def test_value_checks_are_skipped_off_cpu_without_debug(monkeypatch):
