@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 
 from ._tensor_checks import _is_int
-from .data import DraftBatch, DraftExtendBatch
+from .data import DraftBatch, DraftExtendBatch, DraftRunner
 from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
 from .install import install_hint
 from .keys import BackendRequest, a_kind, check_draft_params
@@ -40,7 +40,6 @@ from .validation import (check_decode_batch, check_decode_forward, check_extend_
                          check_extend_forward, check_parents_step)
 
 if TYPE_CHECKING:
-    from .data import DraftRunner
     from .layer import AttentionLayer
 
 __all__ = ["DraftBackend", "DraftDecodeBackend", "DraftExtendBackend", "MODELS"]
@@ -320,6 +319,15 @@ class DraftBackend(ABC):
         self._plan(batch)
 
 
+def _check_runner_type(runner: object) -> None:
+    """A constructor's ``runner`` is a ``DraftRunner``: the backend reads its pools, table and
+    shape fields (an engine object with only ``use_mla_backend``, which selection reads, does
+    not have them)."""
+    if not isinstance(runner, DraftRunner):
+        raise InvalidInputError("runner", "a specattn.DraftRunner (DraftRunner.mha, mla, "
+                                "wrap_mha or wrap_mla)", type(runner).__name__)
+
+
 def _ints(value: Any) -> bool:
     return isinstance(value, frozenset) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
@@ -472,6 +480,7 @@ class DraftDecodeBackend(DraftBackend):
     def __init__(self, runner: "DraftRunner", topk: int, num_steps: int, *,
                  tree_mode: str = "lane") -> None:
         check_draft_params(topk, num_steps, tree_mode)
+        _check_runner_type(runner)
         self.topk = topk
         self.num_steps = num_steps
         self.tree_mode = tree_mode
@@ -624,6 +633,7 @@ class DraftExtendBackend(DraftBackend):
     max_extend_len: Optional[int] = None
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
+        _check_runner_type(runner)
         self.topk = topk
         self.num_steps = num_steps
         self._construct(runner, runner.backend_request("extend", topk=topk,

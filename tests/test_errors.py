@@ -292,6 +292,18 @@ def test_factory_rejects_bad_arguments(args, argument):
     assert info.value.argument == argument
 
 
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_factory_creates_only_with_a_draft_runner(kind):
+    """Selection reads only ``use_mla_backend``, so ``resolve_*`` takes an engine's runner;
+    building the backend needs a ``DraftRunner``, and says so."""
+    f = DraftBackendFactory(SpecConfig(attention_backend="torch_ref"),
+                            SimpleNamespace(use_mla_backend=False), 1, 3)
+    assert (f.resolve_decode_backend if kind == "decode" else f.resolve_draft_extend_backend)()
+    with pytest.raises(InvalidInputError, match="^runner: expected a specattn.DraftRunner .*"
+                       "got SimpleNamespace$"):
+        (f.create_decode_backend if kind == "decode" else f.create_draft_extend_backend)()
+
+
 def test_factory_rejects_a_bad_tree_mode():
     with pytest.raises(InvalidInputError, match="tree_mode"):
         DraftBackendFactory(SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, 3,

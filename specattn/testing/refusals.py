@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -107,6 +108,12 @@ def _req_to_token_entry(f: _Fixture, value: int) -> object:
     return _then_forward(f, f.batch)
 
 
+def _engine_runner(f: _Fixture) -> object:
+    """An engine's model runner in place of a ``DraftRunner``: it has ``use_mla_backend``,
+    all that selection reads, and none of the pools a backend reads."""
+    return f.session.construct(f.case, SimpleNamespace(use_mla_backend=f.runner.use_mla_backend))
+
+
 def _then_forward(f: _Fixture, batch) -> object:
     f.init(batch)
     return f.forward()
@@ -154,6 +161,7 @@ DECODE_REFUSALS = (
     Refusal("extend_batch_given", "batch", lambda f: _then_forward(f, _other_extend_batch(f))),
     Refusal("topk_zero", "topk", lambda f: f.construct(topk=0)),
     Refusal("num_steps_zero", "num_steps", lambda f: f.construct(num_steps=0)),
+    Refusal("runner_not_a_draft_runner", "runner", _engine_runner),
     Refusal("path_without_parents", "parents", lambda f: _then_forward(
         f, _with(f.batch, parents=None)), path=True),
     Refusal("parents_out_of_range", "parents", _bad_parents, values=True, path=True),
@@ -166,6 +174,7 @@ EXTEND_REFUSALS = (
     Refusal("layer_out_of_range", "layer", lambda f: (f.init(), f.backend.forward(
         AttentionLayer(f.runner.num_layers, 0.1), *f.qkv()))),
     Refusal("decode_batch_given", "batch", lambda f: _then_forward(f, _other_decode_batch(f))),
+    Refusal("runner_not_a_draft_runner", "runner", _engine_runner),
     Refusal("seq_lens_below_extend_lens", "seq_lens", lambda f: _then_forward(
         f, _with(f.batch, seq_lens=_bump(f.batch.seq_lens,
                                          int(f.batch.extend_lens.view(-1)[0]) - 1))),
