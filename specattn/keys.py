@@ -14,12 +14,19 @@ Kind = Literal["decode", "extend"]
 KINDS: tuple[Kind, Kind] = ("decode", "extend")
 TREE_MODES: tuple[str, str] = ("lane", "path")
 
-__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "a_kind", "check_draft_params"]
+__all__ = ["BackendRequest", "Kind", "KINDS", "TREE_MODES", "a_kind", "check_draft_params",
+           "check_kind"]
 
 
 def a_kind(kind: str) -> str:
     """``"a decode"`` / ``"an extend"``, for messages."""
     return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+
+def check_kind(kind: object) -> None:
+    """``kind`` is ``"decode"`` or ``"extend"``."""
+    if kind not in KINDS:
+        raise InvalidInputError("kind", "'decode' or 'extend'", repr(kind))
 
 
 def check_draft_params(topk: object, num_steps: object, tree_mode: object = "lane", *,
@@ -55,8 +62,7 @@ class BackendRequest:
     head_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidInputError("kind", "'decode' or 'extend'", repr(self.kind))
+        check_kind(self.kind)
         check_draft_params(self.topk, self.num_steps, self.tree_mode, min_steps=0)
         if not _is_int(self.page_size) or self.page_size < 1:
             raise InvalidInputError("page_size", "an int >= 1", repr(self.page_size))

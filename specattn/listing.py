@@ -6,10 +6,11 @@ import fnmatch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .keys import KINDS
-from .platforms import Platform, current_platform
+from .keys import KINDS, check_kind
+from .platforms import Platform
 from .plugins import load_plugins
 from .registry import Dispatcher, Registry, active_registry, default_registry
+from .selection import platform_or_current
 
 if TYPE_CHECKING:
     from .base import DraftBackend
@@ -78,10 +79,12 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
     predicates hold here, and dispatchers whose target here does (capabilities such as page
     size are per request and not checked).
     """
+    if kind is not None:
+        check_kind(kind)
+    platform = platform_or_current(platform)
     registry = active_registry() if registry is None else registry
     if registry is default_registry:
         load_plugins()
-    platform = current_platform() if platform is None else platform
     rows: list[BackendInfo] = []
     for k in KINDS if kind is None else (kind,):
         for cls in registry.classes(k):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from ._logging import deprecation_once, get_logger, warn_once
-from .errors import BackendUnavailableError, ModelMismatchError, UnknownBackendError
-from .keys import BackendRequest
+from .errors import (BackendUnavailableError, InvalidInputError, ModelMismatchError,
+                     UnknownBackendError)
+from .keys import BackendRequest, check_kind
 from .platforms import Platform, current_platform
 from .registry import Registry, active_registry
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 log = get_logger("selection")
 
 __all__ = ["Selection", "select", "describe_error", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow",
-           "auto_order"]
+           "auto_order", "platform_or_current"]
 
 AUTO = "auto"
 # The original factory's messages (docs/selection.md rule 3), kept verbatim as prefixes.
@@ -62,7 +63,11 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
     no backend (``num_steps <= 1`` for decode; ``flashmla`` extend). Raises
     ``UnknownBackendError``, ``ModelMismatchError`` or ``BackendUnavailableError``.
     """
-    platform = current_platform() if platform is None else platform
+    check_kind(kind)
+    if not isinstance(request, BackendRequest):
+        raise InvalidInputError("request", "a specattn.BackendRequest",
+                                type(request).__name__)
+    platform = platform_or_current(platform)
     registry = active_registry() if registry is None else registry
     sel = Selection(kind, name, request, platform)
     if kind == "decode" and request.num_steps <= 1:
@@ -96,6 +101,16 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
             return sel
         name = target
     raise RuntimeError(f"dispatcher loop resolving {sel.requested!r}")  # registry bug
+
+
+def platform_or_current(platform: object) -> Platform:
+    """``platform``, a ``Platform``; ``None``: the current one."""
+    if platform is None:
+        return current_platform()
+    if not isinstance(platform, Platform):
+        raise InvalidInputError("platform", "a specattn.platforms.Platform or None",
+                                repr(platform))
+    return platform
 
 
 def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
@@ -224,7 +239,9 @@ def auto_order(platform: Optional[Platform] = None, kind: Optional[str] = None,
     as one table: per kind, every class ``auto`` may pick, best first. ``auto`` takes the
     first row that runs here and accepts the request (model, topk, page size, dtype, ...).
     Model-specific classes (``auto_eligible = False``) are never picked and not listed."""
-    platform = current_platform() if platform is None else platform
+    if kind is not None:
+        check_kind(kind)
+    platform = platform_or_current(platform)
     registry = active_registry() if registry is None else registry
     rows = []
     for k in (("decode", "extend") if kind is None else (kind,)):

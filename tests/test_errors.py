@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specattn import DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, SpecConfig
+from specattn import (DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, SpecConfig,
+                      list_backends)
 from specattn.errors import (
     BackendUnavailableError,
     DuplicateBackendError,
@@ -19,7 +20,7 @@ from specattn.errors import (
 from specattn.keys import BackendRequest
 from specattn.platforms import Platform, is_cuda
 from specattn.registry import default_registry
-from specattn.selection import select
+from specattn.selection import auto_order, select
 
 CPU = Platform("cpu", libraries=frozenset())
 SM90 = Platform("cuda", (9, 0), libraries={"flashinfer"})
@@ -319,6 +320,26 @@ def test_backend_request_rejects_bad_fields(kwargs, argument):
     with pytest.raises(InvalidInputError) as info:
         BackendRequest(**kwargs)
     assert info.value.argument == argument
+
+
+@pytest.mark.parametrize("call,argument,got", [
+    (lambda: select("prefill", "triton", BackendRequest("decode")), "kind", "'prefill'"),
+    (lambda: select("decode", "triton", None), "request", "NoneType"),
+    (lambda: select("decode", "triton", BackendRequest("decode"), "cuda:9.0"), "platform",
+     "'cuda:9.0'"),
+    (lambda: DraftBackendFactory(SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, 3,
+                                 platform="cpu").resolve_decode_backend(), "platform", "'cpu'"),
+    (lambda: list_backends(kind="verify"), "kind", "'verify'"),
+    (lambda: list_backends(platform="cpu"), "platform", "'cpu'"),
+    (lambda: auto_order(kind="verify"), "kind", "'verify'"),
+    (lambda: auto_order(platform="cpu"), "platform", "'cpu'"),
+])
+def test_selection_and_listing_check_their_arguments(call, argument, got):
+    """A kind, request or platform of the wrong kind is named, not met as a KeyError or
+    AttributeError deep in the registry."""
+    with pytest.raises(InvalidInputError) as info:
+        call()
+    assert info.value.argument == argument and str(info.value).endswith(f"got {got}")
 
 
 def test_platform_errors_say_what_is_expected():
