@@ -190,6 +190,7 @@ def test_demo_selects_for_the_device_it_runs_on():
 @pytest.mark.parametrize("argv,code,message", [
     (["--min-len", "9", "--max-len", "3"], 2, "--min-len 9 > --max-len 3"),
     (["--topk", "0"], 2, "expected an int >= 1"),
+    (["--topk", "257"], 2, "error: --topk 257 > the model's 256 tokens"),
     (["--tree-mode", "tree"], 2, "invalid choice"),
     (["--backend", "no_such_backend"], 1, "unknown backend 'no_such_backend'; known names: "),
     (["--backend", "torch_rf"], 1, "error: unknown backend 'torch_rf'; did you mean "

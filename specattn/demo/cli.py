@@ -221,6 +221,12 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None,
         print(f"specattn demo: error: --min-len {args.min_len} > --max-len {args.max_len}",
               file=sys.stderr)
         return 2
+    vocab = ModelConfig.vocab_size  # every lane drafts a different token of it
+    if args.topk > vocab:
+        parser.print_usage(sys.stderr)
+        print(f"specattn demo: error: --topk {args.topk} > the model's {vocab} tokens",
+              file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("specattn demo: error: --device cuda but torch sees no CUDA device",
               file=sys.stderr)
