@@ -136,6 +136,9 @@ def test_case_errors_and_custom_shapes():
         C.find_cases(["gqa-long", "nope"])
     with pytest.raises(InvalidInputError, match="--batch"):
         C.custom_case(batch=0)
+    # Named as the command line sets it: --steps is the flag that keeps decode cases only.
+    with pytest.raises(InvalidInputError, match="^--num-steps: expected an int >= 1, got 0$"):
+        C.custom_case(steps=0)
     c = C.custom_case(batch=2, prefix=64, topk=3, mla=True)
     assert (c.model, c.shape, c.topk, c.timed_step) == ("mla", C.MLA_SHAPE, 3, 2)
     assert C.custom_case(steps=2).timed_step == 0

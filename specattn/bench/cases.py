@@ -73,11 +73,11 @@ class Case:
             raise InvalidInputError("case.model", "'mha' or 'mla'", repr(self.model))
         if self.kind not in ("decode", "extend"):
             raise InvalidInputError("case.kind", "'decode' or 'extend'", repr(self.kind))
-        for field in ("batch", "prefix", "topk", "steps", "page_size"):
+        for field, flag in (("batch", "--batch"), ("prefix", "--prefix"), ("topk", "--topk"),
+                            ("steps", "--num-steps"), ("page_size", "--page-size")):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"--{field.replace('_', '-')}", "an int >= 1",
-                                        repr(value))
+            if not isinstance(value, int) or value < 1:  # named as the command line sets it
+                raise InvalidInputError(flag, "an int >= 1", repr(value))
         if self.kind == "extend" and self.prefix <= self.steps + 1:
             raise InvalidInputError("--prefix", f"more than the {self.steps + 1} extend tokens",
                                     self.prefix)
