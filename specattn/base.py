@@ -303,9 +303,10 @@ class DraftBackend(ABC):
     def _write_kv(self, layer: "AttentionLayer", loc: torch.Tensor, k: torch.Tensor,
                   v: Optional[torch.Tensor]) -> None:
         """Store the call's new KV at slots ``loc`` before ``_attend`` (unless
-        ``_kernel_writes_kv()``); default: ``runner.write_kv``. A backend may store the same
-        bytes its own way (``flashinfer``: ``kernels.kv_write.store_kv``, one launch)."""
-        self.runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
+        ``_kernel_writes_kv()``); default: ``runner.write_kv``'s store without its checks
+        (the call is checked already). A backend may store the same bytes its own way
+        (``flashinfer``: ``kernels.kv_write.store_kv``, one launch)."""
+        self.runner._store_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed buffers a captured graph reads (``init_cuda_graph_state``)."""

@@ -11,9 +11,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._tensor_checks import ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _tensor
+from ._tensor_checks import (ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _shape,
+                             _tensor, debug_checks_enabled)
 from .errors import InvalidInputError
-from .fp8 import FP8_KV_DTYPES, Scale, is_fp8_dtype, quantize, write_rows, zeros
+from .fp8 import FP8_KV_DTYPES, Scale, check_scale, is_fp8_dtype, quantize, write_rows, zeros
 from .keys import BackendRequest, Kind
 from .kv_layouts import LAYOUT_NAMES, layout_for, rope_for_width
 from .layer import AttentionLayer
@@ -350,7 +351,49 @@ class DraftRunner:
         """Store new KV at slots ``loc [N]``: MHA ``k [N, H_kv, D]``, ``v [N, H_kv, D_v]``;
         MLA ``k [N, kv_lora_rank + rope]`` and ``v = None``. FP8 pools (``fp8``) store
         ``fp8.quantize(k, k_scale)`` and ``fp8.quantize(v, v_scale)`` (MLA: ``k_scale``);
-        other pools ignore the scales."""
+        other pools ignore the scales. The arguments are checked first (``InvalidInputError``;
+        the slots' values where they need no sync: a CPU ``loc``, or debug checks); a
+        backend's ``forward``, whose arguments were checked, stores through ``_store_kv``."""
+        self._check_write(layer_id, loc, k, v)
+        check_scale("k_scale", k_scale)
+        check_scale("v_scale", v_scale)
+        self._store_kv(layer_id, loc, k, v, k_scale, v_scale)
+
+    def _check_write(self, layer_id: object, loc: object, k: object, v: object) -> None:
+        """``write_kv``'s arguments fit the pools: a pool index, slots inside them, rows of
+        their shape (a wrong one could broadcast into them silently)."""
+        if not _is_int(layer_id) or not 0 <= layer_id < self.num_layers:
+            raise InvalidInputError("layer_id", f"an int in [0, {self.num_layers})",
+                                    repr(layer_id))
+        # loc: any shape (a [B, K] column of out_cache_loc); k's rank is checked below.
+        loc = _tensor("loc", loc, dtypes=INDEX_DTYPES, ndim=getattr(loc, "ndim", 1),
+                      device=self.device)
+        n, floats = loc.numel(), ACT_DTYPES + (torch.float64,)
+        k = _tensor("k", k, dtypes=floats, ndim=getattr(k, "ndim", 0), device=self.device)
+        if self.use_mla_backend:
+            if k.dim() < 1 or k.shape[0] != n or k.numel() != n * (self.head_dim or 0):
+                raise InvalidInputError("k", f"the new latent rows [{n}, {self.head_dim}] "
+                                        "(one per slot of loc)", f"shape {tuple(k.shape)}")
+            if v is not None:
+                raise InvalidInputError("v", "None for MLA (the latent k carries both)",
+                                        f"a {type(v).__name__}")
+        else:
+            if v is None:
+                raise InvalidInputError("v", "the new values [N, H_kv, D_v] (an MHA runner)",
+                                        "None")
+            _shape("k", k, (n, self.num_kv_heads, self.head_dim))
+            v = _tensor("v", v, dtypes=floats, ndim=3, device=self.device)
+            _shape("v", v, (n, self.num_kv_heads, self.v_head_dim))
+        if n and (loc.device.type == "cpu" or debug_checks_enabled()):
+            lo, hi = int(loc.min()), int(loc.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise InvalidInputError("loc", f"slots in [0, {self.num_slots})",
+                                        f"a value {lo if lo < 0 else hi}")
+
+    def _store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                  v: Optional[torch.Tensor], k_scale: Scale = 1.0,
+                  v_scale: Scale = 1.0) -> None:
+        """``write_kv`` without its checks, for arguments already checked."""
         loc = loc.reshape(-1).long()
         pools = self.layer_pools(layer_id)
         if self.kv_layout is not None:  # FP8 byte layout: quantize on write

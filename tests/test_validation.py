@@ -134,6 +134,23 @@ def test_an_mha_runners_write_needs_the_values():
     _expect(lambda: runner.write_kv(0, torch.tensor([1]), _k(n=1), None), "v", "got None")
 
 
+@pytest.mark.parametrize("args,argument,fragment", [
+    ((-1, torch.tensor([1]), _k(n=1), _k(n=1)), "layer_id", "got -1"),
+    ((0, torch.tensor([-1]), _k(n=1), _k(n=1)), "loc", "got a value -1"),
+    ((0, torch.tensor([64]), _k(n=1), _k(n=1)), "loc", "got a value 64"),
+    ((0, torch.tensor([1.0]), _k(n=1), _k(n=1)), "loc", "got float32"),
+    ((0, torch.tensor([1]), _k(n=1, d=1), _k(n=1)), "k", "got shape (1, 2, 1)"),
+    ((0, torch.tensor([1, 2]), _k(n=1), _k(n=1)), "k", "shape (2, 2, 8)"),
+    ((0, torch.tensor([1]), _k(n=1), _k(n=1)[:, :1]), "v", "shape (1, 2, 8)"),
+    ((0, torch.tensor([1]), _k(n=1), _k(n=1), float("nan")), "k_scale", "got nan"),
+])
+def test_write_kv_checks_its_arguments(args, argument, fragment):
+    """A negative slot or layer would index from the end, a row of the wrong width would
+    broadcast into the pool: all refused."""
+    runner = DraftRunner.wrap_mha(R2T, [_k()], [_k()], 4)
+    _expect(lambda: runner.write_kv(*args), argument, fragment)
+
+
 def test_wrap_runner_accepts_engine_tensors():
     k = [_k(), _k()]
     runner = DraftRunner.wrap_mha(R2T, k, [_k(), _k()], 4, page_size=4)

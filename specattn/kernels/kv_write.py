@@ -166,4 +166,4 @@ def store_kv(runner, layer, loc: torch.Tensor, k: torch.Tensor, v: Optional[torc
         if fp8 is not None or not runner.fp8:
             write_new_kv(runner, layer.layer_id, loc.reshape(-1), k, v, fp8=fp8)
             return
-    runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
+    runner._store_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)

@@ -273,8 +273,8 @@ def attention(q: torch.Tensor, runner, layer, shape: AttnShape, meta: torch.Tens
         v_scale = scale_tensor(layer.v_scale, q.device)
         fp8 = fp8_write(runner, layer, new_kv, q.device)
         if fp8 is None:  # torch's codes, stored by torch
-            runner.write_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
-                            v_scale=layer.v_scale)
+            runner._store_kv(layer.layer_id, hist[:, step], *new_kv, k_scale=layer.k_scale,
+                             v_scale=layer.v_scale)
         elif kernel is Kernel.DOT and tail_stores_kv(
                 kb, vb, new_kv, unsplit_programs(plan, shape, rows_per_group, num_groups),
                 q.device, fp8=True):
