@@ -21,6 +21,10 @@ class SpecConfig:
     extend it is ``decode_attention_backend`` when ``speculative_attention_mode == "decode"``
     and ``prefill_attention_backend`` otherwise. A name of ``None`` (after precedence) or
     ``"auto"`` lets specattn choose.
+
+    ``page_size`` and ``kv_cache_dtype`` describe the pools; a factory on a ``DraftRunner``
+    refuses a runner whose pools differ, and its ``kv_cache_dtype`` ``"auto"`` takes the
+    runner's (FP8 pools select a backend that reads them).
     """
 
     attention_backend: Optional[str] = None

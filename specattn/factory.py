@@ -64,7 +64,7 @@ class DraftBackendFactory:
         return BackendRequest(kind=kind, mla=bool(self.runner.use_mla_backend),
                               topk=self.topk, num_steps=self.num_steps,
                               page_size=self.config.page_size,
-                              kv_cache_dtype=self.config.kv_cache_dtype,
+                              kv_cache_dtype=self.kv_cache_dtype(),
                               tree_mode=self.tree_mode)
 
     def _explain(self, kind: Kind) -> Selection:
@@ -90,17 +90,31 @@ class DraftBackendFactory:
         return cast(Optional[type[DraftExtendBackend]],
                     self.explain_draft_extend_backend().backend)
 
-    def _check_runner_page_size(self) -> None:
+    def kv_cache_dtype(self) -> str:
+        """The KV dtype selection asks for: the config's, where ``"auto"`` takes the one a
+        ``DraftRunner`` names for its pools (an engine's runner object names none)."""
+        runner_kv = getattr(self.runner, "kv_cache_dtype", None)
+        if self.config.kv_cache_dtype == "auto" and isinstance(runner_kv, str):
+            return runner_kv
+        return self.config.kv_cache_dtype
+
+    def _check_runner_matches(self) -> None:
+        """The runner's pools are what the selection was asked for (page size, KV dtype)."""
         page = getattr(self.runner, "page_size", self.config.page_size)
         if page != self.config.page_size:
             raise InvalidInputError("runner.page_size",
                                     f"config.page_size={self.config.page_size}", page)
+        runner_kv = getattr(self.runner, "kv_cache_dtype", None)
+        if isinstance(runner_kv, str) and runner_kv != self.kv_cache_dtype():
+            raise InvalidInputError("runner.kv_cache_dtype",
+                                    f"config.kv_cache_dtype={self.config.kv_cache_dtype!r}",
+                                    repr(runner_kv))
 
     def create_decode_backend(self) -> Optional[DraftDecodeBackend]:
         cls = self.resolve_decode_backend()
         if cls is None:
             return None
-        self._check_runner_page_size()
+        self._check_runner_matches()
         log.info("draft decode backend: %s (%s)", cls.name, cls.qualified_name())
         return cls(self.runner, self.topk, self.num_steps, tree_mode=self.tree_mode,
                    **self._options_for(cls))
@@ -109,7 +123,7 @@ class DraftBackendFactory:
         cls = self.resolve_draft_extend_backend()
         if cls is None:
             return None
-        self._check_runner_page_size()
+        self._check_runner_matches()
         log.info("draft extend backend: %s (%s)", cls.name, cls.qualified_name())
         return cls(self.runner, topk=self.topk, num_steps=self.num_steps,
                    **self._options_for(cls))

@@ -250,6 +250,29 @@ def test_auto_picks_a_backend_that_serves_the_dtype():
                for q, r in sel.rejected.items()), sel.rejected
 
 
+def test_the_factory_asks_for_the_runners_dtype_and_refuses_another():
+    """``SpecConfig.kv_cache_dtype="auto"`` takes the runner's FP8 pools into selection (on a
+    GPU where the first backend in auto order refuses them, auto must pass it by); a config
+    naming another dtype than the runner's pools is refused at creation, as a page size is."""
+    from specattn import DraftBackendFactory
+
+    runner = DraftRunner.mla(num_layers=1, num_slots=64, max_reqs=2, max_context_len=32,
+                             num_heads=4, kv_lora_rank=64, qk_rope_head_dim=16,
+                             kv_cache_dtype="fp8_e5m2")
+    gpu = Platform("cuda", (10, 0), libraries=frozenset({"flashinfer", "triton"}))
+    factory = DraftBackendFactory(SpecConfig(), runner, 2, 3, platform=gpu)
+    sel = factory.explain_decode_backend()
+    assert sel.request.kv_cache_dtype == "fp8_e5m2"
+    assert sel.backend.name == "triton", sel.explain()  # flashinfer's MLA: e4m3 pools only
+    bf16 = DraftRunner.mha(num_layers=1, num_slots=64, max_reqs=2, max_context_len=32,
+                           num_q_heads=4, num_kv_heads=2, head_dim=64)
+    factory = DraftBackendFactory(SpecConfig(kv_cache_dtype="fp8_e4m3"), bf16, 2, 3)
+    for create in (factory.create_decode_backend, factory.create_draft_extend_backend):
+        with pytest.raises(InvalidInputError, match=r"^runner.kv_cache_dtype: expected "
+                           r"config.kv_cache_dtype='fp8_e4m3', got 'auto'$"):
+            create()
+
+
 @pytest.mark.parametrize("name,mla,kv,why", [
     ("fa4", False, "fp8_e4m3", "runs FP8 K/V only on SM100"),
     ("fa3", False, "fp8_e5m2", "the bf16/fp16 query would be quantized to e4m3"),
