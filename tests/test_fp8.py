@@ -290,6 +290,18 @@ def test_backends_without_the_dtype_say_why(name, mla, kv, why):
         assert any(why in r for r in reasons), reasons
 
 
+def test_flashinfers_mla_fp8_reason_names_the_query_dtype_only_when_known():
+    from specattn.backends.flashinfer import FlashInferMLADecode
+
+    sm100 = Platform("cuda", (10, 0), libraries=frozenset({"flashinfer"}))
+    for dtype, tail in ((None, "asked for fp8_e4m3 on cuda 10.0"),
+                        (torch.float16, "asked for fp8_e4m3 with a float16 query on cuda 10.0")):
+        request = BackendRequest("decode", mla=True, topk=2, kv_cache_dtype="fp8_e4m3",
+                                 dtype=dtype)
+        reasons = FlashInferMLADecode.validate(request, sm100)
+        assert any(r.endswith(tail) for r in reasons), reasons
+
+
 def test_flashinfer_mla_fp8_needs_its_shape():
     from specattn.backends.flashinfer import FlashInferMLADecode
     from specattn.platforms import use_platform

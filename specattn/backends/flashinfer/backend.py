@@ -62,8 +62,10 @@ class _MLA:
             return None
         fits = (request.kv_cache_dtype == "fp8_e4m3" and is_hopper(platform)
                 and request.dtype in (None, torch.bfloat16))
-        return None if fits else f"{_MLA_FP8}; asked for {request.kv_cache_dtype} with " \
-            f"{str(request.dtype).replace('torch.', '')} on {platform}"
+        query = "" if request.dtype is None else \
+            f" with a {str(request.dtype).replace('torch.', '')} query"
+        return None if fits else \
+            f"{_MLA_FP8}; asked for {request.kv_cache_dtype}{query} on {platform}"
 
     def _check_fp8_shape(self) -> None:
         r = self.runner
