@@ -700,16 +700,17 @@ class DraftExtendBackend(DraftBackend):
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
                                                 bs: int) -> None:
         """Refill the fixed buffers from ``batch`` (its own size; ``bs`` is the captured
-        one)."""
-        self._graph_round(batch, capture=False)
+        one, at least the batch's)."""
+        self._graph_round(batch, capture=False, captured_bs=bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def _graph_round(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
-        """Graph-round checks, then the new tokens' slots into the fixed buffer (here, or by
-        a backend whose ``_fills_graph_round`` is True, in its ``_plan_graph``) and
-        ``_plan_graph``."""
+    def _graph_round(self, batch: "DraftExtendBatch", *, capture: bool,
+                     captured_bs: object = None) -> None:
+        """Graph-round checks (a replay's ``captured_bs`` too), then the new tokens' slots
+        into the fixed buffer (here, or by a backend whose ``_fills_graph_round`` is True, in
+        its ``_plan_graph``) and ``_plan_graph``."""
         graph = self._require_graph_state()
         self._check_graph_batch(batch)
         bs, tokens = batch.batch_size, int(batch.out_cache_loc.shape[0])
@@ -718,6 +719,10 @@ class DraftExtendBackend(DraftBackend):
             raise InvalidInputError("batch", f"at most {self.cuda_graph_max_bs} requests and "
                                     f"{capacity} tokens (init_cuda_graph_state)",
                                     f"{bs} requests, {tokens} tokens")
+        if not capture and (not _is_int(captured_bs)
+                            or not bs <= captured_bs <= self.cuda_graph_max_bs):
+            raise InvalidInputError("bs", f"an int in [{bs}, {self.cuda_graph_max_bs}] (the "
+                                    "captured batch size)", repr(captured_bs))
         loc = graph.loc[:tokens]
         if self._fills_graph_round():
             self.graph_source = batch

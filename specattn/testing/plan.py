@@ -191,7 +191,7 @@ def _refusal_cases(cls: type, kind: str, model: str) -> Iterator[Case]:
     path = "path" in cls.tree_modes if kind == "decode" else False
     topk = min(2, cls.max_topk or 2)
     for refusal in (DECODE_REFUSALS if kind == "decode" else EXTEND_REFUSALS):
-        if refusal.path and not path:
+        if (refusal.path and not path) or (refusal.graph and not cls.supports_cuda_graph):
             continue
         tree = "path" if path else "lane"
         yield Case(f"{kind}/refuses/{refusal.name}", kind, model, run_refusal, main,

@@ -28,13 +28,15 @@ __all__ = ["Refusal", "DECODE_REFUSALS", "EXTEND_REFUSALS", "run_refusal"]
 class Refusal:
     """``act(fixture)`` must raise a ``SpecAttnError`` mentioning ``argument``.
     ``values``: the check reads tensor values (debug mode on a device). ``path``: only for
-    backends that serve ``tree_mode='path'``."""
+    backends that serve ``tree_mode='path'``. ``graph``: only for backends that declare
+    ``supports_cuda_graph``."""
 
     name: str
     argument: str
     act: Callable[["_Fixture"], object]
     values: bool = False
     path: bool = False
+    graph: bool = False
 
 
 @dataclass
@@ -126,6 +128,14 @@ def _bad_parents(f: _Fixture) -> object:
     return f.forward(1)
 
 
+def _replay_below_batch(f: _Fixture) -> object:
+    """A CUDA-graph replay whose captured batch size ``bs`` is below the round's requests
+    (its fixed buffers would be read past the captured ones)."""
+    n = f.batch.batch_size
+    f.backend.init_cuda_graph_state(n, f.rows * NUM_STEPS)
+    return f.backend.init_forward_metadata_replay_cuda_graph(f.batch, n - 1)
+
+
 # Slots and pool rows, the same for both kinds.
 _POOL_REFUSALS = (
     Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
@@ -137,6 +147,7 @@ _POOL_REFUSALS = (
         f, f.runner.num_slots), values=True),
     Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
             values=True),
+    Refusal("replay_bs_below_batch", "bs", _replay_below_batch, graph=True),
 )
 
 DECODE_REFUSALS = (
