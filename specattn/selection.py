@@ -269,12 +269,18 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
     closest = [] if only else difflib.get_close_matches(str(name).lower(), list(folded), n=1)
     hint = folded[closest[0]] if closest else None
     # The original's sentence, then the answer, then the list it comes from.
-    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=name) + "."
+    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=_cut(str(name))) + "."
                + (f" Did you mean {hint!r}?" if hint else "")
                + (f" {name!r} is registered for {other} only: {_only_advice(kind)}."
                   if only else "")
                + f" Valid {kind} backend names: {', '.join(sorted(valid))}.")
     return UnknownBackendError(message, name, sorted(valid), hint, only)
+
+
+def _cut(text: str, width: int = 60) -> str:
+    """``text`` for a message, cut to ``width`` characters (an unknown name may be anything;
+    ``UnknownBackendError.name`` keeps it whole)."""
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _only_advice(kind: str) -> str:
@@ -295,9 +301,9 @@ def describe_error(exc: BaseException) -> str:
             return (f"backend {exc.name!r} has no {kind} class (it is registered for "
                     f"{exc.only_kind} only): {_only_advice(kind)}")
         if exc.closest:
-            return f"unknown backend {exc.name!r}; did you mean {exc.closest!r}?"
+            return f"unknown backend {_cut(repr(exc.name))}; did you mean {exc.closest!r}?"
         known = ", ".join(n for n in exc.valid_names if n != AUTO)
-        return f"unknown backend {exc.name!r}; known names: {known}"
+        return f"unknown backend {_cut(repr(exc.name))}; known names: {known}"
     if isinstance(exc, BackendUnavailableError):
         return f"{type(exc).__name__}: {exc.summary}"
     return f"{type(exc).__name__}: {exc}"

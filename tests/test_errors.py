@@ -20,7 +20,7 @@ from specattn.errors import (
 from specattn.keys import BackendRequest
 from specattn.platforms import Platform, is_cuda
 from specattn.registry import default_registry
-from specattn.selection import auto_order, select
+from specattn.selection import auto_order, describe_error, select
 
 CPU = Platform("cpu", libraries=frozenset())
 SM90 = Platform("cuda", (9, 0), libraries={"flashinfer"})
@@ -80,6 +80,15 @@ def test_unknown_name_close_to_none_gets_no_hint():
         "EAGLE is not supported in decode attention backend nope. Valid decode backend names: ")
 
 
+def test_an_unknown_name_is_cut_in_the_messages_not_on_the_error():
+    name = "x" * 20_000
+    err = error_of(factory(name).resolve_decode_backend)
+    assert type(err) is UnknownBackendError and err.name == name
+    assert str(err).startswith("EAGLE is not supported in decode attention backend "
+                               + "x" * 57 + "...."), str(err)[:120]
+    assert len(str(err)) < 1000 and len(describe_error(err)) < 1000
+
+
 def test_unknown_name_message_snapshot(empty_registry):
     for name in ("alpha", "beta"):
         type(name, (DraftDecodeBackend,), {"__module__": "fakes",
@@ -96,8 +105,6 @@ def test_a_name_of_the_other_kind_only_says_which_field_names_it(empty_registry)
     """A decode-only backend named in attention_backend (both kinds): extend's error keeps
     the original sentence, then says where to name it instead of a spelling hint; decode
     selects it from decode_attention_backend and extend goes to auto."""
-    from specattn.selection import describe_error
-
     type("Mine", (DraftDecodeBackend,), {"__module__": "fakes",
                                          "_attend": lambda s, *a: None}, name="mine")
     type("Ref", (DraftExtendBackend,), {"__module__": "fakes",
