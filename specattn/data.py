@@ -428,7 +428,7 @@ def _check_allocation(dtype: object, device: object, zero_ok: tuple[str, ...] = 
     """The arguments ``mha`` / ``mla`` allocate with, checked before the first allocation
     (torch would refuse them first, with its own error): each of ``sizes`` an int >= 1 (>= 0
     for those named in ``zero_ok``), ``dtype`` an activation dtype, ``device`` a device
-    torch can name."""
+    torch can name and use here."""
     for name, value in sizes.items():
         least = 0 if name in zero_ok else 1
         if not _is_int(value) or value < least:
@@ -437,10 +437,13 @@ def _check_allocation(dtype: object, device: object, zero_ok: tuple[str, ...] = 
     if dtype not in ACT_DTYPES:
         raise InvalidInputError("dtype", "bfloat16, float16 or float32", repr(dtype))
     try:
-        torch.device(device)  # type: ignore[call-overload]
+        where = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError):
         raise InvalidInputError("device", "a torch device ('cpu', 'cuda', 'cuda:1', ...)",
                                 repr(device)) from None
+    if where.type == "cuda" and not torch.cuda.is_available():  # torch's own: an assert
+        raise InvalidInputError("device", "a device this torch can use (it sees no CUDA "
+                                "device: 'cpu')", repr(device))
 
 
 def _pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
