@@ -111,10 +111,14 @@ def check_options(options: list[BackendOption], registry) -> None:
 
 def parse_options(texts: list[str], registry=None) -> list[BackendOption]:
     """``BACKEND:KEY=VALUE`` texts as checked ``BackendOption``s (``check_options`` against
-    ``registry``, by default the active one)."""
+    ``registry``, by default the active one with the ``specattn.backends`` plugins loaded, as
+    the factory that takes the options loads them)."""
+    from ..plugins import load_plugins
     from ..registry import active_registry
 
     options = [parse_option(t) for t in texts]
+    if registry is None and options:
+        load_plugins()  # a third-party backend's options name it before anything loads it
     check_options(options, registry or active_registry())
     return options
 

@@ -47,6 +47,53 @@ def test_settings_backend_options():
             read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": bad})
 
 
+@pytest.mark.no_sglang
+def test_settings_backend_options_of_a_third_party_backend(monkeypatch):
+    """A backend of a ``specattn.backends`` plugin takes options too: the plugins are loaded
+    before the names are checked (they were refused as unregistered at SGLang's start)."""
+    import importlib.metadata
+
+    from specattn import DraftDecodeBackend, plugins
+    from specattn.registry import default_registry
+
+    made = []
+
+    def target():
+        class ThirdParty(DraftDecodeBackend, name="third_party_opts", kernel_library="none"):
+            auto_eligible = False
+
+            def __init__(self, runner, topk, num_steps, *, tree_mode="lane", block=64):
+                super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+
+            def init_forward_metadata(self, batch):
+                pass
+
+            def forward(self, step, layer, q, k, v):
+                raise NotImplementedError
+
+        made.append(ThirdParty)
+
+    class EntryPoint:
+        name, value = "third_party_opts", "fake:third_party_opts"
+
+        def load(self):
+            return target
+
+    monkeypatch.setattr(plugins, "_loaded", False)
+    monkeypatch.setattr(plugins, "loaded_plugins", {})
+    monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(plugins.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: (
+        [EntryPoint()] if group == plugins.ENTRY_POINT_GROUP else []))
+    try:
+        s = read_settings({"SPECATTN_SGLANG": "1",
+                           "SPECATTN_SGLANG_OPTIONS": "third_party_opts:block=32"})
+        assert s.backend_options() == {"third_party_opts": {"block": 32}}
+    finally:
+        for cls in made:
+            default_registry.unregister(cls)
+
+
 def _load_through_entry_point(monkeypatch, env):
     """SGLang's own plugin loader, restricted to this plugin, run afresh."""
     import sglang.srt.plugins as plugins
