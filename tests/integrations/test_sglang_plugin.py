@@ -134,6 +134,25 @@ def test_entry_point_with_opt_in_routes_to_specattn(specattn_plugin, monkeypatch
     assert H.create_decode_container(fx, 2, 1) is None  # one step: no decode backend
 
 
+@pytest.mark.parametrize("env,variable", [
+    ({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "tree"}, "SPECATTN_SGLANG_TREE_MODE"),
+    ({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": "triton:nope=1"},
+     "SPECATTN_SGLANG_OPTIONS"),
+])
+def test_bad_setting_stops_start_up(specattn_plugin, monkeypatch, env, variable):
+    """SGLang's loader logs a plugin's exception and starts without the plugin: a bad value
+    must still stop start-up (it started with SGLang's own backends), when the draft
+    backends are built, naming the variable."""
+    import sglang_harness as H
+
+    _load_through_entry_point(monkeypatch, env)
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    for create in (H.create_decode_container, H.create_extend_backend):
+        with pytest.raises(InvalidInputError, match=variable):
+            create(fx, 1, 3)
+
+
 def test_unknown_name_keeps_sglang_backend(specattn_plugin, caplog):
     import sglang_harness as H
     from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend

@@ -20,7 +20,7 @@ from ...config import SpecConfig
 from ...errors import UnknownBackendError
 from ...factory import DraftBackendFactory
 from .adapter import wrap_pools
-from .settings import Settings, read_settings
+from .settings import Settings, opted_in, read_settings
 
 __all__ = ["register", "DECODE_TARGET", "EXTEND_TARGET", "sglang_backend_name",
            "build_decode_backend", "build_draft_extend_backend"]
@@ -35,15 +35,19 @@ _explained: set[tuple[str, str, str]] = set()
 
 
 def register() -> None:
-    """Entry point (``sglang.srt.plugins``): hook the draft factory if the user opted in."""
-    settings = read_settings()
-    if not settings.enabled:
+    """Entry point (``sglang.srt.plugins``): hook the draft factory if the user opted in.
+
+    The factory is hooked before the other variables are read: SGLang's loader logs an
+    exception of a plugin and starts without it, so a bad value raises again from the hooks
+    when SGLang builds its draft backends, which stops start-up."""
+    if not opted_in():
         log.debug("specattn SGLang plugin loaded, not enabled (set SPECATTN_SGLANG=1)")
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(DECODE_TARGET, _around_create_decode_backend, HookType.AROUND)
     HookRegistry.register(EXTEND_TARGET, _around_create_draft_extend_backend, HookType.AROUND)
+    settings = read_settings()
     if settings.tree_mode == "path":
         from .tree import SELECT_TOP_K_TARGET, around_select_top_k_tokens
 
@@ -151,9 +155,9 @@ def _unknown(kind: str, name: str, err: UnknownBackendError) -> None:
 
 
 def _around_create_decode_backend(original, factory: Any):
+    settings = read_settings()  # first: a bad value stops start-up whatever serves
     if factory.speculative_num_steps <= 1 or factory.qsa_profile is not None:
         return original(factory)
-    settings = read_settings()
     name = sglang_backend_name(factory, "decode")
     try:
         return build_decode_backend(factory.draft_model_runner, factory.topk,
@@ -164,9 +168,9 @@ def _around_create_decode_backend(original, factory: Any):
 
 
 def _around_create_draft_extend_backend(original, factory: Any):
+    settings = read_settings()
     if factory.qsa_profile is not None:
         return original(factory)
-    settings = read_settings()
     name = sglang_backend_name(factory, "extend")
     runner = factory.draft_model_runner
     # An MLA model's prefill may take the non-absorbed path: keep SGLang's backend for it.

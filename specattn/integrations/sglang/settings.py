@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 from ...errors import InvalidInputError
 
 __all__ = ["ENABLE_ENV", "BACKEND_ENV", "TREE_MODE_ENV", "OPTIONS_ENV", "Settings",
-           "read_settings"]
+           "opted_in", "read_settings"]
 
 ENABLE_ENV = "SPECATTN_SGLANG"
 BACKEND_ENV = "SPECATTN_SGLANG_BACKEND"
@@ -56,10 +56,18 @@ class Settings:
         return out
 
 
+def opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the user opted in (``SPECATTN_SGLANG`` on or ``SPECATTN_SGLANG_BACKEND`` set),
+    whatever the other variables hold; never raises."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(BACKEND_ENV, "").strip()) or (
+        env.get(ENABLE_ENV, "").strip().lower() not in _FALSE)
+
+
 def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     env = os.environ if environ is None else environ
     backend = env.get(BACKEND_ENV, "").strip().lower() or None
-    enabled = backend is not None or env.get(ENABLE_ENV, "").strip().lower() not in _FALSE
+    enabled = opted_in(env)
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
         raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(tree_mode))
