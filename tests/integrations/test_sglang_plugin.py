@@ -31,6 +31,10 @@ def test_settings_opt_in():
     assert forced.enabled and forced.specattn_name("fa3") == "auto" and forced.tree_mode == "path"
     with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_TREE_MODE"):
         read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "tree"})
+    for name in ("tritn", "0"):
+        with pytest.raises(InvalidInputError, match=f"SPECATTN_SGLANG_BACKEND: .*got '{name}'"):
+            read_settings({"SPECATTN_SGLANG_BACKEND": name})
+    assert read_settings({"SPECATTN_SGLANG_BACKEND": "nsa"}).backend == "nsa"  # an alias
 
 
 @pytest.mark.no_sglang
@@ -138,6 +142,8 @@ def test_entry_point_with_opt_in_routes_to_specattn(specattn_plugin, monkeypatch
     ({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "tree"}, "SPECATTN_SGLANG_TREE_MODE"),
     ({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": "triton:nope=1"},
      "SPECATTN_SGLANG_OPTIONS"),
+    # A forced name is the user's choice: a typo is refused, not served by SGLang's backend.
+    ({"SPECATTN_SGLANG_BACKEND": "tritn"}, "SPECATTN_SGLANG_BACKEND: .*did you mean 'triton'"),
 ])
 def test_bad_setting_stops_start_up(specattn_plugin, monkeypatch, env, variable):
     """SGLang's loader logs a plugin's exception and starts without the plugin: a bad value
@@ -153,17 +159,21 @@ def test_bad_setting_stops_start_up(specattn_plugin, monkeypatch, env, variable)
             create(fx, 1, 3)
 
 
-def test_unknown_name_keeps_sglang_backend(specattn_plugin, caplog):
+def test_unknown_name_keeps_sglang_backend(specattn_plugin, monkeypatch, caplog):
+    """A name SGLang resolves that specattn does not know (``intel_xpu``) keeps SGLang's."""
     import sglang_harness as H
     from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
 
-    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "no_such_backend"})
+    from specattn.integrations.sglang import plugin
+
+    specattn_plugin({"SPECATTN_SGLANG": "1"})
+    monkeypatch.setattr(plugin, "sglang_backend_name", lambda factory, kind: "intel_xpu")
     fx = H.build_fixture(H.Shape())
     H.configure_draft(fx, topk=1, steps=3)
     with caplog.at_level(logging.WARNING):
         container = H.create_decode_container(fx, 1, 3)
     assert isinstance(container, TritonMultiStepDraftBackend)
-    assert "no draft decode backend named 'no_such_backend'" in caplog.text
+    assert "no draft decode backend named 'intel_xpu'" in caplog.text
 
 
 def test_refuses_what_it_cannot_serve(specattn_plugin):

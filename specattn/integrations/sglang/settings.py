@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -71,8 +72,28 @@ def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
         raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(tree_mode))
+    if backend is not None:
+        _check_backend(backend)
     return Settings(enabled=enabled, backend=backend, tree_mode=tree_mode,
                     options=_read_options(env.get(OPTIONS_ENV, "")))
+
+
+def _check_backend(name: str) -> None:
+    """A forced name must be specattn's (of either kind, or ``auto``): the user asked for
+    specattn, so a typo is refused rather than left to SGLang's own backend, as a name SGLang
+    resolved that specattn does not know is."""
+    from ...plugins import load_plugins
+    from ...registry import active_registry
+    from ...selection import AUTO, _cut
+
+    load_plugins()
+    registry = active_registry()
+    known = sorted({AUTO, *registry.all_names("decode"), *registry.all_names("extend")})
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        raise InvalidInputError(BACKEND_ENV, "a specattn backend name or 'auto' (`specattn "
+                                "list` shows them" + (f"; did you mean {close[0]!r}?)"
+                                                      if close else ")"), repr(_cut(name)))
 
 
 def _read_options(text: str) -> tuple:
