@@ -192,6 +192,27 @@ def test_refuses_what_it_cannot_serve(specattn_plugin):
         H.create_decode_container(fx, 1, 3)
 
 
+def test_refuses_a_pool_of_another_dtype_than_the_model(specattn_plugin):
+    """``--kv-cache-dtype bf16`` under another model dtype: refused when the backends are
+    built, naming the pool (it was accepted, and the first forward refused the query)."""
+    import sglang_harness as H
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    old = fx.runner.token_to_kv_pool
+    fx.runner.token_to_kv_pool = MHATokenToKVPool(
+        size=old.size, page_size=old.page_size, dtype=torch.bfloat16, head_num=old.head_num,
+        head_dim=old.head_dim, layer_num=1, device="cpu", enable_memory_saver=False,
+        enable_alt_stream=False)
+    for create in (H.create_decode_container, H.create_extend_backend):
+        with pytest.raises(InvalidInputError, match="token_to_kv_pool: .* of torch.bfloat16 "
+                                                    "stored as torch.bfloat16 under a "
+                                                    "torch.float32 model"):
+            create(fx, 1, 3)
+
+
 def test_backend_options_reach_the_backend_sglang_gets(specattn_plugin):
     """``SPECATTN_SGLANG_OPTIONS`` reaches the constructor of the backend that serves."""
     import sglang_harness as H

@@ -45,13 +45,18 @@ def wrap_pools(model_runner: Any, num_q_heads: int) -> DraftRunner:
     pool = model_runner.token_to_kv_pool
     store = getattr(pool, "store_dtype", pool.dtype)
     kv_cache_dtype = next((n for n, d in FP8_KV_DTYPES.items() if d == pool.dtype), "auto")
-    if getattr(pool, "is_quantized_kv_cache", False) or store not in (pool.dtype, (
-            torch.uint8 if kv_cache_dtype != "auto" else pool.dtype)):
+    model_dtype = getattr(model_runner, "dtype", None)
+    # ``--kv-cache-dtype bf16`` under an fp16 model gives a pool of another activation dtype,
+    # which specattn's backends do not read (the first forward refused the query).
+    other_dtype = kv_cache_dtype == "auto" and model_dtype not in (None, pool.dtype)
+    if getattr(pool, "is_quantized_kv_cache", False) or other_dtype or store not in (
+            pool.dtype, (torch.uint8 if kv_cache_dtype != "auto" else pool.dtype)):
         raise InvalidInputError("model_runner.token_to_kv_pool",
                                 "a KV pool of the model dtype, float8_e4m3fn or float8_e5m2 "
                                 "(kv_cache_dtype auto, fp8_e4m3, fp8_e5m2)",
-                                f"a {type(pool).__name__} of {pool.dtype} stored as {store}")
-    dtype = getattr(model_runner, "dtype", None) if kv_cache_dtype != "auto" else None
+                                f"a {type(pool).__name__} of {pool.dtype} stored as {store}"
+                                + (f" under a {model_dtype} model" if other_dtype else ""))
+    dtype = model_dtype if kv_cache_dtype != "auto" else None
     req_to_token = model_runner.req_to_token_pool.req_to_token
     page_size = int(getattr(model_runner, "page_size", None) or 1)
     if model_runner.use_mla_backend:
