@@ -104,3 +104,22 @@ def test_fp8_pool_extend_through_the_plugin(specattn_plugin, model, page, mode, 
     torch.testing.assert_close(got, ref, **TOL)
     for ours, theirs, before in zip(pools, sglang_pools or ref_pools, saved):
         assert torch.equal(ours, theirs) and not torch.equal(ours, before)
+
+
+def test_forward_before_metadata_is_a_call_order_error(specattn_plugin):
+    """A forward of a served mode before ``init_forward_metadata`` names the missing call
+    (it said ``forward_mode: expected EXTEND, ..., DECODE, got DECODE``)."""
+    from specattn.errors import CallOrderError
+
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    backend = H.create_extend_backend(fx, 1, 3)
+    fb = H.extend_batch(fx, ForwardMode.DECODE, (1, 1, 1))
+    q = torch.zeros(3, fx.layer.tp_q_head_num * fx.layer.qk_head_dim)
+    for forward in (backend.forward_decode, backend.forward_extend):
+        with pytest.raises(CallOrderError, match="init_forward_metadata: expected a call for "
+                                                 "the batch before forward, got a DECODE"):
+            forward(q, None, None, fx.layer, fb, save_kv_cache=False)
+    with pytest.raises(CallOrderError, match="init_forward_metadata"):
+        backend.adapter.forward(q, None, None, fx.layer, save_kv_cache=False)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ...data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
-from ...errors import InvalidInputError
+from ...errors import CallOrderError, InvalidInputError
 from ...fp8 import FP8_KV_DTYPES, dequantize, layer_scales, read_rows
 
 __all__ = ["wrap_pools", "LayerMap", "DecodeAdapter", "ExtendAdapter", "EXTEND_MODES"]
@@ -212,8 +212,8 @@ class _Adapter:
 
     def _require_batch(self) -> None:
         if self.batch is None:
-            raise RuntimeError(f"specattn SGLang adapter ({type(self).__name__}): a forward "
-                               "before init_forward_metadata")
+            raise CallOrderError("init_forward_metadata", "a call before forward",
+                                 f"{type(self).__name__}.forward first")
 
     def _attend(self, call, slots: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], layer: Any, save_kv_cache: bool,

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ...errors import InvalidInputError
+from ...errors import CallOrderError, InvalidInputError
 from . import tree
 from .adapter import DecodeAdapter, ExtendAdapter
 
@@ -213,6 +213,9 @@ class SpecattnDraftExtendBackend(_PoolAttrs, AttentionBackend):
             return fallback_fn(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
                                **kwargs)
         self.adapter.layers.require(layer)  # raises with the shape it expected
+        if ExtendAdapter.serves_mode(forward_batch):  # a mode it serves, not prepared
+            raise CallOrderError("init_forward_metadata", "a call for the batch before forward",
+                                 f"a {forward_batch.forward_mode.name} forward first")
         raise InvalidInputError("forward_batch.forward_mode",
                                 "EXTEND, MIXED, DRAFT_EXTEND_V2 or DECODE",
                                 forward_batch.forward_mode.name)
