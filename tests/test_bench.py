@@ -964,6 +964,21 @@ def test_cli_errors(capsys):
     assert cli_main(["--case", "extend", "--steps"]) == 2
 
 
+@pytest.mark.parametrize("flag,value", [("--reps", "0"), ("--round-layers", "0"),
+                                        ("--round-layers", "-1"), ("--threads", "0"),
+                                        ("--threads", "-2")])
+def test_cli_counts_below_one_are_usage_errors(flag, value, tmp_path, capsys):
+    """A round of no layers was timed as its metadata call alone (and its tokens/s reported),
+    ``--threads 0`` was ignored and ``-2`` a torch traceback: each is a usage error naming the
+    flag, before anything runs."""
+    out = tmp_path / "out"
+    assert cli_main(["--case", "cpu-gqa-small", "--device", "cpu", "--check-only", "--out",
+                     str(out), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"specattn bench: error: {flag}: expected an int >= 1, got {value}\n"
+    assert not out.exists()
+
+
 def test_default_out_dir_is_a_cache_folder_that_keeps_an_earlier_run(tmp_path, monkeypatch):
     """Without --out, results go to the user's cache folder, not the working directory; a
     folder that holds a run is not overwritten: the new run gets ``-2``, then ``-3``;

@@ -141,6 +141,18 @@ def _select_cases(args, on_gpu: bool):
     return [c.with_(ragged=r) for c in chosen for r in lengths if c.has_ragged or not r], custom
 
 
+def _check_counts(args) -> None:
+    """``--reps``, ``--round-layers`` and ``--threads`` (when given) are counts of at least one:
+    an ``InvalidInputError`` naming the flag otherwise (a round of no layers would be timed
+    as its metadata call alone, torch refuses a thread count below one)."""
+    from ..errors import InvalidInputError
+
+    for flag, value in (("--reps", args.reps), ("--round-layers", args.round_layers),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise InvalidInputError(flag, "an int >= 1", value)
+
+
 def _default_root() -> str:
     """Where results go without ``--out``: a cache folder of the user, never the directory
     the command happens to run in."""
@@ -266,6 +278,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     from .options import parse_options
 
     try:
+        _check_counts(args)
         cases, custom = _select_cases(args, on_gpu)
         options = parse_options(args.option or [])
     except InvalidInputError as exc:
