@@ -979,6 +979,19 @@ def test_cli_counts_below_one_are_usage_errors(flag, value, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cli_out_that_is_not_a_folder_is_a_usage_error(tmp_path, capsys):
+    """``--out`` naming a file (or a path under one) is refused in one line, before the copy
+    bandwidth is measured; it was a FileExistsError traceback after it."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "sub"):
+        assert cli_main(["--case", "cpu-gqa-small", "--device", "cpu", "--check-only",
+                         "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"specattn bench: error: --out: expected a folder it can create "
+                              f"or write to, got '{out}' (") and err.count("\n") == 1
+
+
 def test_default_out_dir_is_a_cache_folder_that_keeps_an_earlier_run(tmp_path, monkeypatch):
     """Without --out, results go to the user's cache folder, not the working directory; a
     folder that holds a run is not overwritten: the new run gets ``-2``, then ``-3``;

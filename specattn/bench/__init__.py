@@ -313,10 +313,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     total = sum(len(p.variants) for p in plans + sweep) + (len(plans) if read_floor else 0)
     info = report.versions(device)
     out = _out_dir(args, info)
+    try:  # before anything is measured
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        bad = InvalidInputError("--out", "a folder it can create or write to",
+                                f"{out!r} ({exc.strerror})")
+        print(f"specattn bench: error: {bad}", file=sys.stderr)
+        return 2
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}; results will be written to {out}/", file=sys.stderr)
     bandwidth = None if args.check_only else copy_bandwidth(device, clock)
-    os.makedirs(out, exist_ok=True)
 
     def checkpoint(rows_so_far: list) -> None:
         """bench.csv and table.md (the table alone) after each case, final or not."""
