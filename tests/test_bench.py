@@ -992,6 +992,24 @@ def test_cli_out_that_is_not_a_folder_is_a_usage_error(tmp_path, capsys):
                               f"or write to, got '{out}' (") and err.count("\n") == 1
 
 
+def test_header_names_the_step_of_cases_with_few_steps():
+    """A decode case of ``S`` 3 is timed at step 1 (two history slots): the header said step 2
+    for every case."""
+    from specattn.bench import _header
+
+    info = {"cpu": "x", "cpu_capability": "AVX2", "torch_threads": 1, "torch": "2"}
+    rows = [dict(_row("x", "x", "default", 5.0, case="custom", steps=3), round_layers=2),
+            _row("x", "x", "default", 5.0, case="custom-extend", kind="extend", steps=3),
+            _row("x", "x", "default", 5.0, case="cpu-gqa-small", steps="5"),
+            _row("x", "x", "default", 5.0, case="one", steps="1")]
+    assert C.timed_step(3) == C.Case("c", "mha", 1, 64, 2, 3).timed_step == 1
+    header = _header(info, 1e10, "wall, median", False, rows)
+    assert ("one forward of one layer at step 2 (3 history slots; custom: step 1; one: step 0;"
+            " KV write included) or one draft extend") in header
+    plain = _header(info, 1e10, "wall, median", False, rows[1:3])
+    assert "at step 2 (3 history slots; KV write included) or one" in plain
+
+
 def test_default_out_dir_is_a_cache_folder_that_keeps_an_earlier_run(tmp_path, monkeypatch):
     """Without --out, results go to the user's cache folder, not the working directory; a
     folder that holds a run is not overwritten: the new run gets ``-2``, then ``-3``;

@@ -178,7 +178,23 @@ def _out_dir(args, info) -> str:
     return out
 
 
+def _earlier_steps(rows) -> str:
+    """'' or ``"; CASE: step N, ..."``: the decode cases of ``rows`` whose ``S`` is below 4,
+    timed at an earlier step (``cases.timed_step``: the last the round runs)."""
+    from .cases import TIMED_STEP, timed_step
+
+    steps: dict[str, int] = {}
+    for r in rows:
+        if r.get("kind") == "decode" and r.get("steps") not in (None, ""):
+            step = timed_step(int(r["steps"]))
+            if step != TIMED_STEP:
+                steps.setdefault(r["case"], step)
+    return "".join(f"; {case}: step {n}" for case, n in steps.items())
+
+
 def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, rows) -> str:
+    from . import cases as C
+
     where = (f"{info['gpu']}, driver {info.get('driver')}, CUDA {info.get('cuda')}" if on_gpu
              else f"{info['cpu']} ({info.get('cpu_capability')}), "
              f"{info['torch_threads']} torch threads")
@@ -186,8 +202,8 @@ def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, row
                      if info.get(k))
     round_layers = "/".join(sorted({str(r["round_layers"]) for r in rows
                                     if r.get("round_layers")})) or "-"
-    step = ("one forward of one layer at step 2 (3 history slots; KV write included) or one "
-            "draft extend")
+    step = (f"one forward of one layer at step {C.TIMED_STEP} ({C.TIMED_STEP + 1} history "
+            f"slots{_earlier_steps(rows)}; KV write included) or one draft extend")
     lines = [
         f"# specattn bench, {datetime.date.today().isoformat()}",
         "",

@@ -23,7 +23,7 @@ from ..fp8 import FP8_KV_DTYPES, check_scale
 __all__ = ["Case", "STANDARD_CASES", "SERVING_CASES", "FP8_CASES", "EXTRA_CASES",
            "SMALL_CASES", "FP8_K_SCALE", "FP8_V_SCALE", "KV_CACHE_DTYPES", "CASE_SETS",
            "SWEEP_PREFIXES", "SWEEP_TOPKS", "all_cases", "default_cases", "find_cases",
-           "custom_case", "fp8_case", "sweep_cases", "DTYPES"]
+           "custom_case", "fp8_case", "sweep_cases", "timed_step", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Per-layer shapes of docs/performance.md: GQA (q heads, kv heads, head dim), MLA (heads,
@@ -40,6 +40,12 @@ KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
 # the wrong place or precision shows in the check.
 FP8_K_SCALE = 0.45
 FP8_V_SCALE = 0.3
+
+
+def timed_step(steps: int) -> int:
+    """The decode step timed at ``S`` = ``steps``: ``TIMED_STEP``, or below ``S`` 4 the last
+    the round runs, ``S - 2`` (0 at ``S`` 1)."""
+    return max(0, min(TIMED_STEP, steps - 2))
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class Case:
     def timed_step(self) -> int:
         """The decode step the per-step numbers time (at most ``S - 2``, the last the serving
         loop runs)."""
-        return max(0, min(TIMED_STEP, self.steps - 2))
+        return timed_step(self.steps)
 
     @property
     def fp8(self) -> bool:
