@@ -979,6 +979,18 @@ def test_cli_counts_below_one_are_usage_errors(flag, value, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cli_only_sweep_with_check_only_is_a_usage_error(tmp_path, capsys):
+    """``--only-sweep --check-only`` ran nothing and exited 0, rewriting an ``--append``
+    folder's header as "nothing timed" and its versions.json's copy bandwidth as null."""
+    out = tmp_path / "out"
+    assert cli_main(["--only-sweep", "--check-only", "--device", "cpu", "--append", "--out",
+                     str(out)]) == 2
+    assert capsys.readouterr().err == ("specattn bench: error: --only-sweep: expected no "
+                                       "--check-only (the sweep has nothing to check without "
+                                       "timing it), got --check-only\n")
+    assert not out.exists()
+
+
 def test_cli_out_that_is_not_a_folder_is_a_usage_error(tmp_path, capsys):
     """``--out`` naming a file (or a path under one) is refused in one line, before the copy
     bandwidth is measured; it was a FileExistsError traceback after it."""

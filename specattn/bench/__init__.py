@@ -144,13 +144,17 @@ def _select_cases(args, on_gpu: bool):
 def _check_counts(args) -> None:
     """``--reps``, ``--round-layers`` and ``--threads`` (when given) are counts of at least one:
     an ``InvalidInputError`` naming the flag otherwise (a round of no layers would be timed
-    as its metadata call alone, torch refuses a thread count below one)."""
+    as its metadata call alone, torch refuses a thread count below one); ``--only-sweep``
+    does not take ``--check-only`` (that run would do nothing)."""
     from ..errors import InvalidInputError
 
     for flag, value in (("--reps", args.reps), ("--round-layers", args.round_layers),
                         ("--threads", args.threads)):
         if value is not None and value < 1:
             raise InvalidInputError(flag, "an int >= 1", value)
+    if args.only_sweep and args.check_only:  # the sweep is timed, never only checked
+        raise InvalidInputError("--only-sweep", "no --check-only (the sweep has nothing to "
+                                "check without timing it)", "--check-only")
 
 
 def _default_root() -> str:
