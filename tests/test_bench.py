@@ -430,6 +430,21 @@ def test_gpu_variants_skip_model_specific_rows_and_foreign_flavours():
     named, _ = discover_variants(case, plat, ["dsv4"], raw=False, on_gpu=True)
     assert [v.label for v in named] == ["dsv4"]  # still timed when asked for by name
 
+def test_a_backend_that_runs_nowhere_here_is_one_not_run_row():
+    """fa3 on a CPU was three "not run" rows of the same label (its musa, sm8x and sm90
+    flavours), fa4 two: one row per name now, each flavour's reason in it."""
+    from specattn.platforms import Platform
+
+    plat = Platform("cpu", None, libraries=frozenset())
+    _, skipped = discover_variants(tiny(), plat, ["fa3", "fa4", "flashinfer"], raw=False,
+                                   on_gpu=False)
+    assert [name for name, _ in skipped] == ["fa3", "fa4", "flashinfer"]
+    why = dict(skipped)
+    assert why["fa3"].startswith("musa: needs MUSA") and "; sm90: needs CUDA" in why["fa3"]
+    assert why["fa4"].startswith("cuda: needs CUDA") and "; musa: needs MUSA" in why["fa4"]
+    assert why["flashinfer"].startswith("needs CUDA")  # one flavour: its reason alone
+
+
 def _broken_class(output):
     class Broken(TorchRefDecode, name="bench_broken"):
         def forward(self, step, layer, q, k, v):

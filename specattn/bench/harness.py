@@ -365,6 +365,7 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
     # A name with several flavours (fa3/fa4: cuda and musa) is one backend here: the flavours
     # that cannot run on this platform are not "not run" rows when another flavour runs.
     running = {i.name for i in infos if i.runs_here and case.model in i.models}
+    flavours: dict[str, list[tuple[str, str]]] = {}  # name -> (flavour, why it cannot run)
     for info in infos:
         cls = info.backend
         if cls is None or info.flavour == "dispatcher":
@@ -380,7 +381,7 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
         reasons = reasons or cls.validate(_request(case), platform)
         if reasons:
             if wanted is not None or info.runs_here or opts:
-                skipped.append((info.name, "; ".join(reasons)))
+                flavours.setdefault(info.name, []).append((info.flavour, "; ".join(reasons)))
             continue
         graphs = bool(cls.supports_cuda_graph)
         if own and case.kind == "decode" and _has_mode(cls):
@@ -400,6 +401,10 @@ def discover_variants(case: Case, platform, names: Optional[list[str]] = None,
         variants += [dequant] if dequant else []
         variants += [Variant(o.label, info.name, "option", info.kernel_library,
                              _maker(cls, case, **o.kwargs_for(cls)), graphs) for o in opts]
+    # One row per name: a backend none of whose flavours runs the case says why for each.
+    skipped += [(name, found[0][1] if len(found) == 1 else
+                 "; ".join(f"{flavour}: {why}" for flavour, why in found))
+                for name, found in flavours.items()]
     if raw and case.kind == "decode" and case.model == "mha":
         for key, cls, module, device in RAW_BASELINES:
             if wanted is not None and not {key, "raw"} & wanted:
