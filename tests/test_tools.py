@@ -50,8 +50,10 @@ def _gpu_host(tmp_path, fa4_first: bool = True) -> dict:
 
 
 def _gpu_sh(env: dict, *args: str) -> subprocess.CompletedProcess:
+    # The caller's PYTHONPATH (e.g. this tree's, to import it) would join the lines' own.
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(["bash", GPU_SH, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **env})
+                          timeout=60, env={**base, **env})
 
 
 def _steps(stdout: str) -> dict[str, list[str]]:
