@@ -977,6 +977,9 @@ def test_cli_errors(capsys):
     assert cli_main(["--list-cases"]) == 0
     assert "gqa-long: MHA B=32 L=4096 K=8 S=5 P=1 bfloat16" in capsys.readouterr().out
     assert cli_main(["--case", "extend", "--steps"]) == 2
+    capsys.readouterr()
+    assert cli_main(["--case", "cpu", "--backend", "torch_ref", "tritn"]) == 2
+    assert capsys.readouterr().err.strip().endswith("did you mean 'triton'?), got 'tritn'")
 
 
 @pytest.mark.parametrize("flag,value", [("--reps", "0"), ("--round-layers", "0"),

@@ -141,6 +141,31 @@ def _select_cases(args, on_gpu: bool):
     return [c.with_(ragged=r) for c in chosen for r in lengths if c.has_ragged or not r], custom
 
 
+def _check_backend_names(names) -> None:
+    """Every ``--backend`` name is a registered backend of either kind (aliases included,
+    ``specattn.backends`` plugins loaded), a raw baseline or ``raw``: an
+    ``InvalidInputError`` naming the flag otherwise (a typo had been a "not run" row per
+    case and exit status 0)."""
+    import difflib
+
+    from ..errors import InvalidInputError
+    from ..plugins import load_plugins
+    from ..registry import active_registry
+    from .baselines import RAW_BASELINES
+
+    load_plugins()
+    registry = active_registry()
+    known = {*registry.all_names("decode"), *registry.all_names("extend"), "raw",
+             *(key for key, *_ in RAW_BASELINES)}
+    for name in names or ():
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise InvalidInputError("--backend", "a backend name, a raw baseline or 'raw' "
+                                    "(`specattn list` shows the backends"
+                                    + (f"; did you mean {close[0]!r}?)" if close else ")"),
+                                    repr(name))
+
+
 def _check_counts(args) -> None:
     """``--reps``, ``--round-layers`` and ``--threads`` (when given) are counts of at least one:
     an ``InvalidInputError`` naming the flag otherwise (a round of no layers would be timed
@@ -299,6 +324,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         _check_counts(args)
+        _check_backend_names(args.backend)
         cases, custom = _select_cases(args, on_gpu)
         options = parse_options(args.option or [])
     except InvalidInputError as exc:
