@@ -5,6 +5,8 @@ entry) behaves as documented."""
 from __future__ import annotations
 
 import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ class _Decode(DraftDecodeBackend):
     stale_padding = False     # a replay refreshes only the requests that are not padding
     ignore_scales = False     # reads FP8 codes as values (k_scale = v_scale = 1)
     stale_scales = False      # keeps the FP8 scale values of its first call (a host copy)
+    fixed_scaling = False     # softmax scale 1/sqrt(head width) instead of layer.scaling
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -62,6 +65,9 @@ class _Decode(DraftDecodeBackend):
             kept = self.__dict__.setdefault("kept", (float(layer.k_scale),
                                                      float(layer.v_scale)))
             layer = AttentionLayer(layer.layer_id, layer.scaling, layer.logit_cap, *kept)
+        if self.fixed_scaling:
+            layer = AttentionLayer(layer.layer_id, 1 / math.sqrt(q.shape[-1]),
+                                   layer.logit_cap, layer.k_scale, layer.v_scale)
         return reference_decode(self.runner, layer, q, self.batch, step, mode)
 
 
@@ -165,6 +171,18 @@ def test_a_graph_that_keeps_the_first_scales_fails_at_the_replay(scoped_registry
                            raise_on_failure=False)
     failed = _failures(report)
     assert len(failed) == 2 and all(d.startswith("replay 1") for d in failed.values()), failed
+
+
+def test_a_softmax_scale_from_the_head_width_fails(scoped_registry):
+    """The kit's layers scale by ``1.25 / sqrt(width)``: a backend that derives the scale
+    from the head width (DeepSeek's MLA is not scaled that way) instead of reading
+    ``layer.scaling`` fails every numerics case, MHA and MLA."""
+    _register(scoped_registry, {"fixed_scaling": True})
+    report = check_backend("mine", kinds=("decode",), models=("mha", "mla"),
+                           select="numerics/fp32", raise_on_failure=False)
+    failed = _failures(report)
+    assert report.passed == 0 and {c.split("/")[1] for c in failed} == {"mha", "mla"}, failed
+    assert all("first difference at lane" in d for d in failed.values()), failed
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

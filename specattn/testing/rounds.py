@@ -38,7 +38,10 @@ from ..data import DraftBatch, DraftExtendBatch, DraftRunner
 from ..fp8 import Scale, pool_dtype, quantize, write_rows, zeros as fp8_zeros
 
 __all__ = ["ModelShape", "EngineStyle", "RoundMaker", "DecodeRound", "ExtendRound",
-           "random_qkv", "shadow_runner", "pools_of"]
+           "random_qkv", "shadow_runner", "pools_of", "SCALING_FACTOR"]
+
+# The kit's softmax scale over the default 1 / sqrt(head width) (``ModelShape.scaling``).
+SCALING_FACTOR = 1.25
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,12 @@ class ModelShape:
 
     @property
     def scaling(self) -> float:
+        """The layers' softmax scale: ``SCALING_FACTOR / sqrt(width)``, not the
+        ``1 / sqrt(width)`` a kernel would derive from the head width on its own (DeepSeek's
+        MLA scales by ``1 / sqrt(192)`` times YaRN's ``mscale**2`` over a 576-wide latent),
+        so a backend must read ``layer.scaling``."""
         width = self.heads[1] + self.heads[2] if self.model == "mla" else self.heads[2]
-        return 1.0 / math.sqrt(width)
+        return SCALING_FACTOR / math.sqrt(width)
 
 
 @dataclass(frozen=True)
