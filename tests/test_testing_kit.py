@@ -36,6 +36,7 @@ class _Decode(DraftDecodeBackend):
     ignore_scales = False     # reads FP8 codes as values (k_scale = v_scale = 1)
     stale_scales = False      # keeps the FP8 scale values of its first call (a host copy)
     fixed_scaling = False     # softmax scale 1/sqrt(head width) instead of layer.scaling
+    parents_at_plan = False   # a graph round reads `parents` when its metadata is made
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -54,8 +55,11 @@ class _Decode(DraftDecodeBackend):
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
             getattr(self.mine, name)[:rows] = getattr(batch, name)[:rows]
         bs = batch.batch_size
+        parents = batch.parents
+        if self.parents_at_plan and parents is not None:
+            parents = parents.clone()  # the draft loop fills them later, inside the graph
         self.batch = DraftBatch(self.mine.req_pool_indices[:bs], self.mine.seq_lens[:bs],
-                                self.mine.out_cache_loc[:bs], batch.parents)
+                                self.mine.out_cache_loc[:bs], parents)
 
     def _attend(self, step, layer, q, k, v):
         mode = "lane" if self.path_as_lane else self.tree_mode
@@ -183,6 +187,18 @@ def test_a_softmax_scale_from_the_head_width_fails(scoped_registry):
     failed = _failures(report)
     assert report.passed == 0 and {c.split("/")[1] for c in failed} == {"mha", "mla"}, failed
     assert all("first difference at lane" in d for d in failed.values()), failed
+
+
+def test_a_graph_that_reads_the_parents_with_the_metadata_fails(scoped_registry):
+    """The draft loop writes ``parents[i]`` inside the graph just before step ``i``; a
+    backend that takes them when the capture/replay metadata is made reads zeros."""
+    _register(scoped_registry, {"parents_at_plan": True})
+    report = check_backend("mine", kinds=("decode",), models=("mha",), select="graph",
+                           raise_on_failure=False)
+    failed = _failures(report)
+    assert failed and all("/path" in case for case in failed), failed
+    assert not any(case.endswith("/lane") for case in failed), failed
+    assert all(d.startswith("capture batch, step 1") for d in failed.values()), failed
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

@@ -377,10 +377,6 @@ class _Static:
     def load(self, values: dict[str, torch.Tensor], pad: dict[str, Any]) -> None:
         for name, buf in self.tensors.items():
             src = values[name]
-            if name == "parents":
-                buf.zero_()
-                buf[:, :src.shape[1]] = src
-                continue
             n = src.shape[0]
             buf[:n] = src.to(buf.dtype)
             buf[n:] = pad[name]
@@ -408,12 +404,16 @@ def decode_graph(s: Session, case: Case) -> str:
                       "seq_lens_cpu": torch.zeros(max_bs, dtype=torch.int64),
                       "out_cache_loc": torch.zeros(max_bs, topk, slots, dtype=torch.int64,
                                                    device=dev)})
+    # ``parents`` is not loaded with the round: as in the draft loop, row ``i`` is written
+    # inside the graph just before step ``i`` (from ``parents_plan``), so a backend that
+    # reads the parents when the replay's metadata is made sees zeros and fails.
+    parents = parents_plan = None
     if case.tree_mode == "path":
-        static.tensors["parents"] = torch.zeros(slots, max_bs, topk, dtype=torch.int64,
-                                                device=dev)
+        parents, parents_plan = (torch.zeros(slots, max_bs, topk, dtype=torch.int64,
+                                             device=dev) for _ in range(2))
     t = static.tensors
-    batch = DraftBatch(t["req_pool_indices"], t["seq_lens"], t["out_cache_loc"],
-                       t.get("parents"), t["seq_lens_cpu"])
+    batch = DraftBatch(t["req_pool_indices"], t["seq_lens"], t["out_cache_loc"], parents,
+                       t["seq_lens_cpu"])
     backend = s.construct(case, runner, num_steps=slots)
     backend.init_cuda_graph_state(max_bs, max_bs * topk)
     fill = backend.get_cuda_graph_seq_len_fill_value()
@@ -432,15 +432,22 @@ def decode_graph(s: Session, case: Case) -> str:
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
                   "seq_lens": rnd.batch.seq_lens, "seq_lens_cpu": torch.tensor(lens),
                   "out_cache_loc": rnd.batch.out_cache_loc}
-        if rnd.parents_plan is not None:
-            values["parents"] = rnd.parents_plan.to(dev)
+        if parents is not None and parents_plan is not None:
+            parents.zero_()
+            parents_plan.zero_()
+            parents_plan[:, :len(lens)] = rnd.parents_plan.to(dev)
         pad["out_cache_loc"] = runner.req_to_token[0, pos].long()
         static.load(values, pad)
         return rnd
 
     def calls() -> list[torch.Tensor]:
-        return [backend.forward(step, layer, *inputs[step][i])
-                for step in range(NUM_STEPS) for i, layer in enumerate(layers)]
+        outs = []
+        for step in range(NUM_STEPS):
+            if parents is not None and parents_plan is not None and step > 0:
+                parents[step].copy_(parents_plan[step])  # the draft loop's in-graph write
+            outs += [backend.forward(step, layer, *inputs[step][i])
+                     for i, layer in enumerate(layers)]
+        return outs
 
     place(rounds_lens[0])
     backend.init_forward_metadata_capture_cuda_graph(batch)
@@ -467,7 +474,7 @@ def decode_graph(s: Session, case: Case) -> str:
         # The round's own view of the batch (unpadded) for the reference.
         ref_batch = DraftBatch(t["req_pool_indices"][:bs_real], t["seq_lens"][:bs_real],
                                t["out_cache_loc"][:bs_real],
-                               None if rnd.parents_plan is None else t["parents"][:, :bs_real])
+                               None if parents is None else parents[:, :bs_real])
         written = []
         for step in range(NUM_STEPS):
             loc = t["out_cache_loc"][:, :, step].reshape(-1)
