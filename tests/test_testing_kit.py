@@ -201,6 +201,19 @@ def test_a_graph_that_reads_the_parents_with_the_metadata_fails(scoped_registry)
     assert all(d.startswith("capture batch, step 1") for d in failed.values()), failed
 
 
+def test_an_eager_backend_that_keeps_the_first_scales_fails(scoped_registry):
+    """A backend without CUDA graphs gets eager ``scale_change`` rounds instead: tensor
+    scales whose values change between two rounds on one backend object."""
+    _register(scoped_registry, {"kv_cache_dtypes": KV_DTYPES_WITH_FP8, "stale_scales": True,
+                                "supports_cuda_graph": False})
+    report = check_backend("mine", kinds=("decode",), models=("mla",), select="scale_change",
+                           raise_on_failure=False)
+    failed = _failures(report)
+    assert set(failed) == {f"decode/mla/numerics/bf16/k2/p1/path/kv-{kv}/scale_change"
+                           for kv in ("fp8_e4m3", "fp8_e5m2")}, failed
+    assert all(d.startswith("round 1 (one-element tensor scales") for d in failed.values())
+
+
 def test_known_limits_are_reported_not_run(scoped_registry):
     dec, _ = _register(scoped_registry, {"path_as_lane": True})
     dec.known_limits = {"decode/*/path/*": "paths computed as lanes (on purpose, for a test)",

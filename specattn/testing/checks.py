@@ -255,10 +255,11 @@ def _checked_call(call: Callable[[], torch.Tensor], where: str, runner: DraftRun
 def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: ModelShape,
                      gen: torch.Generator, *, logit_cap: float = 0.0,
                      fused_qkv: bool = False, both_layers: bool = False,
-                     poison: bool = False) -> str:
+                     poison: bool = False, scales: Optional[tuple[Scale, Scale]] = None) -> str:
     """``init_forward_metadata`` then every step and layer, each checked against the
     reference and the expected pools. ``poison``: lane 0's new key at step 0 is NaN; the
-    lanes that do not attend it must come out exactly as the reference."""
+    lanes that do not attend it must come out exactly as the reference. ``scales``: the
+    layers' ``(k_scale, v_scale)`` (default: the case's)."""
     runner, dtype = rnd.runner, case.dtype
     shadow = shadow_runner(runner)
     backend.init_forward_metadata(rnd.batch)
@@ -266,7 +267,8 @@ def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: M
     for step in range(rnd.num_steps):
         _fill_parents(rnd, step)
         loc = rnd.batch.out_cache_loc[:, :, step].reshape(-1)
-        layers = _layers(shape, logit_cap, both_layers, case.params.get("scales", (1.0, 1.0)))
+        layers = _layers(shape, logit_cap, both_layers,
+                         scales or case.params.get("scales", (1.0, 1.0)))
         for layer in layers:
             where = f"step {step}, layer {layer.layer_id}"
             q, k, v = random_qkv(runner, rnd.lanes, gen, fused=fused_qkv)
@@ -322,8 +324,36 @@ def decode_determinism(s: Session, case: Case) -> str:
     return f"{len(outs[0])} calls bitwise identical"
 
 
+def decode_scale_change(s: Session, case: Case) -> str:
+    """Two eager rounds on one backend object whose layers carry one-element device tensors
+    as scales (SGLang's ``layer.k_scale``), their values changed in place between the rounds
+    (the pools are filled with the new ones): a backend that reads only Python-float scales,
+    or keeps the values of its first call, differs from the reference. The graph case's
+    ``scale_change`` checks the same across replays for backends that capture graphs."""
+    shape = s.shape(case)
+    lens = decode_lengths(case.page_size, True)
+    maker = _decode_maker(s, case, shape, [lens])
+    scales = _graph_scales(s, case, maker)
+    backend = s.construct(case, maker.runner)
+    gen = s.generator(case, "qkv")
+    for n, round_lens in enumerate((lens, list(reversed(lens)))):
+        _round_scales(scales, n)
+        rnd = maker.decode(round_lens, case.topk, NUM_STEPS, case.tree_mode)
+        try:
+            run_decode_round(s, case, backend, rnd, shape, gen, scales=scales)
+        except CaseFailed as exc:
+            raise CaseFailed(f"round {n} ({_scales_text(n)}): {exc}") from exc
+    return f"{shape.label()}, 2 rounds, scales changed in place between them"
+
+
+def _scales_text(n: int) -> str:
+    k, v = FP8_SCALE_ROUNDS[n % len(FP8_SCALE_ROUNDS)]
+    return f"one-element tensor scales k_scale={k}, v_scale={v}"
+
+
 def _graph_scales(s: Session, case: Case, maker: RoundMaker) -> tuple[Scale, Scale]:
-    """The layers' ``(k_scale, v_scale)`` of a graph case: with ``tensor_scales``,
+    """The layers' ``(k_scale, v_scale)`` of a graph (or eager ``scale_change``) case: with
+    ``tensor_scales``,
     one-element device tensors (the maker fills the pools with them too) that
     ``_round_scales`` changes between capture and replays; else the case's floats."""
     if not case.params.get("tensor_scales"):
@@ -518,16 +548,18 @@ def extend_lengths(page_size: int, ragged: bool) -> tuple[list[int], list[int]]:
 
 def run_extend(s: Session, case: Case, backend, rnd: ExtendRound, shape: ModelShape,
                gen: torch.Generator, *, logit_cap: float = 0.0, fused_qkv: bool = False,
-               both_layers: bool = False, poison: bool = False) -> str:
+               both_layers: bool = False, poison: bool = False,
+               scales: Optional[tuple[Scale, Scale]] = None) -> str:
     """``poison``: the third new token of the first request with three or more has a NaN
     key; the tokens before it (and other requests) must come out exactly as the
-    reference."""
+    reference. ``scales``: the layers' ``(k_scale, v_scale)`` (default: the case's)."""
     runner = rnd.runner
     shadow = shadow_runner(runner)
     backend.init_forward_metadata(rnd.batch)
     loc = rnd.batch.out_cache_loc
     worst = 0.0
-    layers = _layers(shape, logit_cap, both_layers, case.params.get("scales", (1.0, 1.0)))
+    layers = _layers(shape, logit_cap, both_layers,
+                     scales or case.params.get("scales", (1.0, 1.0)))
     for layer in layers:
         where = f"layer {layer.layer_id}"
         q, k, v = random_qkv(runner, rnd.num_tokens, gen, fused=fused_qkv)
@@ -581,6 +613,25 @@ def extend_determinism(s: Session, case: Case) -> str:
             raise CaseFailed(f"call {i} gave different outputs on identical inputs (max "
                              f"difference {(a.float() - b.float()).abs().max().item():.3g})")
     return f"{len(outs[0])} calls bitwise identical"
+
+
+def extend_scale_change(s: Session, case: Case) -> str:
+    """``decode_scale_change`` for draft extend: two eager batches on one backend object,
+    tensor scales changed in place between them."""
+    shape = s.shape(case)
+    seq, ext = extend_lengths(case.page_size, True)
+    maker = s.maker(case, shape, max_tokens=max(seq))
+    scales = _graph_scales(s, case, maker)
+    backend = s.construct(case, maker.runner)
+    gen = s.generator(case, "qkv")
+    for n in range(2):
+        _round_scales(scales, n)
+        rnd = maker.extend(seq, ext) if n == 0 else maker.extend(seq[::-1], ext[::-1])
+        try:
+            run_extend(s, case, backend, rnd, shape, gen, scales=scales)
+        except CaseFailed as exc:
+            raise CaseFailed(f"round {n} ({_scales_text(n)}): {exc}") from exc
+    return f"{shape.label()}, 2 batches, scales changed in place between them"
 
 
 def extend_graph(s: Session, case: Case) -> str:

@@ -11,7 +11,9 @@ Each declared ``kv_cache_dtype`` other than ``"auto"`` gets a decode round and a
 (``.../kv-<name>/...``); a per-tensor FP8 one (``"fp8_e4m3"``, ``"fp8_e5m2"``) runs them with
 ``k_scale`` / ``v_scale`` != 1 (``checks.FP8_SCALES``), adds a decode round on ``uint8`` pool
 storage, and a decode and an extend graph case whose scales are one-element device tensors
-that change value between capture and every replay (``scale_change``).
+that change value between capture and every replay (``scale_change``); a backend without
+``supports_cuda_graph`` gets two eager rounds of that kind instead
+(``numerics/.../scale_change``).
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
                         style=EngineStyle(uint8_pools=True), **fp8)
             yield _case("decode", model, "graph", checks.decode_graph, kv_dt, k2, pbig or p1,
                         path, kv, tail="scale_change", tensor_scales=True)
+            if not cls.supports_cuda_graph:  # the graph case above is a skip: eager rounds
+                yield _case("decode", model, "numerics", checks.decode_scale_change, kv_dt,
+                            k2, p1, path, kv, tail="scale_change", tensor_scales=True)
     for name, style in _ENGINE.items():
         if name == "shared_kv_buffer" and model == "mla":
             continue
@@ -172,6 +177,9 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         if fp8:
             yield _case("extend", model, "graph", checks.extend_graph, kv_dt, page=pbig or p1,
                         kv=kv, tail="scale_change", tensor_scales=True)
+            if not cls.supports_cuda_graph:
+                yield _case("extend", model, "numerics", checks.extend_scale_change, kv_dt,
+                            page=p1, kv=kv, tail="scale_change", tensor_scales=True)
     for name, style in _ENGINE.items():
         if name == "shared_kv_buffer" and model == "mla":
             continue
