@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            steps()  # warm-up: kernels compile and workspaces are allocated outside capture
+            steps()  # warm-up: kernels compile, workspaces and plans for the layers' scale
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -374,13 +374,18 @@ def _round_scales(scales: tuple[Scale, Scale], n: int) -> None:
 
 class _GraphRunner:
     """Runs a list of calls as one captured CUDA graph (on CUDA), or eagerly (elsewhere:
-    the graph protocol's buffer handling is still exercised, only the capture is not)."""
+    the graph protocol's buffer handling is still exercised, only the capture is not).
+    Either way the calls run once first, after the capture's metadata, as an engine's
+    warm-up runs them before it captures (a backend may plan for the layers' parameters
+    there, outside the graph)."""
 
     def __init__(self, device: torch.device, calls: Callable[[], list[torch.Tensor]]):
         self.calls = calls
         self.graph = None
         self.outs: list[torch.Tensor] = []
-        if device.type == "cuda":
+        if device.type != "cuda":
+            calls()  # the warm-up
+        else:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -50,12 +50,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         "FlashInfer's causal prefill multiplies the masked (zero) probabilities of a tile by "
         "every value in it: a non-finite key/value of a later new token reaches the earlier "
         "tokens of its request (0 * NaN; seen on the H200 with FlashInfer 0.7.4, both MHA and "
-        "MLA); the vendor kernel, not this glue, would have to change"),
-        "extend/*/graph/*": (
-        "a CUDA-graph round is planned on the device with the softmax scale the pass was "
-        "made with (1/sqrt(head width) at capture): a layer.scaling that differs (DeepSeek's "
-        "MLA, the kit's layers) needs a host replan, which the first call after the capture "
-        "or replay metadata refuses with an InvalidInputError naming layer (_passes.replan)")}
+        "MLA); the vendor kernel, not this glue, would have to change")}
 
     def __init__(self, runner, *, topk: int = 1, num_steps: int = 1) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
