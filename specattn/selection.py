@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = get_logger("selection")
 
 __all__ = ["Selection", "select", "describe_error", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow",
-           "auto_order", "platform_or_current"]
+           "auto_order", "platform_or_current", "check_backend_name"]
 
 AUTO = "auto"
 # The original factory's messages (docs/selection.md rule 3), kept verbatim as prefixes.
@@ -275,6 +275,23 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
                   if only else "")
                + f" Valid {kind} backend names: {', '.join(sorted(valid))}.")
     return UnknownBackendError(message, name, sorted(valid), hint, only)
+
+
+def check_backend_name(argument: str, name: str, expected: str,
+                       also: tuple[str, ...] = ()) -> None:
+    """``name`` is a backend registered for either kind (aliases included, the
+    ``specattn.backends`` plugins loaded) or one of ``also``; else an ``InvalidInputError``
+    naming ``argument`` (a setting or a flag): ``expected``, then the closest known name."""
+    from .plugins import load_plugins
+
+    load_plugins()
+    registry = active_registry()
+    known = sorted({*registry.all_names("decode"), *registry.all_names("extend"), *also})
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidInputError(argument, f"{expected} (`specattn list` shows the "
+                                f"backends{hint})", repr(_cut(name)))
 
 
 def _cut(text: str, width: int = 60) -> str:

@@ -142,28 +142,16 @@ def _select_cases(args, on_gpu: bool):
 
 
 def _check_backend_names(names) -> None:
-    """Every ``--backend`` name is a registered backend of either kind (aliases included,
-    ``specattn.backends`` plugins loaded), a raw baseline or ``raw``: an
-    ``InvalidInputError`` naming the flag otherwise (a typo had been a "not run" row per
-    case and exit status 0)."""
-    import difflib
-
-    from ..errors import InvalidInputError
-    from ..plugins import load_plugins
-    from ..registry import active_registry
+    """Every ``--backend`` name is a registered backend of either kind, a raw baseline or
+    ``raw``: an ``InvalidInputError`` naming the flag otherwise (a typo had been a "not
+    run" row per case and exit status 0)."""
+    from ..selection import check_backend_name
     from .baselines import RAW_BASELINES
 
-    load_plugins()
-    registry = active_registry()
-    known = {*registry.all_names("decode"), *registry.all_names("extend"), "raw",
-             *(key for key, *_ in RAW_BASELINES)}
+    raw = ("raw", *(key for key, *_ in RAW_BASELINES))
     for name in names or ():
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            raise InvalidInputError("--backend", "a backend name, a raw baseline or 'raw' "
-                                    "(`specattn list` shows the backends"
-                                    + (f"; did you mean {close[0]!r}?)" if close else ")"),
-                                    repr(name))
+        check_backend_name("--backend", name, "a backend name, a raw baseline or 'raw'",
+                           also=raw)
 
 
 def _check_counts(args) -> None:

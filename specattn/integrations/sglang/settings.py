@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -82,18 +81,9 @@ def _check_backend(name: str) -> None:
     """A forced name must be specattn's (of either kind, or ``auto``): the user asked for
     specattn, so a typo is refused rather than left to SGLang's own backend, as a name SGLang
     resolved that specattn does not know is."""
-    from ...plugins import load_plugins
-    from ...registry import active_registry
-    from ...selection import AUTO, _cut
+    from ...selection import AUTO, check_backend_name
 
-    load_plugins()
-    registry = active_registry()
-    known = sorted({AUTO, *registry.all_names("decode"), *registry.all_names("extend")})
-    if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
-        raise InvalidInputError(BACKEND_ENV, "a specattn backend name or 'auto' (`specattn "
-                                "list` shows them" + (f"; did you mean {close[0]!r}?)"
-                                                      if close else ")"), repr(_cut(name)))
+    check_backend_name(BACKEND_ENV, name, "a specattn backend name or 'auto'", also=(AUTO,))
 
 
 def _read_options(text: str) -> tuple:
