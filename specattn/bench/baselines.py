@@ -93,7 +93,7 @@ class _PerLane:
 
     def forward(self, step: int, layer: "AttentionLayer", q: torch.Tensor, k: torch.Tensor,
                 v: Optional[torch.Tensor]) -> torch.Tensor:
-        self.runner.write_kv(layer.layer_id, self.batch.out_cache_loc[:, :, step], k, v)
+        self.runner._store_kv(layer.layer_id, self.batch.out_cache_loc[:, :, step], k, v)
         return self._attend(step, layer, q)
 
     def _attend(self, step: int, layer: "AttentionLayer", q: torch.Tensor) -> torch.Tensor:
@@ -258,7 +258,7 @@ class DequantStep:
         *step, layer, q, k, v = args
         loc = self.batch.out_cache_loc
         loc = (loc[:, :, step[0]] if step else loc).reshape(-1)
-        self.runner.write_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
+        self.runner._store_kv(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
         scratch = layer_pools(self.scratch, layer.layer_id)
         scales = layer_scales(layer, self.runner.use_mla_backend)
         for out, codes, scale in zip(scratch, layer_pools(self.runner, layer.layer_id),
