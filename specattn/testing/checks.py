@@ -353,9 +353,8 @@ def _scales_text(n: int) -> str:
 
 def _graph_scales(s: Session, case: Case, maker: RoundMaker) -> tuple[Scale, Scale]:
     """The layers' ``(k_scale, v_scale)`` of a graph (or eager ``scale_change``) case: with
-    ``tensor_scales``,
-    one-element device tensors (the maker fills the pools with them too) that
-    ``_round_scales`` changes between capture and replays; else the case's floats."""
+    ``tensor_scales``, one-element device tensors (the maker fills the pools with them too)
+    that ``_round_scales`` changes between rounds; else the case's floats."""
     if not case.params.get("tensor_scales"):
         return case.params.get("scales", (1.0, 1.0))
     pair = tuple(torch.tensor([x], dtype=torch.float32, device=s.device)
