@@ -37,6 +37,7 @@ class _Decode(DraftDecodeBackend):
     stale_scales = False      # keeps the FP8 scale values of its first call (a host copy)
     fixed_scaling = False     # softmax scale 1/sqrt(head width) instead of layer.scaling
     parents_at_plan = False   # a graph round reads `parents` when its metadata is made
+    int64_lengths = False     # reads the lengths' storage as int64 whatever their dtype
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -72,7 +73,14 @@ class _Decode(DraftDecodeBackend):
         if self.fixed_scaling:
             layer = AttentionLayer(layer.layer_id, 1 / math.sqrt(q.shape[-1]),
                                    layer.logit_cap, layer.k_scale, layer.v_scale)
-        return reference_decode(self.runner, layer, q, self.batch, step, mode)
+        batch = self.batch
+        if self.int64_lengths and batch.seq_lens.dtype != torch.int64:
+            # A kernel given an int64 pointer: entry b reads int32 entries 2b and 2b + 1.
+            raw = batch.seq_lens.contiguous()
+            lens = torch.cat([raw, torch.zeros_like(raw)]).view(torch.int64)[:raw.numel()]
+            batch = DraftBatch(batch.req_pool_indices, lens, batch.out_cache_loc,
+                               batch.parents)
+        return reference_decode(self.runner, layer, q, batch, step, mode)
 
 
 class _Extend(DraftExtendBackend):
@@ -212,6 +220,17 @@ def test_an_eager_backend_that_keeps_the_first_scales_fails(scoped_registry):
     assert set(failed) == {f"decode/mla/numerics/bf16/k2/p1/path/kv-{kv}/scale_change"
                            for kv in ("fp8_e4m3", "fp8_e5m2")}, failed
     assert all(d.startswith("round 1 (one-element tensor scales") for d in failed.values())
+
+
+def test_a_backend_that_reads_int32_lengths_as_int64_fails(scoped_registry):
+    """Engines pass int32 index tensors too (vLLM does; validation accepts both): the kit's
+    ``engine/int32_index`` rounds give them, and only those fail here."""
+    _register(scoped_registry, {"int64_lengths": True})
+    report = check_backend("mine", kinds=("decode",), models=("mha", "mla"),
+                           select="engine", raise_on_failure=False)
+    failed = _failures(report)
+    assert failed and all("/engine/int32_index" in case for case in failed), failed
+    assert report.passed > 0
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

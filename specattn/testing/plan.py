@@ -39,6 +39,7 @@ _ENGINE = {
     "fused_qkv": EngineStyle(fused_qkv=True),
     "sliced_req_to_token": EngineStyle(sliced_req_to_token=True),
     "shared_kv_buffer": EngineStyle(shared_kv_buffer=True),
+    "int32_index": EngineStyle(int32_index=True),
 }
 
 

@@ -77,10 +77,12 @@ class EngineStyle:
     sliced_req_to_token: bool = False  # req_to_token as a column slice of a wider table
     shared_kv_buffer: bool = False  # MHA: K and V pools as two views of one buffer
     uint8_pools: bool = False  # FP8 pools given to the runner as uint8 storage (SGLang's)
+    int32_index: bool = False  # the batch's index tensors in int32 (vLLM's), not int64
 
     def label(self) -> str:
         on = [f for f in ("strided_index", "fused_qkv", "sliced_req_to_token",
-                          "shared_kv_buffer", "uint8_pools") if getattr(self, f)]
+                          "shared_kv_buffer", "uint8_pools", "int32_index")
+              if getattr(self, f)]
         return "+".join(on) if on else "contiguous"
 
 
@@ -287,7 +289,7 @@ class RoundMaker:
         r2t[rows.to(self.device)] = table.to(self.device)
 
     def _index(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device)
+        t = t.to(self.device, torch.int32 if self.style.int32_index else t.dtype)
         return _strided(t) if self.style.strided_index else t
 
     # --- rounds ------------------------------------------------------------------------------
@@ -319,6 +321,9 @@ class RoundMaker:
                                   device=self.device)
             if self.style.strided_index:
                 parents = _strided_3d(parents)
+        if self.style.int32_index:
+            loc = loc.to(torch.int32)
+            parents = None if parents is None else parents.to(torch.int32)
         if self.style.strided_index:
             loc = _strided_3d(loc.reshape(len(seq_lens), topk, num_steps))
         batch = DraftBatch(self._index(rows), self._index(seq), loc, parents)
