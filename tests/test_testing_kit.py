@@ -38,6 +38,7 @@ class _Decode(DraftDecodeBackend):
     fixed_scaling = False     # softmax scale 1/sqrt(head width) instead of layer.scaling
     parents_at_plan = False   # a graph round reads `parents` when its metadata is made
     int64_lengths = False     # reads the lengths' storage as int64 whatever their dtype
+    empty_prefix_nan = False  # merges an empty prefix's pass as 0 / 0 (NaN lanes)
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -80,7 +81,11 @@ class _Decode(DraftDecodeBackend):
             lens = torch.cat([raw, torch.zeros_like(raw)]).view(torch.int64)[:raw.numel()]
             batch = DraftBatch(batch.req_pool_indices, lens, batch.out_cache_loc,
                                batch.parents)
-        return reference_decode(self.runner, layer, q, batch, step, mode)
+        out = reference_decode(self.runner, layer, q, batch, step, mode)
+        if self.empty_prefix_nan:
+            empty = (batch.seq_lens == 0).repeat_interleave(self.topk)
+            out[empty] = float("nan")
+        return out
 
 
 class _Extend(DraftExtendBackend):
@@ -230,6 +235,17 @@ def test_a_backend_that_reads_int32_lengths_as_int64_fails(scoped_registry):
                            select="engine", raise_on_failure=False)
     failed = _failures(report)
     assert failed and all("/engine/int32_index" in case for case in failed), failed
+    assert report.passed > 0
+
+
+def test_a_backend_that_fails_an_empty_prefix_fails(scoped_registry):
+    """A request may have no prefix yet (``seq_lens`` 0): ``numerics/.../empty_prefix``
+    gives one, whose lanes attend their history only."""
+    _register(scoped_registry, {"empty_prefix_nan": True})
+    report = check_backend("mine", kinds=("decode",), models=("mha", "mla"),
+                           select="numerics", raise_on_failure=False)
+    failed = _failures(report)
+    assert failed and all(case.endswith("/empty_prefix") for case in failed), failed
     assert report.passed > 0
 
 

@@ -136,6 +136,9 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
     yield _case("decode", model, "isolation", num, main, k, p1, path, poison=True)
     yield _case("decode", model, "numerics", num, main, k2, pbig or p1, path, tail="long",
                 lens=[300, 7])  # past a sliding window's default width, several pages
+    # A request with no prefix yet (validation allows seq_lens 0): only its lanes' history.
+    yield _case("decode", model, "numerics", num, main, k2, pbig or p1, path,
+                tail="empty_prefix", lens=[0, 9])
     yield _case("decode", model, "graph", checks.decode_graph, main, k2, pbig or p1, path)
     # topk 1 (plain decode, often its own kernel path): a K = 1 MLA graph replay gave NaN on
     # the H200 once (soak seed 364, flashinfer).
