@@ -49,6 +49,10 @@ def test_settings_backend_options():
     for bad in ("triton", "triton:nope=1", "nosuch:x=1", "triton:plan=gluon"):
         with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_OPTIONS"):
             read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": bad})
+    long = "triton:mode=per-branch; " + "x" * 5000 + ":k=1"  # the value once, cut
+    with pytest.raises(InvalidInputError) as info:
+        read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": long})
+    assert len(str(info.value)) < 5600 and str(info.value).endswith("...'"), str(info.value)[-80:]
 
 
 @pytest.mark.no_sglang

@@ -88,12 +88,13 @@ def _check_backend(name: str) -> None:
 
 def _read_options(text: str) -> tuple:
     from ...bench.options import parse_options
+    from ...selection import _cut
 
     items = [t.strip() for t in text.split(";") if t.strip()]
     try:
         options = parse_options(items)
-    except InvalidInputError as exc:
+    except InvalidInputError as exc:  # the bench's message names the item: the value, cut
         raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
                                 "separated by ';' (e.g. 'triton:plan=gluon-split'), backends and "
-                                f"keywords that exist ({exc})", repr(text)) from exc
+                                f"keywords that exist ({exc})", repr(_cut(text))) from exc
     return tuple(options)
