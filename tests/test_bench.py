@@ -106,6 +106,25 @@ def test_ragged_runs_skip_batch_one():
     assert [c.lengths_label for c in quick[0]] == ["uniform"] * 10
 
 
+def test_one_draft_step_has_no_decode_case(tmp_path, capsys):
+    """A round of ``S`` 1 runs no decode step (the serving loop runs ``S - 1``): a custom
+    shape of ``--num-steps 1`` is its extend case only (its decode rows had timed a step-0
+    call no engine makes), and ``--steps`` with it is a usage error."""
+    from specattn.bench import _select_cases, build_parser
+
+    one = _select_cases(build_parser().parse_args(["--num-steps", "1", "--quick"]), False)[0]
+    assert [c.kind for c in one] == ["extend"]
+    two = _select_cases(build_parser().parse_args(["--num-steps", "2", "--quick"]), False)[0]
+    assert [c.kind for c in two] == ["decode", "extend"]
+    out = tmp_path / "out"
+    assert cli_main(["--num-steps", "1", "--steps", "--device", "cpu", "--check-only",
+                     "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("specattn bench: error: --num-steps: expected 2 or "
+                                       "more with --steps (a round of one draft step runs no "
+                                       "decode step), got 1\n")
+    assert not out.exists()
+
+
 def test_ragged_lengths_are_seeded_and_in_range():
     case = C.STANDARD_CASES[0].with_(ragged=True)
     lens = case.lengths(seed=3)

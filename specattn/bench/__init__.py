@@ -130,7 +130,8 @@ def _select_cases(args, on_gpu: bool):
                                               ("page_size", "page_size"))
               if getattr(args, a) is not None}
         kw.update(mla=args.mla, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
-        chosen.append(C.custom_case(**kw))
+        if kw.get("steps") != 1:  # a round of S 1 runs no decode step: its extend only
+            chosen.append(C.custom_case(**kw))
         chosen.append(C.custom_case(extend=True, **kw))
     if args.steps != args.extend:  # exactly one of them: that kind only
         kind = "decode" if args.steps else "extend"
@@ -158,7 +159,8 @@ def _check_counts(args) -> None:
     """``--reps``, ``--round-layers`` and ``--threads`` (when given) are counts of at least one:
     an ``InvalidInputError`` naming the flag otherwise (a round of no layers would be timed
     as its metadata call alone, torch refuses a thread count below one); ``--only-sweep``
-    does not take ``--check-only`` (that run would do nothing)."""
+    does not take ``--check-only`` (that run would do nothing); ``--steps`` (decode cases
+    only) does not take ``--num-steps 1`` (a round of one draft step runs no decode step)."""
     from ..errors import InvalidInputError
 
     for flag, value in (("--reps", args.reps), ("--round-layers", args.round_layers),
@@ -168,6 +170,9 @@ def _check_counts(args) -> None:
     if args.only_sweep and args.check_only:  # the sweep is timed, never only checked
         raise InvalidInputError("--only-sweep", "no --check-only (the sweep has nothing to "
                                 "check without timing it)", "--check-only")
+    if args.steps and not args.extend and args.num_steps == 1:
+        raise InvalidInputError("--num-steps", "2 or more with --steps (a round of one draft "
+                                "step runs no decode step)", 1)
 
 
 def _default_root() -> str:
