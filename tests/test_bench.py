@@ -1255,3 +1255,24 @@ def test_versions_name_the_commit_a_gpu_run_was_given(monkeypatch):
     assert "commit" not in versions(torch.device("cpu"))
     monkeypatch.setenv("SPECATTN_COMMIT", "abc1234")
     assert versions(torch.device("cpu"))["commit"] == "abc1234"
+
+
+def test_append_check_only_keeps_a_timed_folders_bandwidth(tmp_path, capsys):
+    """``--append --check-only`` into a timed folder: its header and versions.json keep the
+    copy bandwidth its timed rows were measured with (they had become "nothing timed" and
+    null); into a folder without one, the header says nothing was timed."""
+    timed, fresh = tmp_path / "timed", tmp_path / "fresh"
+    timed.mkdir()
+    (timed / "versions.json").write_text(json.dumps({"copy_bandwidth_gbs": 123.4,
+                                                     "command": "specattn bench --quick"}))
+    args = ["--batch", "2", "--prefix", "24", "--topk", "2", "--num-steps", "3", "--device",
+            "cpu", "--backend", "torch_ref", "--check-only", "--append", "--no-raw"]
+    assert cli_main(args + ["--out", str(timed)]) == 0
+    assert cli_main(args + ["--out", str(fresh)]) == 0
+    capsys.readouterr()
+    assert "copy bandwidth 123.4 GB/s" in (timed / "table.md").read_text()
+    info = json.loads((timed / "versions.json").read_text())
+    assert info["copy_bandwidth_gbs"] == 123.4 and info["command"].startswith(
+        "specattn bench --quick && specattn bench ")
+    assert "nothing timed" in (fresh / "table.md").read_text()
+    assert json.loads((fresh / "versions.json").read_text())["copy_bandwidth_gbs"] is None

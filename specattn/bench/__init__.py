@@ -362,6 +362,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}; results will be written to {out}/", file=sys.stderr)
     bandwidth = None if args.check_only else copy_bandwidth(device, clock)
+    # --append --check-only: the folder's timed rows keep their header and versions.json.
+    recorded = bandwidth or (_folder_bandwidth(out) if args.append else None)
 
     def checkpoint(rows_so_far: list) -> None:
         """bench.csv and table.md (the table alone) after each case, final or not."""
@@ -371,7 +373,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         report.add_ratios(done)
         report.write_csv(done, os.path.join(out, "bench.csv"))
         with open(os.path.join(out, "table.md"), "w") as f:
-            f.write(_header(info, bandwidth, clock.name, on_gpu, done) + "\n\n"
+            f.write(_header(info, recorded, clock.name, on_gpu, done) + "\n\n"
                     + report.render_table(done, cpu=not on_gpu) + "\n")
 
     with ItemProgress(total, "bench") as progress:
@@ -385,10 +387,22 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
         rows = merge_rows(rows, sglang_rows([p.case for p in plans], device, seed=args.seed,
                                             backends=args.backend))
-    rows, sweep_rows = _write_results(args, argv, out, info, bandwidth, clock.name, on_gpu,
+    rows, sweep_rows = _write_results(args, argv, out, info, recorded, clock.name, on_gpu,
                                       rows, sweep_rows)
     failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
     return 1 if failed else 0
+
+
+def _folder_bandwidth(out: str) -> Optional[float]:
+    """The copy bandwidth (bytes/s) an earlier run recorded in ``out/versions.json``, if any:
+    ``--append --check-only`` into a timed folder keeps it (its header had said "nothing
+    timed" over the folder's timed rows, and versions.json lost the bandwidth)."""
+    try:
+        with open(os.path.join(out, "versions.json")) as f:
+            gbs = json.load(f).get("copy_bandwidth_gbs")
+    except (OSError, ValueError):
+        return None
+    return float(gbs) * 1e9 if isinstance(gbs, (int, float)) and gbs > 0 else None
 
 
 def _write_results(args, argv: Optional[Sequence[str]], out: str, info: dict,
