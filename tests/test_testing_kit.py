@@ -382,6 +382,22 @@ def test_soak_split_over_workers_runs_the_same_rounds():
     assert one.passed >= 5 and not one.failures and not two.failures
 
 
+def test_soak_draws_fp8_mha_pools_int32_indices_and_uint8_pools():
+    """The soak's rounds cover what the kit gained after seeds were recorded: FP8 MHA pools
+    (with scales other than 1), int32 index tensors, uint8 FP8 storage (only over FP8 pools);
+    drawn from streams of their own, so the older draws of a seed stay what they were."""
+    target = Target.build("torch_ref")
+    cases = [_round_case(target, s, 0, 50, 1) for s in range(200)]
+    mha_fp8 = [c for c in cases if c.model == "mha" and c.kv_cache_dtype != "auto"]
+    assert {c.kind for c in mha_fp8} == {"decode", "extend"}
+    assert {c.kv_cache_dtype for c in mha_fp8} == {"fp8_e4m3", "fp8_e5m2"}
+    assert all(c.params["scales"] != (1.0, 1.0) for c in mha_fp8)
+    styles = [c.params["style"] for c in cases]
+    assert any(s.int32_index for s in styles) and not all(s.int32_index for s in styles)
+    assert any(s.uint8_pools for s in styles)
+    assert all(c.kv_cache_dtype != "auto" for c in cases if c.params["style"].uint8_pools)
+
+
 def test_soak_same_config_shares_the_kernel_configuration_in_runs_of_seeds():
     target = Target.build("torch_ref")
 

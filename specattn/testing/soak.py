@@ -1,8 +1,9 @@
 """A random-batch soak: many random rounds through a backend, each checked like a kit case.
 
-Each round draws the kind and model (among those the backend declares), dtype, topk, page
-size, tree mode, ragged lengths from 1, and an engine-style layout; one in ``graph_every``
-rounds replays a captured graph with a padded batch instead. Every step is compared with the
+Each round draws the kind and model (among those the backend declares), dtype, KV dtype
+(FP8 pools where the class serves them), topk, page size, tree mode, ragged lengths from 1,
+and an engine-style layout (int32 index tensors and uint8 FP8 pools among them); one in
+``graph_every`` rounds replays a captured graph with a padded batch instead. Every step is compared with the
 reference and every pool with the kit's copy (``checks``). A failure prints its seed;
 ``python -m specattn.testing.soak --backend NAME --seed S --rounds 1`` (with the same
 ``--same-config``) replays exactly that round. Rounds the backend refuses as a case (a soft
@@ -22,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from .checks import Case, CaseFailed, CaseSkipped, Session, decode_graph, decode_numerics, \
-    extend_graph, extend_numerics
+from ..fp8 import FP8_KV_DTYPES
+from .checks import FP8_SCALES, Case, CaseFailed, CaseSkipped, Session, decode_graph, \
+    decode_numerics, extend_graph, extend_numerics
 from .plan import _DTYPE_NAMES, _dtypes, _pages, limit_for
 from .rounds import EngineStyle
 from .target import BackendSpec, Target
@@ -75,7 +77,10 @@ class _Config:
     tree: str
 
 
-def _draw_config(rng: random.Random, target: Target, graph: bool) -> Optional[_Config]:
+def _draw_config(rng: random.Random, target: Target, graph: bool,
+                 later: Optional[random.Random] = None) -> Optional[_Config]:
+    """``later``: the stream of the draws added after seeds had been recorded (an MHA
+    round's FP8 pools), so that ``rng`` draws what it always drew for a seed."""
     pairs = _kinds(target, graph=graph)
     if not pairs:
         return None
@@ -86,6 +91,10 @@ def _draw_config(rng: random.Random, target: Target, graph: bool) -> Optional[_C
     p1, pbig = _pages(cls)
     page = rng.choice([p for p in (p1, pbig) if p])
     kv = rng.choice(cls.kv_cache_dtypes) if model == "mla" and not graph else "auto"
+    fp8 = [d for d in cls.kv_cache_dtypes if d != "auto"]
+    if (model == "mha" and not graph and later is not None and fp8
+            and dtype != torch.float32 and later.random() < 0.3):
+        kv = later.choice(fp8)
     if kv != "auto" and dtype == torch.float32:
         dtype = (others or [torch.bfloat16])[0]
     topk, tree = 1, "lane"
@@ -96,10 +105,15 @@ def _draw_config(rng: random.Random, target: Target, graph: bool) -> Optional[_C
 
 
 def _draw_case(rng: random.Random, cfg: _Config, seed: int, max_len: int) -> Case:
+    later = random.Random(f"layout/{seed}")  # the layouts added after seeds were recorded
     style = EngineStyle(strided_index=rng.random() < 0.3, fused_qkv=rng.random() < 0.3,
                         sliced_req_to_token=rng.random() < 0.3,
-                        shared_kv_buffer=cfg.model == "mha" and rng.random() < 0.3)
+                        shared_kv_buffer=cfg.model == "mha" and rng.random() < 0.3,
+                        int32_index=later.random() < 0.3,
+                        uint8_pools=cfg.kv != "auto" and later.random() < 0.3)
     params = {"style": style}
+    if cfg.kv in FP8_KV_DTYPES:  # scales other than 1, as the kit's FP8 cases
+        params["scales"] = FP8_SCALES
     if cfg.kind == "decode":
         params["lens"] = [rng.randint(1, max_len) for _ in range(rng.randint(1, 6))]
         body = decode_numerics
@@ -129,8 +143,9 @@ def _round_case(target: Target, seed: int, graph_every: int, max_len: int,
     rng = random.Random(seed)
     graph = bool(graph_every) and rng.randrange(graph_every) == 0
     graph = graph and bool(_kinds(target, graph=True))  # else an eager round instead
-    cfg_rng = rng if same_config <= 1 else random.Random(f"config/{seed // same_config}")
-    cfg = _draw_config(cfg_rng, target, graph)
+    key = seed if same_config <= 1 else seed // same_config
+    cfg_rng = rng if same_config <= 1 else random.Random(f"config/{key}")
+    cfg = _draw_config(cfg_rng, target, graph, later=random.Random(f"kv/{key}"))
     if cfg is None:
         return None
     return _graph_case(cfg, seed) if graph else _draw_case(rng, cfg, seed, max_len)
