@@ -494,7 +494,7 @@ def decode_graph(s: Session, case: Case) -> str:
     details = []
     for n, lens in enumerate(rounds_lens):
         _round_scales(scales, n)  # the pools of the round and the replay use the new values
-        rnd = place(lens)
+        place(lens)  # the round written into the captured batch in place
         bs_real = len(lens)
         backend.init_forward_metadata_replay_cuda_graph(batch, max_bs)
         shadow = shadow_runner(runner)
