@@ -3,10 +3,10 @@
 Each round draws the kind and model (among those the backend declares), dtype, KV dtype
 (FP8 pools where the class serves them), topk, page size, tree mode, ragged lengths from 1,
 and an engine-style layout (int32 index tensors and uint8 FP8 pools among them); one in
-``graph_every`` rounds replays a captured graph with a padded batch instead. Every step is compared with the
-reference and every pool with the kit's copy (``checks``). A failure prints its seed;
-``python -m specattn.testing.soak --backend NAME --seed S --rounds 1`` (with the same
-``--same-config``) replays exactly that round. Rounds the backend refuses as a case (a soft
+``graph_every`` rounds replays a captured graph with a padded batch instead. Every step is
+compared with the reference and every pool with the kit's copy (``checks``). A failure prints
+its seed; ``python -m specattn.testing.soak --backend NAME --seed S --rounds 1`` (with the
+same ``--same-config``) replays exactly that round. Rounds the backend refuses as a case (a soft
 cap it does not support, say) count as not applicable.
 
     python -m specattn.testing.soak --backend triton --rounds 5000 --workers 4 --same-config 50
@@ -77,8 +77,8 @@ class _Config:
     tree: str
 
 
-def _draw_config(rng: random.Random, target: Target, graph: bool,
-                 later: Optional[random.Random] = None) -> Optional[_Config]:
+def _draw_config(rng: random.Random, later: random.Random, target: Target,
+                 graph: bool) -> Optional[_Config]:
     """``later``: the stream of the draws added after seeds had been recorded (an MHA
     round's FP8 pools), so that ``rng`` draws what it always drew for a seed."""
     pairs = _kinds(target, graph=graph)
@@ -92,8 +92,7 @@ def _draw_config(rng: random.Random, target: Target, graph: bool,
     page = rng.choice([p for p in (p1, pbig) if p])
     kv = rng.choice(cls.kv_cache_dtypes) if model == "mla" and not graph else "auto"
     fp8 = [d for d in cls.kv_cache_dtypes if d != "auto"]
-    if (model == "mha" and not graph and later is not None and fp8
-            and dtype != torch.float32 and later.random() < 0.3):
+    if model == "mha" and not graph and fp8 and dtype != torch.float32 and later.random() < 0.3:
         kv = later.choice(fp8)
     if kv != "auto" and dtype == torch.float32:
         dtype = (others or [torch.bfloat16])[0]
@@ -145,7 +144,7 @@ def _round_case(target: Target, seed: int, graph_every: int, max_len: int,
     graph = graph and bool(_kinds(target, graph=True))  # else an eager round instead
     key = seed if same_config <= 1 else seed // same_config
     cfg_rng = rng if same_config <= 1 else random.Random(f"config/{key}")
-    cfg = _draw_config(cfg_rng, target, graph, later=random.Random(f"kv/{key}"))
+    cfg = _draw_config(cfg_rng, random.Random(f"kv/{key}"), target, graph)
     if cfg is None:
         return None
     return _graph_case(cfg, seed) if graph else _draw_case(rng, cfg, seed, max_len)
