@@ -336,19 +336,25 @@ def decode_scale_change(s: Session, case: Case) -> str:
     scales = _graph_scales(s, case, maker)
     backend = s.construct(case, maker.runner)
     gen = s.generator(case, "qkv")
-    for n, round_lens in enumerate((lens, list(reversed(lens)))):
-        _round_scales(scales, n)
-        rnd = maker.decode(round_lens, case.topk, NUM_STEPS, case.tree_mode)
-        try:
-            run_decode_round(s, case, backend, rnd, shape, gen, scales=scales)
-        except CaseFailed as exc:
-            raise CaseFailed(f"round {n} ({_scales_text(n)}): {exc}") from exc
+    _scale_rounds(scales, [
+        lambda lens=round_lens: run_decode_round(
+            s, case, backend, maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode), shape,
+            gen, scales=scales)
+        for round_lens in (lens, list(reversed(lens)))])
     return f"{shape.label()}, 2 rounds, scales changed in place between them"
 
 
-def _scales_text(n: int) -> str:
-    k, v = FP8_SCALE_ROUNDS[n % len(FP8_SCALE_ROUNDS)]
-    return f"one-element tensor scales k_scale={k}, v_scale={v}"
+def _scale_rounds(scales: tuple[Scale, Scale], rounds: list[Callable[[], object]]) -> None:
+    """Run ``rounds`` in order, round ``n`` after ``_round_scales(scales, n)`` (a round makes
+    its pools with the new values); a failure names its round and scales."""
+    for n, run in enumerate(rounds):
+        _round_scales(scales, n)
+        try:
+            run()
+        except CaseFailed as exc:
+            k, v = FP8_SCALE_ROUNDS[n % len(FP8_SCALE_ROUNDS)]
+            raise CaseFailed(f"round {n} (one-element tensor scales k_scale={k}, "
+                             f"v_scale={v}): {exc}") from exc
 
 
 def _graph_scales(s: Session, case: Case, maker: RoundMaker) -> tuple[Scale, Scale]:
@@ -628,13 +634,11 @@ def extend_scale_change(s: Session, case: Case) -> str:
     scales = _graph_scales(s, case, maker)
     backend = s.construct(case, maker.runner)
     gen = s.generator(case, "qkv")
-    for n in range(2):
-        _round_scales(scales, n)
-        rnd = maker.extend(seq, ext) if n == 0 else maker.extend(seq[::-1], ext[::-1])
-        try:
-            run_extend(s, case, backend, rnd, shape, gen, scales=scales)
-        except CaseFailed as exc:
-            raise CaseFailed(f"round {n} ({_scales_text(n)}): {exc}") from exc
+    _scale_rounds(scales, [
+        lambda seq=round_seq, ext=round_ext: run_extend(s, case, backend,
+                                                        maker.extend(seq, ext), shape, gen,
+                                                        scales=scales)
+        for round_seq, round_ext in ((seq, ext), (seq[::-1], ext[::-1]))])
     return f"{shape.label()}, 2 batches, scales changed in place between them"
 
 
