@@ -23,6 +23,12 @@ __all__ = [
 ]
 
 
+def shorten(text: str, width: int = 60) -> str:
+    """``text`` for a message, cut to ``width`` characters: a value quoted in an error may be
+    anything (an unknown name, a whole environment variable), the message stays one line."""
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 class SpecAttnError(Exception):
     """Base class of the errors specattn raises on purpose (``docs/api/errors.md`` lists the
     few that keep Python's own types)."""

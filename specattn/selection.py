@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ._logging import deprecation_once, get_logger, warn_once
 from .errors import (BackendUnavailableError, InvalidInputError, ModelMismatchError,
-                     UnknownBackendError)
+                     UnknownBackendError, shorten)
 from .keys import BackendRequest, check_kind
 from .platforms import Platform, current_platform
 from .registry import Registry, active_registry
@@ -269,7 +269,7 @@ def _unknown(kind: str, name: object, registry: Registry) -> UnknownBackendError
     closest = [] if only else difflib.get_close_matches(str(name).lower(), list(folded), n=1)
     hint = folded[closest[0]] if closest else None
     # The original's sentence, then the answer, then the list it comes from.
-    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=_cut(str(name))) + "."
+    message = (UNKNOWN_NAME_MESSAGES[kind].format(name=shorten(str(name))) + "."
                + (f" Did you mean {hint!r}?" if hint else "")
                + (f" {name!r} is registered for {other} only: {_only_advice(kind)}."
                   if only else "")
@@ -291,13 +291,7 @@ def check_backend_name(argument: str, name: str, expected: str,
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise InvalidInputError(argument, f"{expected} (`specattn list` shows the "
-                                f"backends{hint})", repr(_cut(name)))
-
-
-def _cut(text: str, width: int = 60) -> str:
-    """``text`` for a message, cut to ``width`` characters (an unknown name may be anything;
-    ``UnknownBackendError.name`` keeps it whole)."""
-    return text if len(text) <= width else text[:width - 3] + "..."
+                                f"backends{hint})", repr(shorten(name)))
 
 
 def _only_advice(kind: str) -> str:
@@ -318,9 +312,9 @@ def describe_error(exc: BaseException) -> str:
             return (f"backend {exc.name!r} has no {kind} class (it is registered for "
                     f"{exc.only_kind} only): {_only_advice(kind)}")
         if exc.closest:
-            return f"unknown backend {_cut(repr(exc.name))}; did you mean {exc.closest!r}?"
+            return f"unknown backend {shorten(repr(exc.name))}; did you mean {exc.closest!r}?"
         known = ", ".join(n for n in exc.valid_names if n != AUTO)
-        return f"unknown backend {_cut(repr(exc.name))}; known names: {known}"
+        return f"unknown backend {shorten(repr(exc.name))}; known names: {known}"
     if isinstance(exc, BackendUnavailableError):
         return f"{type(exc).__name__}: {exc.summary}"
     return f"{type(exc).__name__}: {exc}"

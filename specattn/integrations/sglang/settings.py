@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, shorten
 
 __all__ = ["ENABLE_ENV", "BACKEND_ENV", "TREE_MODE_ENV", "OPTIONS_ENV", "Settings",
            "opted_in", "read_settings"]
@@ -88,7 +88,6 @@ def _check_backend(name: str) -> None:
 
 def _read_options(text: str) -> tuple:
     from ...bench.options import parse_options
-    from ...selection import _cut
 
     items = [t.strip() for t in text.split(";") if t.strip()]
     try:
@@ -96,5 +95,5 @@ def _read_options(text: str) -> tuple:
     except InvalidInputError as exc:  # the bench's message names the item: the value, cut
         raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
                                 "separated by ';' (e.g. 'triton:plan=gluon-split'), backends and "
-                                f"keywords that exist ({exc})", repr(_cut(text))) from exc
+                                f"keywords that exist ({exc})", repr(shorten(text))) from exc
     return tuple(options)
