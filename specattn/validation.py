@@ -24,6 +24,7 @@ from ._tensor_checks import (
     INDEX_DTYPES,
     _is_int,
     _last_dim_contiguous,
+    _same_device,
     _shape,
     _tensor,
     check_tensor,
@@ -124,17 +125,29 @@ def _check_distinct(name: str, loc: torch.Tensor, debug: Optional[bool]) -> None
                                 f"slot {slot} given to {int((flat == slot).sum())} tokens")
 
 
-def _check_prefix_slots(runner: DraftRunner, rpi: torch.Tensor, lengths: torch.Tensor,
-                        debug: Optional[bool]) -> None:
-    """``req_to_token[req_pool_indices[b], 0 : lengths[b]]`` are slots of the pool: a kernel
-    gathers every one of them. Call after ``rpi`` and ``lengths`` are known in range."""
-    if rpi.numel() == 0 or not _scan_values(rpi, debug):
-        return
-    longest = int(lengths.max())
+def _prefix_rows(runner: DraftRunner, rpi: torch.Tensor,
+                 lengths: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(rows [B, max L], live [B, max L])``: ``req_to_token``'s rows of the requests and
+    which entries a prefix covers (``lengths``, in range); ``None`` without prefixes."""
+    longest = int(lengths.max()) if lengths.numel() else 0
     if longest <= 0:
-        return
+        return None
     rows = runner.req_to_token[rpi.long(), :longest]
     live = torch.arange(longest, device=rows.device)[None, :] < lengths.to(rows.device)[:, None]
+    return rows, live
+
+
+def _check_prefix_slots(runner: DraftRunner, rpi: torch.Tensor, lengths: torch.Tensor,
+                        debug: Optional[bool]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``req_to_token[req_pool_indices[b], 0 : lengths[b]]`` are slots of the pool: a kernel
+    gathers every one of them. Call after ``rpi`` and ``lengths`` are known in range.
+    Returns ``_prefix_rows`` where the values were scanned."""
+    if rpi.numel() == 0 or not _scan_values(rpi, debug):
+        return None
+    prefix = _prefix_rows(runner, rpi, lengths)
+    if prefix is None:
+        return None
+    rows, live = prefix
     bad = live & ((rows < 0) | (rows >= runner.num_slots))
     if bool(bad.any()):
         b, x = (int(i) for i in bad.nonzero()[0])
@@ -142,6 +155,44 @@ def _check_prefix_slots(runner: DraftRunner, rpi: torch.Tensor, lengths: torch.T
             "runner.req_to_token", f"slots in [0, {runner.num_slots}) at every position a "
             "request's prefix covers", f"req_to_token[{int(rpi[b])}, {x}] = {int(rows[b, x])} "
             f"(request {b}, seq_lens {int(lengths[b])})")
+    return prefix
+
+
+def _check_draft_slots_free(loc: torch.Tensor, rpi: torch.Tensor,
+                            prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """No draft slot holds a prefix token of the batch: a decode step writes every lane's
+    KV into its slot, which would overwrite committed KV that later reads see."""
+    rows, live = prefix
+    taken = torch.isin(loc.reshape(-1).to(rows.device, rows.dtype), rows[live])
+    if bool(taken.any()):
+        i = int(taken.nonzero()[0, 0])
+        slot = int(loc.reshape(-1)[i])
+        b, x = (int(j) for j in ((rows == slot) & live).nonzero()[0])
+        raise InvalidInputError(
+            "batch.out_cache_loc", "slots that hold no prefix token of the batch (a decode "
+            "step overwrites them)", f"slot {slot}, req_to_token[{int(rpi[b])}, {x}]")
+
+
+def _check_new_token_slots(loc: torch.Tensor, rpi: torch.Tensor, seq: torch.Tensor,
+                           ext: torch.Tensor,
+                           prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """An extend's new tokens sit at the end of their requests' ``req_to_token`` rows:
+    ``out_cache_loc`` (request-major) is ``req_to_token[rpi[b], seq[b] - ext[b] : seq[b]]``.
+    Where they differ, a backend that reads the new tokens from the pool and one that reads
+    them from ``k`` / ``v`` give different answers."""
+    rows, live = prefix
+    pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    new = live & (pos >= (seq - ext).to(rows.device)[:, None])
+    expected = rows[new]  # row-major: request-major, then position, as out_cache_loc
+    differ = (loc.to(rows.device, rows.dtype) != expected).nonzero()
+    if differ.numel():
+        i = int(differ[0, 0])
+        b, x = (int(j) for j in new.nonzero()[i])
+        raise InvalidInputError(
+            "batch.out_cache_loc", "the new tokens' slots in req_to_token (request-major, "
+            "req_to_token[rpi[b], seq_lens[b] - extend_lens[b] : seq_lens[b]])",
+            f"out_cache_loc[{i}] = {int(loc[i])}, req_to_token[{int(rpi[b])}, {x}] = "
+            f"{int(expected[i])}")
 
 
 def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode: str,
@@ -172,7 +223,9 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
     if not graph:
         _check_distinct("batch.out_cache_loc", loc, debug)
     if _scan_values(rpi, debug):  # (the clamp is a launch: only where the scan runs)
-        _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
+        prefix = _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
+        if prefix is not None and not graph and _scan_values(loc, debug):
+            _check_draft_slots_free(loc, rpi, prefix)
 
 
 def check_parents_step(batch: DraftBatch, step: int, topk: int,
@@ -231,7 +284,9 @@ def check_extend_batch(runner: DraftRunner, batch: DraftExtendBatch, *,
                                     f"{int(ext[b])}")
         if not graph:
             _check_distinct("batch.out_cache_loc", loc, debug)
-        _check_prefix_slots(runner, rpi, seq, debug)
+        prefix = _check_prefix_slots(runner, rpi, seq, debug)
+        if prefix is not None and not graph and _scan_values(loc, debug):
+            _check_new_token_slots(loc, rpi, seq, ext, prefix)
 
 
 def check_extend_forward(runner: DraftRunner, num_tokens: Optional[int],
@@ -247,6 +302,14 @@ def _check_layer(runner: DraftRunner, layer: AttentionLayer) -> None:
     if layer.layer_id >= runner.num_layers:
         raise InvalidInputError("layer.layer_id", f"< num_layers={runner.num_layers}",
                                 layer.layer_id)
+    if runner.fp8:  # the kernels read a tensor scale where it lives: on the pools' device
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(layer, name)
+            if isinstance(scale, torch.Tensor) and not _same_device(scale.device,
+                                                                    runner.device):
+                raise InvalidInputError(f"layer.{name}", f"a float or a tensor on "
+                                        f"{runner.device} (the pools' device)",
+                                        f"a tensor on {scale.device}")
 
 
 def _check_qkv(runner: DraftRunner, rows: Optional[int], q: torch.Tensor, k: torch.Tensor,

@@ -131,6 +131,8 @@ def test_write_kv_hook_stores_the_steps_kv(scoped_registry, fused):
     calls.clear()
     ext = DraftExtendBatch(batch.req_pool_indices, batch.seq_lens, torch.tensor([1, 1]),
                            batch.out_cache_loc[:, 0, 0])
+    runner.req_to_token[ext.req_pool_indices, ext.seq_lens - 1] = ext.out_cache_loc.to(
+        runner.req_to_token.dtype)  # each request's last token is the new one
     extend = Extend(runner)
     extend.init_forward_metadata(ext)
     q, k, v = random_qkv(runner, 2)
@@ -197,6 +199,13 @@ def test_path_replay_reads_the_parents_given_at_capture():
     q, k, v = random_qkv(runner, 4)
     out = backend.forward(2, LAYER, q, k, v)
     torch.testing.assert_close(out, reference_decode(runner, LAYER, q, replay, 2, "path"))
+
+
+@pytest.mark.parametrize("max_num_tokens", [0, -5, 2.0])
+def test_decode_graph_state_bounds(max_num_tokens):
+    runner, _ = _decode_case([5])
+    with pytest.raises(InvalidInputError, match="^max_num_tokens: expected an int >= 1"):
+        TorchRefDecode(runner, 2, 3).init_cuda_graph_state(2, max_num_tokens)
 
 
 def test_extend_graph_round_bounds():

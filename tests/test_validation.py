@@ -104,6 +104,11 @@ R2T = torch.zeros(4, 16, dtype=torch.int32)
     (dict(v_buffer=[_k().to("meta")]), "runner.v_buffer[0]", "meta"),
     (dict(k_buffer=[_k(d=16)[:, :, ::2]]), "runner.k_buffer[0]", "unit stride"),
     (dict(v_buffer=[_k(n=32)]), "runner.v_buffer[0]", "64 slots like layer 0"),
+    (dict(v_buffer=[_k(dt=torch.bfloat16)]), "runner.v_buffer[0]",
+     "dtype float16 like runner.k_buffer[0], got bfloat16"),
+    (dict(k_buffer=[_k(n=0)], v_buffer=[_k(n=0)]), "runner.k_buffer[0]",
+     "at least one slot, got 0 slots"),
+    (dict(req_to_token=R2T[:0]), "runner.req_to_token", "got shape (0, 16)"),
 ])
 def test_runner_mha(kwargs, argument, fragment):
     args = dict(use_mla_backend=False, dtype=torch.float16, device="cpu", page_size=1,
@@ -334,8 +339,52 @@ def test_extend_batch(over, argument, fragment):
             fragment)
 
 
+def test_decode_draft_slot_holding_a_prefix_token():
+    """A lane's draft slot that a request's prefix holds: its step would overwrite
+    committed KV (eager rounds; a graph's padded lanes share the padding slot)."""
+    runner = _mha()
+    runner.req_to_token[3, :9] = torch.arange(40, 49)
+    backend = TorchRefDecode(runner, K, S)
+    loc = _batch().out_cache_loc.clone()
+    loc[1, 0, 2] = 44
+    _expect(lambda: backend.init_forward_metadata(_batch(out_cache_loc=loc)),
+            "batch.out_cache_loc", "slot 44, req_to_token[3, 4]")
+    backend.init_forward_metadata(_batch())  # the same prefixes, free draft slots
+
+
+def test_extend_slots_must_be_the_new_tokens_req_to_token_entries():
+    """An extend's out_cache_loc is where req_to_token puts its new tokens: otherwise a
+    backend reading them from the pool and one reading k / v would disagree."""
+    runner = _mha()
+    runner.req_to_token[1, 3:5] = torch.tensor([30, 31])
+    runner.req_to_token[2, 0:3] = torch.tensor([32, 33, 34])
+    backend = TorchRefExtend(runner)
+    backend.init_forward_metadata(_ext())
+    _expect(lambda: backend.init_forward_metadata(_ext(out_cache_loc=torch.tensor(
+        [30, 31, 32, 34, 33]))), "batch.out_cache_loc",
+        "got out_cache_loc[3] = 34, req_to_token[2, 1] = 33")
+
+
+def test_scale_tensor_on_another_device_than_the_pools():
+    runner = _mha(kv_cache_dtype="fp8_e4m3", dtype=torch.bfloat16)
+    runner.req_to_token[1, 3:5] = torch.tensor([30, 31])
+    runner.req_to_token[2, 0:3] = torch.tensor([32, 33, 34])
+    backend = TorchRefExtend(runner)
+    backend.init_forward_metadata(_ext())
+    q, k, v = _qkv(runner, rows=5)
+    meta = torch.ones(1, device="meta")
+    for name in ("k_scale", "v_scale"):
+        layer = AttentionLayer(0, 0.5, **{name: meta})
+        _expect(lambda: backend.forward(layer, q, k, v), f"layer.{name}",
+                "a float or a tensor on cpu", "got a tensor on meta")
+    out = backend.forward(AttentionLayer(0, 0.5, k_scale=torch.tensor([0.5])), q, k, v)
+    assert out.shape == (5, 4, 8)
+
+
 def test_extend_forward():
     runner = _mha()
+    runner.req_to_token[1, 3:5] = torch.tensor([30, 31])  # the new tokens' slots (_ext)
+    runner.req_to_token[2, 0:3] = torch.tensor([32, 33, 34])
     backend = TorchRefExtend(runner)
     backend.init_forward_metadata(_ext())
     q, k, v = _qkv(runner, rows=5)

@@ -198,16 +198,19 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
 
 
 def _refusal_cases(cls: type, kind: str, model: str) -> Iterator[Case]:
-    main, _ = _dtypes(cls)
+    main, others = _dtypes(cls)
     p1, _ = _pages(cls)
     path = "path" in cls.tree_modes if kind == "decode" else False
     topk = min(2, cls.max_topk or 2)
+    fp8 = next((kv for kv in FP8_KV_DTYPES if kv in cls.kv_cache_dtypes), None)
     for refusal in (DECODE_REFUSALS if kind == "decode" else EXTEND_REFUSALS):
-        if (refusal.path and not path) or (refusal.graph and not cls.supports_cuda_graph):
+        if (refusal.path and not path) or (refusal.graph and not cls.supports_cuda_graph) or (
+                refusal.fp8 and fp8 is None):
             continue
         tree = "path" if path else "lane"
-        yield Case(f"{kind}/refuses/{refusal.name}", kind, model, run_refusal, main,
-                   topk if kind == "decode" else 1, p1, tree, "auto", {"refusal": refusal})
+        yield Case(f"{kind}/refuses/{refusal.name}", kind, model, run_refusal,
+                   _kv_dtype_model(cls, main, others) if refusal.fp8 else main, topk if kind == "decode" else 1,
+                   p1, tree, fp8 if refusal.fp8 else "auto", {"refusal": refusal})
 
 
 def plan_cases(target: Target, *, kinds=("decode", "extend"), models=("mha", "mla"),

@@ -29,7 +29,8 @@ class Refusal:
     """``act(fixture)`` must raise a ``SpecAttnError`` mentioning ``argument``.
     ``values``: the check reads tensor values (debug mode on a device). ``path``: only for
     backends that serve ``tree_mode='path'``. ``graph``: only for backends that declare
-    ``supports_cuda_graph``."""
+    ``supports_cuda_graph``. ``fp8``: on an FP8 pool (``kv_cache_dtype`` the first FP8 name
+    the backend declares; skipped without one)."""
 
     name: str
     argument: str
@@ -37,6 +38,7 @@ class Refusal:
     values: bool = False
     path: bool = False
     graph: bool = False
+    fp8: bool = False
 
 
 @dataclass
@@ -121,6 +123,29 @@ def _then_forward(f: _Fixture, batch) -> object:
     return f.forward()
 
 
+def _draft_slot_in_prefix(f: _Fixture) -> object:
+    """A lane's draft slot that holds a prefix token (its step would overwrite it)."""
+    b = int(torch.argmax(f.batch.seq_lens.cpu()))  # a request with a prefix
+    row = int(f.batch.req_pool_indices.view(-1)[b])
+    return _then_forward(f, _with(f.batch, out_cache_loc=_bump(
+        f.batch.out_cache_loc, int(f.runner.req_to_token[row, 0]))))
+
+
+def _new_token_slots_swapped(f: _Fixture) -> object:
+    """The first and last new tokens' slots swapped: each still in the pool and distinct,
+    neither where ``req_to_token`` puts its token."""
+    loc = f.batch.out_cache_loc.clone()
+    loc[0], loc[-1] = f.batch.out_cache_loc[-1], f.batch.out_cache_loc[0]
+    return _then_forward(f, _with(f.batch, out_cache_loc=loc))
+
+
+def _scale_on_another_device(f: _Fixture) -> object:
+    """A one-element ``k_scale`` tensor that is not on the pools' device."""
+    f.init()
+    return f.backend.forward(*([0] if f.case.kind == "decode" else []), AttentionLayer(
+        f.layer.layer_id, f.layer.scaling, k_scale=torch.ones(1, device="meta")), *f.qkv())
+
+
 def _bad_parents(f: _Fixture) -> object:
     f.init()
     f.batch.parents[1] = f.case.topk  # lane index out of [0, topk)
@@ -148,6 +173,7 @@ _POOL_REFUSALS = (
     Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
             values=True),
     Refusal("replay_bs_below_batch", "bs", _replay_below_batch, graph=True),
+    Refusal("k_scale_on_another_device", "k_scale", _scale_on_another_device, fp8=True),
 )
 
 DECODE_REFUSALS = (
@@ -176,6 +202,7 @@ DECODE_REFUSALS = (
     Refusal("path_without_parents", "parents", lambda f: _then_forward(
         f, _with(f.batch, parents=None)), path=True),
     Refusal("parents_out_of_range", "parents", _bad_parents, values=True, path=True),
+    Refusal("out_cache_loc_in_prefix", "out_cache_loc", _draft_slot_in_prefix, values=True),
 )
 
 EXTEND_REFUSALS = (
@@ -193,6 +220,8 @@ EXTEND_REFUSALS = (
     *_POOL_REFUSALS,
     Refusal("out_cache_loc_wrong_length", "out_cache_loc", lambda f: _then_forward(
         f, _with(f.batch, out_cache_loc=f.batch.out_cache_loc[1:])), values=True),
+    Refusal("out_cache_loc_not_req_to_token", "out_cache_loc", _new_token_slots_swapped,
+            values=True),
 )
 
 
