@@ -76,6 +76,7 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
         return sel
     if name is None or name == AUTO:
         return _select_auto(sel, registry)
+    dispatched_from = None  # the first dispatcher of the chain, which the errors name
     for _ in range(_MAX_REDIRECTS):
         canonical, deprecated = registry.canonical(kind, name)
         if canonical is None:
@@ -88,7 +89,7 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
             sel.steps.append(f"{name!r} is an alias of {canonical!r}")
         dispatcher = registry.dispatcher(kind, canonical)
         if dispatcher is None:
-            return _select_named(sel, registry, canonical)
+            return _select_named(sel, registry, canonical, dispatched_from)
         route = next((r for r in dispatcher.routes if r.when(platform)), None)
         target = None if route is None else route.target
         why = "no route matched" if route is None else f"{route.when.description} holds"
@@ -99,6 +100,7 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
             if dispatcher.warning:
                 warn_once(log, dispatcher.warning)
             return sel
+        dispatched_from = dispatched_from or canonical
         name = target
     raise RuntimeError(f"dispatcher loop resolving {sel.requested!r}")  # registry bug
 
@@ -113,7 +115,8 @@ def platform_or_current(platform: object) -> Platform:
     return platform
 
 
-def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
+def _select_named(sel: Selection, registry: Registry, name: str,
+                  dispatched_from: Optional[str] = None) -> Selection:
     kind, request, platform = sel.kind, sel.request, sel.platform
     classes = registry.classes(kind, name)
     if not request.mla:
@@ -135,10 +138,12 @@ def _select_named(sel: Selection, registry: Registry, name: str) -> Selection:
             sel.steps.append(f"{label}: accepted")
     if not usable:
         detail = "; ".join(f"{q}: {', '.join(r)}" for q, r in sel.rejected.items())
+        # A dispatcher's target: the message names the dispatcher too (what was asked for).
+        label = name if dispatched_from is None else f"{dispatched_from} (-> {name})"
         raise BackendUnavailableError(
-            f"{name}: no {kind} backend registered as {name!r} can serve {request} on "
+            f"{label}: no {kind} backend registered as {name!r} can serve {request} on "
             f"{platform}. Candidates: {detail}. Run `specattn list` to see what runs here.",
-            name, sel.rejected, summary=f"{name}: " + _cause(classes, sel, platform))
+            name, sel.rejected, summary=f"{label}: " + _cause(classes, sel, platform))
     best = max(usable, key=lambda c: (c.priority_on(platform), c.qualified_name()))
     if len(usable) > 1:
         sel.steps.append(f"several flavours fit; highest priority wins: {best.flavour}")
@@ -164,16 +169,19 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
         else:
             usable.append(cls)
     if not usable:
-        detail = "; ".join(f"{q}: {', '.join(r)}" for q, r in sel.rejected.items())
+        # One line: the cause; every candidate's reasons (all the registry's classes, some
+        # thousands of characters) are the error's .reasons and `specattn select --explain`.
         eligible = [c for c in registry.classes(kind) if c.auto_eligible]
         if any(not c.platform_reasons(platform) for c in eligible):
-            summary = (f"auto: no {kind} backend can serve the request here: "
-                       + _cause(eligible, sel, platform))
+            cause = _cause(eligible, sel, platform)
+            summary = f"auto: no {kind} backend can serve the request here: {cause}"
         else:
+            cause = "none runs here (`specattn list` says why)"
             summary = f"auto: no {kind} backend runs here (`specattn list` says why)"
         raise BackendUnavailableError(
-            f"auto: no {kind} backend can serve {request} on {platform}. "
-            f"Candidates: {detail}", AUTO, sel.rejected, summary=summary)
+            f"auto: no {kind} backend can serve {request} on {platform}: {cause}. Each "
+            "candidate's reasons: the error's .reasons, or `specattn select --explain`.",
+            AUTO, sel.rejected, summary=summary)
     ranked = sorted(usable, key=lambda c: _auto_rank(c, platform))
     sel.steps.append("usable, best first: " + ", ".join(
         f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))

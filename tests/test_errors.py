@@ -247,6 +247,41 @@ def test_auto_with_nothing_usable(empty_registry):
     assert info.value.name == "auto"
 
 
+def test_auto_error_is_one_line_with_the_cause_the_reasons_apart():
+    """Every registered class's reasons would be thousands of characters in a traceback:
+    the message holds the cause, the reasons are the error's ``reasons``."""
+    request = BackendRequest(kind="decode", mla=True, num_steps=3, page_size=64,
+                             kv_cache_dtype="fp8_ds_v4")
+    with pytest.raises(BackendUnavailableError) as info:
+        select("decode", "auto", request, CPU)
+    text = str(info.value)
+    assert len(text) < 600 and "\n" not in text, text
+    assert text.startswith(f"auto: no decode backend can serve {request} on {CPU}: ")
+    assert "torch_ref: supports kv_cache_dtype ['auto', 'fp8_e4m3', 'fp8_e5m2'], got " \
+        "'fp8_ds_v4'" in text
+    assert text.endswith("Each candidate's reasons: the error's .reasons, or `specattn "
+                         "select --explain`.")
+    assert len(info.value.reasons) > 10  # every class, with its reasons
+
+
+def test_a_dispatchers_target_is_named_with_the_dispatcher():
+    err = error_of(factory("hybrid_linear_attn").resolve_decode_backend)
+    assert isinstance(err, BackendUnavailableError) and err.name == "fa3"
+    assert str(err).startswith("hybrid_linear_attn (-> fa3): no decode backend registered "
+                               "as 'fa3' can serve")
+    assert err.summary.startswith("hybrid_linear_attn (-> fa3): ")
+
+
+def test_list_backends_pattern_is_a_string():
+    with pytest.raises(InvalidInputError, match="^pattern: expected an fnmatch pattern"):
+        list_backends(pattern=3)
+
+
+def test_backend_request_kv_cache_dtype_is_a_known_name():
+    with pytest.raises(InvalidInputError, match="^kv_cache_dtype: expected one of "):
+        BackendRequest(kind="decode", kv_cache_dtype="bogus")
+
+
 def test_pending_backend_constructor_says_not_yet():
     pending = [c for k in ("decode", "extend") for c in default_registry.classes(k)
                if c.pending]
