@@ -138,7 +138,11 @@ class PagedKVAllocator:
             raise InvalidInputError("topk", "an int >= 1", repr(topk))
         if not isinstance(num_steps, int) or num_steps < 1:
             raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
-        reqs = [int(r) for r in torch.as_tensor(req_pool_indices).reshape(-1).tolist()]
+        indices = torch.as_tensor(req_pool_indices)
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("req_pool_indices", "int32/int64 request indices",
+                                    f"dtype {str(indices.dtype).replace('torch.', '')}")
+        reqs = [int(r) for r in indices.reshape(-1).tolist()]
         if not reqs:
             raise InvalidInputError("req_pool_indices", "at least one request", "0")
         if len(set(reqs)) != len(reqs):

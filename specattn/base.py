@@ -548,9 +548,13 @@ class DraftDecodeBackend(DraftBackend):
     # --- CUDA graphs ------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes)."""
+        """Allocate fixed buffers for up to ``max_bs`` requests (``max_bs * topk`` lanes);
+        ``max_num_tokens`` (the engine's token bound, SGLang's ``max_bs * topk``) is passed
+        on to backends that size buffers by it."""
         if not _is_int(max_bs) or max_bs < 1:
             raise InvalidInputError("max_bs", "an int >= 1", repr(max_bs))
+        if not _is_int(max_num_tokens) or max_num_tokens < 1:
+            raise InvalidInputError("max_num_tokens", "an int >= 1", repr(max_num_tokens))
         self.cuda_graph_max_bs = max_bs
         self._graph = _FixedRound(max_bs, (max_bs, self.topk, self.num_steps),
                                   self.runner.device, with_requests=True)

@@ -42,6 +42,23 @@ _PLATFORM_HELP = ("cuda:MAJOR.MINOR (e.g. cuda:9.0), cpu, cpu+amx, hip, npu, mus
 
 # --- platform override -----------------------------------------------------------------------
 
+def _check_libraries(libs: frozenset) -> None:
+    """Every ``--with-library`` name is a module some registered backend needs (a typo
+    would otherwise answer for a machine without the library, silently)."""
+    import difflib
+
+    from .errors import InvalidInputError
+    from .plugins import load_plugins
+
+    load_plugins()
+    known = known_libraries()
+    for lib in sorted(libs - set(known)):
+        close = difflib.get_close_matches(lib, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidInputError("--with-library", f"a module a backend needs, or 'none' "
+                                f"(`specattn list --details` names them{hint})", repr(lib))
+
+
 def parse_platform(text: Optional[str], libraries: Optional[Sequence[str]] = None):
     """``--platform`` / ``--with-library`` as a ``Platform`` (``None``: detect this machine).
 
@@ -53,6 +70,8 @@ def parse_platform(text: Optional[str], libraries: Optional[Sequence[str]] = Non
 
     libs = None if libraries is None else frozenset(
         lib for lib in libraries if lib.lower() != "none")
+    if libs:
+        _check_libraries(libs)
     if text is None:
         here = detect()
         return here if libs is None else dataclasses.replace(here, libraries=libs)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from .errors import InvalidInputError
-from .kv_layouts import KV_CACHE_DTYPES
+from .kv_layouts import check_kv_cache_dtype
 
 __all__ = ["SpecConfig"]
 
@@ -42,9 +42,7 @@ class SpecConfig:
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) \
                 or self.page_size < 1:
             raise InvalidInputError("page_size", "an int >= 1", repr(self.page_size))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidInputError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}",
-                                    repr(self.kv_cache_dtype))
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for field in ("attention_backend", "decode_attention_backend",
                       "prefill_attention_backend", "speculative_draft_attention_backend"):
             value = getattr(self, field)

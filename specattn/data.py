@@ -477,6 +477,10 @@ def check_runner(runner: DraftRunner) -> None:
         raise InvalidInputError("runner.num_layers", "an int >= 1", repr(runner.num_layers))
     _tensor("runner.req_to_token", runner.req_to_token, dtypes=INDEX_DTYPES, ndim=2,
             device=runner.device)
+    if min(runner.req_to_token.shape) < 1:
+        raise InvalidInputError("runner.req_to_token", "shape [max_reqs >= 1, "
+                                "max_context_len >= 1]",
+                                f"shape {tuple(runner.req_to_token.shape)}")
     _last_dim_contiguous("runner.req_to_token", runner.req_to_token)  # rows by stride
     if runner.use_mla_backend:
         _int_field(runner, "num_heads")
@@ -497,6 +501,7 @@ def check_runner(runner: DraftRunner) -> None:
         expected = {"runner.k_buffer": (kv_heads, head_dim),
                     "runner.v_buffer": (kv_heads, v_head_dim)}
     num_slots = None
+    first: Optional[tuple[str, torch.dtype]] = None  # K and V pools share one dtype
     for name, pool in pools.items():
         if pool is None or len(pool) != runner.num_layers:
             got = None if pool is None else f"{len(pool)} tensors"
@@ -506,6 +511,11 @@ def check_runner(runner: DraftRunner) -> None:
             _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
                 expected[name]), device=runner.device)
             _check_pool_dtype(runner, f"{name}[{i}]", t)
+            if first is None:
+                first = (f"{name}[{i}]", t.dtype)
+            elif t.dtype != first[1]:
+                raise InvalidInputError(f"{name}[{i}]", f"dtype {_dtype_name(first[1])} like "
+                                        f"{first[0]}", _dtype_name(t.dtype))
             if tuple(t.shape[1:]) != expected[name]:
                 raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
                                         f"{', '.join(map(str, expected[name]))}]",
@@ -514,6 +524,8 @@ def check_runner(runner: DraftRunner) -> None:
             if num_slots is not None and t.shape[0] != num_slots:
                 raise InvalidInputError(f"{name}[{i}]", f"{num_slots} slots like layer 0",
                                         t.shape[0])
+            if t.shape[0] < 1:
+                raise InvalidInputError(f"{name}[{i}]", "at least one slot", "0 slots")
             num_slots = t.shape[0]
 
 
@@ -541,6 +553,10 @@ def _check_layout_pools(runner: DraftRunner, layout) -> None:
                                     "layer 0", t.shape[0])
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _fp8_dtypes() -> tuple:
     return tuple(FP8_KV_DTYPES.values())
 
@@ -557,4 +573,4 @@ def _check_pool_dtype(runner: DraftRunner, name: str, pool: torch.Tensor) -> Non
     else:
         return
     raise InvalidInputError(name, f"dtype {names} for kv_cache_dtype="
-                            f"{runner.kv_cache_dtype!r}", str(pool.dtype).replace("torch.", ""))
+                            f"{runner.kv_cache_dtype!r}", _dtype_name(pool.dtype))

@@ -9,6 +9,7 @@ import torch
 
 from ._tensor_checks import _is_int
 from .errors import InvalidInputError
+from .kv_layouts import check_kv_cache_dtype
 
 Kind = Literal["decode", "extend"]
 KINDS: tuple[Kind, Kind] = ("decode", "extend")
@@ -66,6 +67,7 @@ class BackendRequest:
         check_draft_params(self.topk, self.num_steps, self.tree_mode, min_steps=0)
         if not _is_int(self.page_size) or self.page_size < 1:
             raise InvalidInputError("page_size", "an int >= 1", repr(self.page_size))
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def model(self) -> str:

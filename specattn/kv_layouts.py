@@ -52,7 +52,7 @@ import torch
 from .errors import InvalidInputError
 from .fp8 import FP8_KV_DTYPES
 
-__all__ = ["KVLayout", "KV_CACHE_DTYPES", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
+__all__ = ["KVLayout", "KV_CACHE_DTYPES", "check_kv_cache_dtype", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
            "rope_for_width", "e4m3_decode", "E4M3_MAX"]
 
 FP8_DS_MLA = "fp8_ds_mla"
@@ -201,14 +201,19 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
     return codes.contiguous().view(torch.float8_e4m3fn).float()
 
 
+def check_kv_cache_dtype(kv_cache_dtype: object) -> None:
+    """``kv_cache_dtype`` is one of ``KV_CACHE_DTYPES``; raises ``InvalidInputError``."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidInputError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}",
+                                repr(kv_cache_dtype))
+
+
 def layout_for(kv_cache_dtype: str, *, use_mla_backend: bool, kv_lora_rank: Optional[int],
                qk_rope_head_dim: Optional[int], page_size: int) -> Optional[KVLayout]:
     """The layout a runner's ``kv_cache_dtype`` names, bound to its shape; ``None`` for the
     plain dtypes (``"auto"``, ...). Raises ``InvalidInputError`` for a name that is not in
     ``KV_CACHE_DTYPES`` or a shape the layout cannot hold."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise InvalidInputError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}",
-                                repr(kv_cache_dtype))
+    check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype not in LAYOUT_NAMES:
         return None
     if not use_mla_backend:

@@ -6,6 +6,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from .errors import InvalidInputError
 from .keys import KINDS, check_kind
 from .platforms import Platform
 from .plugins import load_plugins
@@ -81,6 +82,8 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
     """
     if kind is not None:
         check_kind(kind)
+    if pattern is not None and not isinstance(pattern, str):
+        raise InvalidInputError("pattern", "an fnmatch pattern (str) or None", repr(pattern))
     platform = platform_or_current(platform)
     registry = active_registry() if registry is None else registry
     if registry is default_registry:

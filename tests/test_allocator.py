@@ -95,6 +95,8 @@ def test_draft_errors():
     alloc.extend(a, 5)
     with pytest.raises(InvalidInputError, match="distinct"):
         alloc.alloc_draft(torch.tensor([a, a]), 2, 2)
+    with pytest.raises(InvalidInputError, match="^req_pool_indices: .* got dtype float32"):
+        alloc.alloc_draft(torch.tensor([float(a)]), 2, 2)
     with pytest.raises(InvalidInputError, match="topk"):
         alloc.alloc_draft(torch.tensor([a]), 0, 2)
     with pytest.raises(InvalidInputError, match="num_steps"):

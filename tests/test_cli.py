@@ -305,6 +305,20 @@ def test_select_answers_briefly_and_explains_on_request(capsys):
     assert code == 1 and "specattn.backends.aiter.AiterDecode: rejected: needs ROCm" in out
 
 
+def test_with_library_names_a_module_some_backend_needs(capsys):
+    """A typo in --with-library would answer for a machine without that library."""
+    code, _, err = run(capsys, "select", "--platform", "cuda:9.0", "--with-library",
+                       "flashinfr")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "specattn select: error: --with-library: expected a module a backend needs, or "
+        "'none' (`specattn list --details` names them; did you mean 'flashinfer'?), got "
+        "'flashinfr'")
+    code, _, _ = run(capsys, "select", "--platform", "cuda:9.0", "--with-library",
+                     "flashinfer", "flash_attn.cute")
+    assert code == 0
+
+
 def test_select_mla_only_name_for_mha(capsys):
     code, out, _ = run(capsys, "select", "--attention-backend", "tokenspeed_mla")
     assert code == 1
