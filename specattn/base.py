@@ -142,9 +142,12 @@ class DraftBackend(ABC):
         return f"{cls.__module__}.{cls.__qualname__}"
 
     @classmethod
-    def runtime_note(cls, platform: Platform) -> str:
+    def runtime_note(cls, platform: Platform,
+                     request: Optional[BackendRequest] = None) -> str:
         """What this class runs on ``platform`` when worth saying (which kernel, a slow
-        path), for ``specattn list`` and ``select``; empty by default."""
+        path), for ``specattn list`` and ``select``; empty by default. ``request``: the
+        request being selected (``None`` in ``specattn list``), so that a note about one
+        model is left out for the other."""
         return ""
 
     @classmethod

@@ -419,7 +419,7 @@ def _resolve_kind(factory, config, kind: str) -> _Outcome:
         cls = sel.backend
         answer = f"{cls.qualified_name()} (name {cls.name!r}, flavour {cls.flavour!r})"
         trace.append(f"  => {answer}")
-        note = cls.runtime_note(sel.platform)
+        note = cls.runtime_note(sel.platform, sel.request)
         answer += f"; {note}" if note else ""  # which kernel runs here (e.g. Gluon MLA)
     return _Outcome(answer, trace, _notes(handler.messages, caught))
 

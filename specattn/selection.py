@@ -149,7 +149,7 @@ def _select_named(sel: Selection, registry: Registry, name: str,
         sel.steps.append(f"several flavours fit; highest priority wins: {best.flavour}")
     sel.backend = best
     sel.steps.append(f"selected {best.qualified_name()} (kernel library: "
-                     f"{best.kernel_library}){_note(best, platform)}")
+                     f"{best.kernel_library}){_note(best, platform, request)}")
     return sel
 
 
@@ -187,7 +187,7 @@ def _select_auto(sel: Selection, registry: Registry) -> Selection:
         f"{c.name}[{c.flavour}] (priority {c.priority_on(platform)})" for c in ranked))
     sel.backend = ranked[0]
     sel.steps.append(f"selected {ranked[0].name} ({ranked[0].qualified_name()})"
-                     f"{_note(ranked[0], platform)}")
+                     f"{_note(ranked[0], platform, request)}")
     log.info("auto selected %s backend %s for %s on %s", kind, ranked[0].name, request,
              platform)
     return sel
@@ -215,9 +215,9 @@ def _cause(classes: list, sel: Selection, platform: Platform) -> str:
     return "; ".join(dict.fromkeys(causes))
 
 
-def _note(cls: type[DraftBackend], platform: Platform) -> str:
+def _note(cls: type[DraftBackend], platform: Platform, request: BackendRequest) -> str:
     """``"; <runtime note>"`` (e.g. which kernel runs here) when the class gives one."""
-    note = cls.runtime_note(platform)
+    note = cls.runtime_note(platform, request)
     return f"; {note}" if note else ""
 
 

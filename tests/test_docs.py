@@ -93,6 +93,7 @@ def test_every_backend_the_docs_show_implements_the_hooks():
 
 # `git show REV:PATH` in a text (REV and PATH may be on the next line).
 GIT_SHOW = re.compile(r"git show\s+([^\s:`]+):([^\s`]+)")
+LAB_TAG = re.compile(r"\blab-\d{4}-\d{2}-\d{2}-[\w-]+")  # a laboratory's tag, named anywhere
 
 
 def _history_available() -> str:
@@ -107,16 +108,11 @@ def _history_available() -> str:
     return "a shallow clone" if shallow.stdout.strip() == "true" else ""
 
 
-def _tag_missing(rev: str) -> bool:
-    return subprocess.run(["git", "rev-parse", "-q", "--verify", f"refs/tags/{rev}"],
-                          cwd=ROOT, capture_output=True).returncode != 0
-
-
 def test_every_git_show_the_docs_cite_reads_a_commit_of_the_history():
     """The results moved out of ``benchmarks/results/`` are cited as ``git show REV:PATH``:
-    REV is a commit hash of the history (tags need not travel with a clone) and PATH exists
-    there. A laboratory's tag (``lab-...``, commits off ``main``) is checked where the
-    clone has it; ``PATH`` in capitals is a placeholder."""
+    REV is a commit hash of the history (a tag, or a branch off ``main``, does not travel
+    with a clone: its citations went dead) and PATH exists there; ``PATH`` in capitals is
+    a placeholder."""
     why = _history_available()
     if why:
         pytest.skip(f"the citations are checked against the git history: {why}")
@@ -124,13 +120,14 @@ def test_every_git_show_the_docs_cite_reads_a_commit_of_the_history():
              *sorted((ROOT / "docs").rglob("*.md"))]
     bad = []
     for page in pages:
+        bad += [(str(page.relative_to(ROOT)), tag) for tag in LAB_TAG.findall(page.read_text())]
         for rev, path in GIT_SHOW.findall(page.read_text()):
             path = path.rstrip(".,;)")
-            if path == "PATH" or (rev.startswith("lab-") and _tag_missing(rev)):
+            if path == "PATH":
                 continue
             if "..." in path:  # a pattern (REV:benchmarks/results/...), not one file
                 path = path.split("...")[0].rstrip("/")
-            named = re.fullmatch(r"[0-9a-f]{7,40}", rev) or rev.startswith("lab-")
+            named = re.fullmatch(r"[0-9a-f]{7,40}", rev)
             found = subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT,
                                    capture_output=True).returncode == 0
             if not (named and found):
@@ -192,7 +189,8 @@ def test_docs_build_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    # Not --quiet: it hides the warnings that --strict counts (the build passed with them).
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -228,9 +226,9 @@ def test_the_kernel_pages_plan_table_is_the_codes():
 
 
 def _serving_table(text: str) -> tuple[str, list[list[str]]]:
-    """The results folder docs/serving.md's measured section links, and its table's rows."""
+    """The results folder docs/serving.md's measured section names, and its table's rows."""
     section = text[text.index("## Measured on an H200"):]
-    folder = re.search(r"\(\.\./(benchmarks/results/[\w.-]+)/", section).group(1)
+    folder = re.search(r"`(benchmarks/results/[\w.-]+)/`", section).group(1)
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in section.splitlines() if line.startswith("| `")]
     return folder, rows
@@ -238,7 +236,7 @@ def _serving_table(text: str) -> tuple[str, list[list[str]]]:
 
 def test_the_serving_pages_table_is_its_runs_bench_csv():
     """Every number of docs/serving.md's table (read floor; triton and flashinfer step and
-    its ratio to the read floor; round and host time) is the linked run's ``bench.csv``,
+    its ratio to the read floor; round and host time) is the named run's ``bench.csv``,
     rounded as printed."""
     import csv
 
@@ -371,3 +369,27 @@ def test_the_install_pages_extras_are_pyprojects():
     for extra, requirements in extras.items():
         documented = re.findall(r"`([^`]+)`", rows[extra])
         assert sorted(map(name, documented)) == sorted(map(name, requirements)), extra
+
+
+def _python_block(page: str, marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_the_kit_pages_property_test_sample_runs():
+    pytest.importorskip("hypothesis")
+    namespace: dict = {}
+    exec(_python_block("conformance.md", "def test_mine_matches_reference"), namespace)
+    namespace["test_mine_matches_reference"]()
+
+
+def test_the_kit_pages_case_id_is_one_the_kit_plans():
+    """The example test id the kit page shows is a case the kit plans (for ``torch_ref``)."""
+    from specattn.testing.plan import plan_cases
+    from specattn.testing.target import Target
+
+    shown = re.search(r"test_mine\[([^\]]+)\]", (ROOT / "docs" / "conformance.md").read_text())
+    ids = {case.id for case, _ in plan_cases(Target.build("torch_ref"))}
+    assert shown and shown.group(1) in ids, sorted(i for i in ids if "numerics" in i)[:5]
+

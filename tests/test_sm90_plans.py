@@ -162,6 +162,10 @@ def test_list_and_select_name_the_plans():
                                                    num_steps=3),
                  Platform(device="cuda", capability=(8, 0), libraries=frozenset({"triton"})))
     assert "plans dot-wide / dot-mla (sm90 kernels off: sm80" in sel.explain()
+    # An MHA request gets no note about the MLA plans (its plan is the tl.dot table's).
+    sel = select("decode", "triton", BackendRequest(kind="decode", topk=4, num_steps=3),
+                 Platform(device="cuda", capability=(8, 0), libraries=frozenset({"triton"})))
+    assert "MLA" not in sel.explain()
 
 
 # --- the table's choice where the gates pass ------------------------------------------------

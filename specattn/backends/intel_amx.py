@@ -217,7 +217,7 @@ class IntelAMXDecode(DraftDecodeBackend, name="intel_amx", platforms=is_cpu,
         self._masks: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def runtime_note(cls, platform: Platform) -> str:
+    def runtime_note(cls, platform: Platform, request=None) -> str:
         return _runtime_note(platform)
 
     def _plan(self, batch: "DraftBatch") -> None:
@@ -305,7 +305,7 @@ class IntelAMXExtend(DraftExtendBackend, name="intel_amx", platforms=is_cpu,
         self._pools = _Pools(runner)
 
     @classmethod
-    def runtime_note(cls, platform: Platform) -> str:
+    def runtime_note(cls, platform: Platform, request=None) -> str:
         return _runtime_note(platform)
 
     def _plan(self, batch: "DraftExtendBatch") -> None:

@@ -76,7 +76,7 @@ class _FA3Cuda(_Caps):
         return reasons + ([lib] if lib else [])
 
     @classmethod
-    def runtime_note(cls, platform: Platform) -> str:
+    def runtime_note(cls, platform: Platform, request=None) -> str:
         if not platform.has_library("flash_attn_interface") and platform.has_library(
                 "flash_attn.cute"):
             return "runs FlashAttention-4's sm90 kernel (FA3 not installed)"

@@ -223,8 +223,11 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         return out
 
     @classmethod
-    def runtime_note(cls, platform) -> str:
-        """Which MLA decode plans run on ``platform`` (``specattn list`` / ``select``)."""
+    def runtime_note(cls, platform, request=None) -> str:
+        """Which MLA decode plans run on ``platform`` (``specattn list`` / ``select``; none
+        for an MHA request: its plan is the ``tl.dot`` table's, ``plan_for``)."""
+        if request is not None and not request.mla:
+            return ""
         return P.platform_note(platform.device, platform.capability,
                                platform.triton_interpret)
 
