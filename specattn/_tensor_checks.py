@@ -25,6 +25,11 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("SPECATTN_DEBUG_CHECKS", "0") not in ("", "0")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as messages name dtypes."""
+    return str(dtype).replace("torch.", "")
+
+
 def _is_int(x: object) -> TypeGuard[int]:
     """An int that is not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
@@ -35,8 +40,8 @@ def _tensor(name: str, t: object, *, dtypes: tuple, ndim: int,
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in dtypes:
-        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise InvalidInputError(name, f"dtype {names}", str(t.dtype).replace("torch.", ""))
+        names = "/".join(dtype_name(d) for d in dtypes)
+        raise InvalidInputError(name, f"dtype {names}", dtype_name(t.dtype))
     if t.dim() != ndim:
         raise InvalidInputError(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
     if device is not None and not _same_device(t.device, device):

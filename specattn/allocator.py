@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import metadata
+from ._tensor_checks import INDEX_DTYPES, dtype_name
 from .errors import CallOrderError, InvalidInputError, OutOfCapacityError
 from .util import ceil_div
 
@@ -139,9 +140,9 @@ class PagedKVAllocator:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
         indices = torch.as_tensor(req_pool_indices)
-        if indices.dtype not in (torch.int32, torch.int64):
+        if indices.dtype not in INDEX_DTYPES:
             raise InvalidInputError("req_pool_indices", "int32/int64 request indices",
-                                    f"dtype {str(indices.dtype).replace('torch.', '')}")
+                                    f"dtype {dtype_name(indices.dtype)}")
         reqs = [int(r) for r in indices.reshape(-1).tolist()]
         if not reqs:
             raise InvalidInputError("req_pool_indices", "at least one request", "0")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
-from ._tensor_checks import _is_int
+from ._tensor_checks import _is_int, dtype_name
 from .data import DraftBatch, DraftExtendBatch, DraftRunner
 from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
 from .install import install_hint
@@ -49,10 +49,6 @@ _KV_DTYPES = frozenset(KV_CACHE_DTYPES)
 _DECLARATION_KEYWORDS = ("name", "aliases", "deprecated_aliases", "flavour", "platforms",
                          "models", "requires", "priority", "kernel_library", "mla_required_name",
                          "replace")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class DraftBackend(ABC):
@@ -190,8 +186,8 @@ class DraftBackend(ABC):
             reasons.append(f"serves {served} models, the model is {request.model.upper()}")
         reasons += cls.platform_reasons(platform)
         if request.dtype is not None and request.dtype not in cls.dtypes:
-            names = ", ".join(_dtype_name(d) for d in cls.dtypes)
-            reasons.append(f"supports dtypes {names}, got {_dtype_name(request.dtype)}")
+            names = ", ".join(dtype_name(d) for d in cls.dtypes)
+            reasons.append(f"supports dtypes {names}, got {dtype_name(request.dtype)}")
         if request.kv_cache_dtype not in cls.kv_cache_dtypes:
             reasons.append(f"supports kv_cache_dtype {list(cls.kv_cache_dtypes)}, "
                            f"got {request.kv_cache_dtype!r}")

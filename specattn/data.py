@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._tensor_checks import (ACT_DTYPES, INDEX_DTYPES, _is_int, _last_dim_contiguous, _shape,
-                             _tensor, debug_checks_enabled)
+                             _tensor, debug_checks_enabled, dtype_name)
 from .errors import InvalidInputError
 from .fp8 import FP8_KV_DTYPES, Scale, check_scale, is_fp8_dtype, quantize, write_rows, zeros
 from .keys import BackendRequest, Kind
@@ -514,8 +514,8 @@ def check_runner(runner: DraftRunner) -> None:
             if first is None:
                 first = (f"{name}[{i}]", t.dtype)
             elif t.dtype != first[1]:
-                raise InvalidInputError(f"{name}[{i}]", f"dtype {_dtype_name(first[1])} like "
-                                        f"{first[0]}", _dtype_name(t.dtype))
+                raise InvalidInputError(f"{name}[{i}]", f"dtype {dtype_name(first[1])} like "
+                                        f"{first[0]}", dtype_name(t.dtype))
             if tuple(t.shape[1:]) != expected[name]:
                 raise InvalidInputError(f"{name}[{i}]", f"shape [num_slots, "
                                         f"{', '.join(map(str, expected[name]))}]",
@@ -553,10 +553,6 @@ def _check_layout_pools(runner: DraftRunner, layout) -> None:
                                     "layer 0", t.shape[0])
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _fp8_dtypes() -> tuple:
     return tuple(FP8_KV_DTYPES.values())
 
@@ -566,11 +562,11 @@ def _check_pool_dtype(runner: DraftRunner, name: str, pool: torch.Tensor) -> Non
     for ``"auto"``."""
     want = FP8_KV_DTYPES.get(runner.kv_cache_dtype)
     if want is not None and pool.dtype != want:
-        names = f"{str(want).replace('torch.', '')} (or uint8 storage)"
+        names = f"{dtype_name(want)} (or uint8 storage)"
     elif want is None and is_fp8_dtype(pool.dtype):
         names = "bfloat16/float16/float32 (an FP8 pool needs kv_cache_dtype 'fp8_e4m3' or " \
                 "'fp8_e5m2')"
     else:
         return
     raise InvalidInputError(name, f"dtype {names} for kv_cache_dtype="
-                            f"{runner.kv_cache_dtype!r}", _dtype_name(pool.dtype))
+                            f"{runner.kv_cache_dtype!r}", dtype_name(pool.dtype))

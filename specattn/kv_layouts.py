@@ -52,8 +52,8 @@ import torch
 from .errors import InvalidInputError
 from .fp8 import FP8_KV_DTYPES
 
-__all__ = ["KVLayout", "KV_CACHE_DTYPES", "check_kv_cache_dtype", "LAYOUT_NAMES", "FP8_DS_MLA", "FP8_DS_V4", "layout_for",
-           "rope_for_width", "e4m3_decode", "E4M3_MAX"]
+__all__ = ["KVLayout", "KV_CACHE_DTYPES", "check_kv_cache_dtype", "LAYOUT_NAMES", "FP8_DS_MLA",
+           "FP8_DS_V4", "layout_for", "rope_for_width", "e4m3_decode", "E4M3_MAX"]
 
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_V4 = "fp8_ds_v4"
