@@ -19,6 +19,7 @@ from specattn.platforms import (
     has_library,
     is_blackwell,
     is_cpu,
+    is_cpu_with_amx,
     is_cuda,
     is_hip,
     is_hopper,
@@ -115,6 +116,12 @@ def test_predicate_algebra_and_descriptions():
     assert inverted(Platform("cpu")) and not inverted(Platform("hip"))
     assert inverted.description == "not (CUDA or ROCm (HIP))"
     assert cpu_has_amx(Platform("cpu", cpu_has_amx=True))
+    # The host's flag alone holds on a GPU machine too; a CPU with AMX is the CPU device.
+    assert cpu_has_amx(Platform("hip", cpu_has_amx=True))
+    assert is_cpu_with_amx(Platform("cpu", cpu_has_amx=True))
+    assert not is_cpu_with_amx(Platform("cpu")) and not is_cpu_with_amx(
+        Platform("hip", cpu_has_amx=True))
+    assert is_cpu_with_amx.description == "a CPU with AMX"
     lib = has_library("flashinfer", "flashinfer-python")
     assert lib(Platform("cuda", (9, 0), libraries={"flashinfer"}))
     assert not lib(Platform("cuda", (9, 0), libraries=frozenset()))

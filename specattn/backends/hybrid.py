@@ -4,11 +4,11 @@ a CPU with AMX gets ``intel_amx``, Blackwell gets ``triton``, anything else ``fa
 from __future__ import annotations
 
 from ..keys import KINDS
-from ..platforms import any_platform, cpu_has_amx, is_blackwell, is_cpu
+from ..platforms import any_platform, is_blackwell, is_cpu_with_amx
 from ..registry import Dispatcher, Route, default_registry
 
 ROUTES = (
-    Route(is_cpu & cpu_has_amx, "intel_amx"),
+    Route(is_cpu_with_amx, "intel_amx"),
     Route(is_blackwell, "triton"),
     Route(any_platform, "fa3"),
 )

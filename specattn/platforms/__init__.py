@@ -17,6 +17,7 @@ from .predicates import (
     has_library,
     is_blackwell,
     is_cpu,
+    is_cpu_with_amx,
     is_cuda,
     is_hip,
     is_hopper,
@@ -29,6 +30,6 @@ from .predicates import (
 __all__ = [
     "Platform", "DeviceType", "DEVICE_TYPES", "current_platform", "detect", "use_platform",
     "torch_device_type", "Predicate", "any_platform", "cpu_has_amx", "cuda_capability",
-    "has_library", "is_blackwell", "is_cpu", "is_cuda", "is_hip", "is_hopper", "is_musa",
-    "is_npu", "is_xpu", "triton_interpret", "triton_interpret_enabled",
+    "has_library", "is_blackwell", "is_cpu", "is_cpu_with_amx", "is_cuda", "is_hip",
+    "is_hopper", "is_musa", "is_npu", "is_xpu", "triton_interpret", "triton_interpret_enabled",
 ]

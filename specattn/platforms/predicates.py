@@ -16,8 +16,8 @@ from .interface import Platform
 
 __all__ = [
     "Predicate", "is_cuda", "is_hip", "is_npu", "is_musa", "is_xpu", "is_cpu", "is_hopper",
-    "is_blackwell", "cpu_has_amx", "triton_interpret", "cuda_capability", "any_platform",
-    "has_library",
+    "is_blackwell", "cpu_has_amx", "is_cpu_with_amx", "triton_interpret", "cuda_capability",
+    "any_platform", "has_library",
 ]
 
 
@@ -78,7 +78,11 @@ def cuda_capability(*majors: int, minors: tuple[int, ...] | None = None) -> Pred
 is_hopper = cuda_capability(9)
 # Blackwell as the recent upstream helper defines it: SM100, SM110 and SM120 families.
 is_blackwell = cuda_capability(10, 11, 12)
-cpu_has_amx = Predicate(lambda p: p.cpu_has_amx, "a CPU with AMX")
+# The host CPU's AMX flag, whatever the device (a CUDA machine's host may have it too).
+cpu_has_amx = Predicate(lambda p: p.cpu_has_amx, "AMX on the host CPU")
+# Running on the CPU, and that CPU has AMX: one description, not "the CPU and AMX on the host
+# CPU", for the route to ``intel_amx`` as ``specattn select`` and the docs print it.
+is_cpu_with_amx = Predicate(lambda p: p.device == "cpu" and p.cpu_has_amx, "a CPU with AMX")
 triton_interpret = Predicate(lambda p: p.triton_interpret, "TRITON_INTERPRET=1")
 
 
