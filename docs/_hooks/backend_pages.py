@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAV_SECTION = "Backends"
@@ -28,9 +28,22 @@ def _registry():
     return default_registry
 
 
-def _module_summary(cls: type) -> str:
-    """The first paragraph of the backend module's docstring."""
-    doc = sys.modules[cls.__module__].__doc__ or ""
+def _backend_module(cls: type) -> str:
+    """The module or package directly under ``specattn.backends`` that holds ``cls``
+    (``specattn.backends.dsv4`` for ``specattn.backends.dsv4.backend``)."""
+    parts = cls.__module__.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["specattn", "backends"] else cls.__module__
+
+
+def _summary(classes: list[type]) -> str:
+    """The first paragraph of the docstring of the backend module that holds most of the
+    name's classes (the first of them on a tie).
+
+    Not the first class's module: a name may have a flavour in another backend's module
+    (``dsv4``'s NPU flavour lives in ``ascend``, whose summary is about Ascend). A package's
+    docstring, not its ``backend`` submodule's, says what the backend computes."""
+    modules = Counter(_backend_module(c) for c in classes)
+    doc = sys.modules[modules.most_common(1)[0][0]].__doc__ or ""
     return doc.strip().split("\n\n")[0].replace("\n", " ")
 
 
@@ -90,7 +103,7 @@ def backend_pages() -> dict[str, str]:
                  "is what the code declares.* `specattn list --pattern " + name + "` says "
                  "whether it runs on your machine.", ""]
         if found:
-            lines += [_module_summary(found[0]), ""]
+            lines += [_summary(found), ""]
         if aliases:
             lines += ["Aliases: " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
         if found:
