@@ -185,6 +185,47 @@ def test_committed_backend_pages_match_the_registry():
     assert backend_pages.stale_pages(pages) == [], "run: python docs/_hooks/backend_pages.py"
 
 
+def test_backend_pages_name_the_class_each_kind_selects():
+    """A backend page says, per kind, which class its name selects: its own, or another
+    backend's when the name is an alias of it for that kind (``cutedsl_mla``'s draft extend is
+    ``trtllm_mla``'s class), with a link to that page, whose line for the kind names the
+    alias; a dispatcher is said to be one."""
+    from specattn.keys import KINDS
+
+    sys.path.insert(0, str(ROOT / "docs" / "_hooks"))
+    try:
+        import backend_pages
+    finally:
+        sys.path.pop(0)
+    pages = backend_pages.backend_pages()
+
+    def kind_lines(name: str) -> dict[str, str]:
+        return dict(re.findall(r"^- \*\*(\w+)\*\*: (.*)$", pages[f"backends/{name}.md"], re.M))
+
+    aliased = []
+    for path in pages:
+        name = path[len("backends/"):-len(".md")]
+        lines = kind_lines(name)
+        assert sorted(lines) == sorted(KINDS), path
+        for kind in KINDS:
+            if default_registry.dispatcher(kind, name) is not None:
+                assert "dispatcher" in lines[kind], (path, kind)
+                continue
+            target, _ = default_registry.canonical(kind, name)
+            served = [c for c in default_registry.classes(kind, target or name)
+                      if c.__module__.startswith("specattn.")]
+            assert served or lines[kind].startswith("none"), (path, kind)
+            for cls in served:
+                assert f"`{cls.qualified_name()}`" in lines[kind], (path, kind)
+            if target is not None and target != name:
+                aliased.append((kind, name))
+                assert f"[`{target}`]({target}.md)" in lines[kind], (path, kind)
+                assert f"`{name}`" in kind_lines(target)[kind], (target, kind)
+            for alias in default_registry.aliases_of(kind, name):
+                assert f"`{alias}`" in lines[kind], (path, kind, alias)
+    assert ("extend", "cutedsl_mla") in aliased
+
+
 def test_docs_build_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")

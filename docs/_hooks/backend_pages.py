@@ -82,30 +82,66 @@ def _dispatcher_rows(dispatchers: list) -> list[str]:
     return lines
 
 
+def _builtin(cls: type) -> bool:
+    return cls.__module__.startswith("specattn.")  # not an installed plugin's
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _kind_line(registry, kind: str, name: str) -> str:
+    """What ``name`` gives for ``kind``, from the registry's tables: its own classes (and the
+    aliases that reach them), another backend's classes when the name is an alias of it for
+    this kind (``cutedsl_mla`` extend), a dispatcher, or nothing."""
+    own = [c for c in registry.classes(kind, name) if _builtin(c)]
+    if own:
+        declared = {a for c in own for a in c.aliases + c.deprecated_aliases}
+        aliases = [f"`{a}`" + (" (deprecated)" if registry.canonical(kind, a)[1] else "")
+                   for a in registry.aliases_of(kind, name) if a in declared]
+        if len(own) == 1:
+            text = f"`{own[0].qualified_name()}`."
+        else:
+            text = "one class per flavour: " + ", ".join(
+                f"`{c.qualified_name()}` (`{c.flavour}`)" for c in own) + "."
+        if aliases:
+            text += f" Aliases for {kind}: " + ", ".join(aliases) + "."
+        return f"- **{kind}**: {text}"
+    if registry.dispatcher(kind, name) is not None:
+        return f"- **{kind}**: a dispatcher: the platform decides the backend (Dispatch below)."
+    target, deprecated = registry.canonical(kind, name)
+    served = [c for c in registry.classes(kind, target) if _builtin(c)] if target else []
+    if served:
+        alias = "a deprecated alias" if deprecated else "an alias"
+        return (f"- **{kind}**: {_names([c.qualified_name() for c in served])}: `{name}` is "
+                f"{alias} of [`{target}`]({target}.md) for {kind}.")
+    return f"- **{kind}**: none (`{name}` is not a {kind} name)."
+
+
 def backend_pages() -> dict[str, str]:
     """``{"backends/<name>.md": markdown}`` for every built-in registered name."""
     registry = _registry()
+    from specattn.keys import KINDS
+
     classes: dict[str, list[type]] = defaultdict(list)
     dispatchers: dict[str, list] = defaultdict(list)
-    for kind in ("decode", "extend"):
+    for kind in KINDS:
         for cls in registry.classes(kind):
-            if cls.__module__.startswith("specattn."):  # not an installed plugin's
+            if _builtin(cls):
                 classes[cls.name].append(cls)
         for disp in registry.dispatchers(kind):
             dispatchers[disp.name].append((kind, disp))
     pages = {}
     for name in sorted(set(classes) | set(dispatchers)):
         found = classes.get(name, [])
-        aliases = sorted({a for c in found for a in c.aliases}
-                         | {f"{a} (deprecated)" for c in found for a in c.deprecated_aliases})
         lines = [f"# `{name}`", "",
                  "*Generated from the registry (`python docs/_hooks/backend_pages.py`): this "
                  "is what the code declares.* `specattn list --pattern " + name + "` says "
                  "whether it runs on your machine.", ""]
         if found:
             lines += [_summary(found), ""]
-        if aliases:
-            lines += ["Aliases: " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
+        lines += ["## Kinds", "", f"What the name `{name}` selects, per kind:", ""]
+        lines += [_kind_line(registry, kind, name) for kind in KINDS] + [""]
         if found:
             lines += ["## Classes", ""] + _class_rows(found) + [""]
             tested = sorted({c.tested_on for c in found})
