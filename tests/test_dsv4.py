@@ -245,7 +245,7 @@ def test_declaration():
     assert "H200" in DSV4CudaDecode.tested_on
     runner = make_runner("mla", torch.bfloat16, page=1, num_slots=4, max_reqs=1, max_ctx=4)
     runner.dtype = torch.float64  # not served: the capability check names the dtype
-    with pytest.raises((BackendUnavailableError, InvalidInputError)):
+    with pytest.raises(BackendUnavailableError, match=r"supports dtypes .*, got float64"):
         DSV4CudaDecode(runner, 1, 2)
 
 

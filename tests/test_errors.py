@@ -282,19 +282,23 @@ def test_backend_request_kv_cache_dtype_is_a_known_name():
         BackendRequest(kind="decode", kv_cache_dtype="bogus")
 
 
-def test_pending_backend_constructor_says_not_yet():
-    pending = [c for k in ("decode", "extend") for c in default_registry.classes(k)
-               if c.pending]
-    if not pending:
-        pytest.skip("no pending backend left")
-    cls = pending[0]
-    assert "not implemented yet" in cls.pending and "issue #" in cls.pending
-    runner = SimpleNamespace(page_size=1, use_mla_backend=False)
-    with pytest.raises(BackendUnavailableError, match="not implemented yet"):
-        if cls.kind == "decode":
-            cls(runner, 1, 3)
-        else:
-            cls(runner)
+def test_pending_backend_is_refused_by_selection_and_its_constructor(empty_registry):
+    """A class declared ``pending`` (registered, not implemented yet): selection names the
+    reason, and constructing it directly is refused the same way."""
+    cls = type("Later", (DraftDecodeBackend,), {"__module__": "fakes",
+                                                 "pending": "not implemented yet (issue #99)",
+                                                 "init_forward_metadata": lambda s, b: None,
+                                                 "forward": lambda s, *a: None},
+               name="later")
+    with pytest.raises(BackendUnavailableError) as info:
+        select("decode", "later", BackendRequest(kind="decode", num_steps=3), CPU)
+    assert info.value.reasons == {"fakes.Later": ["not implemented yet (issue #99)"]}
+    from specattn import DraftRunner
+
+    runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=8, max_reqs=1,
+                             max_context_len=8)
+    with pytest.raises(BackendUnavailableError, match=r"^later: not implemented yet \(issue"):
+        cls(runner, 1, 3)
 
 
 # --- invalid inputs ----------------------------------------------------------------------------

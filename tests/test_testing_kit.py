@@ -331,6 +331,58 @@ def test_pytest_entry_warns_when_nothing_runs_here(scoped_registry):
         conformance_tests("torch_ref", kinds=("decode",))  # cases run: no warning
 
 
+def test_check_backend_warns_when_no_case_ran(scoped_registry):
+    """A constructor that refuses every shape the kit tries: every case skips and the
+    report is ``ok``, so the kit says that nothing ran."""
+    from specattn.errors import BackendUnavailableError
+    from specattn.testing import NothingRunsHereWarning
+
+    def refuse(self, *args, **kwargs):
+        raise BackendUnavailableError("mine: refuses every shape", "mine")
+
+    _register(scoped_registry, {"__init__": refuse})
+    with pytest.warns(NothingRunsHereWarning, match=r"kit for mine: no case ran \(.*accepts "
+                                                    r"none of the kit's shapes"):
+        report = check_backend("mine", kinds=("decode",), models=("mha",))
+    assert report.ok and report.passed == 0
+
+
+def test_a_declared_soft_cap_that_is_refused_fails(scoped_registry):
+    """A class that declares a soft cap (``soft_cap_models``) must serve it: refusing one
+    fails the soft-cap cases; a class that declares none has them skipped, with why."""
+    from specattn.errors import InvalidInputError as Refused
+
+    def no_cap(self, step, layer, q, k, v):
+        if layer.logit_cap > 0:
+            raise Refused("layer.logit_cap", "0", layer.logit_cap)
+        return _Decode._attend(self, step, layer, q, k, v)
+
+    decode, _ = _register(scoped_registry, {"_attend": no_cap})
+    with pytest.raises(ConformanceError) as info:
+        check_backend("mine", kinds=("decode",), models=("mha",), select="softcap")
+    assert any("refused a valid input" in d for d in _failures(info.value.report).values())
+    decode.soft_cap_models = frozenset()
+    from specattn.testing import NothingRunsHereWarning
+
+    with pytest.warns(NothingRunsHereWarning):  # the only cases selected are skipped
+        report = check_backend("mine", kinds=("decode",), models=("mha",), select="softcap")
+    assert report.passed == 0 and report.skipped > 0
+    assert all("declares no logit soft cap for MHA" in r.detail for r in report.results)
+
+
+def test_a_refusal_that_blames_another_argument_fails(scoped_registry):
+    """The kit's refusals check which argument the error blames, not that the name shows up
+    somewhere in the message (``q`` or ``k`` nearly always do)."""
+    def blame_seq_lens(self, step, layer, q, k, v):
+        raise InvalidInputError("batch.seq_lens", "anything", "q and k look fine")
+
+    _register(scoped_registry, {"forward": blame_seq_lens})
+    with pytest.raises(ConformanceError) as info:
+        check_backend("mine", kinds=("decode",), models=("mha",), select="refuses/q_wrong")
+    failures = _failures(info.value.report)
+    assert failures and all("does not name 'q' as the argument" in d for d in failures.values())
+
+
 def test_check_backend_says_first_that_it_raises_on_a_failure():
     summary = check_backend.__doc__.split("\n\n")[0]
     assert "return its report" in summary and "raise ``ConformanceError``" in summary

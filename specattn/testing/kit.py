@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class NothingRunsHereWarning(UserWarning):
-    """``conformance_tests``: every kit case of the backend is skipped on this machine, so a
-    plain ``pytest -q`` would print only "N skipped"; the warning says why (pytest shows it
-    in its summary)."""
+    """Every kit case of the backend is skipped on this machine (``conformance_tests``: as
+    planned, so a plain ``pytest -q`` would print only "N skipped"; ``check_backend``: as
+    run, e.g. a constructor that refuses every shape the kit tries, whose report is still
+    ``ok``); the warning says why."""
 
 
 def _target(backend: BackendSpec, platform, device, setup, decode_options,
@@ -105,6 +106,11 @@ def check_backend(backend: BackendSpec, *, device: Union[str, torch.device, None
         result = run_case(session, case, reason)
         log.debug("%s", result.line())
         report.results.append(result)
+    if report.results and report.passed == 0 and report.ok:
+        reasons = "; ".join(dict.fromkeys(r.detail for r in report.results))
+        warnings.warn(NothingRunsHereWarning(
+            f"specattn conformance kit for {target.label}: no case ran ({reasons[:300]})"),
+            stacklevel=2)
     if raise_on_failure and not report.ok:
         raise ConformanceError(report)
     return report

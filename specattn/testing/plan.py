@@ -230,8 +230,16 @@ def plan_cases(target: Target, *, kinds=("decode", "extend"), models=("mha", "ml
             if not refusals_done:
                 cases += list(_refusal_cases(cls, kind, model))
                 refusals_done = True
-            planned += [(c, None) for c in cases]
+            planned += [(c, _undeclared_soft_cap(cls, c)) for c in cases]
     return planned
+
+
+def _undeclared_soft_cap(cls: type, case: Case) -> Optional[str]:
+    """The skip of a soft-cap case the class declares no soft cap for (``soft_cap_models``);
+    a class that declares it and refuses it fails the case."""
+    if case.params.get("logit_cap") and case.model not in cls.soft_cap_models:
+        return f"declares no logit soft cap for {case.model.upper()} (soft_cap_models)"
+    return None
 
 
 def _never(session, case):  # pragma: no cover - planned as a skip, never run

@@ -9,6 +9,7 @@ on around those cases: on a device they are never paid for in production.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable
@@ -258,6 +259,17 @@ def _fixture_for(s: Session, case: Case) -> _Fixture:
     return _Fixture(s, case, maker.runner, batch, backend, _layers(shape)[0], rows, gen)
 
 
+def names_argument(exc: SpecAttnError, argument: str) -> bool:
+    """Whether ``exc`` blames ``argument``: its ``argument`` (``InvalidInputError``'s
+    ``batch.out_cache_loc``, ``layer.k_scale``, ``batch.parents[1:2]``) has it as a dotted or
+    indexed part, or, without one, its message starts with it. A name found anywhere in
+    the message would not do: ``q`` or ``k`` are in almost any message."""
+    blamed = getattr(exc, "argument", None)
+    if isinstance(blamed, str):
+        return argument in re.split(r"[.\[]", blamed)
+    return re.match(rf"{re.escape(argument)}\b", str(exc)) is not None
+
+
 def run_refusal(s: Session, case: Case) -> str:
     refusal: Refusal = case.params["refusal"]
     fixture = _fixture(s, case)
@@ -268,9 +280,9 @@ def run_refusal(s: Session, case: Case) -> str:
         else:
             refusal.act(fixture)
     except SpecAttnError as exc:
-        if refusal.argument not in str(exc):
-            raise CaseFailed(f"refused with {type(exc).__name__}, but the message does not "
-                             f"name {refusal.argument!r}: {exc}") from exc
+        if not names_argument(exc, refusal.argument):
+            raise CaseFailed(f"refused with {type(exc).__name__}, but it does not name "
+                             f"{refusal.argument!r} as the argument: {exc}") from exc
         return f"{type(exc).__name__}: {exc}"[:160]
     except Exception as exc:  # noqa: BLE001 - the point is to report what was raised
         raise CaseFailed(f"raised {type(exc).__name__} instead of a specattn error naming "

@@ -70,9 +70,15 @@ def test_draft_forward_matches_sglang_triton(specattn_plugin, model, topk, page)
 
 @pytest.mark.parametrize("model,topk,page", [("mha", 2, 4), ("mla", 1, 1)])
 def test_same_name_routes_to_specattn_triton(specattn_plugin, model, topk, page):
-    """``SPECATTN_SGLANG=1``: SGLang's name ``triton`` is served by specattn's ``triton``."""
+    """``SPECATTN_SGLANG=1``: SGLang's name ``triton`` is served by specattn's ``triton``,
+    whose draft is the reference's (``torch_ref`` through the plugin, on the same pools)."""
     fx, settings, draft_model, make_batch = _setup(H.Shape(model=model, page_size=page), topk)
-    expected, _ = _sglang_reference(fx, settings, draft_model, make_batch, topk)
+    saved = fx.snapshot()
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    container = H.create_decode_container(fx, topk, STEPS)
+    assert type(container.specattn_backend).name == "torch_ref"
+    expected = H.run_draft(fx, container, topk, STEPS, settings, draft_model, make_batch)
+    fx.restore(saved)
     specattn_plugin({"SPECATTN_SGLANG": "1"})
     container = H.create_decode_container(fx, topk, STEPS)
     assert type(container.specattn_backend).name == "triton"
