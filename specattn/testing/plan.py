@@ -208,9 +208,9 @@ def _refusal_cases(cls: type, kind: str, model: str) -> Iterator[Case]:
                 refusal.fp8 and fp8 is None):
             continue
         tree = "path" if path else "lane"
-        yield Case(f"{kind}/refuses/{refusal.name}", kind, model, run_refusal,
-                   _kv_dtype_model(cls, main, others) if refusal.fp8 else main, topk if kind == "decode" else 1,
-                   p1, tree, fp8 if refusal.fp8 else "auto", {"refusal": refusal})
+        dtype, kv = (_kv_dtype_model(cls, main, others), fp8) if refusal.fp8 else (main, "auto")
+        yield Case(f"{kind}/refuses/{refusal.name}", kind, model, run_refusal, dtype,
+                   topk if kind == "decode" else 1, p1, tree, kv, {"refusal": refusal})
 
 
 def plan_cases(target: Target, *, kinds=("decode", "extend"), models=("mha", "mla"),

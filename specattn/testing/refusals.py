@@ -1,7 +1,8 @@
-"""Bad inputs every backend must refuse with a ``specattn`` error that names the argument.
+"""Bad inputs every backend must refuse with a ``specattn`` error that blames the argument.
 
 Each refusal builds a valid round, breaks one thing, and expects a ``SpecAttnError`` whose
-message contains the argument's name. Checks that need tensor values (lengths, slots) run on
+``argument`` is (or, without one, whose message starts with) the argument's name
+(``names_argument``). Checks that need tensor values (lengths, slots) run on
 the CPU always and on a device in debug mode (``SPECATTN_DEBUG_CHECKS=1``), which the kit turns
 on around those cases: on a device they are never paid for in production.
 """
@@ -27,7 +28,8 @@ __all__ = ["Refusal", "DECODE_REFUSALS", "EXTEND_REFUSALS", "run_refusal"]
 
 @dataclass(frozen=True)
 class Refusal:
-    """``act(fixture)`` must raise a ``SpecAttnError`` mentioning ``argument``.
+    """``act(fixture)`` must raise a ``SpecAttnError`` that blames ``argument``
+    (``names_argument``).
     ``values``: the check reads tensor values (debug mode on a device). ``path``: only for
     backends that serve ``tree_mode='path'``. ``graph``: only for backends that declare
     ``supports_cuda_graph``. ``fp8``: on an FP8 pool (``kv_cache_dtype`` the first FP8 name
@@ -105,11 +107,15 @@ def _duplicate_loc(loc: torch.Tensor) -> torch.Tensor:
     return loc
 
 
+def _prefix_row(f: _Fixture) -> int:
+    """The ``req_to_token`` row of a request of the round with a prefix (the longest)."""
+    b = int(torch.argmax(f.batch.seq_lens.cpu()))
+    return int(f.batch.req_pool_indices.view(-1)[b])
+
+
 def _req_to_token_entry(f: _Fixture, value: int) -> object:
     """A prefix entry of ``req_to_token`` outside ``[0, num_slots)``."""
-    b = int(torch.argmax(f.batch.seq_lens.cpu()))  # a request with a prefix
-    row = int(f.batch.req_pool_indices.view(-1)[b])
-    f.runner.req_to_token[row, 0] = value
+    f.runner.req_to_token[_prefix_row(f), 0] = value
     return _then_forward(f, f.batch)
 
 
@@ -126,10 +132,8 @@ def _then_forward(f: _Fixture, batch) -> object:
 
 def _draft_slot_in_prefix(f: _Fixture) -> object:
     """A lane's draft slot that holds a prefix token (its step would overwrite it)."""
-    b = int(torch.argmax(f.batch.seq_lens.cpu()))  # a request with a prefix
-    row = int(f.batch.req_pool_indices.view(-1)[b])
     return _then_forward(f, _with(f.batch, out_cache_loc=_bump(
-        f.batch.out_cache_loc, int(f.runner.req_to_token[row, 0]))))
+        f.batch.out_cache_loc, int(f.runner.req_to_token[_prefix_row(f), 0]))))
 
 
 def _new_token_slots_swapped(f: _Fixture) -> object:
