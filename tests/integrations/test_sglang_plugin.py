@@ -38,6 +38,26 @@ def test_settings_opt_in():
 
 
 @pytest.mark.no_sglang
+def test_settings_switch_is_on_or_off_and_stray_variables_are_named():
+    """``SPECATTN_SGLANG=disabled`` had counted as on; a misspelt variable, or the tree mode
+    and options without the opt-in, are set but never read: ``stray_settings`` names them
+    (the plugin logs them at start-up)."""
+    from specattn.integrations.sglang.settings import stray_settings
+
+    for value in ("1", "TRUE", "yes", "on"):
+        assert read_settings({"SPECATTN_SGLANG": value}).enabled
+    for value in ("disabled", "none", "2"):
+        with pytest.raises(InvalidInputError, match=f"^SPECATTN_SGLANG: expected on .*, got "
+                                                    f"'{value}'"):
+            read_settings({"SPECATTN_SGLANG": value})
+    assert stray_settings({"SPECATTN_SGLANG_BACKENDS": "torch_ref",
+                           "SPECATTN_SGLANG_TREE_MODE": "path"}) == [
+        "SPECATTN_SGLANG_BACKENDS", "SPECATTN_SGLANG_TREE_MODE"]
+    assert stray_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "path",
+                           "SPECATTN_SGLANG_OPTIONS": "triton:pdl=False"}) == []
+
+
+@pytest.mark.no_sglang
 def test_settings_backend_options():
     """``SPECATTN_SGLANG_OPTIONS``: ``specattn bench --option`` items separated by ``;``,
     values converted as the bench converts them; a bad one is refused naming the variable."""
@@ -228,6 +248,70 @@ def test_backend_options_reach_the_backend_sglang_gets(specattn_plugin):
                          "SPECATTN_SGLANG_OPTIONS": options})
         container = H.create_decode_container(fx, 2, D.STEPS)
         assert container.adapter.backend.mode == want
+
+
+def test_a_refused_option_or_backend_names_the_setting_that_chose_it(specattn_plugin, caplog):
+    """An option the serving backend refuses (``plan=dot-mla`` on an MHA model) is refused
+    naming ``SPECATTN_SGLANG_OPTIONS``; a backend that cannot serve here, naming the
+    variable that chose it and how to keep SGLang's own; an option for another backend than
+    the serving one is said to be unused."""
+    import sglang_harness as H
+
+    from specattn.errors import BackendUnavailableError
+
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "triton",
+                     "SPECATTN_SGLANG_OPTIONS": "triton:plan=dot-mla"})
+    with pytest.raises(InvalidInputError, match=r"^SPECATTN_SGLANG_OPTIONS: expected options "
+                                                r"the serving backend takes \(plan: .*got "
+                                                r"'triton\[plan=dot-mla\]'"):
+        H.create_decode_container(fx, 1, 3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "flashinfer"})
+    with pytest.raises(BackendUnavailableError, match=r"^SPECATTN_SGLANG_BACKEND=flashinfer "
+                                                      r"chose specattn's 'flashinfer', which "
+                                                      r"cannot serve here: .*needs CUDA.*unset "
+                                                      r"SPECATTN_SGLANG_BACKEND to keep"):
+        H.create_decode_container(fx, 1, 3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref",
+                     "SPECATTN_SGLANG_OPTIONS": "triton:pdl=False"})
+    with caplog.at_level(logging.WARNING):
+        H.create_decode_container(fx, 1, 3)
+    assert "SPECATTN_SGLANG_OPTIONS: triton[pdl=False] is not used for SGLang's draft decode, " \
+        "which specattn's 'torch_ref' serves" in caplog.text
+
+
+def test_refuses_an_mla_pool_whose_rows_are_not_the_latent(specattn_plugin, monkeypatch):
+    """An MLA pool whose rows are not ``kv_lora_rank + qk_rope_head_dim`` elements (SGLang's
+    packed FP8 rows of DeepSeek sparse attention: 656 bytes) is refused when the backends are
+    built (it was read as a latent with a wider rope, and failed at the first forward)."""
+    import sglang_harness as H
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    fx = H.build_fixture(H.Shape(model="mla"))
+    H.configure_draft(fx, topk=1, steps=3)
+    pool = fx.runner.token_to_kv_pool
+    monkeypatch.setattr(pool, "qk_rope_head_dim", pool.qk_rope_head_dim - 8)
+    for create in (H.create_decode_container, H.create_extend_backend):
+        with pytest.raises(InvalidInputError, match=r"^model_runner.token_to_kv_pool: expected "
+                                                    r"MLA rows of kv_lora_rank \+ "
+                                                    r"qk_rope_head_dim = \d+ elements"):
+            create(fx, 1, 3)
+
+
+def test_a_name_without_a_specattn_draft_extend_keeps_sglangs(specattn_plugin, monkeypatch):
+    """``flashmla``'s draft extend is none in specattn (as in the original factory): SGLang's
+    own backend for it stays (``None`` had replaced it)."""
+    import sglang_harness as H
+
+    from specattn.integrations.sglang import plugin
+
+    specattn_plugin({"SPECATTN_SGLANG": "1"})
+    monkeypatch.setattr(plugin, "sglang_backend_name", lambda factory, kind: "flashmla")
+    fx = H.build_fixture(H.Shape(model="mla", page_size=64))
+    H.configure_draft(fx, topk=1, steps=3)
+    kept = H.create_extend_backend(fx, 1, 3)
+    assert kept is not None and type(kept).__module__.startswith("sglang.")
 
 
 def test_path_tree_mode_attends_to_ancestors(specattn_plugin):

@@ -61,6 +61,13 @@ def wrap_pools(model_runner: Any, num_q_heads: int) -> DraftRunner:
     page_size = int(getattr(model_runner, "page_size", None) or 1)
     if model_runner.use_mla_backend:
         latent = [buf.view(buf.shape[0], -1) for buf in pool.kv_buffer]
+        width = int(pool.kv_lora_rank) + int(getattr(pool, "qk_rope_head_dim", 0) or 0)
+        if latent and latent[0].shape[1] != width:  # e.g. DSA's packed FP8 rows (656 bytes)
+            raise InvalidInputError(
+                "model_runner.token_to_kv_pool", f"MLA rows of kv_lora_rank + "
+                f"qk_rope_head_dim = {width} elements (DeepSeek sparse attention's packed FP8 "
+                "pool, --kv-cache-dtype fp8_e4m3 on a DSA model, is not read)",
+                f"a {type(pool).__name__} of rows of {latent[0].shape[1]} {pool.dtype} elements")
         return DraftRunner.wrap_mla(req_to_token, latent, num_heads=num_q_heads,
                                     kv_lora_rank=int(pool.kv_lora_rank), page_size=page_size,
                                     kv_cache_dtype=kv_cache_dtype, dtype=dtype)

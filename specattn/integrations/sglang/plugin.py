@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 from ..._logging import warn_once
 from ...config import SpecConfig
-from ...errors import UnknownBackendError
+from ...errors import BackendUnavailableError, InvalidInputError, UnknownBackendError
 from ...factory import DraftBackendFactory
 from .adapter import wrap_pools
-from .settings import Settings, opted_in, read_settings
+from .settings import (BACKEND_ENV, ENABLE_ENV, OPTIONS_ENV, Settings, opted_in, read_settings,
+                       stray_settings)
 
 __all__ = ["register", "DECODE_TARGET", "EXTEND_TARGET", "sglang_backend_name",
            "build_decode_backend", "build_draft_extend_backend"]
@@ -40,6 +41,11 @@ def register() -> None:
     The factory is hooked before the other variables are read: SGLang's loader logs an
     exception of a plugin and starts without it, so a bad value raises again from the hooks
     when SGLang builds its draft backends, which stops start-up."""
+    stray = stray_settings()
+    if stray:
+        log.warning("specattn SGLang plugin: %s set but not read (the variables are %s, "
+                    "%s and the tree mode and options only with the opt-in)",
+                    ", ".join(stray), ENABLE_ENV, BACKEND_ENV)
     if not opted_in():
         log.debug("specattn SGLang plugin loaded, not enabled (set SPECATTN_SGLANG=1)")
         return
@@ -116,14 +122,49 @@ def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name:
                        if kind == "decode" else
                        (factory.create_draft_extend_backend,
                         factory.explain_draft_extend_backend))
-    backend = create()
+    try:
+        backend = create()
+    except (InvalidInputError, BackendUnavailableError) as exc:
+        raise _named_by_settings(exc, settings, sglang_name) from exc
     if backend is None:
         return None
+    _warn_unused_options(settings, type(backend), kind)
     _explain_once(explain(), kind, sglang_name, settings)
     wrapped = wrap(backend, _start_layer(model_runner))
     for b in (wrapped, *getattr(wrapped, "attn_backends", ())):
         _stamp(b, sglang_name)
     return wrapped
+
+
+def _named_by_settings(exc: Exception, settings: Settings, sglang_name: str) -> Exception:
+    """A refusal of the backend the settings chose, saying which setting chose it: an option
+    of ``SPECATTN_SGLANG_OPTIONS`` the backend refuses (``plan=dot-mla`` on an MHA model),
+    or a backend that cannot serve here, chosen by ``SPECATTN_SGLANG_BACKEND`` or by
+    ``SPECATTN_SGLANG=1`` from SGLang's name (unsetting it keeps SGLang's own backend)."""
+    argument = getattr(exc, "argument", None)
+    option = next((o for o in settings.options if argument in o.keys()), None)
+    if option is not None:
+        return InvalidInputError(OPTIONS_ENV, f"options the serving backend takes ({exc})",
+                                 repr(option.label))
+    if isinstance(exc, BackendUnavailableError):
+        chooser = (f"{BACKEND_ENV}={settings.backend}" if settings.backend else
+                   f"{ENABLE_ENV}=1 (SGLang's backend {sglang_name!r})")
+        return BackendUnavailableError(
+            f"{chooser} chose specattn's {exc.name!r}, which cannot serve here: "
+            f"{exc.summary} (unset {BACKEND_ENV if settings.backend else ENABLE_ENV} to keep "
+            f"SGLang's own backend)", exc.name, exc.reasons, summary=exc.summary)
+    return exc
+
+
+def _warn_unused_options(settings: Settings, serving: type, kind: str) -> None:
+    """An option for another backend than the one serving ``kind`` is not used: said once
+    (a deployment that changes models with the same environment may serve another)."""
+    from ...registry import active_registry
+
+    for option in settings.options:
+        if serving not in option.classes(active_registry()):
+            warn_once(log, f"{OPTIONS_ENV}: {option.label} is not used for SGLang's draft "
+                      f"{kind}, which specattn's {serving.name!r} serves")
 
 
 def build_decode_backend(model_runner: Any, topk: int, num_steps: int, sglang_name: str,
@@ -176,8 +217,13 @@ def _around_create_draft_extend_backend(original, factory: Any):
     # An MLA model's prefill may take the non-absorbed path: keep SGLang's backend for it.
     fallback = original(factory) if runner.use_mla_backend else None
     try:
-        return build_draft_extend_backend(runner, factory.topk, factory.speculative_num_steps,
-                                          name, settings, fallback=fallback)
+        built = build_draft_extend_backend(runner, factory.topk,
+                                           factory.speculative_num_steps, name, settings,
+                                           fallback=fallback)
     except UnknownBackendError as err:
         _unknown("extend", settings.specattn_name(name), err)
-        return fallback if fallback is not None else original(factory)
+        built = None
+    # specattn has no draft extend for the name (``flashmla``'s, as the original factory):
+    # SGLang's own backend serves it, as an unknown name's does.
+    return built if built is not None else (fallback if fallback is not None
+                                            else original(factory))

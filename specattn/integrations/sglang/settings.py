@@ -3,7 +3,8 @@
 - ``SPECATTN_SGLANG=1``: serve SGLang's draft attention with the specattn backend of the
   same name as the one SGLang resolved (``--attention-backend``,
   ``--decode-attention-backend`` / ``--prefill-attention-backend``,
-  ``--speculative-draft-attention-backend``). Unset or ``0``: SGLang is unchanged.
+  ``--speculative-draft-attention-backend``); also ``true`` / ``yes`` / ``on``. Unset,
+  ``0``, ``false``, ``no`` or ``off``: SGLang is unchanged; any other value is refused.
 - ``SPECATTN_SGLANG_BACKEND=NAME``: serve it with specattn backend ``NAME`` (any specattn
   name, ``auto`` included) whatever SGLang resolved; implies ``SPECATTN_SGLANG=1``.
 - ``SPECATTN_SGLANG_TREE_MODE=lane|path``: ``lane`` (default) attends exactly as SGLang's own
@@ -30,6 +31,8 @@ TREE_MODE_ENV = "SPECATTN_SGLANG_TREE_MODE"
 OPTIONS_ENV = "SPECATTN_SGLANG_OPTIONS"
 
 _FALSE = ("", "0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+KNOWN_ENV = (ENABLE_ENV, BACKEND_ENV, TREE_MODE_ENV, OPTIONS_ENV)
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,31 @@ class Settings:
 
 def opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the user opted in (``SPECATTN_SGLANG`` on or ``SPECATTN_SGLANG_BACKEND`` set),
-    whatever the other variables hold; never raises."""
+    whatever the other variables hold; never raises (``read_settings`` refuses a
+    ``SPECATTN_SGLANG`` that is neither on nor off)."""
     env = os.environ if environ is None else environ
     return bool(env.get(BACKEND_ENV, "").strip()) or (
         env.get(ENABLE_ENV, "").strip().lower() not in _FALSE)
 
 
+def stray_settings(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """``SPECATTN_SGLANG_*`` variables that are set but not read: a name none of the four
+    is (a typo such as ``SPECATTN_SGLANG_BACKENDS``), and, without the opt-in, the tree mode
+    and the options (read only when specattn serves)."""
+    env = os.environ if environ is None else environ
+    names = [n for n in env if n.startswith(ENABLE_ENV + "_") and n not in KNOWN_ENV]
+    if not opted_in(env):
+        names += [n for n in (TREE_MODE_ENV, OPTIONS_ENV) if env.get(n, "").strip()]
+    return sorted(names)
+
+
 def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     env = os.environ if environ is None else environ
     backend = env.get(BACKEND_ENV, "").strip().lower() or None
+    switch = env.get(ENABLE_ENV, "").strip().lower()
+    if switch not in _FALSE + _TRUE:
+        raise InvalidInputError(ENABLE_ENV, f"on ({'/'.join(_TRUE)}) or off "
+                                f"({'/'.join(repr(v) for v in _FALSE)})", repr(shorten(switch)))
     enabled = opted_in(env)
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
