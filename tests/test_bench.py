@@ -1041,6 +1041,68 @@ def test_cli_out_that_is_not_a_folder_is_a_usage_error(tmp_path, capsys):
                               f"or write to, got '{out}' (") and err.count("\n") == 1
 
 
+def test_cli_out_folders_that_cannot_take_the_run_are_usage_errors(tmp_path, capsys):
+    """Refused before anything is measured: a folder that cannot be written (it failed at the
+    first checkpoint, a traceback); a folder holding a run, without ``--append`` (its sweep,
+    parts and charts stayed beside the new files); ``--append`` into a run of another machine
+    or libraries (the header and versions.json then described every row as this run's)."""
+    import json
+    import os
+    import stat
+
+    base = ["--case", "cpu-gqa-small", "--device", "cpu", "--check-only", "--quick"]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if not os.access(locked, os.W_OK):  # (root writes anywhere)
+            assert cli_main(base + ["--out", str(locked)]) == 2
+            assert "--out: expected a folder it can create or write to" in capsys.readouterr().err
+    finally:
+        locked.chmod(stat.S_IRWXU)
+    out = tmp_path / "run"
+    assert cli_main(base + ["--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli_main(base + ["--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"specattn bench: error: --out: expected a folder "
+                                       f"without a run, or --append to merge into it, got "
+                                       f"'{out}', which holds one (bench.csv)\n")
+    assert cli_main(base + ["--out", str(out), "--append"]) == 0
+    capsys.readouterr()
+    info = json.loads((out / "versions.json").read_text())
+    (out / "versions.json").write_text(json.dumps(dict(info, gpu="NVIDIA H200")))
+    assert cli_main(base + ["--out", str(out), "--append"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specattn bench: error: --append: expected a folder of a run on this "
+                          "machine, with these libraries (one folder per run), got gpu "
+                          "'NVIDIA H200' there, None here"), err
+
+
+def test_cli_seed_reps_and_steps_flags(tmp_path, capsys, monkeypatch):
+    """``--seed`` beyond a 64-bit seed is a usage error (every variant had failed); a
+    ``--reps`` given is kept with ``--quick`` (it was cut to 5); ``--steps`` takes a prefix
+    shorter than the extend case's tokens (it runs no extend case)."""
+    from specattn.bench import harness
+
+    assert cli_main(["--case", "cpu-gqa-small", "--device", "cpu", "--check-only",
+                     "--seed", str(2 ** 64), "--out", str(tmp_path / "s")]) == 2
+    assert "--seed: expected an int in [0, 2**63)" in capsys.readouterr().err
+    seen = []
+    real = harness.WallClock.__init__
+
+    def record(self, reps, *args, **kwargs):
+        seen.append(reps)
+        real(self, reps, *args, **kwargs)
+
+    monkeypatch.setattr(harness.WallClock, "__init__", record)
+    for extra, reps in ((["--reps", "9"], 9), ([], 5)):
+        assert cli_main(["--batch", "1", "--prefix", "4", "--steps", "--quick", "--no-round",
+                         "--device", "cpu", "--backend", "torch_ref", "--no-raw", "--check-only",
+                         "--out", str(tmp_path / f"r{reps}"), *extra]) == 0
+        assert seen[-1] == reps
+    capsys.readouterr()
+
+
 def test_header_names_the_step_of_cases_with_few_steps():
     """A decode case of ``S`` 3 is timed at step 1 (two history slots): the header said step 2
     for every case."""

@@ -80,13 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="results folder (default: "
                    f"{_default_root()}/<date>-<gpu or cpu>, or its first free -2, -3... "
                    "when it already holds a run and --append is not given; "
-                   "$XDG_CACHE_HOME moves it)")
+                   "$XDG_CACHE_HOME moves it); a folder given here that holds a run needs "
+                   "--append")
     p.add_argument("--append", action="store_true", help="merge into the CSVs already in "
                    "--out (rows of the cases run now are replaced): split a long run into "
-                   "several commands")
+                   "several commands, on the machine and libraries of the folder's run")
     p.add_argument("--quick", action="store_true", help="uniform lengths only, shorter "
-                   "timing, fewer sweep points (CPU: prefixes / 4)")
-    p.add_argument("--no-sweep", action="store_true", help="skip the prefix-length sweep")
+                   "timing, fewer sweep points (CPU default cases: prefixes / 4)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the prefix-length sweep "
+                   "(it follows the default cases only, not --case, a custom shape or "
+                   "--extend)")
     p.add_argument("--only-sweep", action="store_true", help="run the prefix-length sweep "
                    "only (with --append: add it to an earlier run's folder)")
     p.add_argument("--no-round", action="store_true", help="skip whole-round timing")
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(GPU, when SGLang is importable: SGLang's own draft round with its backend "
                    "and with specattn's; docs/sglang.md)")
     p.add_argument("--round-layers", type=int, default=4, help="layers per timed round")
-    p.add_argument("--reps", type=int, default=7, help="CPU: timed runs per measurement; the "
+    p.add_argument("--reps", type=int, help="CPU: timed runs per measurement; the "
                    "median is reported with the spread (default: 7; --quick: 5)")
     p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -132,7 +135,8 @@ def _select_cases(args, on_gpu: bool):
         kw.update(mla=args.mla, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
         if kw.get("steps") != 1:  # a round of S 1 runs no decode step: its extend only
             chosen.append(C.custom_case(**kw))
-        chosen.append(C.custom_case(extend=True, **kw))
+        if not (args.steps and not args.extend):  # (--steps: its prefix needs no extend)
+            chosen.append(C.custom_case(extend=True, **kw))
     if args.steps != args.extend:  # exactly one of them: that kind only
         kind = "decode" if args.steps else "extend"
         chosen = [c for c in chosen if c.kind == kind]
@@ -167,6 +171,8 @@ def _check_counts(args) -> None:
                         ("--threads", args.threads)):
         if value is not None and value < 1:
             raise InvalidInputError(flag, "an int >= 1", value)
+    if not 0 <= args.seed < 2 ** 63:  # torch's generators take a 64-bit seed
+        raise InvalidInputError("--seed", "an int in [0, 2**63)", args.seed)
     if args.only_sweep and args.check_only:  # the sweep is timed, never only checked
         raise InvalidInputError("--only-sweep", "no --check-only (the sweep has nothing to "
                                 "check without timing it)", "--check-only")
@@ -337,7 +343,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     platform = current_platform()
     if args.threads:
         torch.set_num_threads(args.threads)
-    reps = min(args.reps, 5) if args.quick else args.reps
+    reps = args.reps or (5 if args.quick else 7)  # a --reps given is kept with --quick
     clock = CudaClock(rep_ms=100 if args.quick else 200) if on_gpu else WallClock(
         reps, cpu_time=args.clock == "cpu")
     plans = [] if args.only_sweep else run.plan_cases(cases, platform, args.backend,
@@ -354,10 +360,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     out = _out_dir(args, info)
     try:  # before anything is measured
         os.makedirs(out, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+        _check_folder(args, out, info)
     except OSError as exc:
         bad = InvalidInputError("--out", "a folder it can create or write to",
                                 f"{out!r} ({exc.strerror})")
         print(f"specattn bench: error: {bad}", file=sys.stderr)
+        return 2
+    except InvalidInputError as exc:
+        print(f"specattn bench: error: {exc}", file=sys.stderr)
         return 2
     print(f"specattn bench: {len(plans)} cases, {len(sweep)} sweep points, {total} runs on "
           f"{device.type}; results will be written to {out}/", file=sys.stderr)
@@ -391,6 +403,32 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                       rows, sweep_rows)
     failed = [r for r in rows + sweep_rows if r.get("status") == "failed"]
     return 1 if failed else 0
+
+
+# What versions.json says a run was measured on: rows of one folder share it.
+RUN_IDENTITY = ("gpu", "cpu", "torch", "triton", "flashinfer", "flash-attn")
+
+
+def _check_folder(args, out: str, info: dict) -> None:
+    """``out`` may take this run: without ``--append`` it holds no run (its sweep, parts and
+    charts would stay beside the new files); with it, its run was measured on this machine
+    with these libraries (the header and versions.json describe every row)."""
+    from ..errors import InvalidInputError
+
+    held = os.path.exists(os.path.join(out, "bench.csv"))
+    if held and not args.append:
+        raise InvalidInputError("--out", "a folder without a run, or --append to merge into "
+                                "it", f"{out!r}, which holds one (bench.csv)")
+    try:
+        with open(os.path.join(out, "versions.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return
+    differ = [f"{k} {old.get(k)!r} there, {info.get(k)!r} here" for k in RUN_IDENTITY
+              if args.append and held and old.get(k) != info.get(k)]
+    if differ:
+        raise InvalidInputError("--append", "a folder of a run on this machine, with these "
+                                "libraries (one folder per run)", "; ".join(differ))
 
 
 def _folder_bandwidth(out: str) -> Optional[float]:

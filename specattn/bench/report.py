@@ -375,7 +375,7 @@ def _csv_cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return f"{value:.10g}"  # table.md's digits, whatever the magnitude
     if isinstance(value, (list, tuple)):
         return "; ".join(str(v) for v in value)
     return value
