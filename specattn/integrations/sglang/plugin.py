@@ -125,7 +125,10 @@ def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name:
     try:
         backend = create()
     except (InvalidInputError, BackendUnavailableError) as exc:
-        raise _named_by_settings(exc, settings, sglang_name) from exc
+        named = _named_by_settings(exc, settings, sglang_name)
+        if named is exc:
+            raise
+        raise named from exc
     if backend is None:
         return None
     _warn_unused_options(settings, type(backend), kind)
