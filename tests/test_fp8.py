@@ -324,8 +324,8 @@ def _sglang_like(model: str, store=torch.uint8):
     g = torch.Generator().manual_seed(0)
     codes = lambda *s: (torch.randn(*s, generator=g) * 4).to(E4M3).view(torch.uint8)  # noqa
     if model == "mla":
-        pool = SimpleNamespace(kv_buffer=[codes(64, 1, 24)], kv_lora_rank=16, dtype=E4M3,
-                               store_dtype=store)
+        pool = SimpleNamespace(kv_buffer=[codes(64, 1, 24)], kv_lora_rank=16,
+                               qk_rope_head_dim=8, dtype=E4M3, store_dtype=store)
     else:
         pool = SimpleNamespace(k_buffer=[codes(64, 2, 8)], v_buffer=[codes(64, 2, 8)],
                                dtype=E4M3, store_dtype=store)

@@ -61,8 +61,9 @@ def wrap_pools(model_runner: Any, num_q_heads: int) -> DraftRunner:
     page_size = int(getattr(model_runner, "page_size", None) or 1)
     if model_runner.use_mla_backend:
         latent = [buf.view(buf.shape[0], -1) for buf in pool.kv_buffer]
-        width = int(pool.kv_lora_rank) + int(getattr(pool, "qk_rope_head_dim", 0) or 0)
-        if latent and latent[0].shape[1] != width:  # e.g. DSA's packed FP8 rows (656 bytes)
+        rope = getattr(pool, "qk_rope_head_dim", None)  # (SGLang's MLA pools have it)
+        width = int(pool.kv_lora_rank) + int(rope or 0)
+        if rope is not None and latent and latent[0].shape[1] != width:  # DSA's packed FP8
             raise InvalidInputError(
                 "model_runner.token_to_kv_pool", f"MLA rows of kv_lora_rank + "
                 f"qk_rope_head_dim = {width} elements (DeepSeek sparse attention's packed FP8 "
