@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ._logging import deprecation_once, get_logger, warn_once
 from .errors import (BackendUnavailableError, InvalidInputError, ModelMismatchError,
@@ -20,11 +20,12 @@ from .registry import Registry, active_registry
 
 if TYPE_CHECKING:
     from .base import DraftBackend
+    from .registry import Dispatcher, Route
 
 log = get_logger("selection")
 
-__all__ = ["Selection", "select", "describe_error", "UNKNOWN_NAME_MESSAGES", "AUTO", "AutoRow",
-           "auto_order", "platform_or_current", "check_backend_name"]
+__all__ = ["Selection", "select", "resolve_name", "describe_error", "UNKNOWN_NAME_MESSAGES",
+           "AUTO", "AutoRow", "auto_order", "platform_or_current", "check_backend_name"]
 
 AUTO = "auto"
 # The original factory's messages (docs/selection.md rule 3), kept verbatim as prefixes.
@@ -77,32 +78,71 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
     if name is None or name == AUTO:
         return _select_auto(sel, registry)
     dispatched_from = None  # the first dispatcher of the chain, which the errors name
-    for _ in range(_MAX_REDIRECTS):
-        canonical, deprecated = registry.canonical(kind, name)
-        if canonical is None:
-            raise _unknown(kind, name, registry)
-        if deprecated:
-            message = f"attention backend name {name!r} is deprecated; use {canonical!r}"
+    for hop in _hops(kind, name, platform, registry):
+        if hop.canonical is None:
+            raise _unknown(kind, hop.name, registry)
+        if hop.deprecated:
+            message = f"attention backend name {hop.name!r} is deprecated; use {hop.canonical!r}"
             deprecation_once(message, stacklevel=4)
-            sel.steps.append(f"{name!r} is a deprecated alias of {canonical!r}")
-        elif canonical != name:
-            sel.steps.append(f"{name!r} is an alias of {canonical!r}")
-        dispatcher = registry.dispatcher(kind, canonical)
-        if dispatcher is None:
-            return _select_named(sel, registry, canonical, dispatched_from)
-        route = next((r for r in dispatcher.routes if r.when(platform)), None)
+            sel.steps.append(f"{hop.name!r} is a deprecated alias of {hop.canonical!r}")
+        elif hop.canonical != hop.name:
+            sel.steps.append(f"{hop.name!r} is an alias of {hop.canonical!r}")
+        if hop.dispatcher is None:
+            return _select_named(sel, registry, hop.canonical, dispatched_from)
+        route, dispatcher = hop.route, hop.dispatcher
         target = None if route is None else route.target
         why = "no route matched" if route is None else f"{route.when.description} holds"
         target_text = repr(target) if target else "no backend"
         note = f" ({dispatcher.note})" if dispatcher.note else ""
-        sel.steps.append(f"{canonical!r} dispatches: {why} -> {target_text}{note}")
+        sel.steps.append(f"{hop.canonical!r} dispatches: {why} -> {target_text}{note}")
         if target is None:
             if dispatcher.warning:
                 warn_once(log, dispatcher.warning)
             return sel
-        dispatched_from = dispatched_from or canonical
-        name = target
-    raise RuntimeError(f"dispatcher loop resolving {sel.requested!r}")  # registry bug
+        dispatched_from = dispatched_from or hop.canonical
+    raise AssertionError("unreachable: the last hop is a class name, unknown or no target")
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """One name on the way from a requested name to a class name: ``canonical`` (``None``:
+    unknown), whether ``name`` is a deprecated alias, and its dispatcher and the route the
+    platform takes (``None`` where no route matched)."""
+
+    name: str
+    canonical: Optional[str]
+    deprecated: bool
+    dispatcher: Optional["Dispatcher"]
+    route: Optional["Route"]
+
+
+def _hops(kind: str, name: str, platform: Platform, registry: Registry) -> Iterator[_Hop]:
+    """The names ``name`` passes through for ``kind`` on ``platform``: aliases followed,
+    dispatchers routed; the last is a class name, an unknown name, or a dispatcher that
+    routes to no backend. No capability is checked."""
+    for _ in range(_MAX_REDIRECTS):
+        canonical, deprecated = registry.canonical(kind, name)
+        dispatcher = None if canonical is None else registry.dispatcher(kind, canonical)
+        route = None if dispatcher is None else next(
+            (r for r in dispatcher.routes if r.when(platform)), None)
+        yield _Hop(name, canonical, deprecated, dispatcher, route)
+        if route is None or route.target is None:
+            return
+        name = route.target
+    raise RuntimeError(f"dispatcher loop resolving {name!r}")  # registry bug
+
+
+def resolve_name(kind: str, name: str, platform: Optional[Platform] = None,
+                 registry: Optional[Registry] = None) -> Optional[str]:
+    """The backend name ``name`` reaches for ``kind`` on ``platform``, aliases (deprecated
+    ones too) followed and dispatchers routed: ``cutedsl_mla`` extend -> ``trtllm_mla``,
+    ``nsa`` -> ``dsa``, ``hybrid_linear_attn`` -> the platform's. ``None`` for a name no
+    backend answers to or a dispatcher that routes to none. Nothing is checked against a
+    request (``select`` does that)."""
+    check_kind(kind)
+    registry = active_registry() if registry is None else registry
+    *_, last = _hops(kind, name, platform_or_current(platform), registry)
+    return last.canonical if last.dispatcher is None else None
 
 
 def platform_or_current(platform: object) -> Platform:

@@ -316,3 +316,17 @@ def test_rule16_auto_oracle_needs_no_edit_for_a_new_backend(scoped_registry):
         got = oracle.factory_outcome("decode", config, False, 3, 2, platform)
         oracle.assert_matches(want, got)
         assert got is BrandNew
+
+
+def test_resolve_name_follows_aliases_and_dispatchers():
+    from specattn.platforms import Platform
+    from specattn.selection import resolve_name
+
+    cpu, amx = Platform("cpu"), Platform("cpu", cpu_has_amx=True)
+    assert resolve_name("extend", "cutedsl_mla", cpu) == "trtllm_mla"
+    assert resolve_name("decode", "cutedsl_mla", cpu) == "cutedsl_mla"
+    assert resolve_name("decode", "nsa", cpu) == "dsa"
+    assert resolve_name("decode", "hybrid_linear_attn", cpu) == "fa3"
+    assert resolve_name("decode", "hybrid_linear_attn", amx) == "intel_amx"
+    assert resolve_name("extend", "flashmla", cpu) is None  # routes to no backend
+    assert resolve_name("decode", "intel_xpu", cpu) is None

@@ -299,6 +299,30 @@ def test_refuses_an_mla_pool_whose_rows_are_not_the_latent(specattn_plugin, monk
             create(fx, 1, 3)
 
 
+@pytest.mark.parametrize("sglang_name,decode_stamp,extend_stamp", [
+    ("cutedsl_mla", "cutedsl_mla", "trtllm_mla"),  # SGLang builds trtllm_mla's draft extend
+    ("nsa", "dsa", "dsa"),                         # a deprecated alias: SGLang builds dsa's
+])
+def test_name_stamps_are_those_sglangs_factory_gives(specattn_plugin, monkeypatch, sglang_name,
+                                                      decode_stamp, extend_stamp):
+    """The stamps model code dispatches on are the name of the backend SGLang's own factory
+    builds for the name it resolved (DeepSeek's code has no handler for ``cutedsl_mla``
+    prefill and took the Triton path)."""
+    import sglang_harness as H
+
+    from specattn.integrations.sglang import plugin
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    monkeypatch.setattr(plugin, "sglang_backend_name", lambda factory, kind: sglang_name)
+    fx = H.build_fixture(H.Shape(model="mla"))
+    H.configure_draft(fx, topk=1, steps=3)
+    for create, stamp in ((H.create_decode_container, decode_stamp),
+                          (H.create_extend_backend, extend_stamp)):
+        built = create(fx, 1, 3)
+        assert built.prefill_attention_backend_str == built.decode_attention_backend_str \
+            == stamp
+
+
 def test_a_name_without_a_specattn_draft_extend_keeps_sglangs(specattn_plugin, monkeypatch):
     """``flashmla``'s draft extend is none in specattn (as in the original factory): SGLang's
     own backend for it stays (``None`` had replaced it)."""

@@ -5,8 +5,8 @@ opt-in (``settings``: ``SPECATTN_SGLANG=1`` or ``SPECATTN_SGLANG_BACKEND=NAME``)
 nothing and SGLang is unchanged. With it, AROUND hooks on
 ``DraftBackendFactory.create_decode_backend`` / ``create_draft_extend_backend`` build the
 specattn backend for the name SGLang resolved (or the forced one), wrap it in SGLang's protocol
-(``backends``), set the name stamps SGLang's models dispatch on (SGLang's own name, so model
-code takes the same path as with SGLang's backend) and log specattn's selection explanation
+(``backends``), set the name stamps SGLang's models dispatch on (the name SGLang's own
+factory stamps, so model code takes the same path as with SGLang's backend) and log specattn's selection explanation
 once. A name specattn does not know leaves SGLang's own backend in place (logged).
 """
 
@@ -135,8 +135,18 @@ def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name:
     _explain_once(explain(), kind, sglang_name, settings)
     wrapped = wrap(backend, _start_layer(model_runner))
     for b in (wrapped, *getattr(wrapped, "attn_backends", ())):
-        _stamp(b, sglang_name)
+        _stamp(b, _stamp_name(kind, sglang_name))
     return wrapped
+
+
+def _stamp_name(kind: str, sglang_name: str) -> str:
+    """The name SGLang's own factory stamps for ``sglang_name``: that of the backend it
+    builds, an alias's or a dispatcher's target (``cutedsl_mla``'s draft extend is
+    ``trtllm_mla``, ``nsa`` is ``dsa``, ``hybrid_linear_attn`` the platform's), which
+    specattn's names follow; a name specattn does not know stays as SGLang resolved it."""
+    from ...selection import resolve_name
+
+    return resolve_name(kind, sglang_name) or sglang_name
 
 
 def _named_by_settings(exc: Exception, settings: Settings, sglang_name: str) -> Exception:
