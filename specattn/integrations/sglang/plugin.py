@@ -6,8 +6,9 @@ nothing and SGLang is unchanged. With it, AROUND hooks on
 ``DraftBackendFactory.create_decode_backend`` / ``create_draft_extend_backend`` build the
 specattn backend for the name SGLang resolved (or the forced one), wrap it in SGLang's protocol
 (``backends``), set the name stamps SGLang's models dispatch on (the name SGLang's own
-factory stamps, so model code takes the same path as with SGLang's backend) and log specattn's selection explanation
-once. A name specattn does not know leaves SGLang's own backend in place (logged).
+factory stamps, so model code takes the same path as with SGLang's backend) and log
+specattn's selection explanation once. A name specattn does not know leaves SGLang's own
+backend in place (logged).
 """
 
 from __future__ import annotations
