@@ -1119,6 +1119,9 @@ def test_header_names_the_step_of_cases_with_few_steps():
             " KV write included) or one draft extend") in header
     plain = _header(info, 1e10, "wall, median", False, rows[1:3])
     assert "at step 2 (3 history slots; KV write included) or one" in plain
+    # Rows without a timed round (--check-only, --no-round): no "x - layers".
+    assert "x 2 layers (wall, median, eager)" in header
+    assert "x the round's layers (no round timed in this run)" in plain and " - layers" not in plain
 
 
 def test_default_out_dir_is_a_cache_folder_that_keeps_an_earlier_run(tmp_path, monkeypatch):

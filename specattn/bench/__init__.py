@@ -229,7 +229,7 @@ def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, row
     libs = ", ".join(f"{k} {info[k]}" for k in ("torch", "triton", "flashinfer", "flash-attn")
                      if info.get(k))
     round_layers = "/".join(sorted({str(r["round_layers"]) for r in rows
-                                    if r.get("round_layers")})) or "-"
+                                    if r.get("round_layers")}))
     step = (f"one forward of one layer at step {C.TIMED_STEP} ({C.TIMED_STEP + 1} history "
             f"slots{_earlier_steps(rows)}; KV write included) or one draft extend")
     lines = [
@@ -252,7 +252,8 @@ def _header(info, bandwidth: Optional[float], clock_name: str, on_gpu: bool, row
         + ("" if on_gpu else " (n/a: no CUDA graphs on a CPU)")
         + ". `round eager us`" + (" / `round graph us`" if on_gpu else "")
         + ": metadata + S-1 steps (extend: one call) x "
-        f"{round_layers} layers" + ("" if on_gpu else f" ({clock_name}, eager)")
+        + (f"{round_layers} layers" + ("" if on_gpu else f" ({clock_name}, eager)")
+           if round_layers else "the round's layers (no round timed in this run)")
         + ". `check`: max error against torch_ref on sampled requests.",
     ]
     return "\n".join(lines)
