@@ -575,6 +575,10 @@ def test_option_parsing_and_plan_names():
             check_options([parse_option(text)], default_registry)
     with pytest.raises(InvalidInputError, match=r"--option plan.*one of dot, .*'dotx'"):
         check_options([parse_option("triton:plan=dotx")], default_registry)
+    # Two backends joined by ',' (in SPECATTN_SGLANG_OPTIONS items are separated by ';'):
+    # it had read "triton:mode" as a keyword.
+    with pytest.raises(InvalidInputError, match=r"^--option: expected one backend per item"):
+        parse_option("triton:plan=dot-mla,triton:mode=shared")
 
 
 def test_option_variants_join_the_backends_own(scoped_registry):

@@ -88,6 +88,9 @@ def parse_option(text: str) -> BackendOption:
     pairs = [p.partition("=") for p in rest.split(",")] if rest else []
     if not sep or not backend or not pairs or any(not k or not eq for k, eq, _ in pairs):
         raise InvalidInputError("--option", _EXAMPLE, repr(text))
+    if any(":" in k for k, _, _ in pairs):  # "a:x=1,b:y=2": two backends in one item
+        raise InvalidInputError("--option", "one backend per item (another --option; in "
+                                "SPECATTN_SGLANG_OPTIONS, items separated by ';')", repr(text))
     kwargs = tuple((k.strip(), _literal(v.strip())) for k, _, v in pairs)
     return BackendOption(backend.strip(), rest, kwargs)
 
