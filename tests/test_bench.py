@@ -1073,6 +1073,15 @@ def test_cli_out_folders_that_cannot_take_the_run_are_usage_errors(tmp_path, cap
                                        f"'{out}', which holds one (bench.csv)\n")
     assert cli_main(base + ["--out", str(out), "--append"]) == 0
     capsys.readouterr()
+    # A case name of the folder with another shape (every custom shape is "custom"): its
+    # rows would be replaced by another shape's.
+    custom = ["--batch", "1", "--prefix", "16", "--device", "cpu", "--check-only", "--quick",
+              "--backend", "torch_ref", "--no-raw", "--out", str(out), "--append"]
+    assert cli_main(custom) == 0
+    capsys.readouterr()
+    assert cli_main(custom + ["--mla"]) == 2
+    assert capsys.readouterr().err.startswith("specattn bench: error: --append: expected case "
+                                              "'custom' of the folder's shape (decode, mha, ")
     info = json.loads((out / "versions.json").read_text())
     (out / "versions.json").write_text(json.dumps(dict(info, gpu="NVIDIA H200")))
     assert cli_main(base + ["--out", str(out), "--append"]) == 2

@@ -363,7 +363,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(out, exist_ok=True)
         if not os.access(out, os.W_OK | os.X_OK):
             raise PermissionError(13, "not writable")
-        _check_folder(args, out, info)
+        _check_folder(args, out, info, cases)
     except OSError as exc:
         bad = InvalidInputError("--out", "a folder it can create or write to",
                                 f"{out!r} ({exc.strerror})")
@@ -410,16 +410,37 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 RUN_IDENTITY = ("gpu", "cpu", "torch", "triton", "flashinfer", "flash-attn")
 
 
-def _check_folder(args, out: str, info: dict) -> None:
+# The columns that make a case's shape: a case name of the folder must keep it.
+SHAPE_COLUMNS = ("kind", "model", "batch", "prefix", "topk", "steps", "page_size", "dtype",
+                 "kv_dtype")
+
+
+def _check_folder(args, out: str, info: dict, cases: Sequence = ()) -> None:
     """``out`` may take this run: without ``--append`` it holds no run (its sweep, parts and
     charts would stay beside the new files); with it, its run was measured on this machine
-    with these libraries (the header and versions.json describe every row)."""
+    with these libraries (the header and versions.json describe every row), and a case it
+    holds under a name of this run's cases has the same shape (every custom shape is
+    ``custom``; ``--quick`` scales the CPU's default prefixes): else its rows would be
+    replaced by another shape's."""
     from ..errors import InvalidInputError
+    from .report import read_csv
+    from .run import case_fields
 
     held = os.path.exists(os.path.join(out, "bench.csv"))
     if held and not args.append:
         raise InvalidInputError("--out", "a folder without a run, or --append to merge into "
                                 "it", f"{out!r}, which holds one (bench.csv)")
+    if held:
+        def shape(row) -> tuple:
+            return tuple(str(row[k]) for k in SHAPE_COLUMNS)
+
+        there = {r["case"]: shape(r) for r in read_csv(os.path.join(out, "bench.csv"))}
+        for case in cases:
+            here = shape({k: ("" if v is None else v) for k, v in case_fields(case, []).items()})
+            if there.get(case.name, here) != here:
+                raise InvalidInputError("--append", f"case {case.name!r} of the folder's shape "
+                                        f"({', '.join(there[case.name])}), or another --out",
+                                        ", ".join(here))
     try:
         with open(os.path.join(out, "versions.json")) as f:
             old = json.load(f)
