@@ -575,6 +575,17 @@ def test_option_parsing_and_plan_names():
             check_options([parse_option(text)], default_registry)
     with pytest.raises(InvalidInputError, match=r"--option plan.*one of dot, .*'dotx'"):
         check_options([parse_option("triton:plan=dotx")], default_registry)
+    # A value of another type than the keyword's annotation, refused before any case runs
+    # (num_splits=abc failed every case after the run; cache_prefix=maybe ran as true).
+    for text, message in (("triton:num_splits=abc", "num_splits: expected a value of type "
+                                                     "Optional[int] (triton), got 'abc'"),
+                          ("intel_amx:cache_prefix=maybe", "cache_prefix: expected a value "
+                                                            "of type bool (intel_amx), got "
+                                                            "'maybe'")):
+        with pytest.raises(InvalidInputError) as info:
+            check_options([parse_option(text)], default_registry)
+        assert str(info.value) == f"--option {message}"
+    check_options([parse_option("triton:num_splits=None,pdl=False")], default_registry)
     # Two backends joined by ',' (in SPECATTN_SGLANG_OPTIONS items are separated by ';'):
     # it had read "triton:mode" as a keyword.
     with pytest.raises(InvalidInputError, match=r"^--option: expected one backend per item"):

@@ -14,8 +14,10 @@ argument.
 from __future__ import annotations
 
 import ast
+import inspect
+import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Optional, Union
 
 from ..errors import InvalidInputError
 from ..util import keyword_args
@@ -109,7 +111,55 @@ def check_options(options: list[BackendOption], registry) -> None:
             raise InvalidInputError("--option", f"keywords {opt.backend}'s constructors take "
                                     f"({', '.join(takes)})", ", ".join(sorted(opt.keys())))
         for cls in fitting:
-            opt.kwargs_for(cls)  # a bad value fails here, before any case runs
+            for key, value in opt.kwargs_for(cls).items():  # a parser refuses a bad value
+                hint = _annotation(cls, key)
+                if hint is not None and not _fits(value, hint):
+                    raise InvalidInputError(f"--option {key}", f"a value of type "
+                                            f"{_hint_name(hint)} ({cls.name})", repr(value))
+
+
+# What a constructor's annotation may name (the rest is left unchecked).
+_HINT_NAMES = {"Optional": Optional, "Union": Union, "Literal": Literal, "int": int,
+               "float": float, "bool": bool, "str": str, "None": None}
+
+
+def _annotation(cls: type, key: str) -> Any:
+    """The type annotation of ``cls``'s keyword ``key``, where it names only plain types
+    (``Optional[int]``, ``bool``, ``Literal[...]``); ``None`` otherwise."""
+    param = inspect.signature(cls.__init__).parameters.get(key)
+    ann = None if param is None else param.annotation
+    if isinstance(ann, str):
+        try:
+            ann = eval(ann, {"__builtins__": {}}, _HINT_NAMES)  # noqa: S307 - names above only
+        except Exception:  # noqa: BLE001 - another module's names: not checked
+            return None
+    return None if ann is inspect.Parameter.empty else ann
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (as the option gives it) is of type ``hint``: a text for an int or
+    a bool keyword is not (``cache_prefix=maybe`` had run as true, ``num_splits=abc`` failed
+    every case after the run)."""
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _hint_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def parse_options(texts: list[str], registry=None) -> list[BackendOption]:
