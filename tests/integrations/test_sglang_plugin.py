@@ -216,6 +216,22 @@ def test_refuses_what_it_cannot_serve(specattn_plugin):
         H.create_decode_container(fx, 1, 3)
 
 
+def test_a_layer_specattn_refuses_stops_start_up(specattn_plugin):
+    """The draft model's layers are checked when the backends are built: a sliding-window
+    layer stops start-up there (it had been refused at its first forward)."""
+    import sglang_harness as H
+
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    fx.runner.model = torch.nn.ModuleList([fx.module])  # as SGLang's ModelRunner holds it
+    H.create_decode_container(fx, 1, 3)  # full attention: served
+    fx.layer.sliding_window_size = 8
+    for create in (H.create_decode_container, H.create_extend_backend):
+        with pytest.raises(InvalidInputError, match="^layer.sliding_window_size: expected -1"):
+            create(fx, 1, 3)
+
+
 def test_refuses_a_pool_of_another_dtype_than_the_model(specattn_plugin):
     """``--kv-cache-dtype bf16`` under another model dtype: refused when the backends are
     built, naming the pool (it was accepted, and the first forward refused the query)."""

@@ -135,9 +135,24 @@ def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name:
     _warn_unused_options(settings, type(backend), kind)
     _explain_once(explain(), kind, sglang_name, settings)
     wrapped = wrap(backend, _start_layer(model_runner))
+    _check_layers(model_runner, wrapped.adapter.layers)
     for b in (wrapped, *getattr(wrapped, "attn_backends", ())):
         _stamp(b, _stamp_name(kind, sglang_name))
     return wrapped
+
+
+def _check_layers(model_runner: Any, layers: Any) -> None:
+    """The draft model's attention layers (SGLang's ``RadixAttention`` modules of
+    ``model_runner.model``, loaded before SGLang builds the draft backends), converted once
+    now: what specattn refuses in a layer (a sliding window, a logit cap other than tanh,
+    cross attention) stops start-up here, not at the layer's first forward (without CUDA
+    graphs, the first request's). A layer of another shape than the pool's (an MLA model's
+    non-absorbed attention) is left to its calls, as ``LayerMap.get`` leaves it."""
+    model = getattr(model_runner, "model", None)
+    for module in model.modules() if hasattr(model, "modules") else ():
+        if all(hasattr(module, a) for a in ("layer_id", "tp_q_head_num", "tp_k_head_num",
+                                            "qk_head_dim", "v_head_dim", "scaling")):
+            layers.get(module)
 
 
 def _stamp_name(kind: str, sglang_name: str) -> str:
