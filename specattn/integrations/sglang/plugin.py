@@ -136,8 +136,9 @@ def _build(kind: str, model_runner: Any, topk: int, num_steps: int, sglang_name:
     _explain_once(explain(), kind, sglang_name, settings)
     wrapped = wrap(backend, _start_layer(model_runner))
     _check_layers(model_runner, wrapped.adapter.layers)
+    stamp = _stamp_name(kind, sglang_name)
     for b in (wrapped, *getattr(wrapped, "attn_backends", ())):
-        _stamp(b, _stamp_name(kind, sglang_name))
+        _stamp(b, stamp)
     return wrapped
 
 
