@@ -430,24 +430,26 @@ def _check_folder(args, out: str, info: dict, cases: Sequence = ()) -> None:
     if held and not args.append:
         raise InvalidInputError("--out", "a folder without a run, or --append to merge into "
                                 "it", f"{out!r}, which holds one (bench.csv)")
-    if held:
-        def shape(row) -> tuple:
-            return tuple(str(row[k]) for k in SHAPE_COLUMNS)
+    if not held:  # (a fresh folder, or --append into one that holds nothing yet)
+        return
 
-        there = {r["case"]: shape(r) for r in read_csv(os.path.join(out, "bench.csv"))}
-        for case in cases:
-            here = shape({k: ("" if v is None else v) for k, v in case_fields(case, []).items()})
-            if there.get(case.name, here) != here:
-                raise InvalidInputError("--append", f"case {case.name!r} of the folder's shape "
-                                        f"({', '.join(there[case.name])}), or another --out",
-                                        ", ".join(here))
+    def shape(row) -> tuple:
+        return tuple(str(row[k]) for k in SHAPE_COLUMNS)
+
+    there = {r["case"]: shape(r) for r in read_csv(os.path.join(out, "bench.csv"))}
+    for case in cases:
+        here = shape({k: ("" if v is None else v) for k, v in case_fields(case, []).items()})
+        if there.get(case.name, here) != here:
+            raise InvalidInputError("--append", f"case {case.name!r} of the folder's shape "
+                                    f"({', '.join(there[case.name])}), or another --out",
+                                    ", ".join(here))
     try:
         with open(os.path.join(out, "versions.json")) as f:
             old = json.load(f)
     except (OSError, ValueError):
         return
     differ = [f"{k} {old.get(k)!r} there, {info.get(k)!r} here" for k in RUN_IDENTITY
-              if args.append and held and old.get(k) != info.get(k)]
+              if old.get(k) != info.get(k)]
     if differ:
         raise InvalidInputError("--append", "a folder of a run on this machine, with these "
                                 "libraries (one folder per run)", "; ".join(differ))
