@@ -192,3 +192,31 @@ def test_fp8_pool_draft_through_the_plugin(specattn_plugin, model, topk, page):
     for a, b, theirs, before in zip(ours_pools, ref_pools, sglang_pools, saved):
         assert torch.equal(a, b)
         assert torch.equal(a[rows], theirs[rows]) and not torch.equal(a[rows], before[rows])
+
+
+def test_mla_step_takes_deepseeks_split_rope_under_fa3s_name(specattn_plugin):
+    """SGLang's ``fa3`` name (DeepSeek's absorbed attention then passes ``q_rope`` /
+    ``k_rope`` apart from the latent ``q`` / ``k``) served by specattn: a draft step's split
+    call equals the joined call, output and pool (``q_rope`` had been dropped)."""
+    fx, settings, draft_model, make_batch = _setup(H.Shape(model="mla", page_size=4), topk=2)
+    fx.runner.draft_attention_backend = "fa3"
+    specattn_plugin({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    container = H.create_decode_container(fx, 2, STEPS)
+    step = container.attn_backends[1]
+    assert step.decode_attention_backend_str == "fa3"
+    batch = make_batch()
+    rows, heads = batch.batch_size * 2, fx.layer.tp_q_head_num
+    rank, rope = H.KV_LORA_RANK, H.ROPE_DIM
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(rows, n, rank + rope, generator=gen) for n in (heads, 1))
+    saved = fx.snapshot()
+    container.init_forward_metadata(batch)
+    joined = step.forward_decode(q.flatten(1), k, k[..., :rank], fx.layer, batch)
+    joined_pools = fx.snapshot()
+    fx.restore(saved)
+    container.init_forward_metadata(batch)
+    split = step.forward_decode(q[..., :rank], k[..., :rank], k[..., :rank], fx.layer, batch,
+                                q_rope=q[..., rank:], k_rope=k[..., rank:])
+    assert not torch.isnan(split).any()
+    torch.testing.assert_close(split, joined, atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(fx.snapshot(), joined_pools))

@@ -14,6 +14,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from specattn.integrations.sglang.backends import SpecattnDraftExtendBackend  # noqa: E402
+from specattn.errors import InvalidInputError  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -123,3 +124,48 @@ def test_forward_before_metadata_is_a_call_order_error(specattn_plugin):
             forward(q, None, None, fx.layer, fb, save_kv_cache=False)
     with pytest.raises(CallOrderError, match="init_forward_metadata"):
         backend.adapter.forward(q, None, None, fx.layer, save_kv_cache=False)
+
+
+def test_mla_rope_parts_apart_as_deepseek_passes_them(specattn_plugin):
+    """Under the names SGLang's factory gives its FA3, FA4, FlashInfer, TRT-LLM and DSA
+    backends, DeepSeek's absorbed attention passes ``q`` / ``k`` as the latent parts and the
+    rope parts as ``q_rope`` / ``k_rope``: the adapter had dropped ``q_rope`` and failed to
+    reshape ``q``. The split call equals the joined one (output and pool)."""
+    fx = H.build_fixture(H.Shape(model="mla", page_size=4, prefix_lens=(5, 11, 2)))
+    H.configure_draft(fx, topk=1, steps=3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    backend = H.create_extend_backend(fx, 1, 3)
+    lens = (2, 5, 1)
+    fb = H.extend_batch(fx, ForwardMode.EXTEND, lens)
+    heads, rank, rope = fx.layer.tp_q_head_num, H.KV_LORA_RANK, H.ROPE_DIM
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(sum(lens), n, rank + rope, generator=gen) for n in (heads, 1))
+    saved = fx.snapshot()
+    backend.init_forward_metadata(fb)
+    joined = backend.forward_extend(q.flatten(1), k, k[..., :rank], fx.layer, fb)
+    joined_pools = fx.snapshot()
+    fx.restore(saved)
+    backend.init_forward_metadata(fb)
+    split = backend.forward_extend(q[..., :rank], k[..., :rank], k[..., :rank], fx.layer, fb,
+                                   q_rope=q[..., rank:], k_rope=k[..., rank:])
+    assert not torch.isnan(split).any()
+    torch.testing.assert_close(split, joined, atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(fx.snapshot(), joined_pools))
+    for name in ("cos_sin_cache", "topk_indices", "attn_sink"):
+        with pytest.raises(InvalidInputError, match=f"^{name}: expected None"):
+            backend.forward_extend(q[..., :rank], k[..., :rank], None, fx.layer, fb,
+                                   q_rope=q[..., rank:], k_rope=k[..., rank:],
+                                   **{name: torch.zeros(1)})
+
+
+def test_q_rope_on_an_mha_pool_is_refused(specattn_plugin):
+    fx = H.build_fixture(H.Shape())
+    H.configure_draft(fx, topk=1, steps=3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    backend = H.create_extend_backend(fx, 1, 3)
+    fb = H.extend_batch(fx, ForwardMode.DECODE, (1, 1, 1))
+    backend.init_forward_metadata(fb)
+    q = torch.zeros(3, fx.layer.tp_q_head_num * fx.layer.qk_head_dim)
+    with pytest.raises(InvalidInputError, match=r"^q_rope: expected None for an MHA pool"):
+        backend.forward_extend(q, None, None, fx.layer, fb, save_kv_cache=False,
+                               q_rope=torch.zeros(3, 8))

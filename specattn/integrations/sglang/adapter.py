@@ -225,18 +225,29 @@ class _Adapter:
 
     def _attend(self, call, slots: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], layer: Any, save_kv_cache: bool,
-                k_rope: Optional[torch.Tensor]) -> torch.Tensor:
+                k_rope: Optional[torch.Tensor],
+                q_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``call(layer, q, k, v)`` in specattn's shapes; ``o`` back as ``[rows, H * D_v]``."""
         spec_layer = self.layers.require(layer)
         rows = q.shape[0]
         k, v = self._new_kv(spec_layer, rows, k, v, save_kv_cache, slots, k_rope)
-        return call(spec_layer, self._query(q), k, v).reshape(rows, -1)
+        return call(spec_layer, self._query(q, q_rope), k, v).reshape(rows, -1)
 
-    def _query(self, q: torch.Tensor) -> torch.Tensor:
+    def _query(self, q: torch.Tensor, q_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q`` as ``[rows, H, D]``; an MLA query given as its latent part ``q [rows, H *
+        kv_lora_rank]`` and ``q_rope [rows, H * rope]`` (DeepSeek's absorbed attention under
+        the FA3 / FlashInfer / TRT-LLM names) joined."""
         r = self.runner
+        rows = q.shape[0]
+        if q_rope is not None and not r.use_mla_backend:
+            raise InvalidInputError("q_rope", "None for an MHA pool (a rope part is MLA's)",
+                                    tuple(q_rope.shape))
+        if q_rope is not None:
+            return torch.cat([q.reshape(rows, r.num_heads, r.kv_lora_rank),
+                              q_rope.reshape(rows, r.num_heads, r.qk_rope_head_dim)], dim=-1)
         if r.use_mla_backend:
-            return q.reshape(q.shape[0], r.num_heads, r.kv_lora_rank + r.qk_rope_head_dim)
-        return q.reshape(q.shape[0], r.num_q_heads, r.head_dim)
+            return q.reshape(rows, r.num_heads, r.kv_lora_rank + r.qk_rope_head_dim)
+        return q.reshape(rows, r.num_q_heads, r.head_dim)
 
 
 class DecodeAdapter(_Adapter):
@@ -293,13 +304,15 @@ class DecodeAdapter(_Adapter):
 
     def forward(self, step: int, q: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], layer: Any, save_kv_cache: bool = True,
-                k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Step ``step`` of one layer: ``q [B*K, H_q * D]`` (or ``[B*K, H_q, D]``) →
-        ``o [B*K, H_q * D_v]``, as SGLang's backends return it."""
+                k_rope: Optional[torch.Tensor] = None,
+                q_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Step ``step`` of one layer: ``q [B*K, H_q * D]`` (or ``[B*K, H_q, D]``; MLA: or
+        the latent part with ``q_rope`` apart) → ``o [B*K, H_q * D_v]``, as SGLang's
+        backends return it."""
         self._require_batch()
         return self._attend(lambda *args: self.backend.forward(step, *args),
                             self.batch.out_cache_loc[:, :, step], q, k, v, layer,
-                            save_kv_cache, k_rope)
+                            save_kv_cache, k_rope, q_rope)
 
 
 class ExtendAdapter(_Adapter):
@@ -337,8 +350,10 @@ class ExtendAdapter(_Adapter):
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 layer: Any, save_kv_cache: bool = True,
-                k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [T, H_q * D]`` → ``o [T, H_q * D_v]`` (``T = sum(extend_seq_lens)``)."""
+                k_rope: Optional[torch.Tensor] = None,
+                q_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [T, H_q * D]`` (MLA: or the latent part with ``q_rope`` apart) → ``o [T,
+        H_q * D_v]`` (``T = sum(extend_seq_lens)``)."""
         self._require_batch()
         return self._attend(self.backend.forward, self.batch.out_cache_loc, q, k, v, layer,
-                            save_kv_cache, k_rope)
+                            save_kv_cache, k_rope, q_rope)

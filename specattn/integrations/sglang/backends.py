@@ -29,8 +29,11 @@ from .adapter import DecodeAdapter, ExtendAdapter
 __all__ = ["SpecattnMultiStepDraftBackend", "SpecattnDraftStepBackend",
            "SpecattnDraftExtendBackend", "check_model_runner"]
 
-# Keyword arguments of SGLang's forward calls that specattn has no equivalent for.
-_UNSUPPORTED_KWARGS = ("sinks", "score_mod", "aux_tensors")
+# Keyword arguments of SGLang's forward calls that specattn has no equivalent for: sinks,
+# DeepSeek's fused rope (``cos_sin_cache``: its ``q_rope`` / ``k_rope`` come unrotated) and
+# a DSA indexer's selection (``topk_indices``: specattn's ``dsa`` selects its own keys).
+_UNSUPPORTED_KWARGS = ("sinks", "attn_sink", "score_mod", "aux_tensors", "cos_sin_cache",
+                       "topk_indices")
 
 
 def check_model_runner(model_runner: Any) -> None:
@@ -53,12 +56,16 @@ def check_model_runner(model_runner: Any) -> None:
                                 "unset (specattn drafts attend to the whole prefix)", window)
 
 
-def _check_kwargs(kwargs: dict) -> Optional[torch.Tensor]:
+def _check_kwargs(kwargs: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(q_rope, k_rope)`` of a forward call's keywords: the rope parts DeepSeek's absorbed
+    attention passes apart from ``q`` / ``k`` under the names SGLang's factory gives its
+    FA3, FA4, FlashInfer, TRT-LLM and DSA backends; a keyword specattn cannot honour is
+    refused."""
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise InvalidInputError(name, "None (not supported by specattn)",
                                     type(kwargs[name]).__name__)
-    return kwargs.get("k_rope")
+    return kwargs.get("q_rope"), kwargs.get("k_rope")
 
 
 class _PoolAttrs:
@@ -98,9 +105,9 @@ class SpecattnDraftStepBackend(_PoolAttrs, AttentionBackend):
         return self.container.adapter.backend.get_cuda_graph_seq_len_fill_value()
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        k_rope = _check_kwargs(kwargs)
+        q_rope, k_rope = _check_kwargs(kwargs)
         return self.container.adapter.forward(self.step, q, k, v, layer, save_kv_cache,
-                                              k_rope)
+                                              k_rope, q_rope)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         raise InvalidInputError("forward_batch.forward_mode", "DECODE (a draft step)",
@@ -206,9 +213,9 @@ class SpecattnDraftExtendBackend(_PoolAttrs, AttentionBackend):
         return self.adapter.backend.get_cuda_graph_seq_len_fill_value()
 
     def _route(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, fallback_fn):
-        k_rope = _check_kwargs(kwargs)
+        q_rope, k_rope = _check_kwargs(kwargs)
         if self._served and self.adapter.layers.get(layer) is not None:
-            return self.adapter.forward(q, k, v, layer, save_kv_cache, k_rope)
+            return self.adapter.forward(q, k, v, layer, save_kv_cache, k_rope, q_rope)
         if self.fallback is not None:
             return fallback_fn(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
                                **kwargs)
