@@ -200,6 +200,19 @@ def test_ratios():
     assert other.get("x_vs_per_branch") is None and other["x_floor"] is None
 
 
+def test_tiny_ratios_keep_two_significant_digits():
+    # An interpreted kernel 320x slower than torch_ref had printed "0.00x".
+    rows = report.add_ratios([
+        _row(report.FLOOR, "", "floor", 250.0, status="floor"),
+        _row("triton", "triton", "shared", 1.6e6),
+        _row("torch_ref", "torch_ref", "default", 5000.0),
+    ])
+    table = report.render_table(rows, cpu=True)
+    line = next(s for s in table.splitlines() if "| triton |" in s)
+    assert "| 0.0031x |" in line and "0.00x" not in table
+    assert "| 6400.00 |" in line  # x copy floor, above 0.1: two decimals as before
+
+
 def test_csv_columns_and_failed_rows(tmp_path):
     rows = report.add_ratios([
         _row(report.FLOOR, "", "floor", 250.0, status="floor"),
@@ -577,15 +590,36 @@ def test_option_parsing_and_plan_names():
         check_options([parse_option("triton:plan=dotx")], default_registry)
     # A value of another type than the keyword's annotation, refused before any case runs
     # (num_splits=abc failed every case after the run; cache_prefix=maybe ran as true).
-    for text, message in (("triton:num_splits=abc", "num_splits: expected a value of type "
-                                                     "Optional[int] (triton), got 'abc'"),
+    # So is a value of the right type that the constructor refuses (mode=bogus, a split
+    # count of 0 had been a FAILED row in every case after the run): a mode's annotation is
+    # a Literal of the module (resolved there), a range the backend's own check.
+    for text, message in (("triton:num_splits=abc", "num_splits: expected an int in "
+                                                     "[1, 256] or None, got 'abc'"),
                           ("intel_amx:cache_prefix=maybe", "cache_prefix: expected a value "
                                                             "of type bool (intel_amx), got "
-                                                            "'maybe'")):
+                                                            "'maybe'"),
+                          ("triton:mode=bogus", "mode: expected a value of type "
+                                                "Literal['shared', 'per-branch'] (triton), "
+                                                "got 'bogus'"),
+                          ("fa4:mode=per_branch", "mode: expected a value of type "
+                                                  "Literal['auto', 'shared', 'per-branch'] "
+                                                  "(fa4), got 'per_branch'"),
+                          ("flashinfer:mode=auto", "mode: expected a value of type "
+                                                   "Literal['shared', 'per-branch'] "
+                                                   "(flashinfer), got 'auto'"),
+                          ("triton:num_splits=0", "num_splits: expected an int in [1, 256] "
+                                                  "or None, got 0"),
+                          ("triton:num_splits=True", "num_splits: expected an int in "
+                                                     "[1, 256] or None, got True"),
+                          ("fa3:split_prefix=0", "split_prefix: expected an int >= 1 "
+                                                 "(1 = one pass), got 0")):
         with pytest.raises(InvalidInputError) as info:
             check_options([parse_option(text)], default_registry)
         assert str(info.value) == f"--option {message}"
     check_options([parse_option("triton:num_splits=None,pdl=False")], default_registry)
+    check_options([parse_option(t) for t in ("triton:mode=per-branch", "fa3:mode=auto",
+                                             "flashinfer:mode=shared", "triton:num_splits=256",
+                                             "fa4:split_prefix=4")], default_registry)
     # Two backends joined by ',' (in SPECATTN_SGLANG_OPTIONS items are separated by ';'):
     # it had read "triton:mode" as a keyword.
     with pytest.raises(InvalidInputError, match=r"^--option: expected one backend per item"):

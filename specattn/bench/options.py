@@ -57,7 +57,7 @@ class BackendOption:
         out = {}
         for key, value in self.kwargs:
             parse = _VALUE_PARSERS.get((cls.name, key))
-            out[key] = parse(value) if parse is not None and isinstance(value, str) else value
+            out[key] = parse(value) if parse is not None else value
         return out
 
     def kwargs_taken_by(self, cls: type) -> dict[str, Any]:
@@ -124,14 +124,17 @@ _HINT_NAMES = {"Optional": Optional, "Union": Union, "Literal": Literal, "int": 
 
 
 def _annotation(cls: type, key: str) -> Any:
-    """The type annotation of ``cls``'s keyword ``key``, where it names only plain types
-    (``Optional[int]``, ``bool``, ``Literal[...]``); ``None`` otherwise."""
-    param = inspect.signature(cls.__init__).parameters.get(key)
+    """The type annotation of ``cls``'s keyword ``key``, resolved as ``typing.get_type_hints``
+    would (names of the constructor's module too: ``mode: DecodeMode``, a ``Literal``);
+    ``None`` where it cannot be resolved."""
+    init = cls.__init__
+    param = inspect.signature(init).parameters.get(key)
     ann = None if param is None else param.annotation
     if isinstance(ann, str):
+        scope = dict(getattr(init, "__globals__", {}))
         try:
-            ann = eval(ann, {"__builtins__": {}}, _HINT_NAMES)  # noqa: S307 - names above only
-        except Exception:  # noqa: BLE001 - another module's names: not checked
+            ann = eval(ann, scope, _HINT_NAMES)  # noqa: S307 - an annotation of the class's code
+        except Exception:  # noqa: BLE001 - a name only TYPE_CHECKING imports: not checked
             return None
     return None if ann is inspect.Parameter.empty else ann
 
@@ -176,15 +179,42 @@ def parse_options(texts: list[str], registry=None) -> list[BackendOption]:
     return options
 
 
-def plan_name(text: str) -> str:
-    """A Triton plan name (``plans.PLANS``), refused here when unknown: before any case runs."""
+def plan_name(text: Any) -> Any:
+    """A Triton plan name (``plans.PLANS``), refused here when unknown: before any case runs
+    (a value of another type is left to the type check)."""
     from ..backends.triton.plans import PLANS
 
-    if text not in PLANS:
+    if isinstance(text, str) and text not in PLANS:
         raise InvalidInputError("--option plan", f"one of {', '.join(PLANS)}", repr(text))
     return text
 
 
-_VALUE_PARSERS: dict[tuple[str, str], Callable[[str], Any]] = {
+def _num_splits(value: Any) -> Any:
+    from ..backends.triton.plans import check_num_splits
+
+    return _as_option(check_num_splits, value)
+
+
+def _split_prefix(value: Any) -> Any:
+    from ..backends.flash_attn._route import check_split_prefix
+
+    # None: the extend's per-batch route (the decode's int annotation refuses it)
+    return value if value is None else _as_option(check_split_prefix, value)
+
+
+def _as_option(check: Callable[[Any], Any], value: Any) -> Any:
+    """``check(value)``, its refusal named as the option (``--option num_splits``)."""
+    try:
+        return check(value)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"--option {exc.argument}", exc.expected, exc.got) from None
+
+
+# The values a constructor refuses beyond their type, checked before any case runs (the
+# constructors call the same checks).
+_VALUE_PARSERS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("triton", "plan"): plan_name,
+    ("triton", "num_splits"): _num_splits,
+    ("fa3", "split_prefix"): _split_prefix,
+    ("fa4", "split_prefix"): _split_prefix,
 }

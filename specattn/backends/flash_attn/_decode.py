@@ -47,7 +47,7 @@ route, buffers and views (``specattn.graph_calls``).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 
@@ -58,12 +58,13 @@ from ...metadata import path_history_slots, prefix_page_table, prefix_token_slot
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
 from ._library import resolve_kernel
-from ._route import choose_route
+from ._route import check_split_prefix, choose_route
 from ._tables import check_page_aligned, paged_pools, table_launch_key
 
 log = logging.getLogger("specattn.backends.flash_attn")
 
-MODES = ("auto", "shared", "per-branch")
+DecodeMode = Literal["auto", "shared", "per-branch"]
+MODES: tuple[str, ...] = get_args(DecodeMode)
 
 
 class _Buffers:
@@ -109,14 +110,12 @@ class FlashAttnDecodeGlue(KeptDecodeCalls):
     library = "fa4"  # which kernel family: "fa4", "fa3" or "mate"
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
-                 mode: str = "auto", split_prefix: int = 1,
+                 mode: DecodeMode = "auto", split_prefix: int = 1,
                  fused_merge: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in MODES:
             raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
-        if not isinstance(split_prefix, int) or isinstance(split_prefix, bool) or \
-                split_prefix < 1:
-            raise InvalidInputError("split_prefix", "an int >= 1 (1 = off)", repr(split_prefix))
+        check_split_prefix(split_prefix)
         if mode == "per-branch" and split_prefix > 1:
             raise InvalidInputError("split_prefix", "1 in mode='per-branch' (only the shared "
                                     "prefix pass is split)", split_prefix)

@@ -37,7 +37,7 @@ from ...metadata import prefix_page_table
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
 from ._library import resolve_kernel
-from ._route import choose_route
+from ._route import check_split_prefix, choose_route
 from ._tables import check_page_aligned, paged_pools, table_launch_key
 
 
@@ -76,10 +76,7 @@ class FlashAttnExtendGlue(KeptExtendCalls):
         """``split_prefix``: prefix chunks per request (``1``: one causal pass), or ``None``
         to route per batch size (module docstring)."""
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        if split_prefix is not None and (not isinstance(split_prefix, int) or
-                                         isinstance(split_prefix, bool) or split_prefix < 1):
-            raise InvalidInputError("split_prefix", "None or an int >= 1 (1 = one pass)",
-                                    repr(split_prefix))
+        check_split_prefix(split_prefix, none_means="routed per batch")
         self.kernel = resolve_kernel(self.library, current_platform(), type(self).name)
         self._pages = ceil_div(runner.max_context_len, self.page_size)
         # Where Triton runs, the tables are one launch (``_metadata``); else torch ops.

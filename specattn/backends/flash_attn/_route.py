@@ -32,9 +32,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...errors import InvalidInputError
 from ...util import ceil_div
 
-__all__ = ["Route", "choose_route", "route_cost", "SPLITS"]
+__all__ = ["Route", "choose_route", "route_cost", "SPLITS", "check_split_prefix"]
 
 T_CTA_US = 0.008  # one CTA, one key of one kv head (K+V rows, 512 B at D=128), us
 T_BW_US = 0.016  # the same key at the chip's copy bandwidth per SM (512 B / (4.25 TB/s/132))
@@ -43,6 +44,18 @@ COPY_US = 2.0  # q repeated per chunk (split only)
 SPLITS = (2, 4, 8, 16)  # split-prefix chunk counts considered
 # (mode, chunks): mode "shared" or "per-branch"; chunks > 1 only with "shared".
 Route = tuple
+
+
+def check_split_prefix(split_prefix: Optional[int], *, none_means: str = "") -> Optional[int]:
+    """``split_prefix`` (prefix chunks per request) as given, refused unless an int >= 1
+    (or ``None`` where ``none_means`` says what ``None`` does)."""
+    if split_prefix is None and none_means:
+        return None
+    if not isinstance(split_prefix, int) or isinstance(split_prefix, bool) or split_prefix < 1:
+        expected = "an int >= 1 (1 = one pass)"
+        raise InvalidInputError("split_prefix", f"None ({none_means}) or {expected}"
+                                if none_means else expected, repr(split_prefix))
+    return split_prefix
 
 
 def _pass_us(ctas: int, keys: int, sms: int, scale: float) -> float:

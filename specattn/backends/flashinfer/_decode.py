@@ -48,7 +48,7 @@ write and read slot 0 (``out_cache_loc`` padded with 0), like upstream's padding
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import numpy as np
 import torch
@@ -62,7 +62,8 @@ from ._passes import OneLaunchKvWrite, Params, Pass, captured, capturing, fp8_sc
 from ._slots import (KeptCSR, fill_ragged_slots, history_positions, host_arange, host_csr,
                      prefix_slots_launcher)
 
-MODES = ("shared", "per-branch")
+DecodeMode = Literal["shared", "per-branch"]
+MODES: tuple[str, ...] = get_args(DecodeMode)
 
 
 class _Round:
@@ -92,7 +93,7 @@ class FlashInferDecodeGlue(OneLaunchKvWrite, KeptDecodeCalls):
     """
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
-                 mode: str = "shared") -> None:
+                 mode: DecodeMode = "shared") -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in MODES:
             raise InvalidInputError("mode", f"one of {MODES}", repr(mode))

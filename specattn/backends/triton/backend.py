@@ -12,7 +12,7 @@ compiled kernel and repeats only the checks that read values (``specattn.graph_c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional, get_args
 
 import torch
 
@@ -29,7 +29,8 @@ _PLATFORMS = is_cuda | is_hip | is_xpu | (is_cpu & triton_interpret)
 _PRIORITY = {"cuda": 60, "hip": 60, "xpu": 60, "cpu": 5}
 _DECL = dict(platforms=_PLATFORMS, requires=(("triton", "triton>=3.2"),),
              kernel_library="triton (specattn)", priority=_PRIORITY)
-DECODE_MODES = ("shared", "per-branch")
+DecodeMode = Literal["shared", "per-branch"]
+DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 
 
 def _launchers():
@@ -79,10 +80,7 @@ class _TritonCommon:
                  pdl: Optional[bool] = None) -> None:
         """``num_splits`` / ``plan`` / ``pdl`` checked and kept; the per-round caches
         emptied."""
-        if num_splits is not None and not (isinstance(num_splits, int)
-                                           and 1 <= num_splits <= P.FORCED_MAX_SPLITS):
-            raise InvalidInputError("num_splits", f"an int in [1, {P.FORCED_MAX_SPLITS}] or "
-                                    "None", repr(num_splits))
+        P.check_num_splits(num_splits)
         if plan is not None and not isinstance(plan, str):
             raise InvalidInputError("plan", f"a plan name ({', '.join(P.PLANS)}) or None",
                                     repr(plan))
@@ -169,7 +167,7 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         "sm90 MLA plans do zero it at no measurable cost")}
 
     def __init__(self, runner, topk: int, num_steps: int, *, tree_mode: str = "lane",
-                 mode: str = "shared", num_splits: Optional[int] = None,
+                 mode: DecodeMode = "shared", num_splits: Optional[int] = None,
                  plan: Optional[str] = None, pdl: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
         if mode not in DECODE_MODES:

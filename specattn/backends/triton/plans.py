@@ -35,6 +35,17 @@ PARTIAL_ROWS = 24
 FORCED_MAX_SPLITS = 256  # a forced num_splits, at most (each plan's split_cap bounds it further)
 
 
+def check_num_splits(num_splits: Optional[int]) -> Optional[int]:
+    """``num_splits`` (a forced prefix split count) as given, refused unless ``None`` or an
+    int in ``[1, FORCED_MAX_SPLITS]``."""
+    if num_splits is not None and not (isinstance(num_splits, int)
+                                       and not isinstance(num_splits, bool)
+                                       and 1 <= num_splits <= FORCED_MAX_SPLITS):
+        raise InvalidInputError("num_splits", f"an int in [1, {FORCED_MAX_SPLITS}] or None",
+                                repr(num_splits))
+    return num_splits
+
+
 class Kernel(str, enum.Enum):
     DOT = "tl.dot split-KV"            # _attn_kernels._partial_attn_kernel
     DOT_MLA = "tl.dot MLA"             # _attn_kernels._mla_partial_kernel
