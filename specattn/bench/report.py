@@ -129,6 +129,13 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
+def _ratio(value: Any, suffix: str = "") -> str:
+    """A ratio to two decimals, or to two significant digits below 0.1 (an interpreted
+    kernel against ``torch_ref``: ``0.0031x``, not ``0.00x``)."""
+    v = _num(value)
+    return _fmt(value, ".2f" if v is None or abs(v) >= 0.095 else ".2g", suffix)
+
+
 def has_fp8(rows: list[dict[str, Any]]) -> bool:
     """Whether some row is of a case with FP8 pools (its ``kv_dtype``)."""
     return any(str(r.get("kv_dtype", "")).startswith("fp8") for r in rows)
@@ -153,20 +160,20 @@ def _table_cells(rows: list[dict[str, Any]], cpu: bool) -> tuple[list[str], list
             cells += [f"{word}: {r.get('error', '')}"]
             cells += [""] * (len(head) - len(cells))
         else:
-            vs_pb = _fmt(r.get("x_vs_per_branch"), ".2f", "x")
+            vs_pb = _ratio(r.get("x_vs_per_branch"), "x")
             cells.append(_fmt(r.get("time_us"), ",.1f"))
             if cpu:
                 cells.append(_fmt(r.get("spread"), ".0%"))
-            cells.append(_fmt(r.get("x_floor"), ".2f"))
+            cells.append(_ratio(r.get("x_floor")))
             if not cpu:
-                cells.append(_fmt(r.get("x_read_floor"), ".2f"))
+                cells.append(_ratio(r.get("x_read_floor")))
             cells.append(vs_pb)
             if fp8:
-                cells += [_fmt(r.get(k), ".2f", "x") for k in ("x_vs_dequant", "x_vs_bf16")]
+                cells += [_ratio(r.get(k), "x") for k in ("x_vs_dequant", "x_vs_bf16")]
             cells.append(_fmt(r.get("bandwidth_gbs"), ",.0f"))
             if cpu:
                 cells += [_fmt(r.get("tokens_per_s"), ",.0f"),
-                          _fmt(r.get("x_vs_torch_ref"), ".2f", "x")]
+                          _ratio(r.get("x_vs_torch_ref"), "x")]
             if status == "floor":  # no round
                 cells += ["", ""]
             else:  # n/a: no graph round here (CPU, raw baselines, no graph support)
@@ -303,13 +310,13 @@ def fp8_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         found = [f"fastest {best['variant']}, {_fmt(best['time_us'], ',.1f')} us"]
         if _num(best.get("x_read_floor")):
-            found.append(f"{_fmt(best['x_read_floor'], '.2f')}x its read floor")
+            found.append(f"{_ratio(best['x_read_floor'], 'x')} its read floor")
         if _num(best.get("x_vs_bf16")):
-            found.append(f"{1 / _num(best['x_vs_bf16']):.2f}x its step on {twin}")
+            found.append(f"{_ratio(1 / _num(best['x_vs_bf16']), 'x')} its step on {twin}")
         elif twin:
             found.append(f"{twin}: no {best['variant']} row in this run")
         if _num(best.get("x_vs_dequant")):
-            found.append(f"{_fmt(best['x_vs_dequant'], '.2f')}x faster than "
+            found.append(f"{_ratio(best['x_vs_dequant'], 'x')} faster than "
                          f"{best['backend']}/dequant")
         out.append(f"- {case} ({lengths}; {pools}): " + "; ".join(found))
     return out
