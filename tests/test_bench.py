@@ -1077,6 +1077,16 @@ def test_cli_only_sweep_with_check_only_is_a_usage_error(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cli_sweep_rows_keep_their_spread(tmp_path):
+    """The sweep's rows carry each timing's spread, which the noise warning reads (a noisy
+    sweep had passed unremarked)."""
+    out = tmp_path / "out"
+    assert cli_main(["--only-sweep", "--quick", "--backend", "torch_ref", "--reps", "2",
+                     "--device", "cpu", "--out", str(out)]) == 0
+    rows = report.read_csv(str(out / "sweep.csv"))
+    assert rows and all(float(r["spread"]) >= 0 for r in rows)
+
+
 def test_cli_out_that_is_not_a_folder_is_a_usage_error(tmp_path, capsys):
     """``--out`` naming a file (or a path under one) is refused in one line, before the copy
     bandwidth is measured; it was a FileExistsError traceback after it."""
@@ -1256,6 +1266,11 @@ def test_noise_warning_names_the_worst_timing():
     assert text.startswith("warning: 1 of 2 timings spread more than 10%")
     assert "worst 35%, c b" in text and "--clock cpu" in text
     assert report.noise_warning(rows[:1]) == ""
+    # The sweep's timings count too (its rows had no spread): named by their point.
+    sweep = [{"topk": 4, "prefix": 2048, "batch": 4, "variant": "a", "status": "ok",
+              "spread": 0.5}]
+    text = report.noise_warning(rows[:1] + sweep)
+    assert text.startswith("warning: 1 of 2 timings") and "worst 50%, sweep K 4 L 2048 a" in text
     table = report.render_table(report.add_ratios([dict(r, lengths="uniform", time_us=5.0,
                                                         kind="decode", lanes=4, backend="x")
                                                    for r in rows[:2]]), cpu=True)

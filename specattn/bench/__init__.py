@@ -530,7 +530,7 @@ def _notes(rows: list, sweep_rows: list, parts: list, pngs: list, png_note: str)
         notes += ", `prefix-sweep.png`.\n" if pngs else ".\n"
     if png_note:
         notes += f"\n{png_note}.\n"
-    noise = report.noise_warning(rows)
+    noise = report.noise_warning(rows + sweep_rows)
     if noise:
         notes += f"\n{noise}.\n"
     return notes

@@ -41,8 +41,8 @@ COLUMNS = [
     "tokens_per_s", "x_vs_torch_ref", "round_layers", "round_eager_us", "round_graph_us",
     "round_us", "round_host_us", "round_tokens_per_s", "copy_bw_gbs", "notes",
 ]
-SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "floor_us",
-                 "x_floor", "error"]
+SWEEP_COLUMNS = ["topk", "prefix", "batch", "variant", "status", "time_us", "spread",
+                 "floor_us", "x_floor", "error"]
 PARTS_COLUMNS = ["case", "lengths", "variant", "part", "kind", "us", "calls"]
 
 
@@ -343,9 +343,10 @@ def noise_warning(rows: list[dict[str, Any]], limit: float = NOISY_SPREAD) -> st
     if not noisy:
         return ""
     worst = max(noisy, key=lambda r: _num(r["spread"]))
+    where = worst.get("case") or f"sweep K {worst['topk']} L {worst['prefix']}"
     return (f"warning: {len(noisy)} of {sum(1 for r in rows if r.get('status') == 'ok')} "
             f"timings spread more than {limit:.0%} between runs (interquartile range over "
-            f"the median; worst {_num(worst['spread']):.0%}, {worst['case']} "
+            f"the median; worst {_num(worst['spread']):.0%}, {where} "
             f"{worst['variant']}): this machine is busy, so the ratios are noisy. Rerun on an "
             "idle machine, or with --threads 1 --clock cpu, or with more --reps")
 

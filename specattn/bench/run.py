@@ -230,6 +230,6 @@ def run_sweep(plans: list[Plan], device, clock, bandwidth: float, progress: Item
             t = None if result.step_ms is None else result.step_ms * 1e3
             rows.append({"topk": case.topk, "prefix": case.prefix, "batch": case.batch,
                          "variant": variant.label, "status": result.status, "time_us": t,
-                         "floor_us": floor_us, "x_floor": t / floor_us if t else None,
-                         "error": result.error})
+                         "spread": result.step_spread, "floor_us": floor_us,
+                         "x_floor": t / floor_us if t else None, "error": result.error})
     return rows
