@@ -169,3 +169,35 @@ def test_q_rope_on_an_mha_pool_is_refused(specattn_plugin):
     with pytest.raises(InvalidInputError, match=r"^q_rope: expected None for an MHA pool"):
         backend.forward_extend(q, None, None, fx.layer, fb, save_kv_cache=False,
                                q_rope=torch.zeros(3, 8))
+
+
+def test_fallback_calls_keep_their_keywords(specattn_plugin):
+    """A call SGLang's own backend serves (an MLA model's non-absorbed attention, a layer of
+    another shape than the pool's) gets every keyword as given; only specattn's own calls
+    refuse the ones it cannot honour."""
+    import copy
+
+    fx = H.build_fixture(H.Shape(model="mla", page_size=4, prefix_lens=(5, 11, 2)))
+    H.configure_draft(fx, topk=1, steps=3)
+    specattn_plugin({"SPECATTN_SGLANG_BACKEND": "torch_ref"})
+    backend = H.create_extend_backend(fx, 1, 3)
+    seen = {}
+
+    class Fallback:
+        def init_forward_metadata(self, fb):
+            pass
+
+        def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+            seen.update(kwargs)
+            return q
+
+    backend.fallback = Fallback()
+    mha = copy.copy(fx.layer)
+    mha.qk_head_dim, mha.v_head_dim = 48, 32  # the non-absorbed form: not the pool's rows
+    mha.tp_k_head_num = mha.tp_v_head_num = mha.tp_q_head_num
+    fb = H.extend_batch(fx, ForwardMode.EXTEND, (2, 5, 1))
+    backend.init_forward_metadata(fb)
+    q = torch.zeros(8, mha.tp_q_head_num * 48)
+    keywords = dict(return_lse=True, topk_indices=torch.zeros(8, 4), sinks=torch.zeros(4))
+    assert backend.forward_extend(q, q, q, mha, fb, **keywords) is q
+    assert seen == keywords

@@ -30,10 +30,11 @@ __all__ = ["SpecattnMultiStepDraftBackend", "SpecattnDraftStepBackend",
            "SpecattnDraftExtendBackend", "check_model_runner"]
 
 # Keyword arguments of SGLang's forward calls that specattn has no equivalent for: sinks,
-# DeepSeek's fused rope (``cos_sin_cache``: its ``q_rope`` / ``k_rope`` come unrotated) and
-# a DSA indexer's selection (``topk_indices``: specattn's ``dsa`` selects its own keys).
+# DeepSeek's fused rope (``cos_sin_cache``: its ``q_rope`` / ``k_rope`` come unrotated), a
+# sparse indexer's selection (``topk_indices``, ``idx_q``: specattn's ``dsa`` selects its
+# own keys) and a request for the LSE (``return_lse``: the caller unpacks two results).
 _UNSUPPORTED_KWARGS = ("sinks", "attn_sink", "score_mod", "aux_tensors", "cos_sin_cache",
-                       "topk_indices")
+                       "topk_indices", "idx_q", "return_lse")
 
 
 def check_model_runner(model_runner: Any) -> None:
@@ -62,7 +63,7 @@ def _check_kwargs(kwargs: dict) -> tuple[Optional[torch.Tensor], Optional[torch.
     FA3, FA4, FlashInfer, TRT-LLM and DSA backends; a keyword specattn cannot honour is
     refused."""
     for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and kwargs[name] is not False:
             raise InvalidInputError(name, "None (not supported by specattn)",
                                     type(kwargs[name]).__name__)
     return kwargs.get("q_rope"), kwargs.get("k_rope")
@@ -213,8 +214,8 @@ class SpecattnDraftExtendBackend(_PoolAttrs, AttentionBackend):
         return self.adapter.backend.get_cuda_graph_seq_len_fill_value()
 
     def _route(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, fallback_fn):
-        q_rope, k_rope = _check_kwargs(kwargs)
         if self._served and self.adapter.layers.get(layer) is not None:
+            q_rope, k_rope = _check_kwargs(kwargs)  # SGLang's own fallback takes them all
             return self.adapter.forward(q, k, v, layer, save_kv_cache, k_rope, q_rope)
         if self.fallback is not None:
             return fallback_fn(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
