@@ -37,7 +37,7 @@ from .keys import BackendRequest, a_kind, check_draft_params
 from .kv_layouts import KV_CACHE_DTYPES
 from .platforms import Platform, Predicate, any_platform, current_platform
 from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
-                         check_extend_forward, check_parents_step)
+                         check_extend_forward, check_parents_copied, check_parents_step)
 
 if TYPE_CHECKING:
     from .layer import AttentionLayer
@@ -487,6 +487,9 @@ class DraftDecodeBackend(DraftBackend):
         self._construct(runner, runner.backend_request(
             "decode", topk=topk, num_steps=num_steps, tree_mode=tree_mode))
         self.num_lanes = 0
+        # After a replay whose ``parents`` went into another tensor (the capture's, or a
+        # padded copy): (the caller's tensor, the one forward reads), else None.
+        self._parents_copied: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # --- the protocol (template methods) ----------------------------------------------------
 
@@ -505,6 +508,8 @@ class DraftDecodeBackend(DraftBackend):
         check_decode_forward(self.runner, self.num_lanes, self.num_steps, step, layer, q, k, v)
         if self.tree_mode == "path":
             check_parents_step(batch, step, self.topk)
+            if self._parents_copied is not None:
+                check_parents_copied(*self._parents_copied, step)
         self._check_layer(layer)
         options = self._forward_options(layer, **options)
         if not self._kernel_writes_kv():
@@ -543,6 +548,7 @@ class DraftDecodeBackend(DraftBackend):
     def _begin(self, batch: "DraftBatch") -> None:
         self.batch = batch
         self.num_lanes = batch.batch_size * self.topk
+        self._parents_copied = None
 
     # --- CUDA graphs ------------------------------------------------------------------------
 
@@ -572,7 +578,10 @@ class DraftDecodeBackend(DraftBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftBatch", bs: int) -> None:
         """Refill the fixed buffers for a replay of the graph captured with ``bs`` requests;
-        a batch of fewer requests is padded (request 0, ``seq_lens = 1``, slot 0)."""
+        a batch of fewer requests is padded (request 0, ``seq_lens = 1``, slot 0). In
+        ``path`` mode the graph reads the ``parents`` given at capture: a batch with another
+        tensor has it copied in here, and a row written to it afterwards is refused by
+        ``forward`` where values are checked."""
         graph = self._require_graph_state()
         self._check_graph_batch(batch)
         raw = batch.batch_size
@@ -586,6 +595,12 @@ class DraftDecodeBackend(DraftBackend):
             # batch's values go into it.
             captured[:, :raw].copy_(batch.parents)
         self._graph_round(graph, batch, bs)
+        used = self.batch.parents
+        if self.tree_mode == "path" and used is not None and batch.parents is not None \
+                and used.data_ptr() != batch.parents.data_ptr():
+            # forward reads ``used``: rows the caller writes to its own tensor from now on
+            # are not seen (forward refuses them where values are checked).
+            self._parents_copied = (batch.parents, used[:, :raw])
         self._plan_graph(self.batch, capture=False)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -170,6 +170,7 @@ class KeptDecodeCalls(_KeptCalls, DraftDecodeBackend):
     def _launch_kept(self, batch: "DraftBatch", replay: Replay) -> None:
         replay.launch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc)
         self.batch, self.num_lanes = replay.fixed, replay.rows
+        self._parents_copied = None  # a kept path-mode call reads the caller's parents
 
 
 class KeptExtendCalls(_KeptCalls, DraftExtendBackend):

@@ -37,7 +37,7 @@ from .layer import AttentionLayer
 
 __all__ = [
     "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
-    "check_decode_forward",
+    "check_decode_forward", "check_parents_copied",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
     "graph_checks_read_values",
     "ACT_DTYPES", "INDEX_DTYPES",
@@ -235,6 +235,22 @@ def check_parents_step(batch: DraftBatch, step: int, topk: int,
         return
     _check_index_values(f"batch.parents[1:{step + 1}]", batch.parents[1:step + 1], 0, topk,
                         debug)
+
+
+def check_parents_copied(given: torch.Tensor, used: torch.Tensor, step: int,
+                         debug: Optional[bool] = None) -> None:
+    """After a replay metadata call whose ``batch.parents`` (``given``) went into another
+    tensor (the one given at capture, which the graph reads; ``used``, its first ``B``
+    requests), row ``step`` of ``given`` is still what ``used`` holds: a row the draft loop
+    wrote to ``given`` after the call would not be seen."""
+    if step == 0 or not _scan_values(given, debug):
+        return
+    if not torch.equal(given[step].to(used.device, used.dtype), used[step]):
+        raise InvalidInputError(
+            "batch.parents", "each row filled in place in the tensor given at capture "
+            "(the graph reads it; a replay's other tensor is copied into it at the replay "
+            "call)", f"row {step} of the replay's tensor written after "
+            "init_forward_metadata_replay_cuda_graph")
 
 
 def check_decode_forward(runner: DraftRunner, num_lanes: int, num_steps: int, step: int,

@@ -201,6 +201,43 @@ def test_path_replay_reads_the_parents_given_at_capture():
     torch.testing.assert_close(out, reference_decode(runner, LAYER, q, replay, 2, "path"))
 
 
+def test_path_rows_written_to_a_replays_own_parents_are_refused():
+    """The draft loop fills ``parents`` row by row after the replay call: rows written to a
+    replay's own tensor (copied into the capture's, or padded, at the call) would be unseen,
+    so forward refuses them; the capture's tensor filled in place is read."""
+    runner, batch = _decode_case([5, 8], tree_mode="path", seed=7)
+    q, k, v = random_qkv(runner, 4)
+    for captured_bs in (2, None):  # a size captured, and one never captured (padded to 3)
+        backend = TorchRefDecode(runner, 2, 3, tree_mode="path")
+        backend.init_cuda_graph_state(max_bs=3, max_num_tokens=6)
+        fixed = torch.zeros(3, 2, 2, dtype=torch.long)
+        if captured_bs:
+            backend.init_forward_metadata_capture_cuda_graph(
+                DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, fixed))
+        own = torch.zeros(3, 2, 2, dtype=torch.long)
+        backend.init_forward_metadata_replay_cuda_graph(
+            DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, own),
+            captured_bs or 3)
+        rows = 4 if captured_bs else 6
+        backend.forward(0, LAYER, *random_qkv(runner, rows))
+        own[1] = torch.tensor([[1, 0], [0, 1]])
+        with pytest.raises(InvalidInputError, match=r"^batch\.parents: expected each row "
+                           r"filled in place in the tensor given at capture .*got row 1 of "
+                           r"the replay's tensor written after init_forward_metadata_replay"):
+            backend.forward(1, LAYER, *random_qkv(runner, rows))
+    backend = TorchRefDecode(runner, 2, 3, tree_mode="path")
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=4)
+    fixed = torch.zeros(3, 2, 2, dtype=torch.long)
+    capture = DraftBatch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, fixed)
+    backend.init_forward_metadata_capture_cuda_graph(capture)
+    backend.init_forward_metadata_replay_cuda_graph(capture, 2)
+    backend.forward(0, LAYER, q, k, v)
+    fixed[1] = torch.tensor([[1, 0], [0, 1]])
+    q, k, v = random_qkv(runner, 4)
+    out = backend.forward(1, LAYER, q, k, v)
+    torch.testing.assert_close(out, reference_decode(runner, LAYER, q, capture, 1, "path"))
+
+
 @pytest.mark.parametrize("max_num_tokens", [0, -5, 2.0])
 def test_decode_graph_state_bounds(max_num_tokens):
     runner, _ = _decode_case([5])

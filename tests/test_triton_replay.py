@@ -18,7 +18,8 @@ import torch
 from helpers import (DEV, CountedKernel, checked_replay, decode_sizes, first_requests,
                      place_decode_round, place_extend_round, quiet_replay,
                      require_triton_interpret, strided_seq_lens, with_bad_slot)
-from specattn.data import DraftBatch, DraftRunner
+from specattn.backends.torch_ref import reference_decode
+from specattn.data import AttentionLayer, DraftBatch, DraftRunner
 from specattn.errors import InvalidInputError
 
 require_triton_interpret()
@@ -155,6 +156,31 @@ def test_padded_replays_keep_one_launch_per_signature():
     assert len(backend._replays) == 3  # the capture's signature is raw 3's
     with pytest.raises(InvalidInputError, match=r"^bs: "):
         backend.init_forward_metadata_replay_cuda_graph(batch, 4)
+
+
+def test_a_kept_path_replay_reads_the_capture_parents_after_a_copied_one():
+    """A replay whose ``parents`` were copied into the capture's tensor, then a kept replay
+    with the capture's tensor itself: rows the draft loop fills in it are read, not compared
+    with the earlier replay's tensor."""
+    torch.manual_seed(3)
+    r = _runner("mha", [9, 15], 2, 3)
+    backend = TritonDecode(r, 2, 3, tree_mode="path")
+    backend.init_cuda_graph_state(2, 4)
+    first = place_decode_round(r, [6, 12], 2, 3, 1, "path")
+    backend.init_forward_metadata_capture_cuda_graph(first)
+    own = DraftBatch(first.req_pool_indices, first.seq_lens, first.out_cache_loc,
+                     torch.zeros_like(first.parents))
+    backend.init_forward_metadata_replay_cuda_graph(own, 2)  # copied into the capture's
+    backend.init_forward_metadata_replay_cuda_graph(first, 2)  # kept: the capture's tensor
+    layer = AttentionLayer(0, 0.25)
+    for step in range(2):
+        if step:
+            first.parents[step] = torch.tensor([[1, 0], [1, 1]])
+        q, k, v = (torch.randn(4, *shape, dtype=torch.bfloat16) for shape in ((4, 16),
+                                                                                (2, 16), (2, 16)))
+        out = backend.forward(step, layer, q, k, v)
+        want = reference_decode(r, layer, q, first, step, "path")
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 def test_new_graph_state_drops_the_kept_calls():
