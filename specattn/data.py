@@ -262,7 +262,7 @@ class DraftRunner:
         k0 = _first_pool("k_buffer", k_buffer, 3, "[num_slots, num_kv_heads, head_dim]")
         _first_pool("v_buffer", v_buffer, 3, "[num_slots, num_kv_heads, v_head_dim]")
         if dtype is None:
-            dtype = torch.bfloat16 if kv_cache_dtype != "auto" else k0.dtype
+            dtype = _default_dtype(kv_cache_dtype, k0)
         return cls(use_mla_backend=False, dtype=dtype, device=k0.device,
                    page_size=page_size, num_layers=len(k_buffer), req_to_token=req_to_token,
                    num_q_heads=num_q_heads, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
@@ -288,7 +288,7 @@ class DraftRunner:
             dtype = dtype or torch.bfloat16
         else:
             rope = kv0.shape[1] - kv_lora_rank
-            dtype = dtype or (torch.bfloat16 if kv_cache_dtype != "auto" else kv0.dtype)
+            dtype = dtype or _default_dtype(kv_cache_dtype, kv0)
         return cls(use_mla_backend=True, dtype=dtype, device=kv0.device,
                    page_size=page_size, num_layers=len(kv_buffer), req_to_token=req_to_token,
                    num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -446,6 +446,15 @@ def _check_allocation(dtype: object, device: object, zero_ok: tuple[str, ...] = 
                                 "device: 'cpu')", repr(device))
 
 
+def _default_dtype(kv_cache_dtype: str, pool: torch.Tensor) -> torch.dtype:
+    """The activation dtype ``wrap_mha`` / ``wrap_mla`` assume when given none: the pool's
+    for ``"auto"`` pools of a model dtype, else bfloat16 (a pool of FP8 or uint8 under
+    ``"auto"`` is then refused by ``check_runner`` as such, naming ``kv_cache_dtype``)."""
+    if kv_cache_dtype == "auto" and pool.dtype in ACT_DTYPES:
+        return pool.dtype
+    return torch.bfloat16
+
+
 def _pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype a constructor allocates pools in: the FP8 dtype, else the model's."""
     return FP8_KV_DTYPES.get(kv_cache_dtype, dtype)
@@ -508,9 +517,10 @@ def check_runner(runner: DraftRunner) -> None:
             raise InvalidInputError(name, f"a list of {runner.num_layers} tensors (one per "
                                     "layer)", got)
         for i, t in enumerate(pool):
+            if isinstance(t, torch.Tensor):  # first: it names kv_cache_dtype for an FP8 pool
+                _check_pool_dtype(runner, f"{name}[{i}]", t)
             _tensor(f"{name}[{i}]", t, dtypes=ACT_DTYPES + _fp8_dtypes(), ndim=1 + len(
                 expected[name]), device=runner.device)
-            _check_pool_dtype(runner, f"{name}[{i}]", t)
             if first is None:
                 first = (f"{name}[{i}]", t.dtype)
             elif t.dtype != first[1]:
@@ -563,9 +573,9 @@ def _check_pool_dtype(runner: DraftRunner, name: str, pool: torch.Tensor) -> Non
     want = FP8_KV_DTYPES.get(runner.kv_cache_dtype)
     if want is not None and pool.dtype != want:
         names = f"{dtype_name(want)} (or uint8 storage)"
-    elif want is None and is_fp8_dtype(pool.dtype):
-        names = "bfloat16/float16/float32 (an FP8 pool needs kv_cache_dtype 'fp8_e4m3' or " \
-                "'fp8_e5m2')"
+    elif want is None and (is_fp8_dtype(pool.dtype) or pool.dtype == torch.uint8):
+        names = "bfloat16/float16/float32 (an FP8 pool, or its uint8 storage, needs " \
+                "kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')"
     else:
         return
     raise InvalidInputError(name, f"dtype {names} for kv_cache_dtype="

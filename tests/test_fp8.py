@@ -172,15 +172,26 @@ def test_uint8_pools_are_viewed_without_a_copy():
     ("fp8_e4m3", E5M2, "dtype float8_e4m3fn (or uint8 storage) for kv_cache_dtype='fp8_e4m3'"),
     ("fp8_e5m2", torch.bfloat16, "dtype float8_e5m2 (or uint8 storage) for kv_cache_dtype="
                                  "'fp8_e5m2'"),
-    ("auto", E4M3, "dtype bfloat16/float16/float32 (an FP8 pool needs kv_cache_dtype "
-                   "'fp8_e4m3' or 'fp8_e5m2') for kv_cache_dtype='auto'")])
-def test_a_pool_whose_dtype_disagrees_is_refused(name, pool_dtype, expected):
+    ("auto", E4M3, "dtype bfloat16/float16/float32 (an FP8 pool, or its uint8 storage, "
+                   "needs kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2') for kv_cache_dtype='auto'"),
+    ("auto", torch.uint8, "dtype bfloat16/float16/float32 (an FP8 pool, or its uint8 "
+                          "storage, needs kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2') for "
+                          "kv_cache_dtype='auto'")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_a_pool_whose_dtype_disagrees_is_refused(name, pool_dtype, expected, dtype):
+    """Without ``dtype`` too: an FP8 pool wrapped under ``"auto"`` had been blamed on
+    ``runner.dtype`` (the activation dtype taken from the pool)."""
     pools = [torch.zeros(8, 1, 8, dtype=pool_dtype)]
     with pytest.raises(InvalidInputError) as info:
         DraftRunner.wrap_mha(torch.zeros(1, 8, dtype=torch.int32), pools, pools, 2,
-                             kv_cache_dtype=name, dtype=torch.bfloat16)
+                             kv_cache_dtype=name, dtype=dtype)
     assert str(info.value) == f"runner.k_buffer[0]: expected {expected}, got " \
         f"{str(pool_dtype).replace('torch.', '')}"
+    if name == "auto":
+        with pytest.raises(InvalidInputError, match=r"^runner\.kv_buffer\[0\]: expected "
+                           r"dtype bfloat16/float16/float32 \(an FP8 pool"):
+            DraftRunner.wrap_mla(torch.zeros(1, 8, dtype=torch.int32),
+                                 [torch.zeros(8, 24, dtype=pool_dtype)], 2, 16, dtype=dtype)
 
 
 @pytest.mark.parametrize("mla", [False, True])
