@@ -37,7 +37,8 @@ from .keys import BackendRequest, a_kind, check_draft_params
 from .kv_layouts import KV_CACHE_DTYPES
 from .platforms import Platform, Predicate, any_platform, current_platform
 from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
-                         check_extend_forward, check_parents_copied, check_parents_step)
+                         check_extend_forward, check_padding_slot, check_parents_copied,
+                         check_parents_step)
 
 if TYPE_CHECKING:
     from .layer import AttentionLayer
@@ -309,6 +310,10 @@ class DraftBackend(ABC):
 
     def _alloc_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed buffers a captured graph reads (``init_cuda_graph_state``)."""
+
+    def _check_replay(self, batch: Any, bs: int) -> None:
+        """A replay's rules beyond its batch's own, for captured size ``bs`` (the kept calls
+        of ``graph_calls`` run them too); default: none."""
 
     def _plan(self, batch: Any) -> None:
         """Build the round's metadata (``init_forward_metadata``); default: nothing."""
@@ -588,6 +593,7 @@ class DraftDecodeBackend(DraftBackend):
         if not _is_int(bs) or not raw <= bs <= self.cuda_graph_max_bs:
             raise InvalidInputError("bs", f"an int in [{raw}, {self.cuda_graph_max_bs}] (the "
                                     "captured batch size)", repr(bs))
+        self._check_replay(batch, bs)
         captured = graph.parents.get(bs)
         if self.tree_mode == "path" and captured is not None and batch.parents is not None \
                 and batch.parents.data_ptr() != captured.data_ptr():
@@ -606,6 +612,12 @@ class DraftDecodeBackend(DraftBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value for padded requests in a captured batch."""
         return 1
+
+    def _check_replay(self, batch: "DraftBatch", bs: int) -> None:
+        """A replay's rules beyond its batch's own (a kept call runs them too): padded to
+        ``bs`` requests, no token of the batch in slot 0, which the padding lanes write."""
+        if batch.batch_size < bs:
+            check_padding_slot(self.runner, batch)
 
     def _graph_round(self, graph: "_FixedRound", batch: "DraftBatch", bs: int) -> None:
         """The round's fixed views, padded to ``bs`` requests: copied here, or (a backend

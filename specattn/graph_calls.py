@@ -80,6 +80,7 @@ class _KeptCalls:
             return
         if _validation._scan_values(batch.req_pool_indices, False):  # CPU tensors only
             self._check_kept_call(batch, replay)
+        self._check_replay(batch, bs)  # type: ignore[attr-defined]
         self._launch_kept(batch, replay)
         self._launch, self.graph_source, self._active = replay.launch, batch, replay.bufs
         self._resume_plan(replay.plan)

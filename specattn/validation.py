@@ -37,7 +37,7 @@ from .layer import AttentionLayer
 
 __all__ = [
     "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
-    "check_decode_forward", "check_parents_copied",
+    "check_decode_forward", "check_padding_slot", "check_parents_copied",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
     "graph_checks_read_values",
     "ACT_DTYPES", "INDEX_DTYPES",
@@ -226,6 +226,33 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
         prefix = _check_prefix_slots(runner, rpi, seq.clamp(max=runner.max_context_len), debug)
         if prefix is not None and not graph and _scan_values(loc, debug):
             _check_draft_slots_free(loc, rpi, prefix)
+
+
+def check_padding_slot(runner: DraftRunner, batch: DraftBatch,
+                       debug: Optional[bool] = None) -> None:
+    """A decode replay padded to its captured size: the padding lanes write pool slot 0 at
+    every step, so no token of the batch's requests may live there (a prefix token would be
+    overwritten and read back, a draft slot shared)."""
+    loc = batch.out_cache_loc
+    if _scan_values(loc, debug) and loc.numel() and bool((loc == 0).any()):
+        b, j, i = (int(x) for x in (loc == 0).nonzero()[0])
+        raise InvalidInputError("batch.out_cache_loc", "no slot 0 in a replay padded to the "
+                                "captured size (the padding lanes write slot 0)",
+                                f"slot 0 at out_cache_loc[{b}, {j}, {i}]")
+    rpi = batch.req_pool_indices
+    if not _scan_values(rpi, debug):
+        return
+    prefix = _prefix_rows(runner, rpi, batch.seq_lens.clamp(max=runner.max_context_len))
+    if prefix is None:
+        return
+    rows, live = prefix
+    hit = (live & (rows == 0)).nonzero()
+    if hit.numel():
+        b, x = int(hit[0, 0]), int(hit[0, 1])
+        raise InvalidInputError("runner.req_to_token", "no prefix token in slot 0 in a replay "
+                                "padded to the captured size (the padding lanes write slot 0: "
+                                "keep it a dummy slot)",
+                                f"req_to_token[{int(rpi[b])}, {x}] = 0 (request {b})")
 
 
 def check_parents_step(batch: DraftBatch, step: int, topk: int,

@@ -104,12 +104,14 @@ def decode_sizes(seq_lens: list[int], topk: int, steps: int, page: int) -> tuple
 def place_decode_round(runner: DraftRunner, seq_lens: list[int], topk: int, steps: int,
                        page: int, tree_mode: str = "lane") -> DraftBatch:
     """Random request rows (of ``runner.max_reqs``) and distinct random slots for the
-    prefixes; draft slots from ``metadata.assign_draft_cache_locs``; zero ``parents`` in
-    ``path`` mode (tests fill step ``i > 0`` in place)."""
+    prefixes, slot 0 last (the padding lanes of a padded replay write it); draft slots from
+    ``metadata.assign_draft_cache_locs``; zero ``parents`` in ``path`` mode (tests fill step
+    ``i > 0`` in place)."""
     bs = len(seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
     rpi = torch.randperm(runner.max_reqs, device=DEV)[:bs]
     perm = torch.randperm(runner.num_slots, device=DEV).to(torch.int32)
+    perm = torch.cat([perm[perm != 0], perm[perm == 0]])
     used = 0
     for b, L in enumerate(seq_lens):
         runner.req_to_token[rpi[b], :L] = perm[used:used + L]

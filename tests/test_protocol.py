@@ -238,6 +238,30 @@ def test_path_rows_written_to_a_replays_own_parents_are_refused():
     torch.testing.assert_close(out, reference_decode(runner, LAYER, q, capture, 1, "path"))
 
 
+def test_a_padded_replay_refuses_a_request_token_in_slot_0():
+    """The padding lanes of a replay write pool slot 0 at every step: a prefix token or a
+    draft slot of a real request there would be overwritten (and read back by its lanes)."""
+    runner, batch = _decode_case([5, 8])
+    backend = TorchRefDecode(runner, 2, 3)
+    backend.init_cuda_graph_state(max_bs=3, max_num_tokens=6)
+    backend.init_forward_metadata_replay_cuda_graph(batch, 2)  # not padded: slot 0 unused
+    row = int(batch.req_pool_indices[1])
+    kept = runner.req_to_token[row, 3].item()
+    runner.req_to_token[row, 3] = 0
+    with pytest.raises(InvalidInputError, match=rf"^runner\.req_to_token: expected no prefix "
+                       rf"token in slot 0 in a replay padded to the captured size .*got "
+                       rf"req_to_token\[{row}, 3\] = 0 \(request 1\)$"):
+        backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    backend.init_forward_metadata_replay_cuda_graph(batch, 2)  # no padding lane writes it
+    runner.req_to_token[row, 3] = kept
+    loc = batch.out_cache_loc.clone()
+    loc[0, 1, 2] = 0
+    with pytest.raises(InvalidInputError, match=r"^batch\.out_cache_loc: expected no slot 0 "
+                       r"in a replay padded .*got slot 0 at out_cache_loc\[0, 1, 2\]$"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            DraftBatch(batch.req_pool_indices, batch.seq_lens, loc), 3)
+
+
 @pytest.mark.parametrize("max_num_tokens", [0, -5, 2.0])
 def test_decode_graph_state_bounds(max_num_tokens):
     runner, _ = _decode_case([5])

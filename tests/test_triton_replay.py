@@ -158,6 +158,18 @@ def test_padded_replays_keep_one_launch_per_signature():
         backend.init_forward_metadata_replay_cuda_graph(batch, 4)
 
 
+def test_a_kept_padded_replay_refuses_a_request_token_in_slot_0():
+    """A replay of a kept signature (new values in the same tensors) runs the replay's own
+    rules too: padded, no token of the batch in slot 0, which the padding lanes write."""
+    backend, _, batch = _graph_backend("mha", "mha", 2, 3, 3)
+    two = first_requests(batch, 2)
+    backend.init_forward_metadata_replay_cuda_graph(two, 3)  # checked, then kept
+    two.out_cache_loc[0, 1, 2] = 0
+    with pytest.raises(InvalidInputError, match=r"^batch\.out_cache_loc: expected no slot 0 "
+                       r"in a replay padded .*got slot 0 at out_cache_loc\[0, 1, 2\]$"):
+        backend.init_forward_metadata_replay_cuda_graph(first_requests(batch, 2), 3)
+
+
 def test_a_kept_path_replay_reads_the_capture_parents_after_a_copied_one():
     """A replay whose ``parents`` were copied into the capture's tensor, then a kept replay
     with the capture's tensor itself: rows the draft loop fills in it are read, not compared
