@@ -25,7 +25,7 @@ import dataclasses
 import difflib
 from abc import ABC
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
 
 import torch
 
@@ -661,6 +661,8 @@ class DraftExtendBackend(DraftBackend):
 
     kind = "extend"
     batch: DraftExtendBatch  # set by the metadata calls; forward() before one is a CallOrderError
+    # A graph round's (requests, tokens): the capture's, which a smaller replay is padded to.
+    graph_size: tuple[int, int] = (0, 0)
     max_extend_len: Optional[int] = None
 
     def __init__(self, runner: "DraftRunner", *, topk: int = 1, num_steps: int = 1) -> None:
@@ -729,8 +731,11 @@ class DraftExtendBackend(DraftBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: "DraftExtendBatch",
                                                 bs: int) -> None:
-        """Refill the fixed buffers from ``batch`` (its own size; ``bs`` is the captured
-        one, at least the batch's)."""
+        """Refill the fixed buffers from ``batch``: at most ``bs`` requests (the captured
+        batch size) and at most the capture's new tokens. A smaller round is padded to the
+        capture's size: its work sized by the capture (the captured launches' grids, a KV
+        write over the captured tokens) finds inert requests and writes the padding tokens
+        to slot 0, the dummy slot (a batch with a token in slot 0 is refused)."""
         self._graph_round(batch, capture=False, captured_bs=bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -753,20 +758,47 @@ class DraftExtendBackend(DraftBackend):
                             or not bs <= captured_bs <= self.cuda_graph_max_bs):
             raise InvalidInputError("bs", f"an int in [{bs}, {self.cuda_graph_max_bs}] (the "
                                     "captured batch size)", repr(captured_bs))
+        if capture:
+            graph.tokens[bs] = tokens
+            self.graph_size = (bs, tokens)
+        else:
+            self.graph_size = self._replay_size(batch, cast(int, captured_bs), tokens)
         loc = graph.loc[:tokens]
         if self._fills_graph_round():
             self.graph_source = batch
         else:
             loc.copy_(batch.out_cache_loc)
+            graph.loc[tokens:self.graph_size[1]].fill_(0)  # the padding tokens: slot 0
         self._begin(DraftExtendBatch(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, loc,
                                      getattr(batch, "seq_lens_cpu", None),
                                      getattr(batch, "extend_lens_cpu", None)))
         self._plan_graph(self.batch, capture=capture)
 
+    def _replay_size(self, batch: "DraftExtendBatch", bs: int, tokens: int) -> tuple[int, int]:
+        """``(requests, tokens)`` a replay at captured size ``bs`` runs: the capture's (a
+        replay of more new tokens is refused: the captured launches cover the capture's),
+        or the batch's own where nothing was captured at ``bs``. A smaller batch's padding
+        writes slot 0, which then must hold none of its tokens (checked where values are
+        checked; the kept calls of ``graph_calls`` run this too)."""
+        captured = self._require_graph_state().tokens.get(bs)
+        if captured is None:
+            return batch.batch_size, tokens
+        if tokens > captured:
+            raise InvalidInputError("batch", f"at most {captured} new tokens (the capture at "
+                                    f"bs={bs}; pad smaller rounds, not larger)",
+                                    f"{tokens} tokens")
+        if (batch.batch_size, tokens) != (bs, captured):
+            check_padding_slot(self.runner, batch)
+        return bs, captured
+
+    def _check_replay(self, batch: "DraftExtendBatch", bs: int) -> None:
+        self.graph_size = self._replay_size(batch, bs, int(batch.out_cache_loc.shape[0]))
+
     def _fills_graph_round(self) -> bool:
         """True when ``_plan_graph`` copies ``self.graph_source.out_cache_loc`` (the caller's
-        batch) into ``self.batch.out_cache_loc`` (the fixed buffer's view) itself."""
+        batch) into ``self.batch.out_cache_loc`` (the fixed buffer's view) itself, and pads
+        it to ``self.graph_size``'s tokens with slot 0."""
         return False
 
     def _check_graph_batch(self, batch: "DraftExtendBatch") -> None:
@@ -790,6 +822,7 @@ class _FixedRound:
             self.seq = torch.zeros(max_bs, dtype=torch.int64, device=device)
             self.seq_cpu = torch.zeros(max_bs, dtype=torch.int64)
         self.parents: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, int] = {}  # extend: the new tokens captured at each size
 
     def round(self, batch: "DraftBatch", bs: int, seq_fill: int) -> "DraftBatch":
         """``batch`` copied in and padded to ``bs`` requests; returns the fixed views."""

@@ -15,7 +15,7 @@ this module nor anything that does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -228,17 +228,17 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
             _check_draft_slots_free(loc, rpi, prefix)
 
 
-def check_padding_slot(runner: DraftRunner, batch: DraftBatch,
+def check_padding_slot(runner: DraftRunner, batch: Union[DraftBatch, DraftExtendBatch],
                        debug: Optional[bool] = None) -> None:
-    """A decode replay padded to its captured size: the padding lanes write pool slot 0 at
-    every step, so no token of the batch's requests may live there (a prefix token would be
-    overwritten and read back, a draft slot shared)."""
+    """A replay padded to its captured size: the padding (decode: lanes, at every step;
+    extend: tokens) writes pool slot 0, so no token of the batch's requests may live there
+    (a prefix token would be overwritten and read back, a new token's slot shared)."""
     loc = batch.out_cache_loc
     if _scan_values(loc, debug) and loc.numel() and bool((loc == 0).any()):
-        b, j, i = (int(x) for x in (loc == 0).nonzero()[0])
+        at = ", ".join(str(int(x)) for x in (loc == 0).nonzero()[0])
         raise InvalidInputError("batch.out_cache_loc", "no slot 0 in a replay padded to the "
-                                "captured size (the padding lanes write slot 0)",
-                                f"slot 0 at out_cache_loc[{b}, {j}, {i}]")
+                                "captured size (the padding writes slot 0)",
+                                f"slot 0 at out_cache_loc[{at}]")
     rpi = batch.req_pool_indices
     if not _scan_values(rpi, debug):
         return
@@ -250,7 +250,7 @@ def check_padding_slot(runner: DraftRunner, batch: DraftBatch,
     if hit.numel():
         b, x = int(hit[0, 0]), int(hit[0, 1])
         raise InvalidInputError("runner.req_to_token", "no prefix token in slot 0 in a replay "
-                                "padded to the captured size (the padding lanes write slot 0: "
+                                "padded to the captured size (the padding writes slot 0: "
                                 "keep it a dummy slot)",
                                 f"req_to_token[{int(rpi[b])}, {x}] = 0 (request {b})")
 

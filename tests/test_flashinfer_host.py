@@ -470,11 +470,10 @@ def test_extend_replays_reuse_one_slot_list_launch(fake_flashinfer, monkeypatch,
 
 
 def test_extend_replay_past_the_captured_rows_plans_from_host_lengths(fake_flashinfer):  # noqa: F811
-    """A prefill replay of more new tokens than the capture planned (within the graph's
-    buffers) cannot be planned without the lengths (FlashInfer's grid and ``merge_indptr``
-    are sized for the capture's): it takes the host path, whose plan refuses it as
-    FlashInfer's does; a replay within the capture's tokens plans without them. (An MLA
-    plan has no such bound.)"""
+    """A replay of more new tokens than the capture (within the graph's buffers) is
+    refused before any plan: the captured launches cover the capture's tokens (FlashInfer's
+    grid and ``merge_indptr`` are sized for them, and FlashInfer's own plan refused it with
+    an assertion); a replay within the capture's tokens plans without the lengths."""
     case = make_extend_case(mla=False, bs=3, seed=6)
     b = case.batch
     host = DraftExtendBatch(b.req_pool_indices, b.seq_lens, b.extend_lens, b.out_cache_loc,
@@ -491,7 +490,8 @@ def test_extend_replay_past_the_captured_rows_plans_from_host_lengths(fake_flash
     loc = torch.arange(tokens + 1, dtype=b.out_cache_loc.dtype)
     bigger = DraftExtendBatch(b.req_pool_indices, b.seq_lens + (more - b.extend_lens), more,
                               loc, None, None)
-    with pytest.raises(AssertionError, match="rows and batch size"):  # FlashInfer's refusal
+    with pytest.raises(InvalidInputError, match=r"^batch: expected at most 7 new tokens "
+                                                r"\(the capture at bs=3"):
         backend.init_forward_metadata_replay_cuda_graph(bigger, 3)
     assert direct.calls == 1
 

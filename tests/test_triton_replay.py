@@ -299,3 +299,81 @@ def test_kernel_launch_keeps_the_ordinary_launch_otherwise(monkeypatch, compiled
     for _ in range(2):
         launch("a", "b")
     assert not launch.direct and len(kernel.launches) == 2
+
+
+def _no_slot0_round(runner: DraftRunner, seq: list[int], ext: list[int], rows: list[int],
+                    first: int):
+    """An extend batch on request rows ``rows`` whose tokens take consecutive slots from
+    ``first`` (never slot 0, the padding's)."""
+    from specattn.data import DraftExtendBatch
+
+    new, at = [], first
+    for row, n, e in zip(rows, seq, ext):
+        runner.req_to_token[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
+        new.append(torch.arange(at + n - e, at + n))
+        at += n
+    return DraftExtendBatch(torch.tensor(rows), torch.tensor(seq), torch.tensor(ext),
+                            torch.cat(new))
+
+
+@pytest.mark.parametrize("seq,ext", [([9], [2]), ([6, 5, 12], [2, 2, 3])],
+                         ids=["fewer-requests", "fewer-tokens"])
+def test_extend_replay_smaller_than_its_capture_is_padded(monkeypatch, seq, ext):
+    """A captured extend graph (3 requests, 8 new tokens) replays a smaller round: the
+    captured launches (recorded here and run again after the replay call, as a graph
+    replays them) find padding requests that do nothing and padding tokens in slot 0. The
+    metadata had kept the capture round's requests and slots past the batch, and the
+    replay wrote its leftover rows into the capture round's KV."""
+    from specattn.backends.torch_ref import reference_extend
+    from specattn.layer import AttentionLayer
+
+    torch.manual_seed(3)
+    runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=128, max_reqs=8,
+                             max_context_len=32, dtype=torch.float32, device=DEV)
+    for pool in runner.k_buffer + runner.v_buffer:
+        pool.copy_(torch.randn(pool.shape))
+    layer = AttentionLayer(0, 16 ** -0.5)
+    calls = []
+    real = launchers.attention
+    monkeypatch.setattr(launchers, "attention", lambda *a, **kw: calls.append((a, kw))
+                        or real(*a, **kw))
+    backend = TritonExtend(runner, topk=4, num_steps=3)
+    capture = _no_slot0_round(runner, [8, 9, 7], [3, 2, 3], [1, 2, 3], first=10)
+    backend.init_cuda_graph_state(3, 8)
+    backend.init_forward_metadata_capture_cuda_graph(capture)
+    q, k, v = (torch.randn(8, h, 16) for h in (4, 2, 2))
+    backend.forward(layer, q, k, v)
+    args, kwargs = calls[-1]
+    rows = [4, 5, 6][:len(seq)]
+    batch = _no_slot0_round(runner, seq, ext, rows, first=60)
+    kept = [pool.clone() for pool in runner.k_buffer + runner.v_buffer]
+    backend.init_forward_metadata_replay_cuda_graph(batch, 3)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape))
+    out = real(*args, **kwargs)  # the graph's replay
+    tokens = int(sum(ext))
+    written = torch.cat([batch.out_cache_loc, torch.zeros(1, dtype=torch.long)])
+    for before, after in zip(kept, runner.k_buffer + runner.v_buffer):
+        others = torch.ones(before.shape[0], dtype=torch.bool)
+        others[written] = False
+        assert torch.equal(before[others], after[others])  # only its slots and slot 0
+    torch.testing.assert_close(runner.k_buffer[0][batch.out_cache_loc], k[:tokens])
+    want = reference_extend(runner, layer, q[:tokens], batch)
+    torch.testing.assert_close(out[:tokens], want, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_replay_of_more_tokens_than_its_capture_or_into_slot_0_is_refused():
+    runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=128, max_reqs=8,
+                             max_context_len=32, dtype=torch.float32, device=DEV)
+    backend = TritonExtend(runner, topk=4, num_steps=3)
+    backend.init_cuda_graph_state(3, 16)
+    backend.init_forward_metadata_capture_cuda_graph(
+        _no_slot0_round(runner, [8, 9, 7], [3, 2, 3], [1, 2, 3], first=10))
+    bigger = _no_slot0_round(runner, [8, 9, 7], [3, 3, 3], [4, 5, 6], first=60)
+    with pytest.raises(InvalidInputError, match=r"^batch: expected at most 8 new tokens "
+                                                r"\(the capture at bs=3; .*got 9 tokens$"):
+        backend.init_forward_metadata_replay_cuda_graph(bigger, 3)
+    smaller = _no_slot0_round(runner, [8], [3], [4], first=0)  # a prefix token in slot 0
+    with pytest.raises(InvalidInputError, match=r"^runner.req_to_token: expected no prefix "
+                                                r"token in slot 0 in a replay padded"):
+        backend.init_forward_metadata_replay_cuda_graph(smaller, 3)

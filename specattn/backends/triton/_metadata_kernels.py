@@ -94,13 +94,18 @@ def _lane_metadata(z, ReqPoolIdx, SeqLens, OutLoc, Meta, Hist, FixRpi, FixSeq, F
 
 @triton.jit(do_not_specialize_on_alignment=_CALLER_EXTEND)
 def _extend_metadata_kernel(ReqPoolIdx, SeqLens, ExtLens, OutLoc, Meta, Hist, FixLoc, bs,
-                            num_tokens, stride_rpi, stride_seq, stride_ext, stride_loc,
+                            num_tokens, pad_bs, pad_tokens, stride_rpi, stride_seq,
+                            stride_ext, stride_loc,
                             BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                             FIXED: tl.constexpr):
     """Grid ``(1,)``: per request the prefix ``L' - E``, its split length and ``cumsum(E)``;
     the ``num_tokens`` new tokens' slots into ``Hist [>=T]`` (int32), and with ``FIXED``
-    (CUDA-graph rounds) into the round's fixed ``out_cache_loc`` buffer ``FixLoc`` (int64)."""
+    (CUDA-graph rounds) into the round's fixed ``out_cache_loc`` buffer ``FixLoc`` (int64).
+    A graph replay smaller than its capture is padded to ``pad_bs`` requests and
+    ``pad_tokens`` tokens: the padding requests have no prefix and no new tokens (their
+    programs do nothing), the padding tokens the slot 0 (a KV write over the captured tokens
+    writes them there), so the captured launches find no earlier round's values."""
     offs = tl.arange(0, BLOCK_B)
     ok = offs < bs
     ext = tl.load(ExtLens + offs * stride_ext, mask=ok, other=0).to(tl.int32)
@@ -111,15 +116,17 @@ def _extend_metadata_kernel(ReqPoolIdx, SeqLens, ExtLens, OutLoc, Meta, Hist, Fi
     split_len = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     q_start = tl.cumsum(ext, 0) - ext
     row = Meta + offs * META_W
-    tl.store(row, rpi, mask=ok)
-    tl.store(row + 1, prefix, mask=ok)
-    tl.store(row + 2, split_len, mask=ok)
-    tl.store(row + 3, q_start, mask=ok)
-    tl.store(row + 4, ext, mask=ok)
-    for t0 in range(0, num_tokens, BLOCK_T):
+    pad = offs < pad_bs  # the batch's requests, then the padding ones (zeros loaded)
+    tl.store(row, rpi, mask=pad)
+    tl.store(row + 1, prefix, mask=pad)
+    tl.store(row + 2, split_len, mask=pad)
+    tl.store(row + 3, q_start, mask=pad)
+    tl.store(row + 4, ext, mask=pad)
+    for t0 in range(0, pad_tokens, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         t_ok = offs_t < num_tokens
+        t_pad = offs_t < pad_tokens
         loc = tl.load(OutLoc + offs_t * stride_loc, mask=t_ok, other=0)
-        tl.store(Hist + offs_t, loc.to(tl.int32), mask=t_ok)
+        tl.store(Hist + offs_t, loc.to(tl.int32), mask=t_pad)
         if FIXED:
-            tl.store(FixLoc + offs_t, loc.to(tl.int64), mask=t_ok)
+            tl.store(FixLoc + offs_t, loc.to(tl.int64), mask=t_pad)

@@ -329,14 +329,16 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
         """One launch: the metadata, and the new tokens' slots into the fixed ``hist`` (so a
         replayed graph writes the new ones); with ``source`` (graph rounds) the caller's batch,
         whose slots also go into ``batch``'s fixed ``out_cache_loc``."""
-        bs, num_tokens = batch.batch_size, self.num_tokens
+        bs, num_tokens = self.graph_size if source is not None else (batch.batch_size,
+                                                                     self.num_tokens)
         plan = self._plan_for(bs, num_tokens, max_extend)
         bufs = self._buffers_for(bs, num_tokens)
         src = source or batch
         self._launch = _launchers().extend_metadata(
             src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc, bufs.meta,
             bufs.hist, plan["num_splits"], plan["plan"].block_n,
-            None if source is None else batch.out_cache_loc)
+            None if source is None else self._require_graph_state().loc[:num_tokens],
+            None if source is None else (bs, num_tokens))
         self._round_plan, self._active = plan, bufs
 
     def _new_buffers(self, bs: int, num_tokens: int) -> _GraphBuffers:
@@ -351,8 +353,11 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
 
     def _plan_graph(self, batch: "DraftExtendBatch", *, capture: bool) -> None:
         """Rows per request of the graph's grid: any split of ``T`` tokens has
-        ``max E <= T - B + 1``; ``max_extend_len`` bounds it further."""
-        bound = self.num_tokens - batch.batch_size + 1
+        ``max E <= T - B + 1``; ``max_extend_len`` bounds it further. A replay is planned
+        at its capture's size (``graph_size``: the captured launches' grid and constants),
+        a smaller batch padded."""
+        bs, tokens = self.graph_size
+        bound = tokens - bs + 1
         self._fill(batch, bound if self.max_extend_len is None
                    else min(bound, self.max_extend_len), self.graph_source)
 
@@ -362,11 +367,12 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
         L = _launchers()
         shape = plan["shape"]
         parts = L.num_parts(plan["plan"], plan["num_splits"])
-        mid_o, mid_lse = L.partial_views((plan["num_tokens"], shape.num_q_heads, parts),
+        rows = q.shape[0]  # the plan's tokens, or a padded replay's batch run eagerly
+        mid_o, mid_lse = L.partial_views((rows, shape.num_q_heads, parts),
                                          shape.d_v, q.device, bufs.mid_o, bufs.mid_lse)
         return L.attention(q, self.runner, layer, shape, bufs.meta, self.runner.req_to_token,
                            mode=2, num_groups=plan["bs"], rows_per_group=plan["rows_per_group"],
                            lanes_per_group=1, topk=1, num_steps=1, step=0,
                            num_splits=plan["num_splits"], plan=plan["plan"], mid_o=mid_o,
-                           mid_lse=mid_lse, hist=bufs.hist[:plan["num_tokens"]],
-                           new_kv=(k, v), pdl=self._pdl)
+                           mid_lse=mid_lse, hist=bufs.hist[:rows], new_kv=(k, v),
+                           pdl=self._pdl)

@@ -157,20 +157,24 @@ def decode_metadata_launch(req_pool_indices: torch.Tensor, seq_lens: torch.Tenso
 def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, meta: torch.Tensor,
                     hist: torch.Tensor, num_splits: int, block_n: int,
-                    fixed_loc: Optional[torch.Tensor] = None) -> KernelLaunch:
+                    fixed_loc: Optional[torch.Tensor] = None,
+                    padded: Optional[tuple[int, int]] = None) -> KernelLaunch:
     """Fill ``meta [>=B, 5]`` for an extend batch (prefix ``L' - E``, ``cumsum(E)``) and
     ``hist[:T, 0]`` with the new tokens' slots ``out_cache_loc [T]`` (int32), in one launch;
-    ``fixed_loc``: a CUDA-graph round's fixed ``out_cache_loc`` view (int64, ``[T]``), which
-    gets them too. Returns the launch (as ``decode_metadata``), called with
-    ``(req_pool_indices, seq_lens, extend_lens, out_cache_loc)``."""
+    ``fixed_loc``: a CUDA-graph round's fixed ``out_cache_loc`` view (int64, at least
+    ``[T]``), which gets them too. ``padded``: a graph replay's captured ``(requests,
+    tokens)``, at least the batch's: the rest filled as padding (no-op requests, tokens in
+    slot 0). Returns the launch (as ``decode_metadata``), called with ``(req_pool_indices,
+    seq_lens, extend_lens, out_cache_loc)``."""
     bs, tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
+    pad_bs, pad_tokens = padded or (bs, tokens)
     if hist.stride(0) != 1:
         raise ValueError("extend_metadata needs hist [rows, 1] with unit row stride")
-    tail_args = (meta, hist, meta if fixed_loc is None else fixed_loc, bs, tokens,
-                 req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
-                 out_cache_loc.stride(0))
-    consts = dict(BLOCK_B=next_pow2(bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
-                  BLOCK_T=min(1024, next_pow2(tokens)), FIXED=fixed_loc is not None,
+    tail_args = (meta, hist, meta if fixed_loc is None else fixed_loc, bs, tokens, pad_bs,
+                 pad_tokens, req_pool_indices.stride(0), seq_lens.stride(0),
+                 extend_lens.stride(0), out_cache_loc.stride(0))
+    consts = dict(BLOCK_B=next_pow2(pad_bs), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+                  BLOCK_T=min(1024, next_pow2(pad_tokens)), FIXED=fixed_loc is not None,
                   num_warps=4)
     launch = KernelLaunch(_extend_metadata_kernel, (1,), tail_args, consts)
     launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc)
