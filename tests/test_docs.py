@@ -431,3 +431,17 @@ def test_the_kit_pages_case_id_is_one_the_kit_plans():
     ids = {case.id for case, _ in plan_cases(Target.build("torch_ref"))}
     assert shown and shown.group(1) in ids, sorted(i for i in ids if "numerics" in i)[:5]
 
+
+
+def test_the_kit_pages_declared_limit_matches_a_case_the_kit_plans():
+    """The ``known_limits`` pattern the kit page shows matches a case the kit plans (a
+    pattern that matches none is a limit that never applies)."""
+    import fnmatch
+
+    from specattn.testing.plan import plan_cases
+    from specattn.testing.target import Target
+
+    shown = re.search(r'known_limits = \{"([^"]+)"', (ROOT / "docs" / "conformance.md").read_text())
+    ids = [case.id for case, _ in plan_cases(Target.build("torch_ref"))]
+    assert shown and any(fnmatch.fnmatchcase(i, shown.group(1)) for i in ids), \
+        sorted(i for i in ids if "engine" in i)[:5]
