@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
@@ -386,20 +387,30 @@ def _check_capabilities(cls: type[DraftBackend]) -> None:
                                         f"you mean {close[0]!r}?), got {field} = {value!r}")
 
 
+# Backend names and aliases: what `--option NAME:KEY=VALUE`, SGLang's options, the CLI and the
+# docs' page paths can carry; `auto` is not a name but the request for the best backend.
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_NAME_RULE = "([a-z][a-z0-9_]*, not 'auto')"
+
+
+def _is_backend_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(_NAME.fullmatch(value)) and value != "auto"
+
+
 def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any]) -> None:
     where = f"{cls.__module__}.{cls.__qualname__}"
 
     def bad(what: str, value: Any) -> RegistrationError:
         return RegistrationError(f"{where}: {what}, got {value!r}")
 
-    if not isinstance(name, str) or not name or name != name.lower() or name.strip() != name:
-        raise bad("name= must be a non-empty lowercase string", name)
+    if not _is_backend_name(name):
+        raise bad(f"name= must be a lowercase identifier {_NAME_RULE}", name)
     cls.name = name
     for key in ("aliases", "deprecated_aliases"):
         value = tuple(decl.get(key, ()))
-        if isinstance(decl.get(key), str) or not all(
-                isinstance(a, str) and a and a == a.lower() for a in value):
-            raise bad(f"{key}= must be a tuple of lowercase strings", decl.get(key))
+        if isinstance(decl.get(key), str) or not all(_is_backend_name(a) for a in value):
+            raise bad(f"{key}= must be a tuple of lowercase identifiers {_NAME_RULE}",
+                      decl.get(key))
         setattr(cls, key, value)
     cls.flavour = decl.get("flavour", "default")
     if not isinstance(cls.flavour, str) or not cls.flavour:

@@ -81,6 +81,13 @@ def test_cooperative_keywords_pass_through_a_mixin(empty_registry):
     (dict(name=""), "lowercase"),
     (dict(name=" x"), "lowercase"),
     (dict(name=3), "lowercase"),
+    (dict(name="my-backend"), "lowercase identifier"),   # `--option NAME:KEY=VALUE`, paths
+    (dict(name="a:b"), "lowercase identifier"),
+    (dict(name="a/b"), "lowercase identifier"),
+    (dict(name="my backend"), "lowercase identifier"),
+    (dict(name="auto"), "not 'auto'"),                    # the request for the best backend
+    (dict(name="x", aliases=("auto",)), "not 'auto'"),
+    (dict(name="x", aliases=("x-y",)), "tuple of lowercase identifiers"),
     (dict(name="x", aliases="y"), "tuple of lowercase"),
     (dict(name="x", aliases=("Y",)), "tuple of lowercase"),
     (dict(name="x", deprecated_aliases=("",)), "tuple of lowercase"),

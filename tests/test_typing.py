@@ -36,7 +36,7 @@ import torch
 import specattn
 
 
-class Mine(specattn.DraftDecodeBackend, name="typed-user-backend"):
+class Mine(specattn.DraftDecodeBackend, name="typed_user_backend"):
     def _attend(self, step: int, layer: specattn.AttentionLayer, q: torch.Tensor,
                 k: torch.Tensor, v: Optional[torch.Tensor], **options: Any) -> torch.Tensor:
         lens: torch.Tensor = self.batch.seq_lens
