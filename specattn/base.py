@@ -369,12 +369,24 @@ _CAPABILITIES: dict[str, tuple[str, Any]] = {
 }
 
 
+# Declaration keywords that the class statement's keywords set and a class body's value of
+# the same name would not (``name = "mine"`` registers nothing, ``platforms = is_cuda`` is
+# replaced by ``any_platform``); ``kernel_library`` is read from the body too.
+_BODY_IGNORED = frozenset(_DECLARATION_KEYWORDS) - {"kernel_library"}
+
+
 def _check_capabilities(cls: type[DraftBackend]) -> None:
     """The capability ClassVars a class body sets (``cls.__dict__``: inherited ones were
     checked on their class) have the right types, and no name in it is a misspelled
-    capability (``max_top_k``), which would otherwise be ignored."""
+    capability (``max_top_k``) or a declaration keyword (``platforms``), which would
+    otherwise be ignored."""
     where = f"{cls.__module__}.{cls.__qualname__}"
     for field, value in cls.__dict__.items():
+        if field in _BODY_IGNORED:
+            raise RegistrationError(
+                f"{where}: {field}: expected a class keyword (class {cls.__name__}(..., "
+                f"{field}=...)), got {field} = {value!r} in the class body, where it would "
+                "be ignored")
         if field in _CAPABILITIES:
             expected, ok = _CAPABILITIES[field]
             if not ok(value):

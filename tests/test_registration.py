@@ -304,6 +304,26 @@ def test_a_misspelled_capability_fails_at_class_creation(empty_registry, field, 
                                f"mean {meant!r}?), got {field} = 8")
 
 
+@pytest.mark.parametrize("field,value", [("platforms", is_cpu), ("models", ("mla",)),
+                                         ("aliases", ("my",)), ("requires", (("m", "m"),)),
+                                         ("priority", 5), ("flavour", "x")])
+def test_a_declaration_keyword_in_the_class_body_fails_at_class_creation(empty_registry, field,
+                                                                          value):
+    """The declaration is the class statement's keywords; the body's value of one would be
+    replaced (``platforms = is_cuda`` ran as ``any_platform``)."""
+    with pytest.raises(RegistrationError) as info:
+        _with(**{field: value})
+    assert str(info.value) == (f"fakes.Caps: {field}: expected a class keyword (class Caps(..., "
+                               f"{field}=...)), got {field} = {value!r} in the class body, "
+                               "where it would be ignored")
+    assert empty_registry.names("decode") == []
+
+
+def test_a_name_in_the_class_body_fails_instead_of_registering_nothing(empty_registry):
+    with pytest.raises(RegistrationError, match="name: expected a class keyword"):
+        type("Body", (DraftDecodeBackend,), {"__module__": "fakes", **_BODY, "name": "mine"})
+
+
 def test_well_typed_capabilities_and_other_attributes_pass(empty_registry):
     import torch
 
