@@ -429,7 +429,8 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
         raise bad("flavour= must be a non-empty string", cls.flavour)
     platforms = decl.get("platforms", any_platform)
     if not isinstance(platforms, Predicate):
-        raise bad("platforms= must be a specattn.platforms.Predicate", platforms)
+        raise bad("platforms= must be a specattn.platforms.Predicate (a function wrapped as "
+                  "Predicate(fn, description))", platforms)
     cls.platforms = platforms
     models = frozenset(decl.get("models", MODELS))
     if not models or not models <= MODELS:

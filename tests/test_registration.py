@@ -109,6 +109,26 @@ def test_bad_declarations_raise(empty_registry, keywords, match):
     assert empty_registry.names("decode") == []
 
 
+def test_a_predicate_that_cannot_be_called_fails_where_it_is_written():
+    """``Predicate`` checks its function when built, and combines only with predicates: both
+    mistakes had surfaced at the first selection, or as an ``AttributeError``."""
+    from specattn.errors import InvalidInputError
+    from specattn.platforms import Predicate, is_cuda
+
+    with pytest.raises(InvalidInputError) as info:
+        Predicate("cuda", "CUDA")
+    assert str(info.value) == "Predicate.fn: expected a callable taking a Platform, got 'cuda'"
+    with pytest.raises(InvalidInputError, match="Predicate.description"):
+        Predicate(lambda p: True, "")
+    with pytest.raises(InvalidInputError) as info:
+        is_cuda | (lambda p: True)
+    assert str(info.value) == ("the right operand of |: expected a specattn.platforms.Predicate "
+                               "(a function wrapped as Predicate(fn, description)), got function")
+    with pytest.raises(InvalidInputError, match="right operand of &"):
+        is_cuda & "cpu"
+    assert repr(is_cuda | is_cpu) == "Predicate('CUDA or the CPU')"
+
+
 # --- duplicates and replacement ----------------------------------------------------------------
 
 def test_duplicate_name_names_both_classes(empty_registry):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import InvalidInputError
 from ..install import install_hint
 from .interface import Platform
 
@@ -21,19 +22,31 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Predicate:
     fn: Callable[[Platform], bool]
     description: str
+
+    def __post_init__(self) -> None:
+        # Checked here, where the declaration is written: a bad one would otherwise fail
+        # at the first selection, `specattn list` or `auto`, for every backend.
+        if not callable(self.fn):
+            raise InvalidInputError("Predicate.fn", "a callable taking a Platform",
+                                    repr(self.fn))
+        if not isinstance(self.description, str) or not self.description:
+            raise InvalidInputError("Predicate.description", "a non-empty str",
+                                    repr(self.description))
 
     def __call__(self, platform: Platform) -> bool:
         return bool(self.fn(platform))
 
     def __or__(self, other: "Predicate") -> "Predicate":
+        _operand("|", other)
         return Predicate(lambda p: self(p) or other(p),
                          f"{self.description} or {other.description}")
 
     def __and__(self, other: "Predicate") -> "Predicate":
+        _operand("&", other)
         return Predicate(lambda p: self(p) and other(p),
                          f"{_paren(self)} and {_paren(other)}")
 
@@ -42,6 +55,16 @@ class Predicate:
 
     def __str__(self) -> str:
         return self.description
+
+    def __repr__(self) -> str:
+        return f"Predicate({self.description!r})"
+
+
+def _operand(op: str, other: object) -> None:
+    if not isinstance(other, Predicate):
+        raise InvalidInputError(f"the right operand of {op}", "a specattn.platforms.Predicate "
+                                "(a function wrapped as Predicate(fn, description))",
+                                type(other).__name__)
 
 
 def _paren(p: Predicate) -> str:
