@@ -32,7 +32,8 @@ import torch
 
 from ._tensor_checks import _is_int, dtype_name
 from .data import DraftBatch, DraftExtendBatch, DraftRunner
-from .errors import BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError
+from .errors import (BackendUnavailableError, CallOrderError, InvalidInputError, RegistrationError,
+                     shorten)
 from .install import install_hint
 from .keys import BackendRequest, a_kind, check_draft_params
 from .kv_layouts import KV_CACHE_DTYPES
@@ -157,16 +158,20 @@ class DraftBackend(ABC):
     def platform_reasons(cls, platform: Platform) -> list[str]:
         """Reasons this class cannot run on ``platform`` (platform and libraries only)."""
         reasons = []
-        if not cls.platforms(platform):
-            interpreted = dataclasses.replace(platform, triton_interpret=True)
-            if platform.device == "cpu" and cls.platforms(interpreted):
-                # The only thing missing is the interpreter switch: say that first, since
-                # installing triton alone does not change the answer.
-                reasons.append("set TRITON_INTERPRET=1 to run it on this CPU (Triton's "
-                               "interpreter, slow)")
-            else:
-                reasons.append(f"needs {cls.platforms.description}, this platform is "
-                               f"{platform}")
+        try:
+            if not cls.platforms(platform):
+                interpreted = dataclasses.replace(platform, triton_interpret=True)
+                if platform.device == "cpu" and cls.platforms(interpreted):
+                    # The only thing missing is the interpreter switch: say that first,
+                    # since installing triton alone does not change the answer.
+                    reasons.append("set TRITON_INTERPRET=1 to run it on this CPU (Triton's "
+                                   "interpreter, slow)")
+                else:
+                    reasons.append(f"needs {cls.platforms.description}, this platform is "
+                                   f"{platform}")
+        except Exception as exc:  # noqa: BLE001 - one class's predicate, not every selection
+            reasons.append(f"its platforms= predicate ({cls.platforms.description}) raised "
+                           f"{type(exc).__name__}: {shorten(str(exc))}")
         for module, pip_name in cls.requires:
             if not platform.has_library(module):
                 reasons.append(f"needs the '{module}' package, which is not installed "

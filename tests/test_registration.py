@@ -129,6 +129,26 @@ def test_a_predicate_that_cannot_be_called_fails_where_it_is_written():
     assert repr(is_cuda | is_cpu) == "Predicate('CUDA or the CPU')"
 
 
+def test_a_predicate_that_raises_is_a_reason_of_its_class_only(scoped_registry):
+    """A class's platform predicate that raises rejects that class, with what it raised; the
+    others are still listed and selected (it had stopped ``list_backends`` and ``auto``)."""
+    import specattn
+    from specattn.keys import BackendRequest
+    from specattn.platforms import Predicate
+    from specattn.selection import select
+
+    def probe(platform):
+        raise RuntimeError("probe failed")
+
+    cls = declare("Raises", name="raises", platforms=Predicate(probe, "a probed device"))
+    cpu = Platform("cpu")
+    assert cls.validate(BackendRequest(kind="decode"), cpu) == [
+        "its platforms= predicate (a probed device) raised RuntimeError: probe failed"]
+    row = next(r for r in specattn.list_backends(platform=cpu) if r.backend is cls)
+    assert not row.runs_here and "raised RuntimeError: probe failed" in row.reason
+    assert select("decode", "auto", BackendRequest(kind="decode"), cpu).backend is not None
+
+
 # --- duplicates and replacement ----------------------------------------------------------------
 
 def test_duplicate_name_names_both_classes(empty_registry):
