@@ -117,6 +117,7 @@ class DraftBackend(ABC):
                 f"{sorted(unknown)}; expected some of {list(_DECLARATION_KEYWORDS)}")
         super().__init_subclass__()
         _check_capabilities(cls)
+        _check_one_kind(cls)
         if name is None:
             if declaration:
                 raise RegistrationError(
@@ -412,6 +413,17 @@ _NAME_RULE = "([a-z][a-z0-9_]*, not 'auto')"
 
 def _is_backend_name(value: Any) -> bool:
     return isinstance(value, str) and bool(_NAME.fullmatch(value)) and value != "auto"
+
+
+def _check_one_kind(cls: type[DraftBackend]) -> None:
+    """A class is a decode or an extend backend: one of both would register as the kind its
+    bases list first and be called with the other kind's arguments."""
+    kinds = {b.__dict__["kind"] for b in cls.__mro__ if b.__dict__.get("kind")}
+    if len(kinds) > 1:
+        raise RegistrationError(
+            f"{cls.__module__}.{cls.__qualname__}: expected a subclass of DraftDecodeBackend "
+            "or of DraftExtendBackend, got one of both (one class per kind; the two classes "
+            "may share name=)")
 
 
 def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any]) -> None:

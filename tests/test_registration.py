@@ -61,6 +61,19 @@ def test_registration_needs_a_kind(empty_registry):
         declare("NoKind", base=DraftBackend, name="nokind")
 
 
+@pytest.mark.parametrize("bases", [(DraftDecodeBackend, DraftExtendBackend),
+                                   (DraftExtendBackend, DraftDecodeBackend)])
+def test_one_class_for_both_kinds_fails_at_class_creation(empty_registry, bases):
+    """It had registered as the kind its bases list first, to be called with the other's
+    arguments."""
+    with pytest.raises(RegistrationError) as info:
+        type("Both", bases, {"__module__": "fakes", **_BODY}, name="both")
+    assert str(info.value) == (
+        "fakes.Both: expected a subclass of DraftDecodeBackend or of DraftExtendBackend, got "
+        "one of both (one class per kind; the two classes may share name=)")
+    assert empty_registry.names("decode") == empty_registry.names("extend") == []
+
+
 def test_cooperative_keywords_pass_through_a_mixin(empty_registry):
     class Tagged:
         def __init_subclass__(cls, tag=None, **kwargs):
