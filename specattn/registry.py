@@ -75,14 +75,20 @@ class Registry:
         # Every check runs before anything changes: a refused class leaves no trace.
         self._check_name_free(kind, name, cls, is_alias=False)
         old = self._classes[kind].get(name, {}).get(flavour)
-        if old is not None and old is not cls and not replace:
+        # The same class statement run again (a module reloaded, a notebook cell re-run)
+        # replaces its earlier class: it is one definition, not two backends.
+        again = old is not None and old.qualified_name() == cls.qualified_name()
+        if old is not None and old is not cls and not (replace or again):
             raise DuplicateBackendError(
                 f"{kind} backend name {name!r} (flavour {flavour!r}) is declared twice: "
                 f"{old.qualified_name()} and {cls.qualified_name()}; pass replace=True "
                 "to override on purpose")
         for alias in cls.aliases + cls.deprecated_aliases:
             self._check_name_free(kind, alias, cls, is_alias=True)
-        if old is not None and old is not cls:
+        if again and old is not cls:
+            log.debug("%s backend %r (flavour %r): %s defined again", kind, name, flavour,
+                      cls.qualified_name())
+        elif old is not None and old is not cls:
             log.warning("%s backend %r (flavour %r): %s replaces %s", kind, name, flavour,
                         cls.qualified_name(), old.qualified_name())
         self._classes[kind].setdefault(name, {})[flavour] = cls

@@ -181,6 +181,28 @@ def test_same_name_other_flavour_or_kind_is_fine(empty_registry):
     assert empty_registry.classes("extend", "dup") == [c]
 
 
+def test_a_reloaded_module_replaces_its_own_classes(empty_registry, tmp_path, monkeypatch):
+    """The same class statement run again (``importlib.reload``, a notebook cell re-run) is one
+    definition: it had been a ``DuplicateBackendError`` naming the same class twice."""
+    import importlib
+
+    (tmp_path / "reloaded_backend.py").write_text(
+        "from specattn import DraftDecodeBackend\n"
+        "class Mine(DraftDecodeBackend, name='reloaded', aliases=('rl',)):\n"
+        "    def _attend(self, step, layer, q, k, v):\n"
+        "        return q\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("reloaded_backend")
+    first = module.Mine
+    importlib.reload(module)
+    assert module.Mine is not first
+    assert empty_registry.classes("decode", "reloaded") == [module.Mine]
+    assert empty_registry.canonical("decode", "rl") == ("reloaded", False)
+    monkeypatch.delitem(sys.modules, "reloaded_backend")
+    with pytest.raises(DuplicateBackendError, match="fakes.Other"):  # another class still fails
+        declare("Other", name="reloaded")
+
+
 def test_replace_true_overrides_and_logs(empty_registry, caplog):
     declare("Old", name="dup")
     with caplog.at_level(logging.WARNING, logger="specattn"):
