@@ -16,7 +16,9 @@ call protocol around these hooks (``DraftDecodeBackend`` lists them all).
 ``__init_subclass__`` only records and checks the declaration (PEP 487): it imports no vendor
 library, touches no device and decides nothing. Classes without ``name=`` (intermediate bases)
 do not register, and a subclass of a registered class does not inherit its registration:
-per-class settings are read from ``cls.__dict__``.
+per-class settings are read from ``cls.__dict__``. A subclass that passes its own ``name=``
+keeps where its parent runs (``platforms``, ``models``, ``requires``, ``kernel_library``)
+unless it declares them; its aliases, flavour and priority are its own.
 """
 
 from __future__ import annotations
@@ -444,16 +446,18 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
     cls.flavour = decl.get("flavour", "default")
     if not isinstance(cls.flavour, str) or not cls.flavour:
         raise bad("flavour= must be a non-empty string", cls.flavour)
-    platforms = decl.get("platforms", any_platform)
+    # Where the code runs follows the code: a subclass of a registered class keeps its
+    # parent's platforms, models and requires (as kernel_library) unless it declares them.
+    platforms = decl.get("platforms", cls.platforms)
     if not isinstance(platforms, Predicate):
         raise bad("platforms= must be a specattn.platforms.Predicate (a function wrapped as "
                   "Predicate(fn, description))", platforms)
     cls.platforms = platforms
-    models = frozenset(decl.get("models", MODELS))
+    models = frozenset(decl.get("models", cls.models))
     if not models or not models <= MODELS:
         raise bad("models= must be a non-empty subset of {'mha', 'mla'}", decl.get("models"))
     cls.models = models
-    requires = tuple(decl.get("requires", ()))
+    requires = tuple(decl.get("requires", cls.requires))
     if not all(isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, str) for x in r)
                for r in requires):
         raise bad("requires= must be a tuple of (module, pip name) pairs", decl.get("requires"))

@@ -231,8 +231,27 @@ def test_subclass_may_register_under_its_own_name(empty_registry):
     parent = declare("Parent", name="parent", aliases=("pa",), platforms=is_cpu)
     child = type("Child", (parent,), {"__module__": "fakes"}, name="child")
     assert child.is_registered() and child.name == "child"
-    assert child.aliases == ()  # declarations are not inherited
+    assert child.aliases == ()  # its identity is its own
     assert empty_registry.canonical("decode", "pa") == ("parent", False)
+
+
+def test_subclass_under_its_own_name_keeps_where_its_parent_runs(empty_registry):
+    """A subclass that tweaks a GPU backend had claimed any platform and no library, so
+    ``specattn list`` and ``auto`` took it on a machine its kernels cannot run on."""
+    from specattn.platforms import is_cuda
+
+    parent = declare("Parent", name="parent", platforms=is_cuda, models=("mla",),
+                     requires=(("mylib", "mylib"),), kernel_library="mylib", priority=40)
+    child = type("Child", (parent,), {"__module__": "fakes", "max_topk": 4}, name="child")
+    assert (child.platforms, child.models, child.requires, child.kernel_library) == (
+        is_cuda, frozenset({"mla"}), (("mylib", "mylib"),), "mylib")
+    assert child.priority == {} and child.flavour == "default"
+    assert child.platform_reasons(Platform("cpu", libraries=frozenset())) == [
+        "needs CUDA, this platform is cpu without AMX",
+        "needs the 'mylib' package, which is not installed (pip install mylib)"]
+    own = type("Own", (parent,), {"__module__": "fakes"}, name="own", platforms=is_cpu,
+               models=("mha", "mla"), requires=())
+    assert (own.platforms, own.models, own.requires) == (is_cpu, frozenset({"mha", "mla"}), ())
 
 
 # --- aliases -----------------------------------------------------------------------------------
