@@ -27,7 +27,7 @@ import dataclasses
 import difflib
 import re
 from abc import ABC
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
 
 import torch
@@ -428,6 +428,14 @@ def _check_one_kind(cls: type[DraftBackend]) -> None:
             "may share name=)")
 
 
+def _as_tuple(value: Any) -> Optional[tuple[Any, ...]]:
+    """A keyword's collection as a tuple; ``None`` for a value that is not one (a str, None,
+    a number), which the caller refuses with its own expectation."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return None
+    return tuple(value)
+
+
 def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any]) -> None:
     where = f"{cls.__module__}.{cls.__qualname__}"
 
@@ -438,8 +446,8 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
         raise bad(f"name= must be a lowercase identifier {_NAME_RULE}", name)
     cls.name = name
     for key in ("aliases", "deprecated_aliases"):
-        value = tuple(decl.get(key, ()))
-        if isinstance(decl.get(key), str) or not all(_is_backend_name(a) for a in value):
+        value = _as_tuple(decl.get(key, ()))
+        if value is None or not all(_is_backend_name(a) for a in value):
             raise bad(f"{key}= must be a tuple of lowercase identifiers {_NAME_RULE}",
                       decl.get(key))
         setattr(cls, key, value)
@@ -453,13 +461,14 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
         raise bad("platforms= must be a specattn.platforms.Predicate (a function wrapped as "
                   "Predicate(fn, description))", platforms)
     cls.platforms = platforms
-    models = frozenset(decl.get("models", cls.models))
+    models = frozenset(_as_tuple(decl.get("models", cls.models)) or ())
     if not models or not models <= MODELS:
         raise bad("models= must be a non-empty subset of {'mha', 'mla'}", decl.get("models"))
     cls.models = models
-    requires = tuple(decl.get("requires", cls.requires))
-    if not all(isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, str) for x in r)
-               for r in requires):
+    requires = _as_tuple(decl.get("requires", cls.requires))
+    if requires is None or not all(
+            isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, str) for x in r)
+            for r in requires):
         raise bad("requires= must be a tuple of (module, pip name) pairs", decl.get("requires"))
     cls.requires = requires
     priority = decl.get("priority", {})
@@ -470,7 +479,13 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
         raise bad("priority= must be an int or a {device: int} mapping", priority)
     cls.priority = dict(priority)
     cls.kernel_library = decl.get("kernel_library", cls.kernel_library)
+    if not isinstance(cls.kernel_library, str) or not cls.kernel_library:
+        raise bad("kernel_library= must be a non-empty string", cls.kernel_library)
+    if not isinstance(decl.get("replace", False), bool):
+        raise bad("replace= must be a bool", decl["replace"])
     mla_name = decl.get("mla_required_name")
+    if mla_name is not None and not isinstance(mla_name, str):
+        raise bad("mla_required_name= must be None or a str", mla_name)
     if mla_name is not None and models != frozenset({"mla"}):
         raise bad("mla_required_name= only makes sense with models=('mla',)", mla_name)
     cls.mla_required_name = mla_name

@@ -113,6 +113,12 @@ def test_cooperative_keywords_pass_through_a_mixin(empty_registry):
     (dict(name="x", priority=True), "priority"),
     (dict(name="x", priority={"cuda": 1.5}), "priority"),
     (dict(name="x", mla_required_name="x"), "mla_required_name"),
+    (dict(name="x", aliases=None), "aliases= must be a tuple"),       # not a bare TypeError
+    (dict(name="x", models=None), "models= must be"),
+    (dict(name="x", requires=None), "requires= must be"),
+    (dict(name="x", kernel_library=3), "kernel_library= must be a non-empty string"),
+    (dict(name="x", replace="no"), "replace= must be a bool"),        # had replaced
+    (dict(name="x", models=("mla",), mla_required_name=3), "mla_required_name= must be"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_declarations_raise(empty_registry, keywords, match):
     with pytest.raises(RegistrationError, match=match) as info:
