@@ -374,6 +374,9 @@ _CAPABILITIES: dict[str, tuple[str, Any]] = {
         v, Mapping) and _strings(v) and _strings(v.values())),
     "kit_options": ("a mapping of constructor keywords (str) to values", lambda v: isinstance(
         v, Mapping) and _strings(v)),
+    "reads_host_lengths": ("a bool", lambda v: isinstance(v, bool)),
+    "max_extend_len": ("None or an int >= 1", lambda v: v is None or (
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
 }
 
 

@@ -385,6 +385,8 @@ def _with(**body):
     ("supports_cuda_graph", 1, "a bool"),
     ("soft_cap_models", ("mha",), "a frozenset of 'mha' / 'mla'"),
     ("known_limits", ["decode/*"], "a mapping of case-id patterns to reasons (str: str)"),
+    ("reads_host_lengths", "False", "a bool"),   # a str had read as True
+    ("max_extend_len", "8", "None or an int >= 1"),
 ])
 def test_a_capability_of_the_wrong_type_fails_at_class_creation(empty_registry, field, value,
                                                                  expected):
