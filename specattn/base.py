@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import re
 from abc import ABC
 from collections.abc import Iterable, Mapping
@@ -498,7 +499,37 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
                                      for hook in ("_attend", "forward")):
         raise RegistrationError(f"{where}: implements neither _attend (the hook the protocol "
                                 "calls) nor forward")
+    _check_attend_signature(cls, where)
     cls._registered = True
+
+
+# The positional arguments ``forward`` passes to ``_attend``, by kind.
+_ATTEND_ARGS = {"decode": ("step", "layer", "q", "k", "v"), "extend": ("layer", "q", "k", "v")}
+
+
+def _check_attend_signature(cls: type[DraftBackend], where: str) -> None:
+    """``_attend`` takes the arguments ``forward`` of its kind passes (a decode class with
+    the extend hook's signature would fail at its first call)."""
+    args = _ATTEND_ARGS.get(cls.kind)
+    if args is None:  # not a kind (the registry refuses it)
+        return
+    try:
+        signature = inspect.signature(getattr(cls, "_attend"))
+    except (TypeError, ValueError):  # not introspectable: the call will tell
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        # Keyword-only parameters come from ``_forward_options``; the positional ones
+        # are ``forward``'s.
+        bound = signature.bind_partial(None, *args).arguments
+        fits = all(p.name in bound or p.default is not p.empty
+                   for p in signature.parameters.values() if p.kind in positional)
+    except TypeError:
+        fits = False
+    if not fits:
+        raise RegistrationError(
+            f"{where}: _attend: expected the {cls.kind} hook's arguments (self, "
+            f"{', '.join(args)}, **options), got _attend{signature}")
 
 
 class DraftDecodeBackend(DraftBackend):

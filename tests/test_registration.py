@@ -168,6 +168,24 @@ def test_a_predicate_that_raises_is_a_reason_of_its_class_only(scoped_registry):
     assert select("decode", "auto", BackendRequest(kind="decode"), cpu).backend is not None
 
 
+@pytest.mark.parametrize("base,attend,expected", [
+    (DraftDecodeBackend, lambda self, layer, q, k, v: q, "(self, layer, q, k, v)"),
+    (DraftExtendBackend, lambda self, step, layer, q, k, v: q, "(self, step, layer, q, k, v)"),
+])
+def test_an_attend_with_the_other_kinds_arguments_fails_at_class_creation(empty_registry, base,
+                                                                          attend, expected):
+    """It had registered and failed with a ``TypeError`` at its first ``forward``."""
+    kind = base.kind
+    args = "step, layer, q, k, v" if kind == "decode" else "layer, q, k, v"
+    with pytest.raises(RegistrationError) as info:
+        type("Sig", (base,), {"__module__": "fakes", "_attend": attend}, name="sig")
+    assert str(info.value) == (f"fakes.Sig: _attend: expected the {kind} hook's arguments "
+                               f"(self, {args}, **options), got _attend{expected}")
+    # Keyword-only parameters (a backend's own forward options) and defaults are fine.
+    type("Kw", (base,), {"__module__": "fakes",
+                         "_attend": lambda self, *a, sink=None, **o: a[-3]}, name="kw")
+
+
 # --- duplicates and replacement ----------------------------------------------------------------
 
 def test_duplicate_name_names_both_classes(empty_registry):
