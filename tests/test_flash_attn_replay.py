@@ -299,3 +299,33 @@ def test_padded_replays_keep_one_launch_per_signature():
         assert len(backend._replays) == 3  # the capture's signature is raw 3's
         with pytest.raises(InvalidInputError, match=r"^bs: "):
             backend.init_forward_metadata_replay_cuda_graph(batch, 4)
+
+
+def test_extend_replay_of_fewer_tokens_pads_and_of_fewer_requests_is_refused():
+    """A replay of one new token fewer than its capture: the fixed ``out_cache_loc`` the
+    captured KV write reads holds the batch's slots, then slot 0 (it had kept the capture
+    round's last slot, which the replayed write overwrote). A replay of fewer requests is
+    refused (the captured tables' grid and slices are the capture's; the engine pads)."""
+    case = make_extend_case(bs=3, page_size=1, seed=4, max_ext=3)
+    b = case.batch
+    with installed(HOPPER_FA4):
+        backend = FA4_EXTEND(case.runner, num_steps=3)
+    tokens = int(b.extend_lens.sum())
+    backend.init_cuda_graph_state(3, 9)
+    backend.init_forward_metadata_capture_cuda_graph(b)
+    fixed = backend._require_graph_state().loc
+    r = int((b.extend_lens > 1).nonzero()[0, 0])
+    drop = int(b.extend_lens[:r + 1].sum()) - 1
+    keep = [i for i in range(tokens) if i != drop]
+    fewer, shorter = b.extend_lens.clone(), b.seq_lens.clone()
+    fewer[r] -= 1
+    shorter[r] -= 1
+    assert int(fixed[tokens - 1]) != 0
+    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
+        b.req_pool_indices, shorter, fewer, b.out_cache_loc[keep]), 3)
+    assert torch.equal(fixed[:tokens - 1], b.out_cache_loc[keep]) and int(fixed[tokens - 1]) == 0
+    n = int(b.extend_lens[0])
+    with pytest.raises(InvalidInputError, match=r"^batch: expected the 3 requests of the "
+                                                r"capture .*got 1 requests$"):
+        backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
+            b.req_pool_indices[:1], b.seq_lens[:1], b.extend_lens[:1], b.out_cache_loc[:n]), 3)

@@ -507,3 +507,26 @@ def test_a_layer_of_other_scaling_after_a_lengthless_replay_is_refused(fake_flas
     backend.init_forward_metadata_replay_cuda_graph(host, 3)
     with pytest.raises(InvalidInputError, match="layer: .*without host lengths"):
         replan([backend._pass], backend.params, Params(0.5, 0.0))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("lengths", [True, False], ids=["host-lengths", "lengthless"])
+def test_extend_replay_of_fewer_tokens_pads_the_fixed_slots(host_work, mla, lengths):
+    """A replay of one new token fewer than its capture: the fixed ``out_cache_loc`` the
+    captured KV write reads holds the batch's slots, then slot 0 (it had kept the capture
+    round's last slot, which the replayed write overwrote)."""
+    backend, b, host = _captured_extend(mla, seed=9)
+    fixed = backend._require_graph_state().loc
+    tokens = int(b.extend_lens.sum())
+    assert int(fixed[tokens - 1]) != 0
+    r = int((b.extend_lens > 1).nonzero()[0, 0])
+    drop = int(b.extend_lens[:r + 1].sum()) - 1
+    keep = [i for i in range(tokens) if i != drop]
+    fewer, shorter = b.extend_lens.clone(), b.seq_lens.clone()
+    fewer[r] -= 1
+    shorter[r] -= 1
+    loc = b.out_cache_loc[keep]
+    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
+        b.req_pool_indices, shorter, fewer, loc, shorter.clone() if lengths else None,
+        fewer.clone() if lengths else None), 3)
+    assert torch.equal(fixed[:tokens - 1], loc) and int(fixed[tokens - 1]) == 0

@@ -62,7 +62,7 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
                          FixLoc, CsrIndptr, CsrLens, QoIndptr, Work, Mask,
                          stride_rows, stride_lens, stride_ext, stride_r2t_row, stride_r2t_pos,
                          stride_loc_b, stride_loc_k, stride_loc_s,
-                         raw, num_slots, width, fill,
+                         raw, num_slots, width, fill, fix_n,
                          s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14,
                          s15, s16, s17, qrows,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
@@ -76,7 +76,8 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
     ``(b, 0)`` writes ``CsrIndptr[b]`` and ``CsrLens[b]``, the last request ``CsrIndptr[bs]``;
     QO: likewise ``QoIndptr`` of the query rows ``Ext`` (an extend's new tokens); EXT_LOC (with
     QO): program ``(b, i)`` also copies request ``b``'s new tokens' slots at those positions
-    from ``Loc [tokens]`` into ``FixLoc``, at most ``tokens`` in all. SCHED: program ``(b,
+    from ``Loc [tokens]`` into ``FixLoc [fix_n]``, at most ``tokens`` in all, and the last
+    program writes slot 0 (the padding's) into ``FixLoc[tokens : fix_n]``. SCHED: program ``(b,
     0)`` writes request ``b``'s part of FlashInfer's graph schedule of the round into
     ``Work`` / ``Mask`` (query rows ``Ext`` with QO, else ``qrows`` each): 1, the FA2
     prefill schedule (``prefill_schedule.fa2_schedule``), 2, the MLA one
@@ -124,6 +125,10 @@ def _prefix_slots_kernel(Rows, Lens, Loc, Ext, total, tokens, ReqToToken, Out, F
             new = (t < mine) & (at < tokens)
             loc = tl.load(Loc + at * stride_loc_b, mask=new, other=0).to(tl.int64)
             tl.store(FixLoc + at, loc, mask=new)
+            if (b == tl.num_programs(0) - 1) & (tile == 0):  # a replay of fewer tokens
+                for p0 in range(tokens, fix_n, BLOCK_T):
+                    pad = p0 + tl.arange(0, BLOCK_T)
+                    tl.store(FixLoc + pad, tl.zeros([BLOCK_T], tl.int64), mask=pad < fix_n)
     if SCHED == 1:
         if tile == 0:
             fa2_schedule(b, tl.num_programs(0), raw, Lens, stride_lens, Ext, stride_ext, fill,
@@ -194,7 +199,9 @@ def prefix_slots(out: torch.Tensor, total: int, longest: int, req_to_token: torc
     qo: ``(ext [raw] int, any stride; qo_indptr [bs + 1] int32)``: an extend's new tokens per
     request and the buffer that gets their indptr (padding requests have none).
     ext_loc (with ``qo``): ``(out_cache_loc [T] int, any stride; fixed [>= T] int64)``: the
-    new tokens' slots, copied into ``fixed`` (an extend graph round's buffer).
+    new tokens' slots, copied into ``fixed`` (an extend graph round's buffer), whose rows
+    past ``T`` get slot 0 (a replay of fewer tokens than its capture: the captured KV write
+    covers ``fixed``).
     schedule: where FlashInfer's graph schedule of the round goes and how (``Fa2Schedule``:
     a prefill wrapper's; ``MLASchedule``: an MLA wrapper's), written by the same launch.
     kept: the caller's dict of kept launches (``KernelLaunch`` by signature and grid), for
@@ -261,7 +268,8 @@ def _launch(out, req_to_token, rows, lens, src_loc, ext, num_slots, bs, tiles, f
             out if qo_indptr is None else qo_indptr, *buffers, rows.stride(0),
             lens.stride(0), ext.stride(0),
             req_to_token.stride(0), req_to_token.stride(1), *loc_strides, rows.shape[0],
-            num_slots, req_to_token.shape[1], fill, *ints)
+            num_slots, req_to_token.shape[1], fill,
+            0 if ext_fixed is None else ext_fixed.shape[0], *ints)
     consts = dict(BLOCK_B=_BLOCK_B, BLOCK_T=_BLOCK_T, FIXED=fixed is not None, LOC_N=loc_n,
                   NUM_STEPS=steps, BLOCK_LOC=next_pow2(loc_n), CSR=csr is not None,
                   QO=qo_indptr is not None, EXT_LOC=ext_fixed is not None, **sched,

@@ -127,7 +127,8 @@ class FlashAttnExtendGlue(KeptExtendCalls):
             self._launch = extend_tables(
                 src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc,
                 self.runner, bufs, self.page_size,
-                None if source is None else batch.out_cache_loc,
+                None if source is None else
+                self._require_graph_state().loc[:self.graph_size[1]],
                 tail_pages=ceil_div(self.page_size - 1 + max_q, self.page_size)
                 if bufs.chunks > 1 else None)
         else:
@@ -181,6 +182,10 @@ class FlashAttnExtendGlue(KeptExtendCalls):
     def _plan_graph(self, batch, *, capture: bool) -> None:
         # Every E_b >= 1, so max(E) <= T - B + 1: a bound that needs no host read.
         bs = batch.batch_size
+        if self.graph_size[0] != bs:  # the captured tables' grid and slices are its size's
+            raise InvalidInputError("batch", f"the {self.graph_size[0]} requests of the "
+                                    "capture (the engine pads a round's requests)",
+                                    f"{bs} requests")
         bufs = self._buffers(self._graph_bufs, self.cuda_graph_max_bs, self.chunks_for(bs))
         self._tables(bufs, batch, self.num_tokens - bs + 1,
                      self.graph_source if self._meta_kernel else None)

@@ -128,14 +128,15 @@ def _decode_tables_kernel(ReqPoolIdx, SeqLens, OutLoc, ReqToToken, Table, Used, 
 def _extend_tables_kernel(ReqPoolIdx, SeqLens, ExtLens, OutLoc, ReqToToken, Table, Seq, Cu,
                           FixLoc, CTable, CUsed, CCu, stride_rpi, stride_seq, stride_ext,
                           stride_loc, stride_r2t, r2t_width, max_reqs, num_slots, bs,
-                          num_tokens, table_width, stride_table, stride_ctable,
+                          num_tokens, fix_n, table_width, stride_table, stride_ctable,
                           PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_X: tl.constexpr,
                           BLOCK_T: tl.constexpr, FIXED: tl.constexpr, CHUNKS: tl.constexpr,
                           CHUNK_PAGES: tl.constexpr):
     """Grid ``(B, X)``: request ``b``, column program ``x``. Program ``x == 0`` writes
     ``Cu[b + 1] = E[0] + ... + E[b]`` (``Cu[0] = 0``) and ``Seq[b]``, int32; ``Table`` row
     ``b`` gets page ids, its column blocks shared by the ``X`` programs. ``FIXED``: the
-    ``num_tokens`` new tokens' slots into ``FixLoc`` (int64), in blocks shared by all
+    ``num_tokens`` new tokens' slots into ``FixLoc [fix_n]`` (int64), then slot 0 (the
+    padding's: the captured KV write covers ``fix_n`` rows), in blocks shared by all
     programs.
 
     ``CHUNKS == 1``: ``Seq[b] = L'``, ``Table`` row ``b`` = the page ids of ``R[0 : L']``.
@@ -185,12 +186,12 @@ def _extend_tables_kernel(ReqPoolIdx, SeqLens, ExtLens, OutLoc, ReqToToken, Tabl
                 p % CHUNK_PAGES
             tl.store(dest, _page_ids(row, p, pages, r2t_width, num_slots, PAGE),
                      mask=p < CHUNKS * CHUNK_PAGES)
-    if FIXED:
+    if FIXED:  # the new tokens' slots, then slot 0 up to fix_n (a replay of fewer tokens)
         offs_t = tl.arange(0, BLOCK_T)
-        for t0 in range((b * nx + x) * BLOCK_T, num_tokens, bs * nx * BLOCK_T):
+        for t0 in range((b * nx + x) * BLOCK_T, fix_n, bs * nx * BLOCK_T):
             t = t0 + offs_t
             loc = tl.load(OutLoc + t * stride_loc, mask=t < num_tokens, other=0)
-            tl.store(FixLoc + t, loc.to(tl.int64), mask=t < num_tokens)
+            tl.store(FixLoc + t, loc.to(tl.int64), mask=t < fix_n)
 
 
 def _columns(width: int, owners: int) -> tuple[int, int]:
@@ -246,7 +247,8 @@ def extend_tables(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     """Fill ``bufs`` (an ``_extend._Buffers``, split or not) for an extend batch in one
     launch and return the launch (called with ``(req_pool_indices, seq_lens, extend_lens,
     out_cache_loc)``, as ``decode_tables``). fixed_loc: a CUDA-graph round's fixed
-    ``out_cache_loc`` view (int64, ``[T]``), which gets the new tokens' slots. tail_pages:
+    ``out_cache_loc`` view (int64, ``[>= T]``), which gets the new tokens' slots and slot 0
+    in its rows past them (a replay of fewer tokens than its capture). tail_pages:
     the tail table's columns a split batch reads at most (default: all)."""
     bs, tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
     r2t, table = runner.req_to_token, bufs.pt
@@ -258,7 +260,8 @@ def extend_tables(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
             ctable, bufs.cused if split else bufs.seq, bufs.ccu if split else bufs.cu,
             req_pool_indices.stride(0), seq_lens.stride(0), extend_lens.stride(0),
             out_cache_loc.stride(0), r2t.stride(0), r2t.shape[1], r2t.shape[0],
-            runner.num_slots, bs, tokens, width, table.stride(0), ctable.stride(0))
+            runner.num_slots, bs, tokens, tokens if fixed_loc is None else fixed_loc.shape[0],
+            width, table.stride(0), ctable.stride(0))
     consts = dict(PAGE=page_size, BLOCK_B=next_pow2(bs), BLOCK_X=block_x,
                   BLOCK_T=min(MAX_BLOCK_X, next_pow2(ceil_div(tokens, bs), lo=16)),
                   FIXED=fixed_loc is not None, CHUNKS=bufs.chunks,
