@@ -549,3 +549,17 @@ def test_an_option_a_class_refuses_for_a_case_skips_that_case(scoped_registry):
     assert mla and all(r.status == "skipped" and "option 'flavor' does not apply" in r.detail
                        for r in mla), mla
     assert any(r.status == "passed" for r in mha)
+
+
+def test_an_unregistered_subclass_is_labelled_by_its_own_name():
+    """``check_backend([C])`` of an unregistered subclass of a registered class: its report
+    is labelled ``C`` (it inherited the parent's ``name`` and read ``torch_ref``)."""
+    from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend
+    from specattn.testing import check_backend
+
+    class Variant(TorchRefDecode):
+        pass
+
+    report = check_backend([Variant, TorchRefExtend], kinds=("decode",), models=("mha",),
+                           level="quick", raise_on_failure=False)
+    assert report.target == "Variant/torch_ref" and report.ok

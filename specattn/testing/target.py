@@ -114,7 +114,9 @@ def _from_classes(backend: Union[type, Sequence[type]]) -> tuple[str, dict]:
         for model in MODELS:
             found.setdefault((kind, model), f"no {kind} class among those given serves "
                                             f"{model.upper()} models")
-    names = sorted({c.name or c.__qualname__ for c in classes})
+    # A class's own registered name, else its class name (an unregistered subclass of a
+    # registered class inherits the parent's ``name``, which would label it as the parent).
+    names = sorted({c.__dict__.get("name") or c.__name__ for c in classes})
     return "/".join(names), found
 
 
