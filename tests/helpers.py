@@ -283,6 +283,21 @@ def checked_replay(monkeypatch, backend, batch, bs: int) -> int:
     return len(checks)
 
 
+def one_token_fewer(batch: DraftExtendBatch, host_lengths: bool = False) -> DraftExtendBatch:
+    """``batch`` without the last new token of its first request that has more than one
+    (its ``seq_lens`` and ``extend_lens`` one less, its slot left out of ``out_cache_loc``),
+    with host copies of the lengths where ``host_lengths``."""
+    r = int((batch.extend_lens > 1).nonzero()[0, 0])
+    drop = int(batch.extend_lens[:r + 1].sum()) - 1
+    keep = [i for i in range(batch.out_cache_loc.shape[0]) if i != drop]
+    fewer, shorter = batch.extend_lens.clone(), batch.seq_lens.clone()
+    fewer[r] -= 1
+    shorter[r] -= 1
+    return DraftExtendBatch(batch.req_pool_indices, shorter, fewer, batch.out_cache_loc[keep],
+                            shorter.clone() if host_lengths else None,
+                            fewer.clone() if host_lengths else None)
+
+
 def first_requests(batch: DraftBatch, n: int) -> DraftBatch:
     """The first ``n`` requests of ``batch`` (a replay padded to the captured size)."""
     parents = None if batch.parents is None else batch.parents[:, :n]

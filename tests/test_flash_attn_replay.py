@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (CountedKernel, checked_replay, first_requests, quiet_replay,
-                     require_triton_interpret, strided_seq_lens, with_bad_slot)
+from helpers import (CountedKernel, checked_replay, first_requests, one_token_fewer,
+                     quiet_replay, require_triton_interpret, strided_seq_lens, with_bad_slot)
 from specattn.base import _FixedRound
 from specattn.data import DraftBatch, DraftExtendBatch
 from specattn.errors import InvalidInputError
@@ -314,16 +314,10 @@ def test_extend_replay_of_fewer_tokens_pads_and_of_fewer_requests_is_refused():
     backend.init_cuda_graph_state(3, 9)
     backend.init_forward_metadata_capture_cuda_graph(b)
     fixed = backend._require_graph_state().loc
-    r = int((b.extend_lens > 1).nonzero()[0, 0])
-    drop = int(b.extend_lens[:r + 1].sum()) - 1
-    keep = [i for i in range(tokens) if i != drop]
-    fewer, shorter = b.extend_lens.clone(), b.seq_lens.clone()
-    fewer[r] -= 1
-    shorter[r] -= 1
     assert int(fixed[tokens - 1]) != 0
-    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
-        b.req_pool_indices, shorter, fewer, b.out_cache_loc[keep]), 3)
-    assert torch.equal(fixed[:tokens - 1], b.out_cache_loc[keep]) and int(fixed[tokens - 1]) == 0
+    fewer = one_token_fewer(b)
+    backend.init_forward_metadata_replay_cuda_graph(fewer, 3)
+    assert torch.equal(fixed[:tokens - 1], fewer.out_cache_loc) and int(fixed[tokens - 1]) == 0
     n = int(b.extend_lens[0])
     with pytest.raises(InvalidInputError, match=r"^batch: expected the 3 requests of the "
                                                 r"capture .*got 1 requests$"):

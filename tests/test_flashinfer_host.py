@@ -36,6 +36,7 @@ from specattn.backends.flashinfer import (FlashInferDecode, FlashInferExtend,
 from specattn.backends.flashinfer import _decode, _extend, _slots
 from specattn.data import DraftBatch, DraftExtendBatch, host_lengths
 from specattn.errors import InvalidInputError
+from helpers import one_token_fewer
 from standins import flashinfer as fi_standin
 from test_flashinfer import fake_flashinfer  # noqa: F401 (the stand-in fixture)
 from test_flashinfer import make_decode_case, make_extend_case
@@ -368,17 +369,8 @@ def test_extend_replay_checks_a_batch_signature_once(host_work, monkeypatch, mla
     for _ in range(3):
         backend.init_forward_metadata_replay_cuda_graph(host, 3)
     assert len(checked) == 1
-    # One new token fewer (request r's last): another count, the same signature.
-    r = int((b.extend_lens > 1).nonzero()[0, 0])
-    drop = int(b.extend_lens[:r + 1].sum()) - 1
-    keep = [i for i in range(b.out_cache_loc.shape[0]) if i != drop]
-    fewer = b.extend_lens.clone()
-    fewer[r] -= 1
-    shorter = b.seq_lens.clone()
-    shorter[r] -= 1
-    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
-        b.req_pool_indices, shorter, fewer, b.out_cache_loc[keep], shorter.clone(),
-        fewer.clone()), 3)
+    # One new token fewer: another count, the same signature.
+    backend.init_forward_metadata_replay_cuda_graph(one_token_fewer(b, host_lengths=True), 3)
     assert len(checked) == 1
     backend.init_forward_metadata_replay_cuda_graph(b, 3)  # no host copies: a new signature
     assert len(checked) == 2
@@ -519,14 +511,6 @@ def test_extend_replay_of_fewer_tokens_pads_the_fixed_slots(host_work, mla, leng
     fixed = backend._require_graph_state().loc
     tokens = int(b.extend_lens.sum())
     assert int(fixed[tokens - 1]) != 0
-    r = int((b.extend_lens > 1).nonzero()[0, 0])
-    drop = int(b.extend_lens[:r + 1].sum()) - 1
-    keep = [i for i in range(tokens) if i != drop]
-    fewer, shorter = b.extend_lens.clone(), b.seq_lens.clone()
-    fewer[r] -= 1
-    shorter[r] -= 1
-    loc = b.out_cache_loc[keep]
-    backend.init_forward_metadata_replay_cuda_graph(DraftExtendBatch(
-        b.req_pool_indices, shorter, fewer, loc, shorter.clone() if lengths else None,
-        fewer.clone() if lengths else None), 3)
-    assert torch.equal(fixed[:tokens - 1], loc) and int(fixed[tokens - 1]) == 0
+    fewer = one_token_fewer(b, host_lengths=lengths)
+    backend.init_forward_metadata_replay_cuda_graph(fewer, 3)
+    assert torch.equal(fixed[:tokens - 1], fewer.out_cache_loc) and int(fixed[tokens - 1]) == 0
