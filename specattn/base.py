@@ -856,13 +856,13 @@ class DraftExtendBackend(DraftBackend):
             graph.tokens[bs] = tokens
             self.graph_size = (bs, tokens)
         else:
-            self.graph_size = self._replay_size(batch, cast(int, captured_bs), tokens)
+            self._check_replay(batch, cast(int, captured_bs))
         loc = graph.loc[:tokens]
         if self._fills_graph_round():
             self.graph_source = batch
         else:
             loc.copy_(batch.out_cache_loc)
-            graph.loc[tokens:self.graph_size[1]].fill_(0)  # the padding tokens: slot 0
+            self.padded_graph_loc()[tokens:].fill_(0)  # the padding tokens: slot 0
         self._begin(DraftExtendBatch(batch.req_pool_indices, batch.seq_lens,
                                      batch.extend_lens, loc,
                                      getattr(batch, "seq_lens_cpu", None),
@@ -887,7 +887,15 @@ class DraftExtendBackend(DraftBackend):
         return bs, captured
 
     def _check_replay(self, batch: "DraftExtendBatch", bs: int) -> None:
+        """Sets ``graph_size`` (``_replay_size``), refusing what a replay at ``bs`` cannot
+        run."""
         self.graph_size = self._replay_size(batch, bs, int(batch.out_cache_loc.shape[0]))
+
+    def padded_graph_loc(self) -> torch.Tensor:
+        """The graph round's fixed ``out_cache_loc`` over the capture's tokens
+        (``graph_size``): the batch's new-token slots, then the padding's slot 0, which a
+        backend whose ``_plan_graph`` fills it writes (the captured KV write covers it all)."""
+        return self._require_graph_state().loc[:self.graph_size[1]]
 
     def _fills_graph_round(self) -> bool:
         """True when ``_plan_graph`` copies ``self.graph_source.out_cache_loc`` (the caller's

@@ -127,8 +127,7 @@ class FlashAttnExtendGlue(KeptExtendCalls):
             self._launch = extend_tables(
                 src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc,
                 self.runner, bufs, self.page_size,
-                None if source is None else
-                self._require_graph_state().loc[:self.graph_size[1]],
+                None if source is None else self.padded_graph_loc(),
                 tail_pages=ceil_div(self.page_size - 1 + max_q, self.page_size)
                 if bufs.chunks > 1 else None)
         else:

@@ -107,7 +107,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
             # With the device CSR the launch also copies the new tokens' slots into the
             # graph's fixed buffer (``_fills_graph_round``).
             loc = None if dev_csr is None else (self.graph_source.out_cache_loc,
-                                                self._padded_loc())
+                                                self.padded_graph_loc())
             key = self._launch_key(p, batch, loc, dev_csr, schedule) if p.graph else None
             prefix_slots = prefix_slots_launcher()
             prefix_slots(out, csr.total, csr.max_kv, r.req_to_token, rows, lens, r.num_slots,
@@ -120,7 +120,7 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
                               batch.seq_lens, num_slots=r.num_slots)
         if p.graph and dev_csr is None:
             batch.out_cache_loc.copy_(self.graph_source.out_cache_loc)
-            self._padded_loc()[batch.out_cache_loc.shape[0]:].fill_(0)
+            self.padded_graph_loc()[batch.out_cache_loc.shape[0]:].fill_(0)
         on_device = dev_csr is not None
         p.plan(csr, True, self.params, on_device=on_device, qo_on_device=on_device,
                scheduled=schedule is not None)
@@ -132,19 +132,13 @@ class FlashInferExtendGlue(OneLaunchKvWrite, DraftExtendBackend):
         nothing), after a replan from what the host knows without the lengths
         (``Pass.plan_lengthless``)."""
         r = self.runner
-        loc = (self.graph_source.out_cache_loc, self._padded_loc())
+        loc = (self.graph_source.out_cache_loc, self.padded_graph_loc())
         prefix_slots_launcher()(p.indices, p.indices.numel(), r.max_context_len,
                                 r.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                 r.num_slots, csr=dev_csr[:2], qo=(batch.extend_lens, dev_csr[2]),
                                 ext_loc=loc, schedule=schedule, kept=self._slot_launches,
                                 kept_key=self._launch_key(p, batch, loc, dev_csr, schedule))
         self._pass = p
-
-    def _padded_loc(self) -> torch.Tensor:
-        """The graph round's fixed ``out_cache_loc`` over the capture's tokens: the new
-        tokens' slots, then slot 0 for the rows a replay of fewer tokens leaves (the
-        captured KV write covers them all)."""
-        return self._require_graph_state().loc[:self.graph_size[1]]
 
     def _launch_key(self, p: Pass, batch, loc: Optional[tuple], dev_csr: Optional[tuple],
                     schedule) -> tuple:

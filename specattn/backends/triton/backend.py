@@ -337,7 +337,7 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
         self._launch = _launchers().extend_metadata(
             src.req_pool_indices, src.seq_lens, src.extend_lens, src.out_cache_loc, bufs.meta,
             bufs.hist, plan["num_splits"], plan["plan"].block_n,
-            None if source is None else self._require_graph_state().loc[:num_tokens],
+            None if source is None else self.padded_graph_loc(),
             None if source is None else (bs, num_tokens))
         self._round_plan, self._active = plan, bufs
 
