@@ -39,6 +39,7 @@ class _Decode(DraftDecodeBackend):
     parents_at_plan = False   # a graph round reads `parents` when its metadata is made
     int64_lengths = False     # reads the lengths' storage as int64 whatever their dtype
     empty_prefix_nan = False  # merges an empty prefix's pass as 0 / 0 (NaN lanes)
+    q_shaped_output = False   # allocates its output like q (the key width, not v_head_dim)
 
     def _kernel_writes_kv(self):
         return self.skip_kv_write
@@ -85,14 +86,25 @@ class _Decode(DraftDecodeBackend):
         if self.empty_prefix_nan:
             empty = (batch.seq_lens == 0).repeat_interleave(self.topk)
             out[empty] = float("nan")
-        return out
+        return _like_q(out, q) if self.q_shaped_output else out
+
+
+def _like_q(out, q):
+    """``out`` written into a buffer of ``q``'s shape, as a kernel that sizes its output
+    from the query would."""
+    buf = torch.zeros_like(q)
+    width = min(out.shape[-1], q.shape[-1])
+    buf[..., :width] = out[..., :width]
+    return buf
 
 
 class _Extend(DraftExtendBackend):
     scale_output = 1.0  # != 1: an extend off by a few percent
+    q_shaped_output = False
 
     def _attend(self, layer, q, k, v):
-        return reference_extend(self.runner, layer, q, self.batch) * self.scale_output
+        out = reference_extend(self.runner, layer, q, self.batch) * self.scale_output
+        return _like_q(out, q) if self.q_shaped_output else out
 
 
 def _register(scoped_registry, decode_attrs=None, extend_attrs=None):
@@ -247,6 +259,19 @@ def test_a_backend_that_fails_an_empty_prefix_fails(scoped_registry):
     failed = _failures(report)
     assert failed and all(case.endswith("/empty_prefix") for case in failed), failed
     assert report.passed > 0
+
+
+def test_an_output_sized_like_the_query_fails_the_narrow_value_cases(scoped_registry):
+    """MHA values may be narrower than the keys (``v_head_dim < head_dim``): the
+    ``narrow_v`` cases catch an output sized from ``q``, which every other case accepts."""
+    _register(scoped_registry, {"q_shaped_output": True}, {"q_shaped_output": True})
+    report = check_backend("mine", models=("mha",), select="numerics",
+                           raise_on_failure=False)
+    failed = _failures(report)
+    assert set(failed) == {"decode/mha/numerics/fp32/k2/p1/path/narrow_v",
+                           "extend/mha/numerics/fp32/p1/narrow_v"}, failed
+    assert all("shape" in d for d in failed.values()), failed
+    assert report.passed > 10
 
 
 def test_known_limits_are_reported_not_run(scoped_registry):

@@ -57,13 +57,16 @@ class Case:
     params: dict = field(default_factory=dict, compare=False, hash=False)
 
 
-def _shape_candidates(model: str, device: torch.device, one_kv: bool) -> list[ModelShape]:
+def _shape_candidates(model: str, device: torch.device, one_kv: bool,
+                      narrow_v: bool) -> list[ModelShape]:
+    """``one_kv``: MHA with one KV head; ``narrow_v``: MHA values half the keys' width (a
+    backend that returns ``q``'s shape, or reads values at the key width, fails it)."""
     if model == "mha":
         q, kv = (4, 1) if one_kv else (4, 2)
         dims = (16, 64, 128) if device.type == "cpu" else (64, 128)
         if device.type != "cpu":
             q = 8
-        return [ModelShape("mha", (q, kv, d)) for d in dims]
+        return [ModelShape("mha", (q, kv, d), d // 2 if narrow_v else None) for d in dims]
     small = [(4, 32, 16), (4, 32, 0)]
     big = [(16, 512, 64), (16, 512, 0)]
     order = small + big if device.type == "cpu" else big + small
@@ -98,16 +101,18 @@ class Session:
                                      case.topk if topk is None else topk, num_steps,
                                      case.tree_mode)
 
-    def shape(self, case: Case, *, one_kv: bool = False) -> ModelShape:
+    def shape(self, case: Case) -> ModelShape:
         """The first candidate shape the class accepts for ``case`` (probed by building it on
-        a tiny runner), cached per request."""
+        a tiny runner; ``case.params`` ``one_kv`` / ``narrow_v`` pick the candidates), cached
+        per request."""
+        one_kv, narrow_v = case.params.get("one_kv", False), case.params.get("narrow_v", False)
         key = (case.kind, case.model, case.dtype, case.page_size, case.topk, case.tree_mode,
-               case.kv_cache_dtype, one_kv)
+               case.kv_cache_dtype, one_kv, narrow_v)
         if key in self._shapes:
             return self._shapes[key]
         reasons = []
         self.cls(case)  # no class for the case: skipped before any shape is tried
-        for shape in _shape_candidates(case.model, self.device, one_kv):
+        for shape in _shape_candidates(case.model, self.device, one_kv, narrow_v):
             try:
                 maker = self.maker(case, shape, max_tokens=4, max_reqs=2)
                 self.construct(case, maker.runner)
@@ -284,7 +289,7 @@ def run_decode_round(s: Session, case: Case, backend, rnd: DecodeRound, shape: M
 
 def decode_numerics(s: Session, case: Case) -> str:
     p = case.params
-    shape = s.shape(case, one_kv=p.get("one_kv", False))
+    shape = s.shape(case)
     lens = p.get("lens") or decode_lengths(case.page_size, p.get("ragged", True))
     style = p.get("style", EngineStyle())
     maker = _decode_maker(s, case, shape, [lens], style, max_reqs=max(5, len(lens) + 1))

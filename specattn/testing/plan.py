@@ -114,6 +114,8 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
     if model == "mha":
         yield _case("decode", model, "numerics", num, main, k2, p1, path,
                     tail="one_kv_head", one_kv=True)
+        yield _case("decode", model, "numerics", num, main, k2, p1, path,
+                    tail="narrow_v", narrow_v=True)
     kv_dt = _kv_dtype_model(cls, main, others)
     for kv in cls.kv_cache_dtypes:
         if kv == "auto":
@@ -171,6 +173,9 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         yield _case("extend", model, "numerics", num, dt, page=p1, tail="ragged")
     yield _case("extend", model, "numerics", num, main, page=p1, tail="softcap",
                 logit_cap=2.5)
+    if model == "mha":
+        yield _case("extend", model, "numerics", num, main, page=p1, tail="narrow_v",
+                    narrow_v=True)
     for kv in cls.kv_cache_dtypes:
         if kv == "auto":
             continue

@@ -48,15 +48,19 @@ SCALING_FACTOR = 1.25
 class ModelShape:
     """Attention shape of the draft model, per rank.
 
-    MHA: ``heads = (num_q_heads, num_kv_heads, head_dim)``; MLA: ``heads = (num_heads,
-    kv_lora_rank, qk_rope_head_dim)``."""
+    MHA: ``heads = (num_q_heads, num_kv_heads, head_dim)``, and ``v_head_dim`` when the
+    values are narrower or wider than the keys (``None``: ``head_dim``); MLA: ``heads =
+    (num_heads, kv_lora_rank, qk_rope_head_dim)``."""
 
     model: str
     heads: tuple[int, int, int]
+    v_head_dim: Optional[int] = None
 
     def label(self) -> str:
         a, b, c = self.heads
-        return f"mla{a}x{b}+{c}" if self.model == "mla" else f"q{a}kv{b}d{c}"
+        if self.model == "mla":
+            return f"mla{a}x{b}+{c}"
+        return f"q{a}kv{b}d{c}" + (f"v{self.v_head_dim}" if self.v_head_dim else "")
 
     @property
     def scaling(self) -> float:
@@ -142,7 +146,7 @@ def _make_runner(shape: ModelShape, *, dtype: torch.dtype, device: torch.device,
         v = [buf[:, 1] for buf in bufs]
     else:
         k = [zeros(num_slots, b, c) for _ in range(num_layers)]
-        v = [zeros(num_slots, b, c) for _ in range(num_layers)]
+        v = [zeros(num_slots, b, shape.v_head_dim or c) for _ in range(num_layers)]
     return DraftRunner.wrap_mha(req_to_token, k, v, a, page_size=page_size,
                                 kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 
