@@ -43,7 +43,7 @@ from .kv_layouts import KV_CACHE_DTYPES
 from .platforms import Platform, Predicate, any_platform, current_platform
 from .validation import (check_decode_batch, check_decode_forward, check_extend_batch,
                          check_extend_forward, check_padding_slot, check_parents_copied,
-                         check_parents_step)
+                         check_parents_step, check_replay_slots)
 
 if TYPE_CHECKING:
     from .layer import AttentionLayer
@@ -709,7 +709,9 @@ class DraftDecodeBackend(DraftBackend):
 
     def _check_replay(self, batch: "DraftBatch", bs: int) -> None:
         """A replay's rules beyond its batch's own (a kept call runs them too): padded to
-        ``bs`` requests, no token of the batch in slot 0, which the padding lanes write."""
+        ``bs`` requests, no token of the batch in slot 0, which the padding lanes write;
+        distinct free slots outside page 0 (``check_replay_slots``)."""
+        check_replay_slots(self.runner, batch)
         if batch.batch_size < bs:
             check_padding_slot(self.runner, batch)
 
@@ -888,7 +890,8 @@ class DraftExtendBackend(DraftBackend):
 
     def _check_replay(self, batch: "DraftExtendBatch", bs: int) -> None:
         """Sets ``graph_size`` (``_replay_size``), refusing what a replay at ``bs`` cannot
-        run."""
+        run, and tokens sharing a slot outside page 0 (``check_replay_slots``)."""
+        check_replay_slots(self.runner, batch)
         self.graph_size = self._replay_size(batch, bs, int(batch.out_cache_loc.shape[0]))
 
     def padded_graph_loc(self) -> torch.Tensor:

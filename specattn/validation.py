@@ -228,6 +228,24 @@ def check_decode_batch(runner: DraftRunner, topk: int, num_steps: int, tree_mode
             _check_draft_slots_free(loc, rpi, prefix)
 
 
+def check_replay_slots(runner: DraftRunner, batch: Union[DraftBatch, DraftExtendBatch],
+                       debug: Optional[bool] = None) -> None:
+    """A graph replay's slots: distinct, and (decode) none holding a prefix token of the
+    batch, as in an eager round, except in page 0, where an engine's padding lanes or
+    tokens share slots (a capture's dummy batch is not checked)."""
+    loc = batch.out_cache_loc
+    if not _scan_values(loc, debug):
+        return
+    flat = loc.reshape(-1)
+    loc = flat[flat >= runner.page_size]
+    _check_distinct("batch.out_cache_loc", loc, debug)
+    if isinstance(batch, DraftBatch) and _scan_values(batch.req_pool_indices, debug):
+        seq = batch.seq_lens.clamp(max=runner.max_context_len)
+        prefix = _prefix_rows(runner, batch.req_pool_indices, seq)
+        if prefix is not None:
+            _check_draft_slots_free(loc, batch.req_pool_indices, prefix)
+
+
 def check_padding_slot(runner: DraftRunner, batch: Union[DraftBatch, DraftExtendBatch],
                        debug: Optional[bool] = None) -> None:
     """A replay padded to its captured size: the padding (decode: lanes, at every step;

@@ -101,17 +101,27 @@ def decode_sizes(seq_lens: list[int], topk: int, steps: int, page: int) -> tuple
     return sum(seq_lens) + len(seq_lens) * extra + 8, max(seq_lens) + extra + page
 
 
+def _shuffled_share(n: int, share: tuple[int, int]) -> torch.Tensor:
+    """``range(n)``'s values ``v`` with ``v % parts == part`` (``share = (part, parts)``),
+    shuffled, 0 last: rounds placed on shares of one runner name disjoint rows and slots."""
+    part, parts = share
+    perm = torch.randperm(n, device=DEV)
+    perm = perm[perm % parts == part]
+    return torch.cat([perm[perm != 0], perm[perm == 0]])
+
+
 def place_decode_round(runner: DraftRunner, seq_lens: list[int], topk: int, steps: int,
-                       page: int, tree_mode: str = "lane") -> DraftBatch:
+                       page: int, tree_mode: str = "lane",
+                       share: tuple[int, int] = (0, 1)) -> DraftBatch:
     """Random request rows (of ``runner.max_reqs``) and distinct random slots for the
     prefixes, slot 0 last (the padding lanes of a padded replay write it); draft slots from
     ``metadata.assign_draft_cache_locs``; zero ``parents`` in ``path`` mode (tests fill step
-    ``i > 0`` in place)."""
+    ``i > 0`` in place). ``share``: ``(part, parts)`` of the rows and slots (``_shuffled_share``),
+    for rounds that stay valid side by side."""
     bs = len(seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
-    rpi = torch.randperm(runner.max_reqs, device=DEV)[:bs]
-    perm = torch.randperm(runner.num_slots, device=DEV).to(torch.int32)
-    perm = torch.cat([perm[perm != 0], perm[perm == 0]])
+    rpi = _shuffled_share(runner.max_reqs, share)[:bs]
+    perm = _shuffled_share(runner.num_slots, share).to(torch.int32)
     used = 0
     for b, L in enumerate(seq_lens):
         runner.req_to_token[rpi[b], :L] = perm[used:used + L]
@@ -124,12 +134,13 @@ def place_decode_round(runner: DraftRunner, seq_lens: list[int], topk: int, step
     return DraftBatch(rpi, seq, loc, parents)
 
 
-def place_extend_round(runner: DraftRunner, seq_lens: list[int],
-                       ext_lens: list[int]) -> DraftExtendBatch:
-    """Random request rows and distinct random slots; the new tokens are ``R_b[L - E : L]``."""
+def place_extend_round(runner: DraftRunner, seq_lens: list[int], ext_lens: list[int],
+                       share: tuple[int, int] = (0, 1)) -> DraftExtendBatch:
+    """Random request rows and distinct random slots (of ``share``, as
+    ``place_decode_round``); the new tokens are ``R_b[L - E : L]``."""
     bs = len(seq_lens)
-    rpi = torch.randperm(runner.max_reqs, device=DEV)[:bs]
-    perm = torch.randperm(runner.num_slots, device=DEV).to(torch.int32)
+    rpi = _shuffled_share(runner.max_reqs, share)[:bs]
+    perm = _shuffled_share(runner.num_slots, share).to(torch.int32)
     used, new = 0, []
     for b, (L, E) in enumerate(zip(seq_lens, ext_lens)):
         runner.req_to_token[rpi[b], :L] = perm[used:used + L]

@@ -34,34 +34,39 @@ KINDS = [("mha", "mha", 2), ("mha-k1", "mha", 1), ("mla-gluon-wl", "mla", 2),
          ("extend", "mha", 1)]
 
 
-def _runner(model: str, lens: list[int], topk: int, steps: int) -> DraftRunner:
+def _runner(model: str, lens: list[int], topk: int, steps: int,
+            shares: int = 1) -> DraftRunner:
+    """Rows and slots for ``shares`` rounds of ``lens`` side by side (``helpers``' share)."""
     slots, ctx = decode_sizes(lens, topk, steps, 1)
+    slots, reqs = slots * shares, (len(lens) + 2) * shares
     if model == "mla":  # the sm90 kernels' latent: the gluon-wl plan's model
-        return DraftRunner.mla(4, 512, 64, num_layers=1, num_slots=slots,
-                               max_reqs=len(lens) + 2, max_context_len=ctx,
-                               dtype=torch.bfloat16, device=DEV)
-    return DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=slots, max_reqs=len(lens) + 2,
+        return DraftRunner.mla(4, 512, 64, num_layers=1, num_slots=slots, max_reqs=reqs,
+                               max_context_len=ctx, dtype=torch.bfloat16, device=DEV)
+    return DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=slots, max_reqs=reqs,
                            max_context_len=ctx, dtype=torch.bfloat16, device=DEV)
 
 
 def _graph_backend(kind: str, model: str, topk: int, bs: int, steps: int, seed: int = 0):
     """A backend after ``init_cuda_graph_state`` and a capture at ``bs`` requests; the
-    capture's batch and a batch of its signature with new values."""
+    capture's batch and a batch of its signature with new values, on rows and slots of
+    their own (either may be replayed after the other)."""
     torch.manual_seed(seed)
     lens = [5 + 7 * i for i in range(bs)]
-    r = _runner(model, [n + 3 for n in lens], topk, steps)
+    r = _runner(model, [n + 3 for n in lens], topk, steps, shares=2)
     if kind == "extend":
         ext = [1 + (i % steps) for i in range(bs)]
         backend = TritonExtend(r, topk=1, num_steps=steps, max_extend_len=steps)
         backend.init_cuda_graph_state(bs, sum(ext))
-        first = place_extend_round(r, lens, ext)
+        first = place_extend_round(r, lens, ext, share=(0, 2))
         backend.init_forward_metadata_capture_cuda_graph(first)
-        return backend, first, place_extend_round(r, [n + 3 for n in lens], ext[::-1])
+        return backend, first, place_extend_round(r, [n + 3 for n in lens], ext[::-1],
+                                                  share=(1, 2))
     backend = TritonDecode(r, topk, steps)
     backend.init_cuda_graph_state(bs, bs * topk)
-    first = place_decode_round(r, lens, topk, steps, 1)
+    first = place_decode_round(r, lens, topk, steps, 1, share=(0, 2))
     backend.init_forward_metadata_capture_cuda_graph(first)
-    return backend, first, place_decode_round(r, [n + 3 for n in lens], topk, steps, 1)
+    return backend, first, place_decode_round(r, [n + 3 for n in lens], topk, steps, 1,
+                                              share=(1, 2))
 
 
 @pytest.mark.parametrize("kind,model,topk", KINDS)

@@ -440,3 +440,23 @@ def test_value_checks_are_skipped_off_cpu_without_debug(monkeypatch):
     monkeypatch.setenv("SPECATTN_DEBUG_CHECKS", "1")
     assert validation._scan_values(bad, None)
     assert validation._scan_values(torch.zeros(3), False)  # CPU: always (no sync needed)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_replay_slots_may_share_page_zero_only(page_size):
+    """A replay's padding shares page 0 (slot 0, and its page's other slots at page size >
+    1); elsewhere two lanes in one slot, or a draft slot on a prefix token, are refused."""
+    runner = _mha(page_size=page_size)
+    runner.req_to_token[3, :9] = torch.arange(40, 49)
+    loc = torch.arange(B * K * S).reshape(B, K, S) + 20
+    padded = loc.clone()
+    padded[1] = torch.arange(K * S).reshape(K, S) % page_size  # every lane in page 0
+    validation.check_replay_slots(runner, _batch(out_cache_loc=padded))
+    twice = loc.clone()
+    twice[1, 0, 0] = twice[0, 0, 0]
+    _expect(lambda: validation.check_replay_slots(runner, _batch(out_cache_loc=twice)),
+            "batch.out_cache_loc", "slot 20 given to 2 tokens")
+    in_prefix = loc.clone()
+    in_prefix[0, 1, 1] = 45
+    _expect(lambda: validation.check_replay_slots(runner, _batch(out_cache_loc=in_prefix)),
+            "batch.out_cache_loc", "slot 45, req_to_token[3, 5]")

@@ -130,10 +130,18 @@ def _then_forward(f: _Fixture, batch) -> object:
     return f.forward()
 
 
+def _draft_slot_in_prefix_batch(f: _Fixture) -> DraftBatch:
+    """The round with a lane's draft slot on the longest prefix's last token (outside page
+    0): its step would overwrite committed KV."""
+    b = int(torch.argmax(f.batch.seq_lens.cpu()))
+    last = int(f.batch.seq_lens.view(-1)[b]) - 1
+    return _with(f.batch, out_cache_loc=_bump(
+        f.batch.out_cache_loc, int(f.runner.req_to_token[_prefix_row(f), last])))
+
+
 def _draft_slot_in_prefix(f: _Fixture) -> object:
     """A lane's draft slot that holds a prefix token (its step would overwrite it)."""
-    return _then_forward(f, _with(f.batch, out_cache_loc=_bump(
-        f.batch.out_cache_loc, int(f.runner.req_to_token[_prefix_row(f), 0]))))
+    return _then_forward(f, _draft_slot_in_prefix_batch(f))
 
 
 def _new_token_slots_swapped(f: _Fixture) -> object:
@@ -166,6 +174,24 @@ def _replay_below_batch(f: _Fixture) -> object:
     return f.backend.init_forward_metadata_replay_cuda_graph(f.batch, n - 1)
 
 
+def _replay_of(f: _Fixture, batch) -> object:
+    """``batch`` as the replay of a graph captured with the round's valid batch."""
+    n = f.batch.batch_size
+    f.backend.init_cuda_graph_state(n, f.rows * NUM_STEPS)
+    f.backend.init_forward_metadata_capture_cuda_graph(f.batch)
+    return f.backend.init_forward_metadata_replay_cuda_graph(batch, n)
+
+
+def _top_slot_twice(loc: torch.Tensor) -> torch.Tensor:
+    """``loc`` with its highest slot given to a second token too: outside page 0, where a
+    replay's padding may share slots."""
+    loc = loc.clone()
+    flat = loc.view(-1)
+    top = int(torch.argmax(flat))
+    flat[(top + 1) % flat.numel()] = flat[top]
+    return loc
+
+
 # Slots and pool rows, the same for both kinds.
 _POOL_REFUSALS = (
     Refusal("out_cache_loc_outside_pool", "out_cache_loc", lambda f: _then_forward(
@@ -178,6 +204,9 @@ _POOL_REFUSALS = (
     Refusal("req_to_token_negative", "req_to_token", lambda f: _req_to_token_entry(f, -1),
             values=True),
     Refusal("replay_bs_below_batch", "bs", _replay_below_batch, graph=True),
+    Refusal("replay_duplicate_out_cache_loc", "out_cache_loc", lambda f: _replay_of(
+        f, _with(f.batch, out_cache_loc=_top_slot_twice(f.batch.out_cache_loc))),
+        values=True, graph=True),
     Refusal("k_scale_on_another_device", "k_scale", _scale_on_another_device, fp8=True),
 )
 
@@ -208,6 +237,8 @@ DECODE_REFUSALS = (
         f, _with(f.batch, parents=None)), path=True),
     Refusal("parents_out_of_range", "parents", _bad_parents, values=True, path=True),
     Refusal("out_cache_loc_in_prefix", "out_cache_loc", _draft_slot_in_prefix, values=True),
+    Refusal("replay_out_cache_loc_in_prefix", "out_cache_loc", lambda f: _replay_of(
+        f, _draft_slot_in_prefix_batch(f)), values=True, graph=True),
 )
 
 EXTEND_REFUSALS = (
