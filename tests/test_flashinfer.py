@@ -82,7 +82,7 @@ def make_decode_case(*, mla: bool = False, bs: int = 3, topk: int = 2, steps: in
                      logit_cap: float = 0.0, min_len: int = 1) -> DecodeCase:
     """A random draft round: random slots everywhere, NaN in every slot no lane may read."""
     gen = torch.Generator().manual_seed(seed)
-    heads = heads or ((4, 64, 16) if mla else (4, 2, 16))
+    heads = heads or ((4, 64, 16) if mla else (4, 2, 64))
     if ragged:
         seq = torch.randint(min_len, max_len + 1, (bs,), generator=gen)
     else:
@@ -159,7 +159,7 @@ def make_extend_case(*, mla: bool = False, bs: int = 3, dtype=torch.float32, dev
                      seed: int = 0, max_len: int = 40, max_ext: int = 5, heads=None,
                      ragged: bool = True, page_size: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    heads = heads or ((4, 64, 16) if mla else (4, 2, 16))
+    heads = heads or ((4, 64, 16) if mla else (4, 2, 64))
     ext, seq = extend_lengths(bs, max_len, max_ext, ragged, gen)
     max_reqs, max_ctx = bs + 1, int(seq.max()) + page_size
     num_slots = int(seq.sum()) + 9
@@ -242,6 +242,20 @@ def test_unknown_mode_rejected(fake_flashinfer):
     case = make_decode_case()
     with pytest.raises(InvalidInputError, match="mode"):
         FlashInferDecode(case.runner, 2, 3, mode="cascade")
+
+
+@pytest.mark.parametrize("d,v", [(64, 32), (32, 32)])
+def test_values_under_64_wide_are_refused(fake_flashinfer, d, v):
+    """FlashInfer's prefill kernels have no tile for values under 64 wide (on the H200 the
+    call failed with "Invalid configuration"): both kinds refuse the runner at
+    construction, naming the widths."""
+    runner = DraftRunner.mha(4, 2, d, v, num_layers=1, num_slots=8, max_reqs=2,
+                             max_context_len=4, dtype=torch.bfloat16, device="cpu")
+    for make in (lambda: FlashInferDecode(runner, 2, 3), lambda: FlashInferExtend(runner)):
+        with pytest.raises(BackendUnavailableError,
+                           match=rf"at least 64 wide; the model has v_head_dim {v} "
+                                 rf"\(head_dim {d}\)"):
+            make()
 
 
 # --- slot-list helpers ------------------------------------------------------------------------
@@ -598,7 +612,7 @@ def test_fp8_scales_go_to_flashinfer_as_floats_or_into_the_query(fake_flashinfer
     monkeypatch.setattr(fi_standin.FakePrefill, "run", run)
     ks, vs = (torch.tensor([0.37]), torch.tensor([1.9])) if tensor_scales else (0.37, 1.9)
     gen = torch.Generator().manual_seed(3)
-    maker = RoundMaker(ModelShape("mha", (4, 2, 16)), torch.bfloat16, torch.device("cpu"), 1,
+    maker = RoundMaker(ModelShape("mha", (4, 2, 64)), torch.bfloat16, torch.device("cpu"), 1,
                        40, 4, gen, kv_cache_dtype="fp8_e4m3", k_scale=ks, v_scale=vs)
     rnd = maker.decode([9, 17, 3], topk, 3)
     backend = FlashInferDecode(maker.runner, topk, 3)

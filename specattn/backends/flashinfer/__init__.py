@@ -41,7 +41,8 @@ per step (one lane, or the ``per-branch`` mode), call FlashInfer's native planne
 code). A decode replay reads the
 lengths' host copies the batch carries (``DraftBatch.seq_lens_cpu``; without them one copy
 of the lengths per round, which waits for the device); an extend replay with a device
-schedule reads none.
+schedule reads none. MHA values must be at least 64 wide (``v_head_dim``): FlashInfer's
+prefill kernels have no tile for narrower ones, so the classes refuse such a runner.
 """
 
 from __future__ import annotations

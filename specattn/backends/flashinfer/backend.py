@@ -32,6 +32,12 @@ _MLA_FP8 = ("FlashInfer 0.7.4's MLA kernels take an FP8 latent pool only as e4m3
             "with a bf16 query, kv_lora_rank 512 and rope 0 or 64")
 
 
+# FlashInfer 0.7.4's paged prefill kernels (``prefill.cuh``, ``KernelTraits::IsInvalid``),
+# which every MHA round calls, have no tile for values under 64 wide (``NUM_MMA_D_VO < 4``):
+# the call fails with an internal "Invalid configuration" error.
+_MIN_VALUE_WIDTH = 64
+
+
 class _MHA:
     """Capabilities and plan parameters of the MHA flavour (decode and extend)."""
 
@@ -40,6 +46,15 @@ class _MHA:
     supports_cuda_graph = True
     reads_host_lengths = True  # FlashInfer plans on the host
     tested_on = _TESTED
+
+    def _construct(self, runner, request: BackendRequest) -> None:
+        super()._construct(runner, request)  # type: ignore[misc]
+        r = self.runner  # type: ignore[attr-defined]
+        if r.v_head_dim < _MIN_VALUE_WIDTH:
+            why = (f"FlashInfer's prefill kernels take values at least {_MIN_VALUE_WIDTH} "
+                   f"wide; the model has v_head_dim {r.v_head_dim} (head_dim {r.head_dim})")
+            raise BackendUnavailableError(f"flashinfer: {why}", "flashinfer",
+                                          {type(self).qualified_name(): [why]})
 
     def _default_params(self) -> Params:
         return default_params(self.runner.head_dim)
