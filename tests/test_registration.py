@@ -242,6 +242,27 @@ def test_replace_can_override_a_builtin_in_a_scope(scoped_registry):
     assert default_registry.classes("decode", "torch_ref") == [builtin]
 
 
+def test_a_new_flavour_joins_a_builtin_name_and_wins_by_priority(scoped_registry):
+    """A third-party class under a built-in name with its own ``flavour=`` is one more
+    flavour of it: the name selects it where it fits with the higher priority; without
+    ``flavour=`` it would be the name's ``default`` flavour, which ``torch_ref`` has."""
+    from specattn.keys import BackendRequest
+    from specattn.platforms import current_platform
+    from specattn.selection import select
+    builtin = default_registry.classes("decode", "torch_ref")[0]
+    request = BackendRequest("decode", topk=2, num_steps=3)
+    mine = declare("Fast", name="torch_ref", flavour="fast", platforms=is_cpu,
+                   priority={"cpu": 1000})
+    assert set(scoped_registry.classes("decode", "torch_ref")) == {builtin, mine}
+    assert select("decode", "torch_ref", request, current_platform()).backend is mine
+    low = declare("Slow", name="torch_ref", flavour="slow", platforms=is_cpu,
+                  priority={"cpu": -1000})
+    assert select("decode", "torch_ref", request, current_platform()).backend is mine
+    assert low in scoped_registry.classes("decode", "torch_ref")
+    with pytest.raises(DuplicateBackendError, match="flavour 'default'"):
+        declare("Unflavoured", name="torch_ref")
+
+
 # --- inheritance -------------------------------------------------------------------------------
 
 def test_subclass_of_a_registered_class_does_not_re_register(empty_registry):
