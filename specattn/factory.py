@@ -11,7 +11,7 @@ from .errors import InvalidInputError
 from .keys import BackendRequest, Kind, check_draft_params
 from .platforms import Platform
 from .plugins import load_plugins
-from .registry import Registry
+from .registry import Registry, registry_or_active
 from .selection import Selection, select
 from .util import keyword_args
 
@@ -51,6 +51,7 @@ class DraftBackendFactory:
         self.num_steps = num_steps
         self.tree_mode = tree_mode
         self.platform = platform
+        registry_or_active(registry)  # a wrong one fails here, not inside selection
         self.registry = registry
         if backend_options is not None and not (
                 isinstance(backend_options, Mapping)

@@ -10,7 +10,7 @@ from .errors import InvalidInputError
 from .keys import KINDS, check_kind
 from .platforms import Platform
 from .plugins import load_plugins
-from .registry import Dispatcher, Registry, active_registry, default_registry
+from .registry import Dispatcher, Registry, default_registry, registry_or_active
 from .selection import platform_or_current
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
     if pattern is not None and not isinstance(pattern, str):
         raise InvalidInputError("pattern", "an fnmatch pattern (str) or None", repr(pattern))
     platform = platform_or_current(platform)
-    registry = active_registry() if registry is None else registry
+    registry = registry_or_active(registry)
     if registry is default_registry:
         load_plugins()
     rows: list[BackendInfo] = []
@@ -114,7 +114,7 @@ def list_backends(kind: Optional[str] = None, pattern: Optional[str] = None,
 def known_libraries(registry: Optional[Registry] = None) -> list[str]:
     """Every vendor module a registered class may need (sorted): what ``--with-library``
     can name."""
-    registry = active_registry() if registry is None else registry
+    registry = registry_or_active(registry)
     mods = set(_RULE_LIBRARIES)
     for kind in KINDS:
         for cls in registry.classes(kind):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ._logging import get_logger
-from .errors import DuplicateBackendError, NotRegisteredError, RegistrationError
+from .errors import (DuplicateBackendError, InvalidInputError, NotRegisteredError,
+                     RegistrationError)
 from .keys import KINDS
 from .platforms import Predicate
 
@@ -26,7 +27,7 @@ log = get_logger("registry")
 BackendClass = type[Any]
 
 __all__ = ["Registry", "Route", "Dispatcher", "default_registry", "active_registry",
-           "scoped_registry"]
+           "registry_or_active", "scoped_registry"]
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,16 @@ _active: contextvars.ContextVar[Registry] = contextvars.ContextVar(
 def active_registry() -> Registry:
     """The registry that new backend classes register into and selection reads."""
     return _active.get()
+
+
+def registry_or_active(registry: object) -> Registry:
+    """``registry``, a ``Registry``; ``None``: the active one. Checked where a caller passes
+    it, not where selection first reads it (an ``AttributeError`` deep inside)."""
+    if registry is None:
+        return active_registry()
+    if not isinstance(registry, Registry):
+        raise InvalidInputError("registry", "a specattn.Registry or None", repr(registry))
+    return registry
 
 
 @contextlib.contextmanager

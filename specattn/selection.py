@@ -16,7 +16,7 @@ from .errors import (BackendUnavailableError, InvalidInputError, ModelMismatchEr
                      UnknownBackendError, shorten)
 from .keys import BackendRequest, check_kind
 from .platforms import Platform, current_platform
-from .registry import Registry, active_registry
+from .registry import Registry, active_registry, registry_or_active
 
 if TYPE_CHECKING:
     from .base import DraftBackend
@@ -69,7 +69,7 @@ def select(kind: str, name: Optional[str], request: BackendRequest,
         raise InvalidInputError("request", "a specattn.BackendRequest",
                                 type(request).__name__)
     platform = platform_or_current(platform)
-    registry = active_registry() if registry is None else registry
+    registry = registry_or_active(registry)
     sel = Selection(kind, name, request, platform)
     if kind == "decode" and request.num_steps <= 1:
         sel.steps.append(f"num_steps={request.num_steps} <= 1: no multi-step draft decode "
@@ -140,7 +140,7 @@ def resolve_name(kind: str, name: str, platform: Optional[Platform] = None,
     backend answers to or a dispatcher that routes to none. Nothing is checked against a
     request (``select`` does that)."""
     check_kind(kind)
-    registry = active_registry() if registry is None else registry
+    registry = registry_or_active(registry)
     *_, last = _hops(kind, name, platform_or_current(platform), registry)
     return last.canonical if last.dispatcher is None else None
 
@@ -290,7 +290,7 @@ def auto_order(platform: Optional[Platform] = None, kind: Optional[str] = None,
     if kind is not None:
         check_kind(kind)
     platform = platform_or_current(platform)
-    registry = active_registry() if registry is None else registry
+    registry = registry_or_active(registry)
     rows = []
     for k in (("decode", "extend") if kind is None else (kind,)):
         eligible = [c for c in registry.classes(k) if c.auto_eligible]

@@ -379,9 +379,15 @@ def test_backend_request_rejects_bad_fields(kwargs, argument):
     (lambda: list_backends(platform="cpu"), "platform", "'cpu'"),
     (lambda: auto_order(kind="verify"), "kind", "'verify'"),
     (lambda: auto_order(platform="cpu"), "platform", "'cpu'"),
+    (lambda: select("decode", "triton", BackendRequest("decode"), registry="default"),
+     "registry", "'default'"),
+    (lambda: DraftBackendFactory(SpecConfig(), SimpleNamespace(use_mla_backend=False), 1, 3,
+                                 registry="default"), "registry", "'default'"),
+    (lambda: list_backends(registry={}), "registry", "{}"),
+    (lambda: auto_order(registry=[]), "registry", "[]"),
 ])
 def test_selection_and_listing_check_their_arguments(call, argument, got):
-    """A kind, request or platform of the wrong kind is named, not met as a KeyError or
+    """A kind, request, platform or registry of the wrong kind is named, not met as a KeyError or
     AttributeError deep in the registry."""
     with pytest.raises(InvalidInputError) as info:
         call()
