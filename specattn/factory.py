@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Mapping, Optional, cast
 
 from ._logging import get_logger
@@ -31,8 +32,8 @@ class DraftBackendFactory:
     ``backend_options``: constructor keywords per backend name, used when that backend is
     selected, e.g. ``{"triton": {"plan": "dot-mla"}}``. A keyword goes to the selected class
     if its constructor takes it (decode and extend classes take different ones); one that
-    neither class of the backend takes is an ``InvalidInputError`` when the backend is
-    created.
+    neither class of the backend takes, or a key that names no backend, is an
+    ``InvalidInputError`` when a backend is created.
     """
 
     def __init__(self, config: SpecConfig, runner: Any, topk: int, num_steps: int, *,
@@ -132,6 +133,8 @@ class DraftBackendFactory:
     def _options_for(self, cls: type[DraftBackend]) -> dict[str, Any]:
         """The ``backend_options`` keywords of ``cls``'s backend that its constructor takes;
         raises for a keyword that no class of that backend takes."""
+        registry = registry_or_active(self.registry)
+        _check_option_names(self.backend_options, registry)
         names = (cls.name, *cls.aliases)
         given: dict[str, Any] = {}
         for key, opts in self.backend_options.items():
@@ -139,9 +142,6 @@ class DraftBackendFactory:
                 given.update(opts)
         if not given:
             return {}
-        from .registry import active_registry
-
-        registry = self.registry or active_registry()
         siblings = [c for kind in ("decode", "extend") for c in registry.classes(kind, cls.name)]
         taken = set().union(*(_keywords(c) for c in siblings or [cls]))
         unknown = sorted(set(given) - taken)
@@ -154,6 +154,18 @@ class DraftBackendFactory:
         chosen = {k: v for k, v in given.items() if k in mine}
         log.info("%s %s backend options: %s", cls.name, cls.kind, chosen)
         return chosen
+
+
+def _check_option_names(options: Mapping[str, Any], registry: Registry) -> None:
+    """Every ``backend_options`` key names a backend: a misspelled one would drop its
+    keywords silently."""
+    known = set(registry.all_names("decode")) | set(registry.all_names("extend"))
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "`specattn list` names them"
+            raise InvalidInputError("backend_options", f"backend names as keys ({hint})",
+                                    repr(key))
 
 
 # Keywords the factory sets itself.

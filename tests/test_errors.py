@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from specattn import (DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, SpecConfig,
-                      list_backends)
+from specattn import (DraftBackendFactory, DraftDecodeBackend, DraftExtendBackend, DraftRunner,
+                      SpecConfig, list_backends)
 from specattn.errors import (
     BackendUnavailableError,
     DuplicateBackendError,
@@ -349,6 +350,20 @@ def test_factory_creates_only_with_a_draft_runner(kind):
     with pytest.raises(InvalidInputError, match="^runner: expected a specattn.DraftRunner .*"
                        "got SimpleNamespace$"):
         (f.create_decode_backend if kind == "decode" else f.create_draft_extend_backend)()
+
+
+@pytest.mark.parametrize("key,got", [("trition", "'trition'"), (1, "1")])
+def test_factory_refuses_backend_options_for_no_backend(key, got):
+    """A misspelled ``backend_options`` key is refused when a backend is built, not ignored
+    with its keywords."""
+    runner = DraftRunner.mha(2, 1, 16, num_layers=1, num_slots=8, max_reqs=1,
+                             max_context_len=8, dtype=torch.float32)
+    f = DraftBackendFactory(SpecConfig(attention_backend="torch_ref"), runner, 1, 3,
+                            backend_options={key: {"plan": "dot"}})
+    with pytest.raises(InvalidInputError) as info:
+        f.create_decode_backend()
+    assert info.value.argument == "backend_options" and str(info.value).endswith(f"got {got}")
+    assert ("did you mean 'triton'?" in str(info.value)) == (key == "trition")
 
 
 def test_factory_rejects_a_bad_tree_mode():
