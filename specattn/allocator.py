@@ -18,17 +18,13 @@ device tensors.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import metadata
 from ._tensor_checks import INDEX_DTYPES, dtype_name
+from .data import DraftRunner
 from .errors import CallOrderError, InvalidInputError, OutOfCapacityError
 from .util import ceil_div
-
-if TYPE_CHECKING:
-    from .data import DraftRunner
 
 __all__ = ["PagedKVAllocator"]
 
@@ -38,7 +34,9 @@ logger = logging.getLogger("specattn.allocator")
 class PagedKVAllocator:
     """Requests (rows of ``runner.req_to_token``) and their pages of KV slots."""
 
-    def __init__(self, runner: "DraftRunner") -> None:
+    def __init__(self, runner: DraftRunner) -> None:
+        if not isinstance(runner, DraftRunner):  # its table and pools are what it manages
+            raise InvalidInputError("runner", "a specattn.DraftRunner", type(runner).__name__)
         self.runner = runner
         self.page_size = runner.page_size
         self.num_pages = runner.num_slots // self.page_size

@@ -86,6 +86,9 @@ def test_errors():
         alloc.release_draft()
     with pytest.raises(InvalidInputError, match="runner.num_slots"):
         PagedKVAllocator(_runner(page_size=16, num_slots=16))
+    with pytest.raises(InvalidInputError, match="^runner: expected a specattn.DraftRunner, "
+                       "got NoneType$"):
+        PagedKVAllocator(None)
 
 
 def test_draft_errors():
