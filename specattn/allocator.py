@@ -21,9 +21,10 @@ import logging
 import torch
 
 from . import metadata
-from ._tensor_checks import INDEX_DTYPES, dtype_name
+from ._tensor_checks import INDEX_DTYPES, _is_int, dtype_name
 from .data import DraftRunner
 from .errors import CallOrderError, InvalidInputError, OutOfCapacityError
+from .keys import check_draft_params
 from .util import ceil_div
 
 __all__ = ["PagedKVAllocator"]
@@ -103,7 +104,7 @@ class PagedKVAllocator:
         ``req_to_token``; allocates pages as needed."""
         self._check_req(req)
         self._no_draft("extend()")
-        if not isinstance(n, int) or n < 0:
+        if not _is_int(n) or n < 0:
             raise InvalidInputError("n", "an int >= 0", repr(n))
         start = self._lens[req]
         self._reserve({req: start + n})
@@ -116,7 +117,7 @@ class PagedKVAllocator:
         """Shrink ``req`` to ``new_len`` tokens, freeing the whole pages past it."""
         self._check_req(req)
         self._no_draft("truncate()")
-        if not isinstance(new_len, int) or not 0 <= new_len <= self._lens[req]:
+        if not _is_int(new_len) or not 0 <= new_len <= self._lens[req]:
             raise InvalidInputError("new_len", f"an int in [0, {self._lens[req]}] (the "
                                     f"length of request {req})", repr(new_len))
         self._shrink(req, new_len)
@@ -133,10 +134,7 @@ class PagedKVAllocator:
         page. Call ``release_draft()`` after the round.
         """
         self._no_draft("alloc_draft()")
-        if not isinstance(topk, int) or topk < 1:
-            raise InvalidInputError("topk", "an int >= 1", repr(topk))
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise InvalidInputError("num_steps", "an int >= 1", repr(num_steps))
+        check_draft_params(topk, num_steps)
         indices = torch.as_tensor(req_pool_indices)
         if indices.dtype not in INDEX_DTYPES:
             raise InvalidInputError("req_pool_indices", "int32/int64 request indices",

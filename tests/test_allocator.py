@@ -72,14 +72,16 @@ def test_errors():
         alloc.new_request()
     with pytest.raises(InvalidInputError, match="max_context_len=20"):
         alloc.extend(a, 21)
-    with pytest.raises(InvalidInputError, match="^n:"):
-        alloc.extend(a, -1)
+    for n in (-1, True, 2.0):  # a bool is no count (True would extend by one)
+        with pytest.raises(InvalidInputError, match="^n:"):
+            alloc.extend(a, n)
     alloc.extend(a, 20)  # 5 of the 7 usable pages
     with pytest.raises(OutOfCapacityError, match="out of KV slots: need 3 more pages"):
         alloc.extend(b, 12)
     assert alloc.seq_len(b) == 0 and alloc.num_free_pages == 2  # all or nothing
-    with pytest.raises(InvalidInputError, match="new_len"):
-        alloc.truncate(a, 21)
+    for new_len in (21, False):
+        with pytest.raises(InvalidInputError, match="new_len"):
+            alloc.truncate(a, new_len)
     with pytest.raises(InvalidInputError, match="req"):
         alloc.free_request(7)
     with pytest.raises(CallOrderError, match="^alloc_draft: .*no draft round"):
@@ -104,6 +106,10 @@ def test_draft_errors():
         alloc.alloc_draft(torch.tensor([a]), 0, 2)
     with pytest.raises(InvalidInputError, match="num_steps"):
         alloc.alloc_draft(torch.tensor([a]), 2, 0)
+    with pytest.raises(InvalidInputError, match="^topk: .*got True$"):
+        alloc.alloc_draft(torch.tensor([a]), True, 2)
+    with pytest.raises(InvalidInputError, match="^num_steps: .*got True$"):
+        alloc.alloc_draft(torch.tensor([a]), 2, True)
     with pytest.raises(InvalidInputError, match="max_context_len=16"):
         alloc.alloc_draft(torch.tensor([a]), 4, 3)  # needs 4 + 4*4 = 20 positions
     alloc.alloc_draft(torch.tensor([a]), 2, 2)
