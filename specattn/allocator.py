@@ -90,8 +90,8 @@ class PagedKVAllocator:
 
     def seq_lens(self, reqs) -> torch.Tensor:
         """``[len(reqs)]`` int32 lengths on the runner's device."""
-        return torch.tensor([self.seq_len(int(r)) for r in reqs], dtype=torch.int32,
-                            device=self.runner.device)
+        return torch.tensor([self.seq_len(r) for r in _request_ids("reqs", reqs)],
+                            dtype=torch.int32, device=self.runner.device)
 
     def pages(self, req: int) -> list[int]:
         self._check_req(req)
@@ -135,11 +135,7 @@ class PagedKVAllocator:
         """
         self._no_draft("alloc_draft()")
         check_draft_params(topk, num_steps)
-        indices = torch.as_tensor(req_pool_indices)
-        if indices.dtype not in INDEX_DTYPES:
-            raise InvalidInputError("req_pool_indices", "int32/int64 request indices",
-                                    f"dtype {dtype_name(indices.dtype)}")
-        reqs = [int(r) for r in indices.reshape(-1).tolist()]
+        reqs = _request_ids("req_pool_indices", req_pool_indices)
         if not reqs:
             raise InvalidInputError("req_pool_indices", "at least one request", "0")
         if len(set(reqs)) != len(reqs):
@@ -228,3 +224,16 @@ class PagedKVAllocator:
         del self._pages[req][keep:]
         self._free_pages.extend(reversed(freed))
         self._lens[req] = new_len
+
+
+def _request_ids(name: str, reqs: object) -> list[int]:
+    """Request rows given as a tensor, a list or an int: int32/int64 values, as a list."""
+    try:
+        indices = torch.as_tensor(reqs)
+    except (TypeError, RuntimeError, ValueError):  # None, a string, a ragged list
+        raise InvalidInputError(name, "int32/int64 request indices (a tensor or a list of "
+                                "ints)", type(reqs).__name__) from None
+    if indices.dtype not in INDEX_DTYPES:
+        raise InvalidInputError(name, "int32/int64 request indices",
+                                f"dtype {dtype_name(indices.dtype)}")
+    return [int(r) for r in indices.reshape(-1).tolist()]

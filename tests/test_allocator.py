@@ -102,6 +102,12 @@ def test_draft_errors():
         alloc.alloc_draft(torch.tensor([a, a]), 2, 2)
     with pytest.raises(InvalidInputError, match="^req_pool_indices: .* got dtype float32"):
         alloc.alloc_draft(torch.tensor([float(a)]), 2, 2)
+    for reqs, got in ((None, "NoneType"), ("0", "str")):
+        with pytest.raises(InvalidInputError, match=f"^req_pool_indices: .*got {got}$"):
+            alloc.alloc_draft(reqs, 2, 2)
+    with pytest.raises(InvalidInputError, match="^reqs: .*got dtype float32$"):
+        alloc.seq_lens([0.5])
+    assert alloc.seq_lens(a).tolist() == alloc.seq_lens([a]).tolist() == [5]
     with pytest.raises(InvalidInputError, match="topk"):
         alloc.alloc_draft(torch.tensor([a]), 0, 2)
     with pytest.raises(InvalidInputError, match="num_steps"):
