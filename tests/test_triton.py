@@ -631,8 +631,9 @@ def test_extend_max_extend_len_is_checked():
     backend.init_cuda_graph_state(max_bs=2, max_num_tokens=5)
     with pytest.raises(InvalidInputError, match=r"batch.extend_lens.*max_extend_len=3.*4"):
         backend.init_forward_metadata_capture_cuda_graph(batch)
-    with pytest.raises(InvalidInputError, match="max_extend_len"):
-        TritonExtend(runner, max_extend_len=0)
+    for bad in (0, True):  # True is no bound (it would cap every request at one token)
+        with pytest.raises(InvalidInputError, match="max_extend_len"):
+            TritonExtend(runner, max_extend_len=bad)
 
 
 def test_bad_mode_and_order():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, Optional, get_args
 
 import torch
 
+from ..._tensor_checks import _is_int
 from ...errors import InvalidInputError
 from ...graph_calls import KeptDecodeCalls, KeptExtendCalls
 from ...platforms import (is_cpu, is_cuda, is_hip, is_xpu, triton_interpret,
@@ -299,7 +300,7 @@ class TritonExtend(_TritonCommon, KeptExtendCalls, name="triton", **_DECL):
                  num_splits: Optional[int] = None, plan: Optional[str] = None,
                  max_extend_len: Optional[int] = None, pdl: Optional[bool] = None) -> None:
         super().__init__(runner, topk=topk, num_steps=num_steps)
-        if max_extend_len is not None and not (isinstance(max_extend_len, int)
+        if max_extend_len is not None and not (_is_int(max_extend_len)
                                                and max_extend_len >= 1):
             raise InvalidInputError("max_extend_len", "an int >= 1 or None",
                                     repr(max_extend_len))
