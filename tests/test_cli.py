@@ -375,6 +375,20 @@ def test_bad_arguments_exit_2(capsys, argv):
     assert code == 2
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--dtype", "fp8"], "specattn bench: error: argument --dtype: invalid choice"),
+    (["bench", "--reps", "x"], "specattn bench: error: argument --reps: invalid int value"),
+    (["demo", "--dtype", "fp8"], "specattn demo: error: argument --dtype: invalid choice"),
+    (["demo", "--model", "smollm3"], "specattn demo: error: argument --model: invalid choice"),
+    (["demo", "--min-len", "9", "--max-len", "3"], "specattn demo: error: --min-len 9 > "),
+])
+def test_bench_and_demo_usage_errors_are_one_line(capsys, argv, message):
+    """As for list and select: the error and where the options are listed, not argparse's
+    usage block (a dozen lines for bench) nor the program name of ``python -m``."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
 def test_parse_platform():
     assert parse_platform("cuda:9.0") == Platform("cuda", (9, 0))
     assert parse_platform("cuda:10") == Platform("cuda", (10, 0))

@@ -35,9 +35,10 @@ log = logging.getLogger("specattn.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..cli import _Parser  # a usage error in one line, as the other commands
     from .cases import KV_CACHE_DTYPES
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
         "copy-bandwidth floor, the read floor (GPU) and the per-branch baselines. The protocol, the cases and how "

@@ -10,6 +10,7 @@ from typing import Optional, TextIO
 
 import torch
 
+from ..cli import _Parser
 from ..data import DraftRunner
 from ..errors import SpecAttnError
 from ..selection import describe_error
@@ -28,7 +29,7 @@ MODELS = ("synthetic", "smollm2")
 
 def build_parser() -> argparse.ArgumentParser:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="specattn demo",
         description="Run EAGLE draft rounds (draft extend, then multi-step top-k draft "
                     "decode) of a tiny random-weight draft model through the backend "
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_choice(argv: list[str]) -> tuple[str, list[str]]:
     """``--model NAME`` (or ``--model=NAME``) and the other arguments."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(prog="specattn demo", add_help=False)
     pre.add_argument("--model", choices=MODELS, default="synthetic")
     known, _ = pre.parse_known_args(argv)
     rest, skip = [], False
@@ -217,13 +218,11 @@ def cli_main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None,
     except SystemExit as exc:  # --help or a usage error: argparse already printed
         return int(exc.code or 0)
     if args.min_len > args.max_len:
-        parser.print_usage(sys.stderr)
         print(f"specattn demo: error: --min-len {args.min_len} > --max-len {args.max_len}",
               file=sys.stderr)
         return 2
     vocab = ModelConfig.vocab_size  # every lane drafts a different token of it
     if args.topk > vocab:
-        parser.print_usage(sys.stderr)
         print(f"specattn demo: error: --topk {args.topk} > the model's {vocab} tokens",
               file=sys.stderr)
         return 2
