@@ -279,8 +279,11 @@ class DraftRunner:
         dtype, bfloat16 for FP8 pools."""
         kv0 = _first_pool("kv_buffer", kv_buffer, 2,
                           "[num_slots, kv_lora_rank + qk_rope_head_dim]")
-        if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or (
-                kv_cache_dtype not in LAYOUT_NAMES and not 0 < kv_lora_rank <= kv0.shape[1]):
+        if kv_cache_dtype in LAYOUT_NAMES:  # byte rows: the rank is not bounded by them
+            if not _is_int(kv_lora_rank) or kv_lora_rank < 1:
+                raise InvalidInputError("kv_lora_rank", f"an int >= 1 ({kv_cache_dtype!r} "
+                                        "pools hold bytes)", repr(kv_lora_rank))
+        elif not _is_int(kv_lora_rank) or not 0 < kv_lora_rank <= kv0.shape[1]:
             raise InvalidInputError("kv_lora_rank", f"an int in [1, {int(kv0.shape[1])}] (the "
                                     "latent pool's width)", repr(kv_lora_rank))
         if kv_cache_dtype in LAYOUT_NAMES:

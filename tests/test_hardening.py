@@ -51,6 +51,11 @@ R2T = torch.zeros(2, 8, dtype=torch.int32)
      "shape (4, 2, 16)"),
     (lambda: DraftRunner.wrap_mla(R2T, [torch.zeros(4, 16)], 4, 32), "kv_lora_rank",
      "got 32"),
+    # A byte layout's rows say nothing of the rank: a bad one is named, not the pool.
+    (lambda: DraftRunner.wrap_mla(R2T, [torch.zeros(4, 656, dtype=torch.uint8)], 4, 0,
+                                  kv_cache_dtype="fp8_ds_mla"), "kv_lora_rank", "got 0"),
+    (lambda: DraftRunner.wrap_mla(R2T, [torch.zeros(4, 656, dtype=torch.uint8)], 4, None,
+                                  kv_cache_dtype="fp8_ds_mla"), "kv_lora_rank", "got None"),
 ])
 def test_wrapping_names_the_pool_and_its_shape(call, argument, got):
     with pytest.raises(InvalidInputError, match=f"^{argument}: expected") as info:
