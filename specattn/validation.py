@@ -246,21 +246,43 @@ def check_replay_slots(runner: DraftRunner, batch: Union[DraftBatch, DraftExtend
             _check_draft_slots_free(loc, batch.req_pool_indices, prefix)
 
 
+def _engine_padding(runner: DraftRunner, batch: DraftExtendBatch,
+                    loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """loc: ``[T]`` (the batch's ``out_cache_loc``) -> ``(requests [B], tokens [T])`` bool: which of an extend batch's requests, and their
+    tokens, are the engine's own padding: request row 0 with every new token in page 0. An
+    engine pads a round to the captured number of requests this way (``semantics.md``), and
+    those tokens write the dummy slot whether or not the backend pads further."""
+    ext = batch.extend_lens.to(loc.device).long()
+    owner = torch.repeat_interleave(torch.arange(ext.shape[0], device=loc.device), ext)
+    outside = (loc >= runner.page_size).long()
+    stray = torch.zeros(ext.shape[0], dtype=torch.long, device=loc.device)
+    stray.index_add_(0, owner, outside)
+    padding = (batch.req_pool_indices.to(loc.device) == 0) & (stray == 0)
+    return padding, padding[owner]
+
+
 def check_padding_slot(runner: DraftRunner, batch: Union[DraftBatch, DraftExtendBatch],
                        debug: Optional[bool] = None) -> None:
     """A replay padded to its captured size: the padding (decode: lanes, at every step;
     extend: tokens) writes pool slot 0, so no token of the batch's requests may live there
-    (a prefix token would be overwritten and read back, a new token's slot shared)."""
+    (a prefix token would be overwritten and read back, a new token's slot shared). An
+    extend batch's own padding requests (``_engine_padding``) are left out: their tokens are
+    meant for slot 0."""
     loc = batch.out_cache_loc
-    if _scan_values(loc, debug) and loc.numel() and bool((loc == 0).any()):
-        at = ", ".join(str(int(x)) for x in (loc == 0).nonzero()[0])
+    rpi, seq = batch.req_pool_indices, batch.seq_lens
+    at_zero = loc == 0 if _scan_values(loc, debug) else None
+    if isinstance(batch, DraftExtendBatch) and at_zero is not None and loc.numel():
+        padding, padded_tokens = _engine_padding(runner, batch, loc)
+        at_zero &= ~padded_tokens
+        seq = seq.masked_fill(padding.to(seq.device), 0)  # no prefix of theirs is checked
+    if at_zero is not None and bool(at_zero.any()):
+        at = ", ".join(str(int(x)) for x in at_zero.nonzero()[0])
         raise InvalidInputError("batch.out_cache_loc", "no slot 0 in a replay padded to the "
                                 "captured size (the padding writes slot 0)",
                                 f"slot 0 at out_cache_loc[{at}]")
-    rpi = batch.req_pool_indices
     if not _scan_values(rpi, debug):
         return
-    prefix = _prefix_rows(runner, rpi, batch.seq_lens.clamp(max=runner.max_context_len))
+    prefix = _prefix_rows(runner, rpi, seq.clamp(max=runner.max_context_len))
     if prefix is None:
         return
     rows, live = prefix

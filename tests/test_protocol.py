@@ -13,7 +13,8 @@ import torch
 
 from helpers import decode_sizes, place_decode_round, random_qkv, randomize_pools
 from specattn import DraftDecodeBackend, DraftExtendBackend
-from specattn.backends.torch_ref import TorchRefDecode, TorchRefExtend, reference_decode
+from specattn.backends.torch_ref import (TorchRefDecode, TorchRefExtend, reference_decode,
+                                         reference_extend)
 from specattn.data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
 from specattn.errors import CallOrderError, InvalidInputError, RegistrationError
 
@@ -260,6 +261,36 @@ def test_a_padded_replay_refuses_a_request_token_in_slot_0():
                        r"in a replay padded .*got slot 0 at out_cache_loc\[0, 1, 2\]$"):
         backend.init_forward_metadata_replay_cuda_graph(
             DraftBatch(batch.req_pool_indices, batch.seq_lens, loc), 3)
+
+
+def test_an_extend_replay_padded_by_the_engine_with_fewer_tokens_runs():
+    """An engine pads an extend round to the captured requests with requests of row 0 whose
+    tokens write slot 0; with fewer new tokens than the capture the backend pads the rest to
+    slot 0 too. The engine's padding tokens in slot 0 are not a request token there: the
+    replay runs and the real request matches the reference, while a real request's token in
+    slot 0 is still refused."""
+    runner, _ = _decode_case([5])
+    runner.req_to_token[1, :6] = torch.arange(1, 7, dtype=torch.int32)
+    runner.req_to_token[0, :4] = torch.arange(10, 14, dtype=torch.int32)  # another request
+    backend = TorchRefExtend(runner)
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+    backend.init_forward_metadata_capture_cuda_graph(DraftExtendBatch(
+        torch.zeros(2, dtype=torch.long), torch.full((2,), 4), torch.full((2,), 4),
+        torch.zeros(8, dtype=torch.long)))
+    padded = DraftExtendBatch(torch.tensor([1, 0]), torch.tensor([6, 1]), torch.tensor([3, 1]),
+                              torch.tensor([4, 5, 6, 0]))
+    backend.init_forward_metadata_replay_cuda_graph(padded, 2)
+    q, k, v = random_qkv(runner, 4)
+    out = backend.forward(LAYER, q, k, v)
+    real = DraftExtendBatch(torch.tensor([1]), torch.tensor([6]), torch.tensor([3]),
+                            torch.tensor([4, 5, 6]))
+    torch.testing.assert_close(out[:3], reference_extend(runner, LAYER, q[:3], real))
+    runner.req_to_token[1, 5] = 0
+    stray = DraftExtendBatch(torch.tensor([1, 0]), torch.tensor([6, 1]), torch.tensor([3, 1]),
+                             torch.tensor([4, 5, 0, 0]))
+    with pytest.raises(InvalidInputError, match=r"^batch\.out_cache_loc: expected no slot 0 "
+                       r"in a replay padded .*got slot 0 at out_cache_loc\[2\]$"):
+        backend.init_forward_metadata_replay_cuda_graph(stray, 2)
 
 
 @pytest.mark.parametrize("max_num_tokens", [0, -5, 2.0])
