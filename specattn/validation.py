@@ -248,10 +248,11 @@ def check_replay_slots(runner: DraftRunner, batch: Union[DraftBatch, DraftExtend
 
 def _engine_padding(runner: DraftRunner, batch: DraftExtendBatch,
                     loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """loc: ``[T]`` (the batch's ``out_cache_loc``) -> ``(requests [B], tokens [T])`` bool: which of an extend batch's requests, and their
-    tokens, are the engine's own padding: request row 0 with every new token in page 0. An
-    engine pads a round to the captured number of requests this way (``semantics.md``), and
-    those tokens write the dummy slot whether or not the backend pads further."""
+    """``loc [T]`` (the batch's ``out_cache_loc``) -> ``(requests [B], tokens [T])`` bool:
+    which of an extend batch's requests, and their tokens, are the engine's own padding:
+    request row 0 with every new token in page 0. An engine pads a round to the captured
+    number of requests this way (``semantics.md``), and those tokens write the dummy slot
+    whether or not the backend pads further."""
     ext = batch.extend_lens.to(loc.device).long()
     owner = torch.repeat_interleave(torch.arange(ext.shape[0], device=loc.device), ext)
     outside = (loc >= runner.page_size).long()
