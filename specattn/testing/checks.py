@@ -652,15 +652,17 @@ def extend_graph(s: Session, case: Case) -> str:
     shape = s.shape(case)
     big = case.page_size > 16
     base = case.page_size + 2 if big else 11
-    # Rounds in a graph of 3 requests and 8 new tokens: capture, a replay with 2 real
-    # requests + 1 padding request (3 tokens in page 0, row 0), a replay with another split,
-    # and a replay of 6 tokens the engine does not pad (the backend pads it: its captured
-    # work finds none of an earlier round's slots).
-    plans = [([base, 5 + base, 2 * base], [3, 1, 4]),
-             ([2 + base, 3], [2, 3]),
-             ([1, base + 4, 3 + base], [1, 4, 3]),
-             ([base + 1, 4, base + 2], [2, 3, 1])]
-    unpadded = len(plans) - 1
+    # Rounds in a graph of 3 requests and 8 new tokens: the capture; replays the engine pads
+    # to both ("padded": 2 real requests + 1 padding request of row 0, its 3 tokens in page
+    # 0), with another split; one whose requests the engine pads with a padding request of
+    # one token but not its tokens ("short": the backend pads the tokens); and one of 6
+    # tokens the engine does not pad ("unpadded": the backend pads both). The backend's
+    # captured work must find none of an earlier round's slots.
+    plans = [([base, 5 + base, 2 * base], [3, 1, 4], "padded"),
+             ([2 + base, 3], [2, 3], "padded"),
+             ([1, base + 4, 3 + base], [1, 4, 3], "padded"),
+             ([base + 3, 2], [2, 1], "short"),
+             ([base + 1, 4, base + 2], [2, 3, 1], "unpadded")]
     total, max_bs = 8, 3
     maker = s.maker(case, shape, max_tokens=max(max(p[0]) for p in plans))
     runner, dev = maker.runner, s.device
@@ -688,9 +690,10 @@ def extend_graph(s: Session, case: Case) -> str:
     gen = s.generator(case, "qkv")
     inputs = [random_qkv(runner, total, gen) for _ in layers]
 
-    def place(seq: list[int], ext: list[int], pad: bool = True) -> int:
+    def place(seq: list[int], ext: list[int], mode: str) -> int:
+        """The round into the fixed buffers, padded as ``mode`` says; its real requests."""
         rnd = maker.extend(seq, ext)
-        pad_tokens = total - sum(ext)
+        pad_tokens = 1 if mode == "short" else total - sum(ext)
         values = {"req_pool_indices": rnd.batch.req_pool_indices,
                   "seq_lens": rnd.batch.seq_lens, "extend_lens": rnd.batch.extend_lens,
                   "seq_lens_cpu": torch.tensor(seq), "extend_lens_cpu": torch.tensor(ext),
@@ -698,7 +701,7 @@ def extend_graph(s: Session, case: Case) -> str:
         # The padding request is row 0, whose every page is page 0: at page size 1 all its
         # tokens share slot 0 (slots 1, 2, ... belong to real requests).
         pad_slots = runner.req_to_token[0, :pad_tokens].long()
-        if not pad:
+        if mode == "unpadded":
             for name, src in values.items():
                 t[name][:src.shape[0]] = src.to(t[name].dtype)
             return len(seq)
@@ -713,14 +716,25 @@ def extend_graph(s: Session, case: Case) -> str:
         return [backend.forward(layer, *(x if x is None else x[:n] for x in inputs[i]))
                 for i, layer in enumerate(layers)]
 
+    def given(mode: str, bs_real: int, real: int) -> DraftExtendBatch:
+        """The batch the engine passes: the fixed buffers, or views of the round's size."""
+        if mode == "padded":
+            return batch
+        if mode == "short":  # every request, the real tokens and the padding request's one
+            return DraftExtendBatch(*(t[name] for name in ("req_pool_indices", "seq_lens",
+                                                           "extend_lens")),
+                                    t["out_cache_loc"][:real + 1], t["seq_lens_cpu"],
+                                    t["extend_lens_cpu"])
+        return unpadded_batch(bs_real, real)
+
     place(*plans[0])
     backend.init_forward_metadata_capture_cuda_graph(batch)
     graph = _GraphRunner(dev, calls)
-    for n, (seq, ext) in enumerate(plans):
+    for n, (seq, ext, mode) in enumerate(plans):
         _round_scales(scales, n)
-        bs_real = place(seq, ext, pad=n != unpadded)
-        backend.init_forward_metadata_replay_cuda_graph(
-            batch if n != unpadded else unpadded_batch(bs_real, sum(ext)), max_bs)
+        bs_real = place(seq, ext, mode)
+        replayed = given(mode, bs_real, sum(ext))
+        backend.init_forward_metadata_replay_cuda_graph(replayed, max_bs)
         for qkv in inputs:
             for tensor in qkv:
                 if tensor is not None:
@@ -730,7 +744,7 @@ def extend_graph(s: Session, case: Case) -> str:
         real = sum(ext)
         ref_batch = DraftExtendBatch(t["req_pool_indices"][:bs_real], t["seq_lens"][:bs_real],
                                      t["extend_lens"][:bs_real], t["out_cache_loc"][:real])
-        written = t["out_cache_loc"] if n != unpadded else t["out_cache_loc"][:real]
+        written = replayed.out_cache_loc
         for i, layer in enumerate(layers):
             k_new, v_new = (x if x is None else x[:written.shape[0]] for x in inputs[i][1:])
             shadow.write_kv(layer.layer_id, written, k_new, v_new, layer.k_scale,
@@ -739,12 +753,11 @@ def extend_graph(s: Session, case: Case) -> str:
             ref = reference_extend(_dense(shadow, layer), layer, inputs[i][0][:real], ref_batch)
             msg = output_mismatch(outs[i][:real], ref, case.dtype)
             if msg:
-                padded = "unpadded " if n == unpadded else ""
                 raise CaseFailed(f"round {n} ({bs_real} requests, {real} tokens, "
-                                 f"{padded}in a graph of {max_bs} and {total}), "
+                                 f"{mode}, in a graph of {max_bs} and {total}), "
                                  f"layer {layer.layer_id}: {msg}")
         _check_pools(runner, shadow, written, f"after round {n}", torch.arange(case.page_size))
-    mode = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
+    kind = "captured CUDA graph" if graph.graph is not None else "eager (no CUDA here)"
     changed = "; scales changed at every replay" if case.params.get("tensor_scales") else ""
-    return (f"{mode}; 4 rounds (one padded by the engine, one of fewer tokens) match the "
-            f"reference{changed}")
+    return (f"{kind}; {len(plans)} rounds (padded by the engine, its requests only, or "
+            f"not at all) match the reference{changed}")
