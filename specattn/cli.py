@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from ._argparse import CommandParser
 from .kv_layouts import KV_CACHE_DTYPES
 from .listing import known_libraries
 
@@ -552,19 +553,10 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                         "full error messages (default: the answers only)")
 
 
-class _Parser(argparse.ArgumentParser):
-    """A usage error is one line, the error and where the options are listed: argparse's
-    default prints the whole usage first (a dozen lines for ``select``)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        hint = "" if "choose from" in message else f" ({self.prog} --help lists the options)"
-        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="specattn", description="Attention backends for the draft phase of "
         "speculative decoding: list them, explain a selection, run the demo or the "
         "benchmark. Docs: docs/index.md in the repository.")

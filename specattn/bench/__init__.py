@@ -29,16 +29,17 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .._argparse import CommandParser
+
 __all__ = ["cli_main", "build_parser"]
 
 log = logging.getLogger("specattn.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import _Parser  # a usage error in one line, as the other commands
     from .cases import KV_CACHE_DTYPES
 
-    p = _Parser(
+    p = CommandParser(
         prog="specattn bench",
         description="Time every draft-attention backend that runs here against the "
         "copy-bandwidth floor, the read floor (GPU) and the per-branch baselines. The protocol, the cases and how "

