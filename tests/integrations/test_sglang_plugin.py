@@ -58,6 +58,19 @@ def test_settings_switch_is_on_or_off_and_stray_variables_are_named():
 
 
 @pytest.mark.no_sglang
+def test_settings_errors_quote_a_long_value_cut():
+    """Every variable's refusal quotes a long value cut, on one short line (the tree mode
+    had quoted it whole, unlike the switch, the backend and the options)."""
+    long = "x" * 5000
+    for env in ({"SPECATTN_SGLANG": long}, {"SPECATTN_SGLANG_BACKEND": long},
+                {"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": long}):
+        with pytest.raises(InvalidInputError) as info:
+            read_settings(env)
+        message = str(info.value)
+        assert len(message) < 300 and message.endswith("...'"), message[-80:]
+
+
+@pytest.mark.no_sglang
 def test_settings_backend_options():
     """``SPECATTN_SGLANG_OPTIONS``: ``specattn bench --option`` items separated by ``;``,
     values converted as the bench converts them; a bad one is refused naming the variable."""

@@ -89,7 +89,7 @@ def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     enabled = opted_in(env)
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
-        raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(tree_mode))
+        raise InvalidInputError(TREE_MODE_ENV, "'lane' or 'path'", repr(shorten(tree_mode)))
     if backend is not None:
         _check_backend(backend)
     return Settings(enabled=enabled, backend=backend, tree_mode=tree_mode,
