@@ -35,6 +35,12 @@ def test_settings_opt_in():
         with pytest.raises(InvalidInputError, match=f"SPECATTN_SGLANG_BACKEND: .*got '{name}'"):
             read_settings({"SPECATTN_SGLANG_BACKEND": name})
     assert read_settings({"SPECATTN_SGLANG_BACKEND": "nsa"}).backend == "nsa"  # an alias
+    # A backend named while the switch says off: contradictory, refused (it had turned on).
+    for off in ("0", "off"):
+        with pytest.raises(InvalidInputError, match=f"^SPECATTN_SGLANG: expected on or unset "
+                                                    f"while SPECATTN_SGLANG_BACKEND .*'{off}'"):
+            read_settings({"SPECATTN_SGLANG": off, "SPECATTN_SGLANG_BACKEND": "triton"})
+    assert read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_BACKEND": "triton"}).enabled
 
 
 @pytest.mark.no_sglang

@@ -86,6 +86,10 @@ def read_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     if switch not in _FALSE + _TRUE:
         raise InvalidInputError(ENABLE_ENV, f"on ({'/'.join(_TRUE)}) or off "
                                 f"({'/'.join(repr(v) for v in _FALSE)})", repr(shorten(switch)))
+    if switch and switch in _FALSE and backend is not None:  # off, said explicitly
+        raise InvalidInputError(ENABLE_ENV, f"on or unset while {BACKEND_ENV} is set (it "
+                                "turns the plugin on; unset it to keep SGLang's backends)",
+                                repr(shorten(switch)))
     enabled = opted_in(env)
     tree_mode = env.get(TREE_MODE_ENV, "").strip().lower() or "lane"
     if tree_mode not in ("lane", "path"):
