@@ -721,10 +721,7 @@ def extend_graph(s: Session, case: Case) -> str:
         if mode == "padded":
             return batch
         if mode == "short":  # every request, the real tokens and the padding request's one
-            return DraftExtendBatch(*(t[name] for name in ("req_pool_indices", "seq_lens",
-                                                           "extend_lens")),
-                                    t["out_cache_loc"][:real + 1], t["seq_lens_cpu"],
-                                    t["extend_lens_cpu"])
+            return unpadded_batch(max_bs, real + 1)
         return unpadded_batch(bs_real, real)
 
     place(*plans[0])

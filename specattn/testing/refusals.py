@@ -133,8 +133,7 @@ def _then_forward(f: _Fixture, batch) -> object:
 def _draft_slot_in_prefix_batch(f: _Fixture) -> DraftBatch:
     """The round with a lane's draft slot on the longest prefix's last token (outside page
     0): its step would overwrite committed KV."""
-    b = int(torch.argmax(f.batch.seq_lens.cpu()))
-    last = int(f.batch.seq_lens.view(-1)[b]) - 1
+    last = int(f.batch.seq_lens.max()) - 1  # of the request _prefix_row picks
     return _with(f.batch, out_cache_loc=_bump(
         f.batch.out_cache_loc, int(f.runner.req_to_token[_prefix_row(f), last])))
 
