@@ -275,3 +275,26 @@ def run_extend(fx: Fixture, backend, fb: ForwardBatch, hidden: torch.Tensor) -> 
     with forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
         backend.init_forward_metadata(fb)
         return fx.module(hidden, fb)
+
+
+def check_split_rope_call(fx: Fixture, begin: Callable[[], None], call: Callable,
+                          q: torch.Tensor, k: torch.Tensor) -> None:
+    """DeepSeek's absorbed MLA call with its rope parts apart equals the joined call.
+
+    q: ``[rows, H, KV_LORA_RANK + ROPE_DIM]``, k: ``[rows, 1, KV_LORA_RANK + ROPE_DIM]``;
+    ``call(q, k, v, **rope)`` is the backend's forward after ``begin()`` (its metadata
+    call): joined as ``(q.flatten(1), k, latent)``, split as the latent parts with
+    ``q_rope`` / ``k_rope``. Output and pools must be identical; the pools are restored
+    between the two calls."""
+    rank = KV_LORA_RANK
+    saved = fx.snapshot()
+    begin()
+    joined = call(q.flatten(1), k, k[..., :rank])
+    joined_pools = fx.snapshot()
+    fx.restore(saved)
+    begin()
+    split = call(q[..., :rank], k[..., :rank], k[..., :rank], q_rope=q[..., rank:],
+                 k_rope=k[..., rank:])
+    assert not torch.isnan(split).any()
+    torch.testing.assert_close(split, joined, atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(fx.snapshot(), joined_pools))

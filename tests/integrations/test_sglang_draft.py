@@ -209,14 +209,6 @@ def test_mla_step_takes_deepseeks_split_rope_under_fa3s_name(specattn_plugin):
     rank, rope = H.KV_LORA_RANK, H.ROPE_DIM
     gen = torch.Generator().manual_seed(7)
     q, k = (torch.randn(rows, n, rank + rope, generator=gen) for n in (heads, 1))
-    saved = fx.snapshot()
-    container.init_forward_metadata(batch)
-    joined = step.forward_decode(q.flatten(1), k, k[..., :rank], fx.layer, batch)
-    joined_pools = fx.snapshot()
-    fx.restore(saved)
-    container.init_forward_metadata(batch)
-    split = step.forward_decode(q[..., :rank], k[..., :rank], k[..., :rank], fx.layer, batch,
-                                q_rope=q[..., rank:], k_rope=k[..., rank:])
-    assert not torch.isnan(split).any()
-    torch.testing.assert_close(split, joined, atol=0, rtol=0)
-    assert all(torch.equal(a, b) for a, b in zip(fx.snapshot(), joined_pools))
+    H.check_split_rope_call(fx, lambda: container.init_forward_metadata(batch),
+                            lambda q_, k_, v_, **rope: step.forward_decode(
+                                q_, k_, v_, fx.layer, batch, **rope), q, k)

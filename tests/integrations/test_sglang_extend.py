@@ -140,17 +140,9 @@ def test_mla_rope_parts_apart_as_deepseek_passes_them(specattn_plugin):
     heads, rank, rope = fx.layer.tp_q_head_num, H.KV_LORA_RANK, H.ROPE_DIM
     gen = torch.Generator().manual_seed(5)
     q, k = (torch.randn(sum(lens), n, rank + rope, generator=gen) for n in (heads, 1))
-    saved = fx.snapshot()
-    backend.init_forward_metadata(fb)
-    joined = backend.forward_extend(q.flatten(1), k, k[..., :rank], fx.layer, fb)
-    joined_pools = fx.snapshot()
-    fx.restore(saved)
-    backend.init_forward_metadata(fb)
-    split = backend.forward_extend(q[..., :rank], k[..., :rank], k[..., :rank], fx.layer, fb,
-                                   q_rope=q[..., rank:], k_rope=k[..., rank:])
-    assert not torch.isnan(split).any()
-    torch.testing.assert_close(split, joined, atol=0, rtol=0)
-    assert all(torch.equal(a, b) for a, b in zip(fx.snapshot(), joined_pools))
+    H.check_split_rope_call(fx, lambda: backend.init_forward_metadata(fb),
+                            lambda q_, k_, v_, **rope: backend.forward_extend(
+                                q_, k_, v_, fx.layer, fb, **rope), q, k)
     for name in ("cos_sin_cache", "topk_indices", "attn_sink"):
         with pytest.raises(InvalidInputError, match=f"^{name}: expected None"):
             backend.forward_extend(q[..., :rank], k[..., :rank], None, fx.layer, fb,
