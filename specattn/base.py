@@ -345,7 +345,7 @@ def _check_runner_type(runner: object) -> None:
 
 def _ints(value: Any) -> bool:
     return isinstance(value, frozenset) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+        _is_int(v) and v >= 1 for v in value)
 
 
 def _strings(value: Any, allowed: Optional[frozenset] = None) -> bool:
@@ -361,7 +361,7 @@ _CAPABILITIES: dict[str, tuple[str, Any]] = {
                         lambda v: isinstance(v, tuple) and v and _strings(v, _KV_DTYPES)),
     "page_sizes": ("None or a frozenset of ints >= 1", lambda v: v is None or _ints(v)),
     "max_topk": ("None or an int >= 1", lambda v: v is None or (
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
+        _is_int(v) and v >= 1)),
     "tree_modes": ("a non-empty frozenset of 'lane' / 'path'", lambda v: isinstance(
         v, frozenset) and v and _strings(v, frozenset({"lane", "path"}))),
     "head_dims": ("None or a frozenset of ints >= 1", lambda v: v is None or _ints(v)),
@@ -377,7 +377,7 @@ _CAPABILITIES: dict[str, tuple[str, Any]] = {
         v, Mapping) and _strings(v)),
     "reads_host_lengths": ("a bool", lambda v: isinstance(v, bool)),
     "max_extend_len": ("None or an int >= 1", lambda v: v is None or (
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
+        _is_int(v) and v >= 1)),
 }
 
 
@@ -476,7 +476,7 @@ def _apply_declaration(cls: type[DraftBackend], name: str, decl: dict[str, Any])
         raise bad("requires= must be a tuple of (module, pip name) pairs", decl.get("requires"))
     cls.requires = requires
     priority = decl.get("priority", {})
-    if isinstance(priority, int) and not isinstance(priority, bool):
+    if _is_int(priority):
         priority = {"*": priority}
     if not isinstance(priority, Mapping) or not all(
             isinstance(k, str) and isinstance(v, int) for k, v in priority.items()):
