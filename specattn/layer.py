@@ -5,6 +5,7 @@ soft cap, FP8 KV scales). A module of its own, importing nothing of ``data`` or
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -36,18 +37,24 @@ class AttentionLayer:
     v_scale: Union[float, torch.Tensor] = field(default=1.0, compare=False)
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.layer_id, int) or isinstance(self.layer_id, bool)
-                or self.layer_id < 0):
+        # NumPy scalars (a config's ``np.float32`` scale, an ``np.int64`` index) become
+        # Python numbers: the kernels take Python scalars, and a frozen layer is hashed.
+        if _is_scalar(self.layer_id, numbers.Integral):
+            object.__setattr__(self, "layer_id", int(self.layer_id))
+        for name in ("scaling", "logit_cap", "k_scale", "v_scale"):
+            if _is_scalar(getattr(self, name), numbers.Real):
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if not _is_scalar(self.layer_id, int) or self.layer_id < 0:
             raise InvalidInputError("layer.layer_id", "an int >= 0", repr(self.layer_id))
-        if not (_is_real(self.scaling) and 0 < self.scaling < math.inf):
+        if not (isinstance(self.scaling, float) and 0 < self.scaling < math.inf):
             raise InvalidInputError("layer.scaling", "a finite float > 0", repr(self.scaling))
-        if not (_is_real(self.logit_cap) and 0 <= self.logit_cap < math.inf):
+        if not (isinstance(self.logit_cap, float) and 0 <= self.logit_cap < math.inf):
             raise InvalidInputError("layer.logit_cap", "a finite float >= 0 (0 = off)",
                                     repr(self.logit_cap))
         check_scale("layer.k_scale", self.k_scale)
         check_scale("layer.v_scale", self.v_scale)
 
 
-def _is_real(x: object) -> bool:
-    """An int or float (not a bool, a string or a tensor): the kernels take a Python scalar."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_scalar(x: object, kind: type) -> bool:
+    """A number of ``kind`` (Python's or NumPy's) that is not a bool or a tensor."""
+    return isinstance(x, kind) and not isinstance(x, bool) and type(x).__name__ != "bool_"

@@ -37,6 +37,19 @@ def test_layer_accepts_ints_and_floats():
     assert AttentionLayer(1, 1, 30).scaling == 1
 
 
+def test_layer_takes_numpy_scalars_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    layer = AttentionLayer(np.int64(2), np.float32(0.125), np.float16(0.0),
+                           k_scale=np.float32(0.5))
+    assert (layer.layer_id, layer.scaling, layer.logit_cap, layer.k_scale) == (2, 0.125, 0, 0.5)
+    assert all(type(x) is t for x, t in ((layer.layer_id, int), (layer.scaling, float),
+                                         (layer.logit_cap, float), (layer.k_scale, float)))
+    with pytest.raises(InvalidInputError, match="^layer.scaling"):
+        AttentionLayer(0, np.bool_(True))
+    with pytest.raises(InvalidInputError, match="^layer.scaling"):
+        AttentionLayer(0, np.float32("nan"))
+
+
 R2T = torch.zeros(2, 8, dtype=torch.int32)
 
 
