@@ -444,6 +444,9 @@ def _check_allocation(dtype: object, device: object, zero_ok: tuple[str, ...] = 
     except (RuntimeError, TypeError):
         raise InvalidInputError("device", "a torch device ('cpu', 'cuda', 'cuda:1', ...)",
                                 repr(device)) from None
+    if where.type == "meta":  # no memory: the runner's pools could never be read
+        raise InvalidInputError("device", "a device that holds data ('cpu', 'cuda', ...)",
+                                repr(device))
     if where.type == "cuda" and not torch.cuda.is_available():  # torch's own: an assert
         raise InvalidInputError("device", "a device this torch can use (it sees no CUDA "
                                 "device: 'cpu')", repr(device))

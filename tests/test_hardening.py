@@ -88,6 +88,7 @@ SIZES = dict(num_layers=1, num_slots=8, max_reqs=2, max_context_len=8)
      "got -3"),
     (lambda: DraftRunner.mha(4, 2, 8, **SIZES, dtype="bfloat16"), "dtype", "got 'bfloat16'"),
     (lambda: DraftRunner.mha(4, 2, 8, **SIZES, device="gpu"), "device", "got 'gpu'"),
+    (lambda: DraftRunner.mla(4, 16, 8, **SIZES, device="meta"), "device", "got 'meta'"),
     pytest.param(lambda: DraftRunner.mla(4, 16, 8, **SIZES, device="cuda"), "device",
                  "got 'cuda'", marks=pytest.mark.skipif(torch.cuda.is_available(),
                                                         reason="torch sees a CUDA device")),
