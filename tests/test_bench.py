@@ -580,6 +580,8 @@ def test_option_parsing_and_plan_names():
 
     got = parse_option("triton:plan=gluon-wl,num_splits=6").kwargs_for(TritonDecode)
     assert got == {"plan": "gluon-wl", "num_splits": 6}
+    assert dict(parse_option("intel_amx:cache_prefix=false").kwargs) == {"cache_prefix": False}
+    assert dict(parse_option("x:a=true,b='false'").kwargs) == {"a": True, "b": "false"}
     bad = ["triton", "triton:", "triton:=2", "no_such:x=1", "triton:blocks=2",
            "triton:topk=2", "triton:plan=dotx", "triton:config=m64 n32 w8 s3",
            "fa4:split_prefix=2,cache_prefix=True"]

@@ -4,7 +4,7 @@
 
 ``BACKEND:KEY=VALUE[,KEY=VALUE...]`` adds one variant of ``BACKEND`` (a name or alias),
 labelled ``BACKEND[KEY=VALUE,...]``, beside the backend's own variants. A value is a Python
-literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``) or else the text itself
+literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``; ``true`` / ``false`` too) or else the text itself
 (``mode=per-branch``, ``plan=gluon-wl``: Triton's plans are named in
 ``specattn.backends.triton.plans.PLANS``). A keyword applies to the backend's classes whose
 constructor takes it (``mode``: decode only); one that no class of the backend takes is a bad
@@ -77,7 +77,13 @@ def keywords(cls: type) -> set[str]:
     return keyword_args(cls) - _RESERVED
 
 
+# Shell and JSON spellings of the booleans, as environment variables are often written.
+_BOOLS = {"true": True, "false": False}
+
+
 def _literal(text: str) -> Any:
+    if text in _BOOLS:
+        return _BOOLS[text]
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
