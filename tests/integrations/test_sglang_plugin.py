@@ -61,6 +61,9 @@ def test_settings_switch_is_on_or_off_and_stray_variables_are_named():
         "SPECATTN_SGLANG_BACKENDS", "SPECATTN_SGLANG_TREE_MODE"]
     assert stray_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_TREE_MODE": "path",
                            "SPECATTN_SGLANG_OPTIONS": "triton:pdl=False"}) == []
+    assert stray_settings({"specattn_sglang": "1", "Specattn_Sglang_Backend": "triton",
+                           "SPECATTN_SGLANG": "1", "SPECATTN_SGLANGX": "1"}) == [
+        "Specattn_Sglang_Backend", "specattn_sglang"]
 
 
 @pytest.mark.no_sglang

@@ -70,10 +70,13 @@ def opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 def stray_settings(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """``SPECATTN_SGLANG_*`` variables that are set but not read: a name none of the four
-    is (a typo such as ``SPECATTN_SGLANG_BACKENDS``), and, without the opt-in, the tree mode
-    and the options (read only when specattn serves)."""
+    is (a typo such as ``SPECATTN_SGLANG_BACKENDS``, or a known name in another case, which
+    the environment keeps apart), and, without the opt-in, the tree mode and the options
+    (read only when specattn serves)."""
     env = os.environ if environ is None else environ
-    names = [n for n in env if n.startswith(ENABLE_ENV + "_") and n not in KNOWN_ENV]
+    names = [n for n in env
+             if n.upper().startswith(ENABLE_ENV + "_") and n not in KNOWN_ENV or
+             n.upper() == ENABLE_ENV and n != ENABLE_ENV]
     if not opted_in(env):
         names += [n for n in (TREE_MODE_ENV, OPTIONS_ENV) if env.get(n, "").strip()]
     return sorted(names)
