@@ -39,9 +39,22 @@ __all__ = [
     "check_draft_params", "check_tensor", "check_runner", "check_decode_batch",
     "check_decode_forward", "check_padding_slot", "check_parents_copied",
     "check_extend_batch", "check_extend_forward", "debug_checks_enabled",
-    "graph_checks_read_values",
+    "graph_checks_read_values", "check_whole_pages",
     "ACT_DTYPES", "INDEX_DTYPES",
 ]
+
+
+def check_whole_pages(runner: DraftRunner, backend: str, page_size: Optional[int] = None
+                      ) -> None:
+    """Pools of whole pages, for a backend whose library views a pool as ``[num_slots //
+    page_size, page_size, ...]``: a slot of a partial last page is in no page its page
+    table can name (an engine's pools are whole pages). ``page_size``: the library's, if not
+    the runner's."""
+    size = runner.page_size if page_size is None else page_size
+    if runner.num_slots % size:
+        raise InvalidInputError("runner pools", f"a slot count that is a multiple of the "
+                                f"page size {size} ({backend} pages the pool)",
+                                runner.num_slots)
 
 
 def _scan_values(t: torch.Tensor, debug: Optional[bool]) -> bool:

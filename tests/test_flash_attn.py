@@ -456,6 +456,19 @@ def test_misaligned_pages_are_refused():
             backend.init_forward_metadata(case.batch)
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_pool_of_a_partial_last_page_is_refused(which):
+    """FlashAttention views a pool as whole pages: a slot of a partial last page is in no
+    page its table can name (it had been accepted, and read past the view)."""
+    runner = DraftRunner.mha(4, 2, 16, num_layers=1, num_slots=100, page_size=16, max_reqs=2,
+                             max_context_len=64)
+    _, _, platform, _ = LIBS["fa4"]
+    with installed(platform), pytest.raises(
+            InvalidInputError, match="^runner pools: expected a slot count that is a multiple "
+                                     "of the page size 16 .*got 100"):
+        LIBS["fa4"][which](runner, 2, 3) if which == 0 else LIBS["fa4"][which](runner)
+
+
 def test_stand_in_rejects_undocumented_arguments():
     with pytest.raises(TypeError):
         fa_cute.flash_attn_varlen_func(None, None, None, return_softmax_lse=True)

@@ -57,6 +57,7 @@ from ..platforms import is_npu
 from ..sink_window import (DEFAULT_WINDOW, KIT_LIMITS, check_window, check_window_runner,
                            layer_sink)
 from ..util import ceil_div, vendor_module
+from ..validation import check_whole_pages
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -66,13 +67,6 @@ __all__ = ["AscendDecode", "AscendExtend", "DSV4NpuDecode", "DSV4NpuExtend", "PA
 PAGE_SIZES = frozenset(range(16, 513, 16))
 _NPU = (("torch_npu", "torch-npu"),)
 _TESTED = "not run on hardware (stand-in tested)"
-
-
-def _check_pools(runner: "DraftRunner", name: str) -> None:
-    if runner.num_slots % runner.page_size:
-        raise InvalidInputError("runner pools", f"a slot count that is a multiple of the "
-                                f"page size {runner.page_size} ({name} pages the pool)",
-                                runner.num_slots)
 
 
 class _Rows:
@@ -139,7 +133,7 @@ class _NpuBackend:
     _window: Optional[int] = None
 
     def _open_ops(self, runner: "DraftRunner") -> None:
-        _check_pools(runner, type(self).name)
+        check_whole_pages(runner, type(self).name)
         self._rows = _Rows(runner, self._kind_for(runner), type(self).name, self._window)
         self._bufs = Buffers(runner.device)
 

@@ -57,7 +57,7 @@ import torch
 
 from ..base import DraftDecodeBackend
 from ..buffers import Buffers
-from ..errors import BackendUnavailableError, InvalidInputError
+from ..errors import BackendUnavailableError
 from ..fp8 import FP8_KV_DTYPES
 from ..keys import BackendRequest
 from ..kernels.lse import merge_states
@@ -65,6 +65,7 @@ from ..metadata import history_slots, prefix_page_table
 from ..platforms import Platform, any_platform, cuda_capability
 from ..registry import Dispatcher, Route, default_registry
 from ..util import ceil_div, triton_runs, vendor_module
+from ..validation import check_whole_pages
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftRunner
@@ -124,9 +125,7 @@ class FlashMLADecode(DraftDecodeBackend, name="flashmla",
             raise BackendUnavailableError(
                 f"flashmla: FlashMLA needs kv_lora_rank {_HEAD_DIM_V} (head_dim_v), the model "
                 f"has {runner.kv_lora_rank}", "flashmla")
-        if runner.num_slots % PAGE_SIZE:
-            raise InvalidInputError("runner.kv_buffer", f"a slot count that is a multiple of "
-                                    f"the page size {PAGE_SIZE}", runner.num_slots)
+        check_whole_pages(runner, "flashmla", PAGE_SIZE)
         self._fm = vendor_module("flash_mla", _PIP, "flashmla")
         # The sgl-flash-mla wheel (the one that loads on the H200) keeps dense decoding only
         # in its legacy sm90 kernels, reached with use_legacy=True.

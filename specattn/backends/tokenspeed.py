@@ -42,11 +42,11 @@ import torch
 
 from ..base import DraftDecodeBackend, DraftExtendBackend
 from ..buffers import Buffers
-from ..errors import InvalidInputError
 from ..fp8 import library_scales, scale_rows
 from ..metadata import extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
 from ..util import ceil_div, sm_count, vendor_module
+from ..validation import check_whole_pages
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftExtendBatch, DraftRunner
@@ -74,9 +74,7 @@ class _Tokenspeed:
 
     def _open_library(self, runner: "DraftRunner", max_keys: int) -> None:
         """The library, buffers and the block-table width for rows of ``max_keys`` keys."""
-        if runner.num_slots % runner.page_size:
-            raise InvalidInputError("runner.kv_buffer", "a slot count that is a multiple of "
-                                    f"the page size {runner.page_size}", runner.num_slots)
+        check_whole_pages(runner, "tokenspeed_mla")
         self._ts = vendor_module("tokenspeed_mla", "tokenspeed-mla", "tokenspeed_mla")
         self._bufs = Buffers(runner.device)
         self._num_sms = sm_count(runner.device) or 1

@@ -70,6 +70,7 @@ from ..errors import BackendUnavailableError, InvalidInputError
 from ..metadata import draft_slot_positions, extend_token_slots, lane_rows, prefix_page_table
 from ..platforms import cuda_capability
 from ..util import ceil_div, vendor_module
+from ..validation import check_whole_pages
 
 if TYPE_CHECKING:
     from ..data import AttentionLayer, DraftBatch, DraftExtendBatch, DraftRunner
@@ -144,10 +145,7 @@ class _TRTLLM:
     _vendor_backend: Optional[str] = None  # MLA: the ``backend=`` argument, if any
 
     def _open_library(self, runner: "DraftRunner") -> None:
-        if runner.num_slots % runner.page_size:
-            raise InvalidInputError("runner.k_buffer/kv_buffer", "a slot count that is a "
-                                    f"multiple of the page size {runner.page_size}",
-                                    runner.num_slots)
+        check_whole_pages(runner, self.name)
         self._fn = _vendor_function(self.name, self._fn_name)
         self._bufs = Buffers(runner.device)
 

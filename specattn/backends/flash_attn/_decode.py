@@ -57,6 +57,7 @@ from ...kernels.lse import merge_states
 from ...metadata import path_history_slots, prefix_page_table, prefix_token_slots
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
+from ...validation import check_whole_pages
 from ._library import resolve_kernel
 from ._route import check_split_prefix, choose_route
 from ._tables import check_page_aligned, paged_pools, table_launch_key
@@ -113,6 +114,7 @@ class FlashAttnDecodeGlue(KeptDecodeCalls):
                  mode: DecodeMode = "auto", split_prefix: int = 1,
                  fused_merge: Optional[bool] = None) -> None:
         super().__init__(runner, topk, num_steps, tree_mode=tree_mode)
+        check_whole_pages(runner, type(self).name)
         if mode not in MODES:
             raise InvalidInputError("mode", f"one of {MODES}", repr(mode))
         check_split_prefix(split_prefix)

@@ -36,6 +36,7 @@ from ...graph_calls import KeptExtendCalls
 from ...metadata import prefix_page_table
 from ...platforms import current_platform
 from ...util import ceil_div, sm_count, triton_runs
+from ...validation import check_whole_pages
 from ._library import resolve_kernel
 from ._route import check_split_prefix, choose_route
 from ._tables import check_page_aligned, paged_pools, table_launch_key
@@ -76,6 +77,7 @@ class FlashAttnExtendGlue(KeptExtendCalls):
         """``split_prefix``: prefix chunks per request (``1``: one causal pass), or ``None``
         to route per batch size (module docstring)."""
         super().__init__(runner, topk=topk, num_steps=num_steps)
+        check_whole_pages(runner, type(self).name)
         check_split_prefix(split_prefix, none_means="routed per batch")
         self.kernel = resolve_kernel(self.library, current_platform(), type(self).name)
         self._pages = ceil_div(runner.max_context_len, self.page_size)
