@@ -56,5 +56,6 @@ class AttentionLayer:
 
 
 def _is_scalar(x: object, kind: type) -> bool:
-    """A number of ``kind`` (Python's or NumPy's) that is not a bool or a tensor."""
-    return isinstance(x, kind) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+    """A number of ``kind`` (Python's or NumPy's, whose ``bool_`` is neither) that is not a
+    bool."""
+    return isinstance(x, kind) and not isinstance(x, bool)

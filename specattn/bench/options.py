@@ -4,8 +4,8 @@
 
 ``BACKEND:KEY=VALUE[,KEY=VALUE...]`` adds one variant of ``BACKEND`` (a name or alias),
 labelled ``BACKEND[KEY=VALUE,...]``, beside the backend's own variants. A value is a Python
-literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``; ``true`` / ``false`` too) or else the text itself
-(``mode=per-branch``, ``plan=gluon-wl``: Triton's plans are named in
+literal (``2``, ``2.0``, ``False``, ``None``, ``'x'``; ``true`` / ``false`` too) or else the
+text itself (``mode=per-branch``, ``plan=gluon-wl``: Triton's plans are named in
 ``specattn.backends.triton.plans.PLANS``). A keyword applies to the backend's classes whose
 constructor takes it (``mode``: decode only); one that no class of the backend takes is a bad
 argument.

@@ -75,8 +75,8 @@ def stray_settings(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     (read only when specattn serves)."""
     env = os.environ if environ is None else environ
     names = [n for n in env
-             if n.upper().startswith(ENABLE_ENV + "_") and n not in KNOWN_ENV or
-             n.upper() == ENABLE_ENV and n != ENABLE_ENV]
+             if (n.upper().startswith(ENABLE_ENV + "_") and n not in KNOWN_ENV)
+             or (n.upper() == ENABLE_ENV and n != ENABLE_ENV)]
     if not opted_in(env):
         names += [n for n in (TREE_MODE_ENV, OPTIONS_ENV) if env.get(n, "").strip()]
     return sorted(names)
