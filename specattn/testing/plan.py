@@ -193,6 +193,10 @@ def _extend_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         if name == "shared_kv_buffer" and model == "mla":
             continue
         yield _case("extend", model, f"engine/{name}", num, main, page=p1, style=style)
+    if pbig:  # a pool of whole pages and one slot, a new token in that slot
+        yield _case("extend", model, "engine/partial_last_page", num, main, page=pbig,
+                    style=EngineStyle(partial_last_page=True),
+                    lens=checks.partial_page_lengths(pbig))
     yield _case("extend", model, "isolation", num, main, page=p1, poison=True)
     yield _case("extend", model, "graph", checks.extend_graph, main, page=pbig or p1)
     yield _case("extend", model, "determinism", checks.extend_determinism, main, page=p1)

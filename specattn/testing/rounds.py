@@ -82,10 +82,13 @@ class EngineStyle:
     shared_kv_buffer: bool = False  # MHA: K and V pools as two views of one buffer
     uint8_pools: bool = False  # FP8 pools given to the runner as uint8 storage (SGLang's)
     int32_index: bool = False  # the batch's index tensors in int32 (vLLM's), not int64
+    # Pools of one slot past their whole pages (P > 1), a request's last token in it.
+    partial_last_page: bool = False
 
     def label(self) -> str:
         on = [f for f in ("strided_index", "fused_qkv", "sliced_req_to_token",
-                          "shared_kv_buffer", "uint8_pools", "int32_index")
+                          "shared_kv_buffer", "uint8_pools", "int32_index",
+                          "partial_last_page")
               if getattr(self, f)]
         return "+".join(on) if on else "contiguous"
 
@@ -221,9 +224,12 @@ class RoundMaker:
         pages_per_req = math.ceil(self.max_tokens / p) + 1
         self._num_pages = 1 + (self.max_reqs - 1) * pages_per_req + 2
         self.max_context_len = pages_per_req * p
+        # A partial last page: page ``_num_pages``, of one slot (offset 0).
+        self._partial = self.style.partial_last_page and p > 1
         self.runner = _make_runner(self.shape, dtype=self.dtype, device=self.device,
                                    page_size=p, num_layers=self.num_layers,
-                                   num_slots=self._num_pages * p, max_reqs=self.max_reqs,
+                                   num_slots=self._num_pages * p + self._partial,
+                                   max_reqs=self.max_reqs,
                                    max_context_len=self.max_context_len,
                                    kv_cache_dtype=self.kv_cache_dtype, style=self.style)
         # Page 0: the padding slots, random and finite (padded lanes read and write them).
@@ -276,9 +282,12 @@ class RoundMaker:
         rows = (torch.randperm(self.max_reqs - 1, generator=self.gen) + 1)[:bs]
         free = (torch.randperm(self._num_pages - 1, generator=self.gen) + 1).tolist()
         table = torch.zeros(bs, self.max_context_len, dtype=torch.int32)
+        partial = self._partial  # the partial page goes to the first request it fits
         for b, n in enumerate(lens):
-            pages = torch.tensor([free.pop() for _ in range(math.ceil(n / p))],
-                                 dtype=torch.int64)
+            pages = [free.pop() for _ in range(math.ceil(n / p))]
+            if partial and n % p == 1:
+                pages[-1], partial = self._num_pages, False
+            pages = torch.tensor(pages, dtype=torch.int64)
             x = torch.arange(n)
             table[b, :n] = (pages[x // p] * p + x % p).int()
         return rows, table
