@@ -294,7 +294,7 @@ def decode_numerics(s: Session, case: Case) -> str:
     style = p.get("style", EngineStyle())
     maker = _decode_maker(s, case, shape, [lens], style, max_reqs=max(5, len(lens) + 1))
     rnd = maker.decode(lens, case.topk, NUM_STEPS, case.tree_mode)
-    backend = s.construct(case, maker.runner)
+    backend = _construct_over(s, case, maker.runner, style)
     return shape.label() + ", " + run_decode_round(
         s, case, backend, rnd, shape, s.generator(case, "qkv"),
         logit_cap=p.get("logit_cap", 0.0), fused_qkv=style.fused_qkv,
@@ -553,6 +553,23 @@ def partial_page_lengths(page_size: int) -> tuple[list[int], list[int]]:
     return [page_size + 1, 2 * page_size + 3], [2, 3]
 
 
+def partial_page_prefixes(page_size: int) -> list[int]:
+    """Decode prefixes at ``K`` 1 whose first request's last draft slot (step
+    ``NUM_STEPS - 1``) opens a page: the one-slot page past a ``partial_last_page`` pool."""
+    return [page_size + 1 - NUM_STEPS, 2 * page_size + 5]
+
+
+def _construct_over(s: Session, case: Case, runner: DraftRunner, style: EngineStyle):
+    """``s.construct``; a backend that pages the pool may refuse a ``partial_last_page``
+    pool when built (a skip naming the refusal)."""
+    try:
+        return s.construct(case, runner)
+    except InvalidInputError as exc:
+        if style.partial_last_page and exc.argument == "runner pools":
+            raise CaseSkipped(f"refuses pools of a partial last page: {exc}") from None
+        raise
+
+
 def extend_lengths(page_size: int, ragged: bool) -> tuple[list[int], list[int]]:
     """``(seq_lens, extend_lens)``: ragged includes a request with no prefix (L' = E)."""
     big = page_size > 16
@@ -603,12 +620,7 @@ def extend_numerics(s: Session, case: Case) -> str:
     maker = s.maker(case, shape, max_tokens=max(seq), style=style,
                     max_reqs=max(5, len(seq) + 1))
     rnd = maker.extend(seq, ext)
-    try:
-        backend = s.construct(case, maker.runner)
-    except InvalidInputError as exc:  # a backend that pages the pool refuses a partial page
-        if style.partial_last_page and exc.argument == "runner pools":
-            raise CaseSkipped(f"refuses pools of a partial last page: {exc}") from None
-        raise
+    backend = _construct_over(s, case, maker.runner, style)
     return shape.label() + ", " + run_extend(s, case, backend, rnd, shape,
                                              s.generator(case, "qkv"),
                                              logit_cap=p.get("logit_cap", 0.0),

@@ -135,6 +135,10 @@ def _decode_cases(cls: type, model: str, level: str) -> Iterator[Case]:
         if name == "shared_kv_buffer" and model == "mla":
             continue
         yield _case("decode", model, f"engine/{name}", num, main, k2, p1, path, style=style)
+    if pbig:  # a pool of whole pages and one slot, the last draft slot in that slot
+        yield _case("decode", model, "engine/partial_last_page", num, main, 1, pbig, "lane",
+                    style=EngineStyle(partial_last_page=True),
+                    lens=checks.partial_page_prefixes(pbig))
     yield _case("decode", model, "isolation", num, main, k, p1, path, poison=True)
     yield _case("decode", model, "numerics", num, main, k2, pbig or p1, path, tail="long",
                 lens=[300, 7])  # past a sliding window's default width, several pages

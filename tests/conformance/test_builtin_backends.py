@@ -42,18 +42,21 @@ def test_standins_run_under_the_interpreter_only(monkeypatch):
 
 def test_the_partial_page_case_fails_a_backend_that_pages_the_pool_unchecked(monkeypatch):
     """FlashAttention views a pool as whole pages. Without its refusal of a partial last
-    page, the case whose new token sits in that page's one slot fails (the slot is in no
-    page the table can name); with it, the case is a skip naming the refusal."""
+    page, the extend case, whose new token sits in that page's one slot, fails (the slot is
+    in no page the table can name); the decode case's draft slot there is read through the
+    token view of the lane history and passes. With the refusal both are skips naming it."""
     import environments as envs
-    from specattn.backends.flash_attn import _extend
+    from specattn.backends.flash_attn import _decode, _extend
     from specattn.testing import check_backend
 
     env = next((e for e in envs.environments() if e.name == "fa4"), None)
     if env is None:
         pytest.skip("the FlashAttention stand-ins run under TRITON_INTERPRET=1 only")
-    select = "extend/mha/engine/partial_last_page"
+    select = "mha/engine/partial_last_page"  # decode and extend
     kept = check_backend("fa4", select=select, raise_on_failure=False, **env.options())
-    assert kept.skipped == 1 and "refuses pools of a partial last page" in str(kept)
-    monkeypatch.setattr(_extend, "check_whole_pages", lambda *args, **kwargs: None)
+    assert kept.skipped == 2 and "refuses pools of a partial last page" in str(kept)
+    for module in (_decode, _extend):
+        monkeypatch.setattr(module, "check_whole_pages", lambda *args, **kwargs: None)
     unchecked = check_backend("fa4", select=select, raise_on_failure=False, **env.options())
-    assert unchecked.failed == 1, str(unchecked)
+    assert [r.case.split("/")[0] for r in unchecked.failures] == ["extend"], str(unchecked)
+    assert unchecked.passed == 1, str(unchecked)
