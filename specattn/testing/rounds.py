@@ -228,7 +228,7 @@ class RoundMaker:
         self._partial = self.style.partial_last_page and p > 1
         self.runner = _make_runner(self.shape, dtype=self.dtype, device=self.device,
                                    page_size=p, num_layers=self.num_layers,
-                                   num_slots=self._num_pages * p + self._partial,
+                                   num_slots=self._num_pages * p + int(self._partial),
                                    max_reqs=self.max_reqs,
                                    max_context_len=self.max_context_len,
                                    kv_cache_dtype=self.kv_cache_dtype, style=self.style)
