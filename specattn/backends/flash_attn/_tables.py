@@ -26,7 +26,8 @@ def paged_pools(runner: "DraftRunner", layer_id: int,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's token pools viewed as pages: ``k [num_pages, P, H_kv, D]``,
     ``v [num_pages, P, H_kv, D_v]`` (no copy). Slots past the last whole page are not
-    addressable; an engine's pool is a whole number of pages."""
+    addressable, so the backends refuse such pools when built
+    (``validation.check_whole_pages``); an engine's pool is a whole number of pages."""
     k, v = runner.k_buffer[layer_id], runner.v_buffer[layer_id]
     n = k.shape[0] // page_size
     return (k[:n * page_size].unflatten(0, (n, page_size)),
