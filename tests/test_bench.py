@@ -582,6 +582,8 @@ def test_option_parsing_and_plan_names():
     assert got == {"plan": "gluon-wl", "num_splits": 6}
     assert dict(parse_option("intel_amx:cache_prefix=false").kwargs) == {"cache_prefix": False}
     assert dict(parse_option("x:a=true,b='false'").kwargs) == {"a": True, "b": "false"}
+    with pytest.raises(InvalidInputError, match=r"each keyword once.*plan repeated"):
+        parse_option("triton:plan=dot,num_splits=4,plan=dot-m16")  # not the last silently
     bad = ["triton", "triton:", "triton:=2", "no_such:x=1", "triton:blocks=2",
            "triton:topk=2", "triton:plan=dotx", "triton:config=m64 n32 w8 s3",
            "fa4:split_prefix=2,cache_prefix=True"]

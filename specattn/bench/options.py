@@ -100,6 +100,11 @@ def parse_option(text: str) -> BackendOption:
         raise InvalidInputError("--option", "one backend per item (another --option; in "
                                 "SPECATTN_SGLANG_OPTIONS, items separated by ';')", repr(text))
     kwargs = tuple((k.strip(), _literal(v.strip())) for k, _, v in pairs)
+    keys = [k for k, _ in kwargs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:  # a dict of them would keep the last silently
+        raise InvalidInputError("--option", "each keyword once in an item",
+                                f"{', '.join(repeated)} repeated in {text!r}")
     return BackendOption(backend.strip(), rest, kwargs)
 
 

@@ -88,7 +88,8 @@ def test_settings_backend_options():
     opts = s.backend_options()
     assert opts == {"triton": {"mode": "per-branch", "plan": "gluon-split"}}
     assert read_settings({"SPECATTN_SGLANG": "1"}).backend_options() == {}
-    for bad in ("triton", "triton:nope=1", "nosuch:x=1", "triton:plan=gluon"):
+    for bad in ("triton", "triton:nope=1", "nosuch:x=1", "triton:plan=gluon",
+                "triton:plan=dot,plan=dot-m16", "triton:plan=dot; triton:plan=dot-m16"):
         with pytest.raises(InvalidInputError, match="SPECATTN_SGLANG_OPTIONS"):
             read_settings({"SPECATTN_SGLANG": "1", "SPECATTN_SGLANG_OPTIONS": bad})
     long = "triton:mode=per-branch; " + "x" * 5000 + ":k=1"  # the value once, cut

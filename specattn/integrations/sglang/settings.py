@@ -122,4 +122,25 @@ def _read_options(text: str) -> tuple:
         raise InvalidInputError(OPTIONS_ENV, "'BACKEND:KEY=VALUE[,KEY=VALUE...]' items "
                                 "separated by ';' (e.g. 'triton:plan=gluon-split'), backends and "
                                 f"keywords that exist ({exc})", repr(shorten(text))) from exc
+    _check_each_keyword_once(options)
     return tuple(options)
+
+
+def _check_each_keyword_once(options: list) -> None:
+    """Refuse a keyword that two items give one backend (``triton:plan=a;triton:plan=b``,
+    or a name and its alias): the factory takes one value, and keeping either would be a
+    silent choice."""
+    from ...registry import active_registry
+
+    seen: dict[tuple[str, str], str] = {}
+    for opt in options:
+        classes = opt.classes(active_registry())
+        name = classes[0].name if classes else opt.backend
+        for key in opt.keys():
+            if (name, key) in seen:
+                raise InvalidInputError(OPTIONS_ENV, f"each keyword once per backend "
+                                        f"({key!r} of {name!r} in two items)",
+                                        repr(shorten(f"{seen[name, key]}; {opt.backend}:"
+                                                     f"{opt.text}")))
+            seen[name, key] = f"{opt.backend}:{opt.text}"
+
