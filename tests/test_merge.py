@@ -44,5 +44,30 @@ def test_merge_tiles_fill_the_gpu_only_where_rows_do_not(monkeypatch):
     assert merge.merge_tiles(256 * 32, 128, 4, dev) is None  # gqa-long: the rows fill the GPU
     assert merge.merge_tiles(32 * 16, 512, 33, dev) is None  # mla-b8-p64 too
     one = merge.merge_tiles(4 * 16, 512, 264, dev)  # one MLA request over every SM
-    assert one.chunks * 4 * 16 >= 4 * 132 and one.block_p * one.block_d <= merge.MERGE_TILE
-    assert one.block_p == 256  # every part in one load
+    assert (one.chunks, one.block_d, one.block_p, one.num_warps) == (16, 32, 256, 4)
+    # gqa-b1-32k (4 lanes x 32 heads, 65 parts): 32 columns, every part in one load, one warp
+    assert merge.merge_tiles(4 * 32, 128, 65, dev) == (4, 32, 128, 1)
+    assert merge.merge_tiles(6 * 16, 512, 64, dev) == (16, 32, 64, 1)  # mla-b1-32k-extend
+    assert merge.merge_tiles(2 * 8, 128, 33, dev) == (8, 16, 64, 1)  # 64 programs at 32 wide
+
+
+def test_merge_partials_one_warp_a_row_of_up_to_128_columns(monkeypatch):
+    """Where the rows fill the GPU, a program a row: one warp up to 128 columns (GQA), four
+    above (an MLA latent)."""
+    from specattn.backends.triton import launchers
+
+    monkeypatch.setattr(merge, "sm_count", lambda device: 132)
+    launches = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw["BLOCK_D"], kw["BLOCK_P"],
+                                                        kw["num_warps"]))
+
+    monkeypatch.setattr(merge, "merge_kernel", Capture())
+    for rows, heads, parts, d_v in ((8, 32, 34, 128), (32, 32, 11, 128), (32, 16, 5, 512)):
+        merge.merge_partials(torch.zeros(rows, heads, parts, d_v), torch.zeros(rows, heads, parts),
+                             torch.zeros(rows, heads, d_v), parts)
+    assert launches == [((8, 32, 1), 128, 64, 1), ((32, 32, 1), 128, 16, 1),
+                        ((32, 16, 1), 512, 8, 4)]
+    assert launchers.merge_partials is merge.merge_partials

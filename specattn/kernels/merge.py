@@ -14,10 +14,13 @@ one state, and ``history_merge``'s of a split prefix's chunk states.
 ``merge_tiles`` sizes ``merge_kernel`` and the segment merge. Where the output rows alone
 occupy every SM, one program per row loads the parts as the merge always did (``chunks``
 1). Where they do not (one request split over every SM: 4 lanes x 16 heads of 132 parts of
-512 latent columns, 17 MB, read by 64 programs), the columns split into chunks, about four
-programs per SM, each loading its rows' parts at once: on the H200 `mla-b1-32k` went from
-41.7 to 29.5 us. Chunking everywhere lost 7% at `mla-long` and 6% at `mla-b8-p64` (same
-run), hence the rule.
+512 latent columns, 17 MB, read by 64 programs), the columns split into chunks of 32, each
+program loading its rows' parts at once: on the H200 `mla-b1-32k` went from 41.7 to 29.5
+us. Chunking everywhere lost 7% at `mla-long` and 6% at `mla-b8-p64` (same run), hence
+the rule. A program is one warp where its load is at most ``ONE_WARP_LOAD`` values (a
+chunk) or its row at most 128 columns, so that the parts fold without a block barrier:
+in a sweep of the merge alone (H100) one warp beat two and four at every shape, and the
+step of six serving cases took 0.7-3.2% less (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from ..util import next_pow2, sm_count
 from .pdl import launch_args, wait_for_primary
 
 LOG2E = tl.constexpr(1.4426950408889634)
-MERGE_TILE = 8192  # parts x columns one chunk program loads at once (64 fp32 per thread)
-MERGE_PROGRAMS_PER_SM = 4  # the grid the column chunks aim for
+MERGE_TILE = 8192  # parts x columns one chunk program loads at once at most
+MERGE_COLUMNS = 32  # columns a chunk program owns
+ONE_WARP_LOAD = 4096  # parts x columns a one-warp program loads at once (128 a thread)
 
 
 class MergeTiles(NamedTuple):
@@ -50,20 +54,19 @@ def merge_tiles(rows: int, d_v: int, parts: int, device: torch.device
     """Column chunks for ``rows`` output rows (tokens x heads) of ``parts`` partials each (at
     most; the work list's merge: about that many, a row of more loops), or ``None`` where
     the rows occupy every SM (or the device has no SM count): the caller's one program per
-    row. Chunks are powers of two of at least 16 columns, until the grid holds
-    ``MERGE_PROGRAMS_PER_SM`` programs per SM; then as many parts per load as
-    ``MERGE_TILE`` holds."""
+    row. Chunks of ``MERGE_COLUMNS`` columns (16 where the rows are so few that the grid
+    would hold fewer programs than SMs), as many parts per load as ``MERGE_TILE`` holds."""
     sms = sm_count(device) or 0
     if rows >= sms:
         return None
     width = next_pow2(d_v, 16)
-    chunks = 1
-    while rows * chunks < MERGE_PROGRAMS_PER_SM * sms and width // chunks > 16:
-        chunks *= 2
-    block_d = width // chunks
+    block_d = min(MERGE_COLUMNS, width)
+    while rows * triton.cdiv(d_v, block_d) < sms and block_d > 16:
+        block_d //= 2
     block_p = max(1, min(next_pow2(max(1, parts)), MERGE_TILE // block_d))
+    # One warp folds its parts without a barrier; four where a load is larger.
     return MergeTiles(triton.cdiv(d_v, block_d), block_d, block_p,
-                      4 if block_p * block_d >= 2048 else 2)
+                      1 if block_p * block_d <= ONE_WARP_LOAD else 4)
 
 
 @triton.jit
@@ -137,8 +140,9 @@ def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     stride). ``pdl``: a programmatic dependent launch (sm90+; the launch before it wrote the
     partials)."""
     rows, heads, d_v = out.shape
+    width = next_pow2(d_v, 16)  # else a program a row, every part at once
     t = merge_tiles(rows * heads, d_v, parts, out.device) or MergeTiles(
-        1, next_pow2(d_v, 16), next_pow2(parts), 4 if d_v >= 256 else 2)  # every part at once
+        1, width, next_pow2(parts), 1 if width <= 128 else 4)
     merge_kernel[(rows, heads, t.chunks)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
