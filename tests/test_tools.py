@@ -361,20 +361,17 @@ def test_library_signatures_prints_each_entry_point(monkeypatch, capsys):
                                           "attribute 'gone'"]
 
 
-
-
 # --- tools/merge_sweep.py --------------------------------------------------------------------
 
 def test_merge_sweep_records_a_steps_merge_and_relaunches_it_with_other_tiles(monkeypatch):
     """The tool's CPU half (the Triton interpreter): a triton step's merge is recorded on its
     own partials, with the tiles the rule gave; launched again with a swept tile it writes
     the rule's output (the timing needs a GPU)."""
+    from specattn.bench.cases import custom_case
     from specattn.kernels import merge
 
     sweep = _tool("merge_sweep")
     monkeypatch.setattr(merge, "sm_count", lambda device: 132)  # the H200's rule, chunks too
-    from specattn.bench.cases import custom_case
-
     case = custom_case(batch=2, prefix=40, topk=2, steps=2)  # the bench's GQA 32 / 8 x 128
     rec, _, _ = sweep.record(case, torch.device("cpu"))
     assert rec.name == "merge" and rec.rows == 2 * 2 * 32 and rec.width == 128
