@@ -1,6 +1,7 @@
 """``merge_partials`` (the split-KV merge) under the interpreter against a float64 softmax
 of the partials: one part and many, in one load and in several, in one column chunk and in
-the chunks a GPU's SM count asks for; parts past the count are NaN and never read."""
+the chunks a GPU's SM count asks for (a last chunk past the row's width too); parts past the
+count are NaN and never read."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ DEV = "cpu"
 
 
 @pytest.mark.parametrize("sms", [None, 132])
-@pytest.mark.parametrize("parts,d_v", [(1, 128), (4, 16), (65, 128), (45, 512)])
-def test_merge_partials_is_the_lse_softmax(monkeypatch, sms, parts, d_v):
+@pytest.mark.parametrize("parts,d_v,rows", [(1, 128, 3), (4, 16, 3), (65, 128, 3),
+                                             (45, 512, 3), (7, 80, 24)])
+def test_merge_partials_is_the_lse_softmax(monkeypatch, sms, parts, d_v, rows):
     monkeypatch.setattr(merge, "sm_count", lambda device: sms)
-    rows, heads = 3, 2
+    heads = 2
     tiles = merge.merge_tiles(rows * heads, d_v, parts, torch.device(DEV))
     if sms and d_v > 16:
         assert tiles.chunks > 1  # few rows: the columns are split
+        if d_v == 80:  # 48 rows of 80 columns: chunks of 32, the last one half masked
+            assert (tiles.chunks, tiles.block_d) == (3, 32)
     else:
         assert sms is None or d_v == 16 or tiles is None
     gen = torch.Generator().manual_seed(parts * d_v)
