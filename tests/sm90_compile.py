@@ -3,15 +3,19 @@
 A test calls a launcher on CPU tensors with its kernel replaced by ``Capture``, then compiles
 each captured launch with ``compile_launch`` the way Triton's launcher would specialise it, in
 a child process without ``TRITON_INTERPRET`` (``in_child``: under the interpreter Triton's own
-library functions cannot be compiled).
+library functions cannot be compiled); ``sass_counts`` reads the build's instructions,
+registers and spills.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -83,3 +87,27 @@ def in_child(script: str, case: dict, timeout: float = 900) -> dict:
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_counts(cubin: bytes, ops: "re.Pattern[str]") -> dict:
+    """The instructions ``ops`` matches in a cubin's SASS, by name, and its registers / spills
+    (``cuobjdump -res-usage``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", usage)
+    spills = re.search(r"STACK:(\d+)", usage)
+    return dict(collections.Counter(ops.findall(sass)), regs=int(regs.group(1)) if regs else -1,
+                stack=int(spills.group(1)) if spills else -1)

@@ -20,13 +20,9 @@ flush to zero, no hardware FP8 conversion).
 
 from __future__ import annotations
 
-import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -34,7 +30,8 @@ import torch
 pytest.importorskip("triton")
 
 from specattn.backends.triton import plans  # noqa: E402
-from sm90_compile import H200_SHARED, Capture, compile_launch, in_child  # noqa: E402
+from sm90_compile import (H200_SHARED, Capture, compile_launch, in_child,  # noqa: E402
+                          sass_counts)
 
 _SASS_OPS = re.compile(r"\b(F2F|F2FP|I2F|PRMT|HADD2\.F32|LDS\.U8)\b")
 
@@ -109,31 +106,6 @@ def _launch(model: str, kv: str, plan: str, extend: bool, dtype: str, topk: int 
     return launch
 
 
-def _tool(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def sass_counts(cubin: bytes) -> dict:
-    """Conversion and byte-move instructions in a cubin's SASS, and its registers / spills
-    (``cuobjdump -res-usage``)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
-                              text=True, check=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    ops = collections.Counter(_SASS_OPS.findall(sass))
-    regs = re.search(r"REG:(\d+)", usage)
-    spills = re.search(r"STACK:(\d+)", usage)
-    return dict(ops, regs=int(regs.group(1)) if regs else -1,
-                stack=int(spills.group(1)) if spills else -1)
-
-
 def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
                  topk: int = 0) -> dict:
     """Capture and compile one launch: what the tests check."""
@@ -146,10 +118,11 @@ def compile_case(model: str, kv: str, plan: str, extend: bool, dtype: str,
                warps=kw["num_warps"], new_kv=bool(kw.get("NEW_KV", False)),
                fp8_store=bool(kw.get("FP8", False)),
                f16_mul=len(re.findall(r"\bmul(?:\.rn)?\.f16x2\b", kernel.asm["ptx"])),
-               **sass_counts(kernel.asm["cubin"]))
+               **sass_counts(kernel.asm["cubin"], _SASS_OPS))
     if got["fp8_store"]:  # the same kernel without the tail's FP8 store: the widening alone
         plain = {k: v for k, v in kw.items() if k not in _FP8_STORE}
-        got["widen"] = sass_counts(compile_launch(fn, args, dict(plain, **gpu)).asm["cubin"])
+        got["widen"] = sass_counts(compile_launch(fn, args, dict(plain, **gpu)).asm["cubin"],
+                                   _SASS_OPS)
     return got
 
 
