@@ -4,7 +4,7 @@
 
 For each case, one ``triton`` step records the merge launch it makes (``merge_partials``, or
 the work list's segment merge) on the partials it wrote. That launch alone is timed as a
-CUDA graph of ``GRAPH_LAUNCHES`` launches (median of ``--replays`` replays, us a launch),
+CUDA graph of ``GRAPH_LAUNCHES`` launches (the bench's clock, ``--rep-ms`` a tile; us a launch),
 with the tiles ``merge.merge_tiles`` picks and with each tile of the sweep (columns a
 program, parts a load, warps; every output checked against the rule's). Then the step of
 one layer, timed as ``specattn bench`` times it (``harness.time_step``), with the rule's
@@ -150,28 +150,11 @@ def sweep(rec: Recorded) -> list[tuple[int, int, int]]:
             if d * p <= 16384]
 
 
-def time_graph(fn: Callable[[], Any], replays: int) -> float:
-    """Median us of one ``fn()`` in a CUDA graph of ``GRAPH_LAUNCHES`` of them."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_LAUNCHES):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / GRAPH_LAUNCHES)
-    return sorted(times)[len(times) // 2]
+def time_launch(clock: Any, fn: Callable[[], Any]) -> float:
+    """Us of one ``fn()``: ``clock``'s time of a CUDA graph of ``GRAPH_LAUNCHES`` of them."""
+    fn()  # compiled outside the capture
+    replay = clock.graph(lambda: [fn() for _ in range(GRAPH_LAUNCHES)])
+    return clock.time(replay) * 1000 / GRAPH_LAUNCHES
 
 
 def _label(tiles: Optional[tuple[int, int, int]], rec: Recorded) -> str:
@@ -182,14 +165,15 @@ def _label(tiles: Optional[tuple[int, int, int]], rec: Recorded) -> str:
     return "d{} p{} w{}".format(*tiles)
 
 
-def run_case(case_name: str, replays: int, rounds: int) -> str:
+def run_case(case_name: str, rep_ms: int, rounds: int) -> str:
     """One case's table row."""
     from specattn.bench.harness import CudaClock, time_step
 
     device = torch.device("cuda")
     rec, variant, setup = record(case_name, device)
     want = launch_with(rec, None)
-    rule_us = time_graph(lambda: launch(rec, None), replays)
+    tile_clock = CudaClock(rep_ms=rep_ms)
+    rule_us = time_launch(tile_clock, lambda: launch(rec, None))
     best: tuple[float, Optional[tuple[int, int, int]]] = (rule_us, None)
     for tiles in sweep(rec):
         try:
@@ -200,7 +184,7 @@ def run_case(case_name: str, replays: int, rounds: int) -> str:
         if not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3, equal_nan=True):
             raise SystemExit(f"merge_sweep: {case_name} {_label(tiles, rec)} disagrees with "
                              f"the rule's output")
-        us = time_graph(lambda t=tiles: launch(rec, t), replays)
+        us = time_launch(tile_clock, lambda t=tiles: launch(rec, t))
         best = min(best, (us, tiles), key=lambda b: b[0])
     clock = CudaClock()
     steps: dict[str, list[float]] = {"rule": [], "fastest": []}
@@ -219,13 +203,13 @@ def run_case(case_name: str, replays: int, rounds: int) -> str:
 
 
 HEADER = ("| case | launch | parts x columns | rule tiles | rule us | fastest | its us | "
-          "rule step us | fastest step us | step ratio |\n|---|---|---|---|---|---|---|---|---|---|")
+          "rule step us | fastest step us | step ratio |\n" + "|---" * 10 + "|")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="merge_sweep.py", description=__doc__.split("\n")[0])
     parser.add_argument("--case", nargs="+", required=True, help="bench case names")
-    parser.add_argument("--replays", type=int, default=30, help="graph replays a tile")
+    parser.add_argument("--rep-ms", type=int, default=50, help="timing of a tile (do_bench rep)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating step rounds")
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args(argv)
@@ -233,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("merge_sweep: needs a CUDA GPU")
     lines = [HEADER]
     for name in args.case:
-        lines.append(run_case(name, args.replays, args.rounds))
+        lines.append(run_case(name, args.rep_ms, args.rounds))
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
