@@ -5,8 +5,9 @@ Triton release the GPU runs (skipped under any other).
 
 Checked: the tiles ``merge_tiles`` picks give one-warp programs that fold their parts with a
 single block barrier (a reduction across warps takes shared memory and about a dozen) and no
-spills, and the MLA rows of a program a row keep four warps. The timings:
-``docs/kernels.md`` (one-warp merge programs).
+spills, and the MLA rows of a program a row keep four warps; the work list's segment merge
+(``worklist.segment_tiles``) builds one-warp programs without spills at the MLA serving
+shapes. The timings: ``docs/kernels.md`` (one-warp merge programs).
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ def compile_case(rows: int, heads: int, parts: int, d_v: int) -> dict:
                 warps=kw["num_warps"], **sass_counts(built.asm["cubin"], _SASS_OPS))
 
 
+def compile_segments(batch: int, topk: int, heads: int, programs: int, d_v: int) -> dict:
+    """The captured segment-merge launch of ``batch`` requests over ``programs`` programs:
+    its tiles and its sm90 build's counts."""
+    from specattn.backends.triton import worklist
+
+    worklist.sm_count = lambda device: 132
+    kernel = worklist.merge_segments_kernel
+    capture = Capture(kernel)
+    worklist.merge_segments_kernel = capture
+    slots, rows = programs + batch, worklist.partial_rows(topk, heads)
+    worklist.merge(torch.zeros(slots, rows, d_v), torch.zeros(slots, rows),
+                   torch.zeros(batch * topk, heads, d_v, dtype=torch.bfloat16),
+                   torch.zeros(worklist.work_numel(programs, batch), dtype=torch.int32),
+                   programs, topk)
+    (_, grid, args, kw), = capture.launches
+    built = compile_launch(kernel, args, kw)
+    return dict(grid=list(grid), block_d=kw["BLOCK_D"], block_p=kw["BLOCK_P"],
+                warps=kw["num_warps"], **sass_counts(built.asm["cubin"], _SASS_OPS))
+
+
 @pytest.fixture(scope="module")
 def triton_of_the_gpu():
     import triton
@@ -68,5 +89,19 @@ def test_merge_builds_for_sm90(triton_of_the_gpu, name, shape, warps):
         assert got.get("BAR", 0) <= 1, got
 
 
+@pytest.mark.parametrize("name,shape,tiles", [
+    ("mla-b1-32k", (1, 4, 16, 132), (32, 32)),  # batch, topk, heads, programs; columns, parts
+    ("mla-small", (4, 4, 16, 132), (128, 32)),
+    ("mla-b8-p64", (8, 4, 16, 132), (256, 16)),
+    ("mla-long", (32, 4, 16, 132), (512, 4)),
+])
+def test_segment_merge_builds_for_sm90(triton_of_the_gpu, name, shape, tiles):
+    got = in_child(__file__, dict(zip(("batch", "topk", "heads", "programs"), shape), d_v=512))
+    print(name, got)
+    assert (got["block_d"], got["block_p"], got["warps"]) == (*tiles, 1), got
+    assert got["stack"] == 0 and got.get("BAR", 0) <= 2, got
+
+
 if __name__ == "__main__":
-    print(json.dumps(compile_case(**json.loads(sys.argv[1]))))
+    case = json.loads(sys.argv[1])
+    print(json.dumps((compile_segments if "programs" in case else compile_case)(**case)))

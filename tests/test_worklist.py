@@ -151,12 +151,10 @@ def test_tail_units(topk, heads, steps, block_n, want):
     assert worklist.tail_units(topk, heads, steps, block_n) == want
 
 
-@pytest.mark.parametrize("sms", [None, 132])  # one column chunk; 4 chunks of 16 (an H200)
-@pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request, and 9 (2 loads)
-def test_merge_segments_kernel(monkeypatch, programs, sms):
-    from specattn.kernels import merge
-
-    monkeypatch.setattr(merge, "sm_count", lambda device: sms)
+@pytest.mark.parametrize("sms", [None, 132])  # one column chunk; 2 chunks of 32 (an H200)
+@pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request (a load each),
+def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4)
+    monkeypatch.setattr(worklist, "sm_count", lambda device: sms)
     gen = torch.Generator().manual_seed(programs)
     lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 64
     plan = schedule(lens, tail, block_n, programs)
@@ -184,6 +182,22 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):
     assert merged.any() and (~merged).any()  # both kinds of request in the batch
     torch.testing.assert_close(out.cpu().double()[merged], want[merged], atol=2e-2, rtol=2e-2)
     assert torch.isnan(out.cpu()[~merged]).all()  # direct requests: left to the kernel
+
+
+def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
+    """One warp a program; segments a load the power of two at most a request's share (up to
+    32); columns as wide as 4096 values a load allow, narrower where the grid would hold
+    fewer than 6 programs per SM (the fastest or next-fastest of a sweep, H200)."""
+    dev = torch.device(DEV)
+    tiles = worklist.segment_tiles
+    assert tiles(4 * 16, 512, 132, dev) == (4, 128, 32, 1)  # no SM count: the load alone
+    monkeypatch.setattr(worklist, "sm_count", lambda device: 132)
+    assert tiles(1 * 4 * 16, 512, 132, dev) == (16, 32, 32, 1)  # mla-b1-32k: 1024 programs
+    assert tiles(4 * 4 * 16, 512, 33, dev) == (4, 128, 32, 1)  # mla-small
+    assert tiles(8 * 4 * 16, 512, 16, dev) == (2, 256, 16, 1)  # mla-b8-p64
+    assert tiles(32 * 4 * 16, 512, 4, dev) == (1, 512, 4, 1)  # mla-long: a program a row
+    assert tiles(2, 512, 1, dev) == (16, 32, 1, 1)  # never narrower than 32 columns
+    assert tiles(2, 16, 40, dev) == (1, 16, 32, 1)  # nor wider than the row
 
 
 class _WorkListStandIn:

@@ -5,12 +5,14 @@
 For each case, one ``triton`` step records the merge launch it makes (``merge_partials``, or
 the work list's segment merge) on the partials it wrote. That launch alone is timed as a
 CUDA graph of ``GRAPH_LAUNCHES`` launches (the bench's clock, ``--rep-ms`` a tile; us a launch),
-with the tiles ``merge.merge_tiles`` picks and with each tile of the sweep (columns a
-program, parts a load, warps; every output checked against the rule's). Then the step of
+with the tiles the rule picks (``merge.merge_tiles``, ``worklist.segment_tiles``) and with
+each tile of the sweep (columns a program, parts a load, warps; every output checked
+against the rule's). Then the step of
 one layer, timed as ``specattn bench`` times it (``harness.time_step``), with the rule's
 tiles against the fastest, alternating for ``--rounds`` rounds in one process.
 
-Output: a markdown table (stdout, and ``--out FILE``). GPU only; ``record`` and
+Output: a markdown table (stdout, and ``--out FILE``); ``--tiles FILE``: every tile's time
+of every case as CSV, to fit a rule to the whole surface. GPU only; ``record`` and
 ``launch_with`` also run on the CPU (the Triton interpreter), as the test does.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import itertools
 import sys
 from dataclasses import dataclass
@@ -26,6 +29,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 GRAPH_LAUNCHES = 20
+TILE_COLUMNS = ["case", "launch", "parts", "columns", "rows", "block_d", "block_p", "warps",
+                "us", "rule"]
+
+
+class NoMerge(Exception):
+    """A case whose step merges nothing (one segment a request)."""
 
 
 @dataclass
@@ -37,7 +46,7 @@ class Recorded:
     args: tuple
     kwargs: dict
     out: torch.Tensor
-    parts: int  # the launch's parts per row (the segment merge: the rule's estimate)
+    parts: int  # the launch's parts per row (the segment merge: a request's average)
     rule: Any  # the MergeTiles the rule gave, or None (a program per row)
 
     @property
@@ -61,18 +70,18 @@ def forced_tiles(tiles: Optional[tuple[int, int, int]]) -> Iterator[None]:
     """Within the block every merge takes ``(columns, parts a load, warps)``; ``None``: the
     rule's tiles."""
     merge, _, _, worklist = _modules()
-    real = merge.merge_tiles
+    real = merge.merge_tiles, worklist.segment_tiles
     if tiles is not None:
         block_d, block_p, warps = tiles
 
         def forced(rows: int, d_v: int, parts: int, device: torch.device):
             return merge.MergeTiles(-(-d_v // block_d), block_d, block_p, warps)
 
-        merge.merge_tiles = worklist.merge_tiles = forced
+        merge.merge_tiles = worklist.segment_tiles = forced
     try:
         yield
     finally:
-        merge.merge_tiles = worklist.merge_tiles = real
+        merge.merge_tiles, worklist.segment_tiles = real
 
 
 def record(case: Any, device: torch.device) -> tuple[Recorded, Any, Any]:
@@ -91,11 +100,15 @@ def record(case: Any, device: torch.device) -> tuple[Recorded, Any, Any]:
     backend.init_forward_metadata(setup.batch)
     seen: list[Recorded] = []
     rules: list[Any] = []
-    real_tiles, real_partials, real_segments = (merge.merge_tiles, merge.merge_partials,
-                                                worklist._merge_launch)
+    real_tiles, real_segment_tiles, real_partials, real_segments = (
+        merge.merge_tiles, worklist.segment_tiles, merge.merge_partials, worklist._merge_launch)
 
     def tiles_spy(rows, d_v, parts, dev):
         rules.append((parts, real_tiles(rows, d_v, parts, dev)))
+        return rules[-1][1]
+
+    def segment_tiles_spy(rows, d_v, segments, dev):
+        rules.append((segments, real_segment_tiles(rows, d_v, segments, dev)))
         return rules[-1][1]
 
     def partials_spy(mid_o, mid_lse, out, parts, pdl=False):
@@ -109,7 +122,7 @@ def record(case: Any, device: torch.device) -> tuple[Recorded, Any, Any]:
                              (mid_o, mid_lse, out, work, programs, topk, pdl), {}, out,
                              *rules[-1]))
 
-    patches = [(merge, "merge_tiles", tiles_spy), (worklist, "merge_tiles", tiles_spy),
+    patches = [(merge, "merge_tiles", tiles_spy), (worklist, "segment_tiles", segment_tiles_spy),
                (launchers, "merge_partials", partials_spy),
                (cute_mla, "merge_partials", partials_spy),
                (worklist, "_merge_launch", segments_spy)]
@@ -122,7 +135,7 @@ def record(case: Any, device: torch.device) -> tuple[Recorded, Any, Any]:
         for module, name, fn in saved:
             setattr(module, name, fn)
     if not seen:
-        raise SystemExit(f"merge_sweep: a triton step of {case.name} launches no merge")
+        raise NoMerge(f"a triton step of {case.name} launches no merge")
     return seen[-1], variant, setup
 
 
@@ -165,8 +178,10 @@ def _label(tiles: Optional[tuple[int, int, int]], rec: Recorded) -> str:
     return "d{} p{} w{}".format(*tiles)
 
 
-def run_case(case_name: str, rep_ms: int, rounds: int) -> str:
-    """One case's table row."""
+def run_case(case_name: str, rep_ms: int, rounds: int,
+             tile_rows: Optional[list[list[Any]]] = None) -> str:
+    """One case's table row; ``tile_rows`` (when given) takes a ``TILE_COLUMNS`` row per tile
+    timed, the rule's first."""
     from specattn.bench.harness import CudaClock, time_step
 
     device = torch.device("cuda")
@@ -175,6 +190,11 @@ def run_case(case_name: str, rep_ms: int, rounds: int) -> str:
     tile_clock = CudaClock(rep_ms=rep_ms)
     rule_us = time_launch(tile_clock, lambda: launch(rec, None))
     best: tuple[float, Optional[tuple[int, int, int]]] = (rule_us, None)
+    rows = tile_rows if tile_rows is not None else []
+    head = [case_name, rec.name, rec.parts, rec.width, rec.rows]
+    t = rec.rule
+    rows.append(head + ([0, 0, 0] if t is None else [t.block_d, t.block_p, t.num_warps])
+                + [round(rule_us, 3), 1])
     for tiles in sweep(rec):
         try:
             got = launch_with(rec, tiles)
@@ -185,6 +205,7 @@ def run_case(case_name: str, rep_ms: int, rounds: int) -> str:
             raise SystemExit(f"merge_sweep: {case_name} {_label(tiles, rec)} disagrees with "
                              f"the rule's output")
         us = time_launch(tile_clock, lambda t=tiles: launch(rec, t))
+        rows.append(head + list(tiles) + [round(us, 3), 0])
         best = min(best, (us, tiles), key=lambda b: b[0])
     clock = CudaClock()
     steps: dict[str, list[float]] = {"rule": [], "fastest": []}
@@ -212,16 +233,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=50, help="timing of a tile (do_bench rep)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating step rounds")
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--tiles", help="every tile's time as CSV here (rule: rule 1, "
+                        "block_d 0 where it is a program a row)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("merge_sweep: needs a CUDA GPU")
     lines = [HEADER]
+    tile_rows: list[list[Any]] = []
     for name in args.case:
-        lines.append(run_case(name, args.rep_ms, args.rounds))
+        try:
+            lines.append(run_case(name, args.rep_ms, args.rounds, tile_rows))
+        except NoMerge as exc:
+            lines.append(f"| {name} | none: {exc} |" + " |" * 8)
         print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        if args.out:  # after every case: a cut-off run keeps what it measured
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        if args.tiles:
+            with open(args.tiles, "w", newline="") as f:
+                csv.writer(f).writerows([TILE_COLUMNS] + tile_rows)
     return 0
 
 

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...kernels.merge import MergeTiles, merge_parts, merge_tiles
+from ...kernels.merge import MergeTiles, merge_parts
 from ...kernels.pdl import launch_args, wait_for_primary
-from ...util import next_pow2
+from ...util import next_pow2, prev_pow2, sm_count
 from . import plans
 from .plans import TILE_ROWS as BLOCK_M  # rows per program: the wgmma height
 from .plans import num_row_tiles
@@ -117,7 +117,7 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
                           stride_oh, num_programs, TOPK, H: tl.constexpr, D_V: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                           PDL: tl.constexpr = False):
-    """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``merge.merge_tiles``): columns ``[c *
+    """Grid ``(B * K, H, cdiv(D_V, BLOCK_D))`` (``segment_tiles``): columns ``[c *
     BLOCK_D, (c + 1) * BLOCK_D)`` of ``Out[z, h]`` from request ``b = z // K``'s partial
     slots, row ``(z % K) * H + h`` of each (``MidO [slots, rows, D_V]``, ``MidLse [slots,
     rows]``; ``merge.merge_parts``); requests with one segment were written by the kernel
@@ -145,7 +145,26 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
                  o.to(Out.dtype.element_ty), mask=d_ok)
 
 
-SEGMENTS_PER_LOAD = 4  # the segment merge's parts per load where its rows occupy every SM
+SEGMENT_LOAD = 4096  # partial values (segments x columns) a one-warp program loads at once
+SEGMENT_PARTS = 32  # segments a load at most
+SEGMENT_PROGRAMS_PER_SM = 6  # the grid the column chunks aim for
+
+
+def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> MergeTiles:
+    """The segment merge's tiles for ``rows`` output rows (``B * K * H``) of ``d_v`` columns,
+    a request's partials about ``segments`` segments (``P // B``): one warp a program (its
+    fold needs no block barrier); segments a load, the largest power of two at most
+    ``segments`` up to ``SEGMENT_PARTS`` (a load past a request's segments is masked
+    traffic); columns, the widest power of two whose load holds ``SEGMENT_LOAD`` values,
+    halved down to 32 while the grid holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs
+    per SM (a larger one-warp load spills: 16384 values took 11x longer)."""
+    block_p = min(SEGMENT_PARTS, prev_pow2(max(1, segments)))
+    block_d = next_pow2(d_v, 16)
+    programs = SEGMENT_PROGRAMS_PER_SM * (sm_count(device) or 0)
+    while block_d > 32 and (block_d * block_p > SEGMENT_LOAD
+                            or rows * triton.cdiv(d_v, block_d) < programs):
+        block_d //= 2
+    return MergeTiles(triton.cdiv(d_v, block_d), block_d, block_p, 1)
 
 
 def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
@@ -162,8 +181,7 @@ def _merge_launch(mid_o, mid_lse, out, work, programs, topk, pdl) -> None:
     rows, heads, d_v = out.shape
     batch = max(1, rows // max(1, topk))
     # A request's segments number about programs / batch (more for a long one: the loop).
-    t = merge_tiles(rows * heads, d_v, triton.cdiv(2 * programs, batch), out.device) or \
-        MergeTiles(1, next_pow2(d_v, 16), SEGMENTS_PER_LOAD, 4)
+    t = segment_tiles(rows * heads, d_v, programs // batch, out.device)
     merge_segments_kernel[(rows, heads, t.chunks)](
         mid_o, mid_lse, out, work, mid_o.stride(0), mid_lse.stride(0), out.stride(0),
         out.stride(1), programs, topk, H=heads, D_V=d_v, BLOCK_D=t.block_d,
