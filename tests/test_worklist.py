@@ -200,6 +200,22 @@ def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     assert tiles(2, 16, 40, dev) == (1, 16, 32, 1)  # nor wider than the row
 
 
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 8192), d_v=st.integers(1, 1024), segments=st.integers(1, 600),
+       sms=st.sampled_from([None, 1, 78, 132, 170]))
+def test_segment_tiles_cover_the_row_in_one_warp_loads(rows, d_v, segments, sms):
+    """Any shape: one warp; the chunks cover the row; a load holds at most 4096 values (or
+    32 columns of up to 32 segments) and never more segments than a request has."""
+    import unittest.mock
+
+    with unittest.mock.patch.object(worklist, "sm_count", lambda device: sms):
+        t = worklist.segment_tiles(rows, d_v, segments, torch.device(DEV))
+    assert t.num_warps == 1 and t.block_p <= min(segments, worklist.SEGMENT_PARTS)
+    assert t.chunks == -(-d_v // t.block_d) and (t.chunks - 1) * t.block_d < d_v
+    assert t.block_d & (t.block_d - 1) == 0 and t.block_p & (t.block_p - 1) == 0
+    assert t.block_d * t.block_p <= max(worklist.SEGMENT_LOAD, 32 * t.block_p)
+
+
 class _WorkListStandIn:
     """``_gluon_mla_wl_kernel[grid](...)`` in torch: walks the table the way the kernel does
     and writes ``torch_ref``'s answer per segment (direct rows, or slot ``p + b`` with a random
