@@ -213,7 +213,7 @@ def test_segment_tiles_cover_the_row_in_one_warp_loads(rows, d_v, segments, sms)
     assert t.num_warps == 1 and t.block_p <= min(segments, worklist.SEGMENT_PARTS)
     assert t.chunks == -(-d_v // t.block_d) and (t.chunks - 1) * t.block_d < d_v
     assert t.block_d & (t.block_d - 1) == 0 and t.block_p & (t.block_p - 1) == 0
-    assert t.block_d * t.block_p <= max(worklist.SEGMENT_LOAD, 32 * t.block_p)
+    assert t.block_d * t.block_p <= max(worklist.ONE_WARP_LOAD, 32 * t.block_p)
 
 
 class _WorkListStandIn:

@@ -11,17 +11,17 @@ one program per (token, head) folding the prefix chunks' states and the tail's, 
 libraries' empty rows (an infinite LSE, any output) weighted 0. ``fold_state`` is its fold of
 one state, and ``history_merge``'s of a split prefix's chunk states.
 
-``merge_tiles`` sizes ``merge_kernel`` (the work list's segment merge has a rule of its
-own, ``worklist.segment_tiles``). Where the output rows alone occupy every SM, one program
-per row loads the parts (``chunks`` 1). Where they do not (one request split over every
-SM: 4 lanes x 16 heads of 132 parts of 512 latent columns, 17 MB, read by 64 programs), the
+``merge_tiles`` sizes ``merge_kernel`` (the work list's segment merge has a rule of its own,
+``worklist.segment_tiles``). Where the output rows alone occupy every SM, one program per
+row loads the parts (``chunks`` 1). Where they do not (one request split over every SM: 4
+lanes x 16 heads of 132 parts of 512 latent columns, 17 MB, read by 64 programs), the
 columns split into chunks of 32, each program loading its rows' parts at once: on the H200
-`mla-b1-32k` went from 41.7 to 29.5 us. Chunking rows that fill the GPU lost 7% at
-`mla-long` and 6% at `mla-b8-p64` (same run), hence the rule. A program is one warp where
-its load is at most ``ONE_WARP_LOAD`` values (a chunk) or its row at most 128 columns, so
-that the parts fold without a block barrier: in a sweep of the merge alone (H100) one warp
-beat two and four at every shape, and the step of six serving cases took 0.7-3.2% less
-(docs/kernels.md).
+`mla-b1-32k`, whose segment merge this rule then sized, went from 41.7 to 29.5 us. Chunking
+rows that fill the GPU lost 7% at `mla-long` and 6% at `mla-b8-p64` (same run), hence the
+rule. A program is one warp where its load is at most ``ONE_WARP_LOAD`` values (a chunk) or
+its row at most 128 columns, so that the parts fold without a block barrier: in a sweep of
+the merge alone (H100) one warp beat two and four at every shape, and the step of six
+serving cases took 0.7-3.2% less (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class MergeTiles(NamedTuple):
 
 def merge_tiles(rows: int, d_v: int, parts: int, device: torch.device
                 ) -> Optional[MergeTiles]:
-    """Column chunks for ``rows`` output rows (tokens x heads) of ``parts`` partials each (at
-    most; the work list's merge: about that many, a row of more loops), or ``None`` where
-    the rows occupy every SM (or the device has no SM count): the caller's one program per
-    row. Chunks of ``MERGE_COLUMNS`` columns (16 where the rows are so few that the grid
-    would hold fewer programs than SMs), as many parts per load as ``MERGE_TILE`` holds."""
+    """Column chunks for ``rows`` output rows (tokens x heads) of at most ``parts`` partials
+    each, or ``None`` where the rows occupy every SM (or the device has no SM count): the
+    caller's one program per row. Chunks of ``MERGE_COLUMNS`` columns (16 where the rows are
+    so few that the grid would hold fewer programs than SMs), as many parts per load as
+    ``MERGE_TILE`` holds."""
     sms = sm_count(device) or 0
     if rows >= sms:
         return None

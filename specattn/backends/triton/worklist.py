@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...kernels.merge import MergeTiles, merge_parts
+from ...kernels.merge import ONE_WARP_LOAD, MergeTiles, merge_parts
 from ...kernels.pdl import launch_args, wait_for_primary
 from ...util import next_pow2, prev_pow2, sm_count
 from . import plans
@@ -145,7 +145,6 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
                  o.to(Out.dtype.element_ty), mask=d_ok)
 
 
-SEGMENT_LOAD = 4096  # partial values (segments x columns) a one-warp program loads at once
 SEGMENT_PARTS = 32  # segments a load at most
 SEGMENT_PROGRAMS_PER_SM = 6  # the grid the column chunks aim for
 
@@ -155,13 +154,13 @@ def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> M
     a request's partials about ``segments`` segments (``P // B``): one warp a program (its
     fold needs no block barrier); segments a load, the largest power of two at most
     ``segments`` up to ``SEGMENT_PARTS`` (a load past a request's segments is masked
-    traffic); columns, the widest power of two whose load holds ``SEGMENT_LOAD`` values,
+    traffic); columns, the widest power of two whose load holds ``ONE_WARP_LOAD`` values,
     halved down to 32 while the grid holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs
     per SM (a larger one-warp load spills: 16384 values took 11x longer)."""
     block_p = min(SEGMENT_PARTS, prev_pow2(max(1, segments)))
     block_d = next_pow2(d_v, 16)
     programs = SEGMENT_PROGRAMS_PER_SM * (sm_count(device) or 0)
-    while block_d > 32 and (block_d * block_p > SEGMENT_LOAD
+    while block_d > 32 and (block_d * block_p > ONE_WARP_LOAD
                             or rows * triton.cdiv(d_v, block_d) < programs):
         block_d //= 2
     return MergeTiles(triton.cdiv(d_v, block_d), block_d, block_p, 1)
