@@ -27,6 +27,15 @@ from sm90_compile import Capture, compile_launch, in_child, sass_counts  # noqa:
 _SASS_OPS = re.compile(r"\b(BAR|STS)\b")
 
 
+def built_counts(kernel, capture: Capture) -> dict:
+    """The one launch ``capture`` recorded of ``kernel``: its grid, tiles and its sm90
+    build's barriers, shared stores, registers and spills."""
+    (_, grid, args, kw), = capture.launches
+    built = compile_launch(kernel, args, kw)
+    return dict(grid=list(grid), block_d=kw["BLOCK_D"], block_p=kw["BLOCK_P"],
+                warps=kw["num_warps"], **sass_counts(built.asm["cubin"], _SASS_OPS))
+
+
 def compile_case(rows: int, heads: int, parts: int, d_v: int) -> dict:
     """The captured ``merge_partials`` launch of ``[rows, heads, parts, d_v]`` partials: its
     tiles and its sm90 build's barriers, shared stores, registers and spills."""
@@ -38,10 +47,7 @@ def compile_case(rows: int, heads: int, parts: int, d_v: int) -> dict:
     merge.merge_kernel = capture
     merge.merge_partials(torch.zeros(rows, heads, parts, d_v), torch.zeros(rows, heads, parts),
                          torch.zeros(rows, heads, d_v, dtype=torch.bfloat16), parts)
-    (_, grid, args, kw), = capture.launches
-    built = compile_launch(kernel, args, kw)
-    return dict(grid=list(grid), block_d=kw["BLOCK_D"], block_p=kw["BLOCK_P"],
-                warps=kw["num_warps"], **sass_counts(built.asm["cubin"], _SASS_OPS))
+    return built_counts(kernel, capture)
 
 
 def compile_segments(batch: int, topk: int, heads: int, programs: int, d_v: int) -> dict:
@@ -58,10 +64,7 @@ def compile_segments(batch: int, topk: int, heads: int, programs: int, d_v: int)
                    torch.zeros(batch * topk, heads, d_v, dtype=torch.bfloat16),
                    torch.zeros(worklist.work_numel(programs, batch), dtype=torch.int32),
                    programs, topk)
-    (_, grid, args, kw), = capture.launches
-    built = compile_launch(kernel, args, kw)
-    return dict(grid=list(grid), block_d=kw["BLOCK_D"], block_p=kw["BLOCK_P"],
-                warps=kw["num_warps"], **sass_counts(built.asm["cubin"], _SASS_OPS))
+    return built_counts(kernel, capture)
 
 
 @pytest.fixture(scope="module")
