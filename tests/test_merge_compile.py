@@ -95,7 +95,7 @@ def test_merge_builds_for_sm90(triton_of_the_gpu, name, shape, warps):
 @pytest.mark.parametrize("name,shape,tiles", [
     ("mla-b1-32k", (1, 4, 16, 132), (32, 32)),  # batch, topk, heads, programs; columns, parts
     ("mla-small", (4, 4, 16, 132), (128, 32)),
-    ("mla-b8-p64", (8, 4, 16, 132), (256, 16)),
+    ("mla-b8-p64", (8, 4, 16, 132), (512, 16)),  # a whole row: 8192 values
     ("mla-long", (32, 4, 16, 132), (512, 4)),
 ])
 def test_segment_merge_builds_for_sm90(triton_of_the_gpu, name, shape, tiles):

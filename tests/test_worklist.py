@@ -186,7 +186,8 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4
 
 def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     """One warp a program; segments a load the power of two at most a request's share (up to
-    32); columns as wide as 4096 values a load allow, narrower where the grid would hold
+    32); a whole row where it is at most 8192 values and the rows give each SM two programs,
+    else columns as wide as 4096 values a load allow, narrower where the grid would hold
     fewer than 6 programs per SM (the fastest or next-fastest of a sweep, H200)."""
     dev = torch.device(DEV)
     tiles = worklist.segment_tiles
@@ -194,7 +195,8 @@ def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     monkeypatch.setattr(worklist, "sm_count", lambda device: 132)
     assert tiles(1 * 4 * 16, 512, 132, dev) == (16, 32, 32, 1)  # mla-b1-32k: 1024 programs
     assert tiles(4 * 4 * 16, 512, 33, dev) == (4, 128, 32, 1)  # mla-small
-    assert tiles(8 * 4 * 16, 512, 16, dev) == (2, 256, 16, 1)  # mla-b8-p64
+    assert tiles(8 * 4 * 16, 512, 16, dev) == (1, 512, 16, 1)  # mla-b8-p64: a whole row
+    assert tiles(8 * 16, 512, 16, dev) == (8, 64, 16, 1)  # at K 1: too few rows for whole ones
     assert tiles(32 * 4 * 16, 512, 4, dev) == (1, 512, 4, 1)  # mla-long: a program a row
     assert tiles(2, 512, 1, dev) == (16, 32, 1, 1)  # never narrower than 32 columns
     assert tiles(2, 16, 40, dev) == (1, 16, 32, 1)  # nor wider than the row
@@ -205,7 +207,8 @@ def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
        sms=st.sampled_from([None, 1, 78, 132, 170]))
 def test_segment_tiles_cover_the_row_in_one_warp_loads(rows, d_v, segments, sms):
     """Any shape: one warp; the chunks cover the row; a load holds at most 4096 values (or
-    32 columns of up to 32 segments) and never more segments than a request has."""
+    32 columns of up to 32 segments, or a whole row of at most 8192 values where the rows
+    alone give each SM two programs) and never more segments than a request has."""
     import unittest.mock
 
     with unittest.mock.patch.object(worklist, "sm_count", lambda device: sms):
@@ -213,7 +216,9 @@ def test_segment_tiles_cover_the_row_in_one_warp_loads(rows, d_v, segments, sms)
     assert t.num_warps == 1 and t.block_p <= min(segments, worklist.SEGMENT_PARTS)
     assert t.chunks == -(-d_v // t.block_d) and (t.chunks - 1) * t.block_d < d_v
     assert t.block_d & (t.block_d - 1) == 0 and t.block_p & (t.block_p - 1) == 0
-    assert t.block_d * t.block_p <= max(worklist.ONE_WARP_LOAD, 32 * t.block_p)
+    load = t.block_d * t.block_p
+    if load > max(worklist.ONE_WARP_LOAD, 32 * t.block_p):
+        assert t.chunks == 1 and load <= worklist.WHOLE_ROW_LOAD and sms and rows >= 2 * sms
 
 
 class _WorkListStandIn:

@@ -147,6 +147,8 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
 
 SEGMENT_PARTS = 32  # segments a load at most
 SEGMENT_PROGRAMS_PER_SM = 6  # the grid the column chunks aim for
+WHOLE_ROW_LOAD = 2 * ONE_WARP_LOAD  # a whole row's load, where its rows alone fill the GPU
+WHOLE_ROW_PROGRAMS_PER_SM = 2
 
 
 def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> MergeTiles:
@@ -154,12 +156,17 @@ def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> M
     a request's partials about ``segments`` segments (``P // B``): one warp a program (its
     fold needs no block barrier); segments a load, the largest power of two at most
     ``segments`` up to ``SEGMENT_PARTS`` (a load past a request's segments is masked
-    traffic); columns, the widest power of two whose load holds ``ONE_WARP_LOAD`` values,
-    halved down to 32 while the grid holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs
-    per SM (a larger one-warp load spills: 16384 values took 11x longer)."""
+    traffic). A whole row a program where its load holds ``WHOLE_ROW_LOAD`` values and the
+    rows give each SM ``WHOLE_ROW_PROGRAMS_PER_SM`` programs; otherwise columns, the widest
+    power of two whose load holds ``ONE_WARP_LOAD`` values, halved down to 32 while the grid
+    holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs per SM (a larger one-warp load
+    spills: 16384 values took 11x longer)."""
     block_p = min(SEGMENT_PARTS, prev_pow2(max(1, segments)))
     block_d = next_pow2(d_v, 16)
-    programs = SEGMENT_PROGRAMS_PER_SM * (sm_count(device) or 0)
+    sms = sm_count(device) or 0
+    if block_d * block_p <= WHOLE_ROW_LOAD and rows >= WHOLE_ROW_PROGRAMS_PER_SM * sms > 0:
+        return MergeTiles(1, block_d, block_p, 1)
+    programs = SEGMENT_PROGRAMS_PER_SM * sms
     while block_d > 32 and (block_d * block_p > ONE_WARP_LOAD
                             or rows * triton.cdiv(d_v, block_d) < programs):
         block_d //= 2
