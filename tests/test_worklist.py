@@ -186,9 +186,10 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4
 
 def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     """One warp a program; segments a load the power of two at most a request's share (up to
-    32); a whole row where it is at most 8192 values and the rows give each SM two programs,
-    else columns as wide as 4096 values a load allow, narrower where the grid would hold
-    fewer than 6 programs per SM (the fastest or next-fastest of a sweep, H200)."""
+    32); columns as wide as 4096 values a load allow, narrower where the grid would hold
+    fewer than 6 programs per SM; a whole row where only the 4096 would split it, it is at
+    most 8192 values and the rows give each SM two programs (the fastest or next-fastest of
+    a sweep, H200)."""
     dev = torch.device(DEV)
     tiles = worklist.segment_tiles
     assert tiles(4 * 16, 512, 132, dev) == (4, 128, 32, 1)  # no SM count: the load alone
@@ -197,6 +198,7 @@ def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     assert tiles(4 * 4 * 16, 512, 33, dev) == (4, 128, 32, 1)  # mla-small
     assert tiles(8 * 4 * 16, 512, 16, dev) == (1, 512, 16, 1)  # mla-b8-p64: a whole row
     assert tiles(8 * 16, 512, 16, dev) == (8, 64, 16, 1)  # at K 1: too few rows for whole ones
+    assert tiles(9 * 4 * 16, 512, 8, dev) == (2, 256, 8, 1)  # 4096-value rows: halved
     assert tiles(32 * 4 * 16, 512, 4, dev) == (1, 512, 4, 1)  # mla-long: a program a row
     assert tiles(2, 512, 1, dev) == (16, 32, 1, 1)  # never narrower than 32 columns
     assert tiles(2, 16, 40, dev) == (1, 16, 32, 1)  # nor wider than the row
@@ -219,6 +221,8 @@ def test_segment_tiles_cover_the_row_in_one_warp_loads(rows, d_v, segments, sms)
     load = t.block_d * t.block_p
     if load > max(worklist.ONE_WARP_LOAD, 32 * t.block_p):
         assert t.chunks == 1 and load <= worklist.WHOLE_ROW_LOAD and sms and rows >= 2 * sms
+    if t.chunks == 1 and load <= worklist.ONE_WARP_LOAD and sms and t.block_d > 32:
+        assert rows >= 6 * sms  # a whole row of at most 4096 values: only where rows fill
 
 
 class _WorkListStandIn:

@@ -147,8 +147,8 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
 
 SEGMENT_PARTS = 32  # segments a load at most
 SEGMENT_PROGRAMS_PER_SM = 6  # the grid the column chunks aim for
-WHOLE_ROW_LOAD = 2 * ONE_WARP_LOAD  # a whole row's load, where its rows alone fill the GPU
-WHOLE_ROW_PROGRAMS_PER_SM = 2
+WHOLE_ROW_LOAD = 2 * ONE_WARP_LOAD  # a whole row a load, where ONE_WARP_LOAD splits it
+WHOLE_ROW_PROGRAMS_PER_SM = 2  # the rows such loads need
 
 
 def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> MergeTiles:
@@ -156,15 +156,18 @@ def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> M
     a request's partials about ``segments`` segments (``P // B``): one warp a program (its
     fold needs no block barrier); segments a load, the largest power of two at most
     ``segments`` up to ``SEGMENT_PARTS`` (a load past a request's segments is masked
-    traffic). A whole row a program where its load holds ``WHOLE_ROW_LOAD`` values and the
-    rows give each SM ``WHOLE_ROW_PROGRAMS_PER_SM`` programs; otherwise columns, the widest
-    power of two whose load holds ``ONE_WARP_LOAD`` values, halved down to 32 while the grid
-    holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs per SM (a larger one-warp load
-    spills: 16384 values took 11x longer)."""
+    traffic). Columns, the widest power of two whose load holds ``ONE_WARP_LOAD`` values,
+    halved down to 32 while the grid holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs
+    per SM; but a whole row a program where only that load cap would split it, the row's
+    load holds ``WHOLE_ROW_LOAD`` values and the rows give each SM
+    ``WHOLE_ROW_PROGRAMS_PER_SM`` programs (a larger one-warp load spills: 16384 values
+    took 11x longer). A sweep's fastest: 8192-value rows at ``mla-b8-p64`` (512 rows of 16
+    segments), though 4096-value rows lost to half rows there (8 segments a load)."""
     block_p = min(SEGMENT_PARTS, prev_pow2(max(1, segments)))
     block_d = next_pow2(d_v, 16)
     sms = sm_count(device) or 0
-    if block_d * block_p <= WHOLE_ROW_LOAD and rows >= WHOLE_ROW_PROGRAMS_PER_SM * sms > 0:
+    if ONE_WARP_LOAD < block_d * block_p <= WHOLE_ROW_LOAD and \
+            rows >= WHOLE_ROW_PROGRAMS_PER_SM * sms > 0:
         return MergeTiles(1, block_d, block_p, 1)
     programs = SEGMENT_PROGRAMS_PER_SM * sms
     while block_d > 32 and (block_d * block_p > ONE_WARP_LOAD
