@@ -187,9 +187,9 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4
 def test_segment_tiles_one_warp_at_the_mla_serving_shapes(monkeypatch):
     """One warp a program; segments a load the power of two at most a request's share (up to
     32); columns as wide as 4096 values a load allow, narrower where the grid would hold
-    fewer than 6 programs per SM; a whole row where only the 4096 would split it, it is at
-    most 8192 values and the rows give each SM two programs (the fastest or next-fastest of
-    a sweep, H200)."""
+    fewer than 6 programs per SM; a whole row where its load is above 4096 values and at
+    most 8192 and the rows give each SM two programs (the fastest or next-fastest of a
+    sweep, H200)."""
     dev = torch.device(DEV)
     tiles = worklist.segment_tiles
     assert tiles(4 * 16, 512, 132, dev) == (4, 128, 32, 1)  # no SM count: the load alone

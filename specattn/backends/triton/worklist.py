@@ -147,7 +147,7 @@ def merge_segments_kernel(MidO, MidLse, Out, Work, stride_mo_g, stride_ml_g, str
 
 SEGMENT_PARTS = 32  # segments a load at most
 SEGMENT_PROGRAMS_PER_SM = 6  # the grid the column chunks aim for
-WHOLE_ROW_LOAD = 2 * ONE_WARP_LOAD  # a whole row a load, where ONE_WARP_LOAD splits it
+WHOLE_ROW_LOAD = 2 * ONE_WARP_LOAD  # a whole row a load, above ONE_WARP_LOAD
 WHOLE_ROW_PROGRAMS_PER_SM = 2  # the rows such loads need
 
 
@@ -158,8 +158,8 @@ def segment_tiles(rows: int, d_v: int, segments: int, device: torch.device) -> M
     ``segments`` up to ``SEGMENT_PARTS`` (a load past a request's segments is masked
     traffic). Columns, the widest power of two whose load holds ``ONE_WARP_LOAD`` values,
     halved down to 32 while the grid holds fewer than ``SEGMENT_PROGRAMS_PER_SM`` programs
-    per SM; but a whole row a program where only that load cap would split it, the row's
-    load holds ``WHOLE_ROW_LOAD`` values and the rows give each SM
+    per SM; but a whole row a program where the row's load is above ``ONE_WARP_LOAD`` and
+    at most ``WHOLE_ROW_LOAD`` values and the rows give each SM
     ``WHOLE_ROW_PROGRAMS_PER_SM`` programs (a larger one-warp load spills: 16384 values
     took 11x longer). A sweep's fastest: 8192-value rows at ``mla-b8-p64`` (512 rows of 16
     segments), though 4096-value rows lost to half rows there (8 segments a load)."""
