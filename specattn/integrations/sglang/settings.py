@@ -143,4 +143,3 @@ def _check_each_keyword_once(options: list) -> None:
                                         repr(shorten(f"{seen[name, key]}; {opt.backend}:"
                                                      f"{opt.text}")))
             seen[name, key] = f"{opt.backend}:{opt.text}"
-
