@@ -52,7 +52,9 @@ def _launch(*, q_dtype, kv_dtype, heads, topk, mode, cap, work):
     hist = torch.zeros(rows, steps, dtype=torch.int32)
     parents = torch.zeros(steps, batch, topk, dtype=torch.int64)
     splits = 3
-    mid_o = torch.zeros(rows + splits + batch, heads, splits, 512)
+    # The work list's partials are in the query's dtype (``launchers.partial_dtype``).
+    mid_o = torch.zeros(rows + splits + batch, heads, splits, 512,
+                        dtype=q_dtype if work else torch.float32)
     gluon_mla.attention(
         q, kv, torch.zeros(rows, 576, dtype=q_dtype), torch.zeros(rows, heads, 512,
                                                                  dtype=q_dtype),
@@ -99,7 +101,8 @@ def compile_case(q_dtype: str, kv_dtype: str, heads: int, topk: int, mode: int, 
                 pdl_wait="griddepcontrol.wait" in ptx, warp_specialised="setmaxnreg" in ptx,
                 pdl_release="griddepcontrol.launch_dependents" in ptx,
                 launch_pdl=kernel.metadata.launch_pdl,
-                f16_to_bf16="cvt.bf16.f16" in ptx or "cvt.rn.bf16.f16" in ptx)
+                f16_to_bf16="cvt.bf16.f16" in ptx or "cvt.rn.bf16.f16" in ptx,
+                v4_stores=ptx.count("st.global.v4"), pair_stores=ptx.count("st.global.v2"))
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype,heads,topk,mode,cap,work", [
@@ -145,6 +148,14 @@ def test_gluon_kernels_compile_for_sm90(gluon, q_dtype, kv_dtype, heads, topk, m
     if kv_dtype == "float8_e4m3fn":
         assert got["e4m3_cvts"] > got["f16_selects"] // 2, got
     assert not (got["fp8"] and got["f16_to_bf16"]), got
+    # The work list's half-width partials leave through a blocked layout, 16 bytes a thread
+    # (16 stores of a 64 x 512 tile; from the wgmma layout, 4 bytes a thread, they were
+    # slower than fp32 ones); the split kernel's fp32 partials leave from the wgmma layout,
+    # 8 bytes a thread (64 stores).
+    if work:
+        assert got["v4_stores"] >= 16 and got["pair_stores"] < 64, got
+    else:
+        assert got["pair_stores"] >= 64, got
 
 
 def test_launcher_refuses_a_pool_it_cannot_read():

@@ -7,7 +7,7 @@ Checked: the tiles ``merge_tiles`` picks give one-warp programs that fold their 
 single block barrier (a reduction across warps takes shared memory and about a dozen) and no
 spills, and the MLA rows of a program a row keep four warps; the work list's segment merge
 (``worklist.segment_tiles``) builds one-warp programs without spills at the MLA serving
-shapes. The timings: ``docs/kernels.md`` (one-warp merge programs).
+shapes, over the bf16 partials ``gluon-wl`` writes. The timings: ``docs/kernels.md`` (one-warp merge programs).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def compile_segments(batch: int, topk: int, heads: int, programs: int, d_v: int)
     capture = Capture(kernel)
     worklist.merge_segments_kernel = capture
     slots, rows = programs + batch, worklist.partial_rows(topk, heads)
-    worklist.merge(torch.zeros(slots, rows, d_v), torch.zeros(slots, rows),
+    # bf16 partials, as ``gluon-wl`` writes them under a bf16 model.
+    worklist.merge(torch.zeros(slots, rows, d_v, dtype=torch.bfloat16), torch.zeros(slots, rows),
                    torch.zeros(batch * topk, heads, d_v, dtype=torch.bfloat16),
                    torch.zeros(worklist.work_numel(programs, batch), dtype=torch.int32),
                    programs, topk)

@@ -207,6 +207,27 @@ def test_plan_tiles_and_splits():
     assert launchers.plan_splits(dot, GQA, 32, 1, cpu, extend=True, rows=4) == 1
 
 
+def test_partials_are_half_width_in_the_work_list_plan_only():
+    """gluon-wl's partials take a bf16 / fp16 query's dtype, a view of the bytes of the fixed
+    fp32 buffer (no copy, no new buffer); fp32 queries and every other plan keep fp32."""
+    wl = plans.PLANS["gluon-wl"]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert launchers.partial_dtype(wl, dtype) is dtype
+        for name in ("dot", "dot-mla", "gluon-split", "cute"):
+            assert launchers.partial_dtype(plans.PLANS[name], dtype) is torch.float32
+    assert launchers.partial_dtype(wl, torch.float32) is torch.float32
+    flat_o, flat_lse = torch.zeros(48), torch.zeros(10)
+    o, lse = launchers.partial_views((2, 3), 8, flat_o.device, flat_o, flat_lse, torch.bfloat16)
+    assert o.shape == (2, 3, 8) and o.dtype is torch.bfloat16 and lse.dtype is torch.float32
+    assert o.untyped_storage().data_ptr() == flat_o.untyped_storage().data_ptr()
+    o32, _ = launchers.partial_views((2, 3), 8, flat_o.device, flat_o, flat_lse)
+    assert o32.dtype is torch.float32 and o32.data_ptr() == flat_o.data_ptr()
+    # A buffer too small for the fp32 count gets fresh buffers, in the dtype asked for.
+    o, _ = launchers.partial_views((4, 4), 8, flat_o.device, flat_o, flat_lse, torch.float16)
+    assert o.dtype is torch.float16 and o.untyped_storage().data_ptr() != \
+        flat_o.untyped_storage().data_ptr()
+
+
 def test_split_cap_gives_a_lone_request_the_whole_gpu(monkeypatch):
     """One request (few rows) may take up to DOT_MAX_SPLITS splits of the tl.dot kernel,
     within what the partial buffers hold; many rows keep MAX_SPLITS; the sm90 kernels keep

@@ -151,9 +151,11 @@ def test_tail_units(topk, heads, steps, block_n, want):
     assert worklist.tail_units(topk, heads, steps, block_n) == want
 
 
+# The partials: fp32, or the query's dtype as ``gluon-wl`` writes them.
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sms", [None, 132])  # one column chunk; 2 chunks of 32 (an H200)
 @pytest.mark.parametrize("programs", [9, 20])  # at most 4 slots per request (a load each),
-def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4)
+def test_merge_segments_kernel(monkeypatch, programs, sms, part_dtype):  # and 9 (loads of 4)
     monkeypatch.setattr(worklist, "sm_count", lambda device: sms)
     gen = torch.Generator().manual_seed(programs)
     lens, tail, block_n, topk, heads, d = [500, 3, 260, 0, 90], 1, 16, 2, 3, 64
@@ -161,7 +163,7 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4
     bs, rows = len(lens), worklist.partial_rows(topk, heads)
     work = torch.tensor([plan.chunk] + plan.first_request + plan.unit_starts,
                         dtype=torch.int32, device=DEV)
-    mid_o = torch.full((programs + bs, rows, d), float("nan"), device=DEV)
+    mid_o = torch.full((programs + bs, rows, d), float("nan"), dtype=part_dtype, device=DEV)
     mid_lse = torch.full((programs + bs, rows), float("nan"), device=DEV)
     out = torch.full((bs * topk, heads, d), float("nan"), dtype=torch.bfloat16, device=DEV)
     want = torch.full(out.shape, float("nan"), dtype=torch.float64)
@@ -172,8 +174,9 @@ def test_merge_segments_kernel(monkeypatch, programs, sms):  # and 9 (loads of 4
         o = torch.randn(len(slots), topk * heads, d, generator=gen, dtype=torch.float64)
         lse = 5 * torch.randn(len(slots), topk * heads, generator=gen, dtype=torch.float64)
         lse[0, 0] = float("-inf")  # a segment that saw no key for this row
-        mid_o[slots, :topk * heads] = o.float().to(DEV)
+        mid_o[slots, :topk * heads] = o.to(part_dtype).to(DEV)
         mid_lse[slots, :topk * heads] = lse.float().to(DEV)
+        o = o.to(part_dtype).double()  # the partials as stored
         w = torch.softmax(lse, 0)
         want[b * topk:(b + 1) * topk] = (w[..., None] * o).sum(0).view(topk, heads, d)
     worklist.merge(mid_o, mid_lse, out, work, programs, topk)

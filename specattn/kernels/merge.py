@@ -88,7 +88,8 @@ def fold_state(m, den, acc, lse, o):
 @triton.jit
 def merge_parts(o_row, lse_row, stride_o_part, stride_lse_part, n_parts, offs_d, d_ok,
                 BLOCK_P: tl.constexpr):
-    """Fold the ``n_parts`` partials of one row: ``o_row`` / ``lse_row`` point at part 0's
+    """Fold the ``n_parts`` partials of one row (fp32, bf16 or fp16 outputs, fp32 LSEs;
+    summed in fp32): ``o_row`` / ``lse_row`` point at part 0's
     output row and LSE, the parts ``stride_o_part`` / ``stride_lse_part`` apart; returns
     ``(acc [BLOCK_D], den)`` with ``acc / den`` the merged columns ``offs_d`` (``den`` is 0
     when every part is empty: ``-inf`` LSEs)."""
@@ -101,7 +102,7 @@ def merge_parts(o_row, lse_row, stride_o_part, stride_lse_part, n_parts, offs_d,
         ok = p < n_parts
         lse = tl.load(lse_row + p.to(tl.int64) * stride_lse_part, mask=ok, other=float("-inf"))
         o = tl.load(o_row + p.to(tl.int64)[:, None] * stride_o_part + offs_d[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, 0))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp(lse - shift)

@@ -55,6 +55,10 @@ COPY4_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 FP8_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
 FP8_COLS = gl.constexpr(256)
 PRODUCER_REGS = gl.constexpr(96)
+# Half-width partials (``gluon-wl``) are stored from this layout, 16 bytes a thread along a
+# row: stored from O_LAYOUT (4 bytes a thread, 16 a row per quad) they made the step 7-17%
+# slower than fp32 ones, through it 3-9% faster (docs/kernels.md).
+HALF_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 
 
 @gluon.constexpr_function
@@ -356,8 +360,9 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
                   split, col0, H: gl.constexpr, DIRECT_OUT: gl.constexpr,
                   WRITE_LSE: gl.constexpr, row_layout: gl.constexpr):
     """Normalise ``acc`` (the output columns ``[col0, col0 + acc.shape[1])``) by the row sums
-    ``l_i``: one split writes ``Out``, several write fp32 partials ``MidO`` and (``WRITE_LSE``)
-    the natural-log LSE from ``m_i`` / ``l_i`` (both in ``row_layout``)."""
+    ``l_i``: one split writes ``Out``, several write partials ``MidO`` (fp32, or the
+    query's dtype through ``HALF_STORE_LAYOUT``) and (``WRITE_LSE``) the natural-log LSE
+    from ``m_i`` / ``l_i`` (both in ``row_layout``)."""
     o_layout: gl.constexpr = acc.type.layout
     offs_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_oc = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
@@ -370,9 +375,19 @@ def _store_result(acc, l_i, m_i, Out, MidO, MidLse, stride_ot, stride_oh, stride
         ptr = Out + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh + offs_oc[None, :]
         gl.store(ptr, o.to(Out.dtype.element_ty), mask=o_ok[:, None])
     else:
-        ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
-            split * stride_mo_s + offs_oc[None, :]
-        gl.store(ptr, o, mask=o_ok[:, None])
+        if MidO.dtype.element_ty == gl.float32:
+            ptr = MidO + o_row[:, None] * stride_mo_t + o_head[:, None] * stride_mo_h + \
+                split * stride_mo_s + offs_oc[None, :]
+            gl.store(ptr, o, mask=o_ok[:, None])
+        else:  # half-width partials, through HALF_STORE_LAYOUT
+            st: gl.constexpr = HALF_STORE_LAYOUT
+            o_h = gl.convert_layout(o.to(MidO.dtype.element_ty), st)
+            h_om = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+            h_oc = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, st))
+            h_row = (q_start + h_om // H).to(gl.int64)
+            ptr = MidO + h_row[:, None] * stride_mo_t + (h_om % H)[:, None] * stride_mo_h + \
+                split * stride_mo_s + h_oc[None, :]
+            gl.store(ptr, o_h, mask=(h_om < n_rows)[:, None])
         if WRITE_LSE:
             offs_sm = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
             seen = l_i > 0.0

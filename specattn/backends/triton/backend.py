@@ -271,7 +271,8 @@ class TritonDecode(_TritonCommon, KeptDecodeCalls, name="triton", **_DECL):
         shape, kernel_plan = plan["shape"], plan["plan"]
         if kernel_plan.kernel is P.Kernel.GLUON_WL:
             mid_o, mid_lse = L.partial_views((plan["wl_slots"], plan["wl_rows"]), shape.d_v,
-                                             q.device, bufs.mid_o, bufs.mid_lse)
+                                             q.device, bufs.mid_o, bufs.mid_lse,
+                                             L.partial_dtype(kernel_plan, q.dtype))
         else:
             mid_o, mid_lse = L.partial_views((lanes, shape.num_q_heads, plan["parts"]),
                                              shape.d_v, q.device, bufs.mid_o, bufs.mid_lse)

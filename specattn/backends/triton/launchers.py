@@ -181,9 +181,20 @@ def extend_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     return launch
 
 
+def partial_dtype(plan: Plan, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a call's normalised partial outputs: the query's (bf16 / fp16) where the
+    plan is ``gluon-wl``, whose programs write 64 rows x 512 columns each (at one request
+    as many bytes as half the prefix it reads) and store them through a blocked layout;
+    fp32 elsewhere. LSEs stay fp32 and the merges sum in fp32."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return dtype if half and plan.kernel is Kernel.GLUON_WL else torch.float32
+
+
 def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
-                  flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor]):
-    """fp32 partials ``(lse_shape + (d_v,), lse_shape)``: views of ``flat_o`` / ``flat_lse``
+                  flat_o: Optional[torch.Tensor], flat_lse: Optional[torch.Tensor],
+                  dtype: torch.dtype = torch.float32):
+    """Partials ``(lse_shape + (d_v,)`` in ``dtype`` (fp32, bf16 or fp16), ``lse_shape``
+    fp32): views of ``flat_o`` (fp32; a 2-byte ``dtype`` views its bytes) / ``flat_lse``
     (fixed CUDA-graph buffers) when they are large enough, else fresh buffers.
     ``lse_shape``: ``(rows, H_q, parts)``; ``gluon-wl``: ``(slots, rows)``."""
     n_l = math.prod(lse_shape)
@@ -191,7 +202,8 @@ def partial_views(lse_shape: tuple, d_v: int, device: torch.device,
     if flat_o is None or flat_o.numel() < n_o or flat_lse.numel() < n_l:
         flat_o = torch.empty(n_o, dtype=torch.float32, device=device)
         flat_lse = torch.empty(n_l, dtype=torch.float32, device=device)
-    return flat_o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
+    o = flat_o if dtype == torch.float32 else flat_o.view(dtype)
+    return o[:n_o].view(*lse_shape, d_v), flat_lse[:n_l].view(*lse_shape)
 
 
 def tail_stores_kv(kb: torch.Tensor, vb: torch.Tensor, new_kv: tuple, programs: int,

@@ -5,8 +5,9 @@ history at the round's last step); ``chunk`` is the smallest tile count with
 ``sum_b ceil(units_b / chunk) <= P`` (``P``: programs per row tile, at least ``B``). Laid end
 to end, request ``b`` starts at unit ``U[b]`` (a multiple of ``chunk``) and program ``p``
 takes units ``[p * chunk, (p + 1) * chunk)``: one segment of one request. A request with one
-program is written directly; the others write an fp32 partial and natural-log LSE into slot
-``p + b``, merged by ``merge_segments_kernel`` (no launch at ``P == B``).
+program is written directly; the others write a partial (in the query's dtype:
+``launchers.partial_dtype``) and an fp32 natural-log LSE into slot ``p + b``, merged in fp32
+by ``merge_segments_kernel`` (no launch at ``P == B``).
 
 ``Work`` (int32, ``work_numel(P, B)``): ``[chunk, first request of each program (B: none),
 U[0], ..., U[B]]``, written on the device once per round (graph-safe) by ``write_work``: in
@@ -180,7 +181,8 @@ def merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, work: t
           programs: int, topk: int, pdl: bool = False) -> None:
     """Merge the partials of every request with several segments into ``out [B*K, H, D]``
     (no launch when ``programs`` is the batch: one program, a direct write, per request).
-    mid_o: ``[slots, partial_rows, D]`` fp32; mid_lse: ``[slots, partial_rows]`` fp32.
+    mid_o: ``[slots, partial_rows, D]`` (fp32, bf16 or fp16); mid_lse: ``[slots,
+    partial_rows]`` fp32.
     ``pdl``: a programmatic dependent launch (sm90+) after the kernel that wrote them."""
     if programs > out.shape[0] // topk:
         _merge_launch(mid_o, mid_lse, out, work, programs, topk, pdl)
