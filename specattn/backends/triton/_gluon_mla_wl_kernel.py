@@ -28,10 +28,11 @@ def _gluon_mla_wl_kernel(
         STORE_FP8: gl.constexpr = False, W_QUANT: gl.constexpr = 0, E5M2: gl.constexpr = False,
         SATURATE: gl.constexpr = True, SIGNED_NAN: gl.constexpr = True):
     """Grid ``(row_tiles, P)``, 8 warps and a producer warpgroup (``_ws_attend``). ``Work``:
-    ``worklist``'s table; MidO ``[slots, rows, 512]`` / MidLse ``[slots, rows]`` fp32 (slot
-    ``p + b``, request-relative rows ``lane * H + head``); the other tensors, ``FP8`` and
-    ``Q_F16`` as in ``_gluon_mla_kernel``; ``PDL`` / ``STORE_FP8`` as there (the merge: the
-    segment merge; the programs whose segment holds tail tiles store the codes)."""
+    ``worklist``'s table; MidO ``[slots, rows, 512]`` (fp32 or the query's dtype) / MidLse
+    ``[slots, rows]`` fp32 (slot ``p + b``, request-relative rows ``lane * H + head``); the
+    other tensors, ``FP8`` and ``Q_F16`` as in ``_gluon_mla_kernel``; ``PDL`` /
+    ``STORE_FP8`` as there (the merge: the segment merge; the programs whose segment holds
+    tail tiles store the codes)."""
     dtype: gl.constexpr = gl.float16 if Q_F16 else Q.dtype.element_ty
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)

@@ -64,8 +64,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, k_new: torch.Tensor, out: torch
     Split: one split writes ``out``, several the fp32 partials ``mid_o [B*K, H, >= splits,
     512]`` / ``mid_lse [B*K, H, >= splits]``. Work list (``worklist``'s table for
     ``num_splits`` programs per row tile): requests with one program write ``out``, the
-    others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]`` /
-    ``mid_lse [slots, partial_rows]``.
+    others partial slots ``mid_o [>= programs + B, worklist.partial_rows(topk, H), 512]``
+    (fp32, or the query's dtype: ``launchers.partial_dtype``) / ``mid_lse [slots,
+    partial_rows]`` fp32.
     FP8 pool (``kv`` of ``FP8_POOLS``): ``k_scale`` is a one-element float32 tensor (a key is
     ``code * k_scale[0]``); with ``write`` (``kv_write.fp8_write``'s answer) the kernel
     stores torch's codes of ``k_new`` itself, from the programs whose tails read them, else
