@@ -7,7 +7,8 @@ Checked: the tiles ``merge_tiles`` picks give one-warp programs that fold their 
 single block barrier (a reduction across warps takes shared memory and about a dozen) and no
 spills, and the MLA rows of a program a row keep four warps; the work list's segment merge
 (``worklist.segment_tiles``) builds one-warp programs without spills at the MLA serving
-shapes, over the bf16 partials ``gluon-wl`` writes. The timings: ``docs/kernels.md`` (one-warp merge programs).
+shapes, over the bf16 partials ``gluon-wl`` writes. The timings: ``docs/kernels.md``
+(one-warp merge programs).
 """
 
 from __future__ import annotations
